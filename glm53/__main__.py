@@ -1,0 +1,53 @@
+"""Command line: `python -m glm53 demo` (more subcommands come with the training features)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from . import Glm53Config, Glm53ForCausalLM
+from .data import VOCAB_SIZE, batches, corpus_text, encode
+
+
+def demo(args: argparse.Namespace) -> int:
+    """Build the tiny preset, run a forward and a few AdamW steps on the built-in corpus, print the loss."""
+    torch.manual_seed(args.seed)
+    config = Glm53Config.tiny(vocab_size=VOCAB_SIZE)
+    model = Glm53ForCausalLM(config)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"glm53 demo: tiny preset, {config.num_hidden_layers} layers ({config.layer_types.count('linear_attention')}"
+          f" KDA + {len(config.attention_layers)} MLA), {params:,} parameters")  # fmt: skip
+    tokens = encode(corpus_text())
+    data = batches(tokens, args.batch_size, args.seq_len, torch.Generator().manual_seed(args.seed))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    start = time.perf_counter()
+    for step in range(1, args.steps + 1):
+        ids = next(data)
+        loss = model(ids, labels=ids).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        rate = step * ids.numel() / (time.perf_counter() - start)
+        print(f"step {step:3d}  loss {loss.item():.4f}  {rate:,.0f} tok/s")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m glm53")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("demo", help="forward + a few optimizer steps of the tiny preset on the built-in corpus")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.set_defaults(func=demo)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

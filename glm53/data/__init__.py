@@ -1,0 +1,31 @@
+"""A small built-in corpus, tokenised as bytes (no tokenizer download): token = byte value + BYTE_OFFSET."""
+
+from __future__ import annotations
+
+from importlib import resources
+
+import torch
+
+BYTE_OFFSET = 1  # token 0 is padding
+VOCAB_SIZE = 256 + BYTE_OFFSET
+
+
+def corpus_text() -> str:
+    return resources.files(__package__).joinpath("corpus.txt").read_text(encoding="utf-8")
+
+
+def encode(text: str) -> torch.Tensor:
+    return torch.tensor(list(text.encode("utf-8")), dtype=torch.long) + BYTE_OFFSET
+
+
+def decode(tokens: torch.Tensor) -> str:
+    data = bytes(int(t) - BYTE_OFFSET for t in tokens.tolist() if int(t) >= BYTE_OFFSET)
+    return data.decode("utf-8", errors="replace")
+
+
+def batches(tokens: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator):
+    """Endless random windows [batch_size, seq_len] from the token stream."""
+    high = tokens.numel() - seq_len
+    while True:
+        starts = torch.randint(0, high, (batch_size,), generator=generator)
+        yield torch.stack([tokens[s : s + seq_len] for s in starts.tolist()])

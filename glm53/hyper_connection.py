@@ -1,0 +1,74 @@
+"""Manifold-constrained hyper-connections (mHC): N residual streams mixed around each attention/MLP block.
+
+Legend: B batch, T time, N streams (hc_mult), D model width.
+At each site the N streams [B, T, N, D] are flattened, RMS-normalised without weight and projected (fp32) to
+pre (N), post (N) and comb (N x N):
+    pre  = sigmoid(scale_0 * pre_logits + base_pre) + eps            (collapses the streams into the block input)
+    post = 2 * sigmoid(scale_1 * post_logits + base_post)            (spreads the block output over the streams)
+    comb = sinkhorn(softmax(scale_2 * comb_logits + base_comb) + eps) (mixes the residual streams)
+and the site computes  out_i = post_i * block(sum_j pre_j x_j) + sum_j comb_ji x_j
+(transformers' Glm5NextTextHyperConnection and decoder layer).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from einops import rearrange
+
+from .config import Glm53Config
+from .kernels import kernel
+from .norm import rms_normalize
+
+FN_INIT_STD = 0.02  # transformers initialises `fn` with std 0.02 regardless of initializer_range
+
+
+class HyperConnection(nn.Module):
+    def __init__(self, config: Glm53Config) -> None:
+        super().__init__()
+        self.n = config.hc_mult
+        self.eps = config.hc_eps
+        self.norm_eps = config.rms_norm_eps  # the input norm uses the model's RMS eps, not hc_eps
+        self.sinkhorn_iters = config.hc_sinkhorn_iters
+        width = (2 + self.n) * self.n
+        self.fn = nn.Parameter(torch.empty(width, self.n * config.hidden_size))  # [(2+N)N, N*D]
+        self.base = nn.Parameter(torch.empty(width))
+        self.scale = nn.Parameter(torch.empty(3))
+
+    def coefficients(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """streams [B, T, N, D] -> pre [B, T, N], post [B, T, N], comb [B, T, N, N], all fp32."""
+        n = self.n
+        flat = rms_normalize(rearrange(streams, "b t n d -> b t (n d)"), self.norm_eps)
+        mixed = F.linear(flat, self.fn.float())
+        pre_w, post_w, comb_w = mixed.split([n, n, n * n], dim=-1)
+        pre_b, post_b, comb_b = self.base.float().split([n, n, n * n])
+        scale = self.scale.float()
+        pre = torch.sigmoid(pre_w * scale[0] + pre_b) + self.eps
+        post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
+        comb_logits = (comb_w * scale[2] + comb_b).view(*comb_w.shape[:-1], n, n)
+        comb = kernel("sinkhorn")(torch.softmax(comb_logits, dim=-1) + self.eps, self.sinkhorn_iters, self.eps)
+        return pre, post, comb
+
+    def forward(self, streams: torch.Tensor, block) -> torch.Tensor:
+        """Run `block` ([B, T, D] -> [B, T, D]) at this site: [B, T, N, D] -> [B, T, N, D]."""
+        pre, post, comb = self.coefficients(streams)
+        collapsed = torch.einsum("btn,btnd->btd", pre, streams.float()).to(streams.dtype)
+        out = block(collapsed)
+        mixed = torch.einsum("btji,btjd->btid", comb.to(streams.dtype), streams)
+        return post.to(streams.dtype)[..., None] * out[:, :, None, :] + mixed
+
+    def init_weights(self) -> None:
+        nn.init.normal_(self.fn, std=FN_INIT_STD)
+        nn.init.zeros_(self.base)
+        nn.init.ones_(self.scale)
+
+
+def expand_streams(x: torch.Tensor, n: int) -> torch.Tensor:
+    """[B, T, D] -> [B, T, N, D]: the embedding copied to every stream."""
+    return x[:, :, None, :].expand(-1, -1, n, -1).contiguous()
+
+
+def collapse_streams(streams: torch.Tensor) -> torch.Tensor:
+    """[B, T, N, D] -> [B, T, D]: the unweighted mean GLM-5.3 ends with (DeepSeek-V4 weighs it; GLM does not)."""
+    return streams.mean(dim=2)

@@ -1,0 +1,10 @@
+"""Numerics-critical ops, each with a slow obviously-correct reference beside its fast version.
+
+`kernel(op)` returns the implementation in use (see `dispatch.py`); every module calls ops through it, so a test
+can force the reference with `use_backend("reference")`.
+"""
+
+from . import conv, kda, moe, sinkhorn, sparse_attention  # noqa: F401  (registers the implementations)
+from .dispatch import backends, chosen_backend, kernel, set_backend, use_backend
+
+__all__ = ["backends", "chosen_backend", "kernel", "set_backend", "use_backend"]
