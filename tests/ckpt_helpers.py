@@ -132,16 +132,21 @@ def fp8_config_dict(config: Glm53Config, block=BLOCK) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def fp8_source(mtp_indexer: bool = True) -> tuple[str, dict[str, torch.Tensor]]:
-    """(directory of the sharded FP8 checkpoint, the unquantised official state it was made from)."""
+def _official_state() -> dict[str, torch.Tensor]:
+    """A random tiny model's official state (written and read back) plus a real transformers vision tower."""
     config = tiny_config()
     hf = hf_model(config, seed=3)  # only for real vision-tower tensors
     vision = {k: v.detach().clone() for k, v in hf.state_dict().items() if k.startswith("model.visual.")}
-    model = random_model(config)
     base = os.path.join(_TMP, "fp32")
-    if not os.path.isdir(base):
-        model.save_pretrained(base)
-    state = {**read_all(base), **vision}
+    random_model(config).save_pretrained(base)
+    return {**read_all(base), **vision}
+
+
+@functools.lru_cache(maxsize=None)
+def fp8_source(mtp_indexer: bool = True) -> tuple[str, dict[str, torch.Tensor]]:
+    """(directory of the sharded FP8 checkpoint, the unquantised official state it was made from)."""
+    config = tiny_config()
+    state = dict(_official_state())
     state.update(mtp_tensors(state, config, with_indexer=mtp_indexer))
     path = os.path.join(_TMP, f"fp8-mtp-indexer-{mtp_indexer}")
     write_checkpoint(path, quantize_state(state), fp8_config_dict(config))

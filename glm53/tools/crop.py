@@ -187,8 +187,9 @@ def _human(nbytes: int) -> str:
     raise AssertionError
 
 
-def print_plan(plan: Plan, dtype: torch.dtype, out=sys.stdout) -> None:
+def print_plan(plan: Plan, dtype: torch.dtype, out=None) -> None:
     """--dry-run: the selected tensors, the source shards read and the output size."""
+    out = out or sys.stdout
     for e in plan.entries:
         kind = f"{e.src_dtype} -> {str(dtype).replace('torch.', '')}" if e.dequantize else e.src_dtype
         rename = f" -> {e.dst}" if e.dst != e.src else ""
@@ -201,8 +202,12 @@ def print_plan(plan: Plan, dtype: torch.dtype, out=sys.stdout) -> None:
 
 def crop(src: str | os.PathLike, dst: str | os.PathLike, num_layers: int, *, dtype: torch.dtype = torch.bfloat16,
          max_shard_size: int | str = "5GB", overwrite: bool = False, dry_run: bool = False,
-         log=sys.stderr) -> Plan:  # fmt: skip
-    """Crop SRC to its first `num_layers` layers into DST (see the module docstring) -> the plan carried out."""
+         log=None) -> Plan:  # fmt: skip
+    """Crop SRC to its first `num_layers` layers into DST (see the module docstring) -> the plan carried out.
+
+    Progress goes to `log` (stderr by default); `dry_run` prints the plan to stdout and writes nothing.
+    """
+    log = log or sys.stderr
     src, dst = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))
     if not os.path.isdir(src):
         raise CropError(f"source checkpoint directory {src} does not exist")
