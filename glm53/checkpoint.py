@@ -8,6 +8,11 @@ the on-disk names except:
                                                               mlp.experts.down_proj [E, D, I]
 Loading reads tensors lazily with safetensors' safe_open (never pickle), checks every key and shape before
 reading any data, and rejects non-finite tensors, so a bad checkpoint raises before a model is returned.
+FP8 weights (float8_e4m3fn with a `<name>_scale_inv` companion, glm53.fp8) are dequantised as they are read,
+with `quantization_config.weight_block_size` (default 128 x 128); the non-finite check sees the dequantised
+values. `save_checkpoint` writes the same layout atomically (glm53.shards). transformers' in-memory names
+differ once more (KDA `forget_gate.*`, one concatenated `conv1d`): `to_transformers_state_dict`,
+`from_transformers_state_dict` and `from_transformers` convert in memory.
 """
 
 from __future__ import annotations
@@ -329,8 +334,9 @@ def save_checkpoint(model: torch.nn.Module, path: str | os.PathLike, *, max_shar
 
 
 # transformers' in-memory names (conversion_mapping.py "glm5_next") differ from glm53's in two places.
-_HF_GATE = re.compile(r"^(layers\.\d+\.self_attn\.)(f_a_proj\.weight|f_b_proj\.weight|dt_bias|A_log)$")
-_HF_GATE_BACK = re.compile(r"^(layers\.\d+\.self_attn\.)forget_gate\.(f_a_proj\.weight|f_b_proj\.weight|dt_bias|A_log)$")
+_GATE_PARTS = r"(f_a_proj\.weight|f_b_proj\.weight|dt_bias|A_log)"
+_HF_GATE = re.compile(r"^(layers\.\d+\.self_attn\.)" + _GATE_PARTS + "$")
+_HF_GATE_BACK = re.compile(r"^(layers\.\d+\.self_attn\.)forget_gate\." + _GATE_PARTS + "$")
 _CONV = re.compile(r"^(layers\.\d+\.self_attn\.)([qkv])_conv1d\.weight$")
 _HF_CONV = re.compile(r"^(layers\.\d+\.self_attn\.)conv1d\.weight$")
 

@@ -96,12 +96,12 @@ def quantize(weight: torch.Tensor, block_size: tuple[int, int] = DEFAULT_BLOCK_S
     if weight.dim() != 2:
         raise ValueError(f"quantize expects a 2-D weight, got shape {tuple(weight.shape)}")
     bo, bi = block_size
-    O, I = weight.shape
-    go, gi = scale_shape((O, I), block_size)
+    rows, cols = weight.shape
+    go, gi = scale_shape((rows, cols), block_size)
     padded = torch.zeros(go * bo, gi * bi, dtype=torch.float32)
-    padded[:O, :I] = weight.float()
+    padded[:rows, :cols] = weight.float()
     blocks = padded.view(go, bo, gi, bi)
     amax = blocks.abs().amax(dim=(1, 3))  # [go, gi]
     scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (weight.float() / _expand(scale_inv, (O, I), block_size)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    q = (weight.float() / _expand(scale_inv, (rows, cols), block_size)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale_inv

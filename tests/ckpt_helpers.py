@@ -126,7 +126,8 @@ def write_checkpoint(path: str, state: dict[str, torch.Tensor], config: dict, sh
 def fp8_config_dict(config: Glm53Config, block=BLOCK) -> dict:
     d = config.to_official_dict()
     d["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                "weight_block_size": list(block), "modules_to_not_convert": list(NOT_CONVERTED)}  # fmt: skip
+                                "weight_block_size": list(block),
+                                "modules_to_not_convert": list(NOT_CONVERTED)}  # fmt: skip
     d["dtype"] = "bfloat16"
     return d
 

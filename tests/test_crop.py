@@ -72,6 +72,19 @@ def test_crop_fp8_to_three_layers(tmp_path, monkeypatch):
         assert torch.equal(tensor, direct[name]), name
 
 
+def test_dtype_option_chooses_the_dequantised_dtype(tmp_path):
+    src, _ = fp8_source()
+    args = ["--num-layers", "1", "--dtype", "float16", "--max-shard-size", "1MB"]
+    assert main([src, str(tmp_path / "fp16"), *args]) == 0
+    stored, out = read_all(src), read_all(tmp_path / "fp16")
+    key = f"{TEXT}layers.0.self_attn.q_proj.weight"  # [16, 36]: the last column block is partial (4 of 8)
+    assert out[key].dtype == torch.float16
+    want = fp8.dequantize_reference(stored[key], stored[key + "_scale_inv"], BLOCK, torch.float16)
+    assert torch.equal(out[key], want)
+    assert out[f"{TEXT}layers.0.hc_attn_fn"].dtype == torch.float32  # no scale: as stored
+    assert sorted(os.listdir(tmp_path / "fp16")) == ["config.json", "model.safetensors"]
+
+
 def test_bf16_checkpoint_passes_through_bit_exact(tmp_path):
     model = random_model(tiny_config())
     model.save_pretrained(tmp_path / "bf16", dtype=torch.bfloat16)

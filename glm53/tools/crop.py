@@ -32,9 +32,9 @@ from ..shards import INDEX_FILE, ShardedWriter, atomic_directory, write_json
 # A decoder-layer key of the text model (nested `model.language_model.` or flat `model.` prefix).
 _TEXT_LAYER = re.compile(r"^(model\.language_model\.|model\.)layers\.(\d+)\.(.*)$")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-_DTYPE_NAMES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-                "F8_E4M3": torch.float8_e4m3fn, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
-                "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}  # fmt: skip
+# Bytes per element of each safetensors dtype string (for sizes computed from headers alone).
+_ITEM_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+               "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}  # fmt: skip
 
 
 class CropError(ValueError):
@@ -55,8 +55,11 @@ class Entry:
         numel = 1
         for s in self.shape:
             numel *= s
-        size = torch.empty((), dtype=dtype if self.dequantize else _DTYPE_NAMES[self.src_dtype]).element_size()
-        return numel * size
+        if self.dequantize:
+            return numel * torch.empty((), dtype=dtype).element_size()
+        if self.src_dtype not in _ITEM_BYTES:
+            raise CropError(f"tensor {self.src!r} has a dtype this tool does not know: {self.src_dtype}")
+        return numel * _ITEM_BYTES[self.src_dtype]
 
 
 @dataclass
@@ -108,23 +111,20 @@ def _check_layers(n: int, total: int) -> None:
 
 
 def _check_shared_indexers(source: Glm53Config, n: int, mtp_keys: list[str]) -> None:
-    """A kept 'shared' indexer layer must keep the 'full' layer whose top-k it reuses (glm53's semantics)."""
-    last_full = None
-    for i in range(source.num_hidden_layers):
-        if source.layer_types[i] != INDEXED_ATTENTION:
-            continue
-        if source.indexer_types[i] == "full":
-            last_full = i
-        elif i < n and (last_full is None or last_full >= n):
-            raise CropError(f"layer {i} has a shared indexer whose full layer ({last_full}) is cropped away")
-    # The MTP layer is an attention layer; without indexer weights it reuses the main model's last full top-k.
+    """The MTP layer must keep the 'full' indexer layer whose top-k it reuses.
+
+    Main layers cannot lose theirs: a kept 'shared' layer's full layer comes earlier (Glm53Config validates
+    that), so a prefix keeps it. The MTP layer is an attention layer stored after the main layers; without
+    indexer weights of its own it reuses the top-k of the main model's last 'full' layer, which may be cropped.
+    """
+    fulls = [i for i in source.attention_layers if source.indexer_types[i] == "full"]
     has_attention = any(".self_attn." in k for k in mtp_keys)
     has_indexer = any(".self_attn.indexer." in k for k in mtp_keys)
-    if has_attention and not has_indexer and last_full is not None and last_full >= n:
+    if has_attention and not has_indexer and fulls and fulls[-1] >= n:
         raise CropError(
             f"the MTP layer (layers.{source.num_hidden_layers}) has a shared indexer: it reuses the top-k of "
-            f"layer {last_full}, the last 'full' indexer layer, which --num-layers {n} crops away; keep at least "
-            f"{last_full + 1} layers"
+            f"layer {fulls[-1]}, the last 'full' indexer layer, which --num-layers {n} crops away; keep at least "
+            f"{fulls[-1] + 1} layers"
         )
 
 
@@ -173,18 +173,20 @@ def plan_crop(src: str, n: int, dtype: torch.dtype = torch.bfloat16) -> Plan:
                       files[key + fp8.SCALE_SUFFIX] if dequantize else None)
         plan.entries.append(entry)
         plan.out_bytes += entry.out_bytes(dtype)
-        if file not in plan.shards:
-            plan.shards.append(file)
+        for needed in (file, entry.scale_file):
+            if needed is not None and needed not in plan.shards:
+                plan.shards.append(needed)
     _check_shared_indexers(source, n, mtp_keys)
     return plan
 
 
-def _human(nbytes: int) -> str:
+def _human(nbytes: float) -> str:
+    unit = "B"
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if nbytes < 1000 or unit == "TB":
-            return f"{nbytes:.1f} {unit}" if unit != "B" else f"{nbytes} B"
+            break
         nbytes /= 1000
-    raise AssertionError
+    return f"{nbytes} B" if unit == "B" else f"{nbytes:.1f} {unit}"
 
 
 def print_plan(plan: Plan, dtype: torch.dtype, out=None) -> None:
@@ -223,7 +225,7 @@ def crop(src: str | os.PathLike, dst: str | os.PathLike, num_layers: int, *, dty
         writer = ShardedWriter(tmp, max_shard_size)
         handles, done = {}, 0
         for i, file in enumerate(plan.shards):
-            entries = [e for e in plan.entries if e.file == file]
+            entries = [e for e in plan.entries if e.file == file]  # (a shard may hold only scales)
             print(f"[{i + 1}/{len(plan.shards)}] {os.path.basename(file)}: {len(entries)} tensors "
                   f"({_human(done)} of {_human(plan.out_bytes)} written)", file=log, flush=True)  # fmt: skip
             for e in entries:
