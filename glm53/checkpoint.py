@@ -306,10 +306,11 @@ def save_checkpoint(model: torch.nn.Module, path: str | os.PathLike, *, max_shar
     recorded and any `quantization_config` dropped (weights are written dequantised). `dtype` casts floating
     tensors except those transformers keeps in fp32 (FP32_SUFFIXES); None keeps each tensor's dtype. Shards
     are at most `max_shard_size` ("5GB", "200MB" or bytes), with an index when there is more than one. The
-    write is atomic (glm53.shards.atomic_directory): an existing `path` raises unless `overwrite`.
+    write is atomic (glm53.shards.atomic_directory): an existing `path` raises unless `overwrite`, which
+    replaces the checkpoint but keeps the directory's other files (tokenizer...) as transformers does.
     """
     from .model import keeps_fp32
-    from .shards import ShardedWriter, atomic_directory, write_json
+    from .shards import ShardedWriter, atomic_directory, copy_side_files, write_json
 
     stored = dtype or model.model.embed_tokens.weight.dtype
     config = model.config.to_official_dict()
@@ -330,6 +331,8 @@ def save_checkpoint(model: torch.nn.Module, path: str | os.PathLike, *, max_shar
                     writer.add(key, part)
         writer.finish()
         write_json(os.path.join(tmp, "config.json"), config)
+        if os.path.isdir(path):
+            copy_side_files(os.fspath(path), tmp)
     return os.path.abspath(os.fspath(path))
 
 

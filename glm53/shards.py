@@ -131,6 +131,19 @@ class ShardedWriter:
         return weight_map
 
 
+def copy_side_files(src: str, dst: str) -> list[str]:
+    """Copy SRC's top-level files that are not weights or config.json (tokenizer, generation config...) into
+    DST, skipping names DST already has -> the names copied."""
+    copied = []
+    for name in sorted(os.listdir(src)):
+        path = os.path.join(src, name)
+        skip = name in ("config.json", INDEX_FILE) or name.endswith(".safetensors") or not os.path.isfile(path)
+        if not skip and not os.path.lexists(os.path.join(dst, name)):
+            shutil.copy2(path, os.path.join(dst, name))
+            copied.append(name)
+    return copied
+
+
 def write_json(path: str, data: dict) -> None:
     with open(path, "w") as f:
         json.dump(data, f, indent=2, sort_keys=False)

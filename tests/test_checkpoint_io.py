@@ -143,9 +143,12 @@ def test_interrupted_write_leaves_no_target(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert os.listdir(tmp_path) == ["ckpt"]  # the old checkpoint, untouched
     assert torch.equal(Glm53ForCausalLM.from_pretrained(tmp_path / "ckpt").lm_head.weight, model.lm_head.weight)
-    other.save_pretrained(tmp_path / "ckpt", overwrite=True)
+    (tmp_path / "ckpt" / "tokenizer.json").write_text("{}")
+    other.save_pretrained(tmp_path / "ckpt", overwrite=True, max_shard_size="20KB")
     assert torch.equal(Glm53ForCausalLM.from_pretrained(tmp_path / "ckpt").lm_head.weight, other.lm_head.weight)
     assert os.listdir(tmp_path) == ["ckpt"]
+    names = os.listdir(tmp_path / "ckpt")
+    assert "tokenizer.json" in names and "model.safetensors" not in names  # side files kept, old weights gone
 
 
 def test_mtp_module_is_written_under_layer_n(tmp_path):

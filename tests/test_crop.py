@@ -88,9 +88,11 @@ def test_dtype_option_chooses_the_dequantised_dtype(tmp_path):
 def test_bf16_checkpoint_passes_through_bit_exact(tmp_path):
     model = random_model(tiny_config())
     model.save_pretrained(tmp_path / "bf16", dtype=torch.bfloat16)
+    (tmp_path / "bf16" / "tokenizer.json").write_text('{"v": 1}')
     crop(tmp_path / "bf16", tmp_path / "two", 2, dtype=torch.float32, log=io.StringIO())
     stored, out = read_all(tmp_path / "bf16"), read_all(tmp_path / "two")
-    assert sorted(os.listdir(tmp_path / "two")) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(tmp_path / "two")) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert (tmp_path / "two" / "tokenizer.json").read_text() == '{"v": 1}'
     assert set(out) == {k for k in stored if not k.startswith((f"{TEXT}layers.2.", f"{TEXT}layers.3."))}
     for key, tensor in out.items():
         assert tensor.dtype == stored[key].dtype and torch.equal(tensor, stored[key]), key

@@ -16,7 +16,6 @@ import copy
 import json
 import os
 import re
-import shutil
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +26,7 @@ from safetensors import safe_open
 from .. import fp8
 from ..checkpoint import checkpoint_files
 from ..config import INDEXED_ATTENTION, LINEAR_ATTENTION, Glm53Config
-from ..shards import INDEX_FILE, ShardedWriter, atomic_directory, write_json
+from ..shards import ShardedWriter, atomic_directory, copy_side_files, write_json
 
 # A decoder-layer key of the text model (nested `model.language_model.` or flat `model.` prefix).
 _TEXT_LAYER = re.compile(r"^(model\.language_model\.|model\.)layers\.(\d+)\.(.*)$")
@@ -234,7 +233,7 @@ def crop(src: str | os.PathLike, dst: str | os.PathLike, num_layers: int, *, dty
             handles.pop(file, None)  # done with this shard
         writer.finish()
         write_json(os.path.join(tmp, "config.json"), plan.config)
-        _copy_other_files(src, tmp)
+        copy_side_files(src, tmp)
     print(f"wrote {dst}: {len(plan.entries)} tensors, {_human(plan.out_bytes)}", file=log, flush=True)
     return plan
 
@@ -252,15 +251,6 @@ def _read(e: Entry, plan: Plan, handles: dict, dtype: torch.dtype) -> torch.Tens
         return tensor
     scale = _open(handles, e.scale_file).get_tensor(e.src + fp8.SCALE_SUFFIX)
     return fp8.dequantize(tensor, scale, plan.block_size, dtype)
-
-
-def _copy_other_files(src: str, dst: str) -> None:
-    """Tokenizer, generation config, chat template...: every top-level file that is not weights or config."""
-    for name in sorted(os.listdir(src)):
-        path = os.path.join(src, name)
-        if name == "config.json" or name == INDEX_FILE or name.endswith(".safetensors") or not os.path.isfile(path):
-            continue
-        shutil.copy2(path, os.path.join(dst, name))
 
 
 def main(argv: list[str] | None = None) -> int:
