@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 import glm53.shards as shards
 import glm53.tools.crop as crop_mod
@@ -193,16 +194,36 @@ def test_errors(tmp_path, capsys):
     assert sorted(os.listdir(tmp_path)) == ["broken", "exists", "z"]
 
 
-def test_fp8_without_scale_raises_naming_the_key(tmp_path):
-    src, _ = fp8_source()
-    broken = tmp_path / "noscale"
-    shutil.copytree(src, broken)
-    index = json.load(open(broken / "model.safetensors.index.json"))
-    key = f"{TEXT}layers.0.self_attn.q_proj.weight"
+def _move_scale(src, dst, key, scale):
+    """Copy of SRC whose index points `key`'s scale at a separate shard holding `scale` (None: no scale)."""
+    shutil.copytree(src, dst)
+    index = json.load(open(dst / "model.safetensors.index.json"))
     del index["weight_map"][key + "_scale_inv"]
-    json.dump(index, open(broken / "model.safetensors.index.json", "w"))
+    if scale is not None:
+        save_file({key + "_scale_inv": scale}, dst / "scales.safetensors")
+        index["weight_map"][key + "_scale_inv"] = "scales.safetensors"
+    json.dump(index, open(dst / "model.safetensors.index.json", "w"))
+
+
+def test_missing_or_misshaped_scale_raises_naming_the_key(tmp_path):
+    src, _ = fp8_source()
+    key = f"{TEXT}layers.0.self_attn.q_proj.weight"
+    _move_scale(src, tmp_path / "noscale", key, None)
     with pytest.raises(CropError, match=rf"FP8 tensor '{key}' has no '{key}_scale_inv'"):
-        crop(broken, tmp_path / "out", 2)
+        crop(tmp_path / "noscale", tmp_path / "out", 2)
+    _move_scale(src, tmp_path / "badscale", key, torch.ones(4, 4))
+    with pytest.raises(CropError, match=rf"'{key}_scale_inv' has shape \(4, 4\), expected \(4, 5\)"):
+        crop(tmp_path / "badscale", tmp_path / "out", 2)
+    # A scale stored in a shard of its own is found, and that shard is listed as read.
+    scale = read_all(src)[key + "_scale_inv"]
+    _move_scale(src, tmp_path / "apart", key, scale)
+    plan = crop(tmp_path / "apart", tmp_path / "out", 1, log=io.StringIO())
+    assert [os.path.basename(f) for f in plan.shards] == [
+        "model-00001-of-00006.safetensors", "scales.safetensors", "model-00005-of-00006.safetensors",
+        "model-00006-of-00006.safetensors"]  # layer 0, its moved scale, the MTP layer, the rest
+    want = fp8.dequantize_reference(read_all(src)[key], scale, BLOCK, torch.bfloat16)
+    assert torch.equal(read_all(tmp_path / "out")[key], want)
+    assert sorted(os.listdir(tmp_path)) == ["apart", "badscale", "noscale", "out"]
 
 
 def test_interrupted_crop_leaves_no_dst(tmp_path, monkeypatch):
