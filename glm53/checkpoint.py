@@ -8,6 +8,11 @@ the on-disk names except:
                                                               mlp.experts.down_proj [E, D, I]
 Loading reads tensors lazily with safetensors' safe_open (never pickle), checks every key and shape before
 reading any data, and rejects non-finite tensors, so a bad checkpoint raises before a model is returned.
+FP8 weights (float8_e4m3fn with a `<name>_scale_inv` companion, glm53.fp8) are dequantised as they are read,
+with `quantization_config.weight_block_size` (default 128 x 128); the non-finite check sees the dequantised
+values. `save_checkpoint` writes the same layout atomically (glm53.shards). transformers' in-memory names
+differ once more (KDA `forget_gate.*`, one concatenated `conv1d`): `to_transformers_state_dict`,
+`from_transformers_state_dict` and `from_transformers` convert in memory.
 """
 
 from __future__ import annotations
@@ -22,14 +27,14 @@ from collections.abc import Iterator
 import torch
 from safetensors import safe_open
 
+from . import fp8
 from .config import Glm53Config
+from .shards import INDEX_FILE, SINGLE_FILE
 
 logger = logging.getLogger("glm53.checkpoint")
 
 TEXT_PREFIX = "model.language_model."
 VISION_PREFIX = "model.visual."
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 
 _HC = re.compile(r"^(layers\.\d+\.)hc_(attn|ffn)_(fn|base|scale)$")
 _HC_BACK = re.compile(r"^(layers\.\d+\.)(attn|ffn)_hc\.(fn|base|scale)$")
@@ -79,8 +84,9 @@ def internal_to_official(name: str) -> str:
 class _Reader:
     """Lazy tensor access over (possibly sharded) safetensors files, one open handle per file."""
 
-    def __init__(self, files: dict[str, str]) -> None:
+    def __init__(self, files: dict[str, str], block_size: tuple[int, int] = fp8.DEFAULT_BLOCK_SIZE) -> None:
         self.files = files
+        self.block_size = block_size
         self._handles: dict[str, object] = {}
 
     def _handle(self, key: str):
@@ -92,9 +98,31 @@ class _Reader:
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._handle(key).get_slice(key).get_shape())
 
+    def dtype(self, key: str) -> str:
+        """The safetensors dtype string ("BF16", "F8_E4M3", ...)."""
+        return self._handle(key).get_slice(key).get_dtype()
+
+    def check_fp8(self, key: str) -> str | None:
+        """None if `key` is not FP8 or its scale fits, else a message naming the key."""
+        if not fp8.is_fp8(self.dtype(key)):
+            return None
+        scale = key + fp8.SCALE_SUFFIX
+        try:
+            fp8.check_scale(key, self.shape(key), self.shape(scale) if scale in self.files else None,
+                            self.block_size)  # fmt: skip
+        except ValueError as e:
+            return str(e)
+        return None
+
     def get(self, key: str) -> torch.Tensor:
+        """The tensor (FP8 ones dequantised to fp32); NaN or inf (after dequantisation) raises."""
         tensor = self._handle(key).get_tensor(key)
-        if tensor.is_floating_point() and tensor.element_size() > 1 and not bool(torch.isfinite(tensor).all()):
+        if tensor.dtype == fp8.FP8_DTYPE:
+            scale = key + fp8.SCALE_SUFFIX
+            if scale not in self.files:
+                raise CheckpointError(f"FP8 tensor {key!r} has no {scale!r} companion")
+            tensor = fp8.dequantize(tensor, self._handle(scale).get_tensor(scale), self.block_size)
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):  # NOTE: syncs
             raise CheckpointError(f"tensor {key!r} holds NaN or infinite values")
         return tensor
 
@@ -107,7 +135,9 @@ def _plan(model: torch.nn.Module, files: dict[str, str], reader: _Reader, num_la
     experts: dict[str, dict[tuple[int, str], str]] = defaultdict(dict)  # fused name -> (e, proj) -> key
     unexpected, mtp, vision = [], [], []
     for key in files:
-        if key.endswith("_scale_inv"):
+        if key.endswith(fp8.SCALE_SUFFIX) and key[: -len(fp8.SCALE_SUFFIX)] in files:
+            continue  # an FP8 weight's companion, read with it
+        if key.endswith(fp8.SCALE_SUFFIX):
             unexpected.append(key)
             continue
         if key.startswith(VISION_PREFIX):
@@ -157,7 +187,11 @@ def _plan(model: torch.nn.Module, files: dict[str, str], reader: _Reader, num_la
             unexpected.extend(extra)
         else:
             missing.append(f"{_official_key(name)} {tuple(tensor.shape)}")
+    used = list(direct.values()) + [k for parts in experts.values() for k in parts.values()]
+    bad_fp8 = [msg for key in used if (msg := reader.check_fp8(key))]
     problems = []
+    if bad_fp8:
+        problems.append("FP8 scales:\n  " + "\n  ".join(sorted(bad_fp8)))
     if missing:
         problems.append("missing keys (expected shape):\n  " + "\n  ".join(sorted(missing)))
     if unexpected:
@@ -173,6 +207,11 @@ def _official_key(name: str) -> str:
     if name.startswith("model."):
         return TEXT_PREFIX + internal_to_official(name[len("model."):])
     return name
+
+
+def quantization_config(config: Glm53Config) -> dict | None:
+    """The source config.json's `quantization_config` (outer or text level), if any."""
+    return config.extra.get("_outer", {}).get("quantization_config") or config.extra.get("quantization_config")
 
 
 def load_checkpoint(cls, path: str | os.PathLike, *, dtype: torch.dtype | None = None,
@@ -191,7 +230,7 @@ def load_checkpoint(cls, path: str | os.PathLike, *, dtype: torch.dtype | None =
         stored = config.extra.get("_outer", {}).get("dtype") or config.extra.get("dtype") or "float32"
         dtype = getattr(torch, str(stored).replace("torch.", ""), torch.float32)
     files = checkpoint_files(path)
-    reader = _Reader(files)
+    reader = _Reader(files, fp8.weight_block_size(quantization_config(config)))
     with torch.device("meta"):
         model = cls(config)
     direct, experts, mtp, vision = _plan(model, files, reader, config.num_hidden_layers)
@@ -215,24 +254,161 @@ def load_checkpoint(cls, path: str | os.PathLike, *, dtype: torch.dtype | None =
     return model
 
 
-def iter_official_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(on-disk key, tensor) pairs of a Glm53ForCausalLM in the official layout (experts split per expert)."""
+def _official_items(local: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """One glm53 name under `model.` -> its on-disk (key, tensor) pairs; fused experts split per expert."""
+    if local.endswith("experts.gate_up_proj"):
+        base = TEXT_PREFIX + local.rsplit(".", 1)[0]
+        rows = tensor.shape[1] // 2
+        for e in range(tensor.shape[0]):
+            yield f"{base}.{e}.gate_proj.weight", tensor[e, :rows]
+            yield f"{base}.{e}.up_proj.weight", tensor[e, rows:]
+    elif local.endswith("experts.down_proj"):
+        base = TEXT_PREFIX + local.rsplit(".", 1)[0]
+        for e in range(tensor.shape[0]):
+            yield f"{base}.{e}.down_proj.weight", tensor[e]
+    else:
+        yield TEXT_PREFIX + internal_to_official(local), tensor
+
+
+def _named_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(glm53 name, tensor) for every parameter and buffer; the MTP module (if any) as `model.layers.{N}.*`.
+
+    MTP hook: a `model.mtp` module (issue 6) is written under layers.{num_hidden_layers}. If it defines
+    `official_state_dict()` its keys are taken as on-disk names relative to that layer, else its
+    `state_dict()` keys go through the same mapping as a decoder block's (hc names, per-expert split).
+    """
     tied = model.config.tie_word_embeddings
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        if (name == "lm_head.weight" and tied) or name.startswith("mtp."):
+            continue
+        yield name, tensor
+    mtp = getattr(model, "mtp", None)
+    if mtp is not None and hasattr(mtp, "state_dict"):
+        layer = f"model.layers.{model.config.num_hidden_layers}."
+        state = mtp.official_state_dict() if hasattr(mtp, "official_state_dict") else mtp.state_dict()
+        for key, tensor in state.items():
+            yield layer + key, tensor
+
+
+def iter_official_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(on-disk key, tensor) pairs of a Glm53ForCausalLM in the official layout (experts split per expert)."""
+    for name, tensor in _named_state(model):
         if name == "lm_head.weight":
-            if not tied:
-                yield name, tensor
+            yield name, tensor
+        else:
+            yield from _official_items(name[len("model."):], tensor)
+
+
+def save_checkpoint(model: torch.nn.Module, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
+                    dtype: torch.dtype | None = None, overwrite: bool = False) -> str:  # fmt: skip
+    """Write `model` to `path` in the official layout (what `Glm53ForCausalLM.save_pretrained` calls).
+
+    config.json is `Glm53Config.to_official_dict()` (model_type glm5_next, nested text_config) with the dtype
+    recorded and any `quantization_config` dropped (weights are written dequantised). `dtype` casts floating
+    tensors except those transformers keeps in fp32 (FP32_SUFFIXES); None keeps each tensor's dtype. Shards
+    are at most `max_shard_size` ("5GB", "200MB" or bytes), with an index when there is more than one. The
+    write is atomic (glm53.shards.atomic_directory): an existing `path` raises unless `overwrite`, which
+    replaces the checkpoint but keeps the directory's other files (tokenizer...) as transformers does.
+    """
+    from .model import keeps_fp32
+    from .shards import ShardedWriter, atomic_directory, copy_side_files, write_json
+
+    stored = dtype or model.model.embed_tokens.weight.dtype
+    config = model.config.to_official_dict()
+    config.pop("quantization_config", None)
+    config["text_config"].pop("quantization_config", None)
+    config["text_config"].pop("torch_dtype", None)
+    config.pop("torch_dtype", None)
+    config["text_config"]["dtype"] = config["dtype"] = str(stored).replace("torch.", "")
+    with atomic_directory(path, overwrite=overwrite) as tmp:
+        writer = ShardedWriter(tmp, max_shard_size)
+        for name, tensor in _named_state(model):
+            if dtype is not None and tensor.is_floating_point():
+                tensor = tensor.to(torch.float32 if keeps_fp32(name) else dtype)
+            if name == "lm_head.weight":
+                writer.add(name, tensor)
+            else:
+                for key, part in _official_items(name[len("model."):], tensor):
+                    writer.add(key, part)
+        writer.finish()
+        write_json(os.path.join(tmp, "config.json"), config)
+        if os.path.isdir(path):
+            copy_side_files(os.fspath(path), tmp)
+    return os.path.abspath(os.fspath(path))
+
+
+# transformers' in-memory names (conversion_mapping.py "glm5_next") differ from glm53's in two places.
+_GATE_PARTS = r"(f_a_proj\.weight|f_b_proj\.weight|dt_bias|A_log)"
+_HF_GATE = re.compile(r"^(layers\.\d+\.self_attn\.)" + _GATE_PARTS + "$")
+_HF_GATE_BACK = re.compile(r"^(layers\.\d+\.self_attn\.)forget_gate\." + _GATE_PARTS + "$")
+_CONV = re.compile(r"^(layers\.\d+\.self_attn\.)([qkv])_conv1d\.weight$")
+_HF_CONV = re.compile(r"^(layers\.\d+\.self_attn\.)conv1d\.weight$")
+
+
+def to_transformers_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """glm53 model -> the state dict of transformers' Glm5NextForConditionalGeneration (text part).
+
+    Renames KDA's gate to `forget_gate.*` and concatenates q/k/v convs into `conv1d` [3*H*K, 1, kernel];
+    experts stay fused. Tensors are shared with the model except the concatenated convs. `lm_head.weight`
+    is included also when tied, as transformers' state_dict does.
+    """
+    out: dict[str, torch.Tensor] = {}
+    convs: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight":
+            out[name] = tensor
             continue
         local = name[len("model."):]
-        if local.endswith("experts.gate_up_proj"):
-            base = TEXT_PREFIX + local.rsplit(".", 1)[0]
-            rows = tensor.shape[1] // 2
-            for e in range(tensor.shape[0]):
-                yield f"{base}.{e}.gate_proj.weight", tensor[e, :rows]
-                yield f"{base}.{e}.up_proj.weight", tensor[e, rows:]
-        elif local.endswith("experts.down_proj"):
-            base = TEXT_PREFIX + local.rsplit(".", 1)[0]
-            for e in range(tensor.shape[0]):
-                yield f"{base}.{e}.down_proj.weight", tensor[e]
+        if m := _CONV.match(local):
+            convs[m[1]][m[2]] = tensor
+        elif m := _HF_GATE.match(local):
+            out[f"{TEXT_PREFIX}{m[1]}forget_gate.{m[2]}"] = tensor
         else:
-            yield TEXT_PREFIX + internal_to_official(local), tensor
+            out[TEXT_PREFIX + local] = tensor
+    for prefix, parts in convs.items():
+        out[f"{TEXT_PREFIX}{prefix}conv1d.weight"] = torch.cat([parts["q"], parts["k"], parts["v"]], dim=0)
+    return out
+
+
+def from_transformers_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' Glm5NextForConditionalGeneration state dict -> glm53 state dict (vision keys dropped).
+
+    Splits `conv1d` into equal q/k/v thirds and moves `forget_gate.*` up to `self_attn`; other keys raise.
+    """
+    out: dict[str, torch.Tensor] = {}
+    unknown = []
+    for key, tensor in state.items():
+        if key == "lm_head.weight":
+            out[key] = tensor
+            continue
+        if key.startswith(VISION_PREFIX):
+            continue
+        if not key.startswith(TEXT_PREFIX):
+            unknown.append(key)
+            continue
+        local = key[len(TEXT_PREFIX):]
+        if m := _HF_CONV.match(local):
+            for part, chunk in zip("qkv", tensor.chunk(3, dim=0)):
+                out[f"model.{m[1]}{part}_conv1d.weight"] = chunk
+        elif m := _HF_GATE_BACK.match(local):
+            out[f"model.{m[1]}{m[2]}"] = tensor
+        else:
+            out["model." + local] = tensor
+    if unknown:
+        raise CheckpointError("keys outside the text model and vision tower:\n  " + "\n  ".join(sorted(unknown)))
+    return out
+
+
+def from_transformers(hf_model: torch.nn.Module, cls=None):
+    """A Glm53ForCausalLM with a copy of a transformers Glm5NextForConditionalGeneration's text weights."""
+    from .model import cast_model
+
+    if cls is None:
+        from .model import Glm53ForCausalLM as cls
+    config = Glm53Config.from_dict(hf_model.config.to_dict())
+    with torch.device("meta"):
+        model = cls(config)
+    model.to_empty(device=hf_model.lm_head.weight.device)
+    cast_model(model, hf_model.lm_head.weight.dtype)
+    model.load_state_dict(from_transformers_state_dict(hf_model.state_dict()), strict=True)
+    return model

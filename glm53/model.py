@@ -179,3 +179,10 @@ class Glm53ForCausalLM(nn.Module):
         from .checkpoint import load_checkpoint
 
         return load_checkpoint(cls, path, dtype=dtype, device=device)
+
+    def save_pretrained(self, path: str | os.PathLike, max_shard_size: int | str = "5GB",
+                        dtype: torch.dtype | None = None, overwrite: bool = False) -> str:  # fmt: skip
+        """Write the official layout atomically (see glm53.checkpoint.save_checkpoint) -> the directory."""
+        from .checkpoint import save_checkpoint
+
+        return save_checkpoint(self, path, max_shard_size=max_shard_size, dtype=dtype, overwrite=overwrite)

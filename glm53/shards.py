@@ -1,0 +1,150 @@
+"""Writing checkpoint directories: sharded safetensors with an index, written atomically.
+
+Everything goes to a hidden temporary directory beside the target (same filesystem) and is renamed into
+place only after every file is written and fsynced, so an exception, a kill or a full disk leaves either the
+old target or none, never a half-written checkpoint that looks complete. Shards follow transformers' naming:
+one `model.safetensors` when everything fits, else `model-0000i-of-0000n.safetensors` plus
+`model.safetensors.index.json` ({"metadata": {"total_size": bytes}, "weight_map": {key: file}}).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from safetensors.torch import save_file
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from an int or a string such as "5GB", "500MB", "2GiB" (decimal units as in transformers)."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", str(size).upper())
+        if not m or m[2] not in _UNITS:
+            raise ValueError(f"max_shard_size must be an int or a size like '5GB', got {size!r}")
+        value = int(float(m[1]) * _UNITS[m[2]])
+    if value < 1:
+        raise ValueError(f"max_shard_size must be positive, got {size!r}")
+    return value
+
+
+def _fsync_tree(directory: str) -> None:
+    for name in os.listdir(directory):
+        file = os.path.join(directory, name)
+        if os.path.isfile(file):
+            with open(file, "rb") as f:
+                os.fsync(f.fileno())
+
+
+@contextmanager
+def atomic_directory(target: str | os.PathLike, overwrite: bool = False) -> Iterator[str]:
+    """Yield a temporary directory beside `target`; on success rename it to `target`, on error delete it.
+
+    An existing `target` raises FileExistsError unless `overwrite`, in which case it is replaced only after
+    the new directory is complete.
+    """
+    target = os.path.abspath(os.fspath(target))
+    if os.path.lexists(target) and not overwrite:
+        raise FileExistsError(f"{target} already exists (pass overwrite=True / --overwrite to replace it)")
+    parent, name = os.path.split(target)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
+    try:
+        yield tmp
+        _fsync_tree(tmp)
+        if os.path.lexists(target):
+            old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
+            os.rename(target, os.path.join(old, name))
+            os.rename(tmp, target)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+class ShardedWriter:
+    """Collect tensors in order and write a shard whenever the next tensor would exceed `max_shard_size`.
+
+    Memory holds at most one shard. A single tensor larger than the limit gets a shard of its own.
+    """
+
+    def __init__(self, directory: str, max_shard_size: int | str = "5GB",
+                 metadata: dict[str, str] | None = None) -> None:  # fmt: skip
+        self.directory = directory
+        self.max_bytes = parse_size(max_shard_size)
+        self.metadata = {"format": "pt", **(metadata or {})}
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self._shards: list[list[str]] = []  # keys per written shard
+        self._keys: set[str] = set()
+        self.total_size = 0
+
+    def add(self, key: str, tensor: torch.Tensor) -> None:
+        if key in self._keys:
+            raise ValueError(f"tensor {key!r} written twice")
+        self._keys.add(key)
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._pending and self._pending_bytes + nbytes > self.max_bytes:
+            self._flush()
+        # A private contiguous copy: safetensors refuses views that share storage (split experts, tied weights).
+        self._pending[key] = tensor.detach().to("cpu", copy=True).contiguous()
+        self._pending_bytes += nbytes
+        self.total_size += nbytes
+
+    def _temp_name(self, i: int) -> str:
+        return os.path.join(self.directory, f"shard-{i:05d}.partial")
+
+    def _flush(self) -> None:
+        save_file(self._pending, self._temp_name(len(self._shards)), metadata=self.metadata)
+        self._shards.append(list(self._pending))
+        self._pending, self._pending_bytes = {}, 0
+
+    def finish(self) -> dict[str, str]:
+        """Write the last shard, give shards their final names, write the index when sharded -> weight map."""
+        if self._pending or not self._shards:
+            self._flush()
+        n = len(self._shards)
+        weight_map: dict[str, str] = {}
+        for i, keys in enumerate(self._shards):
+            name = SINGLE_FILE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.rename(self._temp_name(i), os.path.join(self.directory, name))
+            weight_map.update(dict.fromkeys(keys, name))
+        if n > 1:
+            index = {"metadata": {"total_size": self.total_size}, "weight_map": dict(sorted(weight_map.items()))}
+            with open(os.path.join(self.directory, INDEX_FILE), "w") as f:
+                json.dump(index, f, indent=2)
+                f.write("\n")
+        return weight_map
+
+
+def copy_side_files(src: str, dst: str) -> list[str]:
+    """Copy SRC's top-level files that are not weights or config.json (tokenizer, generation config...) into
+    DST, skipping names DST already has -> the names copied."""
+    copied = []
+    for name in sorted(os.listdir(src)):
+        path = os.path.join(src, name)
+        skip = name in ("config.json", INDEX_FILE) or name.endswith(".safetensors") or not os.path.isfile(path)
+        if not skip and not os.path.lexists(os.path.join(dst, name)):
+            shutil.copy2(path, os.path.join(dst, name))
+            copied.append(name)
+    return copied
+
+
+def write_json(path: str, data: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=False)
+        f.write("\n")
