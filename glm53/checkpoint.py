@@ -198,6 +198,7 @@ def load_checkpoint(cls, path: str | os.PathLike, *, dtype: torch.dtype | None =
     if vision:
         logger.warning("skipping %d vision-tower tensors (model.visual.*): glm53 is the text model", len(vision))
     model.to_empty(device=device)
+    model.tie_weights()
     cast_model(model, dtype)
     tensors = dict(model.named_parameters())
     tensors.update(dict(model.named_buffers()))

@@ -125,8 +125,7 @@ class Glm53ForCausalLM(nn.Module):
         self.config = config
         self.model = Glm53Model(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.tie_weights()
         if not self.lm_head.weight.is_meta:
             self.init_weights()
 
@@ -145,6 +144,11 @@ class Glm53ForCausalLM(nn.Module):
             out.loss = out.lm_loss
         return out
 
+    def tie_weights(self) -> None:
+        """With tie_word_embeddings, make lm_head use the embedding matrix (again: `to_empty` unties them)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
     def init_weights(self) -> None:
         """Initialise every parameter as transformers' Glm5NextPreTrainedModel._init_weights does."""
         self.model.init_weights()
@@ -162,6 +166,7 @@ class Glm53ForCausalLM(nn.Module):
         with torch.device("meta"):
             model = cls(config)
         model.to_empty(device=device)
+        model.tie_weights()
         cast_model(model, dtype)
         with torch.no_grad():
             model.init_weights()
