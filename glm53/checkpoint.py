@@ -101,7 +101,7 @@ class _Reader:
 
 def _plan(model: torch.nn.Module, files: dict[str, str], reader: _Reader, num_layers: int):
     """Match checkpoint keys to model tensors; raise one error listing every problem."""
-    targets = dict(model.named_parameters())
+    targets = dict(model.named_parameters(remove_duplicate=False))  # keep a tied lm_head.weight visible
     targets.update(dict(model.named_buffers()))
     direct: dict[str, str] = {}  # model name -> checkpoint key
     experts: dict[str, dict[tuple[int, str], str]] = defaultdict(dict)  # fused name -> (e, proj) -> key
