@@ -21,6 +21,7 @@ from glm53.kernels import use_backend
 from glm53.mla import MultiHeadLatentAttention
 from glm53.mlp import MLP
 from glm53.moe import MoE
+from glm53.norm import GatedRMSNorm, RMSNorm
 
 RTOL, ATOL = 1e-5, 1e-5
 
@@ -78,6 +79,33 @@ def padding(B: int, T: int, kind: str) -> torch.Tensor:
 
 def assert_close(actual, expected, rtol=RTOL, atol=ATOL):
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
+
+
+# --------------------------------------------------------------------------------------------------- norms
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rms_norm(dtype):
+    theirs = hf.Glm5NextTextRMSNorm(24, eps=1e-5)
+    randomize(theirs, 0)
+    ours = RMSNorm(24, eps=1e-5)
+    copy_weights(ours, theirs)
+    theirs, ours = theirs.to(dtype), ours.to(dtype)
+    x = (torch.randn(3, 5, 24) * 4).to(dtype)
+    actual, expected = ours(x), theirs(x)
+    assert actual.dtype == expected.dtype == dtype
+    assert torch.equal(actual, expected)  # same op order: normalise in fp32, cast back, then scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gated_rms_norm(dtype):
+    theirs = hf.Glm5NextTextRMSNormGated(8, eps=1e-5)
+    randomize(theirs, 0)
+    ours = GatedRMSNorm(8, eps=1e-5)
+    copy_weights(ours, theirs)
+    theirs, ours = theirs.to(dtype), ours.to(dtype)
+    x, gate = (torch.randn(3, 5, 2, 8) * 4).to(dtype), torch.randn(3, 5, 2, 8).to(dtype)
+    actual, expected = ours(x, gate), theirs(x, gate)
+    assert actual.dtype == expected.dtype == dtype
+    assert_close(actual, expected, rtol=1e-6, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------------------------------- mHC
@@ -189,11 +217,27 @@ def test_indexer_topk_sets(case):
         assert len(got[0][T - 1]) < T
 
 
+def test_indexer_odd_masks():
+    """A row padded on both sides and a row of padding only (it selects nothing)."""
+    T = 14
+    config = Glm53Config.tiny(index_topk=4)
+    ours, theirs = pair(config, hf.Glm5NextTextIndexer, Indexer, 3)
+    x, q_resid = torch.randn(3, T, config.hidden_size), torch.randn(3, T, config.q_lora_rank)
+    mask = torch.ones(3, T, dtype=torch.bool)
+    mask[1, :3] = mask[1, -2:] = False
+    mask[2] = False
+    actual = ours(x, q_resid, mask)
+    assert topk_sets(actual) == topk_sets(theirs(x, q_resid, mask, None))
+    assert (actual[2] == -1).all()
+    assert set(topk_sets(actual)[1][T - 3]) <= set(range(3, T - 2)) and topk_sets(actual)[1][T - 3]
+
+
 # ----------------------------------------------------------------------------------------------------- MLA
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("pad", ["none", "left", "right"])
-def test_mla_full_indexer(pad):
+def test_mla_full_indexer(pad, bias):
     T = 19
-    config = Glm53Config.tiny(layer_types=["indexed_attention"] * 4)
+    config = Glm53Config.tiny(layer_types=["indexed_attention"] * 4, attention_bias=bias)
     ours, theirs = pair(config, hf.Glm5NextTextAttention, MultiHeadLatentAttention, 0)
     x = torch.randn(2, T, config.hidden_size)
     mask = padding(2, T, pad)
@@ -201,6 +245,7 @@ def test_mla_full_indexer(pad):
         expected, _, _ = theirs(x, mask)
         actual, topk = ours(x, mask)
     assert_close(actual[mask], expected[mask])
+    assert (ours.q_a_proj.bias is not None) == bias
     assert topk_sets(topk) == topk_sets(theirs.indexer(x, theirs.q_a_layernorm(theirs.q_a_proj(x)), mask, None))
 
 
