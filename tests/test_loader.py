@@ -132,6 +132,17 @@ def test_dtype_keeps_fp32_parameters(saved):
     assert dict(model.named_buffers())["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
 
 
+def test_dtype_defaults_to_the_stored_one(ckpt):
+    official = json.loads((ckpt / "config.json").read_text())
+    official["dtype"] = "bfloat16"
+    (ckpt / "config.json").write_text(json.dumps(official))
+    params = dict(Glm53ForCausalLM.from_pretrained(ckpt).named_parameters())
+    assert params["model.embed_tokens.weight"].dtype == torch.bfloat16
+    assert params["model.layers.2.self_attn.A_log"].dtype == torch.float32
+    fp32 = dict(Glm53ForCausalLM.from_pretrained(ckpt, dtype=torch.float32).named_parameters())
+    assert fp32["model.embed_tokens.weight"].dtype == torch.float32
+
+
 def test_nothing_is_unpickled(saved, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the loader must not unpickle anything")
