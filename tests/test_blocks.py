@@ -163,6 +163,23 @@ def test_kda_layer(T, pad, lower_bound):
             assert changed[:6].all()
 
 
+def test_kda_layer_bf16():
+    """bf16 weights (conv, dt_bias, A_log kept fp32 as transformers keeps them): q, k are L2-normalised in fp32
+    and must not be rounded to bf16 before the delta rule (fla and transformers keep them fp32)."""
+    config = Glm53Config.tiny(hidden_size=64, linear_num_heads=4, linear_head_dim=32)
+    ours, theirs = pair(config, hf.Glm5NextTextLinearAttention, KimiDeltaAttention, 0)
+    keep_fp32 = ("conv1d.weight", "dt_bias", "A_log")
+    for module in (ours, theirs):
+        for name, p in module.named_parameters():
+            p.data = p.data.to(torch.float32 if name.endswith(keep_fp32) else torch.bfloat16)
+    x = torch.randn(2, 80, config.hidden_size, dtype=torch.bfloat16)
+    with torch.no_grad():
+        actual, expected = ours(x), theirs(x)
+    assert actual.dtype == expected.dtype == torch.bfloat16
+    relative = (actual.float() - expected.float()).norm() / expected.float().norm()
+    assert relative < 5e-4, f"bf16 KDA layer differs from transformers by {relative:.1e} (relative L2)"
+
+
 def test_kda_layer_recurrent_backend_matches():
     """The layer gives the same output whichever KDA implementation is dispatched."""
     config = Glm53Config.tiny()
