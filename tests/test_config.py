@@ -6,6 +6,7 @@ import dataclasses
 import json
 
 import pytest
+from huggingface_hub.errors import StrictDataclassError
 
 from glm53 import Glm53Config
 
@@ -68,8 +69,9 @@ def test_from_dict_flat_and_nested_agree():
 
 
 def test_nested_outer_tie_word_embeddings_wins():
-    c = Glm53Config.from_dict({"tie_word_embeddings": True, "text_config": {"num_hidden_layers": 4,
-                                                                           "tie_word_embeddings": False}})
+    c = Glm53Config.from_dict(
+        {"tie_word_embeddings": True, "text_config": {"num_hidden_layers": 4, "tie_word_embeddings": False}}
+    )
     assert c.tie_word_embeddings is True
 
 
@@ -198,8 +200,9 @@ def test_official_dict_round_trip(kwargs):
 def test_official_dict_loads_in_transformers():
     from transformers import Glm5NextConfig
 
-    c = Glm53Config.tiny(layer_types=[KDA, MLA, KDA, MLA], indexer_types=["full", "full", "full", "shared"],
-                         linear_lower_bound=None)
+    c = Glm53Config.tiny(
+        layer_types=[KDA, MLA, KDA, MLA], indexer_types=["full", "full", "full", "shared"], linear_lower_bound=None
+    )
     official = c.to_official_dict()
     hf = Glm5NextConfig(**{k: v for k, v in official.items() if k not in ("model_type", "architectures")})
     for name, value in fields(c).items():
@@ -330,7 +333,7 @@ def test_transformers_rejects_the_same_configs(overrides):
 
     kwargs = hf_text_kwargs(Glm53Config.tiny())
     kwargs.update(overrides)
-    with pytest.raises(Exception):
+    with pytest.raises(StrictDataclassError):
         hf_text_config(**kwargs)
     with pytest.raises(ValueError):
         Glm53Config(**kwargs)

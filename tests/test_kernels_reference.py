@@ -25,7 +25,10 @@ from glm53.kernels.sparse_attention import sparse_attention_reference
 def kda_inputs(B, T, H, K, V, gate: str, with_state: bool, seed: int = 0):
     """Random KDA inputs as the layer produces them: unit-norm q, k; log-space decays g <= 0."""
     gen = torch.Generator().manual_seed(seed)
-    rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen)
+
     q = l2norm(rand(B, T, H, K))
     k = l2norm(rand(B, T, H, K))
     v = rand(B, T, H, V)

@@ -221,8 +221,11 @@ def test_misshaped_key(ckpt, key, shape, message):
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
-@pytest.mark.parametrize("key", [f"{PREFIX}layers.3.self_attn.indexer.wk.weight",
-                                 f"{PREFIX}layers.2.mlp.experts.7.down_proj.weight"], ids=["indexer", "expert"])
+@pytest.mark.parametrize(
+    "key",
+    [f"{PREFIX}layers.3.self_attn.indexer.wk.weight", f"{PREFIX}layers.2.mlp.experts.7.down_proj.weight"],
+    ids=["indexer", "expert"],
+)
 def test_non_finite_tensor(ckpt, key, value):
     def poison(t):
         t[key] = t[key].clone()
