@@ -139,6 +139,19 @@ def test_hyper_connection_site(hc_mult):
     assert_close(ours(streams, block), expected)
 
 
+def test_hyper_connection_one_stream_is_a_residual():
+    """N = 1, fn = 0, scales 1, pre base large, post base 0: out = block(x) + x up to the eps floors."""
+    config = Glm53Config.tiny(hc_mult=1)
+    hc = HyperConnection(config)
+    with torch.no_grad():
+        hc.fn.zero_()
+        hc.scale.fill_(1.0)
+        hc.base.copy_(torch.tensor([30.0, 0.0, 0.7]))  # pre, post, comb logits
+    block = torch.nn.Linear(config.hidden_size, config.hidden_size)
+    x = torch.randn(2, 5, 1, config.hidden_size)
+    torch.testing.assert_close(hc(x, block), block(x[:, :, 0])[:, :, None] + x, rtol=1e-5, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------------------------------- KDA
 KDA_SHAPES = [(1, "none"), (13, "none"), (13, "left"), (70, "none"), (70, "left"), (70, "right")]
 
