@@ -129,14 +129,15 @@ class _Reader:
 
 def _plan(model: torch.nn.Module, files: dict[str, str], reader: _Reader, num_layers: int):
     """Match checkpoint keys to model tensors; raise one error listing every problem."""
-    targets = dict(model.named_parameters())
+    targets = dict(model.named_parameters(remove_duplicate=False))  # keep a tied lm_head.weight visible
     targets.update(dict(model.named_buffers()))
     direct: dict[str, str] = {}  # model name -> checkpoint key
     experts: dict[str, dict[tuple[int, str], str]] = defaultdict(dict)  # fused name -> (e, proj) -> key
     unexpected, mtp, vision = [], [], []
     for key in files:
-        if key.endswith(fp8.SCALE_SUFFIX) and key[: -len(fp8.SCALE_SUFFIX)] in files:
-            continue  # an FP8 weight's companion, read with it
+        weight = key[: -len(fp8.SCALE_SUFFIX)]
+        if key.endswith(fp8.SCALE_SUFFIX) and weight in files and fp8.is_fp8(reader.dtype(weight)):
+            continue  # an FP8 weight's companion, read with it (a scale beside a non-FP8 weight is unexpected)
         if key.endswith(fp8.SCALE_SUFFIX):
             unexpected.append(key)
             continue

@@ -91,7 +91,8 @@ class KimiDeltaAttention(nn.Module):
         g = self.forget_gate(x)
         beta = torch.sigmoid(self.b_proj(x))
         q, k = l2norm(q.float(), L2NORM_EPS), l2norm(k.float(), L2NORM_EPS)
-        o, _ = kernel("kda")(q.to(v.dtype), k.to(v.dtype), v, g, beta)
+        o, _ = kernel("kda")(q, k, v, g, beta)  # q, k stay fp32 (fla l2-normalises inside its fp32 kernel)
+        o = o.to(v.dtype)
         gate = split(self.g_b_proj(self.g_a_proj(x)))
         o = self.o_norm(o, gate)  # [B, T, H, K]
         return self.o_proj(rearrange(o, "b t h k -> b t (h k)"))
