@@ -20,6 +20,7 @@ LAYER_TYPES = (LINEAR_ATTENTION, INDEXED_ATTENTION)
 # Names older checkpoints use for the MLA+DSA layer (transformers maps both to "indexed_attention").
 LEGACY_LAYER_TYPES = {"full_attention": INDEXED_ATTENTION, "deepseek_sparse_attention": INDEXED_ATTENTION}
 MLP_TYPES = ("dense", "sparse")
+SAFE_GATE_LOWER_BOUND = -5.0  # the KDA gate bound a `linear_attn_config` with safe_gate implies (transformers)
 INDEXER_TYPES = ("full", "shared")
 
 # Keys of a config.json that describe the checkpoint, not the text model; accepted and dropped.
@@ -292,11 +293,15 @@ def _apply_linear_attn_config(kwargs: dict[str, Any], linear: dict[str, Any]) ->
         "gate_lower_bound": "linear_lower_bound",
     }
     for src, dst in mapping.items():
-        if src in linear and dst not in kwargs:
-            kwargs[dst] = linear[src]
-    # transformers: a "safe gate" (the default) with no bound given means the -5 bound.
-    if linear.get("safe_gate", True) and "gate_lower_bound" in linear and linear["gate_lower_bound"] is None:
-        kwargs["linear_lower_bound"] = -5.0
+        if src not in linear:
+            continue
+        if dst in kwargs and kwargs[dst] != linear[src]:
+            # transformers silently lets the dict win; an ambiguous checkpoint config is an error here.
+            raise ValueError(f"{dst}={kwargs[dst]!r} disagrees with linear_attn_config[{src!r}]={linear[src]!r}")
+        kwargs[dst] = linear[src]
+    # transformers: a "safe gate" (the dict's default) always has a bound; with none given it is -5.
+    if linear.get("safe_gate", True) and kwargs.get("linear_lower_bound", -5.0) is None:
+        kwargs["linear_lower_bound"] = SAFE_GATE_LOWER_BOUND
     n = kwargs.get("num_hidden_layers", 45)
     if "layer_types" not in kwargs and ("kda_layers" in linear or "full_attn_layers" in linear):
         # Release configs number layers from 1 in these lists.

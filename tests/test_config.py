@@ -161,10 +161,19 @@ def test_linear_attn_config_layer_lists_are_one_based():
     assert c.layer_types == [KDA, KDA, MLA, KDA]
 
 
-def test_linear_attn_config_does_not_override_explicit_fields():
-    """A user-set flat field is never silently rewritten (glm53 house rule; transformers lets the dict win)."""
-    c = Glm53Config.from_dict(dict(num_hidden_layers=4, linear_head_dim=32, linear_attn_config={"head_dim": 16}))
-    assert c.linear_head_dim == 32
+def test_linear_attn_config_conflicting_flat_field_raises():
+    """transformers lets the dict win silently; glm53 refuses an ambiguous config, naming both values."""
+    with pytest.raises(ValueError, match=r"linear_head_dim=32 disagrees with linear_attn_config\['head_dim'\]=16"):
+        Glm53Config.from_dict(dict(num_hidden_layers=4, linear_head_dim=32, linear_attn_config={"head_dim": 16}))
+    agree = Glm53Config.from_dict(dict(num_hidden_layers=4, linear_head_dim=16, linear_attn_config={"head_dim": 16}))
+    assert agree.linear_head_dim == 16
+
+
+def test_linear_attn_config_safe_gate_bounds_a_flat_none_like_transformers():
+    d = dict(num_hidden_layers=4, linear_lower_bound=None, linear_attn_config={"head_dim": 128})
+    assert Glm53Config.from_dict(d).linear_lower_bound == hf_text_config(**d).linear_lower_bound == -5.0
+    d["linear_attn_config"] = {"safe_gate": False}
+    assert Glm53Config.from_dict(d).linear_lower_bound is hf_text_config(**d).linear_lower_bound is None
 
 
 # ------------------------------------------------------------------------------------------- round trips
