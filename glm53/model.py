@@ -223,14 +223,12 @@ class Glm53ForCausalLM(nn.Module):
 
     @torch.no_grad()
     def _count_expert_loads(self, stats: list[LayerStats], valid: torch.Tensor, mtp_runs: list) -> None:
-        """Store each router's tokens-per-expert of this forward in `router.last_load`."""
-        for router in self.routers():
-            router.last_load = None
+        """Add each router's tokens-per-expert of this forward to `router.counted_load`."""
         pairs = [(layer.mlp.gate, s, valid) for layer, s in zip(self.model.layers, stats) if isinstance(layer.mlp, MoE)]
         pairs += [(self.mtp.layer_for(d).mlp.gate, s, v) for d, (_, v, s) in enumerate(mtp_runs, start=1)]
         for router, s, v in pairs:
             load = expert_load(s.router_indices, v, router.num_experts)
-            router.last_load = load if router.last_load is None else router.last_load + load
+            router.counted_load = load if router.counted_load is None else router.counted_load + load
 
     def routers(self) -> list[Router]:
         return [m for m in self.modules() if isinstance(m, Router)]
@@ -239,21 +237,24 @@ class Glm53ForCausalLM(nn.Module):
     def update_router_bias(self, rate: float = 1e-3) -> None:
         """Aux-loss-free balancing (DeepSeek-V3 section 2.1.2): bias_i += rate * sign(mean load - load_i).
 
-        Uses the expert loads counted in the last training forward (model.train() or labels), summed over
-        data-parallel ranks by `expert_load_reduce` when the parallel layer set it. Call after optimizer.step().
+        Uses the expert loads counted by the training forwards (model.train() or labels) since the previous
+        update (with one forward per step: the last forward's; with gradient accumulation: all micro-batches'),
+        summed over data-parallel ranks by `expert_load_reduce` when the parallel layer set it, then clears them.
+        Call after optimizer.step().
         """
         routers = self.routers()
         if not routers:
             return
-        if any(r.last_load is None for r in self._main_routers()):
+        if any(r.counted_load is None for r in self._main_routers()):
             raise RuntimeError("update_router_bias needs the expert loads of a training forward "
-                               "(model.train() or labels=...); none were counted")  # fmt: skip
-        counted = [r for r in routers if r.last_load is not None]
-        loads = torch.stack([r.last_load for r in counted])  # [layers, E]
+                               "(model.train() or labels=...) since the last update; none were counted")  # fmt: skip
+        counted = [r for r in routers if r.counted_load is not None]
+        loads = torch.stack([r.counted_load for r in counted])  # [layers, E]
         if self.expert_load_reduce is not None:
             loads = self.expert_load_reduce(loads)
         for router, load in zip(counted, loads):
             router.e_score_correction_bias += rate * torch.sign(load.mean() - load)
+            router.counted_load = None
 
     def _main_routers(self) -> list[Router]:
         return [layer.mlp.gate for layer in self.model.layers if isinstance(layer.mlp, MoE)]

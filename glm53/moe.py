@@ -33,9 +33,9 @@ class Router(nn.Module):
         self.initializer_range = config.initializer_range
         self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
-        # Tokens routed to each expert [E] in the last forward that recorded stats; read by
+        # Tokens routed to each expert [E] by the training forwards since the last bias update; consumed by
         # Glm53ForCausalLM.update_router_bias (aux-loss-free balancing). Not state: never saved.
-        self.last_load: torch.Tensor | None = None
+        self.counted_load: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [N, D] -> (logits [N, E] fp32, weights [N, k] fp32, indices [N, k])."""
