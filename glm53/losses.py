@@ -151,6 +151,13 @@ def indexer_kl_terms(stats: list[LayerStats], valid: torch.Tensor, mode: str) ->
 
 
 __all__ = [
-    "LayerStats", "balance_loss", "z_loss", "expert_load", "router_aux_loss", "attention_pool_mass",
-    "normalized_target", "pool_kl", "indexer_kl_terms",
+    "LayerStats",
+    "attention_pool_mass",
+    "balance_loss",
+    "expert_load",
+    "indexer_kl_terms",
+    "normalized_target",
+    "pool_kl",
+    "router_aux_loss",
+    "z_loss",
 ]  # fmt: skip

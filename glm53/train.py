@@ -117,8 +117,9 @@ def _distributed(args: argparse.Namespace) -> tuple[int, int]:
 
 
 def _parallelize(model: Glm53ForCausalLM, args: argparse.Namespace) -> Glm53ForCausalLM:
+    # Imported lazily: glm53.parallel is the only place with torch.distributed.
     try:
-        from .parallel import parallelize  # imported lazily: the only place with torch.distributed
+        from .parallel import parallelize
     except ImportError as e:
         raise SystemExit(f"--dp/--tp need glm53.parallel, which is not available in this install ({e})") from None
     return parallelize(model, dp=args.dp, tp=args.tp)

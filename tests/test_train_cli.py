@@ -13,7 +13,7 @@ SMALL = ["train", "--preset", "tiny", "--batch-size", "2", "--seq-len", "32", "-
 
 
 def losses(text):
-    return {int(m[1]): float(m[2]) for m in re.finditer(r"^step\s+(\d+)\s+loss (\S+)", text, re.M)}
+    return {int(m[1]): float(m[2]) for m in re.finditer(r"^step\s+(\d+)\s+loss (\S+)", text, re.MULTILINE)}
 
 
 def test_short_run_lowers_loss_and_resume_continues(tmp_path, capsys):
