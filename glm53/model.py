@@ -183,26 +183,30 @@ class Glm53ForCausalLM(nn.Module):
         labels: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
     ) -> CausalLMOutput:
-        cfg = self.config
-        collect = labels is not None or self.training  # training forwards count expert loads
+        collect = labels is not None or self.training
         if not collect:
             hidden = self.model(input_ids, attention_mask, inputs_embeds)
             return CausalLMOutput(logits=self.lm_head(hidden), last_hidden_state=hidden)
         inputs_embeds = self.model.embed(input_ids, inputs_embeds)
         valid = padding_mask(attention_mask, inputs_embeds.shape[:2], inputs_embeds.device)
-        record_indexer = labels is not None and cfg.indexer_loss_weight > 0
+        record_indexer = labels is not None and self.config.indexer_loss_weight > 0
         stats: list[LayerStats] = []
         hidden = self.model(None, valid, inputs_embeds, stats, record_indexer)
-        logits = self.lm_head(hidden)
-        out = CausalLMOutput(logits=logits, last_hidden_state=hidden)
+        out = CausalLMOutput(logits=self.lm_head(hidden), last_hidden_state=hidden)
         mtp_runs = []  # per depth: (logits, valid, stats)
         if self.mtp is not None and labels is not None:
             mtp_runs = self.mtp(hidden, inputs_embeds, valid, self.lm_head, record_indexer)
-        self._count_expert_loads(stats, valid, mtp_runs)
-        if labels is None:
-            return out
-        out.lm_loss = causal_lm_loss(logits, labels)
-        loss = out.lm_loss
+        if self.training:  # evaluation forwards (labels, eval mode) leave the balancing counts alone
+            self._count_expert_loads(stats, valid, mtp_runs)
+        if labels is not None:
+            self._add_losses(out, labels, valid, stats, mtp_runs)
+        return out
+
+    def _add_losses(self, out: CausalLMOutput, labels: torch.Tensor, valid: torch.Tensor, stats: list[LayerStats],
+                    mtp_runs: list) -> None:  # fmt: skip
+        """Fill out.lm_loss, .mtp_loss, .aux_loss, .indexer_loss and their weighted sum out.loss."""
+        cfg = self.config
+        out.lm_loss = loss = causal_lm_loss(out.logits, labels)
         if mtp_runs:
             per_depth = [causal_lm_loss(lg, mtp_labels(labels, d, IGNORE_INDEX)) for d, (lg, _, _) in
                          enumerate(mtp_runs, start=1)]  # fmt: skip
@@ -212,14 +216,13 @@ class Glm53ForCausalLM(nn.Module):
         out.aux_loss = router_aux_loss(records, cfg.router_aux_loss_coef, cfg.router_z_loss_coef)
         if out.aux_loss is not None:
             loss = loss + out.aux_loss
-        if record_indexer:
+        if cfg.indexer_loss_weight > 0:
             terms = indexer_kl_terms(stats, valid, cfg.indexer_loss_mode)
             for _, v, s in mtp_runs:
                 terms += indexer_kl_terms([s], v, cfg.indexer_loss_mode)
-            out.indexer_loss = torch.stack(terms).mean() if terms else logits.new_zeros((), dtype=torch.float32)
+            out.indexer_loss = torch.stack(terms).mean() if terms else out.lm_loss.new_zeros(())
             loss = loss + cfg.indexer_loss_weight * out.indexer_loss
         out.loss = loss
-        return out
 
     @torch.no_grad()
     def _count_expert_loads(self, stats: list[LayerStats], valid: torch.Tensor, mtp_runs: list) -> None:
@@ -237,7 +240,7 @@ class Glm53ForCausalLM(nn.Module):
     def update_router_bias(self, rate: float = 1e-3) -> None:
         """Aux-loss-free balancing (DeepSeek-V3 section 2.1.2): bias_i += rate * sign(mean load - load_i).
 
-        Uses the expert loads counted by the training forwards (model.train() or labels) since the previous
+        Uses the expert loads counted by the training-mode forwards (model.train()) since the previous
         update (with one forward per step: the last forward's; with gradient accumulation: all micro-batches'),
         summed over data-parallel ranks by `expert_load_reduce` when the parallel layer set it, then clears them.
         Call after optimizer.step().
@@ -247,7 +250,7 @@ class Glm53ForCausalLM(nn.Module):
             return
         if any(r.counted_load is None for r in self._main_routers()):
             raise RuntimeError("update_router_bias needs the expert loads of a training forward "
-                               "(model.train() or labels=...) since the last update; none were counted")  # fmt: skip
+                               "(model.train()) since the last update; none were counted")  # fmt: skip
         counted = [r for r in routers if r.counted_load is not None]
         loads = torch.stack([r.counted_load for r in counted])  # [layers, E]
         if self.expert_load_reduce is not None:

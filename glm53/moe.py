@@ -33,7 +33,7 @@ class Router(nn.Module):
         self.initializer_range = config.initializer_range
         self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
-        # Tokens routed to each expert [E] by the training forwards since the last bias update; consumed by
+        # Tokens routed to each expert [E] by the training-mode forwards since the last bias update; consumed by
         # Glm53ForCausalLM.update_router_bias (aux-loss-free balancing). Not state: never saved.
         self.counted_load: torch.Tensor | None = None
 

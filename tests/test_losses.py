@@ -75,7 +75,7 @@ def test_router_bias_update_direction_and_reduce_hook():
         assert torch.equal(load, torch.tensor([float(mask.sum())] * 2 + [0.0] * 6))  # padding not counted
         torch.testing.assert_close(r.e_score_correction_bias, torch.tensor([0.99, 0.99] + [0.01] * 6))
     model.eval()
-    model(ids)  # inference forwards do not count, and the update consumed the counts
+    model(ids, labels=ids)  # evaluation forwards do not count, and the update consumed the counts
     with pytest.raises(RuntimeError, match="training forward"):
         model.update_router_bias()
 
