@@ -23,6 +23,8 @@ import torch
 
 from .indexer import kept_pools
 
+QUERY_CHUNK = 1024  # queries per block when computing the indexer loss's dense attention target
+
 
 @dataclass
 class LayerStats:
@@ -103,15 +105,22 @@ def attention_pool_mass(
     renormalising gives the sparse attention's own probabilities there (a softmax restricted to a subset).
     """
     B, T = valid.shape
-    visible = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()[None] & valid[:, None, :]  # [B, T, S]
-    logits = torch.einsum("bthe,bshe->bhts", q.float(), k.float()) * scale
-    probs = logits.masked_fill(~visible[:, None], float("-inf")).softmax(-1).nan_to_num(0.0)
-    token_mass = probs.sum(1)  # [B, T, S]: summed over heads
     positions, _ = kept_pools(valid, kpool)  # [B, P, L]
     P = positions.shape[1]
-    gathered = token_mass.gather(-1, positions.clamp_min(0).view(B, 1, -1).expand(B, T, -1))  # [B, T, P*L]
-    gathered = gathered * (positions >= 0).view(B, 1, -1)
-    return gathered.view(B, T, P, kpool).sum(-1)
+    index = positions.clamp_min(0).view(B, 1, -1)  # [B, 1, P*L]
+    in_pool = (positions >= 0).view(B, 1, -1)
+    key_pos = torch.arange(T, device=q.device)
+    chunks = []
+    for start in range(0, T, QUERY_CHUNK):  # bounds the [B, H, chunk, S] probabilities in memory
+        qc = q[:, start : start + QUERY_CHUNK]
+        causal = key_pos[None, :] <= torch.arange(start, start + qc.shape[1], device=q.device)[:, None]
+        visible = causal[None] & valid[:, None, :]  # [B, chunk, S]
+        logits = torch.einsum("bthe,bshe->bhts", qc.float(), k.float()) * scale
+        probs = logits.masked_fill(~visible[:, None], float("-inf")).softmax(-1).nan_to_num(0.0)
+        token_mass = probs.sum(1)  # [B, chunk, S]: summed over heads
+        gathered = token_mass.gather(-1, index.expand(B, qc.shape[1], -1)) * in_pool  # [B, chunk, P*L]
+        chunks.append(gathered.view(B, qc.shape[1], P, kpool).sum(-1))
+    return torch.cat(chunks, dim=1)
 
 
 def normalized_target(mass: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

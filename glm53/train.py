@@ -56,6 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-every", type=int, default=0, help="also save every N steps to DIR/step-N (needs --save)")
     p.add_argument("--resume", help="checkpoint directory to continue from (model, optimizer, step)")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute blocks in backward")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU intra-op threads (tiny models run fastest on 1: thread hand-offs cost more than the ops)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel degree (torchrun)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (torchrun)")
 
@@ -110,8 +112,9 @@ def _distributed(args: argparse.Namespace) -> tuple[int, int]:
     if args.dp < 1 or args.tp < 1:
         raise SystemExit(f"--dp and --tp must be >= 1, got --dp {args.dp} --tp {args.tp}")
     if args.dp * args.tp != world:
-        raise SystemExit(f"--dp {args.dp} x --tp {args.tp} = {args.dp * args.tp} processes, but WORLD_SIZE is "
-                         f"{world}: launch with `torchrun --nproc-per-node {args.dp * args.tp} -m glm53 train ...`")  # fmt: skip
+        n = args.dp * args.tp
+        raise SystemExit(f"--dp {args.dp} x --tp {args.tp} = {n} processes, but WORLD_SIZE is {world}: launch with "
+                         f"`torchrun --nproc-per-node {n} -m glm53 train ...`")  # fmt: skip
     rank = int(os.environ.get("RANK", "0"))
     return rank, rank // args.tp
 
@@ -140,6 +143,15 @@ def _describe(out) -> str:
 
 
 def train(args: argparse.Namespace) -> int:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        return _train(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(args: argparse.Namespace) -> int:
     rank, dp_rank = _distributed(args)
     if args.save_every and not args.save:
         raise SystemExit("--save-every needs --save DIR")

@@ -213,3 +213,17 @@ def test_training_config_validation():
                        (dict(router_z_loss_coef=-1.0), "router_z_loss_coef")):  # fmt: skip
         with pytest.raises(ValueError, match=match):
             Glm53Config.tiny(**bad)
+
+
+def test_attention_target_is_the_same_in_query_chunks(monkeypatch):
+    import glm53.losses as losses
+
+    q, k = torch.randn(2, 37, 3, 8), torch.randn(2, 37, 3, 8)
+    valid = torch.ones(2, 37, dtype=torch.bool)
+    valid[1, :5] = False
+    whole = losses.attention_pool_mass(q, k, valid, 4, 0.3)
+    monkeypatch.setattr(losses, "QUERY_CHUNK", 5)
+    torch.testing.assert_close(losses.attention_pool_mass(q, k, valid, 4, 0.3), whole)
+    # one unit of probability per head; in row 0 all of it lies in kept pools (tokens 0-35) until token 36
+    torch.testing.assert_close(whole[0, :36].sum(-1), torch.full((36,), 3.0))
+    assert whole[0, 36].sum() < 3.0 - 1e-3 and (whole.sum(-1) <= 3.0 + 1e-5).all()
