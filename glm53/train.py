@@ -125,7 +125,11 @@ def _parallelize(model: Glm53ForCausalLM, args: argparse.Namespace) -> Glm53ForC
         from .parallel import parallelize
     except ImportError as e:
         raise SystemExit(f"--dp/--tp need glm53.parallel, which is not available in this install ({e})") from None
-    return parallelize(model, dp=args.dp, tp=args.tp)
+    model = parallelize(model, dp=args.dp, tp=args.tp)
+    if args.dp > 1 and getattr(model, "expert_load_reduce", None) is None:
+        # Without the sum over data-parallel ranks each rank would move its router biases differently.
+        raise SystemExit("glm53.parallel.parallelize did not set model.expert_load_reduce (the expert-load all-reduce)")
+    return model
 
 
 def _progress(step: int, total: int, loss: float, rate: float) -> str:

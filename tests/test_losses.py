@@ -7,6 +7,7 @@ import torch
 
 from glm53 import Glm53Config, Glm53ForCausalLM
 from glm53.losses import balance_loss, expert_load, z_loss
+from oracle import randomize
 
 KDA, MLA = "linear_attention", "indexed_attention"
 B, T = 2, 18  # 4 complete pools of 4, plus a 2-token tail
@@ -156,6 +157,7 @@ def test_indexer_loss_matches_direct_dense_computation(mode, shared):
     kw = dict(indexer_loss_weight=0.5, indexer_loss_mode=mode)
     config = shared_config(**kw) if shared else Glm53Config.tiny(router_aux_loss_coef=0.0, **kw)
     model = Glm53ForCausalLM(config)
+    randomize(model)  # peaked attention: each layer's target differs from uniform and from the others'
     seen = capture_attention_inputs(model)
     ids = torch.randint(1, 320, (B, T))
     out = model(ids, labels=ids)
