@@ -1,4 +1,4 @@
-"""Command line: `python -m glm53 demo` (more subcommands come with the training features)."""
+"""Command line: `python -m glm53 train` (the main job: see glm53/train.py) and `python -m glm53 demo`."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import time
 import torch
 
 from . import Glm53Config, Glm53ForCausalLM
+from . import train as train_cli
 from .data import VOCAB_SIZE, batches, corpus_text, encode
 
 
@@ -45,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
     p.set_defaults(func=demo)
+    p = sub.add_parser("train", help="train a preset on the built-in corpus; save/resume official checkpoints")
+    train_cli.add_arguments(p)
+    p.set_defaults(func=train_cli.train)
     args = parser.parse_args(argv)
     return args.func(args)
 

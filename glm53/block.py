@@ -13,6 +13,7 @@ import torch.nn as nn
 from .config import LINEAR_ATTENTION, Glm53Config
 from .hyper_connection import HyperConnection
 from .kda import KimiDeltaAttention
+from .losses import LayerStats
 from .mla import MultiHeadLatentAttention
 from .mlp import MLP
 from .moe import MoE
@@ -36,8 +37,12 @@ class DecoderBlock(nn.Module):
         streams: torch.Tensor,
         valid: torch.Tensor,
         shared_topk: torch.Tensor | None = None,
+        stats: LayerStats | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """streams [B, T, N, D], valid [B, T] bool -> (streams, this layer's top-k or None for KDA)."""
+        """streams [B, T, N, D], valid [B, T] bool -> (streams, this layer's top-k or None for KDA).
+
+        `stats` (optional) is filled with what the training losses need (losses.LayerStats).
+        """
         topk = None
 
         def attention(x: torch.Tensor) -> torch.Tensor:
@@ -45,11 +50,15 @@ class DecoderBlock(nn.Module):
             x = self.input_layernorm(x)
             if self.is_linear:
                 return self.self_attn(x, valid)
-            out, topk = self.self_attn(x, valid, shared_topk)
+            out, topk = self.self_attn(x, valid, shared_topk, stats)
             return out
 
+        def mlp(x: torch.Tensor) -> torch.Tensor:
+            x = self.post_attention_layernorm(x)
+            return self.mlp(x, stats) if isinstance(self.mlp, MoE) else self.mlp(x)
+
         streams = self.attn_hc(streams, attention)
-        streams = self.ffn_hc(streams, lambda x: self.mlp(self.post_attention_layernorm(x)))
+        streams = self.ffn_hc(streams, mlp)
         return streams, topk
 
     def init_weights(self) -> None:

@@ -4,6 +4,7 @@ On disk (MODEL_NOTES.md): text weights under `model.language_model.`, `lm_head.w
 tied), vision under `model.visual.`, the MTP layer as `layers.{num_hidden_layers}.*`. glm53's module names are
 the on-disk names except:
     hc_{attn,ffn}_{fn,base,scale}                         <-> layers.N.{attn,ffn}_hc.{fn,base,scale}
+    layers.{num_hidden_layers + j}.* (MTP)                   <-> mtp.layers.{j}.* (outside `model.`)
     mlp.experts.{e}.{gate,up,down}_proj.weight (per expert) <-> mlp.experts.gate_up_proj [E, 2I, D] /
                                                               mlp.experts.down_proj [E, D, I]
 Loading reads tensors lazily with safetensors' safe_open (never pickle), checks every key and shape before
@@ -134,6 +135,7 @@ def _plan(model: torch.nn.Module, files: dict[str, str], reader: _Reader, num_la
     direct: dict[str, str] = {}  # model name -> checkpoint key
     experts: dict[str, dict[tuple[int, str], str]] = defaultdict(dict)  # fused name -> (e, proj) -> key
     unexpected, mtp, vision = [], [], []
+    n_mtp = model.config.num_nextn_predict_layers if getattr(model, "mtp", None) is not None else 0
     for key in files:
         weight = key[: -len(fp8.SCALE_SUFFIX)]
         if key.endswith(fp8.SCALE_SUFFIX) and weight in files and fp8.is_fp8(reader.dtype(weight)):
@@ -150,9 +152,12 @@ def _plan(model: torch.nn.Module, files: dict[str, str], reader: _Reader, num_la
             local = key[len(TEXT_PREFIX):]
             m = _LAYER.match(local)
             if m and int(m[1]) >= num_layers:
-                mtp.append(key)
-                continue
-            name = "model." + official_to_internal(local)
+                name = _mtp_internal(local, num_layers, n_mtp)
+                if name is None:
+                    mtp.append(key)
+                    continue
+            else:
+                name = "model." + official_to_internal(local)
         else:
             unexpected.append(key)
             continue
@@ -165,9 +170,14 @@ def _plan(model: torch.nn.Module, files: dict[str, str], reader: _Reader, num_la
     tied = getattr(model.config, "tie_word_embeddings", False)
     if tied and "lm_head.weight" in direct:
         del direct["lm_head.weight"]  # the embedding provides it; a stored copy is ignored
+    # A checkpoint without any MTP tensor (e.g. written by transformers, which drops them) leaves the MTP
+    # module to be initialised; a partial MTP layer is an error like any other missing key.
+    mtp_found = any(n.startswith("mtp.") for n in [*direct, *experts])
     missing, bad_shape = [], []
     for name, tensor in targets.items():
         if tied and name == "lm_head.weight":
+            continue
+        if name.startswith("mtp.") and not mtp_found:
             continue
         if name in direct:
             if reader.shape(direct[name]) != tuple(tensor.shape):
@@ -176,7 +186,7 @@ def _plan(model: torch.nn.Module, files: dict[str, str], reader: _Reader, num_la
             E, rows, cols = tensor.shape
             parts = ("gate", "up") if name.endswith("gate_up_proj") else ("down",)
             expected = (rows // len(parts), cols)
-            prefix = TEXT_PREFIX + name[len("model."):].rsplit(".", 1)[0]
+            prefix = _official_key(name.rsplit(".", 1)[0], num_layers)
             for e in range(E):
                 for part in parts:
                     key = experts[name].get((e, part))
@@ -187,7 +197,7 @@ def _plan(model: torch.nn.Module, files: dict[str, str], reader: _Reader, num_la
             extra = [k for (e, _), k in experts[name].items() if e >= E]
             unexpected.extend(extra)
         else:
-            missing.append(f"{_official_key(name)} {tuple(tensor.shape)}")
+            missing.append(f"{_official_key(name, num_layers)} {tuple(tensor.shape)}")
     used = list(direct.values()) + [k for parts in experts.values() for k in parts.values()]
     bad_fp8 = [msg for key in used if (msg := reader.check_fp8(key))]
     problems = []
@@ -201,12 +211,29 @@ def _plan(model: torch.nn.Module, files: dict[str, str], reader: _Reader, num_la
         problems.append("mis-shaped keys:\n  " + "\n  ".join(sorted(bad_shape)))
     if problems:
         raise CheckpointError("checkpoint does not match the model config:\n" + "\n".join(problems))
-    return direct, experts, mtp, vision
+    return direct, experts, mtp, vision, mtp_found
 
 
-def _official_key(name: str) -> str:
+# Copies of the shared embedding / head that some MTP releases store inside the MTP layer (DeepSeek-V3 does);
+# glm53 shares the main model's, so these are set aside, not loaded.
+_MTP_SHARED_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
+
+
+def _mtp_internal(local: str, num_layers: int, n_mtp: int) -> str | None:
+    """`layers.{N+j}.rest` -> `mtp.layers.{j}.rest` (glm53 name), or None for a key set aside."""
+    m = _LAYER.match(local)
+    j, rest = int(m[1]) - num_layers, local[m.end():]
+    if j >= n_mtp or rest in _MTP_SHARED_COPIES:
+        return None
+    return "mtp." + official_to_internal(f"layers.{j}.{rest}")
+
+
+def _official_key(name: str, num_layers: int) -> str:
     if name.startswith("model."):
         return TEXT_PREFIX + internal_to_official(name[len("model."):])
+    if name.startswith("mtp."):
+        m = _LAYER.match(name[len("mtp."):])
+        return TEXT_PREFIX + f"layers.{num_layers + int(m[1])}." + name[len("mtp.") + m.end():]
     return name
 
 
@@ -220,8 +247,10 @@ def load_checkpoint(cls, path: str | os.PathLike, *, dtype: torch.dtype | None =
     """Build `cls` (Glm53ForCausalLM) from an official-layout directory; see the module docstring.
 
     dtype None keeps the config's stored `dtype`/`torch_dtype` when it names one, else fp32. Parameters that
-    transformers keeps in fp32 stay fp32. The MTP layer's keys are recognised and kept aside, listed in
-    `model.mtp_checkpoint_keys`, for the MTP module to load.
+    transformers keeps in fp32 stay fp32. With `num_nextn_predict_layers > 0` the MTP layers' keys
+    (`layers.{N+j}.*`) load into `model.mtp.layers[j]` (a checkpoint with none of them leaves the MTP module
+    freshly initialised, with a warning); MTP keys the model has no place for are set aside and listed in
+    `model.mtp_checkpoint_keys`.
     """
     from .model import cast_model
 
@@ -234,7 +263,7 @@ def load_checkpoint(cls, path: str | os.PathLike, *, dtype: torch.dtype | None =
     reader = _Reader(files, fp8.weight_block_size(quantization_config(config)))
     with torch.device("meta"):
         model = cls(config)
-    direct, experts, mtp, vision = _plan(model, files, reader, config.num_hidden_layers)
+    direct, experts, mtp, vision, mtp_found = _plan(model, files, reader, config.num_hidden_layers)
     if vision:
         logger.warning("skipping %d vision-tower tensors (model.visual.*): glm53 is the text model", len(vision))
     model.to_empty(device=device)
@@ -251,6 +280,10 @@ def load_checkpoint(cls, path: str | os.PathLike, *, dtype: torch.dtype | None =
                 rows = target.shape[1] // 2 if name.endswith("gate_up_proj") else target.shape[1]
                 offset = rows if part == "up" else 0
                 target[e, offset : offset + rows].copy_(reader.get(key))
+        if model.mtp is not None and not mtp_found:
+            logger.warning("%s has no MTP tensors (layers.%d.*): the MTP module is freshly initialised",
+                           path, config.num_hidden_layers)  # fmt: skip
+            model.mtp.init_weights()
     model.mtp_checkpoint_keys = sorted(mtp)
     return model
 
@@ -274,21 +307,30 @@ def _official_items(local: str, tensor: torch.Tensor) -> Iterator[tuple[str, tor
 def _named_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(glm53 name, tensor) for every parameter and buffer; the MTP module (if any) as `model.layers.{N}.*`.
 
-    MTP hook: a `model.mtp` module (issue 6) is written under layers.{num_hidden_layers}. If it defines
-    `official_state_dict()` its keys are taken as on-disk names relative to that layer, else its
-    `state_dict()` keys go through the same mapping as a decoder block's (hc names, per-expert split).
+    The MTP layers `mtp.layers.{j}.*` come last, named `model.layers.{num_hidden_layers + j}.*`.
     """
     tied = model.config.tie_word_embeddings
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
         if (name == "lm_head.weight" and tied) or name.startswith("mtp."):
             continue
         yield name, tensor
+    yield from _mtp_named_state(model)
+
+
+def _mtp_named_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     mtp = getattr(model, "mtp", None)
-    if mtp is not None and hasattr(mtp, "state_dict"):
-        layer = f"model.layers.{model.config.num_hidden_layers}."
-        state = mtp.official_state_dict() if hasattr(mtp, "official_state_dict") else mtp.state_dict()
-        for key, tensor in state.items():
-            yield layer + key, tensor
+    if mtp is None:
+        return
+    n = model.config.num_hidden_layers
+    for name, tensor in list(mtp.named_parameters()) + list(mtp.named_buffers()):
+        m = _LAYER.match(name)
+        yield f"model.layers.{n + int(m[1])}.{name[m.end():]}", tensor
+
+
+def mtp_official_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(on-disk key, tensor) pairs of the MTP layers only: `model.mtp.layers.{j}.*` -> `layers.{N+j}.*`."""
+    for name, tensor in _mtp_named_state(model):
+        yield from _official_items(name[len("model."):], tensor)
 
 
 def iter_official_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -22,6 +22,7 @@ LEGACY_LAYER_TYPES = {"full_attention": INDEXED_ATTENTION, "deepseek_sparse_atte
 MLP_TYPES = ("dense", "sparse")
 SAFE_GATE_LOWER_BOUND = -5.0  # the KDA gate bound a `linear_attn_config` with safe_gate implies (transformers)
 INDEXER_TYPES = ("full", "shared")
+INDEXER_LOSS_MODES = ("dense", "sparse")
 
 # Keys of a config.json that describe the checkpoint, not the text model; accepted and dropped.
 _IGNORED_KEYS = {"head_dim", "qk_head_dim", "model_type", "transformers_version", "architectures"}
@@ -60,7 +61,8 @@ class Glm53Config:
     topk_group: int = 1  # groups each token may use
     routed_scaling_factor: float = 2.5  # multiplier on the routing weights
     norm_topk_prob: bool = True  # renormalise the chosen experts' scores to sum to 1
-    router_aux_loss_coef: float = 0.001  # weight of the load-balancing loss (training)
+    router_aux_loss_coef: float = 0.001  # weight of the sequence-wise balance loss (training, with labels)
+    router_z_loss_coef: float = 0.0  # weight of the router z-loss (training, with labels); 0 = off
     output_router_logits: bool = False  # return router logits from forward
     # --- layer schedule ---
     layer_types: list[str] | None = None  # per layer "linear_attention" (KDA) or "indexed_attention" (MLA)
@@ -74,6 +76,12 @@ class Glm53Config:
     hc_mult: int = 4  # residual streams N
     hc_eps: float = 1e-6  # floor in the mHC pre/comb weights and Sinkhorn
     hc_sinkhorn_iters: int = 20  # Sinkhorn iterations on the comb matrix
+    # --- training (losses.py, mtp.py; defaults keep inference unchanged) ---
+    num_nextn_predict_layers: int = 0  # MTP layers stored as layers.{N}, layers.{N+1}, ... (0 = no MTP module)
+    mtp_depth: int = 1  # future tokens the MTP predicts; depth d uses MTP layer min(d, layers - 1)
+    mtp_loss_weight: float = 0.1  # weight of the MTP loss (mean over depths) in .loss
+    indexer_loss_weight: float = 0.0  # weight of the DSA indexer KL loss in .loss (0 = not computed)
+    indexer_loss_mode: str = "dense"  # "dense": KL over every candidate pool; "sparse": over the selected pools
     # --- misc ---
     hidden_act: str = "silu"  # activation of SwiGLU and the KDA convs (only "silu" is supported)
     swiglu_limit: float = 10.0  # clamp on SwiGLU gate (above) and up (both sides)
@@ -169,6 +177,7 @@ class Glm53Config:
         if self.topk_group * (self.n_routed_experts // self.n_group) < self.num_experts_per_tok:
             raise ValueError(f"topk_group ({self.topk_group!r}) groups hold fewer experts than num_experts_per_tok "
                              f"({self.num_experts_per_tok})")  # fmt: skip
+        self._validate_training()
         if self.hidden_act != "silu":
             raise ValueError(f"hidden_act must be 'silu', got {self.hidden_act!r}")
         if self.linear_lower_bound is not None and not self.linear_lower_bound < 0:
@@ -186,6 +195,23 @@ class Glm53Config:
                     f"indexer_types[{i}] is 'shared' but no earlier indexed_attention layer has a 'full' indexer "
                     f"to share top-k from: {self.indexer_types!r}"
                 )
+
+    def _validate_training(self) -> None:
+        for name in ("num_nextn_predict_layers", "mtp_depth"):
+            value = getattr(self, name)
+            low = 1 if name == "mtp_depth" else 0
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        if self.num_nextn_predict_layers > self.mtp_depth:
+            raise ValueError(f"num_nextn_predict_layers ({self.num_nextn_predict_layers}) must not exceed mtp_depth "
+                             f"({self.mtp_depth!r}): an MTP layer past the last depth would never be used")  # fmt: skip
+        for name in ("mtp_loss_weight", "indexer_loss_weight", "router_aux_loss_coef", "router_z_loss_coef"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"{name} must be a non-negative number, got {value!r}")
+        if self.indexer_loss_mode not in INDEXER_LOSS_MODES:
+            raise ValueError(f"indexer_loss_mode is {self.indexer_loss_mode!r}; expected one of "
+                             f"{list(INDEXER_LOSS_MODES)}")  # fmt: skip
 
     # ------------------------------------------------------------ conversions
     @classmethod

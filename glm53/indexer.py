@@ -12,6 +12,7 @@ Following transformers' Glm5NextTextIndexer (DeepSeek-V3.2 DSA plus GLM's k-pool
   (up to L - 1 tokens) is appended when `index_kpool_always_select_tail`.
 - -1 marks an empty slot; padding queries get only -1. J = index_topk (+ L - 1 with the tail).
 The selection is not differentiable; transformers runs it under no_grad and so does the forward here.
+`score_and_select(..., grad=True)` also returns the scores with gradient for the indexer KL loss (losses.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,27 @@ def first_valid_position(valid: torch.Tensor) -> torch.Tensor:
     """[B, T] bool -> [B] index of the first True (T for an all-False row)."""
     T = valid.shape[-1]
     return torch.where(valid.any(-1), valid.long().argmax(-1), torch.full_like(valid[:, 0], T, dtype=torch.long))
+
+
+def pool_layout(valid: torch.Tensor, kpool: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pools of `kpool` consecutive positions from each row's first valid token.
+
+    -> positions [B, P, L] (may run past T), which of them are valid tokens [B, P, L], and which pools to keep
+    [P]: pools incomplete in every row are dropped (transformers does the same; it changes how many are picked).
+    """
+    B, T = valid.shape
+    P = -(-T // kpool)
+    offsets = torch.arange(P * kpool, device=valid.device).view(1, P, kpool)
+    positions = first_valid_position(valid)[:, None, None] + offsets
+    batch = torch.arange(B, device=valid.device)[:, None, None]
+    token_valid = valid[batch, positions.clamp(0, T - 1)] & (positions < T)
+    return positions, token_valid, token_valid.all(-1).any(0)
+
+
+def kept_pools(valid: torch.Tensor, kpool: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pools the indexer scores: token positions [B, P, L] (-1 where invalid) and completeness [B, P]."""
+    positions, token_valid, keep = pool_layout(valid, kpool)
+    return positions.masked_fill(~token_valid, -1)[:, keep], token_valid.all(-1)[:, keep]
 
 
 class Indexer(nn.Module):
@@ -53,22 +75,17 @@ class Indexer(nn.Module):
 
     def pools(self, x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Pool keys [B, P, E], their token positions [B, P, L] (-1 where invalid), completeness [B, P]."""
-        B, T = valid.shape
-        L = self.kpool
+        T = valid.shape[1]
         keys = self.k_norm(self.wk(x))  # [B, T, E]
         gate = F.linear(x, self.index_kpool_compress_gate)  # [B, T, E]
-        P = -(-T // L)
-        positions = first_valid_position(valid)[:, None, None] + torch.arange(P * L, device=x.device).view(1, P, L)
+        positions, token_valid, keep = pool_layout(valid, self.kpool)
         safe = positions.clamp(0, T - 1)
-        batch = torch.arange(B, device=x.device)[:, None, None]
-        token_valid = valid[batch, safe] & (positions < T)  # [B, P, L]
+        batch = torch.arange(valid.shape[0], device=x.device)[:, None, None]
         complete = token_valid.all(-1)  # [B, P]
         logits = gate[batch, safe].float() + self.index_kpool_compress_ape.float()
         logits = logits.masked_fill(~token_valid[..., None], float("-inf"))
         weights = torch.nan_to_num(logits.softmax(dim=2)).to(keys.dtype)  # all-invalid pools -> 0
         pool_keys = (weights * keys[batch, safe]).sum(dim=2)
-        # Drop pools incomplete in every row (transformers does the same; it changes how many are picked).
-        keep = complete.any(0)
         return pool_keys[:, keep], positions.masked_fill(~token_valid, -1)[:, keep], complete[:, keep]
 
     def scores(self, x: torch.Tensor, q_resid: torch.Tensor, pool_keys: torch.Tensor) -> torch.Tensor:
@@ -82,22 +99,43 @@ class Indexer(nn.Module):
     @torch.no_grad()
     def forward(self, x: torch.Tensor, q_resid: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """x [B, T, D], q_resid [B, T, R], valid [B, T] bool -> top-k key positions [B, T, J] int64."""
+        return self.score_and_select(x, q_resid, valid)[0]
+
+    def score_and_select(
+        self, x: torch.Tensor, q_resid: torch.Tensor, valid: torch.Tensor, grad: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> (top-k [B, T, J], scores [B, T, P] fp32, candidate pools [B, T, P], selected pools [B, T, P]).
+
+        With `grad` (and grad mode on) the scores carry gradient to this indexer's own parameters only: its
+        inputs are detached, so the indexer KL loss (losses.py) trains the indexer and nothing else, and the
+        selection itself, made from detached scores, is never differentiated (DeepSeek-V3.2).
+        """
+        with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
+            pool_keys, positions, complete = self.pools(x.detach(), valid)
+            scores = self.scores(x.detach(), q_resid.detach(), pool_keys)
+        with torch.no_grad():
+            topk, candidate, selected = self.select(scores.detach(), positions, complete, valid)
+        return topk, scores, candidate, selected
+
+    def select(
+        self, scores: torch.Tensor, positions: torch.Tensor, complete: torch.Tensor, valid: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Top-k pools -> (token positions [B, T, J], candidate pools [B, T, P], selected pools [B, T, P])."""
         B, T = valid.shape
-        visible = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()[None] & valid[:, None, :]  # [B, T, T]
-        pool_keys, positions, complete = self.pools(x, valid)
-        scores = self.scores(x, q_resid, pool_keys)
+        visible = torch.ones(T, T, dtype=torch.bool, device=scores.device).tril()[None] & valid[:, None, :]  # [B, T, T]
         pool_end = positions[..., -1].clamp(0, T - 1)  # [B, P]
         candidate = visible.gather(-1, pool_end[:, None, :].expand(B, T, -1)) & complete[:, None]  # [B, T, P]
         scores = scores.masked_fill(~candidate, torch.finfo(scores.dtype).min)
         select = min(self.index_topk // self.kpool, scores.shape[-1])
         chosen = scores.topk(select, dim=-1).indices  # [B, T, select]
         chosen_ok = candidate.gather(-1, chosen)
-        tokens = positions[torch.arange(B, device=x.device)[:, None, None], chosen]  # [B, T, select, L]
+        selected = torch.zeros_like(candidate).scatter_(-1, chosen, chosen_ok)
+        tokens = positions[torch.arange(B, device=scores.device)[:, None, None], chosen]  # [B, T, select, L]
         topk = tokens.masked_fill(~chosen_ok[..., None], -1).flatten(-2)
         if self.select_tail:
             topk = torch.cat([topk, self.visible_tail(visible, valid)], dim=-1)
         topk = F.pad(topk, (0, self.num_slots - topk.shape[-1]), value=-1)[..., : self.num_slots]
-        return topk.masked_fill(~valid[..., None], -1)
+        return topk.masked_fill(~valid[..., None], -1), candidate, selected
 
     def visible_tail(self, visible: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """The tokens of each query's incomplete pool: [B, T, L-1] positions, -1 where empty."""

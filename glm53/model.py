@@ -7,20 +7,30 @@ padded inputs and the indexer never selects padded keys, so valid positions do n
 Top-k sharing: a layer whose indexer type is "shared" reuses the most recent "full" layer's selection, also
 across KDA layers in between. (transformers only hands top-k to the directly following attention layer and
 raises otherwise; where both run, they agree.)
+
+Training (MODEL_NOTES.md, "Training semantics beyond transformers"): with labels, Glm53ForCausalLM also returns
+the MTP loss (mtp.py), the router balance / z-loss and the indexer KL loss (losses.py), each on its own and
+weighted into `.loss`; training forwards count expert loads for `update_router_bias`.
+`gradient_checkpointing_enable()` recomputes every decoder block (mHC coefficients included) in backward.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from .block import DecoderBlock
 from .config import Glm53Config
 from .hyper_connection import collapse_streams, expand_streams
+from .losses import LayerStats, expert_load, indexer_kl_terms, router_aux_loss
+from .moe import MoE, Router
+from .mtp import MultiTokenPrediction, mtp_labels
 from .norm import RMSNorm
 
 IGNORE_INDEX = -100  # label value that contributes no loss (transformers' convention)
@@ -35,8 +45,11 @@ FP32_SUFFIXES = (
 @dataclass
 class CausalLMOutput:
     logits: torch.Tensor  # [B, T, V]
-    loss: torch.Tensor | None = None  # total training loss
+    loss: torch.Tensor | None = None  # lm + mtp_loss_weight * mtp + aux + indexer_loss_weight * indexer
     lm_loss: torch.Tensor | None = None  # next-token cross-entropy alone
+    mtp_loss: torch.Tensor | None = None  # MTP cross-entropy, mean over depths (None without an MTP module)
+    aux_loss: torch.Tensor | None = None  # coef-weighted balance + z-loss, mean over MoE layers (None if both off)
+    indexer_loss: torch.Tensor | None = None  # indexer KL, mean over full indexers (None when its weight is 0)
     last_hidden_state: torch.Tensor | None = None  # [B, T, D] after the final norm
 
 
@@ -55,6 +68,22 @@ def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return model
 
 
+def run_checkpointed(enabled: bool, module: nn.Module, args: tuple, collect: bool, indexer: bool = False):
+    """module(*args, stats) -> (output, stats), recomputed in backward when `enabled` and grad is on.
+
+    stats is a fresh LayerStats (None unless `collect`) made inside the recomputed region, so recomputation
+    fills a throw-away copy: nothing the caller reads (expert loads included) is recorded twice.
+    """
+
+    def call(*inputs):
+        stats = LayerStats(indexer=indexer) if collect else None
+        return module(*inputs, stats), stats
+
+    if enabled and torch.is_grad_enabled():
+        return checkpoint(call, *args, use_reentrant=False)
+    return call(*args)
+
+
 class Glm53Model(nn.Module):
     def __init__(self, config: Glm53Config) -> None:
         super().__init__()
@@ -62,25 +91,37 @@ class Glm53Model(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderBlock(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.gradient_checkpointing = False  # recompute each block in backward (Glm53ForCausalLM toggles it)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """-> last hidden state [B, T, D]."""
+    def embed(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None) -> torch.Tensor:
+        """Validate the inputs and return the embeddings [B, T, D]."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         if inputs_embeds is None:
             if input_ids.dim() != 2:
                 raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
             inputs_embeds = self.embed_tokens(input_ids)
+        return inputs_embeds
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        stats: list[LayerStats] | None = None,
+        record_indexer: bool = False,
+    ) -> torch.Tensor:
+        """-> last hidden state [B, T, D]. A `stats` list receives one LayerStats per layer (losses.py)."""
+        inputs_embeds = self.embed(input_ids, inputs_embeds)
         valid = padding_mask(attention_mask, inputs_embeds.shape[:2], inputs_embeds.device)
         streams = expand_streams(inputs_embeds, self.config.hc_mult)  # [B, T, N, D]
         shared_topk = None
         for layer in self.layers:
-            streams, topk = layer(streams, valid, shared_topk)
+            (streams, topk), layer_stats = run_checkpointed(
+                self.gradient_checkpointing, layer, (streams, valid, shared_topk), stats is not None, record_indexer
+            )
+            if stats is not None:
+                stats.append(layer_stats)
             if topk is not None:
                 shared_topk = topk
         return self.norm(collapse_streams(streams))
@@ -126,6 +167,11 @@ class Glm53ForCausalLM(nn.Module):
         self.model = Glm53Model(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
+        # MTP layers (layers.{N}.* on disk); they share embed_tokens and lm_head with the main model.
+        self.mtp = MultiTokenPrediction(config) if config.num_nextn_predict_layers > 0 else None
+        # Reduces the stacked expert loads [moe layers, E] before the bias update; the parallel layer sets it
+        # to a sum over data-parallel ranks (model code holds no collectives).
+        self.expert_load_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         if not self.lm_head.weight.is_meta:
             self.init_weights()
 
@@ -136,12 +182,23 @@ class Glm53ForCausalLM(nn.Module):
         labels: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
     ) -> CausalLMOutput:
-        hidden = self.model(input_ids, attention_mask, inputs_embeds)
-        logits = self.lm_head(hidden)
-        out = CausalLMOutput(logits=logits, last_hidden_state=hidden)
+        collect = labels is not None or self.training
+        if not collect:
+            hidden = self.model(input_ids, attention_mask, inputs_embeds)
+            return CausalLMOutput(logits=self.lm_head(hidden), last_hidden_state=hidden)
+        inputs_embeds = self.model.embed(input_ids, inputs_embeds)
+        valid = padding_mask(attention_mask, inputs_embeds.shape[:2], inputs_embeds.device)
+        record_indexer = labels is not None and self.config.indexer_loss_weight > 0
+        stats: list[LayerStats] = []
+        hidden = self.model(None, valid, inputs_embeds, stats, record_indexer)
+        out = CausalLMOutput(logits=self.lm_head(hidden), last_hidden_state=hidden)
+        mtp_runs = []  # per depth: (logits, valid, stats)
+        if self.mtp is not None and labels is not None:
+            mtp_runs = self.mtp(hidden, inputs_embeds, valid, self.lm_head, record_indexer)
+        if self.training:  # evaluation forwards (labels, eval mode) leave the balancing counts alone
+            self._count_expert_loads(stats, valid, mtp_runs)
         if labels is not None:
-            out.lm_loss = causal_lm_loss(logits, labels)
-            out.loss = out.lm_loss
+            self._add_losses(out, labels, valid, stats, mtp_runs)
         return out
 
     def tie_weights(self) -> None:
@@ -149,11 +206,84 @@ class Glm53ForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def _add_losses(self, out: CausalLMOutput, labels: torch.Tensor, valid: torch.Tensor, stats: list[LayerStats],
+                    mtp_runs: list) -> None:  # fmt: skip
+        """Fill out.lm_loss, .mtp_loss, .aux_loss, .indexer_loss and their weighted sum out.loss."""
+        cfg = self.config
+        out.lm_loss = loss = causal_lm_loss(out.logits, labels)
+        if mtp_runs:
+            per_depth = [causal_lm_loss(lg, mtp_labels(labels, d, IGNORE_INDEX)) for d, (lg, _, _) in
+                         enumerate(mtp_runs, start=1)]  # fmt: skip
+            out.mtp_loss = torch.stack(per_depth).mean()
+            loss = loss + cfg.mtp_loss_weight * out.mtp_loss
+        records = [(s, valid) for s in stats] + [(s, v) for _, v, s in mtp_runs]
+        out.aux_loss = router_aux_loss(records, cfg.router_aux_loss_coef, cfg.router_z_loss_coef)
+        if out.aux_loss is not None:
+            loss = loss + out.aux_loss
+        if cfg.indexer_loss_weight > 0:
+            terms = indexer_kl_terms(stats, valid, cfg.indexer_loss_mode)
+            for _, v, s in mtp_runs:
+                terms += indexer_kl_terms([s], v, cfg.indexer_loss_mode)
+            out.indexer_loss = torch.stack(terms).mean() if terms else out.lm_loss.new_zeros(())
+            loss = loss + cfg.indexer_loss_weight * out.indexer_loss
+        out.loss = loss
+
+    @torch.no_grad()
+    def _count_expert_loads(self, stats: list[LayerStats], valid: torch.Tensor, mtp_runs: list) -> None:
+        """Add each router's tokens-per-expert of this forward to `router.counted_load`."""
+        pairs = [(layer.mlp.gate, s, valid) for layer, s in zip(self.model.layers, stats) if isinstance(layer.mlp, MoE)]
+        pairs += [(self.mtp.layer_for(d).mlp.gate, s, v) for d, (_, v, s) in enumerate(mtp_runs, start=1)]
+        for router, s, v in pairs:
+            load = expert_load(s.router_indices, v, router.num_experts)
+            router.counted_load = load if router.counted_load is None else router.counted_load + load
+
+    def routers(self) -> list[Router]:
+        return [m for m in self.modules() if isinstance(m, Router)]
+
+    @torch.no_grad()
+    def update_router_bias(self, rate: float = 1e-3) -> None:
+        """Aux-loss-free balancing (DeepSeek-V3 section 2.1.2): bias_i += rate * sign(mean load - load_i).
+
+        Uses the expert loads counted by the training-mode forwards (model.train()) since the previous
+        update (with one forward per step: the last forward's; with gradient accumulation: all micro-batches'),
+        summed over data-parallel ranks by `expert_load_reduce` when the parallel layer set it, then clears them.
+        Call after optimizer.step().
+        """
+        routers = self.routers()
+        if not routers:
+            return
+        if any(r.counted_load is None for r in self._main_routers()):
+            raise RuntimeError("update_router_bias needs the expert loads of a training forward "
+                               "(model.train()) since the last update; none were counted")  # fmt: skip
+        counted = [r for r in routers if r.counted_load is not None]
+        loads = torch.stack([r.counted_load for r in counted])  # [layers, E]
+        if self.expert_load_reduce is not None:
+            loads = self.expert_load_reduce(loads)
+        for router, load in zip(counted, loads):
+            router.e_score_correction_bias += rate * torch.sign(load.mean() - load)
+            router.counted_load = None
+
+    def _main_routers(self) -> list[Router]:
+        return [layer.mlp.gate for layer in self.model.layers if isinstance(layer.mlp, MoE)]
+
+    def gradient_checkpointing_enable(self) -> None:
+        """Recompute each decoder block (and MTP layer) in backward instead of storing its activations."""
+        self.model.gradient_checkpointing = True
+        if self.mtp is not None:
+            self.mtp.gradient_checkpointing = True
+
+    def gradient_checkpointing_disable(self) -> None:
+        self.model.gradient_checkpointing = False
+        if self.mtp is not None:
+            self.mtp.gradient_checkpointing = False
+
     def init_weights(self) -> None:
         """Initialise every parameter as transformers' Glm5NextPreTrainedModel._init_weights does."""
         self.model.init_weights()
         if not self.config.tie_word_embeddings:
             nn.init.normal_(self.lm_head.weight, std=self.config.initializer_range)
+        if self.mtp is not None:
+            self.mtp.init_weights()
 
     def to_dtype(self, dtype: torch.dtype) -> "Glm53ForCausalLM":
         """Cast to `dtype`, keeping fp32 the parameters transformers keeps in fp32 (FP32_SUFFIXES)."""

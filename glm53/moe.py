@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from .config import Glm53Config
 from .kernels import kernel
+from .losses import LayerStats
 from .mlp import MLP
 
 NORM_EPS = 1e-20  # added to the sum of the chosen scores before renormalising (transformers)
@@ -32,6 +33,9 @@ class Router(nn.Module):
         self.initializer_range = config.initializer_range
         self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
+        # Tokens routed to each expert [E] by the training-mode forwards since the last bias update; consumed by
+        # Glm53ForCausalLM.update_router_bias (aux-loss-free balancing). Not state: never saved.
+        self.counted_load: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [N, D] -> (logits [N, E] fp32, weights [N, k] fp32, indices [N, k])."""
@@ -81,9 +85,12 @@ class MoE(nn.Module):
         self.experts = Experts(config)
         self.shared_experts = MLP(config, config.moe_intermediate_size * config.n_shared_experts)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, D] -> [B, T, D]
+    def forward(self, x: torch.Tensor, stats: LayerStats | None = None) -> torch.Tensor:  # [B, T, D] -> [B, T, D]
+        """With `stats`, records the router logits and choices for the balance losses and expert loads."""
         flat = x.reshape(-1, x.shape[-1])
-        _, weights, indices = self.gate(flat)
+        logits, weights, indices = self.gate(flat)
+        if stats is not None:
+            stats.router_logits, stats.router_indices = logits, indices
         routed = self.experts(flat, indices, weights).view_as(x)
         return routed + self.shared_experts(x)
 

@@ -152,17 +152,16 @@ def test_interrupted_write_leaves_no_target(tmp_path, monkeypatch):
 
 
 def test_mtp_module_is_written_under_layer_n(tmp_path):
-    model = random_model(tiny_config())
-    mtp = nn.Module()
-    mtp.eh_proj = nn.Linear(72, 36, bias=False)
-    mtp.shared_head = nn.Module()
-    mtp.shared_head.norm = nn.LayerNorm(36, bias=False)
-    mtp.attn_hc = nn.Module()  # internal names are mapped as for a decoder block
-    mtp.attn_hc.base = nn.Parameter(torch.arange(3.0))
-    model.mtp = mtp
+    """model.mtp goes to layers.{N}.* in the official names and loads back bit-exact."""
+    model = random_model(tiny_config(num_nextn_predict_layers=1))
     model.save_pretrained(tmp_path / "mtp")
     stored = read_all(tmp_path / "mtp")
-    assert torch.equal(stored[f"{TEXT}layers.4.eh_proj.weight"], mtp.eh_proj.weight.detach())
-    assert torch.equal(stored[f"{TEXT}layers.4.shared_head.norm.weight"], mtp.shared_head.norm.weight.detach())
-    assert torch.equal(stored[f"{TEXT}layers.4.hc_attn_base"], torch.arange(3.0))
-    assert not any(".mtp." in k or k.startswith("mtp.") for k in stored)
+    layer = model.mtp.layers[0]
+    assert torch.equal(stored[f"{TEXT}layers.4.eh_proj.weight"], layer.eh_proj.weight.detach())
+    assert torch.equal(stored[f"{TEXT}layers.4.shared_head.norm.weight"], layer.shared_head.norm.weight.detach())
+    assert torch.equal(stored[f"{TEXT}layers.4.mlp.experts.1.up_proj.weight"],
+                       layer.mlp.experts.gate_up_proj.detach()[1, 16:])  # fmt: skip
+    assert not any(".mtp." in k or k.startswith("mtp.") or "hc_" in k and "layers.4." in k for k in stored)
+    back = Glm53ForCausalLM.from_pretrained(tmp_path / "mtp")
+    for (name, a), (_, b) in zip(model.state_dict().items(), back.state_dict().items()):
+        assert torch.equal(a, b), name
