@@ -100,8 +100,11 @@ def test_loss_matches_transformers(tmp_path):
     labels[0, :5] = -100
     with torch.no_grad():
         ref = hf(input_ids=ids, labels=labels).loss
-        got = ours(ids, labels=labels).loss
-    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+        out = ours(ids, labels=labels)
+    # transformers' loss is the next-token cross-entropy alone; glm53's .loss adds the balance loss.
+    torch.testing.assert_close(out.lm_loss, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.loss, out.lm_loss + out.aux_loss)
+    assert out.aux_loss > 0 and out.mtp_loss is None and out.indexer_loss is None
 
 
 def test_shared_layer_reuses_full_layer_indices_across_kda():
