@@ -43,10 +43,16 @@ def test_defaults_are_the_released_model():
     assert c.swiglu_limit == 10.0 and c.tie_word_embeddings is False
 
 
+# Training fields transformers does not have (issue 6); their defaults keep inference behaviour.
+TRAINING_FIELDS = {"router_z_loss_coef", "num_nextn_predict_layers", "mtp_depth", "mtp_loss_weight",
+                   "indexer_loss_weight", "indexer_loss_mode"}  # fmt: skip
+
+
 def test_defaults_agree_with_transformers_except_kpool():
     """transformers' Glm5NextTextConfig defaults to index_kpool 16; the released checkpoint uses 4."""
     ours, theirs = fields(Glm53Config()), hf_text_config()
-    differing = {k for k, v in ours.items() if getattr(theirs, k) != v}
+    assert TRAINING_FIELDS <= set(ours) and not any(hasattr(theirs, k) for k in TRAINING_FIELDS)
+    differing = {k for k, v in ours.items() if k not in TRAINING_FIELDS and getattr(theirs, k) != v}
     assert differing == {"index_kpool"}
     assert theirs.index_kpool == 16
 
@@ -244,6 +250,9 @@ def test_config_saved_by_transformers(tmp_path, kpool):
     hf.save_pretrained(tmp_path)
     c = Glm53Config.from_pretrained(tmp_path)
     for name, value in fields(c).items():
+        if name in TRAINING_FIELDS:
+            assert value == getattr(Glm53Config, name, value), name  # absent from transformers: our default
+            continue
         expected = hf.tie_word_embeddings if name == "tie_word_embeddings" else getattr(hf.text_config, name)
         assert value == expected, name
     assert (c.index_kpool, c.num_hidden_layers, c.tie_word_embeddings, c.n_group) == (kpool, 6, True, 2)
