@@ -20,7 +20,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .boundary import as_local
 from .config import Glm53Config
+from .norm import LayerNorm
 
 K_NORM_EPS = 1e-6  # the indexer's key LayerNorm epsilon (transformers)
 
@@ -42,7 +44,7 @@ class Indexer(nn.Module):
         self.initializer_range = config.initializer_range
         self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
-        self.k_norm = nn.LayerNorm(self.head_dim, eps=K_NORM_EPS)
+        self.k_norm = LayerNorm(self.head_dim, eps=K_NORM_EPS)
         self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
         self.index_kpool_compress_ape = nn.Parameter(torch.empty(self.kpool, self.head_dim))  # [L, E]
         self.index_kpool_compress_gate = nn.Parameter(torch.empty(self.head_dim, config.hidden_size))  # [E, D]
@@ -56,14 +58,14 @@ class Indexer(nn.Module):
         B, T = valid.shape
         L = self.kpool
         keys = self.k_norm(self.wk(x))  # [B, T, E]
-        gate = F.linear(x, self.index_kpool_compress_gate)  # [B, T, E]
+        gate = F.linear(x, as_local(self, "index_kpool_compress_gate"))  # [B, T, E]
         P = -(-T // L)
         positions = first_valid_position(valid)[:, None, None] + torch.arange(P * L, device=x.device).view(1, P, L)
         safe = positions.clamp(0, T - 1)
         batch = torch.arange(B, device=x.device)[:, None, None]
         token_valid = valid[batch, safe] & (positions < T)  # [B, P, L]
         complete = token_valid.all(-1)  # [B, P]
-        logits = gate[batch, safe].float() + self.index_kpool_compress_ape.float()
+        logits = gate[batch, safe].float() + as_local(self, "index_kpool_compress_ape").float()
         logits = logits.masked_fill(~token_valid[..., None], float("-inf"))
         weights = torch.nan_to_num(logits.softmax(dim=2)).to(keys.dtype)  # all-invalid pools -> 0
         pool_keys = (weights * keys[batch, safe]).sum(dim=2)
@@ -117,6 +119,6 @@ class Indexer(nn.Module):
     def init_weights(self) -> None:
         for linear in (self.wq_b, self.wk, self.weights_proj):
             nn.init.normal_(linear.weight, std=self.initializer_range)
-        self.k_norm.reset_parameters()
+        self.k_norm.init_weights()
         nn.init.zeros_(self.index_kpool_compress_ape)
         nn.init.ones_(self.index_kpool_compress_gate)
