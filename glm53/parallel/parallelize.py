@@ -1,0 +1,132 @@
+"""`parallelize`: tensor parallelism, then activation checkpointing, then FSDP2 (per block, then the root).
+
+Legend: dp the data-parallel mesh dimension (FSDP2), tp the tensor-parallel one (`plan.py`).
+Under a low-precision `MixedPrecisionPolicy` the parameters the model needs in fp32 (mHC fn/base/scale, the
+router, KDA's convs, dt_bias and A_log) live in their own FSDP units with an fp32 policy; the router's
+e_score_correction_bias is a buffer, which FSDP never casts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+import torch.nn as nn
+from torch.distributed._composable import checkpoint
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+
+from ..kda import CausalConv1d, KimiDeltaAttention
+from ..model import Glm53ForCausalLM
+from ..moe import MoE
+from .boundary import _NAMES
+from .plan import check_tp_size, tp_plan
+
+_PARALLELIZED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+_VOCAB_PARALLEL: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def _check_mesh(mesh: DeviceMesh, dp_dim: str, tp_dim: str) -> tuple[bool, bool]:
+    names = mesh.mesh_dim_names
+    if not names:
+        raise ValueError(f"parallelize needs a DeviceMesh with named dimensions ({dp_dim!r} and/or {tp_dim!r}); "
+                         f"got {mesh} without names (init_device_mesh(..., mesh_dim_names=...))")  # fmt: skip
+    unknown = [n for n in names if n not in (dp_dim, tp_dim)]
+    if unknown:
+        raise ValueError(f"mesh dimensions {unknown} are neither dp_dim={dp_dim!r} nor tp_dim={tp_dim!r}; "
+                         f"the mesh has {list(names)}")  # fmt: skip
+    return dp_dim in names, tp_dim in names
+
+
+def apply_tensor_parallel(model: Glm53ForCausalLM, tp_mesh: DeviceMesh) -> None:
+    """Apply `tp_plan(model)` on `tp_mesh` and check that every parameter became a DTensor on it."""
+    check_tp_size(model, tp_mesh.size())
+    for fqn, module in model.named_modules():
+        _NAMES[module] = fqn
+    parallelize_module(model, tp_mesh, tp_plan(model))
+    missed = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+    if missed:
+        raise RuntimeError(f"the TP plan does not cover parameters {missed}; add their modules to glm53.parallel.tp_plan")
+    _VOCAB_PARALLEL.add(model)
+
+
+def _fp32_policy(mp_policy: MixedPrecisionPolicy) -> MixedPrecisionPolicy:
+    return MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
+                                output_dtype=mp_policy.output_dtype, cast_forward_inputs=False)  # fmt: skip
+
+
+def _needs_fp32_units(mp_policy: MixedPrecisionPolicy | None) -> bool:
+    return mp_policy is not None and mp_policy.param_dtype not in (None, torch.float32)
+
+
+def apply_fsdp(model: Glm53ForCausalLM, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None,
+               reshard_after_forward: bool) -> None:  # fmt: skip
+    """fully_shard each decoder block (with fp32 sub-units under a low-precision policy), then the root."""
+    policy = mp_policy or MixedPrecisionPolicy()
+    shard = dict(mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    for block in model.model.layers:
+        if _needs_fp32_units(mp_policy):
+            fp32 = dict(shard, mp_policy=_fp32_policy(policy))
+            fully_shard(block.attn_hc, **fp32)
+            fully_shard(block.ffn_hc, **fp32)
+            if isinstance(block.mlp, MoE):
+                fully_shard(block.mlp.gate, **fp32)
+            attn = block.self_attn
+            if isinstance(attn, KimiDeltaAttention):
+                # The projections and o_norm form one low-precision unit; what remains directly under the KDA
+                # module (dt_bias, A_log and the three convs) is its fp32 unit.
+                low = [m for m in attn.children() if not isinstance(m, CausalConv1d)]
+                fully_shard(low, **shard, mp_policy=policy)
+                fully_shard(attn, **fp32)
+        fully_shard(block, **shard, mp_policy=policy)
+    fully_shard(model, **shard, mp_policy=policy)
+
+
+def parallelize(
+    model: Glm53ForCausalLM,
+    mesh: DeviceMesh,
+    *,
+    dp_dim: str = "dp",
+    tp_dim: str = "tp",
+    mp_policy: MixedPrecisionPolicy | None = None,
+    reshard_after_forward: bool = True,
+    activation_checkpointing: bool = False,
+) -> Glm53ForCausalLM:
+    """Make `model` train on `mesh`: TP on mesh[tp_dim] if present, then activation checkpointing per block,
+    then FSDP2 on mesh[dp_dim] if present (per block, then the root). Returns the model (changed in place).
+
+    Compute the loss inside `loss_parallel_context(model)` (forward and backward) when TP is on: the logits are
+    a vocab-sharded DTensor.
+    """
+    if not isinstance(model, Glm53ForCausalLM):
+        raise TypeError(f"parallelize expects a Glm53ForCausalLM, got {type(model).__name__}")
+    if model in _PARALLELIZED or isinstance(model, FSDPModule) or any(isinstance(p, DTensor) for p in model.parameters()):
+        raise RuntimeError("parallelize was already applied to this model (or it already holds DTensor parameters); "
+                           "build a fresh model and call parallelize once")  # fmt: skip
+    has_dp, has_tp = _check_mesh(mesh, dp_dim, tp_dim)
+    if mp_policy is not None and not has_dp:
+        raise ValueError(f"mp_policy is FSDP2's MixedPrecisionPolicy and needs a {dp_dim!r} mesh dimension; "
+                         f"the mesh has {list(mesh.mesh_dim_names)}")  # fmt: skip
+    if has_tp:
+        apply_tensor_parallel(model, mesh[tp_dim])
+    if activation_checkpointing:
+        for block in model.model.layers:
+            checkpoint(block)
+    if has_dp:
+        apply_fsdp(model, mesh[dp_dim], mp_policy, reshard_after_forward)
+    _PARALLELIZED.add(model)
+    return model
+
+
+def loss_parallel_context(model: nn.Module) -> contextlib.AbstractContextManager:
+    """`loss_parallel()` when `model`'s lm_head is vocab-sharded by `parallelize`, else a no-op context.
+
+    Wrap both the forward that computes the loss and its backward in it.
+    """
+    return loss_parallel() if model in _VOCAB_PARALLEL else contextlib.nullcontext()
+
+
+__all__ = ["parallelize", "apply_tensor_parallel", "apply_fsdp", "loss_parallel_context"]

@@ -1,0 +1,81 @@
+"""Jobs the gloo worker pool runs on every rank (importable by spawned children; see parallel_harness.py).
+
+Each job builds the model from a config and a checkpoint sent by the parent, parallelizes it on a mesh, runs
+the global batch's share of this rank, and returns full tensors so the parent can compare with one process.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor, Replicate
+
+from glm53 import Glm53Config, Glm53ForCausalLM
+from glm53.parallel import loss_parallel_context, parallelize
+
+CLIP_NORM = 1.0  # clip_grad_norm_ bound used by the parity step (binds for the tiny model: a real check)
+LR = 0.1  # SGD learning rate of the parity step
+
+
+def build_mesh(dp: int, tp: int):
+    if dp > 1 and tp > 1:
+        return init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    if tp > 1:
+        return init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
+    return init_device_mesh("cpu", (dp,), mesh_dim_names=("dp",))
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def reference_step(config: dict, state: dict, ids: torch.Tensor) -> dict:
+    """The single-process run every parallel run is compared with (also importable by the parent)."""
+    model = Glm53ForCausalLM(Glm53Config(**config))
+    model.load_state_dict(state)
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
+    torch.optim.SGD(model.parameters(), lr=LR).step()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return dict(loss=loss.detach(), grads=grads, norm=norm, params=params)
+
+
+def parallel_step(config: dict, state: dict, ids: torch.Tensor, dp: int, tp: int, bf16: bool = False,
+                  checkpointing: bool = False) -> dict:  # fmt: skip
+    """One forward/backward/clip/SGD step on a (dp, tp) mesh; this rank runs its dp share of `ids`."""
+    mesh = build_mesh(dp, tp)
+    model = Glm53ForCausalLM(Glm53Config(**config))
+    model.load_state_dict(state)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    parallelize(model, mesh, mp_policy=policy, activation_checkpointing=checkpointing)
+    seen_dtypes: dict[str, torch.dtype] = {}
+    if bf16:
+        watch = {"attn_hc.fn": model.model.layers[0].attn_hc, "q_proj": model.model.layers[0].self_attn.q_proj}
+
+        def record(name, attr):
+            return lambda mod, args: seen_dtypes.__setitem__(name, getattr(mod, attr).dtype)
+
+        watch["attn_hc.fn"].register_forward_pre_hook(record("attn_hc.fn", "fn"))
+        watch["q_proj"].register_forward_pre_hook(record("q_proj", "weight"))
+        model.model.layers[0].self_attn.register_forward_pre_hook(record("A_log", "A_log"))
+    rank_dp = mesh.get_local_rank("dp") if dp > 1 else 0
+    per = ids.shape[0] // dp
+    local_ids = ids[rank_dp * per : (rank_dp + 1) * per]
+    with loss_parallel_context(model):
+        loss = model(local_ids, labels=local_ids).loss
+        loss.backward()
+    loss = full(loss)
+    if dp > 1:
+        dist.all_reduce(loss, group=mesh.get_group("dp"))
+        loss /= dp
+    grads = {n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+    norm = full(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM))
+    torch.optim.SGD(model.parameters(), lr=LR).step()
+    params = {n: full(p) for n, p in model.named_parameters()}
+    replicated = {n: p.to_local().detach().clone() for n, p in model.named_parameters()
+                  if isinstance(p, DTensor) and all(isinstance(pl, Replicate) for pl in p.placements)}  # fmt: skip
+    return dict(loss=loss, grads=grads, norm=norm, params=params, replicated=replicated, dtypes=seen_dtypes)
