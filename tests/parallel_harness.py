@@ -94,7 +94,7 @@ class WorkerPool:
             if p.is_alive():
                 q.put(None)
         for p in self._procs:
-            p.join(timeout=10)
+            p.join(timeout=3)
             if p.is_alive():
                 p.kill()
         self._dir.cleanup()

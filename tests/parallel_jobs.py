@@ -6,6 +6,9 @@ the global batch's share of this rank, and returns full tensors so the parent ca
 
 from __future__ import annotations
 
+import logging
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -47,6 +50,8 @@ def reference_step(config: dict, state: dict, ids: torch.Tensor) -> dict:
 def parallel_step(config: dict, state: dict, ids: torch.Tensor, dp: int, tp: int, bf16: bool = False,
                   checkpointing: bool = False) -> dict:  # fmt: skip
     """One forward/backward/clip/SGD step on a (dp, tp) mesh; this rank runs its dp share of `ids`."""
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)  # 2-D gather notices
+    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")  # FSDP2: module outputs are views
     mesh = build_mesh(dp, tp)
     model = Glm53ForCausalLM(Glm53Config(**config))
     model.load_state_dict(state)
@@ -76,6 +81,8 @@ def parallel_step(config: dict, state: dict, ids: torch.Tensor, dp: int, tp: int
     norm = full(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM))
     torch.optim.SGD(model.parameters(), lr=LR).step()
     params = {n: full(p) for n, p in model.named_parameters()}
-    replicated = {n: p.to_local().detach().clone() for n, p in model.named_parameters()
-                  if isinstance(p, DTensor) and all(isinstance(pl, Replicate) for pl in p.placements)}  # fmt: skip
-    return dict(loss=loss, grads=grads, norm=norm, params=params, replicated=replicated, dtypes=seen_dtypes)
+    # This rank's piece of every parameter with its placements, to check replicas agree across ranks.
+    locals_ = {n: (tuple(isinstance(pl, Replicate) for pl in p.placements), p.to_local().detach().clone())
+               for n, p in model.named_parameters() if isinstance(p, DTensor)}  # fmt: skip
+    return dict(loss=loss, grads=grads, norm=norm, params=params, locals=locals_, coord=mesh.get_coordinate(),
+                dtypes=seen_dtypes)
