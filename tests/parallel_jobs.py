@@ -16,6 +16,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Replicate
 
 from glm53 import Glm53Config, Glm53ForCausalLM
+from glm53.model import IGNORE_INDEX
 from glm53.parallel import loss_parallel_context, parallelize
 
 CLIP_NORM = 1.0  # clip_grad_norm_ bound used by the parity step (binds for the tiny model: a real check)
@@ -34,11 +35,25 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
-def reference_step(config: dict, state: dict, ids: torch.Tensor) -> dict:
-    """The single-process run every parallel run is compared with (also importable by the parent)."""
+def labels_for(ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    return ids if mask is None else ids.masked_fill(mask == 0, IGNORE_INDEX)
+
+
+def reference_step(config: dict, state: dict, ids: torch.Tensor, mask: torch.Tensor | None = None,
+                   dp: int = 1) -> dict:  # fmt: skip
+    """The single-process run every parallel run is compared with (run by the parent).
+
+    The loss is the mean over the `dp` equal slices of the batch of each slice's mean token loss: what
+    data-parallel training with per-rank mean losses optimises (the global token mean when no token is ignored).
+    """
     model = Glm53ForCausalLM(Glm53Config(**config))
     model.load_state_dict(state)
-    loss = model(ids, labels=ids).loss
+    per = ids.shape[0] // dp
+    loss = 0
+    for k in range(dp):
+        rows = slice(k * per, (k + 1) * per)
+        part_mask = None if mask is None else mask[rows]
+        loss = loss + model(ids[rows], attention_mask=part_mask, labels=labels_for(ids[rows], part_mask)).loss / dp
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
@@ -48,7 +63,7 @@ def reference_step(config: dict, state: dict, ids: torch.Tensor) -> dict:
 
 
 def parallel_step(config: dict, state: dict, ids: torch.Tensor, dp: int, tp: int, bf16: bool = False,
-                  checkpointing: bool = False) -> dict:  # fmt: skip
+                  checkpointing: bool = False, mask: torch.Tensor | None = None) -> dict:  # fmt: skip
     """One forward/backward/clip/SGD step on a (dp, tp) mesh; this rank runs its dp share of `ids`."""
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)  # 2-D gather notices
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")  # FSDP2: module outputs are views
@@ -67,11 +82,14 @@ def parallel_step(config: dict, state: dict, ids: torch.Tensor, dp: int, tp: int
         watch["attn_hc.fn"].register_forward_pre_hook(record("attn_hc.fn", "fn"))
         watch["q_proj"].register_forward_pre_hook(record("q_proj", "weight"))
         model.model.layers[0].self_attn.register_forward_pre_hook(record("A_log", "A_log"))
+        model.model.layers[1].mlp.gate.register_forward_pre_hook(record("router bias", "e_score_correction_bias"))
+        model.model.layers[1].mlp.gate.register_forward_pre_hook(record("router", "weight"))
     rank_dp = mesh.get_local_rank("dp") if dp > 1 else 0
     per = ids.shape[0] // dp
-    local_ids = ids[rank_dp * per : (rank_dp + 1) * per]
+    rows = slice(rank_dp * per, (rank_dp + 1) * per)
+    local_ids, local_mask = ids[rows], (None if mask is None else mask[rows])
     with loss_parallel_context(model):
-        loss = model(local_ids, labels=local_ids).loss
+        loss = model(local_ids, attention_mask=local_mask, labels=labels_for(local_ids, local_mask)).loss
         loss.backward()
     loss = full(loss)
     if dp > 1:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
 
 from glm53 import Glm53Config, Glm53ForCausalLM
 from parallel_harness import WorkerPool
@@ -35,7 +37,8 @@ def case():
     torch.manual_seed(0)
     state = {k: v.clone() for k, v in Glm53ForCausalLM(Glm53Config(**config)).state_dict().items()}
     ids = torch.randint(1, config["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    return dict(config=config, state=state, ids=ids, reference=reference_step(config, state, ids))
+    # dp=2 slices the batch like the data-parallel runs; no token is ignored, so this is the global mean too
+    return dict(config=config, state=state, ids=ids, reference=reference_step(config, state, ids, dp=2))
 
 
 @pytest.fixture(scope="module")
@@ -114,10 +117,29 @@ def test_bf16_mixed_precision_2x2_is_finite_and_close(pool4, case):
     reference = case["reference"]
     for res in results:
         # the parameters the model needs in fp32 stay fp32 inside forward; the rest computes in bf16
-        assert res["dtypes"] == {"attn_hc.fn": torch.float32, "A_log": torch.float32, "q_proj": torch.bfloat16}
+        assert res["dtypes"] == {"attn_hc.fn": torch.float32, "A_log": torch.float32, "router": torch.float32,
+                                 "router bias": torch.float32, "q_proj": torch.bfloat16}  # fmt: skip
         assert torch.isfinite(res["loss"]) and all(torch.isfinite(g).all() for g in res["grads"].values())
         assert abs(res["loss"] - reference["loss"]) / reference["loss"] <= BF16_REL
         diff = torch.cat([(res["grads"][n] - g).flatten() for n, g in reference["grads"].items()])
         norm = torch.cat([g.flatten() for g in reference["grads"].values()])
         assert (diff.norm() / norm.norm()).item() <= BF16_REL
+    check_replicas_identical(results)
+
+
+@settings(max_examples=4, deadline=None, database=None, derandomize=True, phases=[Phase.explicit, Phase.generate])
+@given(layout=st.sampled_from(["dp2", "tp2", "2x2"]), seq=st.sampled_from([6, 11]), seed=st.integers(0, 2**16),
+       pads=st.lists(st.integers(0, 4), min_size=BATCH, max_size=BATCH))  # fmt: skip
+def test_generated_batches_with_padding_match_one_process(pool2, pool4, case, layout, seq, seed, pads):
+    """Generated in this process, sent unchanged to every rank: lengths, left padding and tokens."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, case["config"]["vocab_size"], (BATCH, seq), generator=g)
+    mask = torch.ones(BATCH, seq, dtype=torch.long)
+    for row, pad in enumerate(pads):
+        mask[row, : min(pad, seq - 2)] = 0
+    ids = ids.masked_fill(mask == 0, case["config"]["pad_token_id"])
+    dp, tp = {"dp2": (2, 1), "tp2": (1, 2), "2x2": (2, 2)}[layout]
+    pool = pool4 if dp * tp == 4 else pool2
+    results = pool.run(parallel_step, config=case["config"], state=case["state"], ids=ids, mask=mask, dp=dp, tp=tp)
+    check_parity(results, reference_step(case["config"], case["state"], ids, mask, dp=dp))
     check_replicas_identical(results)
