@@ -9,6 +9,8 @@ tp=2 (the "tp" half of a 2x2 mesh) and tp=4. FSDP needs real processes: see test
 from __future__ import annotations
 
 import copy
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +24,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+import glm53
 from glm53 import Glm53Config, Glm53ForCausalLM
 from glm53.hyper_connection import expand_streams
 from glm53.parallel import (
@@ -224,7 +227,8 @@ def test_kernel_boundaries_exact_or_clear_error(meshes, tiny_model, kind, placed
             names = data.draw(st.lists(st.sampled_from(sorted(boundary)), min_size=1, max_size=3, unique=True))
             for name in names:
                 param = module.get_parameter(name)
-                options = [(Replicate(),)] + [(Shard(d),) for d in range(param.dim()) if param.shape[d] % mesh.size() == 0]
+                shardable = [d for d in range(param.dim()) if param.shape[d] % mesh.size() == 0]
+                options = [(Replicate(),)] + [(Shard(d),) for d in shardable]
                 options = [o for o in options if o != boundary[name]]
                 if not options:
                     continue
@@ -232,7 +236,8 @@ def test_kernel_boundaries_exact_or_clear_error(meshes, tiny_model, kind, placed
                 misplaced.append(name)
                 owner, _, attr = name.rpartition(".")
                 whole = param.full_tensor().detach()
-                module.get_submodule(owner).register_parameter(attr, torch.nn.Parameter(distribute_tensor(whole, mesh, chosen)))
+                moved = torch.nn.Parameter(distribute_tensor(whole, mesh, chosen))
+                module.get_submodule(owner).register_parameter(attr, moved)
         x_dist = x.clone().requires_grad_()
         if misplaced:
             with pytest.raises(PlacementError) as err:
@@ -280,3 +285,12 @@ def test_parallelize_errors(meshes):
         assert all(isinstance(p, DTensor) for p in model.parameters())
         with pytest.raises(RuntimeError, match="already"):
             parallelize(model, meshes["tp2"])
+
+
+def test_only_glm53_parallel_imports_torch_distributed():
+    """STYLE.md rule 11: model code stays free of torch.distributed."""
+    root = Path(glm53.__file__).parent
+    imports = re.compile(r"^\s*(import|from)\s+torch\.distributed", re.MULTILINE)
+    model_files = [p for p in root.rglob("*.py") if "parallel" not in p.relative_to(root).parts]
+    offenders = [str(p.relative_to(root)) for p in model_files if imports.search(p.read_text())]
+    assert model_files and not offenders, offenders

@@ -109,6 +109,12 @@ def set_boundary_rule(module: nn.Module, name: str, rule: Whole | LocalShard, fq
         _NAMES[module] = fqn
 
 
+def name_modules(model: nn.Module) -> None:
+    """Remember every submodule's FQN so boundary errors name parameters as the state dict does."""
+    for fqn, module in model.named_modules():
+        _NAMES[module] = fqn
+
+
 def boundary_rule(module: nn.Module, name: str) -> Whole | LocalShard:
     return _RULES.get(module, {}).get(name, Whole())
 
@@ -126,4 +132,4 @@ def install() -> None:
 
 
 __all__ = ["PlacementError", "materialize_full", "local_shard", "Whole", "LocalShard", "set_boundary_rule",
-           "boundary_rule", "install"]  # fmt: skip
+           "boundary_rule", "name_modules", "install"]  # fmt: skip

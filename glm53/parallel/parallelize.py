@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 from ..kda import CausalConv1d, KimiDeltaAttention
 from ..model import Glm53ForCausalLM
 from ..moe import MoE
-from .boundary import _NAMES
+from .boundary import name_modules
 from .plan import check_tp_size, tp_plan
 
 _PARALLELIZED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
@@ -44,12 +44,12 @@ def _check_mesh(mesh: DeviceMesh, dp_dim: str, tp_dim: str) -> tuple[bool, bool]
 def apply_tensor_parallel(model: Glm53ForCausalLM, tp_mesh: DeviceMesh) -> None:
     """Apply `tp_plan(model)` on `tp_mesh` and check that every parameter became a DTensor on it."""
     check_tp_size(model, tp_mesh.size())
-    for fqn, module in model.named_modules():
-        _NAMES[module] = fqn
+    name_modules(model)
     parallelize_module(model, tp_mesh, tp_plan(model))
     missed = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
     if missed:
-        raise RuntimeError(f"the TP plan does not cover parameters {missed}; add their modules to glm53.parallel.tp_plan")
+        raise RuntimeError(f"the TP plan does not cover parameters {missed}; add their modules to "
+                           f"glm53.parallel.tp_plan")  # fmt: skip
     _VOCAB_PARALLEL.add(model)
 
 
@@ -103,7 +103,8 @@ def parallelize(
     """
     if not isinstance(model, Glm53ForCausalLM):
         raise TypeError(f"parallelize expects a Glm53ForCausalLM, got {type(model).__name__}")
-    if model in _PARALLELIZED or isinstance(model, FSDPModule) or any(isinstance(p, DTensor) for p in model.parameters()):
+    already = isinstance(model, FSDPModule) or any(isinstance(p, DTensor) for p in model.parameters())
+    if model in _PARALLELIZED or already:
         raise RuntimeError("parallelize was already applied to this model (or it already holds DTensor parameters); "
                            "build a fresh model and call parallelize once")  # fmt: skip
     has_dp, has_tp = _check_mesh(mesh, dp_dim, tp_dim)
