@@ -157,13 +157,13 @@ def apply_subplan(model: Glm53ForCausalLM, prefix: str, module: torch.nn.Module,
         target = module.get_submodule(rel)
         parallelize_module(target, mesh, style)
         if isinstance(style, ReplicateParams):
-            names, placement = [n for n, _ in target.named_parameters(recurse=False)], Replicate()
+            placements = {n: (Replicate(),) for n, _ in target.named_parameters(recurse=False)}
         elif isinstance(style, LocalShardParams):
-            names, placement = style.names, Shard(style.dim)
+            placements = {name: (placement,) for name, placement in style.placements.items()}
         else:
             continue
-        for name in names:
-            boundary[f"{rel}.{name}" if rel else name] = (placement,)
+        for name, placement in placements.items():
+            boundary[f"{rel}.{name}" if rel else name] = placement
     return boundary
 
 
@@ -271,6 +271,8 @@ def test_parallelize_errors(meshes):
             parallelize(Glm53ForCausalLM(tiny(linear_num_heads=2)), meshes["tp4"])
         with pytest.raises(ValueError, match="vocab_size=322"):
             parallelize(Glm53ForCausalLM(tiny(vocab_size=322)), meshes["tp4"])
+        with pytest.raises(ValueError, match="moe_intermediate_size=18"):
+            parallelize(Glm53ForCausalLM(tiny(moe_intermediate_size=18)), meshes["tp4"])
         unnamed = init_device_mesh("cpu", (WORLD,))
         with pytest.raises(ValueError, match="named dimensions"):
             parallelize(Glm53ForCausalLM(tiny()), unnamed)

@@ -10,8 +10,9 @@ Legend: tp the TP mesh size, H heads, K head width, V vocab.
 - KDA: q/k/v/f_b/b/g_b projections colwise; the three convs, dt_bias and A_log sharded on their channel/head
   dimension like the activations (head-local, `LocalShard`); f_a, g_a replicated; o_norm replicated with a
   Partial gradient (it meets head-sharded outputs); o_proj rowwise.
-- Dense MLP and the shared expert: gate/up colwise, down rowwise. Router and routed experts replicated (every TP
-  rank runs every expert on its whole batch: correct, no saving; expert parallelism needs an ep mesh).
+- Dense MLP and the shared expert: gate/up colwise, down rowwise. Router replicated (routing is identical on
+  every TP rank). Routed experts split on their intermediate width (`ExpertTensorParallel`); expert parallelism
+  (experts spread over an ep mesh with all-to-all dispatch) is not implemented.
 - mHC sites and the block norms replicated.
 Every parameter not sharded becomes a Replicate DTensor on the TP mesh (PARALLEL_NOTES.md: a plain parameter
 beside DTensors breaks clip_grad_norm_ and mixed ops).
@@ -26,6 +27,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from ..model import Glm53ForCausalLM
 from ..moe import MoE
@@ -36,7 +38,13 @@ def _distribute_own(module: nn.Module, mesh: DeviceMesh, names: Sequence[str], p
     """Replace `module`'s own parameters `names` by DTensor parameters with `placements`."""
     for name in names:
         param = getattr(module, name)
-        dist = distribute_tensor(param.data, mesh, placements, src_data_rank=src_data_rank)
+        data, src = param.data, src_data_rank
+        if src is not None and any(isinstance(p, _StridedShard) for p in placements):
+            # torch 2.13's distribute_tensor scatters the wrong pieces of a _StridedShard tensor from a source
+            # rank (checked under LocalTensorMode); broadcast it whole, then let every rank slice its own piece.
+            data = distribute_tensor(data, mesh, [Replicate()] * mesh.ndim, src_data_rank=src).to_local()
+            src = None
+        dist = distribute_tensor(data, mesh, placements, src_data_rank=src)
         module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
 
 
@@ -86,30 +94,61 @@ class ReplicateModule(ParallelStyle):
 
 
 class LocalShardParams(ParallelStyle):
-    """The module's own parameters `names` sharded on `dim` like the activations they meet (head-local)."""
+    """The module's own parameters sharded like the activations they meet, for head-local kernels:
+    `placements` maps a parameter name to its placement on the (1-D) TP mesh."""
 
-    def __init__(self, names: Sequence[str], dim: int = 0) -> None:
+    def __init__(self, placements: dict[str, Placement]) -> None:
         super().__init__()
-        self.names = tuple(names)
-        self.dim = dim
+        self.placements = dict(placements)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        placements = (Shard(self.dim),) * device_mesh.ndim
-        _distribute_own(module, device_mesh, self.names, placements, self.src_data_rank)
-        for name in self.names:
-            set_boundary_rule(module, name, LocalShard(placements))
+        for name, placement in self.placements.items():
+            _distribute_own(module, device_mesh, [name], [placement], self.src_data_rank)
+            set_boundary_rule(module, name, LocalShard((placement,)))
         return module
 
     def __repr__(self) -> str:
-        return f"LocalShardParams({self.names}, dim={self.dim})"
+        return f"{type(self).__name__}({self.placements})"
+
+
+class ExpertTensorParallel(LocalShardParams):
+    """Routed experts split on their intermediate width I, every rank running every expert on its slice.
+
+    gate_up_proj [E, 2I, D] is packed (gate rows, then up rows): `_StridedShard(1, split_factor=2)` gives each
+    rank its gate rows and its up rows, in the order the kernel's `chunk(2)` expects (plain Shard(1) would give
+    rank 0 all the gates). down_proj [E, D, I] is Shard(2). The kernel's output is then a partial sum over I,
+    all-reduced on exit; the token states and routing weights entering it get Partial gradients (Megatron's f/g).
+    """
+
+    def __init__(self) -> None:
+        super().__init__({"gate_up_proj": _StridedShard(1, split_factor=2), "down_proj": Shard(2)})
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        super()._apply(module, device_mesh)
+
+        def enter(_mod, inputs):
+            return tuple(DTensor.from_local(t, device_mesh, [Replicate()], run_check=False)
+                         .to_local(grad_placements=[Partial()]) if _is_float(t) else t for t in inputs)  # fmt: skip
+
+        def leave(_mod, _inputs, output):
+            partial = DTensor.from_local(output, device_mesh, [Partial()], run_check=False)
+            return partial.redistribute(placements=[Replicate()]).to_local(grad_placements=[Replicate()])
+
+        module.register_forward_pre_hook(enter)
+        module.register_forward_hook(leave)
+        return module
+
+
+def _is_float(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point()
 
 
 def _kda_plan(p: str) -> dict[str, ParallelStyle]:
-    plan: dict[str, ParallelStyle] = {p: LocalShardParams(("dt_bias", "A_log"))}
+    plan: dict[str, ParallelStyle] = {p: LocalShardParams({"dt_bias": Shard(0), "A_log": Shard(0)})}
     for name in ("q_proj", "k_proj", "v_proj", "f_b_proj", "b_proj", "g_b_proj"):
         plan[f"{p}.{name}"] = ColwiseParallel()
     for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
-        plan[f"{p}.{name}"] = LocalShardParams(("weight",))
+        plan[f"{p}.{name}"] = LocalShardParams({"weight": Shard(0)})
     plan[f"{p}.f_a_proj"] = ReplicateModule()
     plan[f"{p}.g_a_proj"] = ReplicateModule()
     plan[f"{p}.o_norm"] = ReplicateParams(grad_placements=(Partial(),))
@@ -156,7 +195,7 @@ def tp_plan(model: Glm53ForCausalLM) -> dict[str, ParallelStyle]:
             plan.update(_mla_plan(f"{p}.self_attn", block.self_attn.indexer is not None))
         if isinstance(block.mlp, MoE):
             plan[f"{p}.mlp.gate"] = ReplicateParams()
-            plan[f"{p}.mlp.experts"] = ReplicateParams()
+            plan[f"{p}.mlp.experts"] = ExpertTensorParallel()
             plan.update(_mlp_plan(f"{p}.mlp.shared_experts"))
         else:
             plan.update(_mlp_plan(f"{p}.mlp"))
@@ -167,7 +206,7 @@ def check_tp_size(model: Glm53ForCausalLM, tp: int) -> None:
     """Raise ValueError naming the config field when heads or vocab do not split evenly over `tp` ranks."""
     config = model.config
     for field, what in (("num_attention_heads", "MLA heads"), ("linear_num_heads", "KDA heads"),
-                        ("vocab_size", "vocabulary rows")):  # fmt: skip
+                        ("vocab_size", "vocabulary rows"), ("moe_intermediate_size", "routed-expert widths")):  # fmt: skip
         value = getattr(config, field)
         if value % tp != 0:
             raise ValueError(f"tensor parallelism over {tp} ranks splits {what}, but {field}={value} is not "
@@ -177,4 +216,5 @@ def check_tp_size(model: Glm53ForCausalLM, tp: int) -> None:
                          "embedding and lm_head would become two separate DTensor parameters)")  # fmt: skip
 
 
-__all__ = ["tp_plan", "check_tp_size", "ReplicateParams", "ReplicateModule", "LocalShardParams"]
+__all__ = ["tp_plan", "check_tp_size", "ReplicateParams", "ReplicateModule", "LocalShardParams",
+           "ExpertTensorParallel"]
