@@ -104,3 +104,17 @@ def parallel_step(config: dict, state: dict, ids: torch.Tensor, dp: int, tp: int
                for n, p in model.named_parameters() if isinstance(p, DTensor)}  # fmt: skip
     return dict(loss=loss, grads=grads, norm=norm, params=params, locals=locals_, coord=mesh.get_coordinate(),
                 dtypes=seen_dtypes)
+
+
+def meta_init(config: dict, dp: int, tp: int, seed: int = 0) -> dict:
+    """Build on meta, parallelize, materialize, glm53.parallel.init_weights; return the full parameters."""
+    from glm53.parallel import init_weights
+
+    mesh = build_mesh(dp, tp)
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        model = Glm53ForCausalLM(Glm53Config(**config))
+    parallelize(model, mesh)
+    model.to_empty(device="cpu")
+    init_weights(model)
+    return {n: full(p) for n, p in model.named_parameters()}

@@ -30,6 +30,7 @@ from glm53.hyper_connection import expand_streams
 from glm53.parallel import (
     LocalShardParams,
     PlacementError,
+    init_weights,
     ReplicateParams,
     local_shard,
     materialize_full,
@@ -296,3 +297,24 @@ def test_only_glm53_parallel_imports_torch_distributed():
     model_files = [p for p in root.rglob("*.py") if "parallel" not in p.relative_to(root).parts]
     offenders = [str(p.relative_to(root)) for p in model_files if imports.search(p.read_text())]
     assert model_files and not offenders, offenders
+
+
+def test_meta_build_then_parallelize_then_init(meshes):
+    """The large-model flow: build on meta, parallelize, materialize, glm53.parallel.init_weights: replicas
+    agree on every rank and the pad row of the vocab-sharded embedding is zero (a plain `weight[pad].zero_()`
+    on the sharded DTensor leaves it unchanged without an error)."""
+    config = tiny()
+    with LocalTensorMode(WORLD):
+        with torch.device("meta"):
+            model = Glm53ForCausalLM(config)
+        parallelize(model, meshes["tp2"])
+        model.to_empty(device="cpu")
+        init_weights(model)
+        for name, param in model.named_parameters():
+            assert not param.is_meta, name
+            if all(p.is_replicate() for p in param.placements):
+                values = per_rank(param.to_local())
+                assert all(torch.equal(v, values[0]) for v in values), f"replicas of {name} differ"
+        for embedding in per_rank(model.model.embed_tokens.weight):
+            assert embedding[config.pad_token_id].abs().max() == 0
+            assert embedding.std() > 0

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from glm53 import Glm53Config, Glm53ForCausalLM
 from parallel_harness import WorkerPool
-from parallel_jobs import parallel_step, reference_step
+from parallel_jobs import meta_init, parallel_step, reference_step
 
 REL_TOL = 1e-4  # fp32: relative to the largest magnitude of each reference tensor
 BF16_REL = 5e-2  # bf16 parameters in compute: relative L2 error over all gradients / loss
@@ -145,3 +145,17 @@ def test_generated_batches_with_padding_match_one_process(pool2, pool4, case, la
     results = pool.run(parallel_step, config=case["config"], state=case["state"], ids=ids, mask=mask, dp=dp, tp=tp)
     check_parity(results, reference_step(case["config"], case["state"], ids, mask, dp=dp))
     check_replicas_identical(results)
+
+
+@pytest.mark.parametrize("layout", ["dp2", "2x2"])
+def test_meta_init_under_fsdp(pool2, pool4, case, layout):
+    """Meta build -> parallelize -> to_empty -> glm53.parallel.init_weights: every rank agrees, the pad row is
+    zero and the rest is initialised."""
+    dp, tp = {"dp2": (2, 1), "2x2": (2, 2)}[layout]
+    results = (pool4 if dp * tp == 4 else pool2).run(meta_init, config=case["config"], dp=dp, tp=tp)
+    for res in results[1:]:
+        assert all(torch.equal(p, results[0][n]) for n, p in res.items())
+    embedding = results[0]["model.embed_tokens.weight"]
+    assert embedding[case["config"]["pad_token_id"]].abs().max() == 0
+    assert embedding[1:].std() > 0
+    assert torch.equal(results[0]["model.layers.0.attn_hc.scale"], torch.ones(3))

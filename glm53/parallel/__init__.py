@@ -11,13 +11,20 @@ Importing this package routes `glm53.boundary.as_local` through `boundary._resol
 
 from . import boundary as _boundary
 from .boundary import LocalShard, PlacementError, Whole, local_shard, materialize_full, set_boundary_rule
-from .parallelize import apply_fsdp, apply_tensor_parallel, loss_parallel_context, parallelize
+from .parallelize import (
+    apply_fsdp,
+    apply_tensor_parallel,
+    init_weights,
+    loss_parallel_context,
+    parallelize,
+    zero_rows,
+)
 from .plan import ExpertTensorParallel, LocalShardParams, ReplicateModule, ReplicateParams, check_tp_size, tp_plan
 
 _boundary.install()
 
 __all__ = [
     "materialize_full", "local_shard", "PlacementError", "Whole", "LocalShard", "set_boundary_rule",
-    "parallelize", "apply_tensor_parallel", "apply_fsdp", "loss_parallel_context",
+    "parallelize", "apply_tensor_parallel", "apply_fsdp", "loss_parallel_context", "init_weights", "zero_rows",
     "tp_plan", "check_tp_size", "ReplicateParams", "ReplicateModule", "LocalShardParams", "ExpertTensorParallel",
 ]  # fmt: skip

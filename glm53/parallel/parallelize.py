@@ -16,7 +16,8 @@ import torch.nn as nn
 from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 from ..kda import CausalConv1d, KimiDeltaAttention
@@ -122,6 +123,37 @@ def parallelize(
     return model
 
 
+def zero_rows(weight: torch.Tensor, rows: list[int]) -> None:
+    """Zero rows (dim 0) of a parameter in place, sharded or not, without gathering it.
+
+    `weight[row].zero_()` on a DTensor sharded on dim 0 zeroes a gathered copy and leaves the parameter as it
+    was, without an error (checked on torch 2.13); here each rank zeroes the rows of its own shard instead.
+    """
+    with torch.no_grad():
+        if not isinstance(weight, DTensor):
+            weight[rows] = 0
+            return
+        # The global row index of every local row: an index vector placed like the weight's dim 0.
+        placements = [p if isinstance(p, (Shard, _StridedShard)) and p.dim == 0 else Replicate()
+                      for p in weight.placements]  # fmt: skip
+        index = torch.arange(weight.shape[0], device=weight.device)
+        local_index = distribute_tensor(index, weight.device_mesh, placements, src_data_rank=None).to_local()
+        local = weight.to_local()
+        local[torch.isin(local_index, torch.tensor(rows, device=weight.device))] = 0
+
+
+def init_weights(model: Glm53ForCausalLM) -> Glm53ForCausalLM:
+    """`model.init_weights()` for a parallelized model (built on the meta device, then `to_empty`).
+
+    Same as the plain call, plus the padding row of a sharded embedding really zeroed (see `zero_rows`).
+    """
+    with torch.no_grad():
+        model.init_weights()
+    if model.config.pad_token_id is not None:
+        zero_rows(model.model.embed_tokens.weight, [model.config.pad_token_id])
+    return model
+
+
 def loss_parallel_context(model: nn.Module) -> contextlib.AbstractContextManager:
     """`loss_parallel()` when `model`'s lm_head is vocab-sharded by `parallelize`, else a no-op context.
 
@@ -130,4 +162,5 @@ def loss_parallel_context(model: nn.Module) -> contextlib.AbstractContextManager
     return loss_parallel() if model in _VOCAB_PARALLEL else contextlib.nullcontext()
 
 
-__all__ = ["parallelize", "apply_tensor_parallel", "apply_fsdp", "loss_parallel_context"]
+__all__ = ["parallelize", "apply_tensor_parallel", "apply_fsdp", "loss_parallel_context", "init_weights",
+           "zero_rows"]
