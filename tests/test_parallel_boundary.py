@@ -286,6 +286,9 @@ def test_parallelize_errors(meshes):
             parallelize(Glm53ForCausalLM(tiny()), meshes["tp4"], mp_policy=MixedPrecisionPolicy(torch.bfloat16))
         model = parallelize(Glm53ForCausalLM(tiny()), meshes["tp2"])
         assert all(isinstance(p, DTensor) for p in model.parameters())
+        ids = torch.randint(1, 320, (1, 6))
+        with pytest.raises(RuntimeError, match="loss_parallel_context"):
+            model(ids, labels=ids)
         with pytest.raises(RuntimeError, match="already"):
             parallelize(model, meshes["tp2"])
 

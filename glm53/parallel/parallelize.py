@@ -52,6 +52,21 @@ def apply_tensor_parallel(model: Glm53ForCausalLM, tp_mesh: DeviceMesh) -> None:
         raise RuntimeError(f"the TP plan does not cover parameters {missed}; add their modules to "
                            f"glm53.parallel.tp_plan")  # fmt: skip
     _VOCAB_PARALLEL.add(model)
+    model.register_forward_pre_hook(_require_loss_parallel, with_kwargs=True)
+
+
+def _loss_parallel_active() -> bool:
+    # torch keeps no public flag for loss_parallel(); it installs DTensor handlers for the loss ops. Should that
+    # private table move, assume active rather than refuse a correct call.
+    handlers = getattr(getattr(DTensor, "_op_dispatcher", None), "_custom_op_handlers", None)
+    return handlers is None or torch.ops.aten.nll_loss_forward.default in handlers
+
+
+def _require_loss_parallel(_model: nn.Module, args: tuple, kwargs: dict) -> None:
+    labels = kwargs.get("labels", args[2] if len(args) > 2 else None)
+    if labels is not None and not _loss_parallel_active():
+        raise RuntimeError("with tensor parallelism the logits are vocab-sharded DTensors: compute the loss (forward "
+                           "and backward) inside glm53.parallel.loss_parallel_context(model)")  # fmt: skip
 
 
 def _fp32_policy(mp_policy: MixedPrecisionPolicy) -> MixedPrecisionPolicy:
