@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
+from .boundary import as_local
 from .config import Glm53Config
 from .kernels import kernel
 from .norm import rms_normalize
@@ -40,10 +41,10 @@ class HyperConnection(nn.Module):
         """streams [B, T, N, D] -> pre [B, T, N], post [B, T, N], comb [B, T, N, N], all fp32."""
         n = self.n
         flat = rms_normalize(rearrange(streams, "b t n d -> b t (n d)"), self.norm_eps)
-        mixed = F.linear(flat, self.fn.float())
+        mixed = F.linear(flat, as_local(self, "fn").float())
         pre_w, post_w, comb_w = mixed.split([n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = self.base.float().split([n, n, n * n])
-        scale = self.scale.float()
+        pre_b, post_b, comb_b = as_local(self, "base").float().split([n, n, n * n])
+        scale = as_local(self, "scale").float()
         pre = torch.sigmoid(pre_w * scale[0] + pre_b) + self.eps
         post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
         comb_logits = (comb_w * scale[2] + comb_b).view(*comb_w.shape[:-1], n, n)

@@ -21,7 +21,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .boundary import as_local
 from .config import Glm53Config
+from .norm import LayerNorm
 
 K_NORM_EPS = 1e-6  # the indexer's key LayerNorm epsilon (transformers)
 
@@ -64,7 +66,7 @@ class Indexer(nn.Module):
         self.initializer_range = config.initializer_range
         self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
-        self.k_norm = nn.LayerNorm(self.head_dim, eps=K_NORM_EPS)
+        self.k_norm = LayerNorm(self.head_dim, eps=K_NORM_EPS)
         self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
         self.index_kpool_compress_ape = nn.Parameter(torch.empty(self.kpool, self.head_dim))  # [L, E]
         self.index_kpool_compress_gate = nn.Parameter(torch.empty(self.head_dim, config.hidden_size))  # [E, D]
@@ -77,12 +79,12 @@ class Indexer(nn.Module):
         """Pool keys [B, P, E], their token positions [B, P, L] (-1 where invalid), completeness [B, P]."""
         T = valid.shape[1]
         keys = self.k_norm(self.wk(x))  # [B, T, E]
-        gate = F.linear(x, self.index_kpool_compress_gate)  # [B, T, E]
+        gate = F.linear(x, as_local(self, "index_kpool_compress_gate"))  # [B, T, E]
         positions, token_valid, keep = pool_layout(valid, self.kpool)
         safe = positions.clamp(0, T - 1)
         batch = torch.arange(valid.shape[0], device=x.device)[:, None, None]
         complete = token_valid.all(-1)  # [B, P]
-        logits = gate[batch, safe].float() + self.index_kpool_compress_ape.float()
+        logits = gate[batch, safe].float() + as_local(self, "index_kpool_compress_ape").float()
         logits = logits.masked_fill(~token_valid[..., None], float("-inf"))
         weights = torch.nan_to_num(logits.softmax(dim=2)).to(keys.dtype)  # all-invalid pools -> 0
         pool_keys = (weights * keys[batch, safe]).sum(dim=2)
@@ -155,6 +157,6 @@ class Indexer(nn.Module):
     def init_weights(self) -> None:
         for linear in (self.wq_b, self.wk, self.weights_proj):
             nn.init.normal_(linear.weight, std=self.initializer_range)
-        self.k_norm.reset_parameters()
+        self.k_norm.init_weights()
         nn.init.zeros_(self.index_kpool_compress_ape)
         nn.init.ones_(self.index_kpool_compress_gate)

@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
+from .boundary import as_local
 from .config import Glm53Config
 from .kernels import kernel
 from .kernels.kda import l2norm
@@ -41,7 +42,7 @@ class CausalConv1d(nn.Module):
 
     def forward(self, x: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, C] -> silu(conv(x)) [B, T, C], computed in fp32 and cast back to x's dtype."""
-        y, _ = kernel("causal_conv1d")(x, self.weight[:, 0, :], initial_state=state)
+        y, _ = kernel("causal_conv1d")(x, as_local(self, "weight")[:, 0, :], initial_state=state)
         return F.silu(y).to(x.dtype)
 
 
@@ -72,9 +73,9 @@ class KimiDeltaAttention(nn.Module):
 
     def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, D] -> g [B, T, H, K], fp32 log-space decay (<= 0)."""
-        raw = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
+        raw = self.f_b_proj(self.f_a_proj(x)).float() + as_local(self, "dt_bias").float()
         raw = rearrange(raw, "b t (h k) -> b t h k", k=self.head_dim)
-        rate = self.A_log.float().exp()[:, None]  # [H, 1]
+        rate = as_local(self, "A_log").float().exp()[:, None]  # [H, 1]
         if self.lower_bound is not None:
             return self.lower_bound * torch.sigmoid(rate * raw)
         softplus = torch.where(raw > SOFTPLUS_THRESHOLD, raw, torch.log1p(torch.exp(raw)))

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .boundary import as_local
 from .config import Glm53Config
 from .kernels import kernel
 from .losses import LayerStats
@@ -39,7 +40,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [N, D] -> (logits [N, E] fp32, weights [N, k] fp32, indices [N, k])."""
-        logits = F.linear(x.float(), self.weight.float())
+        logits = F.linear(x.float(), as_local(self, "weight").float())
         scores = logits.sigmoid()
         biased = scores + self.e_score_correction_bias.float()
         if self.n_group > 1:
@@ -71,7 +72,8 @@ class Experts(nn.Module):
         self.initializer_range = config.initializer_range
 
     def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return kernel("moe_experts")(x, indices, weights, self.gate_up_proj, self.down_proj, self.swiglu_limit)
+        gate_up, down = as_local(self, "gate_up_proj"), as_local(self, "down_proj")
+        return kernel("moe_experts")(x, indices, weights, gate_up, down, self.swiglu_limit)
 
     def init_weights(self) -> None:
         nn.init.normal_(self.gate_up_proj, std=self.initializer_range)

@@ -1,0 +1,38 @@
+"""The kernel boundary: where a module hands one of its own parameters to code that takes plain tensors.
+
+Modules read such a parameter as `as_local(self, "weight")`, never as `self.weight`. On one process (and inside
+FSDP, whose unsharded parameters are plain tensors) this is the parameter itself. Under tensor parallelism the
+parameter is a DTensor; `glm53.parallel` installs a resolver with `set_param_resolver` that returns the plain
+tensor the kernel expects after checking the DTensor's placements against the parallel plan (whole parameter,
+or this rank's shard for head-local parameters), and raises naming the parameter otherwise. This keeps
+`torch.distributed` out of model code (STYLE.md: parallelism lives in `glm53/parallel/`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+# (module, attribute name, parameter) -> plain tensor; None means "return the parameter unchanged".
+ParamResolver = Callable[[nn.Module, str, torch.Tensor], torch.Tensor]
+_RESOLVER: ParamResolver | None = None
+
+
+def as_local(module: nn.Module, name: str) -> torch.Tensor:
+    """`module.<name>` as the plain tensor a kernel can take (the parameter itself on one process)."""
+    param = getattr(module, name)
+    if _RESOLVER is None:
+        return param
+    return _RESOLVER(module, name, param)
+
+
+def set_param_resolver(resolver: ParamResolver | None) -> ParamResolver | None:
+    """Install the resolver `as_local` uses (None removes it); returns the previous one."""
+    global _RESOLVER
+    previous, _RESOLVER = _RESOLVER, resolver
+    return previous
+
+
+__all__ = ["as_local", "set_param_resolver"]

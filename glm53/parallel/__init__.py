@@ -1,0 +1,30 @@
+"""glm53.parallel: FSDP2 and tensor parallelism over DTensor, the only glm53 package that imports torch.distributed.
+
+    mesh = init_device_mesh("cuda", (dp, tp), mesh_dim_names=("dp", "tp"))
+    model = parallelize(Glm53ForCausalLM.from_config(config), mesh, mp_policy=MixedPrecisionPolicy(torch.bfloat16))
+    with loss_parallel_context(model):
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+
+Importing this package routes `glm53.boundary.as_local` through `boundary._resolve` (a no-op for plain tensors).
+"""
+
+from . import boundary as _boundary
+from .boundary import LocalShard, PlacementError, Whole, local_shard, materialize_full, set_boundary_rule
+from .parallelize import (
+    apply_fsdp,
+    apply_tensor_parallel,
+    init_weights,
+    loss_parallel_context,
+    parallelize,
+    zero_rows,
+)
+from .plan import ExpertTensorParallel, LocalShardParams, ReplicateModule, ReplicateParams, check_tp_size, tp_plan
+
+_boundary.install()
+
+__all__ = [
+    "materialize_full", "local_shard", "PlacementError", "Whole", "LocalShard", "set_boundary_rule",
+    "parallelize", "apply_tensor_parallel", "apply_fsdp", "loss_parallel_context", "init_weights", "zero_rows",
+    "tp_plan", "check_tp_size", "ReplicateParams", "ReplicateModule", "LocalShardParams", "ExpertTensorParallel",
+]  # fmt: skip

@@ -1,0 +1,181 @@
+"""`parallelize`: tensor parallelism, then activation checkpointing, then FSDP2 (per block, then the root).
+
+Legend: dp the data-parallel mesh dimension (FSDP2), tp the tensor-parallel one (`plan.py`).
+Under a low-precision `MixedPrecisionPolicy` the parameters the model needs in fp32 (mHC fn/base/scale, the
+router, KDA's convs, dt_bias and A_log) live in their own FSDP units with an fp32 policy; the router's
+e_score_correction_bias is a buffer, which FSDP never casts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+import torch.nn as nn
+from torch.distributed._composable import checkpoint
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+
+from ..kda import CausalConv1d, KimiDeltaAttention
+from ..model import Glm53ForCausalLM
+from ..moe import MoE
+from .boundary import name_modules
+from .plan import check_tp_size, tp_plan
+
+_PARALLELIZED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+_VOCAB_PARALLEL: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def _check_mesh(mesh: DeviceMesh, dp_dim: str, tp_dim: str) -> tuple[bool, bool]:
+    names = mesh.mesh_dim_names
+    if not names:
+        raise ValueError(f"parallelize needs a DeviceMesh with named dimensions ({dp_dim!r} and/or {tp_dim!r}); "
+                         f"got {mesh} without names (init_device_mesh(..., mesh_dim_names=...))")  # fmt: skip
+    unknown = [n for n in names if n not in (dp_dim, tp_dim)]
+    if unknown:
+        raise ValueError(f"mesh dimensions {unknown} are neither dp_dim={dp_dim!r} nor tp_dim={tp_dim!r}; "
+                         f"the mesh has {list(names)}")  # fmt: skip
+    return dp_dim in names, tp_dim in names
+
+
+def apply_tensor_parallel(model: Glm53ForCausalLM, tp_mesh: DeviceMesh) -> None:
+    """Apply `tp_plan(model)` on `tp_mesh` and check that every parameter became a DTensor on it."""
+    check_tp_size(model, tp_mesh.size())
+    name_modules(model)
+    parallelize_module(model, tp_mesh, tp_plan(model))
+    missed = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+    if missed:
+        raise RuntimeError(f"the TP plan does not cover parameters {missed}; add their modules to "
+                           f"glm53.parallel.tp_plan")  # fmt: skip
+    _VOCAB_PARALLEL.add(model)
+    model.register_forward_pre_hook(_require_loss_parallel, with_kwargs=True)
+
+
+def _loss_parallel_active() -> bool:
+    # torch keeps no public flag for loss_parallel(); it installs DTensor handlers for the loss ops. Should that
+    # private table move, assume active rather than refuse a correct call.
+    handlers = getattr(getattr(DTensor, "_op_dispatcher", None), "_custom_op_handlers", None)
+    return handlers is None or torch.ops.aten.nll_loss_forward.default in handlers
+
+
+def _require_loss_parallel(_model: nn.Module, args: tuple, kwargs: dict) -> None:
+    labels = kwargs.get("labels", args[2] if len(args) > 2 else None)
+    if labels is not None and not _loss_parallel_active():
+        raise RuntimeError("with tensor parallelism the logits are vocab-sharded DTensors: compute the loss (forward "
+                           "and backward) inside glm53.parallel.loss_parallel_context(model)")  # fmt: skip
+
+
+def _fp32_policy(mp_policy: MixedPrecisionPolicy) -> MixedPrecisionPolicy:
+    return MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
+                                output_dtype=mp_policy.output_dtype, cast_forward_inputs=False)  # fmt: skip
+
+
+def _needs_fp32_units(mp_policy: MixedPrecisionPolicy | None) -> bool:
+    return mp_policy is not None and mp_policy.param_dtype not in (None, torch.float32)
+
+
+def apply_fsdp(model: Glm53ForCausalLM, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None,
+               reshard_after_forward: bool) -> None:  # fmt: skip
+    """fully_shard each decoder block (with fp32 sub-units under a low-precision policy), then the root."""
+    policy = mp_policy or MixedPrecisionPolicy()
+    shard = dict(mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    for block in model.model.layers:
+        if _needs_fp32_units(mp_policy):
+            fp32 = dict(shard, mp_policy=_fp32_policy(policy))
+            fully_shard(block.attn_hc, **fp32)
+            fully_shard(block.ffn_hc, **fp32)
+            if isinstance(block.mlp, MoE):
+                fully_shard(block.mlp.gate, **fp32)
+            attn = block.self_attn
+            if isinstance(attn, KimiDeltaAttention):
+                # The projections and o_norm form one low-precision unit; what remains directly under the KDA
+                # module (dt_bias, A_log and the three convs) is its fp32 unit.
+                low = [m for m in attn.children() if not isinstance(m, CausalConv1d)]
+                fully_shard(low, **shard, mp_policy=policy)
+                fully_shard(attn, **fp32)
+        fully_shard(block, **shard, mp_policy=policy)
+    fully_shard(model, **shard, mp_policy=policy)
+
+
+def parallelize(
+    model: Glm53ForCausalLM,
+    mesh: DeviceMesh,
+    *,
+    dp_dim: str = "dp",
+    tp_dim: str = "tp",
+    mp_policy: MixedPrecisionPolicy | None = None,
+    reshard_after_forward: bool = True,
+    activation_checkpointing: bool = False,
+) -> Glm53ForCausalLM:
+    """Make `model` train on `mesh`: TP on mesh[tp_dim] if present, then activation checkpointing per block,
+    then FSDP2 on mesh[dp_dim] if present (per block, then the root). Returns the model (changed in place).
+
+    Compute the loss inside `loss_parallel_context(model)` (forward and backward) when TP is on: the logits are
+    a vocab-sharded DTensor.
+    """
+    if not isinstance(model, Glm53ForCausalLM):
+        raise TypeError(f"parallelize expects a Glm53ForCausalLM, got {type(model).__name__}")
+    already = isinstance(model, FSDPModule) or any(isinstance(p, DTensor) for p in model.parameters())
+    if model in _PARALLELIZED or already:
+        raise RuntimeError("parallelize was already applied to this model (or it already holds DTensor parameters); "
+                           "build a fresh model and call parallelize once")  # fmt: skip
+    has_dp, has_tp = _check_mesh(mesh, dp_dim, tp_dim)
+    if mp_policy is not None and not has_dp:
+        raise ValueError(f"mp_policy is FSDP2's MixedPrecisionPolicy and needs a {dp_dim!r} mesh dimension; "
+                         f"the mesh has {list(mesh.mesh_dim_names)}")  # fmt: skip
+    if has_tp:
+        apply_tensor_parallel(model, mesh[tp_dim])
+    if activation_checkpointing:
+        for block in model.model.layers:
+            checkpoint(block)
+    if has_dp:
+        apply_fsdp(model, mesh[dp_dim], mp_policy, reshard_after_forward)
+    _PARALLELIZED.add(model)
+    return model
+
+
+def zero_rows(weight: torch.Tensor, rows: list[int]) -> None:
+    """Zero rows (dim 0) of a parameter in place, sharded or not, without gathering it.
+
+    `weight[row].zero_()` on a DTensor sharded on dim 0 zeroes a gathered copy and leaves the parameter as it
+    was, without an error (checked on torch 2.13); here each rank zeroes the rows of its own shard instead.
+    """
+    with torch.no_grad():
+        if not isinstance(weight, DTensor):
+            weight[rows] = 0
+            return
+        # The global row index of every local row: an index vector placed like the weight's dim 0.
+        placements = [p if isinstance(p, (Shard, _StridedShard)) and p.dim == 0 else Replicate()
+                      for p in weight.placements]  # fmt: skip
+        index = torch.arange(weight.shape[0], device=weight.device)
+        local_index = distribute_tensor(index, weight.device_mesh, placements, src_data_rank=None).to_local()
+        local = weight.to_local()
+        local[torch.isin(local_index, torch.tensor(rows, device=weight.device))] = 0
+
+
+def init_weights(model: Glm53ForCausalLM) -> Glm53ForCausalLM:
+    """`model.init_weights()` for a parallelized model (built on the meta device, then `to_empty`).
+
+    Same as the plain call, plus the padding row of a sharded embedding really zeroed (see `zero_rows`).
+    """
+    with torch.no_grad():
+        model.init_weights()
+    if model.config.pad_token_id is not None:
+        zero_rows(model.model.embed_tokens.weight, [model.config.pad_token_id])
+    return model
+
+
+def loss_parallel_context(model: nn.Module) -> contextlib.AbstractContextManager:
+    """`loss_parallel()` when `model`'s lm_head is vocab-sharded by `parallelize`, else a no-op context.
+
+    Wrap both the forward that computes the loss and its backward in it.
+    """
+    return loss_parallel() if model in _VOCAB_PARALLEL else contextlib.nullcontext()
+
+
+__all__ = ["parallelize", "apply_tensor_parallel", "apply_fsdp", "loss_parallel_context", "init_weights",
+           "zero_rows"]
