@@ -18,6 +18,9 @@ import torch.nn as nn
 # (module, attribute name, parameter) -> plain tensor; None means "return the parameter unchanged".
 ParamResolver = Callable[[nn.Module, str, torch.Tensor], torch.Tensor]
 _RESOLVER: ParamResolver | None = None
+# A value every rank holds whole (a replicated DTensor loss) -> plain tensor; None means "unchanged".
+ValueResolver = Callable[[torch.Tensor], torch.Tensor]
+_VALUE_RESOLVER: ValueResolver | None = None
 
 
 def as_local(module: nn.Module, name: str) -> torch.Tensor:
@@ -35,4 +38,18 @@ def set_param_resolver(resolver: ParamResolver | None) -> ParamResolver | None:
     return previous
 
 
-__all__ = ["as_local", "set_param_resolver"]
+def as_plain(value: torch.Tensor) -> torch.Tensor:
+    """A computed value that every rank holds whole (the vocab-parallel cross-entropy's replicated DTensor loss)
+    as a plain tensor, so it can be added to losses computed from plain activations (router balance, indexer KL);
+    the value itself on one process."""
+    return value if _VALUE_RESOLVER is None else _VALUE_RESOLVER(value)
+
+
+def set_value_resolver(resolver: ValueResolver | None) -> ValueResolver | None:
+    """Install the resolver `as_plain` uses (None removes it); returns the previous one."""
+    global _VALUE_RESOLVER
+    previous, _VALUE_RESOLVER = _VALUE_RESOLVER, resolver
+    return previous
+
+
+__all__ = ["as_local", "as_plain", "set_param_resolver", "set_value_resolver"]

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .block import DecoderBlock
+from .boundary import as_plain
 from .config import Glm53Config
 from .hyper_connection import collapse_streams, expand_streams
 from .losses import LayerStats, expert_load, indexer_kl_terms, router_aux_loss
@@ -157,7 +158,10 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     if labels.shape != logits.shape[:2]:
         raise ValueError(f"labels must have shape {tuple(logits.shape[:2])} like input_ids, got {tuple(labels.shape)}")
     shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-    return F.cross_entropy(logits.float().flatten(0, 1), shifted.flatten().long(), ignore_index=IGNORE_INDEX)
+    # Under tensor parallelism the logits are vocab-sharded and the loss a replicated DTensor: as_plain hands it
+    # back as a plain tensor so it adds to the losses computed from plain activations.
+    loss = F.cross_entropy(logits.float().flatten(0, 1), shifted.flatten().long(), ignore_index=IGNORE_INDEX)
+    return as_plain(loss)
 
 
 class Glm53ForCausalLM(nn.Module):

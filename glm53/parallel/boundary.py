@@ -21,7 +21,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
-from ..boundary import set_param_resolver
+from ..boundary import set_param_resolver, set_value_resolver
 
 
 class PlacementError(ValueError):
@@ -126,10 +126,24 @@ def _resolve(module: nn.Module, name: str, param: torch.Tensor) -> torch.Tensor:
     return boundary_rule(module, name)(param, f"{prefix}.{name}" if prefix else name)
 
 
+def plain_value(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor value that is Replicate on every mesh dimension as its local (whole) tensor; plain tensors pass.
+
+    Its gradient is declared Replicate: every rank computes the same value, so every rank's gradient is whole
+    (what the vocab-parallel cross-entropy's backward expects). A sharded or Partial value raises.
+    """
+    if not isinstance(t, DTensor):
+        return t
+    if not all(p.is_replicate() for p in t.placements):
+        raise PlacementError(f"a loss value must be replicated to be used as a plain tensor, got {_describe(t)}")
+    return t.to_local(grad_placements=t.placements)
+
+
 def install() -> None:
-    """Route glm53's `as_local` through the rules above (a no-op for plain tensors, so safe to leave on)."""
+    """Route glm53's `as_local` and `as_plain` through the rules above (no-ops for plain tensors: safe to leave on)."""
     set_param_resolver(_resolve)
+    set_value_resolver(plain_value)
 
 
 __all__ = ["PlacementError", "materialize_full", "local_shard", "Whole", "LocalShard", "set_boundary_rule",
-           "boundary_rule", "name_modules", "install"]  # fmt: skip
+           "boundary_rule", "name_modules", "install", "plain_value"]  # fmt: skip

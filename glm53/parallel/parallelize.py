@@ -9,9 +9,11 @@ e_score_correction_bias is a buffer, which FSDP never casts.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
@@ -21,6 +23,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 from ..kda import CausalConv1d, KimiDeltaAttention
+from ..losses import LayerStats
+from ..mla import MultiHeadLatentAttention
 from ..model import Glm53ForCausalLM
 from ..moe import MoE
 from .boundary import name_modules
@@ -53,6 +57,22 @@ def apply_tensor_parallel(model: Glm53ForCausalLM, tp_mesh: DeviceMesh) -> None:
                            f"glm53.parallel.tp_plan")  # fmt: skip
     _VOCAB_PARALLEL.add(model)
     model.register_forward_pre_hook(_require_loss_parallel, with_kwargs=True)
+    for module in model.modules():
+        if isinstance(module, MultiHeadLatentAttention):
+            module.register_forward_hook(_sum_pool_mass_over_heads(tp_mesh), with_kwargs=True)
+
+
+def _sum_pool_mass_over_heads(tp_mesh: DeviceMesh):
+    """MLA records the indexer KL target (attention mass summed over heads) from its local heads under TP: a
+    partial sum, completed here over the TP ranks so every rank trains its (replicated) indexer on the same
+    target as one process."""
+
+    def hook(_module: nn.Module, args: tuple, kwargs: dict, _output) -> None:
+        stats = kwargs.get("stats", args[3] if len(args) > 3 else None)
+        if isinstance(stats, LayerStats) and stats.pool_mass is not None:
+            dist.all_reduce(stats.pool_mass, group=tp_mesh.get_group())  # no gradient: a target
+
+    return hook
 
 
 def _loss_parallel_active() -> bool:
@@ -83,11 +103,12 @@ def apply_fsdp(model: Glm53ForCausalLM, dp_mesh: DeviceMesh, mp_policy: MixedPre
     """fully_shard each decoder block (with fp32 sub-units under a low-precision policy), then the root."""
     policy = mp_policy or MixedPrecisionPolicy()
     shard = dict(mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
-    for block in model.model.layers:
+    for block in _blocks(model):
         if _needs_fp32_units(mp_policy):
             fp32 = dict(shard, mp_policy=_fp32_policy(policy))
-            fully_shard(block.attn_hc, **fp32)
-            fully_shard(block.ffn_hc, **fp32)
+            for site in ("attn_hc", "ffn_hc"):  # MTP layers have no mHC
+                if hasattr(block, site):
+                    fully_shard(getattr(block, site), **fp32)
             if isinstance(block.mlp, MoE):
                 fully_shard(block.mlp.gate, **fp32)
             attn = block.self_attn
@@ -97,8 +118,51 @@ def apply_fsdp(model: Glm53ForCausalLM, dp_mesh: DeviceMesh, mp_policy: MixedPre
                 low = [m for m in attn.children() if not isinstance(m, CausalConv1d)]
                 fully_shard(low, **shard, mp_policy=policy)
                 fully_shard(attn, **fp32)
-        fully_shard(block, **shard, mp_policy=policy)
+        if _needs_fp32_units(mp_policy):
+            # FSDP's own input cast rebuilds dataclass arguments, so the block would fill a copy of the caller's
+            # LayerStats (router choices, attention mass) and the losses would never see them: cast here instead.
+            fully_shard(block, **shard, mp_policy=dataclasses.replace(policy, cast_forward_inputs=False))
+            block.register_forward_pre_hook(_cast_float_inputs(policy.param_dtype), with_kwargs=True)
+        else:
+            fully_shard(block, **shard, mp_policy=policy)
     fully_shard(model, **shard, mp_policy=policy)
+
+
+def _cast_float_inputs(dtype: torch.dtype):
+    """Forward pre-hook: floating tensor arguments cast to `dtype`; everything else (LayerStats) passed as is."""
+
+    def cast(x):
+        return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+    def hook(_module: nn.Module, args: tuple, kwargs: dict):
+        return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+
+    return hook
+
+
+def _blocks(model: Glm53ForCausalLM) -> list[nn.Module]:
+    """The decoder blocks, then the MTP layers: the units of activation checkpointing and FSDP."""
+    return [*model.model.layers, *(model.mtp.layers if model.mtp is not None else [])]
+
+
+def expert_load_sum(mesh: DeviceMesh, dp_dim: str, tp_dim: str):
+    """`model.expert_load_reduce` for `mesh`: the expert loads summed over the data-parallel ranks.
+
+    TP ranks route identically and so count the same loads; they are averaged over the TP dimension too (exact
+    for these integer counts), so the biases stay identical on every rank even if routing ever drifted.
+    """
+    has_dp, has_tp = _check_mesh(mesh, dp_dim, tp_dim)
+
+    def reduce(loads: torch.Tensor) -> torch.Tensor:
+        loads = loads.clone()
+        if has_dp:
+            dist.all_reduce(loads, group=mesh[dp_dim].get_group())
+        if has_tp:
+            dist.all_reduce(loads, group=mesh[tp_dim].get_group())
+            loads /= mesh[tp_dim].size()
+        return loads
+
+    return reduce
 
 
 def parallelize(
@@ -113,6 +177,8 @@ def parallelize(
 ) -> Glm53ForCausalLM:
     """Make `model` train on `mesh`: TP on mesh[tp_dim] if present, then activation checkpointing per block,
     then FSDP2 on mesh[dp_dim] if present (per block, then the root). Returns the model (changed in place).
+    MTP layers are blocks like the decoder's. Sets `model.expert_load_reduce` to the sum of the expert loads over
+    the data-parallel ranks (`expert_load_sum`), so `update_router_bias` moves every rank's biases alike.
 
     Compute the loss inside `loss_parallel_context(model)` (forward and backward) when TP is on: the logits are
     a vocab-sharded DTensor.
@@ -130,10 +196,11 @@ def parallelize(
     if has_tp:
         apply_tensor_parallel(model, mesh[tp_dim])
     if activation_checkpointing:
-        for block in model.model.layers:
+        for block in _blocks(model):
             checkpoint(block)
     if has_dp:
         apply_fsdp(model, mesh[dp_dim], mp_policy, reshard_after_forward)
+    model.expert_load_reduce = expert_load_sum(mesh, dp_dim, tp_dim)
     _PARALLELIZED.add(model)
     return model
 
@@ -178,4 +245,4 @@ def loss_parallel_context(model: nn.Module) -> contextlib.AbstractContextManager
 
 
 __all__ = ["parallelize", "apply_tensor_parallel", "apply_fsdp", "loss_parallel_context", "init_weights",
-           "zero_rows"]
+           "zero_rows", "expert_load_sum"]

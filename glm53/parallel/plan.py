@@ -14,6 +14,8 @@ Legend: tp the TP mesh size, H heads, K head width, V vocab.
   every TP rank). Routed experts split on their intermediate width (`ExpertTensorParallel`); expert parallelism
   (experts spread over an ep mesh with all-to-all dispatch) is not implemented.
 - mHC sites and the block norms replicated.
+- MTP layers (`mtp.layers.*`): eh_proj, enorm, hnorm, shared_head.norm and the block norms replicated; their
+  MLA (own indexer) and MoE as above. They share the embedding and lm_head with the main model.
 Every parameter not sharded becomes a Replicate DTensor on the TP mesh (PARALLEL_NOTES.md: a plain parameter
 beside DTensors breaks clip_grad_norm_ and mixed ops).
 """
@@ -194,11 +196,25 @@ def tp_plan(model: Glm53ForCausalLM) -> dict[str, ParallelStyle]:
         else:
             plan.update(_mla_plan(f"{p}.self_attn", block.self_attn.indexer is not None))
         if isinstance(block.mlp, MoE):
-            plan[f"{p}.mlp.gate"] = ReplicateParams()
-            plan[f"{p}.mlp.experts"] = ExpertTensorParallel()
-            plan.update(_mlp_plan(f"{p}.mlp.shared_experts"))
+            plan.update(_moe_plan(f"{p}.mlp"))
         else:
             plan.update(_mlp_plan(f"{p}.mlp"))
+    for i in range(len(model.mtp.layers) if model.mtp is not None else 0):
+        plan.update(_mtp_plan(f"mtp.layers.{i}"))
+    return plan
+
+
+def _moe_plan(p: str) -> dict[str, ParallelStyle]:
+    return {f"{p}.gate": ReplicateParams(), f"{p}.experts": ExpertTensorParallel(), **_mlp_plan(f"{p}.shared_experts")}
+
+
+def _mtp_plan(p: str) -> dict[str, ParallelStyle]:
+    """An MTP layer: its norms and eh_proj replicated, then an MLA block with its own indexer and an MoE."""
+    plan: dict[str, ParallelStyle] = {f"{p}.eh_proj": ReplicateModule()}
+    for name in ("enorm", "hnorm", "input_layernorm", "post_attention_layernorm", "shared_head.norm"):
+        plan[f"{p}.{name}"] = ReplicateParams()
+    plan.update(_mla_plan(f"{p}.self_attn", has_indexer=True))
+    plan.update(_moe_plan(f"{p}.mlp"))
     return plan
 
 
