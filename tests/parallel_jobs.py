@@ -21,6 +21,7 @@ from glm53.parallel import loss_parallel_context, parallelize
 
 CLIP_NORM = 1.0  # clip_grad_norm_ bound used by the parity step (binds for the tiny model: a real check)
 LR = 0.1  # SGD learning rate of the parity step
+BIAS_RATE = 1e-3  # router bias update rate after the step (aux-loss-free balancing)
 
 
 def build_mesh(dp: int, tp: int):
@@ -49,17 +50,31 @@ def reference_step(config: dict, state: dict, ids: torch.Tensor, mask: torch.Ten
     model = Glm53ForCausalLM(Glm53Config(**config))
     model.load_state_dict(state)
     per = ids.shape[0] // dp
-    loss = 0
+    loss, parts = 0, {}
     for k in range(dp):
         rows = slice(k * per, (k + 1) * per)
         part_mask = None if mask is None else mask[rows]
-        loss = loss + model(ids[rows], attention_mask=part_mask, labels=labels_for(ids[rows], part_mask)).loss / dp
+        out = model(ids[rows], attention_mask=part_mask, labels=labels_for(ids[rows], part_mask))
+        loss = loss + out.loss / dp
+        for name, value in loss_parts(out).items():
+            parts[name] = parts.get(name, 0) + value / dp
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
     torch.optim.SGD(model.parameters(), lr=LR).step()
+    model.update_router_bias(BIAS_RATE)  # the expert loads of all dp slices: the global batch's
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return dict(loss=loss.detach(), grads=grads, norm=norm, params=params)
+    return dict(loss=loss.detach(), parts=parts, grads=grads, norm=norm, params=params, biases=router_biases(model))
+
+
+def loss_parts(out) -> dict[str, torch.Tensor]:
+    """Every loss term the model returned (lm, mtp, aux, indexer), as plain detached tensors."""
+    names = ("lm_loss", "mtp_loss", "aux_loss", "indexer_loss")
+    return {n: full(getattr(out, n)) for n in names if getattr(out, n) is not None}
+
+
+def router_biases(model) -> dict[str, torch.Tensor]:
+    return {n: b.detach().clone() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
 
 
 def parallel_step(config: dict, state: dict, ids: torch.Tensor, dp: int, tp: int, bf16: bool = False,
@@ -89,21 +104,23 @@ def parallel_step(config: dict, state: dict, ids: torch.Tensor, dp: int, tp: int
     rows = slice(rank_dp * per, (rank_dp + 1) * per)
     local_ids, local_mask = ids[rows], (None if mask is None else mask[rows])
     with loss_parallel_context(model):
-        loss = model(local_ids, attention_mask=local_mask, labels=labels_for(local_ids, local_mask)).loss
-        loss.backward()
-    loss = full(loss)
+        out = model(local_ids, attention_mask=local_mask, labels=labels_for(local_ids, local_mask))
+        out.loss.backward()
+    loss, parts = full(out.loss), loss_parts(out)
     if dp > 1:
-        dist.all_reduce(loss, group=mesh.get_group("dp"))
-        loss /= dp
+        for value in (loss, *parts.values()):
+            dist.all_reduce(value, group=mesh.get_group("dp"))
+            value /= dp
     grads = {n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
     norm = full(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM))
     torch.optim.SGD(model.parameters(), lr=LR).step()
+    model.update_router_bias(BIAS_RATE)  # expert loads summed over dp by parallelize's expert_load_reduce
     params = {n: full(p) for n, p in model.named_parameters()}
     # This rank's piece of every parameter with its placements, to check replicas agree across ranks.
     locals_ = {n: (tuple(isinstance(pl, Replicate) for pl in p.placements), p.to_local().detach().clone())
                for n, p in model.named_parameters() if isinstance(p, DTensor)}  # fmt: skip
-    return dict(loss=loss, grads=grads, norm=norm, params=params, locals=locals_, coord=mesh.get_coordinate(),
-                dtypes=seen_dtypes)
+    return dict(loss=loss, parts=parts, grads=grads, norm=norm, params=params, locals=locals_,
+                coord=mesh.get_coordinate(), dtypes=seen_dtypes, biases=router_biases(model))
 
 
 def meta_init(config: dict, dp: int, tp: int, seed: int = 0) -> dict:

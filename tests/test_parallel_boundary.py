@@ -254,10 +254,15 @@ def test_kernel_boundaries_exact_or_clear_error(meshes, tiny_model, kind, placed
 
 
 # ------------------------------------------------------------------------------------------------ plan and errors
-@pytest.mark.parametrize("config", [tiny(), Glm53Config.tiny()], ids=["kda-mla-shared", "tiny-preset"])
+@pytest.mark.parametrize("config", [tiny(), Glm53Config.tiny(), tiny(num_nextn_predict_layers=2)],
+                         ids=["kda-mla-shared", "tiny-preset", "mtp"])  # fmt: skip
 def test_every_plan_key_resolves_and_covers_every_parameter(config):
     model = Glm53ForCausalLM(config)
     plan = tp_plan(model)
+    if config.num_nextn_predict_layers:
+        for name in ("eh_proj", "enorm", "hnorm", "shared_head.norm", "self_attn.q_b_proj", "self_attn.indexer",
+                     "mlp.experts", "mlp.gate"):  # fmt: skip
+            assert f"mtp.layers.1.{name}" in plan
     for key in plan:
         model.get_submodule(key)  # raises AttributeError for a key that names no module
     owners = {name.rpartition(".")[0] for name, _ in model.named_parameters()}

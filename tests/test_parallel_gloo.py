@@ -21,11 +21,13 @@ BF16_REL = 5e-2  # bf16 parameters in compute: relative L2 error over all gradie
 BATCH, SEQ = 4, 16
 
 
-def config_dict() -> dict:
-    """The tiny preset with KDA, MLA (full indexer), KDA, MLA (shared top-k) and MoE: every boundary kind."""
+def config_dict(**training) -> dict:
+    """The tiny preset with KDA, MLA (full indexer), KDA, MLA (shared top-k) and MoE: every boundary kind.
+    Its default router_aux_loss_coef puts the balance loss in `.loss`; `training` turns on more loss terms."""
     config = Glm53Config.tiny(
         layer_types=["linear_attention", "indexed_attention", "linear_attention", "indexed_attention"],
         indexer_types=["full", "full", "full", "shared"],
+        **training,
     )
     d = config.to_dict()
     return {k: v for k, v in d.items() if k in Glm53Config.__dataclass_fields__ and k != "extra"}
@@ -38,6 +40,28 @@ def case():
     state = {k: v.clone() for k, v in Glm53ForCausalLM(Glm53Config(**config)).state_dict().items()}
     ids = torch.randint(1, config["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     # dp=2 slices the batch like the data-parallel runs; no token is ignored, so this is the global mean too
+    return dict(config=config, state=state, ids=ids, reference=reference_step(config, state, ids, dp=2))
+
+
+# Every training loss on: one MTP layer (its own MLA + indexer + MoE), indexer KL, balance loss and z-loss.
+TRAINING = dict(num_nextn_predict_layers=1, indexer_loss_weight=1.0, router_aux_loss_coef=0.01,
+                router_z_loss_coef=1e-3)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def training_case():
+    config = config_dict(**TRAINING)
+    torch.manual_seed(0)
+    model = Glm53ForCausalLM(Glm53Config(**config))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for router in model.routers():  # distinct router biases, so a wrong bias update shows
+            router.e_score_correction_bias.normal_(std=0.01, generator=g)
+        for name, p in model.named_parameters():  # index scores far from the target: a KL of ~0.2, not ~1e-5,
+            if ".indexer." in name and p.dim() == 2:  # so fp32 cancellation stays far below the tolerance
+                p.normal_(std=0.3, generator=g)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.randint(1, config["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(2))
     return dict(config=config, state=state, ids=ids, reference=reference_step(config, state, ids, dp=2))
 
 
@@ -62,6 +86,13 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def check_parity(results: list[dict], reference: dict) -> None:
     for rank, res in enumerate(results):
         assert rel_err(res["loss"], reference["loss"]) <= REL_TOL, (rank, res["loss"], reference["loss"])
+        assert set(res["parts"]) == set(reference["parts"]), (res["parts"], reference["parts"])
+        for name, value in res["parts"].items():
+            assert rel_err(value, reference["parts"][name]) <= REL_TOL, (rank, name, value, reference["parts"][name])
+        # aux-loss-free balancing: the loads of the whole global batch, so exactly one process's biases
+        assert set(res["biases"]) == set(reference["biases"])
+        for name, bias in res["biases"].items():
+            assert torch.equal(bias, reference["biases"][name]), f"rank {rank}: {name} differs from one process"
         assert set(res["grads"]) == set(reference["grads"])
         bad = {n: rel_err(g, reference["grads"][n]) for n, g in res["grads"].items()}
         bad = {n: e for n, e in bad.items() if e > REL_TOL}
@@ -78,6 +109,8 @@ def check_replicas_identical(results: list[dict]) -> None:
     for res in results[1:]:
         for name, p in res["params"].items():
             assert torch.equal(p, first["params"][name]), f"{name} differs between ranks after the step"
+        for name, b in res["biases"].items():
+            assert torch.equal(b, first["biases"][name]), f"{name} differs between ranks after the bias update"
     checked = 0
     for name, (replicate, _) in first["locals"].items():
         if not any(replicate):
@@ -159,3 +192,29 @@ def test_meta_init_under_fsdp(pool2, pool4, case, layout):
     assert embedding[case["config"]["pad_token_id"]].abs().max() == 0
     assert embedding[1:].std() > 0
     assert torch.equal(results[0]["model.layers.0.attn_hc.scale"], torch.ones(3))
+
+
+def test_training_features_2x2_match_one_process(pool4, training_case):
+    """MTP, indexer KL, balance and z-loss on FSDP2+TP: every loss part, gradient (MTP layer included) and the
+    router biases after update_router_bias equal one process on the global batch."""
+    case = training_case
+    assert {"mtp_loss", "aux_loss", "indexer_loss"} <= set(case["reference"]["parts"])
+    assert any(n.startswith("mtp.layers.0.") for n in case["reference"]["grads"])
+    results = pool4.run(parallel_step, config=case["config"], state=case["state"], ids=case["ids"], dp=2, tp=2)
+    check_parity(results, case["reference"])
+    assert check_replicas_identical(results) > 0
+
+
+def test_training_features_tp2_with_checkpointing_match_one_process(pool2, training_case):
+    case = training_case
+    results = pool2.run(parallel_step, config=case["config"], state=case["state"], ids=case["ids"], dp=1, tp=2,
+                        checkpointing=True)  # fmt: skip
+    check_parity(results, reference_step(case["config"], case["state"], case["ids"], dp=1))
+    check_replicas_identical(results)
+
+
+def test_expert_loads_are_summed_over_dp(training_case):
+    """The bias check in check_parity can fail: one dp rank's own loads move the biases differently."""
+    case = training_case
+    half = reference_step(case["config"], case["state"], case["ids"][: BATCH // 2], dp=1)["biases"]
+    assert any(not torch.equal(b, case["reference"]["biases"][n]) for n, b in half.items())

@@ -27,6 +27,7 @@ from ..losses import LayerStats
 from ..mla import MultiHeadLatentAttention
 from ..model import Glm53ForCausalLM
 from ..moe import MoE
+from ..mtp import MTPLayer
 from .boundary import name_modules
 from .plan import check_tp_size, tp_plan
 
@@ -104,6 +105,10 @@ def apply_fsdp(model: Glm53ForCausalLM, dp_mesh: DeviceMesh, mp_policy: MixedPre
     policy = mp_policy or MixedPrecisionPolicy()
     shard = dict(mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
     for block in _blocks(model):
+        if isinstance(block, MTPLayer):
+            # MultiTokenPrediction calls shared_head.norm after the layer's forward, when the layer's unit is
+            # resharded again: its own unit gathers it for that call.
+            fully_shard(block.shared_head.norm, **shard, mp_policy=policy)
         if _needs_fp32_units(mp_policy):
             fp32 = dict(shard, mp_policy=_fp32_policy(policy))
             for site in ("attn_hc", "ffn_hc"):  # MTP layers have no mHC
