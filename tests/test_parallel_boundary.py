@@ -254,7 +254,7 @@ def test_kernel_boundaries_exact_or_clear_error(meshes, tiny_model, kind, placed
 
 
 # ------------------------------------------------------------------------------------------------ plan and errors
-@pytest.mark.parametrize("config", [tiny(), Glm53Config.tiny(), tiny(num_nextn_predict_layers=2)],
+@pytest.mark.parametrize("config", [tiny(), Glm53Config.tiny(), tiny(num_nextn_predict_layers=2, mtp_depth=2)],
                          ids=["kda-mla-shared", "tiny-preset", "mtp"])  # fmt: skip
 def test_every_plan_key_resolves_and_covers_every_parameter(config):
     model = Glm53ForCausalLM(config)
