@@ -132,16 +132,29 @@ class ShardedWriter:
 
 
 def copy_side_files(src: str, dst: str) -> list[str]:
-    """Copy SRC's top-level files that are not weights or config.json (tokenizer, generation config...) into
-    DST, skipping names DST already has -> the names copied."""
+    """Copy SRC's top-level files that are not weights or config.json (tokenizer, generation config...) and its
+    subdirectories (a training run's intermediate checkpoints, hard-linked rather than copied: they can be large)
+    into DST, skipping names DST already has -> the names copied."""
     copied = []
     for name in sorted(os.listdir(src)):
-        path = os.path.join(src, name)
-        skip = name in ("config.json", INDEX_FILE) or name.endswith(".safetensors") or not os.path.isfile(path)
-        if not skip and not os.path.lexists(os.path.join(dst, name)):
-            shutil.copy2(path, os.path.join(dst, name))
-            copied.append(name)
+        path, target = os.path.join(src, name), os.path.join(dst, name)
+        if os.path.lexists(target):
+            continue
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.copytree(path, target, copy_function=_link_or_copy)
+        elif name in ("config.json", INDEX_FILE) or name.endswith(".safetensors") or not os.path.isfile(path):
+            continue
+        else:
+            shutil.copy2(path, target)
+        copied.append(name)
     return copied
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # another file system, or links not supported
+        shutil.copy2(src, dst)
 
 
 def write_json(path: str, data: dict) -> None:
