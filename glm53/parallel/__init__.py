@@ -14,17 +14,21 @@ from .boundary import LocalShard, PlacementError, Whole, local_shard, materializ
 from .parallelize import (
     apply_fsdp,
     apply_tensor_parallel,
+    expert_load_sum,
     init_weights,
     loss_parallel_context,
     parallelize,
     zero_rows,
 )
 from .plan import ExpertTensorParallel, LocalShardParams, ReplicateModule, ReplicateParams, check_tp_size, tp_plan
+from .runtime import full_optimizer_state, full_state, init_mesh, load_full_optimizer_state
 
 _boundary.install()
 
 __all__ = [
     "materialize_full", "local_shard", "PlacementError", "Whole", "LocalShard", "set_boundary_rule",
     "parallelize", "apply_tensor_parallel", "apply_fsdp", "loss_parallel_context", "init_weights", "zero_rows",
+    "expert_load_sum",
+    "init_mesh", "full_state", "full_optimizer_state", "load_full_optimizer_state",
     "tp_plan", "check_tp_size", "ReplicateParams", "ReplicateModule", "LocalShardParams", "ExpertTensorParallel",
 ]  # fmt: skip

@@ -1,0 +1,96 @@
+"""What a training script needs from torch.distributed, so that it never imports it: the process group and the
+(dp, tp) mesh, rank queries, and whole (unsharded) model and optimizer state for official-layout checkpoints.
+
+Legend: dp the data-parallel mesh dimension (FSDP2), tp the tensor-parallel one; ranks are laid out
+rank = dp_rank * tp + tp_rank (init_device_mesh's row-major order).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+
+def init_mesh(dp: int, tp: int, device_type: str = "cpu") -> DeviceMesh:
+    """Start the process group (gloo on CPU, nccl on CUDA; torchrun's environment) and return the mesh that
+    `parallelize` expects: ("dp", "tp") when both exceed 1, else 1-D named after the dimension in use."""
+    if dp < 1 or tp < 1:
+        raise ValueError(f"dp and tp must be >= 1, got dp={dp}, tp={tp}")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    if dp * tp != dist.get_world_size():
+        raise ValueError(f"dp={dp} x tp={tp} = {dp * tp} ranks, but the world has {dist.get_world_size()}")
+    if dp > 1 and tp > 1:
+        return init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    if tp > 1:
+        return init_device_mesh(device_type, (tp,), mesh_dim_names=("tp",))
+    return init_device_mesh(device_type, (dp,), mesh_dim_names=("dp",))
+
+
+def shutdown() -> None:
+    """Destroy the process group if one was started."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def rank() -> int:
+    """This process's global rank (0 without a process group)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def local_rank(mesh: DeviceMesh, dim: str) -> int:
+    """This rank's coordinate on mesh dimension `dim` (0 when the mesh has no such dimension)."""
+    return mesh.get_local_rank(dim) if dim in (mesh.mesh_dim_names or ()) else 0
+
+
+def mean_over(value: torch.Tensor, mesh: DeviceMesh, dim: str = "dp") -> torch.Tensor:
+    """A plain tensor averaged over mesh dimension `dim` (itself when the mesh has no such dimension)."""
+    value = value.detach().clone()
+    if dim in (mesh.mesh_dim_names or ()):
+        dist.all_reduce(value, group=mesh[dim].get_group())  # gloo has no AVG
+        value /= mesh[dim].size()
+    return value
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def gather_objects(obj) -> list:
+    """`obj` from every rank, in rank order, on every rank (pickled; for small things like RNG states)."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict with every DTensor gathered to a plain full tensor (call on every rank)."""
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()
+        state[name] = tensor.detach().clone()
+    return state
+
+
+def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer state keyed by parameter FQN with full tensors (call on every rank)."""
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+
+
+def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Load a `full_optimizer_state` into a (re)parallelized model's optimizer, resharding it (every rank)."""
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+__all__ = ["init_mesh", "shutdown", "rank", "local_rank", "mean_over", "barrier", "gather_objects", "full_state",
+           "full_optimizer_state", "load_full_optimizer_state"]  # fmt: skip
