@@ -5,6 +5,8 @@
 
 Every rank builds the same seeded model, `glm53.parallel.parallelize` shards it, each data-parallel rank takes
 its slice of the global batch, and the loss is computed under `loss_parallel_context` (vocab-sharded logits).
+`torchrun ... -m glm53 train --dp K --tp M` is the full training command (MTP, checkpoints, resume); this file
+shows the bare API, plus bf16 mixed precision.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ def main() -> None:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        model.update_router_bias()  # expert loads summed over dp ranks (parallelize set model.expert_load_reduce)
         loss = (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
         dist.all_reduce(loss, op=dist.ReduceOp.AVG if use_cuda else dist.ReduceOp.SUM)
         if not use_cuda:

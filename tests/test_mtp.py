@@ -11,7 +11,6 @@ from safetensors.torch import save_file
 
 from glm53 import Glm53Config, Glm53ForCausalLM
 from glm53.checkpoint import iter_official_state, mtp_official_state
-from glm53.train import save_checkpoint
 
 B, T = 2, 19  # T not a multiple of the k-pool size
 
@@ -95,7 +94,7 @@ def test_official_layout_save_and_load(tmp_path):
     assert all(k.startswith(prefix) for k in keys)
     assert not any("hc_" in k for k in keys)  # the MTP block has no mHC
     assert set(keys) <= {k for k, _ in iter_official_state(model)}
-    save_checkpoint(model, str(tmp_path))
+    model.save_pretrained(tmp_path, overwrite=True)
     loaded = Glm53ForCausalLM.from_pretrained(tmp_path)
     assert loaded.mtp_checkpoint_keys == []
     for (k1, v1), (k2, v2) in zip(model.state_dict().items(), loaded.state_dict().items()):
