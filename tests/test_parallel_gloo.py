@@ -205,11 +205,13 @@ def test_training_features_2x2_match_one_process(pool4, training_case):
     assert check_replicas_identical(results) > 0
 
 
-def test_training_features_tp2_with_checkpointing_match_one_process(pool2, training_case):
+@pytest.mark.parametrize("layout", ["dp2", "tp2-checkpointing"])
+def test_training_features_on_two_ranks_match_one_process(pool2, training_case, layout):
     case = training_case
-    results = pool2.run(parallel_step, config=case["config"], state=case["state"], ids=case["ids"], dp=1, tp=2,
-                        checkpointing=True)  # fmt: skip
-    check_parity(results, reference_step(case["config"], case["state"], case["ids"], dp=1))
+    dp, tp = (2, 1) if layout == "dp2" else (1, 2)
+    results = pool2.run(parallel_step, config=case["config"], state=case["state"], ids=case["ids"], dp=dp, tp=tp,
+                        checkpointing=tp > 1)  # fmt: skip
+    check_parity(results, reference_step(case["config"], case["state"], case["ids"], dp=dp))
     check_replicas_identical(results)
 
 
