@@ -39,4 +39,90 @@ def sparse_attention_reference(
     return torch.einsum("bhts,bshe->bthe", probs, v.float()).to(q.dtype)
 
 
+# ------------------------------------------------------------------------------------------------- gather form
+# Each query reads only its J selected keys: O(T * J) work and, with queries processed QUERY chunks at a time,
+# memory bounded by GATHER_BUDGET elements per gathered tensor whatever T is. The backward is written by hand
+# (flash-attention style): it saves only q, k, v and the indices, recomputes each chunk's probabilities and
+# scatters the key/value gradients with index_add_.
+GATHER_BUDGET = 1 << 22  # elements of one gathered [B, H, Tq, J, D] chunk (16 MiB in fp32)
+
+
+def _query_chunk(B: int, H: int, J: int, width: int) -> int:
+    return max(1, GATHER_BUDGET // max(1, B * H * J * width))
+
+
+def _gather(x: torch.Tensor, safe: torch.Tensor) -> torch.Tensor:
+    """x [B, H, S, D], safe [B, Tq, J] -> [B, H, Tq, J, D] (the selected rows, per head)."""
+    B, H = x.shape[:2]
+    b = torch.arange(B, device=x.device)[:, None, None, None]
+    h = torch.arange(H, device=x.device)[None, :, None, None]
+    return x[b, h, safe[:, None]]
+
+
+def _chunk_probs(q_c, k_h, idx_c, scale):
+    """q_c [B, H, Tq, D], k_h [B, H, S, D], idx_c [B, Tq, J] -> (probs [B, H, Tq, J], safe idx, gathered keys)."""
+    S = k_h.shape[2]
+    valid = (idx_c >= 0) & (idx_c < S)
+    safe = idx_c.long().clamp(0, S - 1)
+    k_g = _gather(k_h, safe)
+    scores = (k_g @ q_c[..., None]).squeeze(-1) * scale
+    scores = scores.masked_fill(~valid[:, None], float("-inf"))
+    return torch.softmax(scores, dim=-1).nan_to_num(0.0), safe, k_g  # all-empty rows -> 0
+
+
+class _SparseAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, topk_indices, scale):
+        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        q_h, k_h, v_h = (x.transpose(1, 2).to(dtype) for x in (q, k, v))  # [B, H, *, D]
+        B, H, T, _ = q_h.shape
+        J = topk_indices.shape[-1]
+        step = _query_chunk(B, H, J, max(q.shape[-1], v.shape[-1]))
+        o = q_h.new_empty(B, H, T, v.shape[-1])
+        for start in range(0, T, step):
+            end = min(start + step, T)
+            p, safe, _ = _chunk_probs(q_h[:, :, start:end], k_h, topk_indices[:, start:end], scale)
+            o[:, :, start:end] = (p[..., None, :] @ _gather(v_h, safe)).squeeze(-2)
+        ctx.save_for_backward(q, k, v, topk_indices)
+        ctx.scale = scale
+        return o.transpose(1, 2).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, topk_indices = ctx.saved_tensors
+        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        q_h, k_h, v_h, do_h = (x.transpose(1, 2).to(dtype) for x in (q, k, v, do))
+        B, H, T, D = q_h.shape
+        S, E = k_h.shape[2], v_h.shape[-1]
+        J = topk_indices.shape[-1]
+        dq = q_h.new_empty(B, H, T, D)
+        dk, dv = q_h.new_zeros(B, H, S, D), q_h.new_zeros(B, H, S, E)  # contiguous: rows of .view(B*H*S, *)
+        rows = (torch.arange(B * H, device=q.device) * S).view(B, H, 1, 1)
+        step = _query_chunk(B, H, J, max(D, E))
+        for start in range(0, T, step):
+            end = min(start + step, T)
+            q_c, do_c = q_h[:, :, start:end], do_h[:, :, start:end]
+            p, safe, k_g = _chunk_probs(q_c, k_h, topk_indices[:, start:end], ctx.scale)
+            dp = (_gather(v_h, safe) @ do_c[..., None]).squeeze(-1)  # [B, H, Tq, J]
+            ds = p * (dp - (p * dp).sum(-1, keepdim=True)) * ctx.scale
+            dq[:, :, start:end] = (ds[..., None, :] @ k_g).squeeze(-2)
+            flat = (rows + safe[:, None]).flatten()  # [B*H*Tq*J] row of dk.view(B*H*S, D)
+            dk.view(-1, D).index_add_(0, flat, (ds[..., None] * q_c[..., None, :]).view(-1, D))
+            dv.view(-1, E).index_add_(0, flat, (p[..., None] * do_c[..., None, :]).view(-1, E))
+        grads = (dq.transpose(1, 2).to(q.dtype), dk.transpose(1, 2).to(k.dtype), dv.transpose(1, 2).to(v.dtype))
+        return (*grads, None, None)
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    topk_indices: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Gather form: each query attends to its selected keys only, chunked over queries; same signature."""
+    return _SparseAttention.apply(q, k, v, topk_indices, scale)
+
+
 register("sparse_attention", "reference", sparse_attention_reference)
+register("sparse_attention", "eager", sparse_attention)
