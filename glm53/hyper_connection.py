@@ -16,9 +16,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
+from torch.utils.checkpoint import checkpoint
 
 from .config import Glm53Config
-from .kernels import kernel
+from .kernels import chosen_backend, kernel
 from .norm import rms_normalize
 
 FN_INIT_STD = 0.02  # transformers initialises `fn` with std 0.02 regardless of initializer_range
@@ -52,8 +53,13 @@ class HyperConnection(nn.Module):
 
     def forward(self, streams: torch.Tensor, block) -> torch.Tensor:
         """Run `block` ([B, T, D] -> [B, T, D]) at this site: [B, T, N, D] -> [B, T, N, D]."""
-        pre, post, comb = self.coefficients(streams)
-        collapsed = torch.einsum("btn,btnd->btd", pre, streams.float()).to(streams.dtype)
+        if torch.is_grad_enabled() and streams.requires_grad and chosen_backend("hc_collapse") != "reference":
+            # Recompute the coefficients in backward (MODEL_NOTES "mHC memory"): the normalised fp32 copy of the
+            # flattened streams and the Sinkhorn iterates are not kept; only `streams` is, which the site needs anyway.
+            pre, post, comb = checkpoint(self.coefficients, streams, use_reentrant=False)
+        else:
+            pre, post, comb = self.coefficients(streams)
+        collapsed = kernel("hc_collapse")(pre, streams)  # [B, T, D]
         out = block(collapsed)
         mixed = torch.einsum("btji,btjd->btid", comb.to(streams.dtype), streams)
         return post.to(streams.dtype)[..., None] * out[:, :, None, :] + mixed
