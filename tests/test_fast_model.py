@@ -10,7 +10,8 @@ from glm53.kernels import backends, chosen_backend, use_backend
 from oracle import hf_model
 
 REL_TOL = 1e-4
-FAST_OPS = ("kda", "sparse_attention", "moe_experts", "indexer_scores", "causal_conv1d")
+FAST_OPS = ("kda", "sparse_attention", "sparse_mqa_attention", "moe_experts", "indexer_scores", "hc_collapse",
+            "causal_conv1d")
 
 CASES = {
     # T=70 > one KDA chunk (64), not a multiple of it or of the k-pool (4); sparse since T >> index_topk (8)
@@ -75,3 +76,33 @@ def test_fast_training_gradients_match_reference_kernels():
     for name, ref in ref_grads.items():
         torch.testing.assert_close(fast_grads[name], ref, rtol=1e-3, atol=1e-5 * max(1.0, ref.abs().max().item()),
                                    msg=lambda m, name=name: f"{name}: {m}")  # fmt: skip
+
+
+@pytest.mark.parametrize("absorb", [True, False], ids=["absorbed", "per-head"])
+def test_mla_absorbed_and_per_head_forms_agree(absorb):
+    """Both MLA attention forms, fast kernels, equal the reference per-head form (forward and gradients)."""
+    from glm53.mla import MultiHeadLatentAttention
+
+    config = Glm53Config.tiny()
+    attn = MultiHeadLatentAttention(config, layer_idx=3)
+    attn.init_weights()
+    for p in attn.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(2, 45, config.hidden_size, requires_grad=True)
+    valid = torch.ones(2, 45, dtype=torch.bool)
+    valid[1, :7] = False
+
+    def run(absorbed, backend):
+        attn.absorb = absorbed
+        with use_backend(backend):
+            out, topk = attn(x, valid)
+        grad = torch.autograd.grad(out[valid].square().sum(), [x, *attn.parameters()], allow_unused=True)
+        return out, topk, grad
+
+    out, topk, grad = run(absorb, "eager")
+    ref_out, ref_topk, ref_grad = run(False, "reference")
+    assert torch.equal(topk.sort(-1).values, ref_topk.sort(-1).values) and (topk == -1).any()
+    torch.testing.assert_close(out[valid], ref_out[valid], rtol=1e-4, atol=1e-5)
+    for g, r in zip(grad, ref_grad):
+        if r is not None:
+            torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)

@@ -223,3 +223,20 @@ def test_hc_collapse_equals_reference(dtype):
     torch.testing.assert_close(got, ref, rtol=0, atol=0)
     assert_all_close(grads(got, [pre, streams]), grads(ref, [pre, streams]),
                      FP32_TOL if dtype == torch.float32 else BF16_TOL, ["dpre", "dstreams"])  # fmt: skip
+
+
+# ------------------------------------------------------------------------ absorbed (latent, multi-query) attention
+@pytest.mark.parametrize("budget", [64, 1 << 22], ids=["many-chunks", "one-chunk"])
+@pytest.mark.parametrize("shape", SPARSE_SHAPES, ids=[f"B{s[0]}-T{s[1]}-S{s[2]}-H{s[3]}-J{s[6]}" for s in SPARSE_SHAPES])
+def test_sparse_mqa_attention_matches_dense_reference(shape, budget, monkeypatch):
+    from glm53.kernels.sparse_attention import sparse_mqa_attention, sparse_mqa_attention_reference
+
+    monkeypatch.setattr(sa_mod, "GATHER_BUDGET", budget)
+    B, T, S, H, D, _, J = shape
+    (q, k, _), idx = sparse_inputs(B, T, S, H, D, D, J)
+    kv = k[:, :, 0].detach().requires_grad_()  # [B, S, C]: one latent shared by all heads
+    ref = sparse_mqa_attention_reference(q, kv, idx, 0.3)
+    got = sparse_mqa_attention(q, kv, idx, 0.3)
+    assert_all_close((got,), (ref,), FP32_TOL, ["o"])
+    assert (got[0, 0] == 0).all()
+    assert_all_close(grads(got, [q, kv]), grads(ref, [q, kv]), FP32_TOL, ["dq", "dkv"])

@@ -126,3 +126,84 @@ def sparse_attention(
 
 register("sparse_attention", "reference", sparse_attention_reference)
 register("sparse_attention", "eager", sparse_attention)
+
+
+# ------------------------------------------------------------------------------ absorbed MLA: one shared latent
+# MLA's keys and values are per-head linear maps of one latent c_s [C] (kv_lora_rank). Absorbing the maps into
+# the query (q_abs = W_uk^T q) and the output (o = W_uv o_lat) leaves multi-query attention in the latent with
+# key = value = c: one gathered [Tq, J, C] tensor serves every head, instead of per-head keys AND values.
+# Legend as above with C the latent width; q: [B, T, H, C], kv: [B, S, C]; returns [B, T, H, C] in q's dtype.
+def sparse_mqa_attention_reference(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    topk_indices: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Dense scores against the shared latent, masked to the selected set (O(T * S))."""
+    mask = topk_to_mask(topk_indices, kv.shape[1])  # [B, T, S]
+    scores = torch.einsum("bthc,bsc->bhts", q.float(), kv.float()) * scale
+    probs = torch.softmax(scores.masked_fill(~mask[:, None], float("-inf")), dim=-1).nan_to_num(0.0)
+    return torch.einsum("bhts,bsc->bthc", probs, kv.float()).to(q.dtype)
+
+
+def _mqa_chunk_probs(q_c, kv, idx_c, scale):
+    """q_c [B, Tq, H, C], kv [B, S, C], idx_c [B, Tq, J] -> (probs [B, Tq, H, J], safe idx, gathered [B, Tq, J, C])."""
+    S = kv.shape[1]
+    valid = (idx_c >= 0) & (idx_c < S)
+    safe = idx_c.long().clamp(0, S - 1)
+    kv_g = kv[torch.arange(kv.shape[0], device=kv.device)[:, None, None], safe]  # [B, Tq, J, C]
+    scores = (q_c @ kv_g.transpose(-1, -2)) * scale  # [B, Tq, H, J]
+    scores = scores.masked_fill(~valid[:, :, None], float("-inf"))
+    return torch.softmax(scores, dim=-1).nan_to_num(0.0), safe, kv_g
+
+
+class _SparseMqaAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, kv, topk_indices, scale):
+        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        q32, kv32 = q.to(dtype), kv.to(dtype)
+        B, T, H, C = q.shape
+        step = _query_chunk(B, 1, topk_indices.shape[-1], C + H)
+        o = q32.new_empty(B, T, H, C)
+        for start in range(0, T, step):
+            end = min(start + step, T)
+            p, _, kv_g = _mqa_chunk_probs(q32[:, start:end], kv32, topk_indices[:, start:end], scale)
+            o[:, start:end] = p @ kv_g
+        ctx.save_for_backward(q, kv, topk_indices)
+        ctx.scale = scale
+        return o.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, do):
+        q, kv, topk_indices = ctx.saved_tensors
+        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        q32, kv32, do32 = q.to(dtype), kv.to(dtype), do.to(dtype)
+        B, T, H, C = q.shape
+        S = kv.shape[1]
+        dq, dkv = q32.new_empty(B, T, H, C), q32.new_zeros(B * S, C)
+        rows = (torch.arange(B, device=q.device) * S)[:, None, None]
+        step = _query_chunk(B, 1, topk_indices.shape[-1], C + H)
+        for start in range(0, T, step):
+            end = min(start + step, T)
+            q_c, do_c = q32[:, start:end], do32[:, start:end]
+            p, safe, kv_g = _mqa_chunk_probs(q_c, kv32, topk_indices[:, start:end], ctx.scale)
+            dp = do_c @ kv_g.transpose(-1, -2)  # [B, Tq, H, J]
+            ds = p * (dp - (p * dp).sum(-1, keepdim=True)) * ctx.scale
+            dq[:, start:end] = ds @ kv_g
+            dkv_g = ds.transpose(-1, -2) @ q_c + p.transpose(-1, -2) @ do_c  # [B, Tq, J, C]: as key + as value
+            dkv.index_add_(0, (rows + safe).flatten(), dkv_g.reshape(-1, C))
+        return dq.to(q.dtype), dkv.view(B, S, C).to(kv.dtype), None, None
+
+
+def sparse_mqa_attention(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    topk_indices: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Gather form of the absorbed attention, chunked over queries, hand-written backward; same signature."""
+    return _SparseMqaAttention.apply(q, kv, topk_indices, scale)
+
+
+register("sparse_mqa_attention", "reference", sparse_mqa_attention_reference)
+register("sparse_mqa_attention", "eager", sparse_mqa_attention)
