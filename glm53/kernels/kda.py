@@ -130,15 +130,24 @@ def kda_chunk_reference(
 # negligible. The inter-chunk terms use exp(G_t), exp(G_C - G_j) and exp(G_C): exponents <= 0 as well.
 SUB_CHUNK = 16  # rebasing block: 15 steps of the -5 gate span at most 75 <= REBASE_MAX_EXP
 REBASE_MAX_EXP = 80.0  # largest exponent the rebased path may evaluate (fp32 overflows above ~88.7)
+# Every decay exponent (always <= 0 here) is floored at -EXP_FLOOR before exp(): exp(-80) = 1.8e-35 is still a
+# normal fp32 number, while exp(-100) would be a denormal, which x86 CPUs process 10-100x slower (it made the
+# matmuls below crawl). The change to any product is below 1.8e-35 absolute (the other factor is <= 1).
+EXP_FLOOR = 80.0
 BASE_BLOCK = 8
 RECURRENT_MAX_T = 1  # single-token steps (decode) use the recurrent form directly
+
+
+def _decay(x: torch.Tensor) -> torch.Tensor:
+    """exp(x) for decay exponents, floored at exp(-EXP_FLOOR) (no denormals; see EXP_FLOOR)."""
+    return x.clamp(min=-EXP_FLOOR).exp()
 
 
 def _pairwise_base(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor, s: int) -> torch.Tensor:
     """[..., C, K] -> [..., C/s, s, s] blocks M[t, j] = sum_c a_tc b_jc exp(G_tc - G_jc), j <= t (0 above)."""
     a, b, G = (x.unflatten(-2, (-1, s)) for x in (a, b, G))  # [..., C/s, s, K]
     causal = torch.ones(s, s, dtype=torch.bool, device=G.device).tril()
-    diff = (G[..., :, None, :] - G[..., None, :, :]).masked_fill(~causal[:, :, None], float("-inf"))
+    diff = (G[..., :, None, :] - G[..., None, :, :]).clamp(min=-EXP_FLOOR).masked_fill(~causal[:, :, None], float("-inf"))
     return torch.einsum("...tc,...jc,...tjc->...tj", a, b, diff.exp())
 
 
@@ -151,8 +160,8 @@ def _decayed_products(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor) -> torc
         halves = lambda x: x.unflatten(-2, (-1, 2, s))  # noqa: E731  [..., C/2s, 2, s, K]
         a2, b2, G2 = halves(a), halves(b), halves(G)
         ref = G2[..., 0, s - 1 : s, :]  # [..., C/2s, 1, K] the boundary token
-        rows = a2[..., 1, :, :] * (G2[..., 1, :, :] - ref).exp()
-        cols = b2[..., 0, :, :] * (ref - G2[..., 0, :, :]).exp()
+        rows = a2[..., 1, :, :] * _decay(G2[..., 1, :, :] - ref)
+        cols = b2[..., 0, :, :] * _decay(ref - G2[..., 0, :, :])
         off = rows @ cols.transpose(-1, -2)  # [..., C/2s, s, s]
         diag = M.unflatten(-3, (-1, 2))  # [..., C/2s, 2, s, s]
         top = torch.cat([diag[..., 0, :, :], torch.zeros_like(off)], dim=-1)
@@ -163,14 +172,20 @@ def _decayed_products(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor) -> torc
 
 
 def _rebased_products(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
-    """Same result as `_decayed_products` via sub-chunk rebasing; only valid when `_rebase_is_safe(G)`."""
-    C = G.shape[-2]
+    """Same result as `_decayed_products` via sub-chunk rebasing; only valid when `_rebase_is_safe(G)`.
+
+    a may stack several row operands in a leading dim (here k and q); they share one set of column factors.
+    """
+    C, K = G.shape[-2:]
     s = min(SUB_CHUNK, C)
-    ref = G.unflatten(-2, (-1, s))[..., :1, :]  # [..., C/s, 1, K] first token of each row block
-    rows = a.unflatten(-2, (-1, s)) * (G.unflatten(-2, (-1, s)) - ref).exp()  # [..., C/s, s, K]
-    cols = b[..., None, :, :] * (ref - G[..., None, :, :]).clamp(max=REBASE_MAX_EXP).exp()  # [..., C/s, C, K]
-    M = (rows @ cols.transpose(-1, -2)).flatten(-3, -2)  # [..., C, C]
-    return M.tril()
+    G_blocks = G.unflatten(-2, (-1, s))  # [..., C/s, s, K]
+    ref = G_blocks[..., :1, :]  # [..., C/s, 1, K] first token of each row block
+    rows = a.unflatten(-2, (-1, s)) * _decay(G_blocks - ref)  # [R, ..., C/s, s, K]
+    cols = b[..., None, :, :] * (ref - G[..., None, :, :]).clamp(-EXP_FLOOR, REBASE_MAX_EXP).exp()  # [..., C/s, C, K]
+    rows = torch.cat(rows.unbind(0), dim=-2)  # [..., C/s, R*s, K]
+    M = rows @ cols.transpose(-1, -2)  # [..., C/s, R*s, C]: one batched matmul, no broadcast copies
+    M = torch.stack(M.split(s, dim=-2), dim=0)  # [R, ..., C/s, s, C]
+    return M.flatten(-3, -2).tril()  # [R, ..., C, C]
 
 
 def _rebase_is_safe(G: torch.Tensor) -> bool:
@@ -202,20 +217,22 @@ def _kda_chunk_core(q, k, v, g, beta, S0):
     if pad:  # k = beta = 0 and g = 0 on padding: no write, no decay, so the final state is unchanged
         q, k, v, g = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
         beta = torch.nn.functional.pad(beta, (0, 0, 0, pad))
-    chunked = lambda x: x.unflatten(1, (N, C)).permute(0, 3, 1, 2, 4)  # noqa: E731  [B, H, N, C, *]
+    chunked = lambda x: x.unflatten(1, (N, C)).permute(0, 3, 1, 2, 4).contiguous()  # noqa: E731  [B, H, N, C, *]
     q, k, v, g = chunked(q), chunked(k), chunked(v), chunked(g)
     beta = beta.unflatten(1, (N, C)).permute(0, 3, 1, 2)[..., None]  # [B, H, N, C, 1]
     G = g.cumsum(dim=-2)
     G_end = G[..., -1:, :]  # [B, H, N, 1, K]
-    products = _rebased_products if _rebase_is_safe(G) else _decayed_products
-    both = products(torch.stack([k, q]), k[None], G[None])  # [2, B, H, N, C, C]
+    if _rebase_is_safe(G):
+        both = _rebased_products(torch.stack([k, q]), k, G)  # [2, B, H, N, C, C]
+    else:
+        both = _decayed_products(torch.stack([k, q]), k[None], G[None])
     A, QK = both[0].tril(-1), both[1]
     eye = torch.eye(C, dtype=A.dtype, device=A.device)
     L = eye + beta * A
-    rhs = torch.cat([beta * k * G.exp(), beta * v], dim=-1)
+    rhs = torch.cat([beta * k * _decay(G), beta * v], dim=-1)
     W, Ub = torch.linalg.solve_triangular(L, rhs, upper=False, unitriangular=True).split([K, V], dim=-1)
-    Kd = k * (G_end - G).exp()  # [B, H, N, C, K]
-    transition = torch.diag_embed(G_end.squeeze(-2).exp()) - Kd.transpose(-1, -2) @ W  # [B, H, N, K, K]
+    Kd = k * _decay(G_end - G)  # [B, H, N, C, K]
+    transition = torch.diag_embed(_decay(G_end.squeeze(-2))) - Kd.transpose(-1, -2) @ W  # [B, H, N, K, K]
     inject = Kd.transpose(-1, -2) @ Ub  # [B, H, N, K, V]
     S = S0.reshape(B * H, K, V)
     transition = transition.permute(2, 0, 1, 3, 4).reshape(N, B * H, K, K)
@@ -226,7 +243,7 @@ def _kda_chunk_core(q, k, v, g, beta, S0):
         S = torch.baddbmm(inject_n, transition_n, S)
     starts = torch.stack(states, dim=0).view(N, B, H, K, V).permute(1, 2, 0, 3, 4)  # [B, H, N, K, V]
     U = Ub - W @ starts
-    o = (q * G.exp()) @ starts + QK @ U  # [B, H, N, C, V]
+    o = (q * _decay(G)) @ starts + QK @ U  # [B, H, N, C, V]
     o = o.permute(0, 2, 3, 1, 4).reshape(B, N * C, H, V)[:, :T]
     return o, S.view(B, H, K, V)
 
