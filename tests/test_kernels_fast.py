@@ -84,7 +84,7 @@ def test_kda_decay_products_paths_agree(gate):
     torch.testing.assert_close(kda_mod._decayed_products(a, b, G), exact, rtol=1e-10, atol=1e-12)
     assert kda_mod._rebase_is_safe(G) == (gate == "bounded")
     if gate == "bounded":
-        torch.testing.assert_close(kda_mod._rebased_products(a, b, G), exact, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(kda_mod._rebased_products(a[None], b, G)[0], exact, rtol=1e-10, atol=1e-12)
 
 
 def test_kda_large_decay_fp32_stays_finite():
