@@ -20,7 +20,6 @@ from torch.utils.checkpoint import checkpoint
 
 from .config import Glm53Config
 from .kernels import chosen_backend, kernel
-from .norm import rms_normalize
 
 FN_INIT_STD = 0.02  # transformers initialises `fn` with std 0.02 regardless of initializer_range
 
@@ -40,8 +39,11 @@ class HyperConnection(nn.Module):
     def coefficients(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [B, T, N, D] -> pre [B, T, N], post [B, T, N], comb [B, T, N, N], all fp32."""
         n = self.n
-        flat = rms_normalize(rearrange(streams, "b t n d -> b t (n d)"), self.norm_eps)
-        mixed = F.linear(flat, self.fn.float())
+        flat = rearrange(streams, "b t n d -> b t (n d)").float()
+        # RMSNorm(flat) @ fn^T == (flat @ fn^T) * rsqrt(mean(flat^2) + eps): the per-token scale commutes with the
+        # projection, so the normalised [B, T, N*D] copy is never formed (one pass over the streams fewer).
+        mean_square = torch.linalg.vector_norm(flat, dim=-1, keepdim=True).square() / flat.shape[-1]
+        mixed = F.linear(flat, self.fn.float()) * torch.rsqrt(mean_square + self.norm_eps)
         pre_w, post_w, comb_w = mixed.split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = self.base.float().split([n, n, n * n])
         scale = self.scale.float()
