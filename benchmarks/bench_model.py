@@ -7,7 +7,7 @@
 For each T the two models alternate (glm53, transformers, glm53, ...) and ratios are medians of the per-pair
 ratios. Forward runs under no_grad; forward+backward is one training step's loss.backward() (CE on the
 logits). Peak memory of a training step is the peak RSS growth of a fresh child process running one step
-(ru_maxrss minus the RSS just before the step). MFU = 6 * active matmul parameters * tokens / step time /
+(VmHWM, reset just before the step, minus the RSS just before it). MFU = 6 * active matmul parameters * tokens / step time /
 fp32 GEMM peak measured in the same run (attention/KDA score flops are not counted: a lower bound).
 Results: benchmarks/results/bench_model.json and a table on stdout.
 """
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -41,13 +40,6 @@ def build_pair(path: str):
     hf = hf_model(config, seed=0)
     hf.save_pretrained(path)
     return hf, Glm53ForCausalLM.from_pretrained(path), config
-
-
-def load_pair(path: str):
-    from transformers import Glm5NextForConditionalGeneration
-
-    hf = Glm5NextForConditionalGeneration.from_pretrained(path, attn_implementation="eager")
-    return hf, Glm53ForCausalLM.from_pretrained(path)
 
 
 def logits_of(model, ids, is_hf: bool) -> torch.Tensor:
@@ -85,17 +77,32 @@ def active_matmul_params(config) -> int:
     return total
 
 
+def _vm(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
 def memory_child(path: str, which: str, T: int) -> None:
-    """Run one training step in this (fresh) process and print its peak RSS growth in bytes."""
-    hf, ours = load_pair(path)
-    model, is_hf = (hf, True) if which == "transformers" else (ours, False)
-    del hf, ours
+    """Run one training step in this (fresh) process and print its peak RSS growth in bytes.
+
+    Only the measured model is loaded; the peak counter (VmHWM) is reset just before the step (Linux
+    /proc/self/clear_refs "5"), so loading does not count.
+    """
+    if which == "transformers":
+        from transformers import Glm5NextForConditionalGeneration
+
+        model, is_hf = Glm5NextForConditionalGeneration.from_pretrained(path, attn_implementation="eager"), True
+    else:
+        model, is_hf = Glm53ForCausalLM.from_pretrained(path), False
     ids = torch.randint(1, bench_config().vocab_size, (1, T))
-    with open("/proc/self/statm") as f:
-        rss_before = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    rss_before = _vm("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
     train_step(model, ids, is_hf)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"peak_bytes": peak - rss_before}))
+    print(json.dumps({"peak_bytes": _vm("VmHWM") - rss_before}))
 
 
 def measure_memory(path: str, which: str, T: int, threads: int) -> float:

@@ -240,3 +240,25 @@ def test_sparse_mqa_attention_matches_dense_reference(shape, budget, monkeypatch
     assert_all_close((got,), (ref,), FP32_TOL, ["o"])
     assert (got[0, 0] == 0).all()
     assert_all_close(grads(got, [q, kv]), grads(ref, [q, kv]), FP32_TOL, ["dq", "dkv"])
+
+
+# ------------------------------------------------------------------------------------------------------ Sinkhorn
+@pytest.mark.parametrize("iters", [1, 2, 20], ids=["iters1", "iters2", "iters20"])
+def test_sinkhorn_backward_equals_autograd(iters):
+    from glm53.kernels.sinkhorn import sinkhorn, sinkhorn_reference
+
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.softmax(torch.randn(3, 5, 4, 4, generator=gen, dtype=torch.float64), -1) + 1e-6).requires_grad_()
+    ref, got = sinkhorn_reference(x, iters, 1e-6), sinkhorn(x, iters, 1e-6)
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    torch.testing.assert_close(grads(got, [x])[0], grads(ref, [x])[0], rtol=1e-5, atol=1e-6)  # both fp32 inside
+
+
+def test_clamped_swiglu_backward_equals_autograd():
+    from glm53.kernels.moe import _clamped_swiglu_forward, clamped_swiglu
+
+    gen = torch.Generator().manual_seed(0)
+    gate, up = (3 * torch.randn(2, 40, 16, generator=gen, dtype=torch.float64)).requires_grad_().unbind(0)
+    got, ref = clamped_swiglu(gate, up, 1.5), _clamped_swiglu_forward(gate, up, 1.5)
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    torch.testing.assert_close(grads(got, [gate, up]), grads(ref, [gate, up]), rtol=1e-12, atol=1e-12)
