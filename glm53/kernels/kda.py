@@ -269,23 +269,26 @@ class _KdaRecompute(torch.autograd.Function):
     """Saves only the inputs; backward recomputes the chunked forward under autograd and differentiates it.
 
     So no per-chunk temporary (decay products, L^-1 solutions, per-chunk states) outlives the forward: they exist
-    only while this layer's backward runs. The price is one extra forward (the chunk form is cheap).
+    only while this layer's backward runs. The price is one extra forward (the chunk form is cheap). q is saved
+    unscaled (the caller's tensor, usually already kept by autograd) and scaled inside.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, S0):
+    def forward(ctx, q, k, v, g, beta, S0, scale):
         ctx.save_for_backward(q, k, v, g, beta, S0)
+        ctx.scale = scale
         with torch.no_grad():
-            return _kda_core(q, k, v, g, beta, S0)
+            return _kda_core(q * scale, k, v, g, beta, S0)
 
     @staticmethod
     def backward(ctx, do, dS):
         inputs = [x.detach().requires_grad_(need) for x, need in zip(ctx.saved_tensors, ctx.needs_input_grad)]
         with torch.enable_grad():
-            o, S = _kda_core(*inputs)
+            q, *rest = inputs
+            o, S = _kda_core(q * ctx.scale, *rest)
             wanted = [x for x in inputs if x.requires_grad]
             grads = iter(torch.autograd.grad((o, S), wanted, (do, dS), allow_unused=True))
-        return tuple(next(grads) if x.requires_grad else None for x in inputs)
+        return *(next(grads) if x.requires_grad else None for x in inputs), None
 
 
 def kda_chunk(
@@ -313,13 +316,13 @@ def kda_chunk(
         raise ValueError(f"initial_state has shape {tuple(initial_state.shape)}, expected {(B, H, K, V)}")
     else:
         S0 = initial_state.to(dtype)
-    args = (q.to(dtype) * scale, k.to(dtype), v.to(dtype), g.to(dtype), beta.to(dtype), S0)
+    args = (q.to(dtype), k.to(dtype), v.to(dtype), g.to(dtype), beta.to(dtype), S0)
     if T == 0:
         return v.new_zeros(v.shape, dtype=q.dtype), (S0 if output_final_state else None)
     if torch.is_grad_enabled() and any(x.requires_grad for x in args):
-        o, S = _KdaRecompute.apply(*args)
+        o, S = _KdaRecompute.apply(*args, scale)
     else:
-        o, S = _kda_core(*args)
+        o, S = _kda_core(args[0] * scale, *args[1:])
     return o.to(q.dtype), (S if output_final_state else None)
 
 

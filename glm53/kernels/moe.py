@@ -111,8 +111,10 @@ def _moe_experts_grouped(x, topk_idx, topk_weight, gate_up, down, limit, use_gro
         capacity = int(counts.max()) if expert.numel() else 0  # NOTE: syncs
         project = lambda a, w: _padded_mm(a, w, expert, slot, capacity)  # noqa: E731
     gate, up = project(rows, gate_up).chunk(2, dim=-1)
-    y = project(clamped_swiglu(gate, up, limit).contiguous(), down)  # [N*k, H]
-    y = y * topk_weight.flatten()[order, None]
+    # The routing weight scales the I-wide activation before the down projection (linear, so the same sum up to
+    # rounding): backward then keeps no extra [N*k, H] tensor for the weight's gradient.
+    act = clamped_swiglu(gate, up, limit) * topk_weight.flatten()[order, None]
+    y = project(act.to(rows.dtype).contiguous(), down)  # [N*k, H]
     return torch.zeros_like(x).index_add(0, token, y.to(x.dtype))
 
 

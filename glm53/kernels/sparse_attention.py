@@ -190,7 +190,8 @@ class _SparseMqaAttention(torch.autograd.Function):
             dp = do_c @ kv_g.transpose(-1, -2)  # [B, Tq, H, J]
             ds = p * (dp - (p * dp).sum(-1, keepdim=True)) * ctx.scale
             dq[:, start:end] = ds @ kv_g
-            dkv_g = ds.transpose(-1, -2) @ q_c + p.transpose(-1, -2) @ do_c  # [B, Tq, J, C]: as key + as value
+            # as key (ds^T q) plus as value (p^T do), in one matmul over the stacked head axis: [B, Tq, J, C]
+            dkv_g = torch.cat([ds, p], dim=-2).transpose(-1, -2) @ torch.cat([q_c, do_c], dim=-2)
             dkv.index_add_(0, (rows + safe).flatten(), dkv_g.reshape(-1, C))
         return dq.to(q.dtype), dkv.view(B, S, C).to(kv.dtype), None, None
 
