@@ -56,8 +56,9 @@ class HyperConnection(nn.Module):
     def forward(self, streams: torch.Tensor, block) -> torch.Tensor:
         """Run `block` ([B, T, D] -> [B, T, D]) at this site: [B, T, N, D] -> [B, T, N, D]."""
         if torch.is_grad_enabled() and streams.requires_grad and chosen_backend("hc_collapse") != "reference":
-            # Recompute the coefficients in backward (MODEL_NOTES "mHC memory"): the normalised fp32 copy of the
-            # flattened streams and the Sinkhorn iterates are not kept; only `streams` is, which the site needs anyway.
+            # Recompute the coefficients in backward (MODEL_NOTES "mHC memory"): the fp32 flattened streams (a copy
+            # for bf16), the projection's intermediates and the Sinkhorn iterates are not kept; only `streams` is,
+            # which the site needs anyway. The reference backend keeps the plain autograd graph.
             pre, post, comb = checkpoint(self.coefficients, streams, use_reentrant=False)
         else:
             pre, post, comb = self.coefficients(streams)
