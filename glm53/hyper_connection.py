@@ -55,10 +55,12 @@ class HyperConnection(nn.Module):
 
     def forward(self, streams: torch.Tensor, block) -> torch.Tensor:
         """Run `block` ([B, T, D] -> [B, T, D]) at this site: [B, T, N, D] -> [B, T, N, D]."""
-        if torch.is_grad_enabled() and streams.requires_grad and chosen_backend("hc_collapse") != "reference":
-            # Recompute the coefficients in backward (MODEL_NOTES "mHC memory"): the fp32 flattened streams (a copy
-            # for bf16), the projection's intermediates and the Sinkhorn iterates are not kept; only `streams` is,
-            # which the site needs anyway. The reference backend keeps the plain autograd graph.
+        recompute = streams.dtype != torch.float32 and chosen_backend("hc_collapse") != "reference"
+        if torch.is_grad_enabled() and streams.requires_grad and recompute:
+            # Recompute the coefficients in backward (MODEL_NOTES "mHC memory") where it pays: for bf16 streams the
+            # fp32 flattened copy would otherwise be kept for the projection's gradient. For fp32 streams `flat`
+            # IS the streams' storage and everything else kept is [B, T, (2+N)N]-sized, so recomputing would
+            # only cost time. The reference backend keeps the plain autograd graph.
             pre, post, comb = checkpoint(self.coefficients, streams, use_reentrant=False)
         else:
             pre, post, comb = self.coefficients(streams)

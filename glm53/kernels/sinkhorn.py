@@ -21,34 +21,33 @@ def sinkhorn_reference(x: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 
 
 class _Sinkhorn(torch.autograd.Function):
-    """Same iterations; backward recomputes the (tiny, [..., N, N]) iterates and runs the hand-derived reverse.
+    """Same iterations; backward runs the hand-derived reverse without autograd's per-op bookkeeping.
 
-    For one normalisation y = x / (sum(x) + eps) along a dim, dx = (dy - sum(dy * y)) / (sum(x) + eps): four
-    ops instead of autograd's division/broadcast/sum chain, which dominated mHC's backward (2 * iters divisions
-    per site).
+    For one normalisation y = x / s with s = sum(x) + eps along a dim, dx = (dy - sum(dy * y)) / s. Forward keeps
+    only the output and the 2 * iters - 1 denominators ([..., 1, N] or [..., N, 1]: 1/N of the iterates); the
+    reverse walks back from the output, rebuilding each step's input as y * s (exact up to one rounding per step).
     """
 
     @staticmethod
     def forward(ctx, x, iters, eps):
-        ctx.save_for_backward(x)
-        ctx.iters, ctx.eps = iters, eps
-        return sinkhorn_reference(x, iters, eps)
+        dims = [-2] + [-1, -2] * (iters - 1)  # the normalisation order of sinkhorn_reference
+        y = x.float()
+        denominators = []
+        for dim in dims:
+            denominators.append(y.sum(dim=dim, keepdim=True) + eps)
+            y = y / denominators[-1]
+        ctx.save_for_backward(y, *denominators)
+        ctx.dims, ctx.in_dtype = dims, x.dtype
+        return y
 
     @staticmethod
     def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        dims = [-2] + [-1, -2] * (ctx.iters - 1)  # the normalisation order of sinkhorn_reference
-        inputs, denominators = [], []
-        y = x.float()
-        for dim in dims:
-            inputs.append(y)
-            denominators.append(y.sum(dim=dim, keepdim=True) + ctx.eps)
-            y = y / denominators[-1]
+        y, *denominators = ctx.saved_tensors
         g = grad.float()
-        for dim, s, y_in in zip(reversed(dims), reversed(denominators), reversed(inputs)):
-            y_out = y_in / s
-            g = (g - (g * y_out).sum(dim=dim, keepdim=True)) / s
-        return g.to(x.dtype), None, None
+        for dim, s in zip(reversed(ctx.dims), reversed(denominators)):
+            g = (g - (g * y).sum(dim=dim, keepdim=True)) / s
+            y = y * s  # this step's input
+        return g.to(ctx.in_dtype), None, None
 
 
 def sinkhorn(x: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
