@@ -96,6 +96,7 @@ def main() -> None:
     ap.add_argument("--skip-recurrent-above", type=int, default=2048,
                     help="skip KDA's token-by-token reference above this T (it is a Python loop)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--out", default="bench_kernels.json", help="file name under benchmarks/results/")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     seqlens = args.seqlens or ([512, 2048] if args.quick else [512, 1024, 2048, 4096])
@@ -114,7 +115,7 @@ def main() -> None:
                     row["eager_speedup_fwd_bwd"] = round(t["fwd_bwd_ms"] / fast["fwd_bwd_ms"], 2)
                 rows.append(row)
                 print(f"{op:22s} T={T:5d} {backend:10s} {t}", file=sys.stderr, flush=True)
-    path = write_json("bench_kernels.json", {"machine": machine(), "command": " ".join(sys.argv),
+    path = write_json(args.out, {"machine": machine(), "command": " ".join(sys.argv),
                                              "threads": args.threads, "rows": rows})  # fmt: skip
     print(table(rows, ["op", "T", "backend", "fwd_ms", "fwd_bwd_ms", "eager_speedup_fwd_bwd"]))
     print(f"wrote {path}")

@@ -120,6 +120,7 @@ def main() -> None:
     ap.add_argument("--memory-seqlens", type=int, nargs="*", default=[2048], help="T for the peak-memory runs")
     ap.add_argument("--scaling-seqlens", type=int, nargs=2, default=[4096, 8192], help="glm53 forward T ratio")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--out", default="bench_model.json", help="file name under benchmarks/results/")
     ap.add_argument("--memory-child", choices=["glm53", "transformers"], help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -174,7 +175,7 @@ def main() -> None:
     payload = {"machine": machine(), "command": " ".join(sys.argv), "backends": backends,
                "gemm_peak_gflops": round(peak / 1e9, 2), "model_flops_per_token": flops_per_token,
                "paired": rows, "memory": memory, "scaling": scaling}  # fmt: skip
-    path = write_json("bench_model.json", payload)
+    path = write_json(args.out, payload)
     cols = ["T", "glm53_fwd_tok_s", "hf_fwd_tok_s", "fwd_speedup", "glm53_step_tok_s", "hf_step_tok_s",
             "step_speedup", "glm53_mfu_pct"]  # fmt: skip
     print(f"\nbackends: {backends}; fp32 GEMM peak {payload['gemm_peak_gflops']} GFLOP/s; threads {args.threads}")
