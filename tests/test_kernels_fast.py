@@ -263,3 +263,17 @@ def test_clamped_swiglu_backward_equals_autograd():
     got, ref = clamped_swiglu(gate, up, 1.5), _clamped_swiglu_forward(gate, up, 1.5)
     torch.testing.assert_close(got, ref, rtol=0, atol=0)
     torch.testing.assert_close(grads(got, [gate, up]), grads(ref, [gate, up]), rtol=1e-12, atol=1e-12)
+
+
+def test_moe_grouped_bf16_close_to_fp32_loop():
+    gen = torch.Generator().manual_seed(0)
+    N, H, I, E, k = 40, 64, 32, 6, 2
+    x = torch.randn(N, H, generator=gen)
+    gate_up, down = torch.randn(E, 2 * I, H, generator=gen) / H**0.5, torch.randn(E, H, I, generator=gen) / I**0.5
+    idx = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(N)])
+    w = torch.rand(N, k, generator=gen)
+    low = [t.to(torch.bfloat16) for t in (x, gate_up, down)]
+    ref = moe_experts_reference(low[0].float(), idx, w, low[1].float(), low[2].float(), 1.0)
+    got = moe_experts_grouped(low[0], idx, w, low[1], low[2], 1.0)
+    assert got.dtype == torch.bfloat16
+    assert_all_close((got,), (ref,), BF16_TOL, ["out"])
