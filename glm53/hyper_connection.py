@@ -16,11 +16,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
+from torch.utils.checkpoint import checkpoint
 
 from .boundary import as_local
 from .config import Glm53Config
-from .kernels import kernel
-from .norm import rms_normalize
+from .kernels import chosen_backend, kernel
 
 FN_INIT_STD = 0.02  # transformers initialises `fn` with std 0.02 regardless of initializer_range
 
@@ -40,8 +40,11 @@ class HyperConnection(nn.Module):
     def coefficients(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [B, T, N, D] -> pre [B, T, N], post [B, T, N], comb [B, T, N, N], all fp32."""
         n = self.n
-        flat = rms_normalize(rearrange(streams, "b t n d -> b t (n d)"), self.norm_eps)
-        mixed = F.linear(flat, as_local(self, "fn").float())
+        flat = rearrange(streams, "b t n d -> b t (n d)").float()
+        # RMSNorm(flat) @ fn^T == (flat @ fn^T) * rsqrt(mean(flat^2) + eps): the per-token scale commutes with the
+        # projection, so the normalised [B, T, N*D] copy is never formed (one pass over the streams fewer).
+        mean_square = torch.linalg.vector_norm(flat, dim=-1, keepdim=True).square() / flat.shape[-1]
+        mixed = F.linear(flat, as_local(self, "fn").float()) * torch.rsqrt(mean_square + self.norm_eps)
         pre_w, post_w, comb_w = mixed.split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = as_local(self, "base").float().split([n, n, n * n])
         scale = as_local(self, "scale").float()
@@ -53,8 +56,16 @@ class HyperConnection(nn.Module):
 
     def forward(self, streams: torch.Tensor, block) -> torch.Tensor:
         """Run `block` ([B, T, D] -> [B, T, D]) at this site: [B, T, N, D] -> [B, T, N, D]."""
-        pre, post, comb = self.coefficients(streams)
-        collapsed = torch.einsum("btn,btnd->btd", pre, streams.float()).to(streams.dtype)
+        recompute = streams.dtype != torch.float32 and chosen_backend("hc_collapse") != "reference"
+        if torch.is_grad_enabled() and streams.requires_grad and recompute:
+            # Recompute the coefficients in backward (MODEL_NOTES "mHC memory") where it pays: for bf16 streams the
+            # fp32 flattened copy would otherwise be kept for the projection's gradient. For fp32 streams `flat`
+            # IS the streams' storage and everything else kept is [B, T, (2+N)N]-sized, so recomputing would
+            # only cost time. The reference backend keeps the plain autograd graph.
+            pre, post, comb = checkpoint(self.coefficients, streams, use_reentrant=False)
+        else:
+            pre, post, comb = self.coefficients(streams)
+        collapsed = kernel("hc_collapse")(pre, streams)  # [B, T, D]
         out = block(collapsed)
         mixed = torch.einsum("btji,btjd->btid", comb.to(streams.dtype), streams)
         return post.to(streams.dtype)[..., None] * out[:, :, None, :] + mixed

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from .boundary import as_local
 from .config import Glm53Config
+from .kernels import kernel
 from .norm import LayerNorm
 
 K_NORM_EPS = 1e-6  # the indexer's key LayerNorm epsilon (transformers)
@@ -91,12 +92,10 @@ class Indexer(nn.Module):
         return pool_keys[:, keep], positions.masked_fill(~token_valid, -1)[:, keep], complete[:, keep]
 
     def scores(self, x: torch.Tensor, q_resid: torch.Tensor, pool_keys: torch.Tensor) -> torch.Tensor:
-        """[B, T, P] fp32 index scores: sum_h w_h relu(q_h . key_p / sqrt(E))."""
+        """[B, T, P] fp32 index scores: sum_h w_h relu(q_h . key_p / sqrt(E)) (kernels/indexer_scores.py)."""
         q = self.wq_b(q_resid).view(*q_resid.shape[:2], self.n_heads, self.head_dim)  # [B, T, H, E]
-        logits = torch.matmul(q.float(), pool_keys.float().transpose(-1, -2)[:, None])  # [B, T, H, P]
-        logits = F.relu(logits * self.head_dim**-0.5)
         w = self.weights_proj(x).float() * self.n_heads**-0.5  # [B, T, H]
-        return torch.matmul(w[..., None, :], logits).squeeze(-2)
+        return kernel("indexer_scores")(q, w, pool_keys, self.head_dim**-0.5)
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, q_resid: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -124,9 +123,10 @@ class Indexer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Top-k pools -> (token positions [B, T, J], candidate pools [B, T, P], selected pools [B, T, P])."""
         B, T = valid.shape
-        visible = torch.ones(T, T, dtype=torch.bool, device=scores.device).tril()[None] & valid[:, None, :]  # [B, T, T]
+        query_pos = torch.arange(T, device=scores.device)
+        # Causal visibility from positions (s <= t; a complete pool's tokens are all valid), no [B, T, T] mask.
         pool_end = positions[..., -1].clamp(0, T - 1)  # [B, P]
-        candidate = visible.gather(-1, pool_end[:, None, :].expand(B, T, -1)) & complete[:, None]  # [B, T, P]
+        candidate = (pool_end[:, None, :] <= query_pos[None, :, None]) & complete[:, None]  # [B, T, P]
         scores = scores.masked_fill(~candidate, torch.finfo(scores.dtype).min)
         select = min(self.index_topk // self.kpool, scores.shape[-1])
         chosen = scores.topk(select, dim=-1).indices  # [B, T, select]
@@ -135,23 +135,25 @@ class Indexer(nn.Module):
         tokens = positions[torch.arange(B, device=scores.device)[:, None, None], chosen]  # [B, T, select, L]
         topk = tokens.masked_fill(~chosen_ok[..., None], -1).flatten(-2)
         if self.select_tail:
-            topk = torch.cat([topk, self.visible_tail(visible, valid)], dim=-1)
+            topk = torch.cat([topk, self.visible_tail(valid)], dim=-1)
         topk = F.pad(topk, (0, self.num_slots - topk.shape[-1]), value=-1)[..., : self.num_slots]
         return topk.masked_fill(~valid[..., None], -1), candidate, selected
 
-    def visible_tail(self, visible: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    def visible_tail(self, valid: torch.Tensor) -> torch.Tensor:
         """The tokens of each query's incomplete pool: [B, T, L-1] positions, -1 where empty."""
-        B, T, _ = visible.shape
+        B, T = valid.shape
         width = self.kpool - 1
         if width == 0:
-            return visible.new_empty(B, T, 0, dtype=torch.long)
-        count = visible.long().sum(-1)  # [B, T] visible tokens per query
+            return valid.new_empty(B, T, 0, dtype=torch.long)
+        count = valid.long().cumsum(-1)  # [B, T] visible (valid, causal) tokens per query
         tail = count.remainder(self.kpool)
-        offsets = torch.arange(width, device=visible.device)
+        offsets = torch.arange(width, device=valid.device)
         start = first_valid_position(valid)[:, None] + count - tail
         idx = start[..., None] + offsets  # [B, T, L-1]
-        ok = (offsets < tail[..., None]) & (idx < T)
-        ok = ok & visible.gather(-1, idx.clamp(0, T - 1))
+        query_pos = torch.arange(T, device=valid.device)[None, :, None]
+        safe = idx.clamp(0, T - 1)
+        ok = (offsets < tail[..., None]) & (idx < T) & (idx <= query_pos)
+        ok = ok & valid.gather(-1, safe.flatten(1)).view_as(safe)
         return idx.masked_fill(~ok, -1)
 
     def init_weights(self) -> None:

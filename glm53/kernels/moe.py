@@ -13,9 +13,38 @@ import torch.nn.functional as F
 from .dispatch import register
 
 
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """silu(min(gate, limit)) * clamp(up, -limit, limit): GLM-5.3's SwiGLU everywhere."""
+def _clamped_swiglu_forward(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+
+
+class _ClampedSwiGLU(torch.autograd.Function):
+    """Saves only gate and up (usually two halves of one projection output) and recomputes the rest in backward;
+    autograd would keep the clamped gate, its silu, the clamped up and masks: ~3x the activation memory."""
+
+    @staticmethod
+    def forward(ctx, gate, up, limit):
+        ctx.save_for_backward(gate, up)
+        ctx.limit = limit
+        return _clamped_swiglu_forward(gate, up, limit)
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        L = ctx.limit
+        g = gate.clamp(max=L)
+        u = up.clamp(-L, L)
+        sig = torch.sigmoid(g)
+        d_silu = sig * (1 + g * (1 - sig))  # silu'(g)
+        d_gate = (grad * u * d_silu).masked_fill(gate > L, 0)
+        d_up = (grad * g * sig).masked_fill((up < -L) | (up > L), 0)
+        return d_gate, d_up, None
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """silu(min(gate, limit)) * clamp(up, -limit, limit): GLM-5.3's SwiGLU everywhere (memory-lean backward)."""
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+        return _ClampedSwiGLU.apply(gate, up, limit)
+    return _clamped_swiglu_forward(gate, up, limit)
 
 
 def moe_experts_reference(
@@ -38,4 +67,82 @@ def moe_experts_reference(
     return out
 
 
+# ------------------------------------------------------------------------------------------------ grouped form
+# Token-expert pairs are sorted by expert once; each projection is then ONE grouped matmul over the contiguous
+# per-expert row blocks: torch._grouped_mm where this build has it for the dtype and alignment (it wants 16-byte
+# aligned rows and fp32/bf16/fp16), otherwise a padded batched matmul [E, capacity, *] (capacity = the busiest
+# expert's load). No Python loop over experts on either path.
+GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+GROUPED_MM_ALIGN_BYTES = 16
+
+
+def _grouped_mm_usable(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    if not hasattr(torch, "_grouped_mm") or x.dtype not in GROUPED_MM_DTYPES:
+        return False
+    if any(w.dtype != x.dtype for w in weights):
+        return False
+    return all((w.shape[-1] * x.element_size()) % GROUPED_MM_ALIGN_BYTES == 0
+               and (w.shape[-2] * x.element_size()) % GROUPED_MM_ALIGN_BYTES == 0 for w in weights)  # fmt: skip
+
+
+def _padded_mm(rows: torch.Tensor, weight: torch.Tensor, expert: torch.Tensor, slot: torch.Tensor,
+               capacity: int) -> torch.Tensor:  # fmt: skip
+    """rows [M, In] sorted by expert, weight [E, Out, In] -> [M, Out] via one bmm over [E, capacity, In]."""
+    padded = rows.new_zeros(weight.shape[0], capacity, rows.shape[-1])
+    padded = padded.index_put((expert, slot), rows)
+    return torch.bmm(padded, weight.transpose(1, 2))[expert, slot]
+
+
+def _moe_experts_grouped(x, topk_idx, topk_weight, gate_up, down, limit, use_grouped_mm: bool):
+    N, k = topk_idx.shape
+    E = gate_up.shape[0]
+    expert_of = topk_idx.flatten()
+    order = torch.argsort(expert_of, stable=True)  # [N*k] pairs sorted by expert
+    token = order // k
+    expert = expert_of[order]
+    counts = torch.bincount(expert_of, minlength=E)
+    rows = x[token]  # [N*k, H]
+    if use_grouped_mm:
+        offs = counts.cumsum(0).to(torch.int32)
+        project = lambda a, w: torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)  # noqa: E731
+    else:
+        starts = counts.cumsum(0) - counts
+        slot = torch.arange(expert.numel(), device=x.device) - starts[expert]
+        capacity = int(counts.max()) if expert.numel() else 0  # NOTE: syncs
+        project = lambda a, w: _padded_mm(a, w, expert, slot, capacity)  # noqa: E731
+    gate, up = project(rows, gate_up).chunk(2, dim=-1)
+    # The routing weight scales the I-wide activation before the down projection (linear, so the same sum up to
+    # rounding): backward then keeps no extra [N*k, H] tensor for the weight's gradient.
+    act = clamped_swiglu(gate, up, limit) * topk_weight.flatten()[order, None]
+    y = project(act.to(rows.dtype).contiguous(), down)  # [N*k, H]
+    return torch.zeros_like(x).index_add(0, token, y.to(x.dtype))
+
+
+def moe_experts_grouped(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weight: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
+    """Sorted tokens, one grouped matmul per projection (torch._grouped_mm when usable); same signature."""
+    return _moe_experts_grouped(x, topk_idx, topk_weight, gate_up, down, limit,
+                                _grouped_mm_usable(x, gate_up, down))  # fmt: skip
+
+
+def moe_experts_padded(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weight: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
+    """The padded-bmm fallback of `moe_experts_grouped` on every dtype (registered so tests can force it)."""
+    return _moe_experts_grouped(x, topk_idx, topk_weight, gate_up, down, limit, False)
+
+
 register("moe_experts", "reference", moe_experts_reference)
+register("moe_experts", "padded", moe_experts_padded)
+register("moe_experts", "eager", moe_experts_grouped)

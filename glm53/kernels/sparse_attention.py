@@ -39,4 +39,172 @@ def sparse_attention_reference(
     return torch.einsum("bhts,bshe->bthe", probs, v.float()).to(q.dtype)
 
 
+# ------------------------------------------------------------------------------------------------- gather form
+# Each query reads only its J selected keys: O(T * J) work and, with queries processed QUERY chunks at a time,
+# memory bounded by GATHER_BUDGET elements per gathered tensor whatever T is. The backward is written by hand
+# (flash-attention style): it saves only q, k, v and the indices, recomputes each chunk's probabilities and
+# scatters the key/value gradients with index_add_.
+GATHER_BUDGET = 1 << 22  # elements of one gathered [B, H, Tq, J, D] chunk (16 MiB in fp32)
+
+
+def _query_chunk(B: int, H: int, J: int, width: int) -> int:
+    return max(1, GATHER_BUDGET // max(1, B * H * J * width))
+
+
+def _gather(x: torch.Tensor, safe: torch.Tensor) -> torch.Tensor:
+    """x [B, H, S, D], safe [B, Tq, J] -> [B, H, Tq, J, D] (the selected rows, per head)."""
+    B, H = x.shape[:2]
+    b = torch.arange(B, device=x.device)[:, None, None, None]
+    h = torch.arange(H, device=x.device)[None, :, None, None]
+    return x[b, h, safe[:, None]]
+
+
+def _chunk_probs(q_c, k_h, idx_c, scale):
+    """q_c [B, H, Tq, D], k_h [B, H, S, D], idx_c [B, Tq, J] -> (probs [B, H, Tq, J], safe idx, gathered keys)."""
+    S = k_h.shape[2]
+    valid = (idx_c >= 0) & (idx_c < S)
+    safe = idx_c.long().clamp(0, S - 1)
+    k_g = _gather(k_h, safe)
+    scores = (k_g @ q_c[..., None]).squeeze(-1) * scale
+    scores = scores.masked_fill(~valid[:, None], float("-inf"))
+    return torch.softmax(scores, dim=-1).nan_to_num(0.0), safe, k_g  # all-empty rows -> 0
+
+
+class _SparseAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, topk_indices, scale):
+        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        q_h, k_h, v_h = (x.transpose(1, 2).to(dtype) for x in (q, k, v))  # [B, H, *, D]
+        B, H, T, _ = q_h.shape
+        J = topk_indices.shape[-1]
+        step = _query_chunk(B, H, J, max(q.shape[-1], v.shape[-1]))
+        o = q_h.new_empty(B, H, T, v.shape[-1])
+        for start in range(0, T, step):
+            end = min(start + step, T)
+            p, safe, _ = _chunk_probs(q_h[:, :, start:end], k_h, topk_indices[:, start:end], scale)
+            o[:, :, start:end] = (p[..., None, :] @ _gather(v_h, safe)).squeeze(-2)
+        ctx.save_for_backward(q, k, v, topk_indices)
+        ctx.scale = scale
+        return o.transpose(1, 2).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, topk_indices = ctx.saved_tensors
+        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        q_h, k_h, v_h, do_h = (x.transpose(1, 2).to(dtype) for x in (q, k, v, do))
+        B, H, T, D = q_h.shape
+        S, E = k_h.shape[2], v_h.shape[-1]
+        J = topk_indices.shape[-1]
+        dq = q_h.new_empty(B, H, T, D)
+        dk, dv = q_h.new_zeros(B, H, S, D), q_h.new_zeros(B, H, S, E)  # contiguous: rows of .view(B*H*S, *)
+        rows = (torch.arange(B * H, device=q.device) * S).view(B, H, 1, 1)
+        step = _query_chunk(B, H, J, max(D, E))
+        for start in range(0, T, step):
+            end = min(start + step, T)
+            q_c, do_c = q_h[:, :, start:end], do_h[:, :, start:end]
+            p, safe, k_g = _chunk_probs(q_c, k_h, topk_indices[:, start:end], ctx.scale)
+            dp = (_gather(v_h, safe) @ do_c[..., None]).squeeze(-1)  # [B, H, Tq, J]
+            ds = p * (dp - (p * dp).sum(-1, keepdim=True)) * ctx.scale
+            dq[:, :, start:end] = (ds[..., None, :] @ k_g).squeeze(-2)
+            flat = (rows + safe[:, None]).flatten()  # [B*H*Tq*J] row of dk.view(B*H*S, D)
+            dk.view(-1, D).index_add_(0, flat, (ds[..., None] * q_c[..., None, :]).view(-1, D))
+            dv.view(-1, E).index_add_(0, flat, (p[..., None] * do_c[..., None, :]).view(-1, E))
+        grads = (dq.transpose(1, 2).to(q.dtype), dk.transpose(1, 2).to(k.dtype), dv.transpose(1, 2).to(v.dtype))
+        return (*grads, None, None)
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    topk_indices: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Gather form: each query attends to its selected keys only, chunked over queries; same signature."""
+    return _SparseAttention.apply(q, k, v, topk_indices, scale)
+
+
 register("sparse_attention", "reference", sparse_attention_reference)
+register("sparse_attention", "eager", sparse_attention)
+
+
+# ------------------------------------------------------------------------------ absorbed MLA: one shared latent
+# MLA's keys and values are per-head linear maps of one latent c_s [C] (kv_lora_rank). Absorbing the maps into
+# the query (q_abs = W_uk^T q) and the output (o = W_uv o_lat) leaves multi-query attention in the latent with
+# key = value = c: one gathered [Tq, J, C] tensor serves every head, instead of per-head keys AND values.
+# Legend as above with C the latent width; q: [B, T, H, C], kv: [B, S, C]; returns [B, T, H, C] in q's dtype.
+def sparse_mqa_attention_reference(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    topk_indices: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Dense scores against the shared latent, masked to the selected set (O(T * S))."""
+    mask = topk_to_mask(topk_indices, kv.shape[1])  # [B, T, S]
+    scores = torch.einsum("bthc,bsc->bhts", q.float(), kv.float()) * scale
+    probs = torch.softmax(scores.masked_fill(~mask[:, None], float("-inf")), dim=-1).nan_to_num(0.0)
+    return torch.einsum("bhts,bsc->bthc", probs, kv.float()).to(q.dtype)
+
+
+def _mqa_chunk_probs(q_c, kv, idx_c, scale):
+    """q_c [B, Tq, H, C], kv [B, S, C], idx_c [B, Tq, J] -> (probs [B, Tq, H, J], safe idx, gathered [B, Tq, J, C])."""
+    S = kv.shape[1]
+    valid = (idx_c >= 0) & (idx_c < S)
+    safe = idx_c.long().clamp(0, S - 1)
+    kv_g = kv[torch.arange(kv.shape[0], device=kv.device)[:, None, None], safe]  # [B, Tq, J, C]
+    scores = (q_c @ kv_g.transpose(-1, -2)) * scale  # [B, Tq, H, J]
+    scores = scores.masked_fill(~valid[:, :, None], float("-inf"))
+    return torch.softmax(scores, dim=-1).nan_to_num(0.0), safe, kv_g
+
+
+class _SparseMqaAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, kv, topk_indices, scale):
+        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        q32, kv32 = q.to(dtype), kv.to(dtype)
+        B, T, H, C = q.shape
+        step = _query_chunk(B, 1, topk_indices.shape[-1], C + H)
+        o = q32.new_empty(B, T, H, C)
+        for start in range(0, T, step):
+            end = min(start + step, T)
+            p, _, kv_g = _mqa_chunk_probs(q32[:, start:end], kv32, topk_indices[:, start:end], scale)
+            o[:, start:end] = p @ kv_g
+        ctx.save_for_backward(q, kv, topk_indices)
+        ctx.scale = scale
+        return o.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, do):
+        q, kv, topk_indices = ctx.saved_tensors
+        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        q32, kv32, do32 = q.to(dtype), kv.to(dtype), do.to(dtype)
+        B, T, H, C = q.shape
+        S = kv.shape[1]
+        dq, dkv = q32.new_empty(B, T, H, C), q32.new_zeros(B * S, C)
+        rows = (torch.arange(B, device=q.device) * S)[:, None, None]
+        step = _query_chunk(B, 1, topk_indices.shape[-1], C + H)
+        for start in range(0, T, step):
+            end = min(start + step, T)
+            q_c, do_c = q32[:, start:end], do32[:, start:end]
+            p, safe, kv_g = _mqa_chunk_probs(q_c, kv32, topk_indices[:, start:end], ctx.scale)
+            dp = do_c @ kv_g.transpose(-1, -2)  # [B, Tq, H, J]
+            ds = p * (dp - (p * dp).sum(-1, keepdim=True)) * ctx.scale
+            dq[:, start:end] = ds @ kv_g
+            # as key (ds^T q) plus as value (p^T do), in one matmul over the stacked head axis: [B, Tq, J, C]
+            dkv_g = torch.cat([ds, p], dim=-2).transpose(-1, -2) @ torch.cat([q_c, do_c], dim=-2)
+            dkv.index_add_(0, (rows + safe).flatten(), dkv_g.reshape(-1, C))
+        return dq.to(q.dtype), dkv.view(B, S, C).to(kv.dtype), None, None
+
+
+def sparse_mqa_attention(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    topk_indices: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Gather form of the absorbed attention, chunked over queries, hand-written backward; same signature."""
+    return _SparseMqaAttention.apply(q, kv, topk_indices, scale)
+
+
+register("sparse_mqa_attention", "reference", sparse_mqa_attention_reference)
+register("sparse_mqa_attention", "eager", sparse_mqa_attention)

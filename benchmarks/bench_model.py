@@ -1,0 +1,191 @@
+"""glm53 (fast eager kernels) vs transformers 5.23 eager glm5_next: same weights, same CPU, one paired run.
+
+    python benchmarks/bench_model.py                      # T in {512, 1024, 2048, 4096}, 3 reps, memory at 2048
+    python benchmarks/bench_model.py --quick              # T in {512, 2048}, glm53 scaling at 4096/8192
+    python benchmarks/bench_model.py --seqlens 1024 2048 --reps 5
+
+For each T the two models alternate (glm53, transformers, glm53, ...) and ratios are medians of the per-pair
+ratios. Forward runs under no_grad; forward+backward is one training step's loss.backward() (CE on the
+logits). Peak memory of a training step is the peak RSS growth of a fresh child process running one step
+(VmHWM, reset just before the step, minus the RSS just before it). MFU = 6 * active matmul parameters * tokens / step time /
+fp32 GEMM peak measured in the same run (attention/KDA score flops are not counted: a lower bound).
+Results: benchmarks/results/bench_model.json and a table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import torch
+import torch.nn.functional as F
+
+from bench_config import ROOT, bench_config, gemm_peak_flops, machine, median, table, timed, write_json
+
+from glm53 import Glm53ForCausalLM
+from glm53.kernels import chosen_backend
+
+OPS = ("kda", "sparse_attention", "moe_experts", "indexer_scores", "hc_collapse", "causal_conv1d")
+
+
+def build_pair(path: str):
+    """transformers model with random weights saved to `path`, and glm53 loaded from it (the same weights)."""
+    from oracle import hf_model
+
+    config = bench_config()
+    hf = hf_model(config, seed=0)
+    hf.save_pretrained(path)
+    return hf, Glm53ForCausalLM.from_pretrained(path), config
+
+
+def logits_of(model, ids, is_hf: bool) -> torch.Tensor:
+    return model(input_ids=ids).logits if is_hf else model(ids).logits
+
+
+def forward(model, ids, is_hf):
+    model.eval()
+    with torch.no_grad():
+        logits_of(model, ids, is_hf)
+
+
+def train_step(model, ids, is_hf):
+    model.train()
+    model.zero_grad(set_to_none=True)
+    logits = logits_of(model, ids, is_hf)
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+    loss.backward()
+
+
+def active_matmul_params(config) -> int:
+    """Parameters one token multiplies through (routed experts: top-k of them; embeddings excluded, head included)."""
+    from glm53.model import Glm53ForCausalLM as M
+
+    with torch.device("meta"):
+        model = M(config)
+    total = 0
+    for name, p in model.named_parameters():
+        if "embed_tokens" in name or p.dim() < 2:
+            continue
+        if "experts.gate_up_proj" in name or "experts.down_proj" in name:
+            total += p.numel() * config.num_experts_per_tok // config.n_routed_experts
+        else:
+            total += p.numel()
+    return total
+
+
+def _vm(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def memory_child(path: str, which: str, T: int) -> None:
+    """Run one training step in this (fresh) process and print its peak RSS growth in bytes.
+
+    Only the measured model is loaded; the peak counter (VmHWM) is reset just before the step (Linux
+    /proc/self/clear_refs "5"), so loading does not count.
+    """
+    if which == "transformers":
+        from transformers import Glm5NextForConditionalGeneration
+
+        model, is_hf = Glm5NextForConditionalGeneration.from_pretrained(path, attn_implementation="eager"), True
+    else:
+        model, is_hf = Glm53ForCausalLM.from_pretrained(path), False
+    ids = torch.randint(1, bench_config().vocab_size, (1, T))
+    rss_before = _vm("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    train_step(model, ids, is_hf)
+    print(json.dumps({"peak_bytes": _vm("VmHWM") - rss_before}))
+
+
+def measure_memory(path: str, which: str, T: int, threads: int) -> float:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    cmd = [sys.executable, os.path.abspath(__file__), "--memory-child", which, "--path", path, "--seqlens", str(T)]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])["peak_bytes"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="T in {512, 2048}, 3 reps, scaling 4096 -> 8192")
+    ap.add_argument("--seqlens", type=int, nargs="+", help="sequence lengths for the paired comparison")
+    ap.add_argument("--reps", type=int, default=3, help="paired repetitions per T (median reported)")
+    ap.add_argument("--memory-seqlens", type=int, nargs="*", default=[2048], help="T for the peak-memory runs")
+    ap.add_argument("--scaling-seqlens", type=int, nargs=2, default=[4096, 8192], help="glm53 forward T ratio")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--out", default="bench_model.json", help="file name under benchmarks/results/")
+    ap.add_argument("--memory-child", choices=["glm53", "transformers"], help=argparse.SUPPRESS)
+    ap.add_argument("--path", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.memory_child:
+        return memory_child(args.path, args.memory_child, args.seqlens[0])
+    seqlens = args.seqlens or ([512, 2048] if args.quick else [512, 1024, 2048, 4096])
+    torch.manual_seed(0)
+    tmp = tempfile.mkdtemp(prefix="glm53-bench-")
+    hf, ours, config = build_pair(tmp)
+    backends = {op: chosen_backend(op) for op in OPS}
+    peak = gemm_peak_flops()
+    flops_per_token = 6 * active_matmul_params(config)
+    rows = []
+    for T in seqlens:
+        ids = torch.randint(1, config.vocab_size, (1, T))
+        times = {k: [] for k in ("glm53_fwd", "hf_fwd", "glm53_step", "hf_step")}
+        forward(ours, ids, False), train_step(ours, ids, False)  # warm-up (allocator, first-call logging)
+        for _ in range(args.reps):
+            times["glm53_fwd"].append(timed(lambda: forward(ours, ids, False)))
+            times["hf_fwd"].append(timed(lambda: forward(hf, ids, True)))
+            times["glm53_step"].append(timed(lambda: train_step(ours, ids, False)))
+            times["hf_step"].append(timed(lambda: train_step(hf, ids, True)))
+        ratio = lambda a, b: median([x / y for x, y in zip(times[a], times[b])])  # noqa: E731
+        step = median(times["glm53_step"])
+        rows.append({
+            "T": T,
+            "glm53_fwd_tok_s": round(T / median(times["glm53_fwd"]), 1),
+            "hf_fwd_tok_s": round(T / median(times["hf_fwd"]), 1),
+            "fwd_speedup": round(ratio("hf_fwd", "glm53_fwd"), 2),
+            "glm53_step_tok_s": round(T / step, 1),
+            "hf_step_tok_s": round(T / median(times["hf_step"]), 1),
+            "step_speedup": round(ratio("hf_step", "glm53_step"), 2),
+            "glm53_mfu_pct": round(100 * flops_per_token * T / step / peak, 2),
+            "times_s": {k: [round(x, 4) for x in v] for k, v in times.items()},
+        })  # fmt: skip
+        print(f"T={T}: step speed-up {rows[-1]['step_speedup']}x, forward {rows[-1]['fwd_speedup']}x", flush=True)
+    memory = []
+    for T in args.memory_seqlens:
+        m_ours = measure_memory(tmp, "glm53", T, args.threads)
+        m_hf = measure_memory(tmp, "transformers", T, args.threads)
+        memory.append({"T": T, "glm53_MiB": round(m_ours / 2**20, 1), "hf_MiB": round(m_hf / 2**20, 1),
+                       "ratio": round(m_ours / m_hf, 3)})  # fmt: skip
+    T4, T8 = args.scaling_seqlens
+    scale_times = {T4: [], T8: []}
+    for _ in range(args.reps):
+        for T in (T4, T8):
+            ids = torch.randint(1, config.vocab_size, (1, T))
+            scale_times[T].append(timed(lambda: forward(ours, ids, False)))
+    scaling = {"T": [T4, T8], "glm53_fwd_s": [median(scale_times[T4]), median(scale_times[T8])],
+               "ratio": round(median(scale_times[T8]) / median(scale_times[T4]), 3)}  # fmt: skip
+    payload = {"machine": machine(), "command": " ".join(sys.argv), "backends": backends,
+               "gemm_peak_gflops": round(peak / 1e9, 2), "model_flops_per_token": flops_per_token,
+               "paired": rows, "memory": memory, "scaling": scaling}  # fmt: skip
+    path = write_json(args.out, payload)
+    cols = ["T", "glm53_fwd_tok_s", "hf_fwd_tok_s", "fwd_speedup", "glm53_step_tok_s", "hf_step_tok_s",
+            "step_speedup", "glm53_mfu_pct"]  # fmt: skip
+    print(f"\nbackends: {backends}; fp32 GEMM peak {payload['gemm_peak_gflops']} GFLOP/s; threads {args.threads}")
+    print(table(rows, cols))
+    if memory:
+        print("\npeak memory of a training step (RSS growth)")
+        print(table(memory, ["T", "glm53_MiB", "hf_MiB", "ratio"]))
+    print(f"\nglm53 forward T={T8} / T={T4}: {scaling['ratio']}")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
