@@ -61,9 +61,6 @@ def apply_tensor_parallel(model: Glm53ForCausalLM, tp_mesh: DeviceMesh) -> None:
     for module in model.modules():
         if isinstance(module, MultiHeadLatentAttention):
             module.register_forward_hook(_sum_pool_mass_over_heads(tp_mesh), with_kwargs=True)
-            # The absorbed form contracts kv_b_proj's weight with the replicated latent outside nn.Linear; under
-            # TP the per-head form lets ColwiseParallel reduce the latent's gradient over the head shards.
-            module.absorb = False
 
 
 def _sum_pool_mass_over_heads(tp_mesh: DeviceMesh):

@@ -141,6 +141,19 @@ class ExpertTensorParallel(LocalShardParams):
         return module
 
 
+class PerHeadAttention(ParallelStyle):
+    """MLA in its per-head form: the absorbed form contracts kv_b_proj's weight with the replicated latent
+    outside nn.Linear, while the per-head form lets ColwiseParallel reduce the latent's gradient over the
+    head shards. Owns no parameters."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.absorb = False
+        return module
+
+    def __repr__(self) -> str:
+        return "PerHeadAttention()"
+
+
 def _is_float(t) -> bool:
     return isinstance(t, torch.Tensor) and t.is_floating_point()
 
@@ -160,6 +173,7 @@ def _kda_plan(p: str) -> dict[str, ParallelStyle]:
 
 def _mla_plan(p: str, has_indexer: bool) -> dict[str, ParallelStyle]:
     plan: dict[str, ParallelStyle] = {
+        p: PerHeadAttention(),
         f"{p}.q_a_proj": ReplicateModule(),
         f"{p}.q_a_layernorm": ReplicateParams(),
         f"{p}.q_b_proj": ColwiseParallel(),
