@@ -14,18 +14,21 @@ import torch.nn.functional as F
 from .dispatch import register
 
 
-def _with_history(x: torch.Tensor, weight: torch.Tensor, initial_state: torch.Tensor | None) -> torch.Tensor:
+def _history(x: torch.Tensor, weight: torch.Tensor, initial_state: torch.Tensor | None) -> torch.Tensor:
+    """Validated history [B, D, W-1] in x's dtype (zeros without a state)."""
     B, T, D = x.shape
     W = weight.shape[-1]
     if weight.shape != (D, W):
         raise ValueError(f"conv weight has shape {tuple(weight.shape)}, expected ({D}, W)")
     if initial_state is None:
-        history = x.new_zeros(B, D, W - 1)
-    else:
-        if initial_state.shape != (B, D, W - 1):
-            raise ValueError(f"conv state has shape {tuple(initial_state.shape)}, expected {(B, D, W - 1)}")
-        history = initial_state.to(x.dtype)
-    return torch.cat([history, x.transpose(1, 2)], dim=-1)  # [B, D, W-1+T]
+        return x.new_zeros(B, D, W - 1)
+    if initial_state.shape != (B, D, W - 1):
+        raise ValueError(f"conv state has shape {tuple(initial_state.shape)}, expected {(B, D, W - 1)}")
+    return initial_state.to(x.dtype)
+
+
+def _with_history(x: torch.Tensor, weight: torch.Tensor, initial_state: torch.Tensor | None) -> torch.Tensor:
+    return torch.cat([_history(x, weight, initial_state), x.transpose(1, 2)], dim=-1)  # [B, D, W-1+T]
 
 
 def causal_conv1d_reference(
@@ -43,6 +46,39 @@ def causal_conv1d_reference(
     return y.transpose(1, 2), state
 
 
+class _CausalConv1d(torch.autograd.Function):
+    """W shifted multiply-adds in the [B, T, D] layout, forward and hand-written backward.
+
+    CPU autograd of a depthwise F.conv1d spends several times the forward in convolution_backward; here the
+    backward is W more shifted multiply-adds for the input (and the history) and W products reduced over (B, T)
+    for the weight. full = cat(history, x) along time [B, W-1+T, D] in fp32 is the one tensor kept.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, history):
+        T, W = x.shape[1], weight.shape[-1]
+        full = torch.cat([history.float(), x.float()], dim=1)  # [B, W-1+T, D]
+        w = weight.float()
+        y = full[:, :T] * w[:, 0]
+        for tap in range(1, W):
+            y.addcmul_(full[:, tap : tap + T], w[:, tap])
+        ctx.save_for_backward(full, weight)
+        ctx.dtypes = (x.dtype, history.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        full, weight = ctx.saved_tensors
+        T, W = dy.shape[1], weight.shape[-1]
+        dy, w = dy.float(), weight.float()
+        d_full = full.new_zeros(full.shape)
+        for tap in range(W):
+            d_full[:, tap : tap + T].addcmul_(dy, w[:, tap])
+        d_weight = torch.stack([(dy * full[:, tap : tap + T]).sum(dim=(0, 1)) for tap in range(W)], dim=-1)
+        x_dtype, history_dtype = ctx.dtypes
+        return d_full[:, W - 1 :].to(x_dtype), d_weight.to(weight.dtype), d_full[:, : W - 1].to(history_dtype)
+
+
 def causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -50,12 +86,13 @@ def causal_conv1d(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The same with one grouped F.conv1d (what transformers' causal_conv1d_fn computes)."""
-    D, W = weight.shape
-    full = _with_history(x, weight, initial_state)
-    y = F.conv1d(full.float(), weight.float()[:, None, :], groups=D)  # [B, D, T]
-    state = full[:, :, full.shape[-1] - (W - 1) :] if output_final_state else None
-    return y.transpose(1, 2), state
+    """The same sum as shifted multiply-adds in the [B, T, D] layout, with a hand-written backward."""
+    history = _history(x, weight, initial_state).transpose(1, 2)  # [B, W-1, D]
+    y = _CausalConv1d.apply(x, weight, history)  # [B, T, D] fp32
+    if not output_final_state:
+        return y, None
+    recent = torch.cat([history, x], dim=1)[:, x.shape[1] :]  # the last W-1 inputs [B, W-1, D]
+    return y, recent.transpose(1, 2)
 
 
 register("causal_conv1d", "reference", causal_conv1d_reference)

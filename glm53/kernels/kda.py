@@ -204,6 +204,26 @@ def _chunk_size(T: int) -> int:
     return max(BASE_BLOCK, min(FAST_CHUNK_SIZE, 1 << max(T - 1, 0).bit_length()))
 
 
+def _unit_lower_inverse(A: torch.Tensor) -> torch.Tensor:
+    """(I + A)^-1 for strictly lower-triangular A [..., C, C]: one C-column triangular solve, reused by matmuls
+    (cheaper than solving for the K + V right-hand sides directly, and the backward reuses it transposed)."""
+    eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
+    return torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False, unitriangular=True)
+
+
+def _scan_states(transition: torch.Tensor, inject: torch.Tensor, S0: torch.Tensor):
+    """S_{n+1} = transition_n S_n + inject_n over chunks: [B, H, N, K, K], [B, H, N, K, V], S0 [B, H, K, V] ->
+    (chunk start states [B, H, N, K, V], final state [B, H, K, V]). The chunk axis is sliced in place
+    (batch-strided matmuls), so no permuted copy of the per-chunk tensors is made."""
+    B, H, N, K, V = inject.shape
+    S = S0.reshape(B * H, K, V)
+    states = []
+    for transition_n, inject_n in zip(transition.flatten(0, 1).unbind(1), inject.flatten(0, 1).unbind(1)):
+        states.append(S)
+        S = torch.baddbmm(inject_n, transition_n, S)
+    return torch.stack(states, dim=1).view(B, H, N, K, V), S.view(B, H, K, V)
+
+
 def _kda_chunk_core(q, k, v, g, beta, S0):
     """Scaled fp32/fp64 q, k [B, T, H, K], v [B, T, H, V], g, beta [B, T, H], S0 [B, H, K, V] -> (o, S_T).
 
@@ -230,25 +250,16 @@ def _kda_chunk_core(q, k, v, g, beta, S0):
     else:
         both = _decayed_products(torch.stack([k, q]), k[None], G[None])
     A, QK = both[0].tril(-1), both[1]
-    eye = torch.eye(C, dtype=A.dtype, device=A.device)
-    L = eye + beta * A
-    rhs = torch.cat([beta * k * _decay(G), beta * v], dim=-1)
-    W, Ub = torch.linalg.solve_triangular(L, rhs, upper=False, unitriangular=True).split([K, V], dim=-1)
+    L_inv = _unit_lower_inverse(beta * A)  # L = I + diag(beta) A
+    W, Ub = L_inv @ (beta * k * _decay(G)), L_inv @ (beta * v)
     Kd = k * _decay(G_end - G)  # [B, H, N, C, K]
     transition = torch.diag_embed(_decay(G_end.squeeze(-2))) - Kd.transpose(-1, -2) @ W  # [B, H, N, K, K]
     inject = Kd.transpose(-1, -2) @ Ub  # [B, H, N, K, V]
-    S = S0.reshape(B * H, K, V)
-    transition = transition.permute(2, 0, 1, 3, 4).reshape(N, B * H, K, K)
-    inject = inject.permute(2, 0, 1, 3, 4).reshape(N, B * H, K, V)
-    states = []
-    for transition_n, inject_n in zip(transition.unbind(0), inject.unbind(0)):  # unbind: one backward node
-        states.append(S)
-        S = torch.baddbmm(inject_n, transition_n, S)
-    starts = torch.stack(states, dim=0).view(N, B, H, K, V).permute(1, 2, 0, 3, 4)  # [B, H, N, K, V]
+    starts, S = _scan_states(transition, inject, S0)
     U = Ub - W @ starts
     o = (q * _decay(G)) @ starts + QK @ U  # [B, H, N, C, V]
     o = o.permute(0, 2, 3, 1, 4).reshape(B, N * C, H, V)[:, :T]
-    return o, S.view(B, H, K, V)
+    return o, S
 
 
 def _kda_recurrent_core(q, k, v, g, beta, S):
@@ -268,12 +279,121 @@ def _kda_core(q, k, v, g, beta, S0):
     return _kda_chunk_core(q, k, v, g, beta, S0)
 
 
+def _to_chunks(T, C, *xs):
+    """[B, T, H, *] -> [B, H, N, C, *] (zero-padded to N * C tokens), contiguous."""
+    N = -(-T // C)
+    pad = N * C - T
+    pad_to = lambda x: torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)) if pad else x  # noqa: E731
+    return [pad_to(x).unflatten(1, (N, C)).permute(0, 3, 1, 2, 4).contiguous() for x in xs]
+
+
+def _from_chunks(T, *xs):
+    """[B, H, N, C, *] -> [B, T, H, *] (padding dropped)."""
+    return [x.permute(0, 2, 3, 1, 4).flatten(1, 2)[:, :T] for x in xs]
+
+
+def _rebased_adjoint(dP, rows, k, G):
+    """Gradients of P_r = tril(rows_r k^T * decay) (`_rebased_products`) given dP_r (already masked to the tril).
+
+    dP: [R, ..., C, C], rows: [R, ..., C, K] (the row operands, e.g. k and q), k: [..., C, K]. With
+    X_rt = sum_j dP_r[t, j] k_j e^{G_t - G_j} and Y_j = sum_{r, t} dP_r[t, j] rows_rt e^{G_t - G_j}:
+    d rows_r = X_r, dk = Y, dG = sum_r rows_r * X_r - k * Y. Same rebased factors as the forward (the masked
+    entries are exact zeros in dP, so the clamped column factors above the diagonal block never contribute).
+    """
+    C = G.shape[-2]
+    s = min(SUB_CHUNK, C)
+    G_blocks = G.unflatten(-2, (-1, s))  # [..., C/s, s, K]
+    ref = G_blocks[..., :1, :]
+    row_decay = _decay(G_blocks - ref)  # [..., C/s, s, K]
+    col_decay = (ref - G[..., None, :, :]).clamp(-EXP_FLOOR, REBASE_MAX_EXP).exp()  # [..., C/s, C, K]
+    dP_blocks = torch.cat(dP.unflatten(-2, (-1, s)).unbind(0), dim=-2)  # [..., C/s, R*s, C]: no broadcast matmul
+    X = dP_blocks @ (k[..., None, :, :] * col_decay)  # [..., C/s, R*s, K]
+    X = torch.stack(X.split(s, dim=-2), dim=0) * row_decay  # [R, ..., C/s, s, K]
+    X = X.flatten(-3, -2)  # [R, ..., C, K]
+    rows_r = rows.unflatten(-2, (-1, s)) * row_decay  # [R, ..., C/s, s, K]
+    Y = dP_blocks.transpose(-1, -2) @ torch.cat(rows_r.unbind(0), dim=-2)  # [..., C/s, C, K]
+    Y = (Y * col_decay).sum(dim=-3)  # [..., C, K]
+    return X, Y, (rows * X).sum(dim=0) - k * Y
+
+
+def _kda_chunk_backward(q, k, v, g, beta, S0, do, dS):
+    """Hand-derived backward of `_kda_chunk_core` on the rebased path (`_rebase_is_safe`); q already scaled.
+
+    Recomputes the forward's chunk quantities without autograd, walks the state recurrence backwards
+    (dS_n = dStarts_n + transition_n^T dS_{n+1}, one batched matmul per chunk), then differentiates the WY solve
+    (dR = L^-T dX, dL = -dR X^T), the decay factors and the decayed products (`_rebased_adjoint`), and finally
+    the cumulative sum G = cumsum(g). Returns dq (w.r.t. the scaled q), dk, dv, dg, dbeta [B, T, H], dS0, or
+    None when the decays are too steep for the rebased factors (the caller then differentiates by recompute).
+    """
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    C = _chunk_size(T)
+    q, k, v, g, do = _to_chunks(T, C, q, k, v, g, do)  # [B, H, N, C, *]
+    (beta,) = _to_chunks(T, C, beta[..., None])  # [B, H, N, C, 1]
+    N = q.shape[2]
+    G = g.cumsum(dim=-2)
+    G_end = G[..., -1:, :]
+    if not _rebase_is_safe(G):
+        return None
+    A, QK = _rebased_products(torch.stack([k, q]), k, G)
+    A = A.tril(-1)
+    L_inv = _unit_lower_inverse(beta * A)  # L = I + diag(beta) A
+    E, E_end, D = _decay(G), _decay(G_end), _decay(G_end - G)
+    W, Ub = L_inv @ (beta * k * E), L_inv @ (beta * v)
+    Kd = k * D
+    transition = torch.diag_embed(E_end.squeeze(-2)) - Kd.transpose(-1, -2) @ W  # [B, H, N, K, K]
+    inject = Kd.transpose(-1, -2) @ Ub
+    starts, S = _scan_states(transition, inject, S0)  # [B, H, N, K, V]
+    U = Ub - W @ starts
+    qE = q * E
+    # o = qE S_n + QK U,  U = Ub - W S_n
+    dQK = (do @ U.transpose(-1, -2)).tril()
+    dU = QK.transpose(-1, -2) @ do
+    dqE = do @ starts.transpose(-1, -2)
+    dstarts = qE.transpose(-1, -2) @ do - W.transpose(-1, -2) @ dU  # [B, H, N, K, V]
+    dW = -(dU @ starts.transpose(-1, -2))
+    # S_{n+1} = transition_n S_n + inject_n, walked backwards from the final state's gradient
+    dS_next = dS.reshape(B * H, K, V) if dS is not None else S.new_zeros(B * H, K, V)
+    dstarts_n, trans_n = dstarts.flatten(0, 1), transition.flatten(0, 1).transpose(-1, -2)  # [B*H, N, *, *] views
+    nexts = []
+    for n in range(N - 1, -1, -1):
+        nexts.append(dS_next)
+        dS_next = torch.baddbmm(dstarts_n[:, n], trans_n[:, n], dS_next)
+    dS0 = dS_next.view(B, H, K, V)
+    dinject = torch.stack(nexts[::-1], dim=1).view(B, H, N, K, V)  # dS_{n+1}
+    dtrans = dinject @ starts.transpose(-1, -2)  # [B, H, N, K, K]
+    # transition = diag(E_end) - Kd^T W,  inject = Kd^T Ub
+    dKd = Ub @ dinject.transpose(-1, -2) - W @ dtrans.transpose(-1, -2)  # [B, H, N, C, K]
+    dW = dW - Kd @ dtrans
+    dUb = dU + Kd @ dinject
+    # X = L^-1 R for X = W, Ub:  dR = L^-T dX,  dL = -sum dR X^T (strictly lower)
+    dRw, dRu = L_inv.transpose(-1, -2) @ dW, L_inv.transpose(-1, -2) @ dUb
+    dL = -(dRw @ W.transpose(-1, -2) + dRu @ Ub.transpose(-1, -2)).tril(-1)
+    dbeta = (dL * A).sum(-1, keepdim=True) + (dRw * k * E).sum(-1, keepdim=True) + (dRu * v).sum(-1, keepdim=True)
+    dv = beta * dRu
+    dk_w = dRw * beta * E  # R_w = beta k E
+    KdKd = dKd * Kd
+    dG = dk_w * k - KdKd
+    dG_end = KdKd.sum(dim=-2, keepdim=True) + torch.diagonal(dtrans, dim1=-2, dim2=-1)[..., None, :] * E_end
+    dq = dqE * E
+    dG = dG + dqE * qE
+    dX_rows, dk_cols, dG_products = _rebased_adjoint(torch.stack([beta * dL, dQK]), torch.stack([k, q]), k, G)
+    dk = dk_w + dKd * D + dX_rows[0] + dk_cols
+    dq = dq + dX_rows[1]
+    dG = dG + dG_products
+    dG[..., -1:, :] += dG_end
+    dg = dG.flip(-2).cumsum(dim=-2).flip(-2)  # G = cumsum(g)
+    dq, dk, dv, dg, dbeta = _from_chunks(T, dq, dk, dv, dg, dbeta)
+    return dq, dk, dv, dg, dbeta[..., 0], dS0
+
+
 class _KdaRecompute(torch.autograd.Function):
-    """Saves only the inputs; backward recomputes the chunked forward under autograd and differentiates it.
+    """Saves only the inputs; backward recomputes the chunk quantities and runs the hand-derived backward.
 
     So no per-chunk temporary (decay products, L^-1 solutions, per-chunk states) outlives the forward: they exist
-    only while this layer's backward runs. The price is one extra forward (the chunk form is cheap). q is saved
-    unscaled (the caller's tensor, usually already kept by autograd) and scaled inside.
+    only while this layer's backward runs. Where the hand-written backward does not apply (single-token steps,
+    decays too steep for sub-chunk rebasing) the chunked forward is recomputed under autograd and differentiated.
+    q is saved unscaled (the caller's tensor, usually already kept by autograd) and scaled inside.
     """
 
     @staticmethod
@@ -285,6 +405,14 @@ class _KdaRecompute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dS):
+        q, k, v, g, beta, S0 = ctx.saved_tensors
+        T = q.shape[1]
+        if T > RECURRENT_MAX_T:
+            do = do.to(q.dtype) if do is not None else torch.zeros_like(v)
+            grads = _kda_chunk_backward(q * ctx.scale, k, v, g, beta, S0, do, dS)
+            if grads is not None:  # None: decays too steep for the rebased factors
+                dq, dk, dv, dg, dbeta, dS0 = grads
+                return dq * ctx.scale, dk, dv, dg, dbeta, dS0, None
         inputs = [x.detach().requires_grad_(need) for x, need in zip(ctx.saved_tensors, ctx.needs_input_grad)]
         with torch.enable_grad():
             q, *rest = inputs

@@ -101,7 +101,7 @@ def _moe_experts_grouped(x, topk_idx, topk_weight, gate_up, down, limit, use_gro
     token = order // k
     expert = expert_of[order]
     counts = torch.bincount(expert_of, minlength=E)
-    rows = x[token]  # [N*k, H]
+    rows = x.index_select(0, token)  # [N*k, H]; backward: index_add_ (x[token] would use a slow accumulate index_put_)
     if use_grouped_mm:
         offs = counts.cumsum(0).to(torch.int32)
         project = lambda a, w: torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)  # noqa: E731
