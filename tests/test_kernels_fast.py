@@ -227,12 +227,14 @@ def test_hc_collapse_equals_reference(dtype):
 
 
 # ------------------------------------------------------------------------ absorbed (latent, multi-query) attention
+@pytest.mark.parametrize("span_ratio", [-1, 1 << 30], ids=["gather", "masked-dense"])
 @pytest.mark.parametrize("budget", [64, 1 << 22], ids=["many-chunks", "one-chunk"])
 @pytest.mark.parametrize("shape", SPARSE_SHAPES, ids=[f"B{s[0]}-T{s[1]}-S{s[2]}-H{s[3]}-J{s[6]}" for s in SPARSE_SHAPES])
-def test_sparse_mqa_attention_matches_dense_reference(shape, budget, monkeypatch):
+def test_sparse_mqa_attention_matches_dense_reference(shape, budget, span_ratio, monkeypatch):
     from glm53.kernels.sparse_attention import sparse_mqa_attention, sparse_mqa_attention_reference
 
     monkeypatch.setattr(sa_mod, "GATHER_BUDGET", budget)
+    monkeypatch.setattr(sa_mod, "DENSE_SPAN_RATIO", span_ratio)  # force one chunk path
     B, T, S, H, D, _, J = shape
     (q, k, _), idx = sparse_inputs(B, T, S, H, D, D, J)
     kv = k[:, :, 0].detach().requires_grad_()  # [B, S, C]: one latent shared by all heads

@@ -146,31 +146,69 @@ def sparse_mqa_attention_reference(
     return torch.einsum("bhts,bsc->bthc", probs, kv.float()).to(q.dtype)
 
 
-def _mqa_chunk_probs(q_c, kv, idx_c, scale):
-    """q_c [B, Tq, H, C], kv [B, S, C], idx_c [B, Tq, J] -> (probs [B, Tq, H, J], safe idx, gathered [B, Tq, J, C])."""
+def _mqa_gather(kv, idx_c):
+    """kv [B, S, C], idx_c [B, Tq, J] -> (valid [B, Tq, J], safe idx, gathered rows [B, Tq, J, C])."""
     S = kv.shape[1]
     valid = (idx_c >= 0) & (idx_c < S)
     safe = idx_c.long().clamp(0, S - 1)
     rows = (torch.arange(kv.shape[0], device=kv.device) * S)[:, None, None]
     # index_select on the flattened rows: ~3x faster on CPU than the advanced-indexing gather kv[b, safe]
-    kv_g = kv.reshape(-1, kv.shape[-1]).index_select(0, (rows + safe).flatten()).view(*safe.shape, -1)  # [B, Tq, J, C]
-    scores = (q_c @ kv_g.transpose(-1, -2)) * scale  # [B, Tq, H, J]
-    scores = scores.masked_fill(~valid[:, :, None], float("-inf"))
-    return torch.softmax(scores, dim=-1).nan_to_num(0.0), safe, kv_g
+    kv_g = kv.reshape(-1, kv.shape[-1]).index_select(0, (rows + safe).flatten()).view(*safe.shape, -1)
+    return valid, safe, kv_g
+
+
+def _mqa_softmax(scores, valid):
+    """scores [B, Tq, H, J] (already scaled), valid [B, Tq, J] -> probs; all-empty rows -> 0."""
+    return torch.softmax(scores.masked_fill(~valid[:, :, None], float("-inf")), dim=-1).nan_to_num(0.0)
+
+
+# Masked-dense chunks: when a chunk's selected keys are a large fraction of the keys it can reach (its key span,
+# the largest selected position + 1, e.g. the causal prefix), the per-query gather of J latent rows and the
+# [H, C] x [C, J] per-query matmuls cost more than plain [Tq*H, C] x [C, span] GEMMs over the whole span with
+# the unselected keys masked to -inf: the same sum over the same keys, no gather and no scatter-add of the key
+# gradients. A chunk goes dense when span <= DENSE_SPAN_RATIO * J. Measured on CPU at the bench shapes (227
+# queries, J = 271, H = 4, C = 64, fwd + bwd): span 271 dense ~7 vs gather ~19 ms, 542: ~10 vs ~24 ms,
+# 1024: about even, 2048: dense ~1.5-2x slower. In a causal sequence this sends the early chunks dense.
+DENSE_SPAN_RATIO = 4
+
+
+def _mqa_chunk_span(idx_c: torch.Tensor, num_keys: int) -> int:
+    """Keys [0, span) hold every selected position of the chunk; 0 for an all-empty chunk."""
+    valid = (idx_c >= 0) & (idx_c < num_keys)
+    return int(torch.where(valid, idx_c, -1).max()) + 1 if idx_c.numel() else 0  # NOTE: syncs
+
+
+def _mqa_dense_probs(q_c, kv_s, idx_c, scale):
+    """q_c [B, Tq, H, C], kv_s [B, span, C], idx_c [B, Tq, J] -> probs [B, Tq, H, span] (unselected keys 0)."""
+    span = kv_s.shape[1]
+    valid = (idx_c >= 0) & (idx_c < span)
+    selected = torch.zeros(*idx_c.shape[:2], span + 1, dtype=torch.bool, device=idx_c.device)
+    selected.scatter_(-1, torch.where(valid, idx_c.long(), span), True)  # empty slots land in column `span`
+    scores = (q_c @ kv_s[:, None].transpose(-1, -2)) * scale  # [B, Tq, H, span]
+    scores = scores.masked_fill(~selected[:, :, None, :span], float("-inf"))
+    return torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all-empty rows -> 0
 
 
 class _SparseMqaAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, topk_indices, scale):
         dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        q32, kv32 = q.to(dtype), kv.to(dtype).contiguous()
+        q32, kv32 = q.to(dtype).contiguous(), kv.to(dtype).contiguous()
         B, T, H, C = q.shape
-        step = _query_chunk(B, 1, topk_indices.shape[-1], C + H)
+        S, J = kv.shape[1], topk_indices.shape[-1]
+        step = _query_chunk(B, 1, J, C + H)
         o = q32.new_empty(B, T, H, C)
         for start in range(0, T, step):
             end = min(start + step, T)
-            p, _, kv_g = _mqa_chunk_probs(q32[:, start:end], kv32, topk_indices[:, start:end], scale)
-            o[:, start:end] = p @ kv_g
+            idx_c = topk_indices[:, start:end]
+            span = _mqa_chunk_span(idx_c, S)
+            if span <= DENSE_SPAN_RATIO * J:
+                kv_s = kv32[:, :span]
+                o[:, start:end] = _mqa_dense_probs(q32[:, start:end], kv_s, idx_c, scale) @ kv_s[:, None]
+            else:
+                valid, _, kv_g = _mqa_gather(kv32, idx_c)
+                p = _mqa_softmax((q32[:, start:end] @ kv_g.transpose(-1, -2)) * scale, valid)  # [B, Tq, H, J]
+                o[:, start:end] = p @ kv_g
         ctx.save_for_backward(q, kv, topk_indices)
         ctx.scale = scale
         return o.to(q.dtype)
@@ -179,21 +217,37 @@ class _SparseMqaAttention(torch.autograd.Function):
     def backward(ctx, do):
         q, kv, topk_indices = ctx.saved_tensors
         dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        q32, kv32, do32 = q.to(dtype), kv.to(dtype).contiguous(), do.to(dtype)
+        # contiguous: a strided q or do (an einsum's output, an expanded sum's gradient) makes every chunk's bmm
+        # fall back to one copy per query
+        q32, kv32, do32 = (x.to(dtype).contiguous() for x in (q, kv, do))
         B, T, H, C = q.shape
-        S = kv.shape[1]
+        S, J = kv.shape[1], topk_indices.shape[-1]
         dq, dkv = q32.new_empty(B, T, H, C), q32.new_zeros(B * S, C)
         rows = (torch.arange(B, device=q.device) * S)[:, None, None]
-        step = _query_chunk(B, 1, topk_indices.shape[-1], C + H)
+        step = _query_chunk(B, 1, J, C + H)
         for start in range(0, T, step):
             end = min(start + step, T)
-            q_c, do_c = q32[:, start:end], do32[:, start:end]
-            p, safe, kv_g = _mqa_chunk_probs(q_c, kv32, topk_indices[:, start:end], ctx.scale)
-            dp = do_c @ kv_g.transpose(-1, -2)  # [B, Tq, H, J]
+            q_c, do_c, idx_c = q32[:, start:end], do32[:, start:end], topk_indices[:, start:end]
+            span = _mqa_chunk_span(idx_c, S)
+            if span <= DENSE_SPAN_RATIO * J:
+                kv_s = kv32[:, :span]
+                p = _mqa_dense_probs(q_c, kv_s, idx_c, ctx.scale)  # [B, Tq, H, span]
+                dp = do_c @ kv_s[:, None].transpose(-1, -2)
+                ds = p * (dp - (p * dp).sum(-1, keepdim=True)) * ctx.scale
+                dq[:, start:end] = ds @ kv_s[:, None]
+                # as key (ds^T q) plus as value (p^T do), one GEMM over the stacked (query, head) rows: [B, span, C]
+                pd = torch.cat([ds, p], dim=1).flatten(1, 2)  # [B, 2*Tq*H, span]
+                dkv.view(B, S, C)[:, :span] += pd.transpose(-1, -2) @ torch.cat([q_c, do_c], dim=1).flatten(1, 2)
+                continue
+            valid, safe, kv_g = _mqa_gather(kv32, idx_c)
+            # scores (q kv^T) and dp (do kv^T) in one matmul over the stacked head axis: [B, Tq, 2H, J]
+            q_do = torch.cat([q_c, do_c], dim=-2)
+            scores, dp = (q_do @ kv_g.transpose(-1, -2)).split(H, dim=-2)
+            p = _mqa_softmax(scores * ctx.scale, valid)
             ds = p * (dp - (p * dp).sum(-1, keepdim=True)) * ctx.scale
             dq[:, start:end] = ds @ kv_g
             # as key (ds^T q) plus as value (p^T do), in one matmul over the stacked head axis: [B, Tq, J, C]
-            dkv_g = torch.cat([ds, p], dim=-2).transpose(-1, -2) @ torch.cat([q_c, do_c], dim=-2)
+            dkv_g = torch.cat([ds, p], dim=-2).transpose(-1, -2) @ q_do
             dkv.index_add_(0, (rows + safe).flatten(), dkv_g.reshape(-1, C))
         return dq.to(q.dtype), dkv.view(B, S, C).to(kv.dtype), None, None
 
