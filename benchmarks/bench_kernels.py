@@ -55,6 +55,13 @@ def inputs(op: str, T: int):
         return [rnd(1, T, 4, 32), rnd(1, T, 4), rnd(1, -(-T // KPOOL), 32)], [32**-0.5]
     if op == "hc_collapse":
         return [torch.rand(1, T, 4, generator=g), rnd(1, T, 4, 256)], []
+    if op == "hc_mix":
+        comb, post = torch.rand(1, T, 4, 4, generator=g), 2 * torch.rand(1, T, 4, generator=g)
+        return [rnd(1, T, 4, 256), comb, post, rnd(1, T, 256)], []
+    if op == "hc_project":
+        return [rnd(1, T, 1024), rnd(24, 1024) / 32], [1e-5]
+    if op == "sinkhorn":
+        return [torch.softmax(rnd(1, T, 4, 4), -1) + 1e-6], [20, 1e-6]
     if op == "causal_conv1d":
         return [rnd(1, T, 256), rnd(256, 4)], []
     raise KeyError(op)
@@ -92,7 +99,8 @@ def main() -> None:
     ap.add_argument("--seqlens", type=int, nargs="+")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--ops", nargs="+", default=["kda", "sparse_attention", "sparse_mqa_attention", "moe_experts",
-                                                 "indexer_scores", "hc_collapse", "causal_conv1d"])  # fmt: skip
+                                                 "indexer_scores", "hc_collapse", "hc_mix", "hc_project", "sinkhorn",
+                                                 "causal_conv1d"])  # fmt: skip
     ap.add_argument("--skip-recurrent-above", type=int, default=2048,
                     help="skip KDA's token-by-token reference above this T (it is a Python loop)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())

@@ -29,7 +29,8 @@ from bench_config import ROOT, bench_config, gemm_peak_flops, machine, median, t
 from glm53 import Glm53ForCausalLM
 from glm53.kernels import chosen_backend
 
-OPS = ("kda", "sparse_attention", "moe_experts", "indexer_scores", "hc_collapse", "causal_conv1d")
+OPS = ("kda", "sparse_attention", "sparse_mqa_attention", "moe_experts", "indexer_scores", "hc_collapse", "hc_mix",
+       "hc_project", "sinkhorn", "causal_conv1d")
 
 
 def build_pair(path: str):

@@ -41,10 +41,7 @@ class HyperConnection(nn.Module):
         """streams [B, T, N, D] -> pre [B, T, N], post [B, T, N], comb [B, T, N, N], all fp32."""
         n = self.n
         flat = rearrange(streams, "b t n d -> b t (n d)").float()
-        # RMSNorm(flat) @ fn^T == (flat @ fn^T) * rsqrt(mean(flat^2) + eps): the per-token scale commutes with the
-        # projection, so the normalised [B, T, N*D] copy is never formed (one pass over the streams fewer).
-        mean_square = torch.linalg.vector_norm(flat, dim=-1, keepdim=True).square() / flat.shape[-1]
-        mixed = F.linear(flat, as_local(self, "fn").float()) * torch.rsqrt(mean_square + self.norm_eps)
+        mixed = kernel("hc_project")(flat, as_local(self, "fn").float(), self.norm_eps)  # [B, T, (2+N)N]
         pre_w, post_w, comb_w = mixed.split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = as_local(self, "base").float().split([n, n, n * n])
         scale = as_local(self, "scale").float()
@@ -67,8 +64,7 @@ class HyperConnection(nn.Module):
             pre, post, comb = self.coefficients(streams)
         collapsed = kernel("hc_collapse")(pre, streams)  # [B, T, D]
         out = block(collapsed)
-        mixed = torch.einsum("btji,btjd->btid", comb.to(streams.dtype), streams)
-        return post.to(streams.dtype)[..., None] * out[:, :, None, :] + mixed
+        return kernel("hc_mix")(streams, comb, post, out)
 
     def init_weights(self) -> None:
         nn.init.normal_(self.fn, std=FN_INIT_STD)

@@ -226,6 +226,43 @@ def test_hc_collapse_equals_reference(dtype):
                      FP32_TOL if dtype == torch.float32 else BF16_TOL, ["dpre", "dstreams"])  # fmt: skip
 
 
+# ---------------------------------------------------------------------------------------------- mHC mix
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(2, 7, 4, 16), (1, 1, 3, 5), (3, 5, 1, 8)], ids=["B2-T7-N4-D16", "B1-T1-N3-D5", "B3-T5-N1-D8"])
+def test_hc_mix_equals_reference(shape, dtype):
+    from glm53.kernels.hc_mix import hc_mix, hc_mix_reference
+
+    B, T, N, D = shape
+    gen = torch.Generator().manual_seed(0)
+    streams = torch.randn(B, T, N, D, generator=gen).to(dtype).requires_grad_()
+    comb = torch.rand(B, T, N, N, generator=gen).requires_grad_()  # fp32 coefficients, as the module passes them
+    post = (2 * torch.rand(B, T, N, generator=gen)).requires_grad_()
+    out = torch.randn(B, T, D, generator=gen).to(dtype).requires_grad_()
+    inputs = [streams, comb, post, out]
+    ref, got = hc_mix_reference(*inputs), hc_mix(*inputs)
+    assert got.dtype == ref.dtype == dtype and got.shape == (B, T, N, D)
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    assert_all_close((got,), (ref,), tol, ["new"])
+    g_got, g_ref = grads(got, inputs), grads(ref, inputs)
+    assert [g.dtype for g in g_got] == [g.dtype for g in g_ref] == [dtype, torch.float32, torch.float32, dtype]
+    assert_all_close(g_got, g_ref, tol, ["dstreams", "dcomb", "dpost", "dout"])
+
+
+# ------------------------------------------------------------------------------------------ mHC projection
+@pytest.mark.parametrize("shape", [(2, 7, 64), (1, 1, 12), (3, 40)], ids=["B2-T7-K64", "B1-T1-K12", "M3-K40"])
+def test_hc_project_equals_reference(shape):
+    from glm53.kernels.hc_project import hc_project, hc_project_reference
+
+    gen = torch.Generator().manual_seed(0)
+    flat = (3 * torch.randn(*shape, generator=gen, dtype=torch.float64)).requires_grad_()
+    flat.data[0].mul_(1e-4)  # a token with a tiny RMS: the eps inside the rsqrt matters there
+    fn = (0.1 * torch.randn(10, shape[-1], generator=gen, dtype=torch.float64)).requires_grad_()
+    ref, got = hc_project_reference(flat, fn, 1e-5), hc_project(flat, fn, 1e-5)
+    assert got.shape == (*shape[:-1], 10)
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grads(got, [flat, fn]), grads(ref, [flat, fn]), rtol=1e-10, atol=1e-12)
+
+
 # ------------------------------------------------------------------------ absorbed (latent, multi-query) attention
 @pytest.mark.parametrize("span_ratio", [-1, 1 << 30], ids=["gather", "masked-dense"])
 @pytest.mark.parametrize("budget", [64, 1 << 22], ids=["many-chunks", "one-chunk"])

@@ -4,7 +4,17 @@
 can force the reference with `use_backend("reference")`.
 """
 
-from . import conv, hc_collapse, indexer_scores, kda, moe, sinkhorn, sparse_attention  # noqa: F401  (registers the implementations)
+from . import (  # noqa: F401  (registers the implementations)
+    conv,
+    hc_collapse,
+    hc_mix,
+    hc_project,
+    indexer_scores,
+    kda,
+    moe,
+    sinkhorn,
+    sparse_attention,
+)
 from .dispatch import backends, chosen_backend, kernel, set_backend, use_backend
 
 __all__ = ["backends", "chosen_backend", "kernel", "set_backend", "use_backend"]

@@ -1,0 +1,56 @@
+"""mHC coefficient projection: RMSNorm (no weight) of the flattened streams, then the fp32 projection `fn`.
+
+Legend: M tokens (any leading dims), K = N * D flattened stream width, E = (2 + N) * N coefficients.
+flat [..., K] fp32, fn [E, K] fp32 -> [..., E] = (flat @ fn^T) * rsqrt(mean(flat^2) + eps).
+The per-token scale commutes with the projection, so the normalised [..., K] copy is never formed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .dispatch import register
+
+
+def hc_project_reference(flat: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
+    normed = flat * torch.rsqrt(flat.square().mean(dim=-1, keepdim=True) + eps)
+    return F.linear(normed, fn)
+
+
+class _HcProject(torch.autograd.Function):
+    """Forward: one GEMM and one row norm; backward: two GEMMs and one multiply-add over [M, K].
+
+    With r = rsqrt(mean(flat^2) + eps), raw = flat @ fn^T and result = raw * r:
+        d raw = d result * r,   d r = sum_e d result_e raw_e,   d flat = d raw @ fn - (d r * r^3 / K) flat.
+    Autograd through a norm would instead run a division, a masked fill and two broadcast passes over [M, K].
+    """
+
+    @staticmethod
+    def forward(ctx, flat, fn, eps):
+        K = flat.shape[-1]
+        f = flat.reshape(-1, K)
+        raw = torch.mm(f, fn.t())  # [M, E]
+        r = torch.rsqrt(torch.linalg.vector_norm(f, dim=-1, keepdim=True).square_() / K + eps)  # [M, 1]
+        ctx.save_for_backward(f, fn, raw, r)
+        return (raw * r).view(*flat.shape[:-1], fn.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        f, fn, raw, r = ctx.saved_tensors
+        K = f.shape[-1]
+        g = grad.reshape(raw.shape)
+        d_raw = g * r
+        coef = (g * raw).sum(dim=-1, keepdim=True) * r.pow(3) / -K  # [M, 1]
+        d_flat = torch.mm(d_raw, fn).addcmul_(f, coef).view(*grad.shape[:-1], K) if ctx.needs_input_grad[0] else None
+        d_fn = torch.mm(d_raw.t(), f) if ctx.needs_input_grad[1] else None
+        return d_flat, d_fn, None
+
+
+def hc_project(flat: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
+    """Same result as hc_project_reference; hand-written backward."""
+    return _HcProject.apply(flat, fn, eps)
+
+
+register("hc_project", "reference", hc_project_reference)
+register("hc_project", "eager", hc_project)
