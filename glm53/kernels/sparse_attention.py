@@ -178,15 +178,22 @@ def _mqa_chunk_span(idx_c: torch.Tensor, num_keys: int) -> int:
     return int(torch.where(valid, idx_c, -1).max()) + 1 if idx_c.numel() else 0  # NOTE: syncs
 
 
-def _mqa_dense_probs(q_c, kv_s, idx_c, scale):
-    """q_c [B, Tq, H, C], kv_s [B, span, C], idx_c [B, Tq, J] -> probs [B, Tq, H, span] (unselected keys 0)."""
-    span = kv_s.shape[1]
+def _mqa_dense_mask(idx_c, span):
+    """idx_c [B, Tq, J] -> [B, Tq, 1, span] bool, True where the key is NOT selected (to be masked out)."""
     valid = (idx_c >= 0) & (idx_c < span)
     selected = torch.zeros(*idx_c.shape[:2], span + 1, dtype=torch.bool, device=idx_c.device)
     selected.scatter_(-1, torch.where(valid, idx_c.long(), span), True)  # empty slots land in column `span`
-    scores = (q_c @ kv_s[:, None].transpose(-1, -2)) * scale  # [B, Tq, H, span]
-    scores = scores.masked_fill(~selected[:, :, None, :span], float("-inf"))
-    return torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all-empty rows -> 0
+    return ~selected[:, :, None, :span]
+
+
+def _mqa_dense_probs(scores, masked_out):
+    """scores [B, Tq, H, span] (already scaled) -> probs with unselected keys 0; all-empty rows -> 0."""
+    return torch.softmax(scores.masked_fill_(masked_out, float("-inf")), dim=-1).nan_to_num_(0.0)
+
+
+def _rows(x):
+    """[B, Tq, H, C] -> [B, Tq*H, C]: every (query, head) row of a chunk in one GEMM against the shared latent."""
+    return x.flatten(1, 2)
 
 
 class _SparseMqaAttention(torch.autograd.Function):
@@ -204,7 +211,10 @@ class _SparseMqaAttention(torch.autograd.Function):
             span = _mqa_chunk_span(idx_c, S)
             if span <= DENSE_SPAN_RATIO * J:
                 kv_s = kv32[:, :span]
-                o[:, start:end] = _mqa_dense_probs(q32[:, start:end], kv_s, idx_c, scale) @ kv_s[:, None]
+                q_c = q32[:, start:end]
+                scores = (_rows(q_c) @ kv_s.transpose(-1, -2)).mul_(scale).view(*q_c.shape[:-1], span)
+                p = _mqa_dense_probs(scores, _mqa_dense_mask(idx_c, span))  # [B, Tq, H, span]
+                o[:, start:end] = (_rows(p) @ kv_s).view(q_c.shape)
             else:
                 valid, _, kv_g = _mqa_gather(kv32, idx_c)
                 p = _mqa_softmax((q32[:, start:end] @ kv_g.transpose(-1, -2)) * scale, valid)  # [B, Tq, H, J]
@@ -231,13 +241,15 @@ class _SparseMqaAttention(torch.autograd.Function):
             span = _mqa_chunk_span(idx_c, S)
             if span <= DENSE_SPAN_RATIO * J:
                 kv_s = kv32[:, :span]
-                p = _mqa_dense_probs(q_c, kv_s, idx_c, ctx.scale)  # [B, Tq, H, span]
-                dp = do_c @ kv_s[:, None].transpose(-1, -2)
+                # scores (q kv^T) and dp (do kv^T) in one GEMM over the stacked (query, head) rows
+                q_do = torch.cat([_rows(q_c), _rows(do_c)], dim=1)  # [B, 2*Tq*H, C]
+                scores, dp = (q_do @ kv_s.transpose(-1, -2)).view(B, 2, *q_c.shape[1:3], span).unbind(1)
+                p = _mqa_dense_probs(scores.mul_(ctx.scale), _mqa_dense_mask(idx_c, span))  # [B, Tq, H, span]
                 ds = p * (dp - (p * dp).sum(-1, keepdim=True)) * ctx.scale
-                dq[:, start:end] = ds @ kv_s[:, None]
+                dq[:, start:end] = (_rows(ds) @ kv_s).view(q_c.shape)
                 # as key (ds^T q) plus as value (p^T do), one GEMM over the stacked (query, head) rows: [B, span, C]
-                pd = torch.cat([ds, p], dim=1).flatten(1, 2)  # [B, 2*Tq*H, span]
-                dkv.view(B, S, C)[:, :span] += pd.transpose(-1, -2) @ torch.cat([q_c, do_c], dim=1).flatten(1, 2)
+                pd = torch.cat([_rows(ds), _rows(p)], dim=1)  # [B, 2*Tq*H, span]
+                dkv.view(B, S, C)[:, :span] += pd.transpose(-1, -2) @ q_do
                 continue
             valid, safe, kv_g = _mqa_gather(kv32, idx_c)
             # scores (q kv^T) and dp (do kv^T) in one matmul over the stacked head axis: [B, Tq, 2H, J]
