@@ -84,7 +84,10 @@ def test_kda_decay_products_paths_agree(gate):
     torch.testing.assert_close(kda_mod._decayed_products(a, b, G), exact, rtol=1e-10, atol=1e-12)
     assert kda_mod._rebase_is_safe(G) == (gate == "bounded")
     if gate == "bounded":
-        torch.testing.assert_close(kda_mod._rebased_products(a[None], b, G)[0], exact, rtol=1e-10, atol=1e-12)
+        kk, qk = kda_mod._rebased_products(kda_mod._rebased_factors(b, a, G))  # rows (k=b, q=a), columns b
+        torch.testing.assert_close(qk, exact, rtol=1e-10, atol=1e-12)
+        exact_kk = torch.einsum("bhtc,bhjc,bhtjc->bhtj", b, b, (G[:, :, :, None] - G[:, :, None]).clamp(max=0).exp())
+        torch.testing.assert_close(kk, exact_kk.tril(-1), rtol=1e-10, atol=1e-12)
 
 
 def test_kda_large_decay_fp32_stays_finite():

@@ -14,6 +14,8 @@ All arithmetic is fp32; o is returned in q's dtype and the state in fp32.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .dispatch import register
@@ -174,21 +176,55 @@ def _decayed_products(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor) -> torc
     return M.squeeze(-3)
 
 
-def _rebased_products(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
-    """Same result as `_decayed_products` via sub-chunk rebasing; only valid when `_rebase_is_safe(G)`.
+class _RebasedFactors(NamedTuple):
+    """Factors of the rebased intra-chunk products, computed once per chunked call and shared by the products and
+    their adjoint. With s = SUB_CHUNK rows per block and r the block's first token (see the comment above):
+    rows [..., C/s, 2, s, K]: k_t e^{G_t - G_r} then q_t e^{G_t - G_r}, stacked per row block (one matmul for both);
+    cols [..., C/s, C, K]: k_j e^{G_r - G_j} for every column j and row block;
+    row_decay [..., C/s, s, K] and col_decay [..., C/s, C, K]: the exponential factors alone."""
 
-    a may stack several row operands in a leading dim (here k and q); they share one set of column factors.
+    rows: torch.Tensor
+    cols: torch.Tensor
+    row_decay: torch.Tensor
+    col_decay: torch.Tensor
+
+
+def _rebased_factors(k: torch.Tensor, q: torch.Tensor, G: torch.Tensor) -> _RebasedFactors:
+    """k, q, G [..., C, K] -> the factors of A = k k^T * decay and QK = q k^T * decay; only when `_rebase_is_safe(G)`.
+
+    The row operands are multiplied straight into their stacked layout (`out=` a permuted view): no stacked copy
+    of k and q, and no concatenation afterwards.
     """
     C, K = G.shape[-2:]
     s = min(SUB_CHUNK, C)
     G_blocks = G.unflatten(-2, (-1, s))  # [..., C/s, s, K]
     ref = G_blocks[..., :1, :]  # [..., C/s, 1, K] first token of each row block
-    rows = a.unflatten(-2, (-1, s)) * _decay(G_blocks - ref)  # [R, ..., C/s, s, K]
-    cols = b[..., None, :, :] * (ref - G[..., None, :, :]).clamp(-EXP_FLOOR, REBASE_MAX_EXP).exp()  # [..., C/s, C, K]
-    rows = torch.cat(rows.unbind(0), dim=-2)  # [..., C/s, R*s, K]
-    M = rows @ cols.transpose(-1, -2)  # [..., C/s, R*s, C]: one batched matmul, no broadcast copies
-    M = torch.stack(M.split(s, dim=-2), dim=0)  # [R, ..., C/s, s, C]
-    return M.flatten(-3, -2).tril()  # [R, ..., C, C]
+    row_decay = _decay(G_blocks - ref)
+    col_decay = (ref - G[..., None, :, :]).clamp(-EXP_FLOOR, REBASE_MAX_EXP).exp()  # [..., C/s, C, K]
+    rows = G.new_empty(*G_blocks.shape[:-2], 2, s, K)
+    torch.mul(k.unflatten(-2, (-1, s)), row_decay, out=rows[..., 0, :, :])
+    torch.mul(q.unflatten(-2, (-1, s)), row_decay, out=rows[..., 1, :, :])
+    return _RebasedFactors(rows, k[..., None, :, :] * col_decay, row_decay, col_decay)
+
+
+def _causal_keep(C: int, s: int, device: torch.device) -> torch.Tensor:
+    """[2, C/s, s, C] bool: strictly lower (j < t) for the k rows, lower with the diagonal (j <= t) for the q rows."""
+    t = torch.arange(C, device=device)
+    keep = torch.stack([t[:, None] > t[None, :], t[:, None] >= t[None, :]])  # [2, C, C]
+    return keep.view(2, C // s, s, C)
+
+
+def _rebased_products(f: _RebasedFactors) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (A [..., C, C] strictly lower, QK [..., C, C] lower with the diagonal), the same sums as
+    `_decayed_products` of (k, k) and (q, k). One batched matmul for both; the mask is applied while the blocks
+    are written back to [C, C] order (no separate split/stack copies)."""
+    *lead, nb, R, s, K = f.rows.shape
+    C = f.cols.shape[-2]
+    M = (f.rows.flatten(-3, -2) @ f.cols.transpose(-1, -2)).view(*lead, nb, R, s, C)
+    keep = _causal_keep(C, s, M.device).view(R, *([1] * len(lead)), nb, s, C)
+    out = M.new_empty(R, *lead, nb, s, C)
+    torch.where(keep, M.movedim(-3, 0), M.new_zeros(()), out=out)  # entries above the diagonal are finite (clamped)
+    return out[0].view(*lead, C, C), out[1].view(*lead, C, C)
 
 
 def _rebase_is_safe(G: torch.Tensor) -> bool:
@@ -246,10 +282,10 @@ def _kda_chunk_core(q, k, v, g, beta, S0):
     G = g.cumsum(dim=-2)
     G_end = G[..., -1:, :]  # [B, H, N, 1, K]
     if _rebase_is_safe(G):
-        both = _rebased_products(torch.stack([k, q]), k, G)  # [2, B, H, N, C, C]
+        A, QK = _rebased_products(_rebased_factors(k, q, G))  # [B, H, N, C, C] each
     else:
         both = _decayed_products(torch.stack([k, q]), k[None], G[None])
-    A, QK = both[0].tril(-1), both[1]
+        A, QK = both[0].tril(-1), both[1]
     L_inv = _unit_lower_inverse(beta * A)  # L = I + diag(beta) A
     W, Ub = L_inv @ (beta * k * _decay(G)), L_inv @ (beta * v)
     Kd = k * _decay(G_end - G)  # [B, H, N, C, K]
@@ -292,28 +328,28 @@ def _from_chunks(T, *xs):
     return [x.permute(0, 2, 3, 1, 4).flatten(1, 2)[:, :T] for x in xs]
 
 
-def _rebased_adjoint(dP, rows, k, G):
-    """Gradients of P_r = tril(rows_r k^T * decay) (`_rebased_products`) given dP_r (already masked to the tril).
+def _rebased_adjoint(dA: torch.Tensor, dQK: torch.Tensor, f: _RebasedFactors, k: torch.Tensor, q: torch.Tensor):
+    """Gradients of the rebased products (`_rebased_products`) given dA, dQK [..., C, C] (already masked).
 
-    dP: [R, ..., C, C], rows: [R, ..., C, K] (the row operands, e.g. k and q), k: [..., C, K]. With
-    X_rt = sum_j dP_r[t, j] k_j e^{G_t - G_j} and Y_j = sum_{r, t} dP_r[t, j] rows_rt e^{G_t - G_j}:
-    d rows_r = X_r, dk = Y, dG = sum_r rows_r * X_r - k * Y. Same rebased factors as the forward (the masked
-    entries are exact zeros in dP, so the clamped column factors above the diagonal block never contribute).
+    With dP_r the gradient of the r-th product (rows_r = k, q), X_rt = sum_j dP_r[t, j] k_j e^{G_t - G_j} and
+    Y_j = sum_{r, t} dP_r[t, j] rows_rt e^{G_t - G_j}:  d rows_r = X_r, dk (as the column operand) = Y and
+    dG = k X_k + q X_q - k Y. Same rebased factors as the forward (the masked entries are exact zeros in dP, so the
+    clamped column factors above the diagonal block never contribute). Returns (X [..., C/s, 2, s, K] in the
+    stacked row-block layout, Y [..., C, K], dG [..., C, K]).
     """
-    C = G.shape[-2]
-    s = min(SUB_CHUNK, C)
-    G_blocks = G.unflatten(-2, (-1, s))  # [..., C/s, s, K]
-    ref = G_blocks[..., :1, :]
-    row_decay = _decay(G_blocks - ref)  # [..., C/s, s, K]
-    col_decay = (ref - G[..., None, :, :]).clamp(-EXP_FLOOR, REBASE_MAX_EXP).exp()  # [..., C/s, C, K]
-    dP_blocks = torch.cat(dP.unflatten(-2, (-1, s)).unbind(0), dim=-2)  # [..., C/s, R*s, C]: no broadcast matmul
-    X = dP_blocks @ (k[..., None, :, :] * col_decay)  # [..., C/s, R*s, K]
-    X = torch.stack(X.split(s, dim=-2), dim=0) * row_decay  # [R, ..., C/s, s, K]
-    X = X.flatten(-3, -2)  # [R, ..., C, K]
-    rows_r = rows.unflatten(-2, (-1, s)) * row_decay  # [R, ..., C/s, s, K]
-    Y = dP_blocks.transpose(-1, -2) @ torch.cat(rows_r.unbind(0), dim=-2)  # [..., C/s, C, K]
-    Y = (Y * col_decay).sum(dim=-3)  # [..., C, K]
-    return X, Y, (rows * X).sum(dim=0) - k * Y
+    *lead, nb, R, s, K = f.rows.shape
+    C = f.cols.shape[-2]
+    dP = dA.new_empty(*lead, nb, R, s, C)  # the two gradients in the stacked row-block layout of f.rows
+    dP[..., 0, :, :] = dA.view(*lead, nb, s, C)
+    dP[..., 1, :, :] = dQK.view(*lead, nb, s, C)
+    dP = dP.flatten(-3, -2)  # [..., C/s, 2s, C]
+    X = (dP @ f.cols).view(*lead, nb, R, s, K).mul_(f.row_decay[..., None, :, :])
+    Y = ((dP.transpose(-1, -2) @ f.rows.flatten(-3, -2)) * f.col_decay).sum(dim=-3)  # [..., C, K]
+    blocked = lambda x: x.unflatten(-2, (-1, s))  # noqa: E731  [..., C, K] -> [..., C/s, s, K]
+    dG = blocked(k) * X[..., 0, :, :]
+    dG.addcmul_(blocked(q), X[..., 1, :, :])
+    dG = dG.view(*lead, C, K).sub_(k * Y)
+    return X, Y, dG
 
 
 def _kda_chunk_backward(q, k, v, g, beta, S0, do, dS):
@@ -335,8 +371,8 @@ def _kda_chunk_backward(q, k, v, g, beta, S0, do, dS):
     G_end = G[..., -1:, :]
     if not _rebase_is_safe(G):
         return None
-    A, QK = _rebased_products(torch.stack([k, q]), k, G)
-    A = A.tril(-1)
+    factors = _rebased_factors(k, q, G)
+    A, QK = _rebased_products(factors)
     L_inv = _unit_lower_inverse(beta * A)  # L = I + diag(beta) A
     E, E_end, D = _decay(G), _decay(G_end), _decay(G_end - G)
     W, Ub = L_inv @ (beta * k * E), L_inv @ (beta * v)
@@ -377,9 +413,11 @@ def _kda_chunk_backward(q, k, v, g, beta, S0, do, dS):
     dG_end = KdKd.sum(dim=-2, keepdim=True) + torch.diagonal(dtrans, dim1=-2, dim2=-1)[..., None, :] * E_end
     dq = dqE * E
     dG = dG + dqE * qE
-    dX_rows, dk_cols, dG_products = _rebased_adjoint(torch.stack([beta * dL, dQK]), torch.stack([k, q]), k, G)
-    dk = dk_w + dKd * D + dX_rows[0] + dk_cols
-    dq = dq + dX_rows[1]
+    dX_rows, dk_cols, dG_products = _rebased_adjoint(beta * dL, dQK, factors, k, q)
+    s = dX_rows.shape[-2]
+    dk = dk_w + dKd * D + dk_cols
+    dk.unflatten(-2, (-1, s)).add_(dX_rows[..., 0, :, :])
+    dq.unflatten(-2, (-1, s)).add_(dX_rows[..., 1, :, :])
     dG = dG + dG_products
     dG[..., -1:, :] += dG_end
     dg = dG.flip(-2).cumsum(dim=-2).flip(-2)  # G = cumsum(g)
