@@ -305,6 +305,21 @@ def test_clamped_swiglu_backward_equals_autograd():
     got, ref = clamped_swiglu(gate, up, 1.5), _clamped_swiglu_forward(gate, up, 1.5)
     torch.testing.assert_close(got, ref, rtol=0, atol=0)
     torch.testing.assert_close(grads(got, [gate, up]), grads(ref, [gate, up]), rtol=1e-12, atol=1e-12)
+    assert ((gate > 1.5).any() and (up.abs() > 1.5).any()), "both clamps must be exercised"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["fp64", "bf16"])
+def test_packed_clamped_swiglu_equals_autograd(dtype):
+    from glm53.kernels.moe import _clamped_swiglu_forward, clamped_swiglu_packed
+
+    gen = torch.Generator().manual_seed(0)
+    gate_up = (3 * torch.randn(40, 32, generator=gen, dtype=torch.float64)).to(dtype).requires_grad_()
+    got, ref = clamped_swiglu_packed(gate_up, 1.5), _clamped_swiglu_forward(*gate_up.chunk(2, dim=-1), 1.5)
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    (d_got,), (d_ref,) = grads(got, [gate_up]), grads(ref, [gate_up])
+    assert d_got.shape == gate_up.shape and d_got.dtype == dtype
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(d_got, d_ref, **tol)
 
 
 def test_moe_grouped_bf16_close_to_fp32_loop():

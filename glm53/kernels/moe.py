@@ -17,9 +17,22 @@ def _clamped_swiglu_forward(gate: torch.Tensor, up: torch.Tensor, limit: float) 
     return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
 
 
+def _clamped_swiglu_backward(grad, gate, up, limit, d_gate, d_up) -> None:
+    """Writes the gradients of `_clamped_swiglu_forward` into d_gate and d_up (views of one buffer allowed).
+
+    With g = min(gate, L) and s = sigmoid(g): d up = grad * g s where |up| <= L, else 0;
+    d gate = grad * clamp(up) * silu'(g), silu'(g) = s (1 + g (1 - s)), where gate <= L, else 0.
+    """
+    g = gate.clamp(max=limit)
+    sig = torch.sigmoid(g)
+    torch.mul(grad, g * sig, out=d_up).masked_fill_(up.abs() > limit, 0)
+    d_silu = sig.neg().add_(1).mul_(g).add_(1).mul_(sig)
+    torch.mul(d_silu.mul_(up.clamp(-limit, limit)), grad, out=d_gate).masked_fill_(gate > limit, 0)
+
+
 class _ClampedSwiGLU(torch.autograd.Function):
-    """Saves only gate and up (usually two halves of one projection output) and recomputes the rest in backward;
-    autograd would keep the clamped gate, its silu, the clamped up and masks: ~3x the activation memory."""
+    """Saves only gate and up and recomputes the rest in backward; autograd would keep the clamped gate, its silu,
+    the clamped up and masks: ~3x the activation memory."""
 
     @staticmethod
     def forward(ctx, gate, up, limit):
@@ -30,14 +43,27 @@ class _ClampedSwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         gate, up = ctx.saved_tensors
-        L = ctx.limit
-        g = gate.clamp(max=L)
-        u = up.clamp(-L, L)
-        sig = torch.sigmoid(g)
-        d_silu = sig * (1 + g * (1 - sig))  # silu'(g)
-        d_gate = (grad * u * d_silu).masked_fill(gate > L, 0)
-        d_up = (grad * g * sig).masked_fill((up < -L) | (up > L), 0)
+        d_gate, d_up = torch.empty_like(gate), torch.empty_like(up)
+        _clamped_swiglu_backward(grad, gate, up, ctx.limit, d_gate, d_up)
         return d_gate, d_up, None
+
+
+class _PackedClampedSwiGLU(torch.autograd.Function):
+    """The same op on one [..., 2I] projection output (gate columns first): saves it once and returns its gradient
+    as one [..., 2I] tensor, so autograd does not concatenate two halves in backward."""
+
+    @staticmethod
+    def forward(ctx, gate_up, limit):
+        ctx.save_for_backward(gate_up)
+        ctx.limit = limit
+        return _clamped_swiglu_forward(*gate_up.chunk(2, dim=-1), limit)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (gate_up,) = ctx.saved_tensors
+        d_gate_up = torch.empty_like(gate_up)
+        _clamped_swiglu_backward(grad, *gate_up.chunk(2, dim=-1), ctx.limit, *d_gate_up.chunk(2, dim=-1))
+        return d_gate_up, None
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -45,6 +71,13 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
         return _ClampedSwiGLU.apply(gate, up, limit)
     return _clamped_swiglu_forward(gate, up, limit)
+
+
+def clamped_swiglu_packed(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
+    """clamped_swiglu(*gate_up.chunk(2, -1), limit) for one packed [..., 2I] projection output."""
+    if torch.is_grad_enabled() and gate_up.requires_grad:
+        return _PackedClampedSwiGLU.apply(gate_up, limit)
+    return _clamped_swiglu_forward(*gate_up.chunk(2, dim=-1), limit)
 
 
 def moe_experts_reference(
@@ -110,10 +143,9 @@ def _moe_experts_grouped(x, topk_idx, topk_weight, gate_up, down, limit, use_gro
         slot = torch.arange(expert.numel(), device=x.device) - starts[expert]
         capacity = int(counts.max()) if expert.numel() else 0  # NOTE: syncs
         project = lambda a, w: _padded_mm(a, w, expert, slot, capacity)  # noqa: E731
-    gate, up = project(rows, gate_up).chunk(2, dim=-1)
     # The routing weight scales the I-wide activation before the down projection (linear, so the same sum up to
     # rounding): backward then keeps no extra [N*k, H] tensor for the weight's gradient.
-    act = clamped_swiglu(gate, up, limit) * topk_weight.flatten()[order, None]
+    act = clamped_swiglu_packed(project(rows, gate_up), limit) * topk_weight.flatten()[order, None]
     y = project(act.to(rows.dtype).contiguous(), down)  # [N*k, H]
     return torch.zeros_like(x).index_add(0, token, y.to(x.dtype))
 
