@@ -43,7 +43,8 @@ class _HcProject(torch.autograd.Function):
         d_raw = g * r
         coef = (g * raw).sum(dim=-1, keepdim=True) * r.pow(3) / -K  # [M, 1]
         d_flat = torch.mm(d_raw, fn).addcmul_(f, coef).view(*grad.shape[:-1], K) if ctx.needs_input_grad[0] else None
-        d_fn = torch.mm(d_raw.t(), f) if ctx.needs_input_grad[1] else None
+        # contiguous first: MKL takes ~2x longer on this thin [E, M] x [M, K] product with a transposed view
+        d_fn = torch.mm(d_raw.t().contiguous(), f) if ctx.needs_input_grad[1] else None
         return d_flat, d_fn, None
 
 
