@@ -260,42 +260,95 @@ def _scan_states(transition: torch.Tensor, inject: torch.Tensor, S0: torch.Tenso
     return torch.stack(states, dim=1).view(B, H, N, K, V), S.view(B, H, K, V)
 
 
-def _kda_chunk_core(q, k, v, g, beta, S0):
-    """Scaled fp32/fp64 q, k [B, T, H, K], v [B, T, H, V], g, beta [B, T, H], S0 [B, H, K, V] -> (o, S_T).
+def _to_chunks(T, C, *xs):
+    """[B, T, H, *] -> [B, H, N, C, *] (zero-padded to N * C tokens), contiguous."""
+    N = -(-T // C)
+    pad = N * C - T
+    pad_to = lambda x: torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)) if pad else x  # noqa: E731
+    return [pad_to(x).unflatten(1, (N, C)).permute(0, 3, 1, 2, 4).contiguous() for x in xs]
+
+
+def _from_chunks(T, *xs):
+    """[B, H, N, C, *] -> [B, T, H, *] (padding dropped)."""
+    return [x.permute(0, 2, 3, 1, 4).flatten(1, 2)[:, :T] for x in xs]
+
+
+def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [..., M, K] @ b [..., K, N] for equal leading dims, as one bmm (views with a row stride are fine)."""
+    return torch.bmm(a.flatten(0, -3), b.flatten(0, -3)).view(*a.shape[:-1], b.shape[-1])
+
+
+def _baddbmm(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    """c + alpha * a @ b over equal leading dims, one fused baddbmm."""
+    out = torch.baddbmm(c.flatten(0, -3), a.flatten(0, -3), b.flatten(0, -3), alpha=alpha)
+    return out.view(c.shape)
+
+
+class _WyChunks(NamedTuple):
+    """The WY-form quantities of every chunk ([B, H, N, ...]), shared by the forward and the hand-written backward.
+
+    kEv = [k e^G | v] [C, K+V] and WU = L^-1 diag(beta) kEv = [W | Ub] side by side, so one matmul serves both
+    right-hand sides (and, in backward, both of their gradients); TI = Kd^T WU = [Kd^T W | inject] likewise.
+    """
+
+    A: torch.Tensor  # [C, C] strictly lower k-k decayed products
+    QK: torch.Tensor  # [C, C] lower q-k decayed products
+    factors: _RebasedFactors | None  # None on the hierarchical path
+    L_inv: torch.Tensor  # [C, C] (I + diag(beta) A)^-1
+    E: torch.Tensor  # [C, K] e^G
+    E_end: torch.Tensor  # [1, K] e^{G_C}
+    D: torch.Tensor  # [C, K] e^{G_C - G}
+    kEv: torch.Tensor  # [C, K+V]
+    WU: torch.Tensor  # [C, K+V]
+    Kd: torch.Tensor  # [C, K] k e^{G_C - G}
+    transition: torch.Tensor  # [K, K] diag(e^{G_C}) - Kd^T W
+    starts: torch.Tensor  # [K, V] state at each chunk start
+    S: torch.Tensor  # [B, H, K, V] final state
+
+
+def _wy_chunks(q, k, v, beta, G, S0) -> _WyChunks:
+    """Chunked q, k [B, H, N, C, K], v [.., C, V], beta [.., C, 1], cumulative decay G [.., C, K], S0 [B, H, K, V].
 
     Per chunk (see kda_chunk_reference): W = L^-1 diag(beta) (K e^G), Ub = L^-1 diag(beta) V with
     L = I + diag(beta) A, all chunks at once; then the states follow the linear recurrence
-    S_{n+1} = (diag(e^{G_C}) - Kd^T W) S_n + Kd^T Ub   (Kd = K e^{G_C - G}), one batched matmul per chunk;
-    finally U = Ub - W S_n and O = (Q e^G) S_n + QK U, again for all chunks at once.
+    S_{n+1} = (diag(e^{G_C}) - Kd^T W) S_n + Kd^T Ub   (Kd = K e^{G_C - G}), one batched matmul per chunk.
     """
-    B, T, H, K = k.shape
-    V = v.shape[-1]
-    C = _chunk_size(T)
-    N = -(-T // C)
-    pad = N * C - T
-    if pad:  # k = beta = 0 and g = 0 on padding: no write, no decay, so the final state is unchanged
-        q, k, v, g = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
-        beta = torch.nn.functional.pad(beta, (0, 0, 0, pad))
-    chunked = lambda x: x.unflatten(1, (N, C)).permute(0, 3, 1, 2, 4).contiguous()  # noqa: E731  [B, H, N, C, *]
-    q, k, v, g = chunked(q), chunked(k), chunked(v), chunked(g)
-    beta = beta.unflatten(1, (N, C)).permute(0, 3, 1, 2)[..., None]  # [B, H, N, C, 1]
-    G = g.cumsum(dim=-2)
+    K = k.shape[-1]
     G_end = G[..., -1:, :]  # [B, H, N, 1, K]
-    if _rebase_is_safe(G):
-        A, QK = _rebased_products(_rebased_factors(k, q, G))  # [B, H, N, C, C] each
+    factors = _rebased_factors(k, q, G) if _rebase_is_safe(G) else None
+    if factors is not None:
+        A, QK = _rebased_products(factors)  # [B, H, N, C, C] each
     else:
         both = _decayed_products(torch.stack([k, q]), k[None], G[None])
         A, QK = both[0].tril(-1), both[1]
     L_inv = _unit_lower_inverse(beta * A)  # L = I + diag(beta) A
-    W, Ub = L_inv @ (beta * k * _decay(G)), L_inv @ (beta * v)
-    Kd = k * _decay(G_end - G)  # [B, H, N, C, K]
-    transition = torch.diag_embed(_decay(G_end.squeeze(-2))) - Kd.transpose(-1, -2) @ W  # [B, H, N, K, K]
-    inject = Kd.transpose(-1, -2) @ Ub  # [B, H, N, K, V]
-    starts, S = _scan_states(transition, inject, S0)
-    U = Ub - W @ starts
-    o = (q * _decay(G)) @ starts + QK @ U  # [B, H, N, C, V]
+    E, E_end, D = _decay(G), _decay(G_end), _decay(G_end - G)
+    kEv = torch.cat([k * E, v], dim=-1)  # [B, H, N, C, K+V]
+    WU = _bmm(L_inv, kEv * beta)  # [W | Ub]
+    Kd = k * D
+    TI = _bmm(Kd.transpose(-1, -2), WU)  # [B, H, N, K, K+V]
+    transition = torch.diag_embed(E_end.squeeze(-2)) - TI[..., :K]
+    starts, S = _scan_states(transition, TI[..., K:], S0)
+    return _WyChunks(A, QK, factors, L_inv, E, E_end, D, kEv, WU, Kd, transition, starts, S)
+
+
+def _kda_chunk_core(q, k, v, g, beta, S0):
+    """Scaled fp32/fp64 q, k [B, T, H, K], v [B, T, H, V], g, beta [B, T, H], S0 [B, H, K, V] -> (o, S_T).
+
+    The chunk quantities come from `_wy_chunks`; then U = Ub - W S_n and O = (Q e^G) S_n + QK U for all chunks
+    at once.
+    """
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    C = _chunk_size(T)
+    q, k, v, g = _to_chunks(T, C, q, k, v, g)  # [B, H, N, C, *]; padding: k = beta = 0, g = 0 (no write, no decay)
+    (beta,) = _to_chunks(T, C, beta[..., None])  # [B, H, N, C, 1]
+    N = q.shape[2]
+    ch = _wy_chunks(q, k, v, beta, g.cumsum(dim=-2), S0)
+    U = _baddbmm(ch.WU[..., K:], ch.WU[..., :K], ch.starts, alpha=-1.0)  # Ub - W S_n
+    o = _baddbmm(_bmm(ch.QK, U), q * ch.E, ch.starts)  # [B, H, N, C, V]
     o = o.permute(0, 2, 3, 1, 4).reshape(B, N * C, H, V)[:, :T]
-    return o, S
+    return o, ch.S
 
 
 def _kda_recurrent_core(q, k, v, g, beta, S):
@@ -313,19 +366,6 @@ def _kda_core(q, k, v, g, beta, S0):
     if q.shape[1] <= RECURRENT_MAX_T:
         return _kda_recurrent_core(q, k, v, g, beta, S0)
     return _kda_chunk_core(q, k, v, g, beta, S0)
-
-
-def _to_chunks(T, C, *xs):
-    """[B, T, H, *] -> [B, H, N, C, *] (zero-padded to N * C tokens), contiguous."""
-    N = -(-T // C)
-    pad = N * C - T
-    pad_to = lambda x: torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)) if pad else x  # noqa: E731
-    return [pad_to(x).unflatten(1, (N, C)).permute(0, 3, 1, 2, 4).contiguous() for x in xs]
-
-
-def _from_chunks(T, *xs):
-    """[B, H, N, C, *] -> [B, T, H, *] (padding dropped)."""
-    return [x.permute(0, 2, 3, 1, 4).flatten(1, 2)[:, :T] for x in xs]
 
 
 def _rebased_adjoint(dA: torch.Tensor, dQK: torch.Tensor, f: _RebasedFactors, k: torch.Tensor, q: torch.Tensor):
@@ -355,11 +395,12 @@ def _rebased_adjoint(dA: torch.Tensor, dQK: torch.Tensor, f: _RebasedFactors, k:
 def _kda_chunk_backward(q, k, v, g, beta, S0, do, dS):
     """Hand-derived backward of `_kda_chunk_core` on the rebased path (`_rebase_is_safe`); q already scaled.
 
-    Recomputes the forward's chunk quantities without autograd, walks the state recurrence backwards
+    Recomputes the forward's chunk quantities without autograd (`_wy_chunks`), walks the state recurrence backwards
     (dS_n = dStarts_n + transition_n^T dS_{n+1}, one batched matmul per chunk), then differentiates the WY solve
-    (dR = L^-T dX, dL = -dR X^T), the decay factors and the decayed products (`_rebased_adjoint`), and finally
-    the cumulative sum G = cumsum(g). Returns dq (w.r.t. the scaled q), dk, dv, dg, dbeta [B, T, H], dS0, or
-    None when the decays are too steep for the rebased factors (the caller then differentiates by recompute).
+    (dR = L^-T dX, dL = -dR X^T, for X = [W | Ub] at once), the decay factors and the decayed products
+    (`_rebased_adjoint`), and finally the cumulative sum G = cumsum(g). Returns dq (w.r.t. the scaled q), dk, dv,
+    dg, dbeta [B, T, H], dS0, or None when the decays are too steep for the rebased factors (the caller then
+    differentiates by recompute).
     """
     B, T, H, K = k.shape
     V = v.shape[-1]
@@ -368,54 +409,47 @@ def _kda_chunk_backward(q, k, v, g, beta, S0, do, dS):
     (beta,) = _to_chunks(T, C, beta[..., None])  # [B, H, N, C, 1]
     N = q.shape[2]
     G = g.cumsum(dim=-2)
-    G_end = G[..., -1:, :]
     if not _rebase_is_safe(G):
         return None
-    factors = _rebased_factors(k, q, G)
-    A, QK = _rebased_products(factors)
-    L_inv = _unit_lower_inverse(beta * A)  # L = I + diag(beta) A
-    E, E_end, D = _decay(G), _decay(G_end), _decay(G_end - G)
-    W, Ub = L_inv @ (beta * k * E), L_inv @ (beta * v)
-    Kd = k * D
-    transition = torch.diag_embed(E_end.squeeze(-2)) - Kd.transpose(-1, -2) @ W  # [B, H, N, K, K]
-    inject = Kd.transpose(-1, -2) @ Ub
-    starts, S = _scan_states(transition, inject, S0)  # [B, H, N, K, V]
-    U = Ub - W @ starts
-    qE = q * E
+    ch = _wy_chunks(q, k, v, beta, G, S0)
+    W, Ub, starts = ch.WU[..., :K], ch.WU[..., K:], ch.starts
+    U = _baddbmm(Ub, W, starts, alpha=-1.0)
+    qE = q * ch.E
     # o = qE S_n + QK U,  U = Ub - W S_n
-    dQK = (do @ U.transpose(-1, -2)).tril()
-    dU = QK.transpose(-1, -2) @ do
-    dqE = do @ starts.transpose(-1, -2)
-    dstarts = qE.transpose(-1, -2) @ do - W.transpose(-1, -2) @ dU  # [B, H, N, K, V]
-    dW = -(dU @ starts.transpose(-1, -2))
+    dQK = _bmm(do, U.transpose(-1, -2)).tril()
+    dU = _bmm(ch.QK.transpose(-1, -2), do)
+    dqE = _bmm(do, starts.transpose(-1, -2))
+    dstarts = _baddbmm(_bmm(qE.transpose(-1, -2), do), W.transpose(-1, -2), dU, alpha=-1.0)  # [B, H, N, K, V]
     # S_{n+1} = transition_n S_n + inject_n, walked backwards from the final state's gradient
-    dS_next = dS.reshape(B * H, K, V) if dS is not None else S.new_zeros(B * H, K, V)
-    dstarts_n, trans_n = dstarts.flatten(0, 1), transition.flatten(0, 1).transpose(-1, -2)  # [B*H, N, *, *] views
+    dS_next = dS.reshape(B * H, K, V) if dS is not None else ch.S.new_zeros(B * H, K, V)
+    dstarts_n, trans_n = dstarts.flatten(0, 1), ch.transition.flatten(0, 1).transpose(-1, -2)  # [B*H, N, *, *] views
     nexts = []
     for n in range(N - 1, -1, -1):
         nexts.append(dS_next)
         dS_next = torch.baddbmm(dstarts_n[:, n], trans_n[:, n], dS_next)
     dS0 = dS_next.view(B, H, K, V)
     dinject = torch.stack(nexts[::-1], dim=1).view(B, H, N, K, V)  # dS_{n+1}
-    dtrans = dinject @ starts.transpose(-1, -2)  # [B, H, N, K, K]
-    # transition = diag(E_end) - Kd^T W,  inject = Kd^T Ub
-    dKd = Ub @ dinject.transpose(-1, -2) - W @ dtrans.transpose(-1, -2)  # [B, H, N, C, K]
-    dW = dW - Kd @ dtrans
-    dUb = dU + Kd @ dinject
-    # X = L^-1 R for X = W, Ub:  dR = L^-T dX,  dL = -sum dR X^T (strictly lower)
-    dRw, dRu = L_inv.transpose(-1, -2) @ dW, L_inv.transpose(-1, -2) @ dUb
-    dL = -(dRw @ W.transpose(-1, -2) + dRu @ Ub.transpose(-1, -2)).tril(-1)
-    dbeta = (dL * A).sum(-1, keepdim=True) + (dRw * k * E).sum(-1, keepdim=True) + (dRu * v).sum(-1, keepdim=True)
-    dv = beta * dRu
-    dk_w = dRw * beta * E  # R_w = beta k E
-    KdKd = dKd * Kd
+    dtrans = _bmm(dinject, starts.transpose(-1, -2))  # [B, H, N, K, K]
+    # TI = Kd^T [W | Ub] = [diag(E_end) - transition | inject]:  dTI = [-dtrans | dinject]
+    dTI = torch.cat([-dtrans, dinject], dim=-1)  # [B, H, N, K, K+V]
+    dKd = _bmm(ch.WU, dTI.transpose(-1, -2))  # [B, H, N, C, K]
+    dWU = _bmm(ch.Kd, dTI)  # [dW | dUb] from TI, then from U = Ub - W S_n:
+    dWU[..., :K] -= _bmm(dU, starts.transpose(-1, -2))
+    dWU[..., K:] += dU
+    # [W | Ub] = L^-1 diag(beta) kEv:  dR = L^-T d[W | Ub],  dL = -dR [W | Ub]^T (strictly lower)
+    dR = _bmm(ch.L_inv.transpose(-1, -2), dWU)  # [B, H, N, C, K+V]
+    dL = -_bmm(dR, ch.WU.transpose(-1, -2)).tril(-1)
+    dbeta = (dL * ch.A).sum(-1, keepdim=True) + (dR * ch.kEv).sum(-1, keepdim=True)
+    dkEv = dR * beta
+    dk_w, dv = dkEv[..., :K] * ch.E, dkEv[..., K:]  # kEv = [k E | v]
+    KdKd = dKd * ch.Kd
     dG = dk_w * k - KdKd
-    dG_end = KdKd.sum(dim=-2, keepdim=True) + torch.diagonal(dtrans, dim1=-2, dim2=-1)[..., None, :] * E_end
-    dq = dqE * E
+    dG_end = KdKd.sum(dim=-2, keepdim=True) + torch.diagonal(dtrans, dim1=-2, dim2=-1)[..., None, :] * ch.E_end
+    dq = dqE * ch.E
     dG = dG + dqE * qE
-    dX_rows, dk_cols, dG_products = _rebased_adjoint(beta * dL, dQK, factors, k, q)
+    dX_rows, dk_cols, dG_products = _rebased_adjoint(beta * dL, dQK, ch.factors, k, q)
     s = dX_rows.shape[-2]
-    dk = dk_w + dKd * D + dk_cols
+    dk = dk_w + dKd * ch.D + dk_cols
     dk.unflatten(-2, (-1, s)).add_(dX_rows[..., 0, :, :])
     dq.unflatten(-2, (-1, s)).add_(dX_rows[..., 1, :, :])
     dG = dG + dG_products
