@@ -46,7 +46,10 @@ class _HcMix(torch.autograd.Function):
         comb_dtype, post_dtype, out_dtype = ctx.dtypes
         d_streams = d_comb = d_post = d_out = None
         if ctx.needs_input_grad[0]:
-            d_streams = torch.bmm(c, g).view(B, T, N, D)  # d x_j = sum_i comb_ji g_i
+            # d x_j = sum_i comb_ji g_i, written into a base tensor (not a view): autograd can then add the streams'
+            # other gradients (collapse, projection) into it in place instead of allocating a sum
+            d_streams = grad.new_empty(B, T, N, D)
+            torch.bmm(c, g, out=d_streams.view(B * T, N, D))
         if ctx.needs_input_grad[1]:
             d_comb = torch.bmm(x, g.transpose(1, 2)).view(B, T, N, N).to(comb_dtype)  # d comb_ji = x_j . g_i
         if ctx.needs_input_grad[2]:
