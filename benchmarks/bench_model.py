@@ -4,9 +4,9 @@
     python benchmarks/bench_model.py --quick              # T in {512, 2048}, glm53 scaling at 4096/8192
     python benchmarks/bench_model.py --seqlens 1024 2048 --reps 5
 
-For each T the two models alternate (glm53, transformers, glm53, ...) and ratios are medians of the per-pair
-ratios. Forward runs under no_grad; forward+backward is one training step's loss.backward() (CE on the
-logits). Peak memory of a training step is the peak RSS growth of a fresh child process running one step
+For each T both models first run one untimed forward and step (warm-up); then they alternate (glm53,
+transformers, glm53, ...) and ratios are medians of the per-pair ratios. Forward runs under no_grad;
+forward+backward is one training step's loss.backward() (CE on the logits). Peak memory of a training step is the peak RSS growth of a fresh child process running one step
 (VmHWM, reset just before the step, minus the RSS just before it). MFU = 6 * active matmul parameters * tokens / step time /
 fp32 GEMM peak measured in the same run (attention/KDA score flops are not counted: a lower bound).
 Results: benchmarks/results/bench_model.json and a table on stdout.
@@ -139,7 +139,8 @@ def main() -> None:
     for T in seqlens:
         ids = torch.randint(1, config.vocab_size, (1, T))
         times = {k: [] for k in ("glm53_fwd", "hf_fwd", "glm53_step", "hf_step")}
-        forward(ours, ids, False), train_step(ours, ids, False)  # warm-up (allocator, first-call logging)
+        for model, is_hf in ((ours, False), (hf, True)):  # warm-up both (allocator, lazy init, first-call logging)
+            forward(model, ids, is_hf), train_step(model, ids, is_hf)
         for _ in range(args.reps):
             times["glm53_fwd"].append(timed(lambda: forward(ours, ids, False)))
             times["hf_fwd"].append(timed(lambda: forward(hf, ids, True)))

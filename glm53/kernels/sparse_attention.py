@@ -166,9 +166,10 @@ def _mqa_softmax(scores, valid):
 # the largest selected position + 1, e.g. the causal prefix), the per-query gather of J latent rows and the
 # [H, C] x [C, J] per-query matmuls cost more than plain [Tq*H, C] x [C, span] GEMMs over the whole span with
 # the unselected keys masked to -inf: the same sum over the same keys, no gather and no scatter-add of the key
-# gradients. A chunk goes dense when span <= DENSE_SPAN_RATIO * J. Measured on CPU at the bench shapes (227
-# queries, J = 271, H = 4, C = 64, fwd + bwd): span 271 dense ~7 vs gather ~19 ms, 542: ~10 vs ~24 ms,
-# 1024: about even, 2048: dense ~1.5-2x slower. In a causal sequence this sends the early chunks dense.
+# gradients. A chunk goes dense when span <= DENSE_SPAN_RATIO * J, which keeps the dense work O(T * J). Measured
+# on CPU at the bench shape (T = 2048, J = 271, H = 4, C = 64, chunks of 56 queries), whole kernel fwd + bwd:
+# ratio 4 ~78 ms, 6 ~81 ms, 8 ~103 ms, every chunk dense ~101 ms. In a causal sequence this sends the early
+# chunks dense.
 DENSE_SPAN_RATIO = 4
 
 
