@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from einops import rearrange
 from torch.utils.checkpoint import checkpoint
 

@@ -5,7 +5,6 @@ import os
 
 import pytest
 import torch
-import torch.nn as nn
 from safetensors import safe_open
 
 import glm53.shards as shards

@@ -11,7 +11,7 @@ from oracle import hf_model
 
 REL_TOL = 1e-4
 FAST_OPS = ("kda", "sparse_attention", "sparse_mqa_attention", "moe_experts", "indexer_scores", "hc_collapse",
-            "hc_mix", "hc_project", "sinkhorn", "causal_conv1d")
+            "hc_mix", "hc_project", "sinkhorn", "causal_conv1d", "rms_norm", "gated_rms_norm")
 
 CASES = {
     # T=70 > one KDA chunk (64), not a multiple of it or of the k-pool (4); sparse since T >> index_topk (8)

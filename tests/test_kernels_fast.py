@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from glm53.kernels import hc_collapse as hc_mod
 from glm53.kernels import indexer_scores as idx_mod
 from glm53.kernels import kda as kda_mod
 from glm53.kernels import sparse_attention as sa_mod
@@ -227,6 +226,46 @@ def test_hc_collapse_equals_reference(dtype):
     torch.testing.assert_close(got, ref, rtol=0, atol=0)
     assert_all_close(grads(got, [pre, streams]), grads(ref, [pre, streams]),
                      FP32_TOL if dtype == torch.float32 else BF16_TOL, ["dpre", "dstreams"])  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------- RMS norms
+NORM_SHAPES = [(2, 7, 16), (1, 1, 5), (3, 4, 2, 8)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", NORM_SHAPES, ids=["B2-T7-D16", "B1-T1-D5", "B3-T4-H2-D8"])
+def test_rms_norm_equals_reference(shape, dtype):
+    from glm53.kernels.rms_norm import rms_norm, rms_norm_reference
+
+    gen = torch.Generator().manual_seed(0)
+    x = (3 * torch.randn(*shape, generator=gen, dtype=torch.float64)).to(dtype).requires_grad_()
+    x.data[0, 0].mul_(1e-3)  # a tiny-RMS row: the eps inside the rsqrt matters there
+    w = (1 + torch.randn(shape[-1], generator=gen)).requires_grad_()  # the weight stays fp32
+    ref, got = rms_norm_reference(x, w, 1e-5), rms_norm(x, w, 1e-5)
+    assert got.dtype == ref.dtype
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)  # same forward arithmetic
+    g_got, g_ref = grads(got, [x, w]), grads(ref, [x, w])
+    assert [g.dtype for g in g_got] == [g.dtype for g in g_ref]
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL  # both compute in fp32; bf16 rounds the outputs
+    assert_all_close(g_got, g_ref, tol, ["dx", "dweight"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", NORM_SHAPES, ids=["B2-T7-D16", "B1-T1-D5", "B3-T4-H2-D8"])
+def test_gated_rms_norm_equals_reference(shape, dtype):
+    from glm53.kernels.rms_norm import gated_rms_norm, gated_rms_norm_reference
+
+    gen = torch.Generator().manual_seed(0)
+    x = (3 * torch.randn(*shape, generator=gen, dtype=torch.float64)).to(dtype).requires_grad_()
+    gate = (2 * torch.randn(*shape, generator=gen, dtype=torch.float64)).to(dtype).requires_grad_()
+    w = (1 + torch.randn(shape[-1], generator=gen, dtype=torch.float64)).to(dtype).requires_grad_()
+    ref, got = gated_rms_norm_reference(x, gate, w, 1e-5), gated_rms_norm(x, gate, w, 1e-5)
+    assert got.dtype == ref.dtype == dtype
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    g_got, g_ref = grads(got, [x, gate, w]), grads(ref, [x, gate, w])
+    assert [g.dtype for g in g_got] == [dtype] * 3
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL  # both compute in fp32; bf16 rounds the outputs
+    assert_all_close(g_got, g_ref, tol, ["dx", "dgate", "dweight"])
 
 
 # ---------------------------------------------------------------------------------------------- mHC mix

@@ -12,6 +12,7 @@ from . import (  # noqa: F401  (registers the implementations)
     indexer_scores,
     kda,
     moe,
+    rms_norm,
     sinkhorn,
     sparse_attention,
 )

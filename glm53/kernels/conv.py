@@ -9,7 +9,6 @@ W-1 inputs before x (zeros when absent). Returns y [B, T, D] in fp32 and, if ask
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .dispatch import register
 

@@ -1,0 +1,103 @@
+"""RMS normalisation, plain and gated (KDA's output norm), with hand-written backwards.
+
+Legend: ... any leading dims, D normalised width. x: [..., D]; weight: [D]; gate: [..., D].
+    rms_norm(x, w)          = w * (x * r).to(x.dtype),                  r = rsqrt(mean(x^2) + eps) in fp32
+    gated_rms_norm(x, g, w) = (x * r * w * sigmoid(g)).to(x.dtype),     everything in fp32
+(transformers' Glm5NextTextRMSNorm casts the normalised x back before the weight; the KDA gated norm does not).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .dispatch import register
+
+
+def _rsqrt_mean_square(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """fp32 x [..., D] -> [..., 1] 1 / sqrt(mean(x^2) + eps)."""
+    return torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return weight * (xf * _rsqrt_mean_square(xf, eps)).to(x.dtype)
+
+
+def gated_rms_norm_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * _rsqrt_mean_square(xf, eps) * weight.float() * torch.sigmoid(gate.float())).to(x.dtype)
+
+
+def _normalize_backward(dn: torch.Tensor, xf: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """Gradient through n = x r, r = rsqrt(mean(x^2) + eps):  dx = r (dn - x r^2 mean(dn x))  (fp32)."""
+    return (dn - xf * (r * r * (dn * xf).mean(-1, keepdim=True))) * r
+
+
+def _sum_leading(x: torch.Tensor) -> torch.Tensor:
+    """[..., D] -> [D]: a weight's gradient summed over every leading dim."""
+    return x.reshape(-1, x.shape[-1]).sum(0)
+
+
+class _RmsNorm(torch.autograd.Function):
+    """Saves x and the [..., 1] scale only (autograd through the formula keeps x^2, the normalised x, ...)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        xf = x.float()
+        r = _rsqrt_mean_square(xf, eps)
+        ctx.save_for_backward(x, weight, r)
+        return weight * (xf * r).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, r = ctx.saved_tensors
+        xf = x.float()
+        d_x = d_weight = None
+        if ctx.needs_input_grad[1]:
+            d_weight = _sum_leading(grad * (xf * r).to(x.dtype)).to(weight.dtype)
+        if ctx.needs_input_grad[0]:
+            d_x = _normalize_backward(grad.float() * weight.float(), xf, r).to(x.dtype)
+        return d_x, d_weight, None
+
+
+class _GatedRmsNorm(torch.autograd.Function):
+    """Saves x, the gate and the [..., 1] scale; the sigmoid and the products are recomputed in backward."""
+
+    @staticmethod
+    def forward(ctx, x, gate, weight, eps):
+        xf = x.float()
+        r = _rsqrt_mean_square(xf, eps)
+        ctx.save_for_backward(x, gate, weight, r)
+        return (xf * r * weight.float() * torch.sigmoid(gate.float())).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, gate, weight, r = ctx.saved_tensors
+        xf, g = x.float(), grad.float()
+        s = torch.sigmoid(gate.float())
+        n = xf * r
+        gs = g * s
+        d_x = d_gate = d_weight = None
+        if ctx.needs_input_grad[2]:
+            d_weight = _sum_leading(gs * n).to(weight.dtype)
+        if ctx.needs_input_grad[1]:  # d sigmoid = s (1 - s)
+            d_gate = (gs * n * weight.float() * (1 - s)).to(gate.dtype)
+        if ctx.needs_input_grad[0]:
+            d_x = _normalize_backward(gs * weight.float(), xf, r).to(x.dtype)
+        return d_x, d_gate, d_weight, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Same result as rms_norm_reference; hand-written backward."""
+    return _RmsNorm.apply(x, weight, eps)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Same result as gated_rms_norm_reference; hand-written backward."""
+    return _GatedRmsNorm.apply(x, gate, weight, eps)
+
+
+register("rms_norm", "reference", rms_norm_reference)
+register("rms_norm", "eager", rms_norm)
+register("gated_rms_norm", "reference", gated_rms_norm_reference)
+register("gated_rms_norm", "eager", gated_rms_norm)
