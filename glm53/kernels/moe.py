@@ -20,14 +20,13 @@ def _clamped_swiglu_forward(gate: torch.Tensor, up: torch.Tensor, limit: float) 
 def _clamped_swiglu_backward(grad, gate, up, limit, d_gate, d_up) -> None:
     """Writes the gradients of `_clamped_swiglu_forward` into d_gate and d_up (views of one buffer allowed).
 
-    With g = min(gate, L) and s = sigmoid(g): d up = grad * g s where |up| <= L, else 0;
-    d gate = grad * clamp(up) * silu'(g), silu'(g) = s (1 + g (1 - s)), where gate <= L, else 0.
+    With g = min(gate, L): d up = grad * silu(g) where |up| <= L, else 0; d gate = silu'(g) * grad * clamp(up)
+    where gate <= L, else 0 (silu' by ATen's fused silu_backward, one pass).
     """
     g = gate.clamp(max=limit)
-    sig = torch.sigmoid(g)
-    torch.mul(grad, g * sig, out=d_up).masked_fill_(up.abs() > limit, 0)
-    d_silu = sig.neg().add_(1).mul_(g).add_(1).mul_(sig)
-    torch.mul(d_silu.mul_(up.clamp(-limit, limit)), grad, out=d_gate).masked_fill_(gate > limit, 0)
+    torch.mul(grad, F.silu(g), out=d_up).masked_fill_(up.abs() > limit, 0)
+    torch.ops.aten.silu_backward.grad_input(grad * up.clamp(-limit, limit), g, grad_input=d_gate)
+    d_gate.masked_fill_(gate > limit, 0)
 
 
 class _ClampedSwiGLU(torch.autograd.Function):
