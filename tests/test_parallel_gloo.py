@@ -79,8 +79,16 @@ def pool4():
     pool.close()
 
 
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-12)).item()
+# A gradient is compared relative to its own largest entry, but never relative to less than GRAD_FLOOR x the largest
+# gradient entry of the whole model: a tiny gradient made of cancelling terms (an mHC `scale`, ~1e-6 when the
+# largest entry is ~0.7) carries fp32 rounding of its terms' size, ~1e-4 of itself, in ANY two fp32 runs that add
+# in a different order (single-process fp32 vs fp64 differs as much). A wrong shard or a missing reduction is
+# still an O(1) error of the tensor itself, far above the floor.
+GRAD_FLOOR = 1e-4
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor, floor: float = 1e-12) -> float:
+    return ((actual - expected).abs().max() / expected.abs().max().clamp_min(floor)).item()
 
 
 def check_parity(results: list[dict], reference: dict) -> None:
@@ -94,7 +102,8 @@ def check_parity(results: list[dict], reference: dict) -> None:
         for name, bias in res["biases"].items():
             assert torch.equal(bias, reference["biases"][name]), f"rank {rank}: {name} differs from one process"
         assert set(res["grads"]) == set(reference["grads"])
-        bad = {n: rel_err(g, reference["grads"][n]) for n, g in res["grads"].items()}
+        floor = GRAD_FLOOR * max(g.abs().max().item() for g in reference["grads"].values())
+        bad = {n: rel_err(g, reference["grads"][n], floor) for n, g in res["grads"].items()}
         bad = {n: e for n, e in bad.items() if e > REL_TOL}
         assert not bad, f"rank {rank}: gradients differ from one process: {bad}"
         assert rel_err(res["norm"], reference["norm"]) <= REL_TOL
