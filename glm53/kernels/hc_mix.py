@@ -33,10 +33,13 @@ class _HcMix(torch.autograd.Function):
         c = comb.to(streams.dtype).reshape(B * T, N, N)
         p = post.to(streams.dtype).reshape(B * T, N, 1)
         y = out.to(streams.dtype).reshape(B * T, 1, D)
-        new = torch.bmm(c.transpose(1, 2), x).addcmul_(p, y)  # [B*T, N, D]
+        # written into a base tensor of the output's shape: a view as a module's output trips FSDP2's pre-backward
+        # hook check ("returned a view tensor")
+        new = streams.new_empty(B, T, N, D)
+        torch.bmm(c.transpose(1, 2), x, out=new.view(B * T, N, D)).addcmul_(p, y)
         ctx.save_for_backward(x, c, p, y)
         ctx.dtypes = (comb.dtype, post.dtype, out.dtype)
-        return new.view(B, T, N, D)
+        return new
 
     @staticmethod
     def backward(ctx, grad):
