@@ -12,11 +12,16 @@ import torch.nn.functional as F
 
 from glm53.kernels import indexer_scores as idx_mod
 from glm53.kernels import kda as kda_mod
+from glm53.kernels import kda_decay
 from glm53.kernels import sparse_attention as sa_mod
 from glm53.kernels.hc_collapse import hc_collapse, hc_collapse_reference
 from glm53.kernels.indexer_scores import indexer_scores, indexer_scores_reference
 from glm53.kernels.kda import kda_chunk, kda_recurrent_reference
-from glm53.kernels.moe import moe_experts_grouped, moe_experts_padded, moe_experts_reference
+from glm53.kernels.moe import (
+    moe_experts_grouped,
+    moe_experts_padded,
+    moe_experts_reference,
+)
 from glm53.kernels.sparse_attention import sparse_attention, sparse_attention_reference
 
 FP32_TOL = dict(rtol=1e-4, atol=1e-5)
@@ -80,10 +85,10 @@ def test_kda_decay_products_paths_agree(gate):
     G = g.transpose(1, 2).cumsum(2)  # [B, H, C, K]
     a, b = q.transpose(1, 2), k.transpose(1, 2)
     exact = torch.einsum("bhtc,bhjc,bhtjc->bhtj", a, b, (G[:, :, :, None] - G[:, :, None]).clamp(max=0).exp()).tril()
-    torch.testing.assert_close(kda_mod._decayed_products(a, b, G), exact, rtol=1e-10, atol=1e-12)
-    assert kda_mod._rebase_is_safe(G) == (gate == "bounded")
+    torch.testing.assert_close(kda_decay._decayed_products(a, b, G), exact, rtol=1e-10, atol=1e-12)
+    assert kda_decay._rebase_is_safe(G) == (gate == "bounded")
     if gate == "bounded":
-        kk, qk = kda_mod._rebased_products(kda_mod._rebased_factors(b, a, G))  # rows (k=b, q=a), columns b
+        kk, qk = kda_decay._rebased_products(kda_decay._rebased_factors(b, a, G))  # rows (k=b, q=a), columns b
         torch.testing.assert_close(qk, exact, rtol=1e-10, atol=1e-12)
         exact_kk = torch.einsum("bhtc,bhjc,bhtjc->bhtj", b, b, (G[:, :, :, None] - G[:, :, None]).clamp(max=0).exp())
         torch.testing.assert_close(kk, exact_kk.tril(-1), rtol=1e-10, atol=1e-12)
@@ -310,7 +315,10 @@ def test_hc_project_equals_reference(shape):
 @pytest.mark.parametrize("budget", [64, 1 << 22], ids=["many-chunks", "one-chunk"])
 @pytest.mark.parametrize("shape", SPARSE_SHAPES, ids=[f"B{s[0]}-T{s[1]}-S{s[2]}-H{s[3]}-J{s[6]}" for s in SPARSE_SHAPES])
 def test_sparse_mqa_attention_matches_dense_reference(shape, budget, span_ratio, monkeypatch):
-    from glm53.kernels.sparse_attention import sparse_mqa_attention, sparse_mqa_attention_reference
+    from glm53.kernels.sparse_attention import (
+        sparse_mqa_attention,
+        sparse_mqa_attention_reference,
+    )
 
     monkeypatch.setattr(sa_mod, "GATHER_BUDGET", budget)
     monkeypatch.setattr(sa_mod, "DENSE_SPAN_RATIO", span_ratio)  # force one chunk path
