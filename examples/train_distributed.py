@@ -12,6 +12,7 @@ shows the bare API, plus bf16 mixed precision.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import time
 
@@ -88,6 +89,10 @@ def main() -> None:
         if rank == 0:
             rate = step * args.batch_size * args.seq_len / (time.perf_counter() - start)
             print(f"step {step:3d}  loss {loss.item():.4f}  grad-norm {norm.item():.3f}  {rate:,.0f} tok/s", flush=True)
+    # free the sharded model and optimizer (reference cycles) while the group is alive: collected only at exit,
+    # after destroy_process_group, they can make gloo abort the process
+    del model, optimizer
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import math
 import os
 import sys
@@ -160,6 +161,11 @@ def train(args: argparse.Namespace) -> int:
     finally:
         torch.set_num_threads(threads)
         if par is not None:
+            # Free the parallel model and optimizer while the process group is alive: FSDP/DTensor objects sit in
+            # reference cycles, and when the garbage collector only reached them at interpreter exit, after the
+            # group was destroyed, gloo's threads aborted the process ("terminate called without an active
+            # exception") in about one resumed run in ten.
+            gc.collect()
             par.shutdown()
 
 
