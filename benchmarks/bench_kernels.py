@@ -62,6 +62,10 @@ def inputs(op: str, T: int):
         return [rnd(1, T, 1024), rnd(24, 1024) / 32], [1e-5]
     if op == "sinkhorn":
         return [torch.softmax(rnd(1, T, 4, 4), -1) + 1e-6], [20, 1e-6]
+    if op == "rms_norm":
+        return [rnd(1, T, 256), 1 + rnd(256)], [1e-5]
+    if op == "gated_rms_norm":
+        return [rnd(1, T, 4, 64), rnd(1, T, 4, 64), 1 + rnd(64)], [1e-5]
     if op == "causal_conv1d":
         return [rnd(1, T, 256), rnd(256, 4)], []
     raise KeyError(op)
@@ -100,7 +104,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--ops", nargs="+", default=["kda", "sparse_attention", "sparse_mqa_attention", "moe_experts",
                                                  "indexer_scores", "hc_collapse", "hc_mix", "hc_project", "sinkhorn",
-                                                 "causal_conv1d"])  # fmt: skip
+                                                 "causal_conv1d", "rms_norm", "gated_rms_norm"])  # fmt: skip
     ap.add_argument("--skip-recurrent-above", type=int, default=2048,
                     help="skip KDA's token-by-token reference above this T (it is a Python loop)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())

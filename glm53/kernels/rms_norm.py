@@ -28,9 +28,10 @@ def gated_rms_norm_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.
     return (xf * _rsqrt_mean_square(xf, eps) * weight.float() * torch.sigmoid(gate.float())).to(x.dtype)
 
 
-def _normalize_backward(dn: torch.Tensor, xf: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-    """Gradient through n = x r, r = rsqrt(mean(x^2) + eps):  dx = r (dn - x r^2 mean(dn x))  (fp32)."""
-    return (dn - xf * (r * r * (dn * xf).mean(-1, keepdim=True))) * r
+def _normalize_backward(dn: torch.Tensor, n: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """Gradient through n = x r, r = rsqrt(mean(x^2) + eps), given n itself (fp32):
+    dx = r (dn - n mean(dn n))   (x r^2 mean(dn x) = n mean(dn n))."""
+    return torch.addcmul(dn, n, (dn * n).mean(-1, keepdim=True), value=-1).mul_(r)
 
 
 def _sum_leading(x: torch.Tensor) -> torch.Tensor:
@@ -51,12 +52,12 @@ class _RmsNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight, r = ctx.saved_tensors
-        xf = x.float()
+        n = x.float() * r
         d_x = d_weight = None
         if ctx.needs_input_grad[1]:
-            d_weight = _sum_leading(grad * (xf * r).to(x.dtype)).to(weight.dtype)
+            d_weight = _sum_leading(grad * n.to(x.dtype)).to(weight.dtype)
         if ctx.needs_input_grad[0]:
-            d_x = _normalize_backward(grad.float() * weight.float(), xf, r).to(x.dtype)
+            d_x = _normalize_backward(grad.float() * weight.float(), n, r).to(x.dtype)
         return d_x, d_weight, None
 
 
@@ -73,17 +74,17 @@ class _GatedRmsNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, gate, weight, r = ctx.saved_tensors
-        xf, g = x.float(), grad.float()
+        n = x.float() * r
         s = torch.sigmoid(gate.float())
-        n = xf * r
-        gs = g * s
+        g = grad.float()
         d_x = d_gate = d_weight = None
         if ctx.needs_input_grad[2]:
-            d_weight = _sum_leading(gs * n).to(weight.dtype)
-        if ctx.needs_input_grad[1]:  # d sigmoid = s (1 - s)
-            d_gate = (gs * n * weight.float() * (1 - s)).to(gate.dtype)
+            d_weight = _sum_leading(g * s * n).to(weight.dtype)
+        gw = g * weight.float()
+        if ctx.needs_input_grad[1]:  # d gate = grad w n s (1 - s)
+            d_gate = torch.ops.aten.sigmoid_backward(gw * n, s).to(gate.dtype)
         if ctx.needs_input_grad[0]:
-            d_x = _normalize_backward(gs * weight.float(), xf, r).to(x.dtype)
+            d_x = _normalize_backward(gw.mul_(s), n, r).to(x.dtype)
         return d_x, d_gate, d_weight, None
 
 
