@@ -5,7 +5,7 @@ setup(
     version="0.1.0",
     description="Pure-PyTorch reference and training library for GLM-5.3-Flash (transformers' glm5_next)",
     packages=find_packages(include=["glm53", "glm53.*"]),
-    package_data={"glm53": ["data/*.txt"]},
+    package_data={"glm53": ["training/data/*.txt"]},
     python_requires=">=3.10",
     install_requires=["torch>=2.6", "safetensors", "einops"],
     extras_require={

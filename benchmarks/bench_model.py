@@ -35,7 +35,7 @@ OPS = ("kda", "sparse_attention", "sparse_mqa_attention", "moe_experts", "indexe
 
 def build_pair(path: str):
     """transformers model with random weights saved to `path`, and glm53 loaded from it (the same weights)."""
-    from oracle import hf_model
+    from tests.helpers.oracle import hf_model
 
     config = bench_config()
     hf = hf_model(config, seed=0)

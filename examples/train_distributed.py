@@ -23,7 +23,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from glm53 import Glm53Config, Glm53ForCausalLM
-from glm53.data import VOCAB_SIZE, batches, corpus_text, encode
+from glm53.training.data import VOCAB_SIZE, batches, corpus_text, encode
 from glm53.parallel import loss_parallel_context, parallelize
 
 VOCAB_MULTIPLE = 64  # round the byte vocabulary up so it splits evenly over any small TP size

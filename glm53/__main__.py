@@ -1,4 +1,4 @@
-"""Command line: `python -m glm53 train` (the main job: see glm53/train.py) and `python -m glm53 demo`."""
+"""Command line: `python -m glm53 train` (the main job: glm53/training/) and `python -m glm53 demo`."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import time
 
 import torch
 
-from . import Glm53Config, Glm53ForCausalLM
-from . import train as train_cli
-from .data import VOCAB_SIZE, batches, corpus_text, encode
+from .config import Glm53Config
+from .model import Glm53ForCausalLM
+from .training import cli as train_cli
+from .training.data import VOCAB_SIZE, batches, corpus_text, encode
 
 
 def demo(args: argparse.Namespace) -> int:

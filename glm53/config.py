@@ -1,6 +1,6 @@
 """Glm53Config: the text model's hyper-parameters, named as transformers' `Glm5NextTextConfig` names them.
 
-Defaults describe the released GLM-5.3-Flash (see MODEL_NOTES.md). `from_dict` accepts what the release and
+Defaults describe the released GLM-5.3-Flash (docs/model.md). `from_dict` accepts what the release and
 transformers write: a nested `text_config` (multimodal `glm5_next`) or a flat text-only config, legacy layer-type
 names, the `index_topk_pattern` / `index_topk_freq` / `index_skip_topk_offset` schedules and the
 `linear_attn_config` dict. Keys the text model does not use are kept in `extra` so `to_dict()` round-trips.
@@ -365,8 +365,5 @@ def _indexer_schedule(schedule: dict[str, Any], n: int) -> list[str]:
     return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
 
 
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
-
-__all__ = ["Glm53Config", "LINEAR_ATTENTION", "INDEXED_ATTENTION", "ceil_div"]
+__all__ = ["Glm53Config", "LINEAR_ATTENTION", "INDEXED_ATTENTION"]

@@ -16,6 +16,6 @@ from . import (  # noqa: F401  (registers the implementations)
     sinkhorn,
     sparse_attention,
 )
-from .dispatch import backends, chosen_backend, kernel, set_backend, use_backend
+from .dispatch import backends, chosen_backend, kernel, ops, set_backend, use_backend
 
-__all__ = ["backends", "chosen_backend", "kernel", "set_backend", "use_backend"]
+__all__ = ["backends", "chosen_backend", "kernel", "ops", "set_backend", "use_backend"]

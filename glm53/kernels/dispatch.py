@@ -1,9 +1,12 @@
 """One explicit, logged choice of implementation per op.
 
-Each op in `glm53/kernels/` registers its implementations by name ("reference" is the slow, obviously-correct
-loop form; "eager" the fast plain-PyTorch one). `kernel(op)` returns the chosen callable; the choice is made
-once per op (the fastest registered unless `set_backend` says otherwise), logged once, and an unknown op or
-backend raises. Tests force the reference with `set_backend(op, "reference")` or the `use_backend` context.
+Each op in `glm53/kernels/` registers its implementations by what they are: "reference" is the slow,
+obviously-correct loop form, "fast" the plain-PyTorch kernel models run by default, and other names describe
+themselves ("chunk_reference": KDA's chunked form written for clarity, "padded": the MoE experts as one padded
+batched matmul). `kernel(op)` returns the chosen callable: "fast" unless a backend was forced; the choice is
+logged once per (op, backend), and an unknown op or backend raises. Tests force a backend with the scoped
+`use_backend(...)` context (it restores the previous choice on exit); `set_backend` is the global form.
+The choice of kernel never changes numerics settings of a module (those are explicit module attributes).
 """
 
 from __future__ import annotations
@@ -14,10 +17,9 @@ from collections.abc import Callable, Iterator
 
 logger = logging.getLogger("glm53.kernels")
 
-# Preference order when no backend was set explicitly.
-_PREFERENCE = ("eager", "chunk", "reference")
+DEFAULT_BACKEND = "fast"
 _REGISTRY: dict[str, dict[str, Callable]] = {}
-_CHOSEN: dict[str, str] = {}
+_FORCED: dict[str, str] = {}
 _LOGGED: set[tuple[str, str]] = set()
 
 
@@ -26,30 +28,32 @@ def register(op: str, backend: str, fn: Callable) -> Callable:
     return fn
 
 
+def ops() -> list[str]:
+    return sorted(_REGISTRY)
+
+
 def backends(op: str) -> list[str]:
     if op not in _REGISTRY:
-        raise KeyError(f"unknown kernel op {op!r}; known: {sorted(_REGISTRY)}")
+        raise KeyError(f"unknown kernel op {op!r}; known: {ops()}")
     return sorted(_REGISTRY[op])
 
 
 def set_backend(op: str, backend: str | None) -> None:
-    """Choose `backend` for `op` (None restores the default choice)."""
+    """Force `backend` for `op` process-wide (None restores the default); prefer the scoped `use_backend`."""
     if backend is None:
-        _CHOSEN.pop(op, None)
+        _FORCED.pop(op, None)
         return
     if backend not in backends(op):
         raise ValueError(f"unknown backend {backend!r} for kernel op {op!r}; registered: {backends(op)}")
-    _CHOSEN[op] = backend
+    _FORCED[op] = backend
 
 
 def chosen_backend(op: str) -> str:
+    """The backend `kernel(op)` returns: the forced one, else "fast" (else "reference" for ops without one)."""
     available = backends(op)
-    if op in _CHOSEN:
-        return _CHOSEN[op]
-    for name in _PREFERENCE:
-        if name in available:
-            return name
-    return available[0]
+    if op in _FORCED:
+        return _FORCED[op]
+    return DEFAULT_BACKEND if DEFAULT_BACKEND in available else "reference"
 
 
 def kernel(op: str) -> Callable:
@@ -62,13 +66,15 @@ def kernel(op: str) -> Callable:
 
 @contextlib.contextmanager
 def use_backend(backend: str, ops: list[str] | None = None) -> Iterator[None]:
-    """Temporarily force `backend` for `ops` (all registered ops by default) that have it."""
-    ops = list(_REGISTRY) if ops is None else ops
-    saved = {op: _CHOSEN.get(op) for op in ops}
+    """Force `backend` for `ops` inside the block, restoring the previous choices on exit.
+
+    With `ops` None every registered op that has `backend` is forced; a named op without it raises.
+    """
+    names = [op for op in _REGISTRY if backend in _REGISTRY[op]] if ops is None else list(ops)
+    saved = {op: _FORCED.get(op) for op in names}
     try:
-        for op in ops:
-            if backend in backends(op):
-                set_backend(op, backend)
+        for op in names:
+            set_backend(op, backend)
         yield
     finally:
         for op, prev in saved.items():

@@ -39,4 +39,4 @@ def hc_collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
 
 
 register("hc_collapse", "reference", hc_collapse_reference)
-register("hc_collapse", "eager", hc_collapse)
+register("hc_collapse", "fast", hc_collapse)

@@ -68,4 +68,4 @@ def hc_mix(streams: torch.Tensor, comb: torch.Tensor, post: torch.Tensor, out: t
 
 
 register("hc_mix", "reference", hc_mix_reference)
-register("hc_mix", "eager", hc_mix)
+register("hc_mix", "fast", hc_mix)

@@ -40,4 +40,4 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tens
 
 
 register("indexer_scores", "reference", indexer_scores_reference)
-register("indexer_scores", "eager", indexer_scores)
+register("indexer_scores", "fast", indexer_scores)

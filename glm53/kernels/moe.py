@@ -176,4 +176,4 @@ def moe_experts_padded(
 
 register("moe_experts", "reference", moe_experts_reference)
 register("moe_experts", "padded", moe_experts_padded)
-register("moe_experts", "eager", moe_experts_grouped)
+register("moe_experts", "fast", moe_experts_grouped)

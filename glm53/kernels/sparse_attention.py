@@ -125,7 +125,7 @@ def sparse_attention(
 
 
 register("sparse_attention", "reference", sparse_attention_reference)
-register("sparse_attention", "eager", sparse_attention)
+register("sparse_attention", "fast", sparse_attention)
 
 
 # ------------------------------------------------------------------------------ absorbed MLA: one shared latent
@@ -276,4 +276,4 @@ def sparse_mqa_attention(
 
 
 register("sparse_mqa_attention", "reference", sparse_mqa_attention_reference)
-register("sparse_mqa_attention", "eager", sparse_mqa_attention)
+register("sparse_mqa_attention", "fast", sparse_mqa_attention)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import weakref
 
 import torch
@@ -22,12 +23,13 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
-from ..kda import CausalConv1d, KimiDeltaAttention
-from ..losses import LayerStats
-from ..mla import MultiHeadLatentAttention
-from ..model import Glm53ForCausalLM
-from ..moe import MoE
-from ..mtp import MTPLayer
+from ..model.context import ForwardContext
+from ..model.kda import CausalConv1d, KimiDeltaAttention
+from ..model.mla import MultiHeadLatentAttention
+from ..model.model import Glm53ForCausalLM
+from ..model.moe import MoE
+from ..model.mtp import MTPLayer
+from ..precision import keeps_fp32
 from .boundary import name_modules
 from .plan import check_tp_size, tp_plan
 
@@ -51,6 +53,9 @@ def apply_tensor_parallel(model: Glm53ForCausalLM, tp_mesh: DeviceMesh) -> None:
     """Apply `tp_plan(model)` on `tp_mesh` and check that every parameter became a DTensor on it."""
     check_tp_size(model, tp_mesh.size())
     name_modules(model)
+    # Per-head MLA: the absorbed form contracts kv_b_proj's weight with the replicated latent outside nn.Linear,
+    # while per head ColwiseParallel reduces the latent's gradient over the head shards.
+    model.set_numerics(mla_absorb=False)
     parallelize_module(model, tp_mesh, tp_plan(model))
     missed = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
     if missed:
@@ -69,11 +74,17 @@ def _sum_pool_mass_over_heads(tp_mesh: DeviceMesh):
     target as one process."""
 
     def hook(_module: nn.Module, args: tuple, kwargs: dict, _output) -> None:
-        stats = kwargs.get("stats", args[3] if len(args) > 3 else None)
-        if isinstance(stats, LayerStats) and stats.pool_mass is not None:
+        ctx = _forward_context(args, kwargs)
+        stats = ctx.stats if ctx is not None else None
+        if stats is not None and stats.pool_mass is not None:
             dist.all_reduce(stats.pool_mass, group=tp_mesh.get_group())  # no gradient: a target
 
     return hook
+
+
+def _forward_context(args: tuple, kwargs: dict) -> ForwardContext | None:
+    """The ForwardContext among a module call's arguments (found by type, never by position)."""
+    return next((a for a in (*args, *kwargs.values()) if isinstance(a, ForwardContext)), None)
 
 
 def _loss_parallel_active() -> bool:
@@ -83,8 +94,8 @@ def _loss_parallel_active() -> bool:
     return handlers is None or torch.ops.aten.nll_loss_forward.default in handlers
 
 
-def _require_loss_parallel(_model: nn.Module, args: tuple, kwargs: dict) -> None:
-    labels = kwargs.get("labels", args[2] if len(args) > 2 else None)
+def _require_loss_parallel(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    labels = inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments.get("labels")
     if labels is not None and not _loss_parallel_active():
         raise RuntimeError("with tensor parallelism the logits are vocab-sharded DTensors: compute the loss (forward "
                            "and backward) inside glm53.parallel.loss_parallel_context(model)")  # fmt: skip
@@ -125,7 +136,7 @@ def apply_fsdp(model: Glm53ForCausalLM, dp_mesh: DeviceMesh, mp_policy: MixedPre
                 fully_shard(attn, **fp32)
         if _needs_fp32_units(mp_policy):
             # FSDP's own input cast rebuilds dataclass arguments, so the block would fill a copy of the caller's
-            # LayerStats (router choices, attention mass) and the losses would never see them: cast here instead.
+            # ForwardContext and the losses would never see the stats the block records: cast here instead.
             fully_shard(block, **shard, mp_policy=dataclasses.replace(policy, cast_forward_inputs=False))
             block.register_forward_pre_hook(_cast_float_inputs(policy.param_dtype), with_kwargs=True)
         else:
@@ -134,7 +145,7 @@ def apply_fsdp(model: Glm53ForCausalLM, dp_mesh: DeviceMesh, mp_policy: MixedPre
 
 
 def _cast_float_inputs(dtype: torch.dtype):
-    """Forward pre-hook: floating tensor arguments cast to `dtype`; everything else (LayerStats) passed as is."""
+    """Forward pre-hook: floating tensor arguments cast to `dtype`; everything else (ForwardContext) passed as is."""
 
     def cast(x):
         return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x

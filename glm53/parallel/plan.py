@@ -16,8 +16,9 @@ Legend: tp the TP mesh size, H heads, K head width, V vocab.
 - mHC sites and the block norms replicated.
 - MTP layers (`mtp.layers.*`): eh_proj, enorm, hnorm, shared_head.norm and the block norms replicated; their
   MLA (own indexer) and MoE as above. They share the embedding and lm_head with the main model.
-Every parameter not sharded becomes a Replicate DTensor on the TP mesh (PARALLEL_NOTES.md: a plain parameter
-beside DTensors breaks clip_grad_norm_ and mixed ops).
+Every parameter not sharded becomes a Replicate DTensor on the TP mesh (docs/parallel.md: a plain parameter
+beside DTensors breaks clip_grad_norm_ and mixed ops). MLA runs per head under TP: `apply_tensor_parallel` sets
+it explicitly with `model.set_numerics(mla_absorb=False)` (the plan's styles never change numerics).
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from ..model import Glm53ForCausalLM
-from ..moe import MoE
+from ..model.model import Glm53ForCausalLM
+from ..model.moe import MoE
 from .boundary import LocalShard, Whole, set_boundary_rule
 
 
@@ -141,19 +142,6 @@ class ExpertTensorParallel(LocalShardParams):
         return module
 
 
-class PerHeadAttention(ParallelStyle):
-    """MLA in its per-head form: the absorbed form contracts kv_b_proj's weight with the replicated latent
-    outside nn.Linear, while the per-head form lets ColwiseParallel reduce the latent's gradient over the
-    head shards. Owns no parameters."""
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module.absorb = False
-        return module
-
-    def __repr__(self) -> str:
-        return "PerHeadAttention()"
-
-
 def _is_float(t) -> bool:
     return isinstance(t, torch.Tensor) and t.is_floating_point()
 
@@ -173,7 +161,6 @@ def _kda_plan(p: str) -> dict[str, ParallelStyle]:
 
 def _mla_plan(p: str, has_indexer: bool) -> dict[str, ParallelStyle]:
     plan: dict[str, ParallelStyle] = {
-        p: PerHeadAttention(),
         f"{p}.q_a_proj": ReplicateModule(),
         f"{p}.q_a_layernorm": ReplicateParams(),
         f"{p}.q_b_proj": ColwiseParallel(),

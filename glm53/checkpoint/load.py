@@ -1,0 +1,179 @@
+"""Loading an official-layout checkpoint into a Glm53ForCausalLM.
+
+Every key and shape is checked before any data is read (one error lists every problem), tensors are read lazily
+(reader.py) and non-finite tensors are rejected, so a bad checkpoint raises before a model is returned. This
+module never imports the model: `load_checkpoint` takes the class to build.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import Glm53Config
+from ..errors import CheckpointError
+from ..precision import cast_model
+from . import fp8
+from .layout import EXPERT_KEY, LAYER_KEY, TEXT_PREFIX, VISION_PREFIX, mtp_internal, official_key, official_to_internal
+from .reader import TensorReader, checkpoint_files
+
+logger = logging.getLogger("glm53.checkpoint")
+
+
+@dataclass
+class LoadPlan:
+    """Which checkpoint key fills which model tensor, and what is set aside."""
+
+    direct: dict[str, str] = field(default_factory=dict)  # model name -> checkpoint key
+    experts: dict[str, dict[tuple[int, str], str]] = field(default_factory=lambda: defaultdict(dict))
+    # ^ fused expert parameter -> (expert, "gate" | "up" | "down") -> checkpoint key
+    mtp_set_aside: list[str] = field(default_factory=list)  # MTP keys the model has no place for
+    vision: list[str] = field(default_factory=list)  # vision-tower keys (skipped)
+    unexpected: list[str] = field(default_factory=list)
+
+    @property
+    def mtp_found(self) -> bool:
+        return any(n.startswith("mtp.") for n in [*self.direct, *self.experts])
+
+    def used_keys(self) -> list[str]:
+        return list(self.direct.values()) + [k for parts in self.experts.values() for k in parts.values()]
+
+
+def _model_name(key: str, num_layers: int, n_mtp: int) -> tuple[str, str | None]:
+    """A checkpoint key -> ("model", glm53 name) or (kind, None) with kind "vision", "mtp" or "unexpected"."""
+    if key.startswith(VISION_PREFIX):
+        return "vision", None
+    if key == "lm_head.weight":
+        return "model", key
+    if not key.startswith(TEXT_PREFIX):
+        return "unexpected", None
+    local = key[len(TEXT_PREFIX):]
+    m = LAYER_KEY.match(local)
+    if m and int(m[1]) >= num_layers:
+        name = mtp_internal(local, num_layers, n_mtp)
+        return ("model", name) if name is not None else ("mtp", None)
+    return "model", "model." + official_to_internal(local)
+
+
+def _match_keys(targets: dict, files: dict[str, str], reader: TensorReader, num_layers: int, n_mtp: int) -> LoadPlan:
+    """Sort every checkpoint key into the plan (FP8 scales travel with their weight)."""
+    plan = LoadPlan()
+    for key in files:
+        if key.endswith(fp8.SCALE_SUFFIX):
+            weight = key[: -len(fp8.SCALE_SUFFIX)]
+            if not (weight in files and fp8.is_fp8(reader.dtype(weight))):
+                plan.unexpected.append(key)  # a scale beside a non-FP8 weight
+            continue
+        kind, name = _model_name(key, num_layers, n_mtp)
+        if kind != "model":
+            {"vision": plan.vision, "mtp": plan.mtp_set_aside, "unexpected": plan.unexpected}[kind].append(key)
+        elif (m := EXPERT_KEY.match(key[len(TEXT_PREFIX):])) and name in targets:
+            plan.experts[name][(int(m[2]), m[3])] = key
+        elif name in targets and name not in plan.direct:
+            plan.direct[name] = key
+        else:
+            plan.unexpected.append(key)
+    return plan
+
+
+def _expert_problems(name: str, shape: tuple, plan: LoadPlan, reader: TensorReader, num_layers: int,
+                     missing: list, bad_shape: list) -> None:  # fmt: skip
+    """Check one fused expert parameter [E, rows, cols] against its per-expert keys."""
+    E, rows, cols = shape
+    parts = ("gate", "up") if name.endswith("gate_up_proj") else ("down",)
+    expected = (rows // len(parts), cols)
+    prefix = official_key(name.rsplit(".", 1)[0], num_layers)
+    for e in range(E):
+        for part in parts:
+            key = plan.experts[name].get((e, part))
+            if key is None:
+                missing.append(f"{prefix}.{e}.{part}_proj.weight {expected}")
+            elif reader.shape(key) != expected:
+                bad_shape.append(f"{key}: {reader.shape(key)}, expected {expected}")
+    plan.unexpected.extend(k for (e, _), k in plan.experts[name].items() if e >= E)
+
+
+def _plan(model: torch.nn.Module, files: dict[str, str], reader: TensorReader, num_layers: int) -> LoadPlan:
+    """Match checkpoint keys to model tensors; raise one CheckpointError listing every problem."""
+    targets = dict(model.named_parameters(remove_duplicate=False))  # keep a tied lm_head.weight visible
+    targets.update(dict(model.named_buffers()))
+    n_mtp = model.config.num_nextn_predict_layers if getattr(model, "mtp", None) is not None else 0
+    plan = _match_keys(targets, files, reader, num_layers, n_mtp)
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    if tied:
+        plan.direct.pop("lm_head.weight", None)  # the embedding provides it; a stored copy is ignored
+    # A checkpoint without any MTP tensor (e.g. written by transformers, which drops them) leaves the MTP
+    # module to be initialised; a partial MTP layer is an error like any other missing key.
+    mtp_found = plan.mtp_found
+    missing, bad_shape = [], []
+    for name, tensor in targets.items():
+        if (tied and name == "lm_head.weight") or (name.startswith("mtp.") and not mtp_found):
+            continue
+        if name in plan.direct:
+            found = reader.shape(plan.direct[name])
+            if found != tuple(tensor.shape):
+                bad_shape.append(f"{plan.direct[name]}: {found}, expected {tuple(tensor.shape)}")
+        elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            _expert_problems(name, tuple(tensor.shape), plan, reader, num_layers, missing, bad_shape)
+        else:
+            missing.append(f"{official_key(name, num_layers)} {tuple(tensor.shape)}")
+    bad_fp8 = [msg for key in plan.used_keys() if (msg := reader.check_fp8(key))]
+    sections = [("FP8 scales", bad_fp8), ("missing keys (expected shape)", missing),
+                ("unexpected keys", plan.unexpected), ("mis-shaped keys", bad_shape)]  # fmt: skip
+    problems = [f"{title}:\n  " + "\n  ".join(sorted(items)) for title, items in sections if items]
+    if problems:
+        raise CheckpointError("checkpoint does not match the model config:\n" + "\n".join(problems))
+    return plan
+
+
+def quantization_config(config: Glm53Config) -> dict | None:
+    """The source config.json's `quantization_config` (outer or text level), if any."""
+    return config.extra.get("_outer", {}).get("quantization_config") or config.extra.get("quantization_config")
+
+
+def load_checkpoint(cls, path: str | os.PathLike, *, dtype: torch.dtype | None = None,
+                    device: str | torch.device = "cpu"):  # fmt: skip
+    """Build `cls` (Glm53ForCausalLM) from an official-layout directory; see the module docstring.
+
+    dtype None keeps the config's stored `dtype`/`torch_dtype` when it names one, else fp32. Parameters that
+    transformers keeps in fp32 stay fp32. With `num_nextn_predict_layers > 0` the MTP layers' keys
+    (`layers.{N+j}.*`) load into `model.mtp.layers[j]` (a checkpoint with none of them leaves the MTP module
+    freshly initialised, with a warning); MTP keys the model has no place for are set aside and listed in
+    `model.mtp_checkpoint_keys`.
+    """
+    path = os.fspath(path)
+    config = Glm53Config.from_pretrained(path)
+    if dtype is None:
+        stored = config.extra.get("_outer", {}).get("dtype") or config.extra.get("dtype") or "float32"
+        dtype = getattr(torch, str(stored).replace("torch.", ""), torch.float32)
+    files = checkpoint_files(path)
+    reader = TensorReader(files, fp8.weight_block_size(quantization_config(config)))
+    with torch.device("meta"):
+        model = cls(config)
+    plan = _plan(model, files, reader, config.num_hidden_layers)
+    if plan.vision:
+        logger.warning("skipping %d vision-tower tensors (model.visual.*): glm53 is the text model", len(plan.vision))
+    model.to_empty(device=device)
+    model.tie_weights()
+    cast_model(model, dtype)
+    tensors = dict(model.named_parameters())
+    tensors.update(dict(model.named_buffers()))
+    with torch.no_grad():
+        for name, key in plan.direct.items():
+            tensors[name].copy_(reader.get(key))
+        for name, parts in plan.experts.items():
+            target = tensors[name]
+            for (e, part), key in parts.items():
+                rows = target.shape[1] // 2 if name.endswith("gate_up_proj") else target.shape[1]
+                offset = rows if part == "up" else 0
+                target[e, offset : offset + rows].copy_(reader.get(key))
+        if model.mtp is not None and not plan.mtp_found:
+            logger.warning("%s has no MTP tensors (layers.%d.*): the MTP module is freshly initialised",
+                           path, config.num_hidden_layers)  # fmt: skip
+            model.mtp.init_weights()
+    model.mtp_checkpoint_keys = sorted(plan.mtp_set_aside)
+    return model

@@ -1,0 +1,117 @@
+"""Kimi Delta Attention layer (KDA): GLM-5.3's linear-attention block.
+
+Legend: B batch, T time, D model width, H heads, K head width (keys and values share it), W conv width.
+Following transformers' Glm5NextTextLinearAttention:
+    x = x * padding_mask                                     (padding never enters the state)
+    q, k, v = silu(causal_conv(proj(x)))                     (three separate depthwise convs, fp32)
+    g = lower_bound * sigmoid(exp(A_log) * (f_b(f_a(x)) + dt_bias))   or  -exp(A_log) * softplus(...) if no bound
+    beta = sigmoid(b_proj(x))
+    o = KDA(l2norm(q), l2norm(k), v, g, beta)                (kernels/kda.py)
+    out = o_proj(gated_rmsnorm(o, g_b(g_a(x))))
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from einops import rearrange
+
+from ..boundary import as_local
+from ..config import Glm53Config
+from ..kernels import kernel
+from ..kernels.kda import l2norm
+from .context import ForwardContext
+from .norm import GatedRMSNorm
+
+L2NORM_EPS = 1e-6  # fla's l2norm epsilon
+SOFTPLUS_THRESHOLD = 20.0  # softplus(x) == x above this (transformers' overflow guard)
+# fla's initialisation of the decay parameters (transformers' _init_weights for the forget gate)
+A_INIT_RANGE = (1.0, 16.0)
+DT_INIT_RANGE = (1e-3, 1e-1)
+DT_INIT_FLOOR = 1e-4
+
+
+class CausalConv1d(nn.Module):
+    """Depthwise causal conv weights, stored as the checkpoint stores them: weight [C, 1, W], no bias."""
+
+    def __init__(self, channels: int, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, width))
+
+    def forward(self, x: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, C] -> silu(conv(x)) [B, T, C], computed in fp32 and cast back to x's dtype."""
+        y, _ = kernel("causal_conv1d")(x, as_local(self, "weight")[:, 0, :], initial_state=state)
+        return F.silu(y).to(x.dtype)
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, config: Glm53Config) -> None:
+        super().__init__()
+        D, H, K = config.hidden_size, config.linear_num_heads, config.linear_head_dim
+        self.head_dim = K
+        self.lower_bound = config.linear_lower_bound
+        self.initializer_range = config.initializer_range
+        self.q_proj = nn.Linear(D, H * K, bias=False)
+        self.k_proj = nn.Linear(D, H * K, bias=False)
+        self.v_proj = nn.Linear(D, H * K, bias=False)
+        self.q_conv1d = CausalConv1d(H * K, config.linear_conv_kernel_dim)
+        self.k_conv1d = CausalConv1d(H * K, config.linear_conv_kernel_dim)
+        self.v_conv1d = CausalConv1d(H * K, config.linear_conv_kernel_dim)
+        # forget gate: low-rank projection, per-channel bias, per-head rate
+        self.f_a_proj = nn.Linear(D, K, bias=False)
+        self.f_b_proj = nn.Linear(K, H * K, bias=False)
+        self.dt_bias = nn.Parameter(torch.empty(H * K))
+        self.A_log = nn.Parameter(torch.empty(H))
+        self.b_proj = nn.Linear(D, H, bias=False)
+        # output gate and norm
+        self.g_a_proj = nn.Linear(D, K, bias=False)
+        self.g_b_proj = nn.Linear(K, H * K, bias=False)
+        self.o_norm = GatedRMSNorm(K, eps=config.rms_norm_eps)
+        self.o_proj = nn.Linear(H * K, D, bias=False)
+
+    def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, D] -> g [B, T, H, K], fp32 log-space decay (<= 0)."""
+        raw = self.f_b_proj(self.f_a_proj(x)).float() + as_local(self, "dt_bias").float()
+        raw = rearrange(raw, "b t (h k) -> b t h k", k=self.head_dim)
+        rate = as_local(self, "A_log").float().exp()[:, None]  # [H, 1]
+        if self.lower_bound is not None:
+            return self.lower_bound * torch.sigmoid(rate * raw)
+        softplus = torch.where(raw > SOFTPLUS_THRESHOLD, raw, torch.log1p(torch.exp(raw)))
+        return -rate * softplus
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
+        """x [B, T, D] -> [B, T, D]; padded positions (ctx.valid False) are zeroed before the layer."""
+        if ctx is not None:
+            x = (x * ctx.valid[:, :, None]).to(x.dtype)
+        split = lambda t: rearrange(t, "b t (h k) -> b t h k", k=self.head_dim)  # noqa: E731
+        q = split(self.q_conv1d(self.q_proj(x)))
+        k = split(self.k_conv1d(self.k_proj(x)))
+        v = split(self.v_conv1d(self.v_proj(x)))
+        g = self.forget_gate(x)
+        beta = torch.sigmoid(self.b_proj(x))
+        q, k = l2norm(q.float(), L2NORM_EPS), l2norm(k.float(), L2NORM_EPS)
+        o, _ = kernel("kda")(q, k, v, g, beta)  # q, k stay fp32 (fla l2-normalises inside its fp32 kernel)
+        o = o.to(v.dtype)
+        gate = split(self.g_b_proj(self.g_a_proj(x)))
+        o = self.o_norm(o, gate)  # [B, T, H, K]
+        return self.o_proj(rearrange(o, "b t h k -> b t (h k)"))
+
+    def init_weights(self) -> None:
+        std = self.initializer_range
+        for linear in (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.f_b_proj, self.b_proj,
+                       self.g_a_proj, self.g_b_proj, self.o_proj):  # fmt: skip
+            nn.init.normal_(linear.weight, std=std)
+        for conv in (self.q_conv1d, self.k_conv1d, self.v_conv1d):
+            nn.init.normal_(conv.weight, std=std)
+        with torch.no_grad():
+            if self.lower_bound is not None:
+                self.A_log.zero_()
+            else:
+                self.A_log.copy_(torch.empty_like(self.A_log).uniform_(*A_INIT_RANGE).log())
+            log_dt = torch.empty_like(self.dt_bias).uniform_(math.log(DT_INIT_RANGE[0]), math.log(DT_INIT_RANGE[1]))
+            dt = log_dt.exp().clamp_min(DT_INIT_FLOOR)
+            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+        self.o_norm.init_weights()

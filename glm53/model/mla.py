@@ -1,0 +1,110 @@
+"""NoPE multi-head latent attention (MLA) with DSA top-k sparse attention.
+
+Legend: B batch, T time, D model width, H heads, R q_lora_rank, C kv_lora_rank, E qk head width, F v head width,
+J selected key slots per query.
+Following transformers' Glm5NextTextAttention (no rotary part: qk_rope_head_dim == 0):
+    q_resid = RMSNorm(q_a_proj(x));            q = q_b_proj(q_resid)       [B, T, H, E]
+    latent  = RMSNorm(kv_a_proj_with_mqa(x));  k, v = split(kv_b_proj(latent))   [B, T, H, E], [B, T, H, F]
+    top-k   = this layer's indexer(x, q_resid)   or the indices shared from an earlier "full" layer
+    out     = o_proj(sparse_attention(q, k, v, top-k, scale = E^-0.5))
+The attention runs either per head (kernel "sparse_attention") or absorbed into the latent (kernel
+"sparse_mqa_attention", see `absorb` below); both are exact rewrites of the same sum.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from einops import rearrange
+
+from ..boundary import as_local
+from ..config import Glm53Config
+from .indexer import Indexer
+from ..kernels import kernel
+from ..training.losses import attention_pool_mass
+from .context import ForwardContext
+from .norm import RMSNorm
+
+
+class MultiHeadLatentAttention(nn.Module):
+    def __init__(self, config: Glm53Config, layer_idx: int | None) -> None:
+        """layer_idx None: a layer outside the decoder stack (the MTP block), always with its own indexer."""
+        super().__init__()
+        D, H = config.hidden_size, config.num_attention_heads
+        self.qk_head_dim = config.qk_head_dim
+        self.v_head_dim = config.v_head_dim
+        self.scale = self.qk_head_dim**-0.5
+        self.dropout = config.attention_dropout
+        self.initializer_range = config.initializer_range
+        bias = config.attention_bias
+        self.q_a_proj = nn.Linear(D, config.q_lora_rank, bias=bias)
+        self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+        self.q_b_proj = nn.Linear(config.q_lora_rank, H * self.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(D, config.kv_lora_rank + config.qk_rope_head_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, config.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(config.kv_lora_rank, H * (self.qk_head_dim + self.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(H * self.v_head_dim, D, bias=bias)
+        # "shared" layers have no indexer: they reuse the most recent full layer's selection.
+        self.shares_topk = layer_idx is not None and config.indexer_types[layer_idx] == "shared"
+        self.kpool = config.index_kpool
+        self.indexer = None if self.shares_topk else Indexer(config)
+        # Absorbed form (DeepSeek-V2 "weight absorption"): attend in the kv_lora latent, shared by all heads, when
+        # it is no wider than one head's key + value (GLM-5.3: 512 <= 256 + 256). Per (query, slot) it gathers C
+        # numbers instead of H * (E + F); per (query, head, slot) it costs 2C instead of E + F flops. kv_b_proj must
+        # have no bias (it has none). An explicit numerics setting: Glm53ForCausalLM.set_numerics(mla_absorb=...).
+        self.absorb = config.kv_lora_rank <= self.qk_head_dim + self.v_head_dim
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, D] -> (out [B, T, D], top-k [B, T, J]); reads ctx.valid, ctx.shared_topk (shared layers).
+
+        With `ctx.stats.indexer`, records what the indexer KL loss needs (training/losses.py); the output is
+        unchanged.
+        """
+        valid, stats = ctx.valid, ctx.stats
+        record = stats is not None and stats.indexer
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q = rearrange(self.q_b_proj(q_resid), "b t (h e) -> b t h e", e=self.qk_head_dim)
+        latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))  # [B, T, C]
+        if self.indexer is not None and record:
+            topk, stats.index_scores, stats.candidate, stats.selected = self.indexer.score_and_select(
+                x, q_resid, valid, grad=True
+            )
+        elif self.indexer is not None:
+            topk = self.indexer(x, q_resid, valid)
+        elif ctx.shared_topk is None:
+            raise ValueError("a 'shared' indexer layer needs the top-k of an earlier 'full' layer (got none)")
+        else:
+            topk = ctx.shared_topk
+        k = None
+        if self.absorb:
+            # q_abs = W_uk^T q per head; attend in the latent (key = value = latent); o = W_uv o_latent
+            w = as_local(self.kv_b_proj, "weight").view(-1, self.qk_head_dim + self.v_head_dim, latent.shape[-1])
+            w_uk, w_uv = w.split([self.qk_head_dim, self.v_head_dim], dim=1)  # [H, E, C], [H, F, C]
+            q_abs = torch.einsum("bthe,hec->bthc", q, w_uk)
+            o_latent = kernel("sparse_mqa_attention")(q_abs, latent, topk, self.scale)  # [B, T, H, C]
+            o = torch.einsum("bthc,hfc->bthf", o_latent, w_uv)
+        else:
+            k, v = self._expand_kv(latent)
+            o = kernel("sparse_attention")(q, k, v, topk, self.scale)
+        if record:
+            k = self._expand_kv(latent)[0] if k is None else k
+            stats.pool_mass = attention_pool_mass(q, k, valid, self.kpool, self.scale)
+        if self.training and self.dropout > 0:
+            o = nn.functional.dropout(o, self.dropout)
+        return self.o_proj(rearrange(o, "b t h f -> b t (h f)")), topk
+
+    def _expand_kv(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """latent [B, T, C] -> per-head k [B, T, H, E], v [B, T, H, F]."""
+        kv = rearrange(self.kv_b_proj(latent), "b t (h e) -> b t h e", e=self.qk_head_dim + self.v_head_dim)
+        k, v = kv.split([self.qk_head_dim, self.v_head_dim], dim=-1)
+        return k, v
+
+    def init_weights(self) -> None:
+        for linear in (self.q_a_proj, self.q_b_proj, self.kv_a_proj_with_mqa, self.kv_b_proj, self.o_proj):
+            nn.init.normal_(linear.weight, std=self.initializer_range)
+            if linear.bias is not None:
+                nn.init.zeros_(linear.bias)
+        self.q_a_layernorm.init_weights()
+        self.kv_a_layernorm.init_weights()
+        if self.indexer is not None:
+            self.indexer.init_weights()

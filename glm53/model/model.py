@@ -1,0 +1,294 @@
+"""Glm53Model and Glm53ForCausalLM: embedding -> N mHC streams -> decoder blocks -> stream mean -> norm -> head.
+
+Legend: B batch, T time, N streams (hc_mult), D model width, V vocab.
+`attention_mask` is a 2-D padding mask [B, T] (1 = token, 0 = padding; left or right padding). KDA layers zero
+padded inputs and the indexer never selects padded keys, so valid positions do not depend on padding.
+
+Top-k sharing: a layer whose indexer type is "shared" reuses the most recent "full" layer's selection, also
+across KDA layers in between. (transformers only hands top-k to the directly following attention layer and
+raises otherwise; where both run, they agree.)
+
+Training (docs/training.md): with labels, Glm53ForCausalLM also returns the MTP loss (mtp.py), the router
+balance / z-loss and the indexer KL loss (glm53/training/losses.py), each on its own and weighted into `.loss`;
+training forwards count expert loads for `update_router_bias`. Per-forward state reaches the blocks in one
+`ForwardContext` (context.py).
+`gradient_checkpointing_enable()` recomputes every decoder block (mHC coefficients included) in backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from ..checkpoint.convert import from_transformers
+from ..checkpoint.load import load_checkpoint
+from ..checkpoint.save import save_checkpoint
+from ..config import Glm53Config
+from ..precision import cast_model
+from ..training.losses import IGNORE_INDEX, causal_lm_loss, expert_load, indexer_kl_terms, router_aux_loss
+from .block import DecoderBlock, run_block
+from .context import ForwardContext, LayerStats
+from .hyper_connection import HyperConnection, collapse_streams, expand_streams
+from .mla import MultiHeadLatentAttention
+from .moe import MoE, Router
+from .mtp import MultiTokenPrediction, mtp_labels
+from .norm import RMSNorm
+
+
+@dataclass
+class CausalLMOutput:
+    logits: torch.Tensor  # [B, T, V]
+    loss: torch.Tensor | None = None  # lm + mtp_loss_weight * mtp + aux + indexer_loss_weight * indexer
+    lm_loss: torch.Tensor | None = None  # next-token cross-entropy alone
+    mtp_loss: torch.Tensor | None = None  # MTP cross-entropy, mean over depths (None without an MTP module)
+    aux_loss: torch.Tensor | None = None  # coef-weighted balance + z-loss, mean over MoE layers (None if both off)
+    indexer_loss: torch.Tensor | None = None  # indexer KL, mean over full indexers (None when its weight is 0)
+    last_hidden_state: torch.Tensor | None = None  # [B, T, D] after the final norm
+
+
+class Glm53Model(nn.Module):
+    def __init__(self, config: Glm53Config) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderBlock(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.gradient_checkpointing = False  # recompute each block in backward (Glm53ForCausalLM toggles it)
+
+    def embed(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None) -> torch.Tensor:
+        """Validate the inputs and return the embeddings [B, T, D]."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        if inputs_embeds is None:
+            if input_ids.dim() != 2:
+                raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+            inputs_embeds = self.embed_tokens(input_ids)
+        return inputs_embeds
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        ctx: ForwardContext | None = None,
+        stats: list[LayerStats] | None = None,
+    ) -> torch.Tensor:
+        """-> last hidden state [B, T, D].
+
+        `ctx` (built from `attention_mask` when absent) carries the per-forward state to every block; with
+        `ctx.collect_stats` each layer's LayerStats is appended to `stats`.
+        """
+        inputs_embeds = self.embed(input_ids, inputs_embeds)
+        if ctx is None:
+            ctx = ForwardContext(valid=padding_mask(attention_mask, inputs_embeds.shape[:2], inputs_embeds.device))
+        streams = expand_streams(inputs_embeds, self.config.hc_mult)  # [B, T, N, D]
+        for layer in self.layers:
+            (streams, topk), layer_stats = run_block(self.gradient_checkpointing, layer, (streams,), ctx)
+            if stats is not None and layer_stats is not None:
+                stats.append(layer_stats)
+            if topk is not None:
+                ctx = dataclasses.replace(ctx, shared_topk=topk)  # rebind: recomputed layers keep their own ctx
+        return self.norm(collapse_streams(streams))
+
+    def init_weights(self) -> None:
+        nn.init.normal_(self.embed_tokens.weight, std=self.config.initializer_range)
+        if self.config.pad_token_id is not None:
+            with torch.no_grad():
+                self.embed_tokens.weight[self.config.pad_token_id].zero_()
+        for layer in self.layers:
+            layer.init_weights()
+        self.norm.init_weights()
+
+
+def padding_mask(attention_mask: torch.Tensor | None, shape: torch.Size, device: torch.device) -> torch.Tensor:
+    """Validate a 2-D padding mask and return it as bool [B, T] (all True when absent)."""
+    if attention_mask is None:
+        return torch.ones(*shape, dtype=torch.bool, device=device)
+    if attention_mask.dim() != 2 or tuple(attention_mask.shape) != tuple(shape):
+        raise ValueError(
+            f"attention_mask must be a 2-D padding mask of shape {tuple(shape)} (1 = token, 0 = padding), "
+            f"got shape {tuple(attention_mask.shape)}"
+        )
+    if attention_mask.dtype != torch.bool:
+        if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):  # NOTE: syncs
+            raise ValueError("attention_mask must hold only 0 and 1 (1 = token, 0 = padding)")
+        attention_mask = attention_mask != 0
+    return attention_mask.to(device)
+
+
+class Glm53ForCausalLM(nn.Module):
+    def __init__(self, config: Glm53Config) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Glm53Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+        # MTP layers (layers.{N}.* on disk); they share embed_tokens and lm_head with the main model.
+        self.mtp = MultiTokenPrediction(config) if config.num_nextn_predict_layers > 0 else None
+        # Reduces the stacked expert loads [moe layers, E] before the bias update; the parallel layer sets it
+        # to a sum over data-parallel ranks (model code holds no collectives).
+        self.expert_load_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        if not self.lm_head.weight.is_meta:
+            self.init_weights()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> CausalLMOutput:
+        collect = labels is not None or self.training
+        if not collect:
+            hidden = self.model(input_ids, attention_mask, inputs_embeds)
+            return CausalLMOutput(logits=self.lm_head(hidden), last_hidden_state=hidden)
+        inputs_embeds = self.model.embed(input_ids, inputs_embeds)
+        valid = padding_mask(attention_mask, inputs_embeds.shape[:2], inputs_embeds.device)
+        record_indexer = labels is not None and self.config.indexer_loss_weight > 0
+        ctx = ForwardContext(valid=valid, collect_stats=True, record_indexer=record_indexer)
+        stats: list[LayerStats] = []
+        hidden = self.model(inputs_embeds=inputs_embeds, ctx=ctx, stats=stats)
+        out = CausalLMOutput(logits=self.lm_head(hidden), last_hidden_state=hidden)
+        mtp_runs = []  # per depth: (logits, valid, stats)
+        if self.mtp is not None and labels is not None:
+            mtp_runs = self.mtp(hidden, inputs_embeds, ctx, self.lm_head)
+        if self.training:  # evaluation forwards (labels, eval mode) leave the balancing counts alone
+            self._count_expert_loads(stats, valid, mtp_runs)
+        if labels is not None:
+            self._add_losses(out, labels, valid, stats, mtp_runs)
+        return out
+
+    def tie_weights(self) -> None:
+        """Share the embedding with lm_head when configured (again after `to_empty`, which unties)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def _add_losses(self, out: CausalLMOutput, labels: torch.Tensor, valid: torch.Tensor, stats: list[LayerStats],
+                    mtp_runs: list) -> None:  # fmt: skip
+        """Fill out.lm_loss, .mtp_loss, .aux_loss, .indexer_loss and their weighted sum out.loss."""
+        cfg = self.config
+        out.lm_loss = loss = causal_lm_loss(out.logits, labels)
+        if mtp_runs:
+            per_depth = [causal_lm_loss(lg, mtp_labels(labels, d, IGNORE_INDEX)) for d, (lg, _, _) in
+                         enumerate(mtp_runs, start=1)]  # fmt: skip
+            out.mtp_loss = torch.stack(per_depth).mean()
+            loss = loss + cfg.mtp_loss_weight * out.mtp_loss
+        records = [(s, valid) for s in stats] + [(s, v) for _, v, s in mtp_runs]
+        out.aux_loss = router_aux_loss(records, cfg.router_aux_loss_coef, cfg.router_z_loss_coef)
+        if out.aux_loss is not None:
+            loss = loss + out.aux_loss
+        if cfg.indexer_loss_weight > 0:
+            terms = indexer_kl_terms(stats, valid, cfg.indexer_loss_mode)
+            for _, v, s in mtp_runs:
+                terms += indexer_kl_terms([s], v, cfg.indexer_loss_mode)
+            out.indexer_loss = torch.stack(terms).mean() if terms else out.lm_loss.new_zeros(())
+            loss = loss + cfg.indexer_loss_weight * out.indexer_loss
+        out.loss = loss
+
+    @torch.no_grad()
+    def _count_expert_loads(self, stats: list[LayerStats], valid: torch.Tensor, mtp_runs: list) -> None:
+        """Add each router's tokens-per-expert of this forward to `router.counted_load`."""
+        pairs = [(layer.mlp.gate, s, valid) for layer, s in zip(self.model.layers, stats) if isinstance(layer.mlp, MoE)]
+        pairs += [(self.mtp.layer_for(d).mlp.gate, s, v) for d, (_, v, s) in enumerate(mtp_runs, start=1)]
+        for router, s, v in pairs:
+            load = expert_load(s.router_indices, v, router.num_experts)
+            router.counted_load = load if router.counted_load is None else router.counted_load + load
+
+    def routers(self) -> list[Router]:
+        return [m for m in self.modules() if isinstance(m, Router)]
+
+    @torch.no_grad()
+    def update_router_bias(self, rate: float = 1e-3) -> None:
+        """Aux-loss-free balancing (DeepSeek-V3 section 2.1.2): bias_i += rate * sign(mean load - load_i).
+
+        Uses the expert loads counted by the training-mode forwards (model.train()) since the previous
+        update (with one forward per step: the last forward's; with gradient accumulation: all micro-batches'),
+        summed over data-parallel ranks by `expert_load_reduce` when the parallel layer set it, then clears them.
+        Call after optimizer.step().
+        """
+        routers = self.routers()
+        if not routers:
+            return
+        if any(r.counted_load is None for r in self._main_routers()):
+            raise RuntimeError("update_router_bias needs the expert loads of a training forward "
+                               "(model.train()) since the last update; none were counted")  # fmt: skip
+        counted = [r for r in routers if r.counted_load is not None]
+        loads = torch.stack([r.counted_load for r in counted])  # [layers, E]
+        if self.expert_load_reduce is not None:
+            loads = self.expert_load_reduce(loads)
+        for router, load in zip(counted, loads):
+            router.e_score_correction_bias += rate * torch.sign(load.mean() - load)
+            router.counted_load = None
+
+    def _main_routers(self) -> list[Router]:
+        return [layer.mlp.gate for layer in self.model.layers if isinstance(layer.mlp, MoE)]
+
+    def set_numerics(self, *, mla_absorb: bool | None = None, hc_recompute: bool | None = None) -> None:
+        """Set the numerics choices explicitly (None leaves a setting as it is).
+
+        mla_absorb: attend in the kv latent (the absorbed form) or per head, in every MLA layer (MTP included).
+        hc_recompute: recompute the mHC coefficients in backward instead of storing them (None in a module means
+        "only for non-fp32 streams", its default).
+        """
+        for module in self.modules():
+            if isinstance(module, MultiHeadLatentAttention) and mla_absorb is not None:
+                module.absorb = mla_absorb
+            if isinstance(module, HyperConnection) and hc_recompute is not None:
+                module.recompute = hc_recompute
+
+    def gradient_checkpointing_enable(self) -> None:
+        """Recompute each decoder block (and MTP layer) in backward instead of storing its activations."""
+        self.model.gradient_checkpointing = True
+        if self.mtp is not None:
+            self.mtp.gradient_checkpointing = True
+
+    def gradient_checkpointing_disable(self) -> None:
+        self.model.gradient_checkpointing = False
+        if self.mtp is not None:
+            self.mtp.gradient_checkpointing = False
+
+    def init_weights(self) -> None:
+        """Initialise every parameter as transformers' Glm5NextPreTrainedModel._init_weights does."""
+        self.model.init_weights()
+        if not self.config.tie_word_embeddings:
+            nn.init.normal_(self.lm_head.weight, std=self.config.initializer_range)
+        if self.mtp is not None:
+            self.mtp.init_weights()
+
+    def to_dtype(self, dtype: torch.dtype) -> "Glm53ForCausalLM":
+        """Cast to `dtype`, keeping the fp32 keep-list (glm53.precision.FP32_KEEP) in fp32."""
+        return cast_model(self, dtype)
+
+    @classmethod
+    def from_config(cls, config: Glm53Config, *, dtype: torch.dtype = torch.float32,
+                    device: str | torch.device = "cpu") -> "Glm53ForCausalLM":  # fmt: skip
+        """Build on the meta device, materialise on `device` and initialise (no fp32 copy of a bf16 model)."""
+        with torch.device("meta"):
+            model = cls(config)
+        model.to_empty(device=device)
+        model.tie_weights()
+        cast_model(model, dtype)
+        with torch.no_grad():
+            model.init_weights()
+        return model
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, dtype: torch.dtype | None = None,
+                        device: str | torch.device = "cpu") -> "Glm53ForCausalLM":  # fmt: skip
+        """Load an official-layout checkpoint directory (see glm53.checkpoint.load_checkpoint)."""
+        return load_checkpoint(cls, path, dtype=dtype, device=device)
+
+    @classmethod
+    def from_transformers(cls, hf_model: nn.Module) -> "Glm53ForCausalLM":
+        """A copy of a transformers Glm5NextForConditionalGeneration's text weights (glm53.checkpoint.convert)."""
+        return from_transformers(hf_model, cls)
+
+    def save_pretrained(self, path: str | os.PathLike, max_shard_size: int | str = "5GB",
+                        dtype: torch.dtype | None = None, overwrite: bool = False) -> str:  # fmt: skip
+        """Write the official layout atomically (see glm53.checkpoint.save_checkpoint) -> the directory."""
+        return save_checkpoint(self, path, max_shard_size=max_shard_size, dtype=dtype, overwrite=overwrite)

@@ -1,0 +1,37 @@
+"""The one fp32 keep-list: parameters and buffers that stay fp32 whatever the model's dtype.
+
+transformers' `_keep_in_fp32_modules_strict` for glm5_next (router bias, KDA convs, dt_bias, A_log, mHC
+base/scale) plus the two weights glm53 always reads in fp32 (the mHC projection `fn` and the router weight), so
+a bf16 model loses nothing there. Used by the model cast (`cast_model`), the loader, the saver and the FSDP2
+mixed-precision plan (glm53/parallel/parallelize.py gives exactly these tensors fp32 units; a test checks it).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+FP32_KEEP = (
+    "e_score_correction_bias", "q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight", "dt_bias", "A_log",
+    "attn_hc.base", "attn_hc.scale", "ffn_hc.base", "ffn_hc.scale",  # transformers' keep-list
+    "attn_hc.fn", "ffn_hc.fn", "mlp.gate.weight",  # read in fp32 by glm53's forward
+)  # fmt: skip
+
+
+def keeps_fp32(name: str) -> bool:
+    """Whether the parameter or buffer `name` (a module path) stays fp32."""
+    return name.endswith(FP32_KEEP)
+
+
+def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Cast floating parameters and buffers to `dtype`, keeping the FP32_KEEP ones in fp32."""
+    with torch.no_grad():
+        for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+            if tensor.is_floating_point():
+                target = torch.float32 if keeps_fp32(name) else dtype
+                if tensor.dtype != target:
+                    tensor.data = tensor.data.to(target)
+    return model
+
+
+__all__ = ["FP32_KEEP", "keeps_fp32", "cast_model"]

@@ -1,0 +1,69 @@
+"""`python -m glm53 train`: the command line of the trainer (trainer.py does the work).
+
+    python -m glm53 train --preset tiny --steps 120 --seed 0 --save runs/tiny
+    python -m glm53 train --resume runs/tiny --steps 200            # continues at step 121
+    torchrun --nproc-per-node 4 -m glm53 train --dp 2 --tp 2 ...     # through glm53.parallel
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+
+import torch
+
+from .. import parallel
+from .trainer import PRESETS, Trainer
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model preset (ignored with --resume)")
+    p.add_argument("--steps", type=int, default=120, help="train until this step (counting resumed steps)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per step and data-parallel rank")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--bias-rate", type=float, default=1e-3, help="aux-loss-free router bias update rate")
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--save", help="directory to write the final checkpoint to")
+    p.add_argument("--save-every", type=int, default=0, help="also save every N steps to DIR/step-N (needs --save)")
+    p.add_argument("--resume", help="checkpoint directory to continue from (model, optimizer, step)")
+    p.add_argument("--activation-checkpointing", action="store_true", help="recompute blocks in backward")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU intra-op threads (tiny models run fastest on 1: thread hand-offs cost more than the ops)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel degree (torchrun)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (torchrun)")
+
+
+def _check_world(args: argparse.Namespace) -> int:
+    """Check --dp * --tp against torchrun's WORLD_SIZE; -> the world size."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.dp < 1 or args.tp < 1:
+        raise SystemExit(f"--dp and --tp must be >= 1, got --dp {args.dp} --tp {args.tp}")
+    if args.dp * args.tp != world:
+        n = args.dp * args.tp
+        raise SystemExit(f"--dp {args.dp} x --tp {args.tp} = {n} processes, but WORLD_SIZE is {world}: launch with "
+                         f"`torchrun --nproc-per-node {n} -m glm53 train ...`")  # fmt: skip
+    return world
+
+
+def train(args: argparse.Namespace) -> int:
+    """Run `glm53 train` with parsed `args`: one process, or one rank of a torchrun (dp, tp) grid."""
+    if args.save_every and not args.save:
+        raise SystemExit("--save-every needs --save DIR")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    par = parallel.runtime if _check_world(args) > 1 else None
+    try:
+        return Trainer(args, par).run()
+    finally:
+        torch.set_num_threads(threads)
+        if par is not None:
+            # FSDP/DTensor objects sit in reference cycles: collect them while the process group is alive, or
+            # gloo's threads can abort the process at exit.
+            gc.collect()
+            par.shutdown()
+
+
+__all__ = ["add_arguments", "train"]

@@ -1,0 +1,175 @@
+"""Training losses beyond next-token cross-entropy: expert balancing, router z-loss, DSA indexer KL.
+
+Legend: B batch, T time (queries), S keys, H heads, E experts (or head width where noted), K experts per token,
+P k-pools, L tokens per pool, N = B * T tokens.
+(docs/training.md.)
+- Sequence-wise balance loss (DeepSeek-V3 eq. 17-20): per sequence, f_i = E / (K T) * #tokens routed to i and
+  P_i = mean over tokens of s_i / sum_j s_j (sigmoid scores); loss = sum_i f_i P_i, averaged over sequences.
+- Router z-loss (ST-MoE eq. 5): mean over tokens of logsumexp(router logits)^2.
+- Indexer KL (DeepSeek-V3.2 eq. 3-4, with GLM's k-pools): target = main attention probabilities summed over
+  heads and within each pool, restricted to the candidate pools ("dense") or the selected pools ("sparse"),
+  L1-normalised (the incomplete tail is never a candidate, so it is excluded); student = softmax of the index
+  scores over the same pools; loss = KL(target || student), mean over query tokens that have such pools.
+  A "full" indexer serving "shared" layers learns the average of the targets of every layer using its
+  selection (itself included).
+Model code fills a `LayerStats` per layer; the functions here turn them into losses.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..boundary import as_plain
+from ..model.context import LayerStats
+from ..model.indexer import kept_pools
+
+IGNORE_INDEX = -100  # label value that contributes no loss (transformers' convention)
+QUERY_CHUNK = 1024  # queries per block when computing the indexer loss's dense attention target
+
+
+# -------------------------------------------------------------------------------------------- next-token CE
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy in fp32; labels are aligned with input_ids and shifted here."""
+    if labels.shape != logits.shape[:2]:
+        raise ValueError(f"labels must have shape {tuple(logits.shape[:2])} like input_ids, got {tuple(labels.shape)}")
+    shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    # Under tensor parallelism the logits are vocab-sharded and the loss a replicated DTensor: as_plain hands it
+    # back as a plain tensor so it adds to the losses computed from plain activations.
+    loss = F.cross_entropy(logits.float().flatten(0, 1), shifted.flatten().long(), ignore_index=IGNORE_INDEX)
+    return as_plain(loss)
+
+
+# ----------------------------------------------------------------------------------------------- MoE balance
+def balance_loss(logits: torch.Tensor, indices: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Sequence-wise balance loss sum_i f_i P_i, mean over sequences with a valid token.
+
+    logits [N, E] router logits, indices [N, K] chosen experts, valid [B, T] bool (padding is not counted).
+    """
+    B, T = valid.shape
+    E, K = logits.shape[-1], indices.shape[-1]
+    scores = logits.float().sigmoid().view(B, T, E)
+    probs = scores / scores.sum(-1, keepdim=True)  # s'_i,t: scores normalised over all experts
+    m = valid.float()  # [B, T]
+    n = m.sum(-1)  # [B] tokens per sequence
+    P = torch.einsum("bte,bt->be", probs, m) / n.clamp_min(1)[:, None]
+    hits = m[:, :, None].expand(B, T, K).reshape(B, T * K)
+    counts = torch.zeros(B, E, device=logits.device).scatter_add_(1, indices.view(B, T * K), hits)
+    f = counts * E / (K * n.clamp_min(1))[:, None]
+    per_seq = (f * P).sum(-1)
+    has = (n > 0).float()
+    return (per_seq * has).sum() / has.sum().clamp_min(1)
+
+
+def z_loss(logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Router z-loss: mean over valid tokens of logsumexp_i(logits_i)^2. logits [N, E], valid [B, T]."""
+    m = valid.flatten().float()
+    return (torch.logsumexp(logits.float(), dim=-1).square() * m).sum() / m.sum().clamp_min(1)
+
+
+def expert_load(indices: torch.Tensor, valid: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Tokens routed to each expert [E] (fp32), padding excluded. indices [N, K], valid [B, T]."""
+    hits = valid.flatten()[:, None].expand_as(indices).float()
+    load = torch.zeros(num_experts, device=indices.device)
+    return load.scatter_add_(0, indices.flatten(), hits.flatten())
+
+
+def router_aux_loss(
+    records: list[tuple[LayerStats, torch.Tensor]], balance_coef: float, z_coef: float
+) -> torch.Tensor | None:
+    """balance_coef * balance + z_coef * z, averaged over the MoE layers in `records` ((stats, valid) pairs)."""
+    terms = []
+    for stats, valid in records:
+        if stats.router_logits is None:
+            continue
+        term = stats.router_logits.new_zeros(())
+        if balance_coef > 0:
+            term = term + balance_coef * balance_loss(stats.router_logits, stats.router_indices, valid)
+        if z_coef > 0:
+            term = term + z_coef * z_loss(stats.router_logits, valid)
+        terms.append(term)
+    if not terms or (balance_coef == 0 and z_coef == 0):
+        return None
+    return torch.stack(terms).mean()
+
+
+# ------------------------------------------------------------------------------------------------ indexer KL
+@torch.no_grad()
+def attention_pool_mass(
+    q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor, kpool: int, scale: float
+) -> torch.Tensor:
+    """Dense causal attention probabilities summed over heads and within each pool: [B, T, P] fp32.
+
+    q, k [B, T, H, E] (MLA queries and keys), valid [B, T] bool. The pools are the indexer's (`kept_pools`);
+    mass on positions outside complete pools (the tail) lands in incomplete or invisible pools, which the
+    candidate mask removes later. Restricting these dense probabilities to the selected pools and
+    renormalising gives the sparse attention's own probabilities there (a softmax restricted to a subset).
+    """
+    B, T = valid.shape
+    positions, _ = kept_pools(valid, kpool)  # [B, P, L]
+    P = positions.shape[1]
+    index = positions.clamp_min(0).view(B, 1, -1)  # [B, 1, P*L]
+    in_pool = (positions >= 0).view(B, 1, -1)
+    key_pos = torch.arange(T, device=q.device)
+    chunks = []
+    for start in range(0, T, QUERY_CHUNK):  # bounds the [B, H, chunk, S] probabilities in memory
+        qc = q[:, start : start + QUERY_CHUNK]
+        causal = key_pos[None, :] <= torch.arange(start, start + qc.shape[1], device=q.device)[:, None]
+        visible = causal[None] & valid[:, None, :]  # [B, chunk, S]
+        logits = torch.einsum("bthe,bshe->bhts", qc.float(), k.float()) * scale
+        probs = logits.masked_fill(~visible[:, None], float("-inf")).softmax(-1).nan_to_num(0.0)
+        token_mass = probs.sum(1)  # [B, chunk, S]: summed over heads
+        gathered = token_mass.gather(-1, index.expand(B, qc.shape[1], -1)) * in_pool  # [B, chunk, P*L]
+        chunks.append(gathered.view(B, qc.shape[1], P, kpool).sum(-1))
+    return torch.cat(chunks, dim=1)
+
+
+def normalized_target(mass: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Pool masses restricted to `mask` and L1-normalised per query: [B, T, P] (rows without pools stay 0)."""
+    mass = mass.masked_fill(~mask, 0.0)
+    return mass / mass.sum(-1, keepdim=True).clamp_min(torch.finfo(mass.dtype).tiny)
+
+
+def pool_kl(scores: torch.Tensor, target: torch.Tensor, mask: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """KL(target || softmax(scores over mask)), mean over valid queries with a pool in `mask`.
+
+    scores [B, T, P] (fp32 index scores), target [B, T, P] (sums to 1 over mask), mask [B, T, P], valid [B, T].
+    """
+    logp = scores.float().masked_fill(~mask, torch.finfo(torch.float32).min).log_softmax(-1)
+    target = target.masked_fill(~mask, 0.0)
+    kl = (torch.xlogy(target, target) - target * logp).sum(-1)  # [B, T]
+    rows = (valid & mask.any(-1)).float()
+    return (kl * rows).sum() / rows.sum().clamp_min(1)
+
+
+def indexer_kl_terms(stats: list[LayerStats], valid: torch.Tensor, mode: str) -> list[torch.Tensor]:
+    """One KL term per full indexer in `stats` (attention layers in order; shared ones follow their full one)."""
+    groups: list[tuple[LayerStats, list[torch.Tensor]]] = []
+    for s in stats:
+        if s.index_scores is not None:
+            groups.append((s, [s.pool_mass]))
+        elif s.pool_mass is not None:
+            if not groups:
+                raise ValueError("a shared indexer layer recorded attention mass before any full indexer layer")
+            groups[-1][1].append(s.pool_mass)
+    terms = []
+    for full, masses in groups:
+        mask = full.candidate if mode == "dense" else full.selected
+        target = torch.stack([normalized_target(m, mask) for m in masses]).mean(0)
+        terms.append(pool_kl(full.index_scores, target, mask, valid))
+    return terms
+
+
+__all__ = [
+    "IGNORE_INDEX",
+    "LayerStats",
+    "causal_lm_loss",
+    "attention_pool_mass",
+    "balance_loss",
+    "expert_load",
+    "indexer_kl_terms",
+    "normalized_target",
+    "pool_kl",
+    "router_aux_loss",
+    "z_loss",
+]  # fmt: skip
