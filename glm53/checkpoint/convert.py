@@ -1,4 +1,7 @@
-"""Conversion between glm53's state dict and transformers' in-memory glm5_next state dict."""
+"""Conversion between glm53's state dict and transformers' in-memory glm5_next state dict.
+
+Legend: H KDA heads, K KDA head width, W conv width (glm53/model/__init__.py).
+"""
 
 from __future__ import annotations
 
