@@ -1,8 +1,9 @@
 """Routed experts: each token's hidden state goes through its top-k experts' clamped SwiGLU, weighted.
 
-Legend: N tokens, H hidden width, I expert width, E experts, k experts per token.
-x: [N, H]; topk_idx: [N, k] int; topk_weight: [N, k]; gate_up: [E, 2I, H] (gate rows first, then up);
-down: [E, H, I]. Returns [N, H] in x's dtype.
+Legend: M tokens, D model width, I expert width, E experts, k experts per token (the grouped form's
+locals call the token count N).
+x: [M, D]; topk_idx: [M, k] int; topk_weight: [M, k]; gate_up: [E, 2I, D] (gate rows first, then up);
+down: [E, D, I]. Returns [M, D] in x's dtype.
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ def _grouped_mm_usable(x: torch.Tensor, *weights: torch.Tensor) -> bool:
 
 def _padded_mm(rows: torch.Tensor, weight: torch.Tensor, expert: torch.Tensor, slot: torch.Tensor,
                capacity: int) -> torch.Tensor:  # fmt: skip
-    """rows [M, In] sorted by expert, weight [E, Out, In] -> [M, Out] via one bmm over [E, capacity, In]."""
+    """rows [M*k, in] sorted by expert, weight [E, out, in] -> [M*k, out] via one bmm over [E, capacity, in]."""
     padded = rows.new_zeros(weight.shape[0], capacity, rows.shape[-1])
     padded = padded.index_put((expert, slot), rows)
     return torch.bmm(padded, weight.transpose(1, 2))[expert, slot]
@@ -129,11 +130,11 @@ def _moe_experts_grouped(x, topk_idx, topk_weight, gate_up, down, limit, use_gro
     N, k = topk_idx.shape
     E = gate_up.shape[0]
     expert_of = topk_idx.flatten()
-    order = torch.argsort(expert_of, stable=True)  # [N*k] pairs sorted by expert
+    order = torch.argsort(expert_of, stable=True)  # [M*k] pairs sorted by expert
     token = order // k
     expert = expert_of[order]
     counts = torch.bincount(expert_of, minlength=E)
-    rows = x.index_select(0, token)  # [N*k, H]; backward: index_add_ (x[token] would use a slow accumulate index_put_)
+    rows = x.index_select(0, token)  # [M*k, D]; backward: index_add_ (x[token] would use a slow accumulate index_put_)
     if use_grouped_mm:
         offs = counts.cumsum(0).to(torch.int32)
         project = lambda a, w: torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)  # noqa: E731
@@ -143,9 +144,9 @@ def _moe_experts_grouped(x, topk_idx, topk_weight, gate_up, down, limit, use_gro
         capacity = int(counts.max()) if expert.numel() else 0  # NOTE: syncs
         project = lambda a, w: _padded_mm(a, w, expert, slot, capacity)  # noqa: E731
     # The routing weight scales the I-wide activation before the down projection (linear, so the same sum up to
-    # rounding): backward then keeps no extra [N*k, H] tensor for the weight's gradient.
+    # rounding): backward then keeps no extra [M*k, D] tensor for the weight's gradient.
     act = clamped_swiglu_packed(project(rows, gate_up), limit) * topk_weight.flatten()[order, None]
-    y = project(act.to(rows.dtype).contiguous(), down)  # [N*k, H]
+    y = project(act.to(rows.dtype).contiguous(), down)  # [M*k, D]
     return torch.zeros_like(x).index_add(0, token, y.to(x.dtype))
 
 
