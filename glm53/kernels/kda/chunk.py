@@ -21,6 +21,7 @@ import torch
 
 from ...utils import ceil_div
 from ..dispatch import register
+from ..opaque import autograd_inside_op
 from .decay import (
     BASE_BLOCK,
     _decay,
@@ -330,39 +331,58 @@ def _kda_chunk_backward(q, k, v, g, beta, S0, do, dS):
     return dq, dk, dv, dg, dbeta[..., 0], dS0
 
 
-class _KdaRecompute(torch.autograd.Function):
-    """Saves only the inputs; backward recomputes the chunk quantities and runs the hand-derived backward.
+# The fast kernel as a custom op (opaque to torch.compile: `_kda_core` branches on the data). Backward
+# recomputes: only the inputs are saved, so no per-chunk temporary (decay products, L^-1 solutions, per-chunk
+# states) outlives the forward. Where the hand-written backward does not apply (single-token steps, decays too
+# steep for sub-chunk rebasing) the chunked forward is recomputed under autograd and differentiated.
+# q is saved unscaled (the caller's tensor, usually already kept by autograd) and scaled inside.
+@torch.library.custom_op("glm53::kda_chunk", mutates_args=())
+def _kda_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+            S0: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    o, S = _kda_core(q * scale, k, v, g, beta, S0)
+    return o.contiguous(), S.contiguous()  # the strides the fake implementation promises
 
-    So no per-chunk temporary (decay products, L^-1 solutions, per-chunk states) outlives the forward: they exist
-    only while this layer's backward runs. Where the hand-written backward does not apply (single-token steps,
-    decays too steep for sub-chunk rebasing) the chunked forward is recomputed under autograd and differentiated.
-    q is saved unscaled (the caller's tensor, usually already kept by autograd) and scaled inside.
-    """
 
-    @staticmethod
-    def forward(ctx, q, k, v, g, beta, S0, scale):
-        ctx.save_for_backward(q, k, v, g, beta, S0)
-        ctx.scale = scale
-        with torch.no_grad():
-            return _kda_core(q * scale, k, v, g, beta, S0)
+@_kda_op.register_fake
+def _(q, k, v, g, beta, S0, scale):
+    return v.new_empty(v.shape), S0.new_empty(S0.shape)
 
-    @staticmethod
-    def backward(ctx, do, dS):
-        q, k, v, g, beta, S0 = ctx.saved_tensors
-        T = q.shape[1]
-        if T > RECURRENT_MAX_T:
-            do = do.to(q.dtype) if do is not None else torch.zeros_like(v)
-            grads = _kda_chunk_backward(q * ctx.scale, k, v, g, beta, S0, do, dS)
-            if grads is not None:  # None: decays too steep for the rebased factors
-                dq, dk, dv, dg, dbeta, dS0 = grads
-                return dq * ctx.scale, dk, dv, dg, dbeta, dS0, None
-        inputs = [x.detach().requires_grad_(need) for x, need in zip(ctx.saved_tensors, ctx.needs_input_grad)]
-        with torch.enable_grad():
-            q, *rest = inputs
-            o, S = _kda_core(q * ctx.scale, *rest)
-            wanted = [x for x in inputs if x.requires_grad]
-            grads = iter(torch.autograd.grad((o, S), wanted, (do, dS), allow_unused=True))
-        return *(next(grads) if x.requires_grad else None for x in inputs), None
+
+@torch.library.custom_op("glm53::kda_chunk_backward", mutates_args=())
+def _kda_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     S0: torch.Tensor, do: torch.Tensor, dS: torch.Tensor, scale: float
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    if q.shape[1] > RECURRENT_MAX_T:
+        grads = _kda_chunk_backward(q * scale, k, v, g, beta, S0, do, dS)
+        if grads is not None:  # None: decays too steep for the rebased factors
+            dq, dk, dv, dg, dbeta, dS0 = grads
+            return tuple(d.contiguous() for d in (dq * scale, dk, dv, dg, dbeta, dS0))
+    inputs = [x.detach().requires_grad_() for x in (q, k, v, g, beta, S0)]
+    with autograd_inside_op():
+        q, *rest = inputs
+        o, S = _kda_core(q * scale, *rest)
+        grads = torch.autograd.grad((o, S), inputs, (do, dS), allow_unused=True)
+    return tuple(torch.zeros_like(x) if d is None else d.contiguous() for x, d in zip(inputs, grads))
+
+
+@_kda_backward_op.register_fake
+def _(q, k, v, g, beta, S0, do, dS, scale):
+    return tuple(x.new_empty(x.shape) for x in (q, k, v, g, beta, S0))
+
+
+def _kda_setup(ctx, inputs, output) -> None:
+    *tensors, ctx.scale = inputs
+    ctx.save_for_backward(*tensors)
+
+
+def _kda_backward(ctx, do, dS):
+    q, k, v, g, beta, S0 = ctx.saved_tensors
+    do = torch.zeros_like(v) if do is None else do.to(q.dtype)
+    dS = torch.zeros_like(S0) if dS is None else dS
+    return *_kda_backward_op(q, k, v, g, beta, S0, do, dS, ctx.scale), None
+
+
+_kda_op.register_autograd(_kda_backward, setup_context=_kda_setup)
 
 
 def kda_chunk(
@@ -378,7 +398,7 @@ def kda_chunk(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The fast eager form: all chunks at once, one batched matmul per chunk for the state; same signature.
 
-    Computes in fp32 (fp64 when q is fp64, for tight gradient tests); backward by recompute (`_KdaRecompute`).
+    Computes in fp32 (fp64 when q is fp64, for tight gradient tests); backward by recompute (`_kda_op`).
     """
     B, T, H, K = k.shape
     V = v.shape[-1]
@@ -393,10 +413,7 @@ def kda_chunk(
     args = (q.to(dtype), k.to(dtype), v.to(dtype), g.to(dtype), beta.to(dtype), S0)
     if T == 0:
         return v.new_zeros(v.shape, dtype=q.dtype), (S0 if output_final_state else None)
-    if torch.is_grad_enabled() and any(x.requires_grad for x in args):
-        o, S = _KdaRecompute.apply(*args, scale)
-    else:
-        o, S = _kda_core(args[0] * scale, *args[1:])
+    o, S = _kda_op(*args, float(scale))
     return o.to(q.dtype), (S if output_final_state else None)
 
 
