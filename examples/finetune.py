@@ -30,13 +30,14 @@ from glm53.training.data import corpus_text
 from glm53.training.finetune import heldout_loss
 
 SPECIAL = ["<|pad|>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>"]  # <|pad|> gets id 0
-BPE_VOCAB = 300  # merges learned from the ~1 KB corpus
+BPE_VOCAB = 512  # byte alphabet + specials + the merges the ~1 KB corpus supports
 VOCAB_MULTIPLE = 64  # the model's vocabulary rounded up (splits over tensor-parallel ranks)
 # Each message as "<|role|>\n content", an assistant's ending in <|endoftext|>; the generation prompt is the
-# assistant header, so the trained tokens are exactly the answer and its end token.
+# assistant header, so the trained tokens are exactly the answer, its end token and the newline after it
+# (written as {{ '\\n' }}: transformers renders with trim_blocks, which drops a newline right after a tag).
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
-    "{% if m['role'] == 'assistant' %}<|endoftext|>{% endif %}\n{% endfor %}"
+    "{% if m['role'] == 'assistant' %}<|endoftext|>{% endif %}{{ '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 

@@ -27,6 +27,7 @@ from ..model.model import Glm53ForCausalLM
 from ..parallel import loss_parallel_context, parallelize
 from ..utils import ceil_div
 from .data import VOCAB_SIZE, batches, corpus_text, encode
+from .data.documents import DataError
 from .finetune import FileData, init_model, model_inputs
 from .state import TRAINER_STATE, load_trainer_state, save_run, trainer_state
 
@@ -137,8 +138,11 @@ class Trainer:
         if self.state is not None and not resumed_data:
             raise SystemExit(f"--resume {args.resume} was trained on the built-in corpus, not on --data")
         config = self.model.config
-        data = FileData(args, args.tokenizer or args.init or args.resume, config.vocab_size,
-                        config.pad_token_id or 0, args.dp, dp_rank)  # fmt: skip
+        try:
+            data = FileData(args, args.tokenizer or args.init or args.resume, config.vocab_size,
+                            config.pad_token_id or 0, args.dp, dp_rank)  # fmt: skip
+        except DataError as e:  # a bad file or record: the message (file and line), not a traceback
+            raise SystemExit(f"glm53 train: {e}") from None
         if resumed_data:
             data.load_state_dict(self.state["data"], args.resume)
         return data
