@@ -1,7 +1,9 @@
 """The training loop behind `python -m glm53 train` (cli.py): setup, resume, step, log, save.
 
-Every step: forward with labels (lm + MTP + router balance + indexer KL losses, glm53/model/model.py), backward,
-gradient clipping, AdamW, then the aux-loss-free router bias update from the step's expert loads.
+Every step: forward with labels (lm + MTP + router balance + indexer KL losses, glm53/model/model.py) and backward
+for each of the --grad-accum micro-batches, every loss part divided by its count over the whole global batch
+(training/loss_counts.py), then gradient clipping, AdamW, and the aux-loss-free router bias update from the step's
+expert loads. Data: the built-in byte corpus, or --data FILE packed into rows (finetune.py) from an --init model.
 `--save DIR` writes the final checkpoint to DIR and, with `--save-every N`, intermediate ones to DIR/step-N
 (state.py). Under torchrun the ranks form a (dp, tp) DeviceMesh, rank = dp_rank * tp + tp_rank; each dp rank
 draws its own batches (tp ranks of one dp group read the same ones), the loss is computed under
