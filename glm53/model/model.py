@@ -167,9 +167,12 @@ class Glm53ForCausalLM(nn.Module):
             self._add_losses(out, labels, valid, stats, mtp_runs, loss_denominators)
         return out
 
-    def loss_counts(self, labels: torch.Tensor, attention_mask: torch.Tensor | None = None) -> LossCounts:
-        """How many terms each loss part of `forward(..., attention_mask, labels)` averages over (no forward)."""
-        return count_loss_terms(self.config, labels, padding_mask(attention_mask, labels.shape, labels.device))
+    def loss_counts(self, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                    position_ids: torch.Tensor | None = None) -> LossCounts:  # fmt: skip
+        """How many terms each loss part of a forward on the same inputs averages over (no forward needed);
+        with position_ids, each packed document counts as if it were alone."""
+        valid = padding_mask(attention_mask, labels.shape, labels.device)
+        return count_loss_terms(self.config, labels, valid, position_ids)
 
     def tie_weights(self) -> None:
         """Share the embedding with lm_head when configured (again after `to_empty`, which unties)."""

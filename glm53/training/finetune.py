@@ -85,11 +85,12 @@ def heldout_loss(model: Glm53ForCausalLM, path: str, tokenizer_dir: str, seq_len
         rows.append(packer.row())
     batches = [Batch(*(torch.tensor(c, dtype=torch.long) for c in zip(*rows[i : i + batch_size])))
                for i in range(0, len(rows), batch_size)]  # fmt: skip
-    counts = [model.loss_counts(b.labels, b.attention_mask) for b in batches]
+    inputs = [model_inputs(model, b) for b in batches]
+    counts = [model.loss_counts(i["labels"], i["attention_mask"], i.get("position_ids")) for i in inputs]
     den = sum(counts[1:], counts[0])
     was_training = model.training
     model.eval()
-    total = sum(model(**model_inputs(model, b), loss_denominators=den).lm_loss for b in batches)
+    total = sum(model(**i, loss_denominators=den).lm_loss for i in inputs)
     model.train(was_training)
     return float(total)
 

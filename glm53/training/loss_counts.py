@@ -65,8 +65,15 @@ def indexer_query_rows(valid: torch.Tensor, config: Glm53Config) -> torch.Tensor
     return valid & (torch.arange(T, device=valid.device)[None, :] >= first_end[:, None])
 
 
-def count_loss_terms(config: Glm53Config, labels: torch.Tensor, valid: torch.Tensor) -> LossCounts:
-    """The denominators of one batch's losses: labels [B, T] (aligned with input_ids), valid [B, T] bool."""
+def count_loss_terms(config: Glm53Config, labels: torch.Tensor, valid: torch.Tensor,
+                     position_ids: torch.Tensor | None = None) -> LossCounts:  # fmt: skip
+    """The denominators of one batch's losses: labels [B, T] (aligned with input_ids), valid [B, T] bool.
+
+    With `position_ids` [B, T] (packed documents: they restart at 0 at each document), every document counts as
+    if it were alone, the semantics of a packed forward: the sum of each document's own counts.
+    """
+    if position_ids is not None:
+        return _count_documents(config, labels, valid, position_ids)
     views = []
     for d in range(mtp_views(config) + 1):
         labels_d = labels if d == 0 else mtp_labels(labels, d, IGNORE_INDEX)
@@ -80,4 +87,30 @@ def count_loss_terms(config: Glm53Config, labels: torch.Tensor, valid: torch.Ten
     return LossCounts.from_stacked(torch.stack(views, dim=1).float())
 
 
-__all__ = ["LossCounts", "count_loss_terms", "indexer_query_rows", "mtp_views"]
+def document_spans(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """Per row, the [start, end) of each document: a document starts where position_ids does not continue the
+    previous position (at 0 in transformers' padding-free convention). position_ids [B, T]."""
+    pos = position_ids.cpu()  # NOTE: syncs
+    starts = torch.ones_like(pos, dtype=torch.bool)
+    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    spans = []
+    for row in starts:
+        edges = row.nonzero().flatten().tolist() + [row.numel()]
+        spans.append(list(zip(edges, edges[1:])))
+    return spans
+
+
+def _count_documents(config: Glm53Config, labels: torch.Tensor, valid: torch.Tensor,
+                     position_ids: torch.Tensor) -> LossCounts:  # fmt: skip
+    if position_ids.shape != labels.shape:
+        raise ValueError(f"position_ids must have shape {tuple(labels.shape)} like labels, got "
+                         f"{tuple(position_ids.shape)}")  # fmt: skip
+    total = None
+    for b, spans in enumerate(document_spans(position_ids)):  # counting only: a loop over documents is cheap
+        for start, end in spans:
+            doc = count_loss_terms(config, labels[b : b + 1, start:end], valid[b : b + 1, start:end])
+            total = doc if total is None else total + doc
+    return total
+
+
+__all__ = ["LossCounts", "count_loss_terms", "document_spans", "indexer_query_rows", "mtp_views"]

@@ -169,7 +169,7 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, self.args.steps, self.args.lr)
         self.optimizer.zero_grad(set_to_none=True)
-        counts = [self.model.loss_counts(m["labels"], m.get("attention_mask")) for m in micro]
+        counts = [self.model.loss_counts(m["labels"], m.get("attention_mask"), m.get("position_ids")) for m in micro]
         den = sum(counts[1:], counts[0])
         if self.par is not None:
             den = self.par.loss_denominators(den, self.mesh)

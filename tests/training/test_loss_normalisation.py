@@ -134,3 +134,27 @@ def test_data_parallel_with_unequal_masks_equals_one_process(pool2, case, layout
         assert rel_err(mean, reference["parts"][name]) <= 1e-5, (name, mean, reference["parts"][name])
     for res in results:
         check_grads(res["grads"], reference)
+
+
+def test_packed_rows_count_each_document_alone():
+    """With position_ids (restarting at 0 per document) the counts are the sum of each document's own: the
+    denominators a packed forward needs (MTP never predicts across a boundary; the balance loss is per document)."""
+    config = Glm53Config(**config_dict())
+    model = Glm53ForCausalLM(config)
+    lengths = [[5, 8, 1, 2], [16]]
+    labels = torch.randint(1, 320, (2, T))
+    labels[0, 3] = IGNORE_INDEX
+    mask = torch.ones(2, T, dtype=torch.long)
+    mask[0, 14:] = 0  # the last "document" of row 0 is padding
+    position_ids = torch.cat([torch.cat([torch.arange(n) for n in row])[None] for row in lengths])
+    packed = model.loss_counts(labels, mask, position_ids)
+    alone, start = [], 0
+    for n in lengths[0]:
+        alone.append(model.loss_counts(labels[:1, start : start + n], mask[:1, start : start + n]))
+        start += n
+    expected = sum(alone, model.loss_counts(labels[1:], mask[1:]))
+    torch.testing.assert_close(packed.stacked(), expected.stacked())
+    # documents with a valid token: 5, 8, 1 in row 0 (2 is padding) and row 1; MTP depths have none in the 1
+    assert packed.sequences.tolist() == [4.0, 3.0, 3.0]
+    one_sequence = model.loss_counts(labels, mask)
+    assert packed.targets[1] < one_sequence.targets[1]  # MTP targets across boundaries are gone

@@ -1,5 +1,7 @@
 """Read fine-tuning documents from a file, validating every record (errors name the file and line).
 
+Legend: no tensors (records and strings; tokenize.py and pack.py make the token rows).
+
     .txt    one document per block of lines separated by blank lines (loss on every token)
     .jsonl  one JSON object per line, either
               {"text": str}                                   pretraining-style, loss on every token
