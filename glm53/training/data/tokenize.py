@@ -32,7 +32,10 @@ class TextTokenizer:
         if os.path.isfile(os.path.join(path, HF_CONFIG)):
             from transformers import AutoTokenizer  # only for tokenizer directories written by transformers
 
-            self.hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            try:
+                self.hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            except (OSError, ValueError) as e:  # re-raised with the flag and directory named
+                raise DataError(f"--tokenizer {path}: transformers.AutoTokenizer cannot load it ({e})") from e
             self.raw = None
             self.eos_id = self.hf.eos_token_id
             self.pad_id = self.hf.pad_token_id if self.hf.pad_token_id is not None else self.eos_id
