@@ -1,6 +1,6 @@
 """How many terms each loss part averages over, counted from the batch alone (no forward needed).
 
-Legend: B batch, T time, V views of the batch: view 0 is the main model, view d (1..mtp_depth) the MTP depth d.
+Legend: B batch, T time, v views of the batch (1 + mtp_depth): view 0 is the main model, view d the MTP depth d.
 
 Gradient accumulation and data parallelism need the denominators of the WHOLE global batch before the first
 backward: the trainer counts every micro-batch with `count_loss_terms`, sums them, sums them over data-parallel
@@ -25,7 +25,7 @@ from .losses import IGNORE_INDEX, next_token_targets
 
 @dataclass
 class LossCounts:
-    """Loss denominators per view [V] (float32): see the module docstring for views."""
+    """Loss denominators per view [v] (float32): see the module docstring for views."""
 
     targets: torch.Tensor  # next-token targets (labels != IGNORE_INDEX after the shift): lm (view 0), MTP depths
     sequences: torch.Tensor  # sequences with a valid token: the sequence-wise balance loss
@@ -33,7 +33,7 @@ class LossCounts:
     indexer_rows: torch.Tensor  # valid queries with a candidate pool: the indexer KL loss
 
     def stacked(self) -> torch.Tensor:
-        """[4, V]: every field in one tensor (one all-reduce)."""
+        """[4, v]: every field in one tensor (one all-reduce)."""
         return torch.stack([getattr(self, f.name) for f in fields(self)])
 
     @classmethod
