@@ -122,12 +122,22 @@ def pool2():
     pool.close()
 
 
-@pytest.mark.parametrize("layout", ["dp2", "dp2-accum2"])
-def test_data_parallel_with_unequal_masks_equals_one_process(pool2, case, layout):
-    """FSDP2 over two ranks whose halves hold 4 vs 100 targets: every loss part and gradient is one process's."""
-    micro = 2 if layout == "dp2-accum2" else 1
-    results = pool2.run(accumulated_step, config=case["config"], state=case["state"], ids=case["ids"],
-                        mask=case["mask"], labels=case["labels"], dp=2, micro=micro)  # fmt: skip
+@pytest.fixture(scope="module")
+def pool4():
+    pool = WorkerPool(4)
+    yield pool
+    pool.close()
+
+
+@pytest.mark.parametrize("layout", ["dp2", "dp2-accum2", "2x2-accum2"])
+def test_data_parallel_with_unequal_masks_equals_one_process(request, case, layout):
+    """FSDP2 over two dp ranks whose halves hold 4 vs 100 targets (with TP 2 inside each in 2x2): every loss
+    part and gradient is one process's on the global batch."""
+    micro = 2 if "accum2" in layout else 1
+    tp = 2 if layout.startswith("2x2") else 1
+    pool = request.getfixturevalue("pool4" if tp == 2 else "pool2")
+    results = pool.run(accumulated_step, config=case["config"], state=case["state"], ids=case["ids"],
+                       mask=case["mask"], labels=case["labels"], dp=2, tp=tp, micro=micro)  # fmt: skip
     reference = case["reference"]
     for name in PARTS:
         mean = sum(res["parts"][name] for res in results) / len(results)
