@@ -1,0 +1,121 @@
+"""Jobs for the sharded-checkpoint tests (run on every rank of a parallel_harness.WorkerPool) and the checkpoint
+they read: a tiny FP8 official-layout checkpoint whose 128x128-style blocks are 4 x 8 here, with 4 MLA and 4 KDA
+heads so TP runs over 2 or 4 ranks, and one MTP layer.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from torch.distributed.tensor import DTensor
+
+from glm53 import Glm53Config, Glm53ForCausalLM
+from glm53.checkpoint.layout import official_key
+from glm53.checkpoint.reader import checkpoint_files
+from glm53.parallel import loss_parallel_context, parallelize
+from glm53.parallel.load import SliceReader, load_pretrained
+from tests.helpers.checkpoints import BLOCK, fp8_config_dict, quantize_state, read_all, write_checkpoint
+from tests.helpers.oracle import randomize
+from tests.helpers.parallel_jobs import build_mesh, full
+
+
+def ckpt_config(**overrides) -> Glm53Config:
+    base = dict(hidden_size=36, num_attention_heads=4, num_key_value_heads=4, linear_num_heads=4,
+                num_nextn_predict_layers=1, indexer_loss_weight=1.0,
+                layer_types=["linear_attention", "indexed_attention", "linear_attention", "indexed_attention"],
+                indexer_types=["full", "full", "full", "shared"])  # fmt: skip
+    base.update(overrides)
+    return Glm53Config.tiny(**base)
+
+
+def write_test_checkpoint(path: str, fp8_blocks: bool = True, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A random model written in the official layout (FP8 blocks of BLOCK when `fp8_blocks`); -> its state."""
+    config = ckpt_config()
+    model = Glm53ForCausalLM.from_config(config)
+    randomize(model, seed)
+    plain = path + ".plain"
+    model.save_pretrained(plain)
+    state = read_all(plain)
+    if fp8_blocks:
+        write_checkpoint(path, quantize_state(state, BLOCK), fp8_config_dict(config, BLOCK))
+    else:
+        d = config.to_official_dict()
+        d["dtype"] = "float32"
+        write_checkpoint(path, state, d)
+    return state
+
+
+class CountingReader(SliceReader):
+    """Counts what reaches the disk reads on its own (independently of SliceReader.bytes_read)."""
+
+    def read(self, key, index):
+        part = super().read(key, index)
+        self.counted = getattr(self, "counted", 0) + part.nbytes
+        return part
+
+
+def expected_bytes(model: torch.nn.Module, path: str) -> int:
+    """This rank's share: every local element once at its on-disk width (FP8 scales not included)."""
+    files = checkpoint_files(path)
+    width = {}
+    for key, file in files.items():
+        with safe_open(file, framework="pt") as f:
+            width[key] = f.get_slice(key).get_dtype()
+    sizes = {"F32": 4, "BF16": 2, "F8_E4M3": 1}
+    total = 0
+    named = dict(model.named_parameters())
+    named.update(dict(model.named_buffers()))
+    n = model.config.num_hidden_layers
+    for name, tensor in named.items():
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            base = official_key(name.rsplit(".", 1)[0], n)
+            key = f"{base}.0.{'down' if name.endswith('down_proj') else 'gate'}_proj.weight"
+        else:
+            key = official_key(name, n)
+        total += local.numel() * sizes[width[key]]
+    return total
+
+
+def sharded_load_step(path: str, ids: torch.Tensor, dp: int, tp: int) -> dict:
+    """Build on meta, parallelize, load_pretrained, one forward/backward on this rank's dp share."""
+    mesh = build_mesh(dp, tp)
+    config = Glm53Config.from_pretrained(path)
+    with torch.device("meta"):
+        model = Glm53ForCausalLM(config)
+    parallelize(model, mesh)
+    load_pretrained(model, path, reader=CountingReader)
+    reader = model.checkpoint_reader
+    rank_dp = mesh.get_local_rank("dp") if dp > 1 else 0
+    per = ids.shape[0] // dp
+    local_ids = ids[rank_dp * per : (rank_dp + 1) * per]
+    with loss_parallel_context(model):
+        out = model(local_ids, labels=local_ids)
+        out.loss.backward()
+    loss = full(out.loss)
+    if dp > 1:
+        dist.all_reduce(loss, group=mesh.get_group("dp"))
+        loss /= dp
+    grads = {n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+    params = {n: full(p) for n, p in model.named_parameters()}
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    return dict(loss=loss, grads=grads, params=params, buffers=buffers, bytes_read=reader.bytes_read,
+                counted=reader.counted, expected=expected_bytes(model, path))  # fmt: skip
+
+
+def reference_load_step(path: str, ids: torch.Tensor, dp: int) -> dict:
+    """One process: from_pretrained, the mean over dp slices of each slice's loss, its gradients."""
+    model = Glm53ForCausalLM.from_pretrained(path, dtype=torch.float32)
+    per = ids.shape[0] // dp
+    loss = sum(model(ids[k * per : (k + 1) * per], labels=ids[k * per : (k + 1) * per]).loss for k in range(dp)) / dp
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return dict(loss=loss.detach(), grads=grads, params=params)
+
+
+def file_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
