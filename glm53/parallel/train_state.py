@@ -81,7 +81,7 @@ def read_training_state(directory: str, model: torch.nn.Module, optimizer: torch
         raise FileNotFoundError(f"{directory} holds no DCP training state (no .metadata)")
     stored = saved_keys(directory)
     flat, model_sd, optim_sd = _flat(model, optimizer)
-    missing = sorted(k for k in flat if k not in stored)
+    missing = sorted(k for k, v in flat.items() if isinstance(v, torch.Tensor) and k not in stored)
     if missing:
         raise KeyError(f"{directory} lacks training-state keys {missing[:5]}{' ...' if len(missing) > 5 else ''} "
                        f"(saved from a different model or without the optimizer?)")  # fmt: skip
@@ -101,9 +101,8 @@ def _copy_scalars(flat: dict, optim_sd: dict) -> None:
     """DCP replaces non-tensor and 0-d entries in `flat` rather than writing into them: copy them back."""
     for fqn, state in optim_sd["state"].items():
         for key, value in state.items():
-            loaded = flat[f"optim.{fqn}.{key}"]
             if not (isinstance(value, torch.Tensor) and value.dim() > 0):
-                state[key] = loaded
+                state[key] = flat[f"optim.{fqn}.{key}"]
 
 
 __all__ = ["write_training_state", "read_training_state", "saved_keys"]

@@ -1,6 +1,6 @@
 """Jobs for the sharded-checkpoint tests (run on every rank of a parallel_harness.WorkerPool) and the checkpoint
-they read: a tiny FP8 official-layout checkpoint whose 128x128-style blocks are 4 x 8 here, with 4 MLA and 4 KDA
-heads so TP runs over 2 or 4 ranks, and one MTP layer.
+they read: a tiny official-layout checkpoint (FP8 with 4 x 8 blocks, or fp32) with 4 MLA and 4 KDA heads so TP
+runs over 2 or 4 ranks, one MTP layer, and a layer pattern transformers runs (the export test loads it there).
 """
 
 from __future__ import annotations
@@ -18,17 +18,18 @@ from glm53.checkpoint.reader import checkpoint_files
 from glm53.parallel import loss_parallel_context, parallelize
 from glm53.parallel.load import SliceReader, load_pretrained
 from tests.helpers.checkpoints import BLOCK, fp8_config_dict, quantize_state, read_all, write_checkpoint
-from tests.helpers.oracle import randomize
+from tests.helpers.oracle import TINY_VISION, randomize
 from tests.helpers.parallel_jobs import build_mesh, full
 
 
 def ckpt_config(**overrides) -> Glm53Config:
     base = dict(hidden_size=36, num_attention_heads=4, num_key_value_heads=4, linear_num_heads=4,
                 num_nextn_predict_layers=1, indexer_loss_weight=1.0,
-                layer_types=["linear_attention", "indexed_attention", "linear_attention", "indexed_attention"],
-                indexer_types=["full", "full", "full", "shared"])  # fmt: skip
+                layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"],
+                indexer_types=["full", "full", "shared", "full"])  # fmt: skip
     base.update(overrides)
-    return Glm53Config.tiny(**base)
+    # Nested with a tiny vision tower, as the release's config.json is, so transformers builds a small model.
+    return Glm53Config.from_dict({"text_config": Glm53Config.tiny(**base).to_dict(), "vision_config": dict(TINY_VISION)})
 
 
 def write_test_checkpoint(path: str, fp8_blocks: bool = True, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -119,3 +120,76 @@ def reference_load_step(path: str, ids: torch.Tensor, dp: int) -> dict:
 
 def file_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+
+
+LR = 1e-2  # AdamW learning rate of the resume tests
+
+
+def _model_on(path: str, dp: int, tp: int):
+    """(model loaded from `path` on a fresh (dp, tp) mesh, its mesh); dp = tp = 0 means one plain process."""
+    config = Glm53Config.from_pretrained(path)
+    if dp == 0:
+        return Glm53ForCausalLM.from_pretrained(path, dtype=torch.float32), None
+    mesh = build_mesh(dp, tp)
+    with torch.device("meta"):
+        model = Glm53ForCausalLM(config)
+    parallelize(model, mesh)
+    load_pretrained(model, path)
+    return model, mesh
+
+
+def _train_step(model, mesh, optimizer, ids: torch.Tensor, dp: int, step: bool = True) -> torch.Tensor:
+    """Loss on this rank's dp share of `ids` (mean over dp ranks returned); then backward + AdamW when `step`."""
+    rank_dp = mesh.get_local_rank("dp") if mesh is not None and "dp" in mesh.mesh_dim_names else 0
+    per = ids.shape[0] // max(dp, 1)
+    local = ids[rank_dp * per : (rank_dp + 1) * per]
+    optimizer.zero_grad()
+    with loss_parallel_context(model):
+        loss = model(local, labels=local).loss
+        if step:
+            loss.backward()
+    if step:
+        optimizer.step()
+    loss = full(loss)
+    if mesh is not None and "dp" in mesh.mesh_dim_names:
+        dist.all_reduce(loss, group=mesh.get_group("dp"))
+        loss /= mesh["dp"].size()
+    return loss
+
+
+def save_then_continue(init: str, save: str, batches: list[torch.Tensor], dp: int, tp: int) -> list[float]:
+    """Step on batches[0], save the training state (DCP) to `save`, then step on batches[1] and read the loss on
+    batches[2] -> [loss 1, loss 2, loss 3]."""
+    from glm53.parallel.export import shared_atomic_directory
+    from glm53.parallel.train_state import write_training_state
+
+    model, mesh = _model_on(init, dp, tp)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    first = _train_step(model, mesh, optimizer, batches[0], dp)
+    with shared_atomic_directory(save) as tmp:
+        write_training_state(tmp, model, optimizer, {"step": 1, f"rng.rank{dist.get_rank()}": torch.get_rng_state()})
+    second = _train_step(model, mesh, optimizer, batches[1], dp)
+    third = _train_step(model, mesh, optimizer, batches[2], dp, step=False)
+    return [first.item(), second.item(), third.item()]
+
+
+def resume_and_continue(init: str, save: str, batches: list[torch.Tensor], dp: int, tp: int) -> list[float]:
+    """Build on another layout (dp = 0: one process), load the training state, step on batches[1], read the
+    loss on batches[2] -> [loss 2, loss 3, restored step]."""
+    from glm53.parallel.train_state import read_training_state
+
+    model, mesh = _model_on(init, dp, tp)  # the initial weights: the saved state must overwrite them
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR * 3)  # lr restored from the saved param_groups
+    extra = read_training_state(save, model, optimizer, {"step": 0})
+    second = _train_step(model, mesh, optimizer, batches[1], max(dp, 1))
+    third = _train_step(model, mesh, optimizer, batches[2], max(dp, 1), step=False)
+    return [second.item(), third.item(), extra["step"]]
+
+
+def load_and_export(init: str, out: str, dp: int, tp: int, max_shard_size: int) -> dict:
+    """Load `init` sharded on (dp, tp), export it to `out` -> this rank's largest pending file bytes."""
+    from glm53.parallel.export import export_pretrained
+
+    model, _ = _model_on(init, dp, tp)
+    export_pretrained(model, out, max_shard_size=max_shard_size, overwrite=True)
+    return dict(pending=model.export_peak_pending_bytes)
