@@ -172,6 +172,14 @@ def _name_files(directory: str, files: list[tuple[str, list[str]]], rank: int) -
 def _write_metadata(model, directory: str, weight_map: dict[str, str], sizes: dict[str, int],
                     dtype: torch.dtype | None) -> None:  # fmt: skip
     """config.json as save_pretrained writes it, and the index when there is more than one file."""
+    write_config(model, directory, dtype)
+    if len(set(weight_map.values())) > 1:
+        index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": dict(sorted(weight_map.items()))}
+        write_json(os.path.join(directory, INDEX_FILE), index)
+
+
+def write_config(model, directory: str, dtype: torch.dtype | None = None) -> None:
+    """config.json as save_pretrained writes it (official nesting, the stored dtype, no quantization_config)."""
     stored = dtype or model.model.embed_tokens.weight.dtype
     config = model.config.to_official_dict()
     for d in (config, config["text_config"]):
@@ -179,9 +187,6 @@ def _write_metadata(model, directory: str, weight_map: dict[str, str], sizes: di
         d.pop("torch_dtype", None)
     config["text_config"]["dtype"] = config["dtype"] = str(stored).replace("torch.", "")
     write_json(os.path.join(directory, "config.json"), config)
-    if len(set(weight_map.values())) > 1:
-        index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": dict(sorted(weight_map.items()))}
-        write_json(os.path.join(directory, INDEX_FILE), index)
 
 
 @contextlib.contextmanager
@@ -240,4 +245,4 @@ def export_pretrained(model: torch.nn.Module, path: str | os.PathLike, *, dtype:
     return os.path.abspath(os.fspath(path))
 
 
-__all__ = ["export_pretrained", "write_official", "shared_atomic_directory", "official_regions", "assign_writers"]
+__all__ = ["export_pretrained", "write_official", "write_config", "shared_atomic_directory", "official_regions", "assign_writers"]

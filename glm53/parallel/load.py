@@ -117,7 +117,7 @@ def _expert_pieces(name: str, shape: torch.Size, parts: dict[tuple[int, str], st
     return out
 
 
-def _materialize(model: torch.nn.Module) -> None:
+def materialize(model: torch.nn.Module) -> None:
     """to_empty on the mesh's device when any tensor is still on the meta device."""
     tensors = [*model.parameters(), *model.buffers()]
     if not any(t.is_meta for t in tensors):
@@ -158,7 +158,7 @@ def load_pretrained(model: torch.nn.Module, path: str | os.PathLike, *,
     plan: LoadPlan = _plan(model, files, TensorReader(files, block), config.num_hidden_layers)
     if plan.vision:
         logger.warning("skipping %d vision-tower tensors (model.visual.*): glm53 is the text model", len(plan.vision))
-    _materialize(model)
+    materialize(model)
     tensors = dict(model.named_parameters())
     tensors.update(dict(model.named_buffers()))
     slices, bad = reader(files, block), set()
@@ -179,4 +179,4 @@ def load_pretrained(model: torch.nn.Module, path: str | os.PathLike, *,
     return model
 
 
-__all__ = ["load_pretrained", "SliceReader", "dequantize_slice"]
+__all__ = ["load_pretrained", "materialize", "SliceReader", "dequantize_slice"]

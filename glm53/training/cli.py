@@ -34,6 +34,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="CPU intra-op threads (tiny models run fastest on 1: thread hand-offs cost more than the ops)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel degree (torchrun)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (torchrun)")
+    # torchrun runs (glm53/training/distributed.py): real weights, GPUs, bf16, DCP checkpoints.
+    p.add_argument("--init", metavar="CHECKPOINT_DIR",
+                   help="start from this official-layout checkpoint (torchrun: each rank reads only its shards)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="torchrun: cuda uses nccl, one GPU per rank")
+    p.add_argument("--bf16", action="store_true", help="torchrun with --dp > 1: FSDP2 bf16 compute, fp32 keep-list")
+    p.add_argument("--no-export", action="store_true",
+                   help="torchrun --save: write only the DCP training state (no official-layout copy)")
 
 
 def _check_world(args: argparse.Namespace) -> int:
@@ -52,6 +59,13 @@ def train(args: argparse.Namespace) -> int:
     """Run `glm53 train` with parsed `args`: one process, or one rank of a torchrun (dp, tp) grid."""
     if args.save_every and not args.save:
         raise SystemExit("--save-every needs --save DIR")
+    if args.init and args.resume:
+        raise SystemExit("--init and --resume exclude each other: --resume already holds the model")
+    if (args.init or args.bf16 or args.device != "cpu" or args.no_export) and _check_world(args) == 1:
+        raise SystemExit("--init, --bf16, --device and --no-export are torchrun options here (run with --dp/--tp "
+                         "under torchrun)")  # fmt: skip
+    if args.bf16 and args.dp == 1:
+        raise SystemExit("--bf16 is FSDP2's mixed precision: it needs --dp > 1")
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     par = parallel.runtime if _check_world(args) > 1 else None

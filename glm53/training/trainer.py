@@ -27,7 +27,9 @@ from ..model.model import Glm53ForCausalLM
 from ..parallel import loss_parallel_context, parallelize
 from ..utils import ceil_div
 from .data import VOCAB_SIZE, batches, corpus_text, encode
-from .state import TRAINER_STATE, load_trainer_state, save_run, trainer_state
+from ..parallel.run_checkpoint import device_type, has_run_state
+from .distributed import init_model
+from .state import TRAINER_STATE, load_trainer_state, resume_distributed, save_run, trainer_state
 
 GRAD_CLIP = 1.0  # max global gradient norm
 BETAS = (0.9, 0.95)  # AdamW betas (DeepSeek-V3's)
@@ -72,7 +74,8 @@ class Trainer:
 
     def __init__(self, args: argparse.Namespace, par=None) -> None:
         self.args, self.par = args, par
-        self.mesh = par.init_mesh(args.dp, args.tp) if par is not None else None
+        self.mesh = par.init_mesh(args.dp, args.tp, device_type(args.device)) if par is not None else None
+        self.device = self.mesh.device_type if par is not None else "cpu"
         self.rank = par.rank() if par is not None else 0
         self.log_rank = self.rank == 0
         torch.manual_seed(args.seed)  # the same initial weights on every rank
@@ -81,8 +84,8 @@ class Trainer:
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr, betas=BETAS, weight_decay=WEIGHT_DECAY)
         # Each data-parallel rank draws its own batches; the TP ranks of one dp group draw the same ones.
-        dp_rank = par.local_rank(self.mesh, "dp") if par is not None else 0
-        self.generator = torch.Generator().manual_seed(args.seed * 1_000_003 + dp_rank)
+        self.dp_rank = par.local_rank(self.mesh, "dp") if par is not None else 0
+        self.generator = torch.Generator().manual_seed(args.seed * 1_000_003 + self.dp_rank)
         self.start = self._resume()
 
     # ------------------------------------------------------------------------------------------------ setup
@@ -90,6 +93,8 @@ class Trainer:
         args = self.args
         if not args.resume:
             return None
+        if has_run_state(args.resume):
+            return {"dcp": args.resume}  # a torchrun run, any layout (one process too): state.resume_distributed
         state = load_trainer_state(args.resume)
         saved = state.get("layout", [1, 1])  # [dp, tp]
         if list(saved) != [args.dp, args.tp]:
@@ -99,6 +104,8 @@ class Trainer:
 
     def _build_model(self) -> Glm53ForCausalLM:
         args = self.args
+        if self.par is not None:
+            return init_model(args, self.mesh, PRESETS[args.preset])
         if args.resume:
             model = Glm53ForCausalLM.from_pretrained(args.resume)
         else:
@@ -113,6 +120,9 @@ class Trainer:
         """Restore the optimizer and RNG states of a resumed run; -> the step it stopped at (0 when fresh)."""
         if self.state is None:
             return 0
+        if "dcp" in self.state:
+            return resume_distributed(self.state["dcp"], self.model, self.optimizer, self.par,
+                                      (self.args.dp, self.args.tp), self.dp_rank, self.generator)  # fmt: skip
         if self.par is None:
             self.optimizer.load_state_dict(self.state["optimizer"])
             rng = self.state
@@ -167,7 +177,9 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------- save
     def save(self, path: str, step: int) -> None:
         state = trainer_state(step, self.optimizer, self.generator, self.par, (self.args.dp, self.args.tp))
-        save_run(self.model, path, state, self.par)
+        if self.par is not None:
+            state["dp_rank"] = self.dp_rank
+        save_run(self.model, path, state, self.par, export=not self.args.no_export)
 
     # -------------------------------------------------------------------------------------------------- run
     def run(self) -> int:
@@ -177,7 +189,7 @@ class Trainer:
         data = batches(encode(corpus_text()), args.batch_size, args.seq_len, self.generator)
         began, tokens = time.perf_counter(), 0
         for step in range(self.start + 1, args.steps + 1):
-            ids = next(data)
+            ids = next(data).to(self.device)
             out = self.step(step, ids)
             tokens += ids.numel() * args.dp
             rate = tokens / (time.perf_counter() - began)
@@ -192,7 +204,9 @@ class Trainer:
         if args.save:
             self.save(args.save, max(self.start, args.steps))
             if self.log_rank:
-                print(f"saved {args.save} (official layout + {TRAINER_STATE})", flush=True)
+                what = f"official layout + {TRAINER_STATE}" if par is None else \
+                    ("DCP train_state/" if args.no_export else "official layout + DCP train_state/")
+                print(f"saved {args.save} ({what})", flush=True)
         return 0
 
 
