@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -86,13 +87,12 @@ def dequantize_slice(q: torch.Tensor, scale_blocks: torch.Tensor, block_size: tu
     return q.float() * expanded[r : r + q.shape[0], c : c + q.shape[1]]
 
 
-def _fill(target: torch.Tensor, pieces: list[tuple[str, Region, int]], reader: SliceReader, bad: set[str]) -> None:
-    """Copy into `target`'s local shard every part of `pieces` it holds.
+def planned_reads(target: torch.Tensor, pieces: list[tuple[str, Region, int]]) -> Iterator[tuple[str, tuple, tuple]]:
+    """(key, index into the key, index into target's local shard) for every part of `pieces` this rank holds.
 
     A piece is (key, region in target, leading dims the key lacks): the key's own index is the region-relative
     index with those dims dropped (an expert key is one [rows, cols] slab of the fused [E, rows', cols] tensor).
     """
-    local = local_tensor(target)
     for box in local_boxes(target):
         for key, region, drop in pieces:
             part = intersect(box, region)
@@ -100,10 +100,27 @@ def _fill(target: torch.Tensor, pieces: list[tuple[str, Region, int]], reader: S
                 continue
             local_idx, global_idx = box_slices(part)
             key_idx = tuple(slice(g.start - r.start, g.stop - r.start) for g, r in zip(global_idx, region))[drop:]
-            values = reader.values(key, key_idx)
-            if values.is_floating_point() and not bool(torch.isfinite(values).all()):  # NOTE: syncs
-                bad.add(key)
-            local[local_idx].copy_(values.reshape(local[local_idx].shape))
+            yield key, key_idx, local_idx
+
+
+def _fill(target: torch.Tensor, pieces: list[tuple[str, Region, int]], reader: SliceReader, bad: set[str]) -> None:
+    """Copy into `target`'s local shard every part of `pieces` it holds (`planned_reads`), one slice at a time."""
+    local = local_tensor(target)
+    for key, key_idx, local_idx in planned_reads(target, pieces):
+        values = reader.values(key, key_idx)
+        if values.is_floating_point() and not bool(torch.isfinite(values).all()):  # NOTE: syncs
+            bad.add(key)
+        local[local_idx].copy_(values.reshape(local[local_idx].shape))
+
+
+def model_pieces(model: torch.nn.Module, plan: LoadPlan) -> Iterator[tuple[str, torch.Tensor, list]]:
+    """(glm53 name, tensor, its pieces) for every tensor the plan fills."""
+    tensors = dict(model.named_parameters())
+    tensors.update(dict(model.named_buffers()))
+    for name, key in plan.direct.items():
+        yield name, tensors[name], [(key, tuple(slice(0, s) for s in tensors[name].shape), 0)]
+    for name, parts in plan.experts.items():
+        yield name, tensors[name], _expert_pieces(name, tensors[name].shape, parts)
 
 
 def _expert_pieces(name: str, shape: torch.Size, parts: dict[tuple[int, str], str]) -> list[tuple[str, Region, int]]:
@@ -159,15 +176,10 @@ def load_pretrained(model: torch.nn.Module, path: str | os.PathLike, *,
     if plan.vision:
         logger.warning("skipping %d vision-tower tensors (model.visual.*): glm53 is the text model", len(plan.vision))
     materialize(model)
-    tensors = dict(model.named_parameters())
-    tensors.update(dict(model.named_buffers()))
     slices, bad = reader(files, block), set()
     with torch.no_grad():
-        for name, key in plan.direct.items():
-            target = tensors[name]
-            _fill(target, [(key, tuple(slice(0, s) for s in target.shape), 0)], slices, bad)
-        for name, parts in plan.experts.items():
-            _fill(tensors[name], _expert_pieces(name, tensors[name].shape, parts), slices, bad)
+        for _, target, pieces in model_pieces(model, plan):
+            _fill(target, pieces, slices, bad)
     _raise_non_finite(bad)
     if model.mtp is not None and not plan.mtp_found:
         logger.warning("%s has no MTP tensors (layers.%d.*): the MTP module is freshly initialised", path,
@@ -179,4 +191,4 @@ def load_pretrained(model: torch.nn.Module, path: str | os.PathLike, *,
     return model
 
 
-__all__ = ["load_pretrained", "materialize", "SliceReader", "dequantize_slice"]
+__all__ = ["load_pretrained", "materialize", "planned_reads", "model_pieces", "SliceReader", "dequantize_slice"]

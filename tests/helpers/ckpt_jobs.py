@@ -193,3 +193,18 @@ def load_and_export(init: str, out: str, dp: int, tp: int, max_shard_size: int) 
     model, _ = _model_on(init, dp, tp)
     export_pretrained(model, out, max_shard_size=max_shard_size, overwrite=True)
     return dict(pending=model.export_peak_pending_bytes)
+
+
+def sharded_load_error(path: str, dp: int, tp: int) -> str:
+    """load_pretrained on (dp, tp) -> the CheckpointError message it raised ('' when none)."""
+    from glm53.errors import CheckpointError
+
+    mesh = build_mesh(dp, tp)
+    with torch.device("meta"):
+        model = Glm53ForCausalLM(Glm53Config.from_pretrained(path))
+    parallelize(model, mesh)
+    try:
+        load_pretrained(model, path)
+    except CheckpointError as e:
+        return str(e)
+    return ""

@@ -9,7 +9,16 @@ import torch
 
 from glm53.parallel.load import dequantize_slice
 from glm53.checkpoint import fp8
-from tests.helpers.ckpt_jobs import file_bytes, reference_load_step, sharded_load_step, write_test_checkpoint
+from glm53 import Glm53ForCausalLM
+from glm53.errors import CheckpointError
+from tests.helpers.checkpoints import read_all, write_checkpoint
+from tests.helpers.ckpt_jobs import (
+    file_bytes,
+    reference_load_step,
+    sharded_load_error,
+    sharded_load_step,
+    write_test_checkpoint,
+)
 from tests.helpers.parallel_harness import WorkerPool
 
 TOL = 1e-4  # relative to each reference tensor's largest magnitude (fp32, different summation orders)
@@ -63,3 +72,35 @@ def test_dequantize_slice_equals_full_dequantize():
         blocks = s[r0 // 4 : -(-r1 // 4), c0 // 8 : -(-c1 // 8)]
         part = dequantize_slice(q[r0:r1, c0:c1], blocks, (4, 8), (r0, c0))
         assert torch.equal(part, full[r0:r1, c0:c1]), (r0, r1, c0, c1)
+
+
+def test_fp32_reads_exactly_the_rank_share(pool4, tmp_path):
+    path = str(tmp_path / "fp32")
+    write_test_checkpoint(path, fp8_blocks=False)
+    ids = torch.randint(1, 320, (4, 8), generator=torch.Generator().manual_seed(1))
+    results = pool4.run(sharded_load_step, path=path, ids=ids, dp=2, tp=2)
+    for r in results:  # each local element read once, nothing else (replicated tensors whole on every rank)
+        assert r["bytes_read"] == r["counted"] == r["expected"], (r["bytes_read"], r["expected"])
+    assert sum(r["bytes_read"] for r in results) < 2 * file_bytes(path)  # not 4 copies of the checkpoint
+
+
+def test_bad_checkpoints_raise_from_pretrained_errors_on_every_rank(pool4, tmp_path):
+    src = str(tmp_path / "good")
+    write_test_checkpoint(src, fp8_blocks=False)
+    config = (tmp_path / "good" / "config.json").read_text()
+    state = read_all(src)
+    cases = {}
+    nan = dict(state)
+    key = "model.language_model.layers.1.mlp.experts.5.up_proj.weight"  # one expert: on one dp rank only
+    nan[key] = nan[key].clone()
+    nan[key][3, 7] = float("nan")
+    cases["nan"] = nan
+    cases["missing"] = {k: v for k, v in state.items() if not k.endswith("layers.2.self_attn.o_proj.weight")}
+    for name, tensors in cases.items():
+        path = str(tmp_path / name)
+        write_checkpoint(path, tensors, {})
+        (tmp_path / name / "config.json").write_text(config)
+        with pytest.raises(CheckpointError) as single:
+            Glm53ForCausalLM.from_pretrained(path, dtype=torch.float32)
+        messages = pool4.run(sharded_load_error, path=path, dp=2, tp=2)
+        assert messages == [str(single.value)] * 4, (name, messages, str(single.value))
