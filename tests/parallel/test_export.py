@@ -13,16 +13,8 @@ import torch
 from glm53 import Glm53ForCausalLM
 from tests.helpers.checkpoints import read_all
 from tests.helpers.ckpt_jobs import load_and_export, write_test_checkpoint
-from tests.helpers.parallel_harness import WorkerPool
 
 SHARD = 60_000  # bytes per file: several files per writer rank
-
-
-@pytest.fixture(scope="module")
-def pool4():
-    pool = WorkerPool(4)
-    yield pool
-    pool.close()
 
 
 def test_export_from_2x2_reloads_exactly_and_in_transformers(pool4, tmp_path):

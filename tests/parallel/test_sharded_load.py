@@ -19,17 +19,9 @@ from tests.helpers.ckpt_jobs import (
     sharded_load_step,
     write_test_checkpoint,
 )
-from tests.helpers.parallel_harness import WorkerPool
 
 TOL = 1e-4  # relative to each reference tensor's largest magnitude (fp32, different summation orders)
 LAYOUTS4 = [(4, 1), (1, 4), (2, 2)]
-
-
-@pytest.fixture(scope="module")
-def pool4():
-    pool = WorkerPool(4)
-    yield pool
-    pool.close()
 
 
 @pytest.fixture(scope="module")

@@ -10,16 +10,8 @@ import pytest
 import torch
 
 from tests.helpers.ckpt_jobs import resume_and_continue, save_then_continue, write_test_checkpoint
-from tests.helpers.parallel_harness import WorkerPool
 
 REL = 1e-4  # fp32, different reduction orders
-
-
-@pytest.fixture(scope="module")
-def pool4():
-    pool = WorkerPool(4)
-    yield pool
-    pool.close()
 
 
 @pytest.fixture(scope="module")
