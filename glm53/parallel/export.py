@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from ..checkpoint.layout import TEXT_PREFIX, named_state, official_items
+from ..checkpoint.layout import TEXT_PREFIX, internal_to_official, named_state
 from ..checkpoint.shards import INDEX_FILE, SINGLE_FILE, atomic_directory, copy_side_files, parse_size, write_json
 from ..precision import keeps_fp32
 from .pieces import box_slices, intersect, is_primary, local_boxes, local_tensor
@@ -37,7 +37,7 @@ def official_regions(model: torch.nn.Module) -> Iterator[tuple[str, str, Region,
         local = name[len("model."):] if name != "lm_head.weight" else name
         shape = tuple(tensor.shape)
         if name == "lm_head.weight" or not local.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            key = name if name == "lm_head.weight" else next(iter(official_items(local, torch.empty(0))))[0]
+            key = name if name == "lm_head.weight" else TEXT_PREFIX + internal_to_official(local)
             yield key, name, tuple(slice(0, s) for s in shape), shape
             continue
         E, rows, cols = shape

@@ -107,16 +107,14 @@ def dcp_views(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tens
     tensors are split too), so a checkpoint saved on one layout loads on any other. Views share storage with
     `tensor`: DCP's load writes through them.
     """
-    strided = [p for p in getattr(tensor, "placements", ()) if isinstance(p, _StridedShard)]
     factor = _split_factor(name, tensor)
     if factor == 1:
         yield name, tensor
-        return
-    if not strided and not isinstance(tensor, DTensor):
+    elif not isinstance(tensor, DTensor):
         for k, part in enumerate(tensor.chunk(factor, dim=1)):
             yield f"{name}.part{k}", part
-        return
-    yield from _strided_parts(name, tensor, factor)
+    else:
+        yield from _strided_parts(name, tensor, factor)
 
 
 def _split_factor(name: str, tensor: torch.Tensor) -> int:
