@@ -1,5 +1,5 @@
 """The model of a `glm53 train` run under torchrun: which weights it starts from, on which device and in which
-precision (trainer.py calls `init_model(args, mesh)`; the single-process run builds its model itself).
+precision (trainer.py calls `init_parallel_model(args, mesh)`; the single-process run builds its model itself).
 
     --resume DIR (a DCP run)   build on meta, parallelize; the DCP state fills it (any saved layout)
     --init DIR                 build on meta, parallelize, `glm53.parallel.load_pretrained` (own slices only)
@@ -20,7 +20,7 @@ from ..parallel import parallelize
 from ..parallel.run_checkpoint import bf16_policy, has_run_state, parallel_model
 
 
-def init_model(args: argparse.Namespace, mesh, preset) -> Glm53ForCausalLM:
+def init_parallel_model(args: argparse.Namespace, mesh, preset) -> Glm53ForCausalLM:
     """The parallelized model a torchrun run starts from (see the module docstring); `preset` builds the config."""
     options = dict(bf16=args.bf16, activation_checkpointing=args.activation_checkpointing)
     if args.resume and has_run_state(args.resume):
@@ -36,4 +36,4 @@ def init_model(args: argparse.Namespace, mesh, preset) -> Glm53ForCausalLM:
                        activation_checkpointing=args.activation_checkpointing)  # fmt: skip
 
 
-__all__ = ["init_model"]
+__all__ = ["init_parallel_model"]

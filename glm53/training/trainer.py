@@ -5,9 +5,9 @@ gradient clipping, AdamW, then the aux-loss-free router bias update from the ste
 `--save DIR` writes the final checkpoint to DIR and, with `--save-every N`, intermediate ones to DIR/step-N
 (state.py). Under torchrun the ranks form a (dp, tp) DeviceMesh, rank = dp_rank * tp + tp_rank; each dp rank
 draws its own batches (tp ranks of one dp group read the same ones), the loss is computed under
-loss_parallel_context, the expert loads are summed over dp ranks before the bias update, and checkpoints hold
-full tensors, so a run resumes on the same --dp x --tp layout. This module holds no collectives: glm53.parallel
-(parallelize, runtime) does the distributed work.
+loss_parallel_context, the expert loads are summed over dp ranks before the bias update, and checkpoints are DCP
+shards (every rank its own) plus the official layout, resumable on any --dp x --tp layout or in one process
+(state.py, distributed.py). This module holds no collectives: glm53.parallel does the distributed work.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ import torch
 from ..config import Glm53Config
 from ..model.model import Glm53ForCausalLM
 from ..parallel import loss_parallel_context, parallelize
+from ..parallel.run_checkpoint import device_type, has_run_state
 from ..utils import ceil_div
 from .data import VOCAB_SIZE, batches, corpus_text, encode
-from ..parallel.run_checkpoint import device_type, has_run_state
-from .distributed import init_model
+from .distributed import init_parallel_model
 from .state import TRAINER_STATE, load_trainer_state, resume_distributed, save_run, trainer_state
 
 GRAD_CLIP = 1.0  # max global gradient norm
@@ -105,8 +105,10 @@ class Trainer:
     def _build_model(self) -> Glm53ForCausalLM:
         args = self.args
         if self.par is not None:
-            return init_model(args, self.mesh, PRESETS[args.preset])
-        if args.resume:
+            return init_parallel_model(args, self.mesh, PRESETS[args.preset])
+        if args.resume and has_run_state(args.resume):  # a torchrun run: DCP fills the weights in _resume
+            model = Glm53ForCausalLM(Glm53Config.from_pretrained(args.resume))
+        elif args.resume:
             model = Glm53ForCausalLM.from_pretrained(args.resume)
         else:
             model = Glm53ForCausalLM(PRESETS[args.preset]())
