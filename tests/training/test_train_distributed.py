@@ -86,3 +86,9 @@ def test_init_fills_meta_model_bf16_no_export(tmp_path):
     files = sorted(os.listdir(out))
     assert "config.json" in files and DCP_DIR in files and not any(f.endswith(".safetensors") for f in files)
     assert "DCP train_state/" in text
+
+
+@pytest.mark.parametrize("flags", [["--init", "x"], ["--bf16"], ["--no-export"]], ids=lambda f: f[0])
+def test_torchrun_flags_refused_in_one_process(flags):
+    with pytest.raises(SystemExit, match="torchrun options"):
+        main([*SMALL, *flags])
