@@ -81,13 +81,16 @@ def expected_bytes(model: torch.nn.Module, path: str) -> int:
     return total
 
 
-def sharded_load_step(path: str, ids: torch.Tensor, dp: int, tp: int) -> dict:
-    """Build on meta, parallelize, load_pretrained, one forward/backward on this rank's dp share."""
+def sharded_load_step(path: str, ids: torch.Tensor, dp: int, tp: int, to_empty: bool = False) -> dict:
+    """Build on meta, parallelize (then `to_empty` when asked), load_pretrained, one forward/backward on this
+    rank's dp share."""
     mesh = build_mesh(dp, tp)
     config = Glm53Config.from_pretrained(path)
     with torch.device("meta"):
         model = Glm53ForCausalLM(config)
     parallelize(model, mesh)
+    if to_empty:
+        model.to_empty(device="cpu")
     load_pretrained(model, path, reader=CountingReader)
     reader = model.checkpoint_reader
     rank_dp = mesh.get_local_rank("dp") if dp > 1 else 0

@@ -70,7 +70,9 @@ def test_fp32_reads_exactly_the_rank_share(pool4, tmp_path):
     path = str(tmp_path / "fp32")
     write_test_checkpoint(path, fp8_blocks=False)
     ids = torch.randint(1, 320, (4, 8), generator=torch.Generator().manual_seed(1))
-    results = pool4.run(sharded_load_step, path=path, ids=ids, dp=2, tp=2)
+    results = pool4.run(sharded_load_step, path=path, ids=ids, dp=2, tp=2, to_empty=True)  # materialised already
+    ref = reference_load_step(path, ids, 2)
+    assert all(torch.equal(r["params"][n], p) for r in results for n, p in ref["params"].items())
     for r in results:  # each local element read once, nothing else (replicated tensors whole on every rank)
         assert r["bytes_read"] == r["counted"] == r["expected"], (r["bytes_read"], r["expected"])
     assert sum(r["bytes_read"] for r in results) < 2 * file_bytes(path)  # not 4 copies of the checkpoint
