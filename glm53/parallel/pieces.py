@@ -5,15 +5,13 @@ is a rectangular block that sits contiguously (up to strides) both in the local 
 A `Shard` placement gives one run per dimension, a `_StridedShard` (FSDP over a TP-sharded dimension, or the packed
 gate/up experts under TP) may give several: the rank's rows of the full tensor are then not one range.
 
-The checkpoint loader reads each box from disk, the exporter sends each box to the key's writer, and `dcp_views`
-re-expresses a `_StridedShard` parameter as pieces that DCP (which stores one chunk per rank and tensor) can
-save and reshard exactly.
+The checkpoint loader reads each box from disk, the exporter sends each box to the key's writer, and the DCP
+training state (train_state.py) stores each box as one chunk, so any placement saves and reshards exactly.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -97,55 +95,4 @@ def is_primary(tensor: torch.Tensor) -> bool:
     return all(c == 0 for c, p in zip(coord, tensor.placements) if not isinstance(p, (Shard, _StridedShard)))
 
 
-def dcp_views(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-    """`tensor` as DCP state-dict entries whose local part is one chunk of the full tensor.
-
-    DCP records a DTensor's local shard as one chunk at its first global offset, which is wrong for a
-    `_StridedShard` whose rows are several runs (gate_up_proj under TP: the rank's gate rows and its up rows).
-    Such a tensor is split along that dimension into `split_factor` parts (`name.part0`, ...), each a DTensor view
-    with plain `Shard` placements; every other tensor passes through. Every layout yields the same keys (plain
-    tensors are split too), so a checkpoint saved on one layout loads on any other. Views share storage with
-    `tensor`: DCP's load writes through them.
-    """
-    factor = _split_factor(name, tensor)
-    if factor == 1:
-        yield name, tensor
-    elif not isinstance(tensor, DTensor):
-        for k, part in enumerate(tensor.chunk(factor, dim=1)):
-            yield f"{name}.part{k}", part
-    else:
-        yield from _strided_parts(name, tensor, factor)
-
-
-def _split_factor(name: str, tensor: torch.Tensor) -> int:
-    """How many parts a tensor is saved in: packed gate/up experts (and their optimizer moments) -> 2; else 1."""
-    return 2 if "experts.gate_up_proj" in name and tensor.dim() == 3 else 1
-
-
-def _strided_parts(name: str, tensor: DTensor, factor: int) -> Iterator[tuple[str, DTensor]]:
-    """Split a DTensor packed on dim 1 into `factor` parts, each with its dim-1 placements made plain Shard(1)."""
-    local = tensor.to_local()
-    # Every placement on dim 1 must be a _StridedShard with this split factor (or absent): the local rows are then
-    # `factor` equal runs, one per part.
-    for p in tensor.placements:
-        if _shards_dim(p, 1) and not (isinstance(p, _StridedShard) and p.split_factor == factor):
-            raise ValueError(f"{name}: cannot save placement {p} of a tensor packed {factor}-fold on dim 1")
-    placements = [Shard(1) if _shards_dim(p, 1) else p for p in tensor.placements]
-    part_shape = list(tensor.shape)
-    part_shape[1] //= factor
-    for k, part in enumerate(local.chunk(factor, dim=1)):
-        view = DTensor.from_local(part, tensor.device_mesh, placements, run_check=False, shape=torch.Size(part_shape),
-                                  stride=_contiguous_stride(part_shape))  # fmt: skip
-        yield f"{name}.part{k}", view
-
-
-def _contiguous_stride(shape: list[int]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= s
-    return tuple(reversed(stride))
-
-
-__all__ = ["global_indices", "runs", "local_boxes", "local_tensor", "box_slices", "intersect", "is_primary",
-           "dcp_views"]  # fmt: skip
+__all__ = ["global_indices", "runs", "local_boxes", "local_tensor", "box_slices", "intersect", "is_primary"]
