@@ -42,13 +42,12 @@ def official_regions(model: torch.nn.Module) -> Iterator[tuple[str, str, Region,
             continue
         E, rows, cols = shape
         base = TEXT_PREFIX + local.rsplit(".", 1)[0]
+        half = rows // 2
+        parts = [("gate", 0, half), ("up", half, rows)] if local.endswith("gate_up_proj") else [("down", 0, rows)]
         for e in range(E):
-            if local.endswith("gate_up_proj"):
-                half = rows // 2
-                yield f"{base}.{e}.gate_proj.weight", name, (slice(e, e + 1), slice(0, half), slice(0, cols)), (half, cols)
-                yield f"{base}.{e}.up_proj.weight", name, (slice(e, e + 1), slice(half, rows), slice(0, cols)), (half, cols)
-            else:
-                yield f"{base}.{e}.down_proj.weight", name, (slice(e, e + 1), slice(0, rows), slice(0, cols)), (rows, cols)
+            for part, lo, hi in parts:
+                region = (slice(e, e + 1), slice(lo, hi), slice(0, cols))
+                yield f"{base}.{e}.{part}_proj.weight", name, region, (hi - lo, cols)
 
 
 def _tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -79,7 +78,8 @@ def _gather_key(tensor: torch.Tensor, region: Region, shape: tuple[int, ...], dt
             if part is None:
                 continue
             local_idx, global_idx = box_slices(part)
-            buffer[tuple(slice(g.start - r.start, g.stop - r.start) for g, r in zip(global_idx, region))] = local[local_idx]
+            inside = tuple(slice(g.start - r.start, g.stop - r.start) for g, r in zip(global_idx, region))
+            buffer[inside] = local[local_idx]
     if not _is_plain(tensor):
         dist.reduce(buffer, dst=writer)
     return buffer.reshape(shape).to(dtype).cpu() if rank == writer else None
@@ -245,4 +245,5 @@ def export_pretrained(model: torch.nn.Module, path: str | os.PathLike, *, dtype:
     return os.path.abspath(os.fspath(path))
 
 
-__all__ = ["export_pretrained", "write_official", "write_config", "shared_atomic_directory", "official_regions", "assign_writers"]
+__all__ = ["export_pretrained", "write_official", "write_config", "shared_atomic_directory", "official_regions",
+           "assign_writers"]  # fmt: skip

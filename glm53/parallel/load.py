@@ -70,7 +70,8 @@ class SliceReader:
             return part
         (r0, r1), (c0, c1) = [(s.start, s.stop) for s in index]
         bo, bi = self.block_size
-        scale = self.read(key + fp8.SCALE_SUFFIX, (slice(r0 // bo, ceil_div(r1, bo)), slice(c0 // bi, ceil_div(c1, bi))))
+        blocks = (slice(r0 // bo, ceil_div(r1, bo)), slice(c0 // bi, ceil_div(c1, bi)))  # the blocks the slice touches
+        scale = self.read(key + fp8.SCALE_SUFFIX, blocks)
         return dequantize_slice(part, scale, self.block_size, (r0, c0))
 
 

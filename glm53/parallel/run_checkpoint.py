@@ -4,6 +4,7 @@ imports torch.distributed): the model built on meta and filled, the run saved an
 A run directory holds the official layout (the export, skippable) plus `train_state/`, the DCP training state
 (train_state.py); both are written into one temporary directory renamed into place once (export.py's
 `shared_atomic_directory`), so a checkpoint is visible only when complete.
+Legend: dp/tp the mesh dimensions; a "run" is a training checkpoint directory.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ Builds the model on the meta device as each listed rank of a fake process group 
 prints the bytes `glm53.parallel.load_pretrained` would read from the FP8 release layout on that rank, the
 rank's parameter shard in memory, and the export's peak on it (shard + one official tensor gathered in fp32 + the
 file being filled), beside what gathering the full fp32 model and AdamW state (12 bytes per parameter) costs.
+Legend: dp/tp the mesh dimensions; GB = 1e9 bytes.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     file_bytes = parse_size(args.max_shard_size)
     print(f"{config.num_hidden_layers} layers, {config.n_routed_experts} experts, dp {args.dp} x tp {args.tp} "
           f"= {world} ranks (meta device, fake process group)")  # fmt: skip
-    header = f"{'rank':>5} {'load reads GB':>14} {'of ckpt':>8} {'replicated GB':>14} {'shard GB':>9} {'export peak GB':>15}"
-    print(header)
+    print(f"{'rank':>5} {'load reads GB':>14} {'of ckpt':>8} {'replicated GB':>14} {'shard GB':>9} "
+          f"{'export peak GB':>15}")  # fmt: skip
     params = None
     for rank in ranks:
         plan = plan_rank(config, rank, args.dp, args.tp)

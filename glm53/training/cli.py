@@ -37,7 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # torchrun runs (glm53/training/distributed.py): real weights, GPUs, bf16, DCP checkpoints.
     p.add_argument("--init", metavar="CHECKPOINT_DIR",
                    help="start from this official-layout checkpoint (torchrun: each rank reads only its shards)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="torchrun: cuda uses nccl, one GPU per rank")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="torchrun: cuda uses nccl, one GPU per rank")  # fmt: skip
     p.add_argument("--bf16", action="store_true", help="torchrun with --dp > 1: FSDP2 bf16 compute, fp32 keep-list")
     p.add_argument("--no-export", action="store_true",
                    help="torchrun --save: write only the DCP training state (no official-layout copy)")

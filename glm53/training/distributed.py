@@ -6,6 +6,7 @@ precision (trainer.py calls `init_parallel_model(args, mesh)`; the single-proces
     otherwise                  the preset, seeded identically on every rank, then parallelize
 --bf16 runs FSDP2 with a bf16 MixedPrecisionPolicy (glm53.precision's fp32 keep-list stays fp32); --device cuda
 puts the shards on this rank's GPU (nccl).
+Legend: dp/tp the mesh dimensions (glm53.parallel.init_mesh).
 """
 
 from __future__ import annotations

@@ -29,7 +29,8 @@ def ckpt_config(**overrides) -> Glm53Config:
                 indexer_types=["full", "full", "shared", "full"])  # fmt: skip
     base.update(overrides)
     # Nested with a tiny vision tower, as the release's config.json is, so transformers builds a small model.
-    return Glm53Config.from_dict({"text_config": Glm53Config.tiny(**base).to_dict(), "vision_config": dict(TINY_VISION)})
+    text = Glm53Config.tiny(**base).to_dict()
+    return Glm53Config.from_dict({"text_config": text, "vision_config": dict(TINY_VISION)})
 
 
 def write_test_checkpoint(path: str, fp8_blocks: bool = True, seed: int = 0) -> dict[str, torch.Tensor]:
