@@ -212,3 +212,31 @@ def sharded_load_error(path: str, dp: int, tp: int) -> str:
     except CheckpointError as e:
         return str(e)
     return ""
+
+
+def _placed(full_value: torch.Tensor, layout: str):
+    """`full_value` as a DTensor on a 4-rank layout: "rows" Shard(1) (FSDP on the packed dim, as under expert
+    parallelism), "strided" _StridedShard(1, 2) (TP's packed gate/up), "2d" (Shard(0), _StridedShard(1, 2))."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if layout == "2d":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+        placements = [Shard(0), _StridedShard(1, split_factor=2)]
+    else:
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("a",))
+        placements = [Shard(1) if layout == "rows" else _StridedShard(1, split_factor=2)]
+    return distribute_tensor(full_value, mesh, placements, src_data_rank=None)
+
+
+def dcp_reshard(directory: str, value: torch.Tensor, saved: str, loaded: str) -> bool:
+    """Save `value` placed as `saved` through the training-state chunks, load it placed as `loaded` -> equal?"""
+    import torch.distributed.checkpoint as dcp
+
+    from glm53.parallel.train_state import _entry, _LoadPlanner, _SavePlanner
+
+    dcp.save({"w": _entry(_placed(value, saved))}, checkpoint_id=directory, planner=_SavePlanner())
+    target = _placed(torch.zeros_like(value), loaded)
+    dcp.load({"w": _entry(target)}, checkpoint_id=directory, planner=_LoadPlanner())
+    return bool(torch.equal(target.full_tensor(), value))

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from tests.helpers.ckpt_jobs import resume_and_continue, save_then_continue, write_test_checkpoint
+from tests.helpers.ckpt_jobs import dcp_reshard, resume_and_continue, save_then_continue, write_test_checkpoint
 
 REL = 1e-4  # fp32, different reduction orders
 
@@ -40,3 +40,11 @@ def test_resume_on_another_layout(pool4, setup, saved, resumed):
         assert again[2] == 1
         assert again[0] == pytest.approx(straight[1], rel=REL), (dp, tp, again, straight)
         assert again[1] == pytest.approx(straight[2], rel=REL), (dp, tp, again, straight)
+
+
+@pytest.mark.parametrize("saved,loaded", [("rows", "strided"), ("strided", "2d"), ("2d", "rows")])
+def test_packed_expert_tensor_reshards_between_placements(pool4, tmp_path, saved, loaded):
+    """A packed [E, 2I, D] tensor whose local rows are one run (Shard(1), FSDP under EP) or two (TP's
+    _StridedShard): DCP gets one chunk per run, so each placement loads from any other exactly."""
+    value = torch.randn(4, 16, 3, generator=torch.Generator().manual_seed(0))
+    assert pool4.run(dcp_reshard, directory=str(tmp_path / "w"), value=value, saved=saved, loaded=loaded) == [True] * 4
