@@ -36,6 +36,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dp", type=int, default=1, help="data-parallel degree (torchrun)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (torchrun)")
     finetune.add_arguments(p)  # --init, --data, --tokenizer, --grad-accum
+    # torchrun runs (glm53/training/distributed.py): GPUs, bf16, DCP checkpoints; --init reads only each rank's shards
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="torchrun: cuda uses nccl, one GPU per rank")  # fmt: skip
+    p.add_argument("--bf16", action="store_true", help="torchrun with --dp > 1: FSDP2 bf16 compute, fp32 keep-list")
+    p.add_argument("--no-export", action="store_true",
+                   help="torchrun --save: write only the DCP training state (no official-layout copy)")
 
 
 def _check_world(args: argparse.Namespace) -> int:
@@ -55,6 +61,10 @@ def train(args: argparse.Namespace) -> int:
     if args.save_every and not args.save:
         raise SystemExit("--save-every needs --save DIR")
     finetune.check_args(args)
+    if (args.bf16 or args.device != "cpu" or args.no_export) and _check_world(args) == 1:
+        raise SystemExit("--bf16, --device and --no-export are torchrun options (run with --dp/--tp under torchrun)")
+    if args.bf16 and args.dp == 1:
+        raise SystemExit("--bf16 is FSDP2's mixed precision: it needs --dp > 1")
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     par = parallel.runtime if _check_world(args) > 1 else None

@@ -7,9 +7,9 @@ expert loads. Data: the built-in byte corpus, or --data FILE packed into rows (f
 `--save DIR` writes the final checkpoint to DIR and, with `--save-every N`, intermediate ones to DIR/step-N
 (state.py). Under torchrun the ranks form a (dp, tp) DeviceMesh, rank = dp_rank * tp + tp_rank; each dp rank
 draws its own batches (tp ranks of one dp group read the same ones), the loss is computed under
-loss_parallel_context, the expert loads are summed over dp ranks before the bias update, and checkpoints hold
-full tensors, so a run resumes on the same --dp x --tp layout. This module holds no collectives: glm53.parallel
-(parallelize, runtime) does the distributed work.
+loss_parallel_context, the expert loads are summed over dp ranks before the bias update, and checkpoints are DCP
+shards (every rank its own) plus the official layout, resumable on any --dp x --tp layout or in one process
+(state.py, distributed.py). This module holds no collectives: glm53.parallel does the distributed work.
 """
 
 from __future__ import annotations
@@ -27,11 +27,13 @@ import torch
 from ..config import Glm53Config
 from ..model.model import Glm53ForCausalLM
 from ..parallel import loss_parallel_context, parallelize
+from ..parallel.run_checkpoint import device_type, has_run_state
 from ..utils import ceil_div
 from .data import VOCAB_SIZE, batches, corpus_text, encode
 from .data.documents import DataError
+from .distributed import init_parallel_model
 from .finetune import FileData, init_model, model_inputs
-from .state import TRAINER_STATE, load_trainer_state, save_run, trainer_state
+from .state import TRAINER_STATE, load_trainer_state, resume_distributed, save_run, trainer_state
 
 GRAD_CLIP = 1.0  # max global gradient norm
 BETAS = (0.9, 0.95)  # AdamW betas (DeepSeek-V3's)
@@ -76,7 +78,8 @@ class Trainer:
 
     def __init__(self, args: argparse.Namespace, par=None) -> None:
         self.args, self.par = args, par
-        self.mesh = par.init_mesh(args.dp, args.tp) if par is not None else None
+        self.mesh = par.init_mesh(args.dp, args.tp, device_type(args.device)) if par is not None else None
+        self.device = self.mesh.device_type if par is not None else "cpu"
         self.rank = par.rank() if par is not None else 0
         self.log_rank = self.rank == 0
         torch.manual_seed(args.seed)  # the same initial weights on every rank
@@ -85,16 +88,18 @@ class Trainer:
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr, betas=BETAS, weight_decay=WEIGHT_DECAY)
         # Each data-parallel rank draws its own batches; the TP ranks of one dp group draw the same ones.
-        dp_rank = par.local_rank(self.mesh, "dp") if par is not None else 0
-        self.generator = torch.Generator().manual_seed(args.seed * 1_000_003 + dp_rank)
+        self.dp_rank = par.local_rank(self.mesh, "dp") if par is not None else 0
+        self.generator = torch.Generator().manual_seed(args.seed * 1_000_003 + self.dp_rank)
         self.start = self._resume()
-        self.data = self._file_data(dp_rank)
+        self.data = self._file_data(self.dp_rank)
 
     # ------------------------------------------------------------------------------------------------ setup
     def _load_resume_state(self) -> dict | None:
         args = self.args
         if not args.resume:
             return None
+        if has_run_state(args.resume):
+            return {"dcp": args.resume}  # a torchrun run, any layout (one process too): state.resume_distributed
         state = load_trainer_state(args.resume)
         saved = state.get("layout", [1, 1])  # [dp, tp]
         if list(saved) != [args.dp, args.tp]:
@@ -104,7 +109,11 @@ class Trainer:
 
     def _build_model(self) -> Glm53ForCausalLM:
         args = self.args
-        if args.resume:
+        if self.par is not None:
+            return init_parallel_model(args, self.mesh, PRESETS[args.preset])
+        if args.resume and has_run_state(args.resume):  # a torchrun run: DCP fills the weights in _resume
+            model = Glm53ForCausalLM(Glm53Config.from_pretrained(args.resume))
+        elif args.resume:
             model = Glm53ForCausalLM.from_pretrained(args.resume)
         elif args.init:
             model = init_model(args.init)
@@ -120,6 +129,9 @@ class Trainer:
         """Restore the optimizer and RNG states of a resumed run; -> the step it stopped at (0 when fresh)."""
         if self.state is None:
             return 0
+        if "dcp" in self.state:
+            return resume_distributed(self.state["dcp"], self.model, self.optimizer, self.par,
+                                      (self.args.dp, self.args.tp), self.dp_rank, self.generator)  # fmt: skip
         if self.par is None:
             self.optimizer.load_state_dict(self.state["optimizer"])
             rng = self.state
@@ -217,7 +229,9 @@ class Trainer:
     def save(self, path: str, step: int) -> None:
         data = self.data.state_dict() if self.data is not None else None
         state = trainer_state(step, self.optimizer, self.generator, self.par, (self.args.dp, self.args.tp), data)
-        save_run(self.model, path, state, self.par)
+        if self.par is not None:
+            state["dp_rank"] = self.dp_rank
+        save_run(self.model, path, state, self.par, export=not self.args.no_export)
         if self.data is not None and self.rank == 0:
             self.data.tokenizer.save(path)  # a resumed or downstream run finds the tokenizer beside the weights
 
@@ -229,7 +243,7 @@ class Trainer:
         data = batches(encode(corpus_text()), args.batch_size, args.seq_len, self.generator)
         began, tokens = time.perf_counter(), 0
         for step in range(self.start + 1, args.steps + 1):
-            micro = self.next_micro_batches(data)
+            micro = [{k: v.to(self.device) for k, v in m.items()} for m in self.next_micro_batches(data)]
             parts = self.step(step, micro)
             tokens += sum(int(m.get("attention_mask", m["input_ids"]).ne(0).sum()) for m in micro) * args.dp
             rate = tokens / (time.perf_counter() - began)
@@ -246,7 +260,9 @@ class Trainer:
         if args.save:
             self.save(args.save, max(self.start, args.steps))
             if self.log_rank:
-                print(f"saved {args.save} (official layout + {TRAINER_STATE})", flush=True)
+                what = f"official layout + {TRAINER_STATE}" if par is None else \
+                    ("DCP train_state/" if args.no_export else "official layout + DCP train_state/")
+                print(f"saved {args.save} ({what})", flush=True)
         if self.data is not None and self.log_rank:
             print(self.data.summary(), flush=True)
         return 0
