@@ -138,6 +138,10 @@ def read_training_state(directory: str, model: torch.nn.Module, optimizer: torch
         raise FileNotFoundError(f"{directory} holds no DCP training state (no .metadata)")
     stored = saved_keys(directory)
     flat, model_sd, optim_sd = _flat(model, optimizer)
+    if optim_sd is not None:  # parameters that never had a gradient have no AdamW state when saved: keep none
+        for fqn in [f for f, state in optim_sd["state"].items() if not any(f"optim.{f}.{k}" in stored for k in state)]:
+            for key in optim_sd["state"].pop(fqn):
+                flat.pop(f"optim.{fqn}.{key}")
     missing = sorted(k for k, v in flat.items() if isinstance(v, (torch.Tensor, _BoxChunks)) and k not in stored)
     if missing:
         raise KeyError(f"{directory} lacks training-state keys {missing[:5]}{' ...' if len(missing) > 5 else ''} "
@@ -150,7 +154,8 @@ def read_training_state(directory: str, model: torch.nn.Module, optimizer: torch
     if optimizer is not None:
         optim_sd["param_groups"] = flat[PARAM_GROUPS]
         _copy_scalars(flat, optim_sd)
-        set_optimizer_state_dict(model, optimizer, optim_sd)
+        # strict=False: only for the parameters dropped above (the model's own keys were checked strictly)
+        set_optimizer_state_dict(model, optimizer, optim_sd, options=StateDictOptions(strict=False))
     return {**(extra or {}), **{k[len("extra."):]: flat[k] for k in wanted}}
 
 

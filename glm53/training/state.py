@@ -7,6 +7,7 @@ writing its own shards) and resumes on any --dp x --tp layout.
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -40,6 +41,21 @@ def save_run(model: Glm53ForCausalLM, path: str, state: dict, par=None, export: 
     save_distributed(model, path, state, par, export)
 
 
+DATA_STATE_BYTES = 4096  # the --data cursor (small JSON) travels through DCP as a fixed-size byte tensor
+
+
+def _encode_data_state(data: dict) -> torch.Tensor:
+    raw = json.dumps(data, sort_keys=True).encode()
+    if len(raw) > DATA_STATE_BYTES:
+        raise ValueError(f"the --data position takes {len(raw)} bytes, more than {DATA_STATE_BYTES}")
+    return torch.tensor(list(raw) + [0] * (DATA_STATE_BYTES - len(raw)), dtype=torch.uint8)
+
+
+def _decode_data_state(t: torch.Tensor) -> dict | None:
+    raw = bytes(t.tolist()).rstrip(b"\0")
+    return json.loads(raw) if raw else None
+
+
 def save_distributed(model: Glm53ForCausalLM, path: str, state: dict, par, export: bool) -> None:
     """Every rank writes its own shards of the model and optimizer (DCP, `train_state/`), the step, the layout
     and its RNG states; with `export` the official layout is written beside them by several ranks, one tensor at a
@@ -51,12 +67,15 @@ def save_distributed(model: Glm53ForCausalLM, path: str, state: dict, par, expor
     extra = {"step": state["step"], "layout": torch.tensor(state["layout"]),
              f"data_rng.dp{dp_rank}": state["rank_rng"]["data_rng"],
              f"torch_rng.rank{rank}": state["rank_rng"]["torch_rng"]}  # fmt: skip
+    if state.get("data") is not None:  # the --data cursor, the same on every rank
+        extra["data_state"] = _encode_data_state(state["data"])
     save_run_state(model, state["optimizer"], path, extra, export=export)
 
 
 def resume_distributed(path: str, model: Glm53ForCausalLM, optimizer: torch.optim.Optimizer, par,
-                       layout: tuple[int, int], dp_rank: int, generator: torch.Generator) -> int:  # fmt: skip
-    """Load a DCP run saved on any (dp, tp) layout; -> its step. This rank's data stream continues the saved one
+                       layout: tuple[int, int], dp_rank: int, generator: torch.Generator
+                       ) -> tuple[int, dict | None]:  # fmt: skip
+    """Load a DCP run saved on any (dp, tp) layout; -> (its step, its --data cursor or None). This rank's data stream continues the saved one
     of the same dp index (the whole data order is the saved run's when --dp is unchanged) and its torch RNG state
     is restored when the saved run had this rank."""
     from ..parallel.run_checkpoint import load_run_state
@@ -64,7 +83,7 @@ def resume_distributed(path: str, model: Glm53ForCausalLM, optimizer: torch.opti
     rank = par.rank() if par is not None else 0
     data_key, rng_key = f"data_rng.dp{dp_rank}", f"torch_rng.rank{rank}"
     defaults = {"step": 0, "layout": torch.tensor([0, 0]), data_key: generator.get_state(),
-                rng_key: torch.get_rng_state()}  # fmt: skip
+                rng_key: torch.get_rng_state(), "data_state": torch.zeros(DATA_STATE_BYTES, dtype=torch.uint8)}  # fmt: skip
     got = load_run_state(path, model, optimizer, defaults)
     generator.set_state(got[data_key])
     torch.set_rng_state(got[rng_key])
@@ -73,7 +92,7 @@ def resume_distributed(path: str, model: Glm53ForCausalLM, optimizer: torch.opti
         print(f"resuming a run saved on --dp {saved[0]} --tp {saved[1]} on --dp {layout[0]} --tp {layout[1]}: model "
               f"and optimizer resharded" + ("" if saved[0] == layout[0] else "; the data order differs from the "
               "saved run's (it draws per dp rank)"), flush=True)  # fmt: skip
-    return int(got["step"])
+    return int(got["step"]), _decode_data_state(got["data_state"])
 
 
 def load_trainer_state(path: str) -> dict:

@@ -130,8 +130,11 @@ class Trainer:
         if self.state is None:
             return 0
         if "dcp" in self.state:
-            return resume_distributed(self.state["dcp"], self.model, self.optimizer, self.par,
-                                      (self.args.dp, self.args.tp), self.dp_rank, self.generator)  # fmt: skip
+            step, data = resume_distributed(self.state["dcp"], self.model, self.optimizer, self.par,
+                                            (self.args.dp, self.args.tp), self.dp_rank, self.generator)  # fmt: skip
+            if data is not None:
+                self.state["data"] = data
+            return step
         if self.par is None:
             self.optimizer.load_state_dict(self.state["optimizer"])
             rng = self.state

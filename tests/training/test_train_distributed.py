@@ -102,7 +102,13 @@ def test_dp2_fine_tuning_with_accumulation_matches_one_process(tmp_path, capsys)
     paths = load_example().prepare(str(tmp_path))
     common = ["train", "--init", paths["base"], "--data", paths["train"], "--seq-len", "96", "--log-every", "1",
               "--seed", "2", "--steps", "3"]  # fmt: skip
-    parallel = losses(torchrun(*common, "--dp", "2", "--batch-size", "1", "--grad-accum", "2"))
+    save = tmp_path / "run"
+    dp2 = ["--dp", "2", "--batch-size", "1", "--grad-accum", "2"]
+    parallel = losses(torchrun(*common, *dp2, "--save", str(save), "--save-every", "2"))
+    # the DCP run carries the --data cursor: resuming at step 2 continues with the same rows
+    without_init = [a for a in common if a not in ("--init", paths["base"])]
+    resumed = losses(torchrun(*without_init, *dp2, "--resume", str(save / "step-2")))
+    assert sorted(resumed) == [3] and resumed[3] == pytest.approx(parallel[3], abs=2e-4), (resumed, parallel)
     assert main([*common, "--batch-size", "4"]) == 0
     single = losses(capsys.readouterr().out)
     assert sorted(parallel) == sorted(single) == [1, 2, 3]
