@@ -21,6 +21,9 @@ _RESOLVER: ParamResolver | None = None
 # A value every rank holds whole (a replicated DTensor loss) -> plain tensor; None means "unchanged".
 ValueResolver = Callable[[torch.Tensor], torch.Tensor]
 _VALUE_RESOLVER: ValueResolver | None = None
+# Experts module -> the function that runs it across ranks, or None to call the kernel locally.
+ExpertDispatcher = Callable[[nn.Module], Callable | None]
+_EXPERT_DISPATCHER: ExpertDispatcher | None = None
 
 
 def as_local(module: nn.Module, name: str) -> torch.Tensor:
@@ -38,6 +41,20 @@ def set_param_resolver(resolver: ParamResolver | None) -> ParamResolver | None:
     return previous
 
 
+def expert_dispatcher(module: nn.Module) -> Callable | None:
+    """The function that runs `module`'s routed experts when the parallel layer spreads them over ranks
+    (expert parallelism: tokens sent to the ranks holding their experts and back), with the `moe_experts`
+    kernel's signature; None on one process, where the module calls the kernel itself."""
+    return None if _EXPERT_DISPATCHER is None else _EXPERT_DISPATCHER(module)
+
+
+def set_expert_dispatcher(dispatcher: ExpertDispatcher | None) -> ExpertDispatcher | None:
+    """Install the lookup `expert_dispatcher` uses (None removes it); returns the previous one."""
+    global _EXPERT_DISPATCHER
+    previous, _EXPERT_DISPATCHER = _EXPERT_DISPATCHER, dispatcher
+    return previous
+
+
 def as_plain(value: torch.Tensor) -> torch.Tensor:
     """A computed value that every rank holds whole (the vocab-parallel cross-entropy's replicated DTensor loss)
     as a plain tensor, so it can be added to losses computed from plain activations (router balance, indexer KL);
@@ -52,4 +69,5 @@ def set_value_resolver(resolver: ValueResolver | None) -> ValueResolver | None:
     return previous
 
 
-__all__ = ["as_local", "as_plain", "set_param_resolver", "set_value_resolver"]
+__all__ = ["as_local", "as_plain", "set_param_resolver", "set_value_resolver", "expert_dispatcher",
+           "set_expert_dispatcher"]
