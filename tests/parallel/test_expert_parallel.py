@@ -30,6 +30,9 @@ def make_case(seed: int = 0, bias: dict[int, float] | None = None, **training) -
             router.e_score_correction_bias.normal_(std=0.01, generator=torch.Generator().manual_seed(seed + 5))
             for expert, value in (bias or {}).items():
                 router.e_score_correction_bias[expert] = value
+        for name, p in model.named_parameters():  # an indexer KL of ~0.2, not ~1e-6 (see test_parallel_gloo)
+            if ".indexer." in name and p.dim() == 2:
+                p.normal_(std=0.3, generator=torch.Generator().manual_seed(seed + 7))
     state = {k: v.clone() for k, v in model.state_dict().items()}
     ids = torch.randint(1, config["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(seed + 1))
     return dict(config=config, state=state, ids=ids)
@@ -57,3 +60,46 @@ def run_and_check(pool, case, dp, ep, **kwargs):
 
 def test_ep2_matches_one_process(pool2):
     results = run_and_check(pool2, make_case(), dp=1, ep=2)
+    for res in results:  # experts Shard(0) over ep, and (dp = 1) whole on each dp rank: [E/2, 2I, D]
+        placements, shape = res["placements"]["model.layers.1.mlp.experts.gate_up_proj"]
+        assert shape[0] == case_experts() // 2
+
+
+def case_experts() -> int:
+    return Glm53Config(**config_dict()).n_routed_experts
+
+
+def test_dp2_ep2_matches_one_process(pool4):
+    results = run_and_check(pool4, make_case(seed=1), dp=2, ep=2)
+    placements, shape = results[0]["placements"]["model.layers.1.mlp.experts.gate_up_proj"]
+    E, I2, D = Glm53Config(**config_dict()).n_routed_experts, 2 * 16, 32
+    assert shape == (E // 2, I2 // 2, D), (placements, shape)  # ep on dim 0, FSDP over dp on dim 1
+
+
+@pytest.mark.parametrize("layout", ["ep2", "dp2xep2"])
+def test_ep_with_checkpointing_and_mtp_matches_one_process(pool2, pool4, layout):
+    """Every training loss (MTP with its own MoE, indexer KL, balance and z-loss) under activation checkpointing:
+    the recomputed forwards redo the all-to-alls; loads are counted once."""
+    case = make_case(seed=2, **TRAINING)
+    dp, pool = (1, pool2) if layout == "ep2" else (2, pool4)
+    reference = reference_step(case["config"], case["state"], case["ids"], dp=dp * 2)
+    assert {"mtp_loss", "aux_loss", "indexer_loss"} <= set(reference["parts"])
+    results = pool.run(ep_step, config=case["config"], state=case["state"], ids=case["ids"], dp=dp, ep=2,
+                       checkpointing=True)  # fmt: skip
+    check_parity(results, reference)
+
+
+def test_one_dimensional_ep_mesh_matches_one_process(pool2):
+    run_and_check(pool2, make_case(seed=3), dp=1, ep=2, one_dim=True)
+
+
+@pytest.mark.parametrize("target", ["rank0", "rank1", "one_expert_each"])
+def test_uneven_routing_matches_one_process(pool2, pool4, target):
+    """All tokens to one rank's experts (the other receives nothing, and some experts get no token), or every
+    token to the same two experts on different ranks."""
+    E = case_experts()
+    bias = {"rank0": {e: 5.0 for e in range(E // 2)}, "rank1": {e: 5.0 for e in range(E // 2, E)},
+            "one_expert_each": {0: 5.0, E - 1: 5.0}}[target]  # fmt: skip
+    case = make_case(seed=4, bias=bias)
+    run_and_check(pool4 if target == "one_expert_each" else pool2, case,
+                  dp=2 if target == "one_expert_each" else 1, ep=2)  # fmt: skip
