@@ -24,6 +24,7 @@ import torch
 
 from ..config import Glm53Config
 from ..model.model import Glm53ForCausalLM
+from ..parallel import clip_grad_norm_ as parallel_clip_grad_norm_
 from ..parallel import loss_parallel_context, parallelize
 from ..utils import ceil_div
 from .data import VOCAB_SIZE, batches, corpus_text, encode
@@ -67,12 +68,17 @@ def _describe(out) -> str:
     return "  ".join(parts)
 
 
+def _layout(args: argparse.Namespace) -> list[int]:
+    """The parallel layout saved with a checkpoint: [dp, tp], with ep appended when it exceeds 1."""
+    return [args.dp, args.tp] + ([args.ep] if args.ep > 1 else [])
+
+
 class Trainer:
     """One process, or (`par` = glm53.parallel.runtime) one rank of a torchrun (dp, tp) grid."""
 
     def __init__(self, args: argparse.Namespace, par=None) -> None:
         self.args, self.par = args, par
-        self.mesh = par.init_mesh(args.dp, args.tp) if par is not None else None
+        self.mesh = par.init_mesh(args.dp, args.tp, ep=args.ep) if par is not None else None
         self.rank = par.rank() if par is not None else 0
         self.log_rank = self.rank == 0
         torch.manual_seed(args.seed)  # the same initial weights on every rank
@@ -81,7 +87,8 @@ class Trainer:
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr, betas=BETAS, weight_decay=WEIGHT_DECAY)
         # Each data-parallel rank draws its own batches; the TP ranks of one dp group draw the same ones.
-        dp_rank = par.local_rank(self.mesh, "dp") if par is not None else 0
+        # Expert-parallel ranks read their own batches too (data rank = dp_rank * ep + ep_rank).
+        dp_rank = par.local_rank(self.mesh, "dp") * args.ep + par.local_rank(self.mesh, "ep") if par is not None else 0
         self.generator = torch.Generator().manual_seed(args.seed * 1_000_003 + dp_rank)
         self.start = self._resume()
 
@@ -91,10 +98,10 @@ class Trainer:
         if not args.resume:
             return None
         state = load_trainer_state(args.resume)
-        saved = state.get("layout", [1, 1])  # [dp, tp]
-        if list(saved) != [args.dp, args.tp]:
-            raise SystemExit(f"--resume {args.resume} was saved with --dp {saved[0]} --tp {saved[1]} (its data and "
-                             f"RNG states are per rank); resume with the same layout")  # fmt: skip
+        saved = state.get("layout", [1, 1])  # [dp, tp] (+ [ep] when ep > 1)
+        if list(saved) != _layout(args):
+            raise SystemExit(f"--resume {args.resume} was saved with layout {list(saved)} ([dp, tp] or [dp, tp, ep]; "
+                             f"its data and RNG states are per rank); resume with the same layout")  # fmt: skip
         return state
 
     def _build_model(self) -> Glm53ForCausalLM:
@@ -136,7 +143,10 @@ class Trainer:
         with self._loss_context():
             out = self.model(ids, labels=ids)
             out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP)
+        if self.par is not None:  # gradients on two meshes under EP
+            parallel_clip_grad_norm_(self.model.parameters(), GRAD_CLIP)
+        else:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP)
         self.optimizer.step()
         self.model.update_router_bias(self.args.bias_rate)  # loads summed over dp ranks by model.expert_load_reduce
         return out
@@ -146,7 +156,7 @@ class Trainer:
         args = self.args
         params = sum(p.numel() for p in self.model.parameters())
         how = f"resuming {args.resume} at step {self.start}" if self.state else f"preset {args.preset}, seed {args.seed}"
-        layout = f", dp {args.dp} x tp {args.tp}" if self.par is not None else ""
+        layout = f", dp {args.dp} x tp {args.tp}" + (f" x ep {args.ep}" if args.ep > 1 else "") if self.par else ""
         print(f"glm53 train: {how}, {params:,} parameters{layout}, {args.steps} steps of {args.batch_size}x"
               f"{args.seq_len} tokens", flush=True)  # fmt: skip
         if self.start >= args.steps:
@@ -166,7 +176,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------- save
     def save(self, path: str, step: int) -> None:
-        state = trainer_state(step, self.optimizer, self.generator, self.par, (self.args.dp, self.args.tp))
+        state = trainer_state(step, self.optimizer, self.generator, self.par, tuple(_layout(self.args)))
         save_run(self.model, path, state, self.par)
 
     # -------------------------------------------------------------------------------------------------- run
@@ -179,9 +189,9 @@ class Trainer:
         for step in range(self.start + 1, args.steps + 1):
             ids = next(data)
             out = self.step(step, ids)
-            tokens += ids.numel() * args.dp
+            tokens += ids.numel() * args.dp * args.ep
             rate = tokens / (time.perf_counter() - began)
-            loss_value = out.loss if par is None else par.mean_over(out.loss, self.mesh, "dp")
+            loss_value = out.loss if par is None else par.mean_over(par.mean_over(out.loss, self.mesh, "dp"), self.mesh, "ep")
             loss = loss_value.item()  # NOTE: syncs
             if not math.isfinite(loss):
                 raise SystemExit(f"step {step}: loss is {loss}; stopping")
