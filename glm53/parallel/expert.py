@@ -92,8 +92,13 @@ def _dispatcher_for(module: nn.Module):
 
 
 def check_ep_size(model: nn.Module, ep: int) -> None:
-    """Raise ValueError naming n_routed_experts when the experts do not split evenly over `ep` ranks."""
-    E = model.config.n_routed_experts
+    """Raise ValueError naming n_routed_experts when the experts of `model` (a Glm53ForCausalLM or any module
+    holding routed-experts modules) do not split evenly over `ep` ranks."""
+    for E in sorted({m.gate_up_proj.shape[0] for m in expert_modules(model)}):
+        _check_divisible(E, ep)
+
+
+def _check_divisible(E: int, ep: int) -> None:
     if E % ep != 0:
         raise ValueError(f"expert parallelism over {ep} ranks gives each rank n_routed_experts / ep experts, but "
                          f"n_routed_experts={E} is not divisible by {ep}")  # fmt: skip
@@ -119,17 +124,18 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
 def expert_shard_placement(dp_size: int, ep_sharded: bool):
     """FSDP's `shard_placement_fn` for routed-expert parameters: Shard on the first dimension of the local
     [E or El, *, *] tensor that splits evenly over `dp_size` ranks (FSDP pads uneven dim-0 shards and requires
-    other dims to divide evenly). Under EP, dim 0 is already the ep dimension and is not used."""
+    other dims to divide evenly). Under EP, dim 0 already carries the ep split, so dims 1 and 2 come first."""
 
     def placement(param: nn.Parameter):
         shape = param.to_local().shape if isinstance(param, DTensor) else param.shape
-        dims = (1, 2) if ep_sharded else (0, 1, 2)
+        dims = (1, 2, 0) if ep_sharded else (0, 1, 2)
         for d in dims:
             if shape[d] % dp_size == 0:
                 return Shard(d)
         if ep_sharded:
             raise ValueError(f"FSDP over {dp_size} dp ranks cannot split a routed-expert parameter of local shape "
-                             f"{tuple(shape)} evenly on dim 1 or 2 (moe_intermediate_size / hidden_size)")  # fmt: skip
+                             f"{tuple(shape)} evenly on any dimension (n_routed_experts / ep, "
+                             f"moe_intermediate_size, hidden_size)")  # fmt: skip
         return Shard(0)
 
     return placement

@@ -106,6 +106,27 @@ def activation_elements(c: Glm53Config, kind: tuple[str, str], tp: int, ep: int,
     return 2 * _hc(c) + attn + mlp
 
 
+# ----------------------------------------------------------------------------------- MoE communication
+def moe_comm_bytes(c: Glm53Config, dp: int, ep: int, tokens: int, dtype_bytes: int) -> dict[str, int]:
+    """Bytes one rank sends for one MoE layer in one training step (forward + backward, FSDP resharding after
+    forward, no activation checkpointing), counted as glm53/parallel/comm.py counts them.
+
+    FSDP: the experts are all-gathered twice (forward, backward) and their gradients reduce-scattered once over
+    the ranks that shard them (dp x ep without EP, dp with it), on 1/ep of the experts under EP; the router and
+    shared expert likewise over all dp x ep ranks. EP: four all-to-alls of the tokens' k rows of width D
+    (dispatch and combine, forward and backward) under uniform routing, plus the per-expert count exchange.
+    """
+    E, k, D, I = c.n_routed_experts, c.num_experts_per_tok, c.hidden_size, c.moe_intermediate_size
+    experts = E // ep * 3 * I * D * dtype_bytes
+    rest = E * D * FP32 + 3 * c.moe_intermediate_size * c.n_shared_experts * D * dtype_bytes
+    shard_e, shard_r = (dp if ep > 1 else dp * ep), dp * ep
+    out = {"all_gather": 2 * (experts * (shard_e - 1) // shard_e + rest * (shard_r - 1) // shard_r),
+           "reduce_scatter": experts * (shard_e - 1) // shard_e + rest * (shard_r - 1) // shard_r, "all_to_all": 0}
+    if ep > 1:
+        out["all_to_all"] = 4 * tokens * k * D * dtype_bytes * (ep - 1) // ep + E * INDEX_BYTES * (ep - 1) // ep
+    return out
+
+
 # ------------------------------------------------------------------------------------------------------ plan
 def measure(c: Glm53Config, dp: int, ep: int, tp: int, dtype: torch.dtype) -> dict:
     """Rank 0's parameter elements per dtype and the largest all-gather, from the real parallelize."""
@@ -139,7 +160,9 @@ def plan(args: argparse.Namespace, config: Glm53Config | None = None) -> dict:
         acts = sum(per_kind[k] * n for k, n in counts.items())
     rows = dict(params=m["params"], grads=m["params"], adamw=2 * m["params"], transient=2 * m["gather"].bytes,
                 activations=acts + head)  # fmt: skip
-    return dict(rows=rows, total=sum(rows.values()), per_kind=per_kind, counts=counts, measured=m, head=head)
+    comm = moe_comm_bytes(c, args.dp, args.ep, tokens, size)
+    return dict(rows=rows, total=sum(rows.values()), per_kind=per_kind, counts=counts, measured=m, head=head,
+                comm=comm)  # fmt: skip
 
 
 def report(args: argparse.Namespace, result: dict, seconds: float) -> str:
@@ -157,6 +180,8 @@ def report(args: argparse.Namespace, result: dict, seconds: float) -> str:
     for (attn, mlp), value in sorted(result["per_kind"].items()):
         lines.append(f"  {attn}+{mlp:<4} x{result['counts'][(attn, mlp)]:<3}{'':24} {value / GIB:9.2f}")
     lines.append(f"  logits + gradient (fp32){'':12} {result['head'] / GIB:9.2f}")
+    comm = ", ".join(f"{kind} {value / GIB:.2f}" for kind, value in result["comm"].items())
+    lines.append(f"sent per MoE layer per step (GiB, uniform routing): {comm}")
     fits = "fits" if result["total"] <= args.device_gib * GIB else "does NOT fit"
     lines.append(f"total {result['total'] / GIB:.2f} GiB vs device {args.device_gib:g} GiB: {fits}  "
                  f"({seconds:.1f} s)")  # fmt: skip
