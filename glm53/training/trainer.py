@@ -156,7 +156,8 @@ class Trainer:
         args = self.args
         params = sum(p.numel() for p in self.model.parameters())
         how = f"resuming {args.resume} at step {self.start}" if self.state else f"preset {args.preset}, seed {args.seed}"
-        layout = f", dp {args.dp} x tp {args.tp}" + (f" x ep {args.ep}" if args.ep > 1 else "") if self.par else ""
+        ep = f" x ep {args.ep}" if args.ep > 1 else ""
+        layout = f", dp {args.dp} x tp {args.tp}{ep}" if self.par is not None else ""
         print(f"glm53 train: {how}, {params:,} parameters{layout}, {args.steps} steps of {args.batch_size}x"
               f"{args.seq_len} tokens", flush=True)  # fmt: skip
         if self.start >= args.steps:
@@ -191,7 +192,9 @@ class Trainer:
             out = self.step(step, ids)
             tokens += ids.numel() * args.dp * args.ep
             rate = tokens / (time.perf_counter() - began)
-            loss_value = out.loss if par is None else par.mean_over(par.mean_over(out.loss, self.mesh, "dp"), self.mesh, "ep")
+            # every dp x ep rank trained on its own batches
+            loss_value = out.loss if par is None else par.mean_over(par.mean_over(out.loss, self.mesh, "dp"),
+                                                                    self.mesh, "ep")  # fmt: skip
             loss = loss_value.item()  # NOTE: syncs
             if not math.isfinite(loss):
                 raise SystemExit(f"step {step}: loss is {loss}; stopping")
