@@ -12,6 +12,7 @@ import warnings
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from glm53 import Glm53Config, Glm53ForCausalLM
@@ -26,14 +27,15 @@ def build_ep_mesh(dp: int, ep: int, one_dim: bool = False):
 
 
 def ep_step(config: dict, state: dict, ids: torch.Tensor, dp: int, ep: int, checkpointing: bool = False,
-            mask: torch.Tensor | None = None, one_dim: bool = False) -> dict:  # fmt: skip
+            mask: torch.Tensor | None = None, one_dim: bool = False, bf16: bool = False) -> dict:  # fmt: skip
     """Forward/backward/clip/SGD/bias update on a (dp, ep) mesh; this rank runs slice `rank` of `ids`."""
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
     mesh = build_ep_mesh(dp, ep, one_dim)
     model = Glm53ForCausalLM(Glm53Config(**config))
     model.load_state_dict(state)
-    parallelize(model, mesh, activation_checkpointing=checkpointing)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    parallelize(model, mesh, activation_checkpointing=checkpointing, mp_policy=policy)
     world, rank = dp * ep, dist.get_rank()
     per = ids.shape[0] // world
     rows = slice(rank * per, (rank + 1) * per)

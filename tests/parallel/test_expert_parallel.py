@@ -14,7 +14,7 @@ from glm53 import Glm53Config, Glm53ForCausalLM
 from tests.helpers.expert_jobs import ep_step
 from tests.helpers.parallel_harness import WorkerPool
 from tests.helpers.parallel_jobs import reference_step
-from tests.parallel.test_parallel_gloo import TRAINING, check_parity, config_dict
+from tests.parallel.test_parallel_gloo import BF16_REL, TRAINING, check_parity, config_dict
 
 BATCH, SEQ = 4, 12
 
@@ -103,3 +103,16 @@ def test_uneven_routing_matches_one_process(pool2, pool4, target):
     case = make_case(seed=4, bias=bias)
     run_and_check(pool4 if target == "one_expert_each" else pool2, case,
                   dp=2 if target == "one_expert_each" else 1, ep=2)  # fmt: skip
+
+
+def test_bf16_mixed_precision_dp2_ep2_is_close(pool4):
+    """bf16 parameters in compute (experts and tokens cross the all-to-alls in bf16), fp32 reductions."""
+    case = make_case(seed=5)
+    reference = reference_step(case["config"], case["state"], case["ids"], dp=4)
+    results = pool4.run(ep_step, config=case["config"], state=case["state"], ids=case["ids"], dp=2, ep=2, bf16=True)
+    for res in results:
+        assert torch.isfinite(res["loss"]) and all(torch.isfinite(g).all() for g in res["grads"].values())
+        assert abs(res["loss"] - reference["loss"]) / reference["loss"] <= BF16_REL
+        diff = torch.cat([(res["grads"][n] - g).flatten() for n, g in reference["grads"].items()])
+        norm = torch.cat([g.flatten() for g in reference["grads"].values()])
+        assert (diff.norm() / norm.norm()).item() <= BF16_REL
