@@ -23,7 +23,7 @@ from .parallelize import (
 from . import expert as _expert
 from .expert import apply_expert_parallel, check_ep_size, clip_grad_norm_
 from .plan import ExpertTensorParallel, LocalShardParams, ReplicateModule, ReplicateParams, check_tp_size, tp_plan
-from .runtime import full_optimizer_state, full_state, init_mesh, load_full_optimizer_state
+from .runtime import full_optimizer_state, full_state, init_mesh, load_full_optimizer_state, loss_denominators
 
 _boundary.install()
 _expert.install()
@@ -32,6 +32,6 @@ __all__ = [
     "materialize_full", "local_shard", "PlacementError", "Whole", "LocalShard", "set_boundary_rule",
     "parallelize", "apply_tensor_parallel", "apply_fsdp", "loss_parallel_context", "init_weights", "zero_rows",
     "expert_load_sum", "apply_expert_parallel", "check_ep_size", "clip_grad_norm_",
-    "init_mesh", "full_state", "full_optimizer_state", "load_full_optimizer_state",
+    "init_mesh", "loss_denominators", "full_state", "full_optimizer_state", "load_full_optimizer_state",
     "tp_plan", "check_tp_size", "ReplicateParams", "ReplicateModule", "LocalShardParams", "ExpertTensorParallel",
 ]  # fmt: skip
