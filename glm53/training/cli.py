@@ -35,6 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="CPU intra-op threads (tiny models run fastest on 1: thread hand-offs cost more than the ops)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel degree (torchrun)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (torchrun)")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel degree (torchrun): routed experts over ep ranks, each reading its own batches")
     finetune.add_arguments(p)  # --init, --data, --tokenizer, --grad-accum
     # torchrun runs (glm53/training/distributed.py): GPUs, bf16, DCP checkpoints; --init reads only each rank's shards
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -45,14 +47,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _check_world(args: argparse.Namespace) -> int:
-    """Check --dp * --tp against torchrun's WORLD_SIZE; -> the world size."""
+    """Check --dp * --ep * --tp against torchrun's WORLD_SIZE; -> the world size."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if args.dp < 1 or args.tp < 1:
-        raise SystemExit(f"--dp and --tp must be >= 1, got --dp {args.dp} --tp {args.tp}")
-    if args.dp * args.tp != world:
-        n = args.dp * args.tp
-        raise SystemExit(f"--dp {args.dp} x --tp {args.tp} = {n} processes, but WORLD_SIZE is {world}: launch with "
-                         f"`torchrun --nproc-per-node {n} -m glm53 train ...`")  # fmt: skip
+    if args.dp < 1 or args.tp < 1 or args.ep < 1:
+        raise SystemExit(f"--dp, --ep and --tp must be >= 1, got --dp {args.dp} --ep {args.ep} --tp {args.tp}")
+    if args.dp * args.ep * args.tp != world:
+        n = args.dp * args.ep * args.tp
+        raise SystemExit(f"--dp {args.dp} x --ep {args.ep} x --tp {args.tp} = {n} processes, but WORLD_SIZE is "
+                         f"{world}: launch with `torchrun --nproc-per-node {n} -m glm53 train ...`")  # fmt: skip
     return world
 
 

@@ -64,7 +64,8 @@ def save_distributed(model: Glm53ForCausalLM, path: str, state: dict, par, expor
 
     rank, dp_rank = par.rank(), state["dp_rank"]  # dp_rank: set by the trainer
     # The TP ranks of one dp group hold the same data stream: one key per dp rank (DCP writes it once).
-    extra = {"step": state["step"], "layout": torch.tensor(state["layout"]),
+    layout = list(state["layout"]) + [1] * (3 - len(state["layout"]))  # [dp, tp, ep]
+    extra = {"step": state["step"], "layout": torch.tensor(layout),
              f"data_rng.dp{dp_rank}": state["rank_rng"]["data_rng"],
              f"torch_rng.rank{rank}": state["rank_rng"]["torch_rng"]}  # fmt: skip
     if state.get("data") is not None:  # the --data cursor, the same on every rank
@@ -82,16 +83,19 @@ def resume_distributed(path: str, model: Glm53ForCausalLM, optimizer: torch.opti
 
     rank = par.rank() if par is not None else 0
     data_key, rng_key = f"data_rng.dp{dp_rank}", f"torch_rng.rank{rank}"
-    defaults = {"step": 0, "layout": torch.tensor([0, 0]), data_key: generator.get_state(),
+    defaults = {"step": 0, "layout": torch.tensor([0, 0, 0]), data_key: generator.get_state(),
                 rng_key: torch.get_rng_state(), "data_state": torch.zeros(DATA_STATE_BYTES, dtype=torch.uint8)}  # fmt: skip
     got = load_run_state(path, model, optimizer, defaults)
     generator.set_state(got[data_key])
     torch.set_rng_state(got[rng_key])
     saved = [int(v) for v in got["layout"]]
-    if saved != list(layout) and rank == 0:
-        print(f"resuming a run saved on --dp {saved[0]} --tp {saved[1]} on --dp {layout[0]} --tp {layout[1]}: model "
-              f"and optimizer resharded" + ("" if saved[0] == layout[0] else "; the data order differs from the "
-              "saved run's (it draws per dp rank)"), flush=True)  # fmt: skip
+    layout = list(layout) + [1] * (3 - len(layout))
+    if saved != layout and rank == 0:
+        names = ("--dp", "--tp", "--ep")
+        print(f"resuming a run saved on {' '.join(f'{n} {v}' for n, v in zip(names, saved))} on "
+              f"{' '.join(f'{n} {v}' for n, v in zip(names, layout))}: model and optimizer resharded"
+              + ("" if (saved[0], saved[2]) == (layout[0], layout[2]) else "; the data order differs from the "
+                 "saved run's (it draws per data rank)"), flush=True)  # fmt: skip
     return int(got["step"]), _decode_data_state(got["data_state"])
 
 

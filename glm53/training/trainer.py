@@ -26,6 +26,7 @@ import torch
 
 from ..config import Glm53Config
 from ..model.model import Glm53ForCausalLM
+from ..parallel import clip_grad_norm_ as parallel_clip_grad_norm_
 from ..parallel import loss_parallel_context, parallelize
 from ..parallel.run_checkpoint import device_type, has_run_state
 from ..utils import ceil_div
@@ -73,12 +74,17 @@ def _describe(parts: dict[str, float]) -> str:
     return "  ".join(text)
 
 
+def _layout(args: argparse.Namespace) -> list[int]:
+    """The parallel layout saved with a checkpoint: [dp, tp], with ep appended when it exceeds 1."""
+    return [args.dp, args.tp] + ([args.ep] if args.ep > 1 else [])
+
+
 class Trainer:
     """One process, or (`par` = glm53.parallel.runtime) one rank of a torchrun (dp, tp) grid."""
 
     def __init__(self, args: argparse.Namespace, par=None) -> None:
         self.args, self.par = args, par
-        self.mesh = par.init_mesh(args.dp, args.tp, device_type(args.device)) if par is not None else None
+        self.mesh = par.init_mesh(args.dp, args.tp, device_type(args.device), ep=args.ep) if par is not None else None
         self.device = self.mesh.device_type if par is not None else "cpu"
         self.rank = par.rank() if par is not None else 0
         self.log_rank = self.rank == 0
@@ -88,7 +94,9 @@ class Trainer:
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr, betas=BETAS, weight_decay=WEIGHT_DECAY)
         # Each data-parallel rank draws its own batches; the TP ranks of one dp group draw the same ones.
-        self.dp_rank = par.local_rank(self.mesh, "dp") if par is not None else 0
+        # Expert-parallel ranks read their own batches too (data rank = dp_rank * ep + ep_rank).
+        self.dp_rank = (par.local_rank(self.mesh, "dp") * args.ep + par.local_rank(self.mesh, "ep")
+                        if par is not None else 0)  # fmt: skip
         self.generator = torch.Generator().manual_seed(args.seed * 1_000_003 + self.dp_rank)
         self.start = self._resume()
         self.data = self._file_data(self.dp_rank)
@@ -101,10 +109,10 @@ class Trainer:
         if has_run_state(args.resume):
             return {"dcp": args.resume}  # a torchrun run, any layout (one process too): state.resume_distributed
         state = load_trainer_state(args.resume)
-        saved = state.get("layout", [1, 1])  # [dp, tp]
-        if list(saved) != [args.dp, args.tp]:
-            raise SystemExit(f"--resume {args.resume} was saved with --dp {saved[0]} --tp {saved[1]} (its data and "
-                             f"RNG states are per rank); resume with the same layout")  # fmt: skip
+        saved = state.get("layout", [1, 1])  # [dp, tp] (+ [ep] when ep > 1)
+        if list(saved) != _layout(args):
+            raise SystemExit(f"--resume {args.resume} was saved with layout {list(saved)} ([dp, tp] or [dp, tp, ep]; "
+                             f"its data and RNG states are per rank); resume with the same layout")  # fmt: skip
         return state
 
     def _build_model(self) -> Glm53ForCausalLM:
@@ -131,7 +139,7 @@ class Trainer:
             return 0
         if "dcp" in self.state:
             step, data = resume_distributed(self.state["dcp"], self.model, self.optimizer, self.par,
-                                            (self.args.dp, self.args.tp), self.dp_rank, self.generator)  # fmt: skip
+                                            tuple(_layout(self.args)), self.dp_rank, self.generator)  # fmt: skip
             if data is not None:
                 self.state["data"] = data
             return step
@@ -157,7 +165,7 @@ class Trainer:
         config = self.model.config
         try:
             data = FileData(args, args.tokenizer or args.init or args.resume, config.vocab_size,
-                            config.pad_token_id or 0, args.dp, dp_rank)  # fmt: skip
+                            config.pad_token_id or 0, args.dp * args.ep, dp_rank)  # fmt: skip
         except DataError as e:  # a bad file or record: the message (file and line), not a traceback
             raise SystemExit(f"glm53 train: {e}") from None
         if resumed_data:
@@ -187,7 +195,8 @@ class Trainer:
         counts = [self.model.loss_counts(m["labels"], m.get("attention_mask"), m.get("position_ids")) for m in micro]
         den = sum(counts[1:], counts[0])
         if self.par is not None:
-            den = self.par.loss_denominators(den, self.mesh)
+            # every dp x ep rank reads its own batches: the global batch's counts over both dimensions
+            den = self.par.loss_denominators(self.par.loss_denominators(den, self.mesh, "dp"), self.mesh, "ep")
         parts: dict[str, torch.Tensor] = {}
         for inputs in micro:
             with self._loss_context():
@@ -196,7 +205,10 @@ class Trainer:
             for name in LOSS_PARTS:
                 if getattr(out, name) is not None:
                     parts[name] = parts.get(name, 0) + getattr(out, name).detach()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP)
+        if self.par is not None:  # gradients on two meshes under EP
+            parallel_clip_grad_norm_(self.model.parameters(), GRAD_CLIP)
+        else:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP)
         self.optimizer.step()
         self.model.update_router_bias(self.args.bias_rate)  # loads summed over dp ranks by model.expert_load_reduce
         return parts
@@ -207,7 +219,8 @@ class Trainer:
         params = sum(p.numel() for p in self.model.parameters())
         how = f"resuming {args.resume} at step {self.start}" if self.state else f"preset {args.preset}, seed {args.seed}"
         how = f"fine-tuning {args.init}, seed {args.seed}" if args.init else how
-        layout = f", dp {args.dp} x tp {args.tp}" if self.par is not None else ""
+        ep = f" x ep {args.ep}" if args.ep > 1 else ""
+        layout = f", dp {args.dp} x tp {args.tp}{ep}" if self.par is not None else ""
         accum = f"{args.grad_accum}x" if args.grad_accum > 1 else ""
         print(f"glm53 train: {how}, {params:,} parameters{layout}, {args.steps} steps of {accum}{args.batch_size}x"
               f"{args.seq_len} tokens", flush=True)  # fmt: skip
@@ -231,7 +244,7 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------- save
     def save(self, path: str, step: int) -> None:
         data = self.data.state_dict() if self.data is not None else None
-        state = trainer_state(step, self.optimizer, self.generator, self.par, (self.args.dp, self.args.tp), data)
+        state = trainer_state(step, self.optimizer, self.generator, self.par, tuple(_layout(self.args)), data)
         if self.par is not None:
             state["dp_rank"] = self.dp_rank
         save_run(self.model, path, state, self.par, export=not self.args.no_export)
@@ -248,10 +261,11 @@ class Trainer:
         for step in range(self.start + 1, args.steps + 1):
             micro = [{k: v.to(self.device) for k, v in m.items()} for m in self.next_micro_batches(data)]
             parts = self.step(step, micro)
-            tokens += sum(int(m.get("attention_mask", m["input_ids"]).ne(0).sum()) for m in micro) * args.dp
+            tokens += sum(int(m.get("attention_mask", m["input_ids"]).ne(0).sum()) for m in micro) * args.dp * args.ep
             rate = tokens / (time.perf_counter() - began)
             values = torch.stack(list(parts.values()))
-            values = values if par is None else par.mean_over(values, self.mesh, "dp")
+            # every dp x ep rank trained on its own batches
+            values = values if par is None else par.mean_over(par.mean_over(values, self.mesh, "dp"), self.mesh, "ep")
             parts = dict(zip(parts, values.tolist()))  # NOTE: syncs
             loss = parts["loss"]
             if not math.isfinite(loss):
