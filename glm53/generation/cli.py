@@ -82,16 +82,17 @@ class _Codec:
         return torch.tensor(self.hf(text)["input_ids"], dtype=torch.long)
 
     def decode(self, ids: list[int]) -> str:
-        if self.hf is None:
-            return byte_codec.decode(torch.tensor(ids, dtype=torch.long))
+        if self.hf is None:  # ids past the byte range (a vocabulary padded for tensor parallelism) print nothing
+            byte_ids = [i for i in ids if i < byte_codec.VOCAB_SIZE]
+            return byte_codec.decode(torch.tensor(byte_ids, dtype=torch.long))
         return self.hf.decode(ids, skip_special_tokens=True)
 
 
 class _TextStreamer:
     """Prints the text of the new tokens as they come (holding back an incomplete multi-byte character)."""
 
-    def __init__(self, codec: _Codec, out=sys.stdout) -> None:
-        self.codec, self.out = codec, out
+    def __init__(self, codec: _Codec, out=None) -> None:
+        self.codec, self.out = codec, out if out is not None else sys.stdout
         self.ids: list[int] = []
         self.printed = 0
         self.prompt_seen = False

@@ -1,0 +1,60 @@
+"""MTP speculative decoding: the same tokens as plain greedy decoding for k = 1, 2, 3, and acceptance 1.0 when the
+MTP layer is built to predict exactly what the main model will pick next."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers.generation import left_padded, tiny_model
+
+NEW = 14
+
+
+@pytest.fixture(scope="module")
+def mtp_model():
+    return tiny_model(num_nextn_predict_layers=1)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_speculative_equals_greedy(mtp_model, k):
+    """Sparse regime (index_topk 8), left-padded batch; row 0 stops at an EOS, so rows finish at different steps."""
+    ids, mask = left_padded(mtp_model.config.vocab_size, [11, 6])
+    plain = mtp_model.generate(ids, mask, max_new_tokens=NEW)
+    eos = int(plain[0, ids.shape[1] + 6])
+    plain = mtp_model.generate(ids, mask, max_new_tokens=NEW, eos_token_id=eos)
+    fast, stats = mtp_model.generate(ids, mask, max_new_tokens=NEW, eos_token_id=eos, speculative="mtp",
+                                     num_speculative_tokens=k, return_stats=True)  # fmt: skip
+    assert torch.equal(fast, plain)
+    assert stats.drafted > 0 and 0.0 <= stats.acceptance_rate <= 1.0
+
+
+def oracle_mtp_model():
+    """Main model whose blocks add nothing (every o_proj and down projection zero): its hidden state is
+    norm(embed(t)), so its next token is a function f(t) of the current token. The MTP layer then reduces to
+    shared_head.norm(enorm(embed(t_next))) = norm(embed(t_next)) (eh_proj keeps only the embedding half; its
+    attention and MoE add nothing), which predicts f(t_next): the main model's pick after the draft's input."""
+    model = tiny_model(num_nextn_predict_layers=1, index_topk=4)
+    D = model.config.hidden_size
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("o_proj.weight") or "down_proj" in name:
+                p.zero_()
+        layer = model.mtp.layers[0]
+        layer.eh_proj.weight.copy_(torch.cat([torch.eye(D), torch.zeros(D, D)], dim=1))
+        layer.enorm.weight.fill_(1.0)
+        layer.shared_head.norm.weight.copy_(model.model.norm.weight)
+    return model
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_acceptance_is_one_with_an_exact_draft_model(k):
+    model = oracle_mtp_model()
+    ids, mask = left_padded(model.config.vocab_size, [9, 5], seed=3)
+    plain = model.generate(ids, mask, max_new_tokens=NEW)
+    fast, stats = model.generate(ids, mask, max_new_tokens=NEW, speculative="mtp", num_speculative_tokens=k,
+                                 return_stats=True)  # fmt: skip
+    assert torch.equal(fast, plain)
+    assert stats.acceptance_rate == 1.0
+    # the first token comes from the prefill, then k + 1 per verify forward
+    assert stats.verify_forwards == -(-(NEW - 1) // (k + 1))
