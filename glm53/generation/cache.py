@@ -6,7 +6,7 @@ value width, W conv width, C kv_lora_rank, E indexer head width, L tokens per k-
 Per KDA layer (`KdaLayerCache`): the fp32 recurrent state [B, H, K, V] and the q, k, v conv histories
 [B, H*K, W-1] (the last W-1 inputs of each short conv). Neither grows with the context.
 Per MLA layer (`MlaLayerCache`): the normed kv latent [B, S, C] (what attention reads: keys and values are maps
-of it), which positions are tokens [B, S], per request its first token and its token count, and, for layers with
+of it), per request its first token and its token count (its tokens are contiguous from the first), and, for layers with
 their own indexer, the pooled keys of complete k-pools [B, P, E] plus the pool being filled (its tokens' keys
 [B, L, E] and fp32 gate logits [B, L, E]). Shared-indexer layers keep no indexer state.
 Positions are one time axis for the whole batch: a left-padded prompt fills positions [0, P) (padding included,
@@ -76,6 +76,8 @@ class KdaLayerCache:
 
     def rewind(self, keep: int) -> None:
         """Back to the mark, then forward by the first `keep` tokens seen since (no recompute: stored states)."""
+        if self._mark is None:
+            raise CacheError("rewind() needs an earlier mark()")
         length, state0, conv0 = self._mark
         self.length = length + keep
         self.state = state0 if keep == 0 else self._states[keep - 1]
@@ -107,12 +109,11 @@ class _PoolState:
 
 
 class MlaLayerCache:
-    """One MLA layer: normed latent [B, S, C], token mask [B, S], per-row first token / count, pool state."""
+    """One MLA layer: normed latent [B, S, C], per-row first token / token count, the indexer's pool state."""
 
     def __init__(self) -> None:
         self.length = 0  # cached positions S (the same for every row)
         self.latent: torch.Tensor | None = None  # [B, capacity, C]
-        self.valid: torch.Tensor | None = None  # [B, capacity] bool
         self.first: torch.Tensor | None = None  # [B] position of each row's first token
         self.count: torch.Tensor | None = None  # [B] tokens per row
         self.max_count = 0  # max(count), kept on the host so the pool width needs no device sync
@@ -124,17 +125,17 @@ class MlaLayerCache:
     def marked(self) -> bool:
         return self._mark is not None
 
-    def append(self, latent: torch.Tensor, valid: torch.Tensor) -> int:
-        """Append T positions (latent [B, T, C], valid [B, T]) -> the position of the first one."""
+    def append(self, latent: torch.Tensor) -> int:
+        """Append T positions (latent [B, T, C]) -> the position of the first one. Which positions are tokens
+        follows from `first` (a row's tokens are contiguous from there), so no mask is kept."""
         B, T, C = latent.shape
         start = self.length
         if self.latent is None:
-            self.latent, self.valid = latent.new_zeros(B, T, C), valid.new_zeros(B, T)
+            self.latent = latent.new_zeros(B, T, C)
         elif self.latent.shape[0] != B:
             raise CacheError(f"the cache holds a batch of {self.latent.shape[0]} rows, the input has {B}")
-        self.latent, self.valid = _grow(self.latent, start + T), _grow(self.valid, start + T)
+        self.latent = _grow(self.latent, start + T)
         self.latent[:, start : start + T] = latent
-        self.valid[:, start : start + T] = valid
         self.length = start + T
         return start
 
@@ -144,10 +145,16 @@ class MlaLayerCache:
         any_token = valid.any(-1)
         self.first = torch.where(any_token, valid.long().argmax(-1), torch.full_like(any_token, T, dtype=torch.long))
         self.count = valid.long().sum(-1)
-        self.max_count = int(self.count.max())  # NOTE: syncs (once, at prefill)
+        if not bool((self.count == T - self.first).all()):  # NOTE: syncs (once, at prefill)
+            raise CacheError("a cached prefill needs a left-padded attention_mask (0s then 1s in every row): decode "
+                             "steps append after each row's last position")  # fmt: skip
+        self.max_count = int(self.count.max())
 
-    def advance(self, T: int) -> None:
-        """Decode steps: every row gained T tokens."""
+    def advance(self, valid: torch.Tensor) -> None:
+        """Decode steps: every row gains T tokens (valid [B, T] must be all True)."""
+        if not bool(valid.all()):  # NOTE: syncs
+            raise CacheError("decode steps after a cached prefill take tokens only (an all-ones attention_mask)")
+        T = valid.shape[1]
         self.count = self.count + T
         self.max_count += T
 
@@ -185,6 +192,8 @@ class MlaLayerCache:
 
     def rewind(self, keep: int) -> None:
         """Back to the mark, then re-apply the first `keep` positions appended since (their latent is still there)."""
+        if self._mark is None:
+            raise CacheError("rewind() needs an earlier mark()")
         length, count, max_count, pools = self._mark
         pending = self._pending[:keep]
         self._mark, self._pending = None, []
@@ -200,7 +209,7 @@ class MlaLayerCache:
         if self.latent is None:
             return 0
         S = self.length
-        total = self.latent[:, :S].numel() * self.latent.element_size() + self.valid[:, :S].numel()
+        total = self.latent[:, :S].numel() * self.latent.element_size()
         total += sum(t.numel() * t.element_size() for t in (self.first, self.count))
         if self.pools is not None:
             ps = self.pools

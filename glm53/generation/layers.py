@@ -79,8 +79,8 @@ def mla_cached_forward(module, x: torch.Tensor, ctx, cache) -> tuple[torch.Tenso
     if prefill:
         cache.start_rows(valid)
     else:
-        cache.advance(x.shape[1])
-    start = cache.append(latent, valid)
+        cache.advance(valid)
+    start = cache.append(latent)
     if module.indexer is not None:
         topk = _prefill_topk(module.indexer, x, q_resid, valid, cache) if prefill else \
             _decode_topk(module.indexer, x, q_resid, valid, cache, start)  # fmt: skip

@@ -58,7 +58,7 @@ def test_prefill_then_decode_equals_full_forward(case):
     assert cache.seq_len == P + N
 
 
-def test_cache_bytes_grow_with_mla_only():
+def test_cache_bytes_grow_with_mla_latent_and_pools_only():
     """nbytes: KDA state is fixed, MLA adds latent (+ pooled keys) per position; per-token bytes as documented."""
     model = tiny_model()
     cfg = model.config
@@ -70,8 +70,8 @@ def test_cache_bytes_grow_with_mla_only():
         for t in range(16, 20):
             model.model(ids[:, t : t + 1], cache=cache)
     n_mla = len(cfg.attention_layers)
-    # per position: latent C fp32 + 1 valid byte; every L positions one more pooled key E fp32
-    expected = n_mla * 4 * (cfg.kv_lora_rank * 4 + 1) + n_mla * (4 // cfg.index_kpool) * cfg.index_head_dim * 4
+    # per position: latent C fp32; every L positions one more pooled key E fp32 (4 steps, k-pool 4: one pool)
+    expected = n_mla * 4 * cfg.kv_lora_rank * 4 + n_mla * (4 // cfg.index_kpool) * cfg.index_head_dim * 4
     assert cache.nbytes() - before == expected
     kda_state = cfg.linear_num_heads * cfg.linear_head_dim**2 * 4
     assert before > (cfg.num_hidden_layers - n_mla) * kda_state
