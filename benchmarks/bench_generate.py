@@ -160,7 +160,8 @@ def main() -> None:
                 times[name][1].append(max(both - first, 1e-9) / args.new)
         (gp, gd), (tp, td) = times["glm53"], times["transformers"]
         row = {"P": P, "new": args.new, "glm53_prefill_tok_s": round(P / median(gp)),
-               "hf_prefill_tok_s": round(P / median(tp)), "prefill_speedup": round(median([b / a for a, b in zip(gp, tp)]), 2),
+               "hf_prefill_tok_s": round(P / median(tp)),
+               "prefill_speedup": round(median([b / a for a, b in zip(gp, tp)]), 2),
                "glm53_decode_tok_s": round(1 / median(gd), 1), "hf_decode_tok_s": round(1 / median(td), 1),
                "decode_speedup": round(median([b / a for a, b in zip(gd, td)]), 2)}  # fmt: skip
         row.update({k: round(v, 3) for k, v in cache_bytes(hf, ours, ids).items()})

@@ -133,8 +133,9 @@ def run(args: argparse.Namespace) -> int:
                        generator=torch.Generator().manual_seed(args.seed))  # fmt: skip
     _, stats = generate(model, ids, None, **options)
     total = stats.prefill_seconds + stats.decode_seconds
-    print(f"[{stats.new_tokens} new tokens in {total:.2f} s: prefill {ids.shape[1] / max(stats.prefill_seconds, 1e-9):,.1f}"
-          f" tok/s, decode {stats.decode_tokens_per_second:,.1f} tok/s]")  # fmt: skip
+    prefill_rate = ids.shape[1] / max(stats.prefill_seconds, 1e-9)
+    print(f"[{stats.new_tokens} new tokens in {total:.2f} s: prefill {prefill_rate:,.1f} tok/s, decode "
+          f"{stats.decode_tokens_per_second:,.1f} tok/s]")  # fmt: skip
     if args.mtp is not None:
         print(f"[MTP acceptance rate {stats.acceptance_rate:.3f} ({stats.accepted}/{stats.drafted} drafts), "
               f"{stats.verify_forwards} verify forwards]")  # fmt: skip

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from glm53.generation import GenerationCache
-from tests.helpers.generation import left_padded, tiny_model
+from tests.helpers.generation import greedy_by_full_forward, left_padded, tiny_model
 
 REL_TOL = 1e-5
 REL_TOL_RANDOM = 1e-4  # unit-gain random weights (see the module docstring)
@@ -75,3 +75,12 @@ def test_cache_bytes_grow_with_mla_latent_and_pools_only():
     assert cache.nbytes() - before == expected
     kda_state = cfg.linear_num_heads * cfg.linear_head_dim**2 * 4
     assert before > (cfg.num_hidden_layers - n_mla) * kda_state
+
+
+@pytest.mark.parametrize("config", [{}, KDA_ONLY], ids=["sparse-regime", "kda-only"])
+def test_generate_equals_greedy_by_full_forwards(config):
+    """generate() (cache) picks the same tokens as a full forward per step: sparse regime (index_topk 8) and a model
+    with only KDA layers (which transformers' generate cannot run)."""
+    model = tiny_model(random_weights=False, **config)
+    ids, mask = left_padded(model.config.vocab_size, [10, 7])
+    assert torch.equal(model.generate(ids, mask, max_new_tokens=8), greedy_by_full_forward(model, ids, mask, 8))

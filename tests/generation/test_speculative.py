@@ -8,7 +8,7 @@ import torch
 
 from tests.helpers.generation import left_padded, tiny_model
 
-NEW = 14
+NEW = 10
 
 
 @pytest.fixture(scope="module")
