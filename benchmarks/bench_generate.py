@@ -3,14 +3,15 @@
     python benchmarks/bench_generate.py                        # prompts 512 and 2048, 8 new tokens, 2 reps
     python benchmarks/bench_generate.py --prompts 512 2048 8192 --new 16 --reps 3
 
-Batch 1, greedy. Per prompt length P, both models run generate(max_new_tokens=1) (prefill: the prompt forward and
-the first token) and generate(max_new_tokens=1 + new); decode time per token = (second - first) / new. The two
-models alternate (glm53, transformers, glm53, ...) and ratios are medians of per-pair ratios. Also reported:
-glm53's decode time per token split into KDA and MLA layers at each context length (KDA should stay flat), cache
-bytes per cached token (glm53's GenerationCache.nbytes vs the tensors in transformers' DynamicCache, after the
-prefill), and MTP speculative decoding (k draft tokens) against plain greedy decoding, both with the random MTP
-layer (acceptance ~0: the cost of drafting) and with an exact draft (every block's output projection zeroed so the
-next token is a function of the current one, and the MTP layer built to predict it: acceptance 1.0, the ceiling).
+Batch 1, greedy. Per prompt length P, both models run generate(max_new_tokens=1 + new) with a streamer that stamps
+each token: prefill = start to the first new token (the prompt forward and its pick), decode = the time per later
+token. The two models alternate (glm53, transformers, glm53, ...) and ratios are medians of per-pair ratios.
+Also reported: glm53's decode time per token split into KDA and MLA layers at each context length (KDA should stay
+flat); cache bytes per cached token after the prefill (glm53's GenerationCache.nbytes vs every tensor in
+transformers' DynamicCache) and per extra token of context; MTP speculative decoding (k draft tokens) against plain
+greedy decoding, with the random MTP layer (acceptance ~0: the cost of drafting) and with an exact draft (every
+block's output projection zeroed so the next token is a function of the current one, and the MTP layer built to
+predict it: acceptance 1.0, the ceiling).
 Results: benchmarks/results/bench_generate.json and a table on stdout.
 """
 
@@ -37,14 +38,31 @@ def build_pair(path: str):
     return hf, Glm53ForCausalLM.from_pretrained(path).eval(), config
 
 
-def run_generate(model, ids, new: int, is_hf: bool) -> float:
+class TimingStreamer:
+    """Records when each put() arrives: both generate loops put the prompt first, then each new token."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, ids) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def run_generate(model, ids, new: int, is_hf: bool) -> tuple[float, float]:
+    """-> (prefill seconds: start to the first new token, decode seconds per later token)."""
+    streamer = TimingStreamer()
     start = time.perf_counter()
     if is_hf:
         with torch.no_grad():
-            model.generate(input_ids=ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+            model.generate(input_ids=ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
+                           streamer=streamer)  # fmt: skip
     else:
-        model.generate(ids, max_new_tokens=new)
-    return time.perf_counter() - start
+        model.generate(ids, max_new_tokens=new, streamer=streamer)
+    first, last = streamer.times[1], streamer.times[-1]
+    return first - start, (last - first) / max(1, len(streamer.times) - 2)
 
 
 def tensor_bytes(obj, seen=None) -> int:
@@ -65,16 +83,24 @@ def tensor_bytes(obj, seen=None) -> int:
     return 0
 
 
-def cache_bytes(hf, ours, ids) -> dict:
-    with torch.no_grad():
-        out = hf(input_ids=ids, use_cache=True)
-    hf_bytes = tensor_bytes(out.past_key_values)
-    with torch.inference_mode():
-        cache = GenerationCache(ours)
-        ours.model(ids, cache=cache)
+def cache_bytes(hf, ours, ids, step: int = 64) -> dict:
+    """Cache bytes per cached token after a prefill of P (KDA states amortised), and per extra token (the growth
+    from P - step to P: what a longer context costs)."""
+
+    def both(x):
+        with torch.no_grad():
+            hf_bytes = tensor_bytes(hf(input_ids=x, use_cache=True).past_key_values)
+        with torch.inference_mode():
+            cache = GenerationCache(ours)
+            ours.model(x, cache=cache)
+        return cache.nbytes(), hf_bytes
+
     P = ids.shape[1]
-    return {"glm53_bytes_per_token": cache.nbytes() / P, "transformers_bytes_per_token": hf_bytes / P,
-            "cache_ratio": cache.nbytes() / hf_bytes}  # fmt: skip
+    (ours_p, hf_p), (ours_q, hf_q) = both(ids), both(ids[:, : P - step])
+    return {"glm53_bytes_per_token": ours_p / P, "transformers_bytes_per_token": hf_p / P, "cache_ratio": ours_p / hf_p,
+            "glm53_bytes_per_extra_token": (ours_p - ours_q) / step,
+            "transformers_bytes_per_extra_token": (hf_p - hf_q) / step,
+            "extra_token_ratio": (ours_p - ours_q) / (hf_p - hf_q)}  # fmt: skip
 
 
 def layer_split(ours, ids, new: int) -> dict:
@@ -136,7 +162,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, nargs="+", default=[512, 2048])
     ap.add_argument("--glm53-only-prompts", type=int, nargs="*", default=[], help="decode split without transformers")
-    ap.add_argument("--new", type=int, default=8, help="decode tokens timed per run")
+    ap.add_argument("--new", type=int, default=8, help="decode tokens timed per run (after the first)")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--spec-k", type=int, nargs="*", default=[1, 3])
     ap.add_argument("--spec-prompt", type=int, default=512)
@@ -154,10 +180,9 @@ def main() -> None:
         times = {"glm53": ([], []), "transformers": ([], [])}
         for _ in range(args.reps):
             for name, model, is_hf in (("glm53", ours, False), ("transformers", hf, True)):
-                first = run_generate(model, ids, 1, is_hf)
-                both = run_generate(model, ids, 1 + args.new, is_hf)
-                times[name][0].append(first)
-                times[name][1].append(max(both - first, 1e-9) / args.new)
+                prefill, decode = run_generate(model, ids, 1 + args.new, is_hf)
+                times[name][0].append(prefill)
+                times[name][1].append(decode)
         (gp, gd), (tp, td) = times["glm53"], times["transformers"]
         row = {"P": P, "new": args.new, "glm53_prefill_tok_s": round(P / median(gp)),
                "hf_prefill_tok_s": round(P / median(tp)),
