@@ -1,6 +1,6 @@
 """Glm53Model and Glm53ForCausalLM: embedding -> N mHC streams -> decoder blocks -> stream mean -> norm -> head.
 
-Legend: B batch, T time, N streams (hc_mult), D model width, V vocab.
+Legend: B batch, T time, N streams (hc_mult), D model width, vocab the vocabulary size.
 `attention_mask` is a 2-D padding mask [B, T] (1 = token, 0 = padding; left or right padding). KDA layers zero
 padded inputs and the indexer never selects padded keys, so valid positions do not depend on padding.
 
@@ -30,6 +30,7 @@ from ..checkpoint.load import load_checkpoint
 from ..checkpoint.save import save_checkpoint
 from ..config import Glm53Config
 from ..precision import cast_model
+from ..training.loss_counts import LossCounts, count_loss_terms
 from ..training.losses import IGNORE_INDEX, causal_lm_loss, expert_load, indexer_kl_terms, router_aux_loss
 from .block import DecoderBlock, run_block
 from .context import ForwardContext, LayerStats
@@ -42,7 +43,7 @@ from .norm import RMSNorm
 
 @dataclass
 class CausalLMOutput:
-    logits: torch.Tensor  # [B, T, V]
+    logits: torch.Tensor  # [B, T, vocab]
     loss: torch.Tensor | None = None  # lm + mtp_loss_weight * mtp + aux + indexer_loss_weight * indexer
     lm_loss: torch.Tensor | None = None  # next-token cross-entropy alone
     mtp_loss: torch.Tensor | None = None  # MTP cross-entropy, mean over depths (None without an MTP module)
@@ -131,7 +132,7 @@ class Glm53ForCausalLM(nn.Module):
         self.model = Glm53Model(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
-        # MTP layers (layers.{N}.* on disk); they share embed_tokens and lm_head with the main model.
+        # MTP layers (layers.{num_hidden_layers}.* on disk); they share embed_tokens and lm_head with the main model.
         self.mtp = MultiTokenPrediction(config) if config.num_nextn_predict_layers > 0 else None
         # Reduces the stacked expert loads [moe layers, E] before the bias update; the parallel layer sets it
         # to a sum over data-parallel ranks (model code holds no collectives).
@@ -145,7 +146,10 @@ class Glm53ForCausalLM(nn.Module):
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        loss_denominators: LossCounts | None = None,
     ) -> CausalLMOutput:
+        """With labels, the losses; each part is this forward's mean unless `loss_denominators` (the counts of a
+        whole global batch, `loss_counts` summed over micro-batches and ranks) says what to divide its sum by."""
         collect = labels is not None or self.training
         if not collect:
             hidden = self.model(input_ids, attention_mask, inputs_embeds)
@@ -163,8 +167,15 @@ class Glm53ForCausalLM(nn.Module):
         if self.training:  # evaluation forwards (labels, eval mode) leave the balancing counts alone
             self._count_expert_loads(stats, valid, mtp_runs)
         if labels is not None:
-            self._add_losses(out, labels, valid, stats, mtp_runs)
+            self._add_losses(out, labels, valid, stats, mtp_runs, loss_denominators)
         return out
+
+    def loss_counts(self, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                    position_ids: torch.Tensor | None = None) -> LossCounts:  # fmt: skip
+        """How many terms each loss part of a forward on the same inputs averages over (no forward needed);
+        with position_ids, each packed document counts as if it were alone."""
+        valid = padding_mask(attention_mask, labels.shape, labels.device)
+        return count_loss_terms(self.config, labels, valid, position_ids)
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         """Greedy or sampled continuation [B, P + new] of a left-padded batch (see glm53.generation.generate)."""
@@ -178,23 +189,27 @@ class Glm53ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def _add_losses(self, out: CausalLMOutput, labels: torch.Tensor, valid: torch.Tensor, stats: list[LayerStats],
-                    mtp_runs: list) -> None:  # fmt: skip
+                    mtp_runs: list, den: LossCounts | None) -> None:  # fmt: skip
         """Fill out.lm_loss, .mtp_loss, .aux_loss, .indexer_loss and their weighted sum out.loss."""
         cfg = self.config
-        out.lm_loss = loss = causal_lm_loss(out.logits, labels)
+
+        def per_view(field: str, view: int) -> torch.Tensor | None:
+            return None if den is None else getattr(den, field)[view]
+
+        out.lm_loss = loss = causal_lm_loss(out.logits, labels, per_view("targets", 0))
         if mtp_runs:
-            per_depth = [causal_lm_loss(lg, mtp_labels(labels, d, IGNORE_INDEX)) for d, (lg, _, _) in
-                         enumerate(mtp_runs, start=1)]  # fmt: skip
+            per_depth = [causal_lm_loss(lg, mtp_labels(labels, d, IGNORE_INDEX), per_view("targets", d))
+                         for d, (lg, _, _) in enumerate(mtp_runs, start=1)]  # fmt: skip
             out.mtp_loss = torch.stack(per_depth).mean()
             loss = loss + cfg.mtp_loss_weight * out.mtp_loss
-        records = [(s, valid) for s in stats] + [(s, v) for _, v, s in mtp_runs]
-        out.aux_loss = router_aux_loss(records, cfg.router_aux_loss_coef, cfg.router_z_loss_coef)
+        records = [(s, valid, 0) for s in stats] + [(s, v, d) for d, (_, v, s) in enumerate(mtp_runs, start=1)]
+        out.aux_loss = router_aux_loss(records, cfg.router_aux_loss_coef, cfg.router_z_loss_coef, den)
         if out.aux_loss is not None:
             loss = loss + out.aux_loss
         if cfg.indexer_loss_weight > 0:
-            terms = indexer_kl_terms(stats, valid, cfg.indexer_loss_mode)
-            for _, v, s in mtp_runs:
-                terms += indexer_kl_terms([s], v, cfg.indexer_loss_mode)
+            terms = indexer_kl_terms(stats, valid, cfg.indexer_loss_mode, per_view("indexer_rows", 0))
+            for d, (_, v, s) in enumerate(mtp_runs, start=1):
+                terms += indexer_kl_terms([s], v, cfg.indexer_loss_mode, per_view("indexer_rows", d))
             out.indexer_loss = torch.stack(terms).mean() if terms else out.lm_loss.new_zeros(())
             loss = loss + cfg.indexer_loss_weight * out.indexer_loss
         out.loss = loss
