@@ -6,6 +6,8 @@
 Batch 1, greedy. Per prompt length P, both models run generate(max_new_tokens=1 + new) with a streamer that stamps
 each token: prefill = start to the first new token (the prompt forward and its pick), decode = the time per later
 token. The two models alternate (glm53, transformers, glm53, ...) and ratios are medians of per-pair ratios.
+The decode step alone (one forward of one token after the same prefill, no generate loop; the fastest of several
+interleaved steps, the measure least disturbed by other load) is reported beside it.
 Also reported: glm53's decode time per token split into KDA and MLA layers at each context length (KDA should stay
 flat); cache bytes per cached token after the prefill (glm53's GenerationCache.nbytes vs every tensor in
 transformers' DynamicCache) and per extra token of context; MTP speculative decoding (k draft tokens) against plain
@@ -63,6 +65,27 @@ def run_generate(model, ids, new: int, is_hf: bool) -> tuple[float, float]:
         model.generate(ids, max_new_tokens=new, streamer=streamer)
     first, last = streamer.times[1], streamer.times[-1]
     return first - start, (last - first) / max(1, len(streamer.times) - 2)
+
+
+def decode_steps(hf, ours, ids, steps: int) -> tuple[float, float]:
+    """Seconds of one decode forward (no generate loop around it), transformers and glm53 interleaved after the
+    same prefill: the fastest of `steps` (the least disturbed by other load on a shared machine)."""
+    with torch.no_grad():
+        pkv = hf(input_ids=ids, use_cache=True).past_key_values
+    with torch.inference_mode():
+        cache = GenerationCache(ours)
+        ours.model(ids, cache=cache)
+    token, hf_t, ours_t = ids[:, -1:], [], []
+    for _ in range(steps):
+        start = time.perf_counter()
+        with torch.no_grad():
+            pkv = hf(input_ids=token, past_key_values=pkv, use_cache=True).past_key_values
+        hf_t.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            ours.lm_head(ours.model(token, cache=cache)[:, -1])
+        ours_t.append(time.perf_counter() - start)
+    return min(hf_t), min(ours_t)
 
 
 def tensor_bytes(obj, seen=None) -> int:
@@ -189,6 +212,9 @@ def main() -> None:
                "prefill_speedup": round(median([b / a for a, b in zip(gp, tp)]), 2),
                "glm53_decode_tok_s": round(1 / median(gd), 1), "hf_decode_tok_s": round(1 / median(td), 1),
                "decode_speedup": round(median([b / a for a, b in zip(gd, td)]), 2)}  # fmt: skip
+        hf_step, ours_step = decode_steps(hf, ours, ids, 4 * args.new)
+        row.update(glm53_step_ms=round(1e3 * ours_step, 1), hf_step_ms=round(1e3 * hf_step, 1),
+                   step_speedup=round(hf_step / ours_step, 2))  # fmt: skip
         row.update({k: round(v, 3) for k, v in cache_bytes(hf, ours, ids).items()})
         rows.append(row)
         print(table([row], list(row)), flush=True)

@@ -1,15 +1,16 @@
 """The generation cache: what each attention layer keeps between forwards so a decode step costs O(1) (KDA) or
 O(index_topk) (MLA) instead of a forward over the whole sequence.
 
-Legend (glm53/model/__init__.py): B batch, S cached positions (padding included), H KDA heads, K / V KDA key /
-value width, W conv width, C kv_lora_rank, E indexer head width, L tokens per k-pool (index_kpool), P pools.
+Legend (glm53/model/__init__.py): B batch, T new positions, S cached positions (padding included), H KDA heads,
+K key head width (KDA; the indexer's head width for its pools), V KDA value width, W conv width, Z kv_lora_rank,
+L tokens per k-pool (index_kpool), P k-pools.
 Per KDA layer (`KdaLayerCache`): the fp32 recurrent state [B, H, K, V] and the q, k, v conv histories
 [B, H*K, W-1] (the last W-1 inputs of each short conv). Neither grows with the context.
-Per MLA layer (`MlaLayerCache`): the normed kv latent [B, S, C] (what attention reads: keys and values are maps
+Per MLA layer (`MlaLayerCache`): the normed kv latent [B, S, Z] (what attention reads: keys and values are maps
 of it), per request its first token and its token count (its tokens are contiguous from the first), and, for layers with
-their own indexer, the pooled keys of complete k-pools [B, P, E] plus the pool being filled (its tokens' keys
-[B, L, E] and fp32 gate logits [B, L, E]). Shared-indexer layers keep no indexer state.
-Positions are one time axis for the whole batch: a left-padded prompt fills positions [0, P) (padding included,
+their own indexer, the pooled keys of complete k-pools [B, P, K] plus the pool being filled (its tokens' keys
+[B, L, K] and fp32 gate logits [B, L, K]). Shared-indexer layers keep no indexer state.
+Positions are one time axis for the whole batch: a left-padded prompt fills positions [0, T) (padding included,
 never selected), each decode step appends one position per row, so a row's tokens are contiguous from `first`.
 
 Speculative decoding rewinds: `mark()` records where the cache stands, the forwards after it record per token
@@ -96,10 +97,10 @@ class KdaLayerCache:
 class _PoolState:
     """The indexer's incremental k-pool state of one MLA layer (per row: complete pools, the pool being filled)."""
 
-    keys: torch.Tensor  # [B, P, E] pooled keys of complete pools (rows past `count` are stale)
+    keys: torch.Tensor  # [B, P, K] pooled keys of complete pools (rows past `count` are stale)
     count: torch.Tensor  # [B] complete pools per row
-    partial_keys: torch.Tensor  # [B, L, E] keys of the tokens of the pool being filled
-    partial_gate: torch.Tensor  # [B, L, E] fp32 gate logits (ape not yet added) of those tokens
+    partial_keys: torch.Tensor  # [B, L, K] keys of the tokens of the pool being filled
+    partial_gate: torch.Tensor  # [B, L, K] fp32 gate logits (ape not yet added) of those tokens
     partial_count: torch.Tensor  # [B] tokens in the pool being filled
 
     def clone_small(self) -> "_PoolState":
@@ -109,11 +110,11 @@ class _PoolState:
 
 
 class MlaLayerCache:
-    """One MLA layer: normed latent [B, S, C], per-row first token / token count, the indexer's pool state."""
+    """One MLA layer: normed latent [B, S, Z], per-row first token / token count, the indexer's pool state."""
 
     def __init__(self) -> None:
         self.length = 0  # cached positions S (the same for every row)
-        self.latent: torch.Tensor | None = None  # [B, capacity, C]
+        self.latent: torch.Tensor | None = None  # [B, capacity, Z]
         self.first: torch.Tensor | None = None  # [B] position of each row's first token
         self.count: torch.Tensor | None = None  # [B] tokens per row
         self.max_count = 0  # max(count), kept on the host so the pool width needs no device sync
@@ -126,12 +127,12 @@ class MlaLayerCache:
         return self._mark is not None
 
     def append(self, latent: torch.Tensor) -> int:
-        """Append T positions (latent [B, T, C]) -> the position of the first one. Which positions are tokens
+        """Append T positions (latent [B, T, Z]) -> the position of the first one. Which positions are tokens
         follows from `first` (a row's tokens are contiguous from there), so no mask is kept."""
-        B, T, C = latent.shape
+        B, T, Z = latent.shape
         start = self.length
         if self.latent is None:
-            self.latent = latent.new_zeros(B, T, C)
+            self.latent = latent.new_zeros(B, T, Z)
         elif self.latent.shape[0] != B:
             raise CacheError(f"the cache holds a batch of {self.latent.shape[0]} rows, the input has {B}")
         self.latent = _grow(self.latent, start + T)
@@ -159,12 +160,12 @@ class MlaLayerCache:
         self.max_count += T
 
     def start_pools(self, keys, count, partial_keys, partial_gate, partial_count, ape: torch.Tensor) -> None:
-        """Prefill: the pool state (see _PoolState) and the indexer's per-slot gate offset ape [L, E]."""
+        """Prefill: the pool state (see _PoolState) and the indexer's per-slot gate offset ape [L, K]."""
         self.pools = _PoolState(keys, count, partial_keys, partial_gate, partial_count)
         self._ape = ape
 
     def push_pool_token(self, key: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, valid: torch.Tensor) -> None:
-        """Add one token (key [B, E], fp32 gate logits [B, E], valid [B]) to each row's pool being filled; a pool
+        """Add one token (key [B, K], fp32 gate logits [B, K], valid [B]) to each row's pool being filled; a pool
         that becomes complete is pooled (softmax over its L tokens of gate + ape, per channel) and stored."""
         ps = self.pools
         if self.marked:
@@ -178,7 +179,7 @@ class MlaLayerCache:
         ps.partial_count = ps.partial_count + valid.long()
         done = ps.partial_count == L  # [B]
         weights = torch.nan_to_num((ps.partial_gate + ape.float()).softmax(dim=1)).to(ps.partial_keys.dtype)
-        pooled = (weights * ps.partial_keys).sum(dim=1)  # [B, E]
+        pooled = (weights * ps.partial_keys).sum(dim=1)  # [B, K]
         ps.keys = _grow(ps.keys, int(self.max_count) // L + 1)
         at = ps.count.clamp(max=ps.keys.shape[1] - 1)
         ps.keys[rows, at] = torch.where(done[:, None], pooled, ps.keys[rows, at])

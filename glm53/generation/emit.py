@@ -1,7 +1,7 @@
 """What one `generate` call carries between its steps: the validated options, the token collector (EOS and
 padding per row, the streamer) and the statistics it returns.
 
-Legend: B batch, P prompt length.
+Legend: B batch, T prompt length.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 that read the cache (the recurrent KDA state; the latent rows the indexer selects).
 
 Legend (glm53/model/__init__.py): B batch, T new positions in this forward, S cached positions, D model width,
-H heads, K / V KDA key / value width, E MLA qk head width (indexer: its head width), F MLA value head width,
-C kv_lora_rank, L tokens per k-pool, P pools, J selected key slots per query.
+H heads, K query/key head width (KDA, MLA, the indexer), V value head width, Z kv_lora_rank, L tokens per k-pool,
+P k-pools, J selected key slots per query (einsum subscripts: e, f, c stand for K, V, Z).
 Each function computes what the layer's own forward computes, term by term (same modules, same kernels, same
 fp32 points), so prefill + decode equals one forward over the whole sequence. The layer objects are used through
 their attributes only: this module imports nothing from glm53.model.
@@ -74,7 +74,7 @@ def mla_cached_forward(module, x: torch.Tensor, ctx, cache) -> tuple[torch.Tenso
     valid = ctx.valid
     q_resid = module.q_a_layernorm(module.q_a_proj(x))
     q = rearrange(module.q_b_proj(q_resid), "b t (h e) -> b t h e", e=module.qk_head_dim)
-    latent = module.kv_a_layernorm(module.kv_a_proj_with_mqa(x))  # [B, T, C]
+    latent = module.kv_a_layernorm(module.kv_a_proj_with_mqa(x))  # [B, T, Z]
     prefill = cache.length == 0
     if prefill:
         cache.start_rows(valid)
@@ -95,15 +95,15 @@ def mla_cached_forward(module, x: torch.Tensor, ctx, cache) -> tuple[torch.Tenso
     return module.o_proj(rearrange(o, "b t h f -> b t (h f)")), topk
 
 
-def _absorbed_weights(module, C: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """kv_b_proj as per-head [H, E, C] (keys) and [H, F, C] (values) maps of the latent."""
-    w = as_local(module.kv_b_proj, "weight").view(-1, module.qk_head_dim + module.v_head_dim, C)
+def _absorbed_weights(module, Z: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_b_proj as per-head [H, K, Z] (keys) and [H, V, Z] (values) maps of the latent."""
+    w = as_local(module.kv_b_proj, "weight").view(-1, module.qk_head_dim + module.v_head_dim, Z)
     w_uk, w_uv = w.split([module.qk_head_dim, module.v_head_dim], dim=1)
     return w_uk, w_uv
 
 
 def _prefill_attention(module, q: torch.Tensor, latent: torch.Tensor, topk: torch.Tensor) -> torch.Tensor:
-    """The layer's own attention over the prompt (queries and keys are the same positions) -> [B, T, H, F]."""
+    """The layer's own attention over the prompt (queries and keys are the same positions) -> [B, T, H, V]."""
     if module.absorb:
         w_uk, w_uv = _absorbed_weights(module, latent.shape[-1])
         q_abs = torch.einsum("bthe,hec->bthc", q, w_uk)
@@ -114,12 +114,12 @@ def _prefill_attention(module, q: torch.Tensor, latent: torch.Tensor, topk: torc
 
 
 def _gather_rows(buffer: torch.Tensor, topk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """buffer [B, capacity, C], topk [B, T, J] -> (the selected rows [B, T, J, C], slot is filled [B, T, J])."""
-    B, cap, C = buffer.shape
+    """buffer [B, capacity, Z], topk [B, T, J] -> (the selected rows [B, T, J, Z], slot is filled [B, T, J])."""
+    B, cap, Z = buffer.shape
     filled = topk >= 0
     rows = (torch.arange(B, device=topk.device) * cap)[:, None, None] + topk.clamp(min=0)
     # index_select on the flattened rows: reads J rows per query straight from the buffer, whatever S is
-    return buffer.reshape(-1, C).index_select(0, rows.flatten()).view(*topk.shape, C), filled
+    return buffer.reshape(-1, Z).index_select(0, rows.flatten()).view(*topk.shape, Z), filled
 
 
 def _softmax_slots(scores: torch.Tensor, filled: torch.Tensor) -> torch.Tensor:
@@ -128,8 +128,8 @@ def _softmax_slots(scores: torch.Tensor, filled: torch.Tensor) -> torch.Tensor:
 
 
 def _cached_attention(module, q: torch.Tensor, latent_buffer: torch.Tensor, topk: torch.Tensor) -> torch.Tensor:
-    """Decode attention: each query reads only its J selected latent rows, O(T * J) -> [B, T, H, F]."""
-    kv, filled = _gather_rows(latent_buffer, topk)  # [B, T, J, C]
+    """Decode attention: each query reads only its J selected latent rows, O(T * J) -> [B, T, H, V]."""
+    kv, filled = _gather_rows(latent_buffer, topk)  # [B, T, J, Z]
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     if module.absorb:
         w_uk, w_uv = _absorbed_weights(module, kv.shape[-1])
@@ -137,8 +137,8 @@ def _cached_attention(module, q: torch.Tensor, latent_buffer: torch.Tensor, topk
         scores = torch.einsum("bthc,btjc->bthj", q_abs, kv.to(dtype)) * module.scale
         o_latent = torch.einsum("bthj,btjc->bthc", _softmax_slots(scores, filled), kv.to(dtype)).to(q.dtype)
         return torch.einsum("bthc,hfc->bthf", o_latent, w_uv)
-    B, T, J, C = kv.shape
-    k, v = module._expand_kv(kv.view(B, T * J, C))  # [B, T*J, H, E], [B, T*J, H, F]
+    B, T, J, Z = kv.shape
+    k, v = module._expand_kv(kv.view(B, T * J, Z))  # [B, T*J, H, K], [B, T*J, H, V]
     k, v = k.view(B, T, J, *k.shape[2:]).to(dtype), v.view(B, T, J, *v.shape[2:]).to(dtype)
     scores = torch.einsum("bthe,btjhe->bthj", q.to(dtype), k) * module.scale
     return torch.einsum("bthj,btjhf->bthf", _softmax_slots(scores, filled), v).to(q.dtype)
@@ -147,7 +147,7 @@ def _cached_attention(module, q: torch.Tensor, latent_buffer: torch.Tensor, topk
 # ----------------------------------------------------------------------------------------------------- indexer
 def _prefill_topk(indexer, x, q_resid, valid, cache) -> torch.Tensor:
     """The indexer's own selection over the prompt; keeps its complete pools and each row's pool being filled."""
-    pool_keys, positions, complete = indexer.pools(x, valid)  # [B, P, E], [B, P, L], [B, P]
+    pool_keys, positions, complete = indexer.pools(x, valid)  # [B, P, K], [B, P, L], [B, P]
     scores = indexer.scores(x, q_resid, pool_keys)
     topk = indexer.select(scores, positions, complete, valid)[0]
     cache.start_pools(*_pool_state(indexer, x, cache, pool_keys, complete), indexer_ape(indexer))
@@ -155,18 +155,18 @@ def _prefill_topk(indexer, x, q_resid, valid, cache) -> torch.Tensor:
 
 
 def indexer_ape(indexer) -> torch.Tensor:
-    return as_local(indexer, "index_kpool_compress_ape")  # [L, E]
+    return as_local(indexer, "index_kpool_compress_ape")  # [L, K]
 
 
 def _token_keys(indexer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token indexer keys [.., E] and fp32 pooling-gate logits [.., E] (Indexer.pools, before pooling)."""
+    """Per-token indexer keys [.., K] and fp32 pooling-gate logits [.., K] (Indexer.pools, before pooling)."""
     keys = indexer.k_norm(indexer.wk(x))
     gate = F.linear(x, as_local(indexer, "index_kpool_compress_gate")).float()
     return keys, gate
 
 
 def _pool_state(indexer, x, cache, pool_keys, complete) -> tuple[torch.Tensor, ...]:
-    """-> (pooled keys [B, P, E], complete pools [B], the filling pool's keys [B, L, E], gate [B, L, E], its
+    """-> (pooled keys [B, P, K], complete pools [B], the filling pool's keys [B, L, K], gate [B, L, K], its
     token count [B])."""
     B, T = x.shape[:2]
     L = indexer.kpool
@@ -176,7 +176,7 @@ def _pool_state(indexer, x, cache, pool_keys, complete) -> tuple[torch.Tensor, .
     pos = cache.first[:, None] + n_pools[:, None] * L + offsets  # [B, L]
     filled = offsets < partial[:, None]
     batch = torch.arange(B, device=x.device)[:, None]
-    keys, gate = _token_keys(indexer, x[batch, pos.clamp(max=T - 1)])  # [B, L, E] each
+    keys, gate = _token_keys(indexer, x[batch, pos.clamp(max=T - 1)])  # [B, L, K] each
     keys = keys.masked_fill(~filled[..., None], 0)
     gate = gate.masked_fill(~filled[..., None], 0)
     return pool_keys.clone(), n_pools, keys, gate, partial

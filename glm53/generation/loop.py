@@ -1,8 +1,8 @@
 """`generate`: prefill a left-padded batch into a GenerationCache, then decode one token per step (or, with
 `speculative="mtp"`, draft with the MTP layer and verify several tokens per forward: speculative.py).
 
-Legend: B batch, P prompt length (padding included), D model width, V vocabulary.
-Semantics follow transformers' `generate`: the output is the prompt followed by the new ids, [B, P + new]; a row
+Legend: B batch, T prompt length (padding included), D model width, vocab the vocabulary size.
+Semantics follow transformers' `generate`: the output is the prompt followed by the new ids, [B, T + new]; a row
 stops at its first EOS (which it keeps), later positions of a finished row hold `pad_token_id`, and the loop ends
 when every row has finished or `max_new_tokens` were produced. Finished rows keep feeding `pad_token_id` as a
 valid token, as transformers does (their outputs are discarded). This module imports nothing from
@@ -22,7 +22,7 @@ from .speculative import speculative_decode
 
 
 def left_padded_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-    """Validate the prompt and its padding mask -> bool [B, P]; rows must be left-padded (tokens at the end)."""
+    """Validate the prompt and its padding mask -> bool [B, T]; rows must be left-padded (tokens at the end)."""
     if input_ids.dim() != 2 or input_ids.shape[1] == 0 or input_ids.dtype in (torch.float16, torch.bfloat16,
                                                                              torch.float32, torch.float64):
         raise GenerationError(f"input_ids must be a non-empty integer [batch, prompt] tensor, got "
@@ -76,7 +76,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
              eos_token_id: int | list[int] | None = None, generator: torch.Generator | None = None, streamer=None,
              pad_token_id: int | None = None, speculative: str | None = None, num_speculative_tokens: int = 1,
              return_stats: bool = False):  # fmt: skip
-    """Continue each row of a left-padded batch -> [B, P + new] (and GenerationStats with `return_stats`).
+    """Continue each row of a left-padded batch -> [B, T + new] (and GenerationStats with `return_stats`).
 
     model: a Glm53ForCausalLM. do_sample False picks the argmax; True samples after temperature / top_k / top_p,
     drawing from `generator`. `streamer` gets `put(ids)` (the prompt, then each step's [B] ids) and `end()`.
@@ -105,7 +105,7 @@ def _decode(model, input_ids, valid, opts: Options, emitter: Emitter, stats: Gen
     """Plain decoding: one prefill forward, then one single-token forward per new token."""
     cache = GenerationCache(model)
     start = time.perf_counter()
-    hidden = model.model(input_ids, valid, cache=cache)  # [B, P, D]
+    hidden = model.model(input_ids, valid, cache=cache)  # [B, T, D]
     pick = lambda h: next_tokens(model.lm_head(h[:, -1]), opts.do_sample, opts.temperature, opts.top_k,  # noqa: E731
                                  opts.top_p, opts.generator)  # fmt: skip
     done = emitter.emit(pick(hidden))

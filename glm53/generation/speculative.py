@@ -1,11 +1,11 @@
-"""MTP speculative decoding (greedy): the MTP layer drafts k tokens, the main model checks them in one forward.
+"""MTP speculative decoding (greedy): the MTP layer drafts s tokens, the main model checks them in one forward.
 
-Legend: B batch, P prompt length, k draft tokens per step, D model width.
+Legend: B batch, T prompt length, s draft tokens per step (num_speculative_tokens), D model width.
 Position n of the MTP layer's own sequence reads (h_n, t_{n+1}): the main model's hidden state at n and the
 token after it, and predicts t_{n+2} (glm53/model/mtp.py). With the main model having read t_0 .. t_{n-1} and
 picked t_n, one step is:
-    draft   d_{n+1} from MTP(h_{n-1}, t_n); d_{n+j} from MTP(its own previous output, d_{n+j-1}), j = 2 .. k
-    verify  the main model reads [t_n, d_{n+1}, .., d_{n+k}] in one forward -> its greedy picks g_{n+1} .. g_{n+k+1}
+    draft   d_{n+1} from MTP(h_{n-1}, t_n); d_{n+j} from MTP(its own previous output, d_{n+j-1}), j = 2 .. s
+    verify  the main model reads [t_n, d_{n+1}, .., d_{n+s}] in one forward -> its greedy picks g_{n+1} .. g_{n+s+1}
     accept  a = the leading drafts equal to the picks; commit d_{n+1} .. d_{n+a}, g_{n+a+1}
 Every committed token is the main model's own greedy choice, so the output equals plain greedy decoding. A batch
 commits the same number a for every row (the smallest over unfinished rows) so the rows stay on one time axis;
@@ -24,18 +24,18 @@ from ..model.context import ForwardContext
 from .cache import GenerationCache, GenerationError
 from .emit import Emitter, GenerationStats, Options
 
-MAX_SPECULATIVE_TOKENS = 16  # a verify forward of k + 1 tokens runs KDA one token at a time (rewindable states)
+MAX_SPECULATIVE_TOKENS = 16  # a verify forward of s + 1 tokens runs KDA one token at a time (rewindable states)
 
 
-def _check(model, opts: Options, method: str, k) -> None:
+def _check(model, opts: Options, method: str, s) -> None:
     if method != "mtp":
         raise GenerationError(f"speculative must be None or 'mtp', got {method!r}")
     if getattr(model, "mtp", None) is None:
         raise GenerationError("speculative='mtp' needs a model with an MTP layer (num_nextn_predict_layers > 0)")
     if opts.do_sample:
         raise GenerationError("speculative='mtp' decodes greedily: pass do_sample=False")
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-        raise GenerationError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+    if isinstance(s, bool) or not isinstance(s, int) or not 1 <= s <= MAX_SPECULATIVE_TOKENS:
+        raise GenerationError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {s!r}")
 
 
 class _Drafter:
@@ -52,41 +52,41 @@ class _Drafter:
         h = self.layer(hidden, self.model.model.embed_tokens(ids), ctx)
         return h, self.model.lm_head(self.layer.shared_head.norm(h[:, -1])).argmax(-1)
 
-    def draft(self, hidden, ids, valid, k: int) -> torch.Tensor:
-        """Commit the true MTP positions (hidden, ids), then draft k tokens -> [B, k]; the draft-only positions
+    def draft(self, hidden, ids, valid, s: int) -> torch.Tensor:
+        """Commit the true MTP positions (hidden, ids), then draft s tokens -> [B, s]; the draft-only positions
         are marked for the next step's rewind."""
         h, d = self.run(hidden, ids, valid)
         self.cache.mark()
         drafts = [d]
         ones = valid[:, -1:]
-        for _ in range(k - 1):
+        for _ in range(s - 1):
             h, d = self.run(h[:, -1:], d[:, None], ones)
             drafts.append(d)
         return torch.stack(drafts, dim=1)
 
 
 def speculative_decode(model, input_ids: torch.Tensor, valid: torch.Tensor, opts: Options, emitter: Emitter,
-                       stats: GenerationStats, method: str, k: int) -> GenerationCache | None:  # fmt: skip
-    """Greedy decoding with MTP drafts of k tokens, verified k + 1 at a time (see the module docstring)."""
-    _check(model, opts, method, k)
+                       stats: GenerationStats, method: str, s: int) -> GenerationCache | None:  # fmt: skip
+    """Greedy decoding with MTP drafts of s tokens, verified s + 1 at a time (see the module docstring)."""
+    _check(model, opts, method, s)
     if opts.max_new_tokens == 0:
         return None
     cache, drafter = GenerationCache(model), _Drafter(model)
     start = time.perf_counter()
-    hidden = model.model(input_ids, valid, cache=cache)  # [B, P, D]
+    hidden = model.model(input_ids, valid, cache=cache)  # [B, T, D]
     token = model.lm_head(hidden[:, -1]).argmax(-1)  # [B]
     done = emitter.emit(token)
     stats.prefill_seconds = time.perf_counter() - start
     start = time.perf_counter()
     mtp_hidden, mtp_ids, mtp_valid = hidden, torch.cat([input_ids[:, 1:], token[:, None]], dim=1), valid
     while not done:
-        drafts = drafter.draft(mtp_hidden, mtp_ids, mtp_valid, k)  # [B, k]
+        drafts = drafter.draft(mtp_hidden, mtp_ids, mtp_valid, s)  # [B, s]
         cache.mark()
-        verify = model.model(torch.cat([token[:, None], drafts], dim=1), cache=cache)  # [B, k+1, D]
-        picks = model.lm_head(verify).argmax(-1)  # [B, k+1]
-        leading = (drafts == picks[:, :k]).long().cumprod(dim=-1).sum(-1)  # [B]
+        verify = model.model(torch.cat([token[:, None], drafts], dim=1), cache=cache)  # [B, s+1, D]
+        picks = model.lm_head(verify).argmax(-1)  # [B, s+1]
+        leading = (drafts == picks[:, :s]).long().cumprod(dim=-1).sum(-1)  # [B]
         active = ~emitter.finished
-        stats.drafted += k * int(active.sum())
+        stats.drafted += s * int(active.sum())
         stats.accepted += int(leading[active].sum())
         stats.verify_forwards += 1
         a = int(leading[active].min())  # NOTE: syncs

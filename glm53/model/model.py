@@ -178,7 +178,7 @@ class Glm53ForCausalLM(nn.Module):
         return count_loss_terms(self.config, labels, valid, position_ids)
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
-        """Greedy or sampled continuation [B, P + new] of a left-padded batch (see glm53.generation.generate)."""
+        """Greedy or sampled continuation [B, T + new] of a left-padded batch (see glm53.generation.generate)."""
         from ..generation.loop import generate  # the loop imports nothing from this module
 
         return generate(self, input_ids, attention_mask, **kwargs)
