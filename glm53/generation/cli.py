@@ -122,10 +122,8 @@ def run(args: argparse.Namespace) -> int:
     if ids.shape[1] == 0:
         raise SystemExit("error: --prompt encodes to no tokens")
     sample = args.temperature > 0 or args.top_p is not None or args.top_k is not None
-    eos = model.config.eos_token_id
     print(args.prompt, end="", flush=True)
-    options = dict(max_new_tokens=args.max_new_tokens, eos_token_id=eos, streamer=_TextStreamer(codec),
-                   return_stats=True)  # fmt: skip
+    options = dict(max_new_tokens=args.max_new_tokens, streamer=_TextStreamer(codec), return_stats=True)
     if args.mtp is not None:
         options.update(speculative="mtp", num_speculative_tokens=args.mtp)
     elif sample:

@@ -51,6 +51,8 @@ def check_options(model, input_ids: torch.Tensor, max_new_tokens, do_sample, tem
                               f"exceeds the model's limit max_position_embeddings={config.max_position_embeddings}")
     if bool(((input_ids < 0) | (input_ids >= V)).any()):  # NOTE: syncs
         raise GenerationError(f"input_ids hold ids outside the vocabulary [0, {V})")
+    if eos_token_id is None:  # as transformers: the model's own EOS ids unless the call names others
+        eos_token_id = config.eos_token_id
     eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     for e in eos:
         if isinstance(e, bool) or not isinstance(e, int) or not 0 <= e < V:
@@ -78,8 +80,9 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
              return_stats: bool = False):  # fmt: skip
     """Continue each row of a left-padded batch -> [B, T + new] (and GenerationStats with `return_stats`).
 
-    model: a Glm53ForCausalLM. do_sample False picks the argmax; True samples after temperature / top_k / top_p,
-    drawing from `generator`. `streamer` gets `put(ids)` (the prompt, then each step's [B] ids) and `end()`.
+    model: a Glm53ForCausalLM. eos_token_id None uses model.config.eos_token_id. do_sample False picks the
+    argmax; True samples after temperature / top_k / top_p, drawing from `generator`. `streamer` gets `put(ids)`
+    (the prompt, then each step's [B] ids) and `end()`.
     speculative="mtp" drafts `num_speculative_tokens` tokens per step with the model's MTP layer and verifies
     them in one forward (greedy only; same output as plain greedy decoding).
     """

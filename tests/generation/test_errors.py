@@ -58,3 +58,14 @@ def test_cache_from_another_model(model):
 def test_zero_new_tokens_returns_the_prompt(model):
     ids = torch.randint(1, 320, (2, 5))
     assert torch.equal(model.generate(ids, max_new_tokens=0), ids)
+
+
+def test_eos_defaults_to_the_config(model):
+    """eos_token_id=None uses model.config.eos_token_id, as transformers' generate does."""
+    ids = torch.randint(1, 320, (1, 5), generator=torch.Generator().manual_seed(0))
+    free = model.generate(ids, max_new_tokens=6)
+    eos = int(free[0, 7])  # the third new token
+    configured = tiny_model(max_position_embeddings=32, eos_token_id=eos)
+    out = configured.generate(ids, max_new_tokens=6)
+    assert out.shape[1] <= 8 and int(out[0, -1]) == eos
+    assert model.generate(ids, max_new_tokens=6, eos_token_id=eos).shape == out.shape
