@@ -12,19 +12,21 @@ NEW = 10
 
 
 @pytest.fixture(scope="module")
-def mtp_model():
-    return tiny_model(num_nextn_predict_layers=1)
+def greedy_run():
+    """A model with a random MTP layer, a left-padded prompt batch, an EOS that row 0 meets after 7 new tokens (rows
+    finish at different steps) and the plain greedy output."""
+    model = tiny_model(num_nextn_predict_layers=1)
+    ids, mask = left_padded(model.config.vocab_size, [11, 6])
+    eos = int(model.generate(ids, mask, max_new_tokens=NEW)[0, ids.shape[1] + 6])
+    return model, ids, mask, eos, model.generate(ids, mask, max_new_tokens=NEW, eos_token_id=eos)
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
-def test_speculative_equals_greedy(mtp_model, k):
-    """Sparse regime (index_topk 8), left-padded batch; row 0 stops at an EOS, so rows finish at different steps."""
-    ids, mask = left_padded(mtp_model.config.vocab_size, [11, 6])
-    plain = mtp_model.generate(ids, mask, max_new_tokens=NEW)
-    eos = int(plain[0, ids.shape[1] + 6])
-    plain = mtp_model.generate(ids, mask, max_new_tokens=NEW, eos_token_id=eos)
-    fast, stats = mtp_model.generate(ids, mask, max_new_tokens=NEW, eos_token_id=eos, speculative="mtp",
-                                     num_speculative_tokens=k, return_stats=True)  # fmt: skip
+def test_speculative_equals_greedy(greedy_run, k):
+    """Sparse regime (index_topk 8), left-padded batch, per-row EOS."""
+    model, ids, mask, eos, plain = greedy_run
+    fast, stats = model.generate(ids, mask, max_new_tokens=NEW, eos_token_id=eos, speculative="mtp",
+                                 num_speculative_tokens=k, return_stats=True)  # fmt: skip
     assert torch.equal(fast, plain)
     assert stats.drafted > 0 and 0.0 <= stats.acceptance_rate <= 1.0
 
