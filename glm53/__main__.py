@@ -1,4 +1,5 @@
-"""Command line: `python -m glm53 train` (the main job: glm53/training/) and `python -m glm53 demo`."""
+"""Command line: `python -m glm53 train` (the main job: glm53/training/), `python -m glm53 generate`
+(glm53/generation/cli.py) and `python -m glm53 demo`."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import time
 import torch
 
 from .config import Glm53Config
+from .generation import cli as generate_cli
 from .model import Glm53ForCausalLM
 from .training import cli as train_cli
 from .training.data import VOCAB_SIZE, batches, corpus_text, encode
@@ -50,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("train", help="train a preset on the built-in corpus; save/resume official checkpoints")
     train_cli.add_arguments(p)
     p.set_defaults(func=train_cli.train)
+    p = sub.add_parser("generate", help="stream a continuation of --prompt from a checkpoint, then tokens/s")
+    generate_cli.add_arguments(p)
+    p.set_defaults(func=generate_cli.run)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -1,4 +1,21 @@
-"""Generation (reserved): caches for KDA state, the MLA latent and the indexer's pooled keys, and `generate`.
+"""Generation: the cache (KDA states and conv histories, the MLA latent, the indexer's pooled keys), `generate`
+with greedy or sampled decoding, and MTP speculative decoding.
 
-The cache will ride on `glm53.model.ForwardContext.cache`. No code yet.
+    cache.py        GenerationCache (rides on ForwardContext.cache), per-layer caches, mark / rewind, nbytes
+    layers.py       cached forwards of the KDA and MLA layers (prefill with the chunked kernels, decode steps)
+    sampling.py     temperature / top-k / top-p filters and the next-token choice
+    emit.py         options, EOS / padding per row and the streamer, GenerationStats
+    loop.py         generate(model, input_ids, ...): prefill then one token per step
+    speculative.py  MTP drafts verified k + 1 tokens per forward (greedy)
+    cli.py          `python -m glm53 generate`
+
+Use `Glm53ForCausalLM.generate(...)` or `glm53.generation.generate(model, ...)`.
 """
+
+from .cache import CacheError, GenerationCache, GenerationError
+from .emit import GenerationStats
+from .loop import generate
+from .sampling import allowed_logits, next_tokens
+
+__all__ = ["CacheError", "GenerationCache", "GenerationError", "GenerationStats", "allowed_logits", "generate",
+           "next_tokens"]  # fmt: skip

@@ -84,6 +84,8 @@ class KimiDeltaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
         """x [B, T, D] -> [B, T, D]; padded positions (ctx.valid False) are zeroed before the layer."""
+        if ctx is not None and ctx.cache is not None:  # generation: continue the cached state (glm53/generation)
+            return ctx.cache.kda_forward(self, x, ctx)
         if ctx is not None:
             x = (x * ctx.valid[:, :, None]).to(x.dtype)
         split = lambda t: rearrange(t, "b t (h k) -> b t h k", k=self.head_dim)  # noqa: E731

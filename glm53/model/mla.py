@@ -60,6 +60,8 @@ class MultiHeadLatentAttention(nn.Module):
         With `ctx.stats.indexer`, records what the indexer KL loss needs (training/losses.py); the output is
         unchanged.
         """
+        if ctx.cache is not None:  # generation: read and extend the cached latent and pools (glm53/generation)
+            return ctx.cache.mla_forward(self, x, ctx)
         valid, stats = ctx.valid, ctx.stats
         record = stats is not None and stats.indexer
         q_resid = self.q_a_layernorm(self.q_a_proj(x))

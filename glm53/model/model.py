@@ -78,15 +78,18 @@ class Glm53Model(nn.Module):
         inputs_embeds: torch.Tensor | None = None,
         ctx: ForwardContext | None = None,
         stats: list[LayerStats] | None = None,
+        cache: object | None = None,
     ) -> torch.Tensor:
         """-> last hidden state [B, T, D].
 
         `ctx` (built from `attention_mask` when absent) carries the per-forward state to every block; with
-        `ctx.collect_stats` each layer's LayerStats is appended to `stats`.
+        `ctx.collect_stats` each layer's LayerStats is appended to `stats`. `cache` (a
+        glm53.generation.GenerationCache, when ctx is absent): the first forward fills it, later ones continue it.
         """
         inputs_embeds = self.embed(input_ids, inputs_embeds)
         if ctx is None:
-            ctx = ForwardContext(valid=padding_mask(attention_mask, inputs_embeds.shape[:2], inputs_embeds.device))
+            valid = padding_mask(attention_mask, inputs_embeds.shape[:2], inputs_embeds.device)
+            ctx = ForwardContext(valid=valid, cache=cache)
         streams = expand_streams(inputs_embeds, self.config.hc_mult)  # [B, T, N, D]
         for layer in self.layers:
             (streams, topk), layer_stats = run_block(self.gradient_checkpointing, layer, (streams,), ctx)
@@ -173,6 +176,12 @@ class Glm53ForCausalLM(nn.Module):
         with position_ids, each packed document counts as if it were alone."""
         valid = padding_mask(attention_mask, labels.shape, labels.device)
         return count_loss_terms(self.config, labels, valid, position_ids)
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        """Greedy or sampled continuation [B, T + new] of a left-padded batch (see glm53.generation.generate)."""
+        from ..generation.loop import generate  # the loop imports nothing from this module
+
+        return generate(self, input_ids, attention_mask, **kwargs)
 
     def tie_weights(self) -> None:
         """Share the embedding with lm_head when configured (again after `to_empty`, which unties)."""

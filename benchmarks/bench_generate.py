@@ -1,0 +1,237 @@
+"""glm53 `generate` vs transformers 5.23 `generate` (glm5_next, eager) on the bench config: same weights, same CPU.
+
+    python benchmarks/bench_generate.py                        # prompts 512 and 2048, 8 new tokens, 2 reps
+    python benchmarks/bench_generate.py --prompts 512 2048 8192 --new 16 --reps 3
+
+Batch 1, greedy. Per prompt length P, both models run generate(max_new_tokens=1 + new) with a streamer that stamps
+each token: prefill = start to the first new token (the prompt forward and its pick), decode = the time per later
+token. The two models alternate (glm53, transformers, glm53, ...) and ratios are medians of per-pair ratios.
+The decode step alone (one forward of one token after the same prefill, no generate loop; the fastest of several
+interleaved steps, the measure least disturbed by other load) is reported beside it.
+Also reported: glm53's decode time per token split into KDA and MLA layers at each context length (KDA should stay
+flat); cache bytes per cached token after the prefill (glm53's GenerationCache.nbytes vs every tensor in
+transformers' DynamicCache) and per extra token of context; MTP speculative decoding (k draft tokens) against plain
+greedy decoding, with the random MTP layer (acceptance ~0: the cost of drafting) and with an exact draft (every
+block's output projection zeroed so the next token is a function of the current one, and the MTP layer built to
+predict it: acceptance 1.0, the ceiling).
+Results: benchmarks/results/bench_generate.json and a table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+
+import torch
+
+from bench_config import bench_config, machine, median, table, write_json
+
+from glm53 import Glm53ForCausalLM
+from glm53.generation import GenerationCache
+
+
+def build_pair(path: str):
+    from tests.helpers.oracle import hf_model
+
+    config = bench_config().replace(num_nextn_predict_layers=1)
+    hf = hf_model(config, seed=0)
+    hf.save_pretrained(path)
+    return hf, Glm53ForCausalLM.from_pretrained(path).eval(), config
+
+
+class TimingStreamer:
+    """Records when each put() arrives: both generate loops put the prompt first, then each new token."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, ids) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def run_generate(model, ids, new: int, is_hf: bool) -> tuple[float, float]:
+    """-> (prefill seconds: start to the first new token, decode seconds per later token)."""
+    streamer = TimingStreamer()
+    start = time.perf_counter()
+    if is_hf:
+        with torch.no_grad():
+            model.generate(input_ids=ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
+                           streamer=streamer)  # fmt: skip
+    else:
+        model.generate(ids, max_new_tokens=new, streamer=streamer)
+    first, last = streamer.times[1], streamer.times[-1]
+    return first - start, (last - first) / max(1, len(streamer.times) - 2)
+
+
+def decode_steps(hf, ours, ids, steps: int) -> tuple[float, float]:
+    """Seconds of one decode forward (no generate loop around it), transformers and glm53 interleaved after the
+    same prefill: the fastest of `steps` (the least disturbed by other load on a shared machine)."""
+    with torch.no_grad():
+        pkv = hf(input_ids=ids, use_cache=True).past_key_values
+    with torch.inference_mode():
+        cache = GenerationCache(ours)
+        ours.model(ids, cache=cache)
+    token, hf_t, ours_t = ids[:, -1:], [], []
+    for _ in range(steps):
+        start = time.perf_counter()
+        with torch.no_grad():
+            pkv = hf(input_ids=token, past_key_values=pkv, use_cache=True).past_key_values
+        hf_t.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            ours.lm_head(ours.model(token, cache=cache)[:, -1])
+        ours_t.append(time.perf_counter() - start)
+    return min(hf_t), min(ours_t)
+
+
+def tensor_bytes(obj, seen=None) -> int:
+    """Bytes of every distinct tensor reachable from a transformers cache object (attributes, lists, dicts)."""
+    seen = set() if seen is None else seen
+    if isinstance(obj, torch.Tensor):
+        if id(obj) in seen:
+            return 0
+        seen.add(id(obj))
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(x, seen) for x in obj)
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(x, seen) for x in obj.values())
+    if hasattr(obj, "__dict__") and id(obj) not in seen:
+        seen.add(id(obj))
+        return sum(tensor_bytes(x, seen) for x in vars(obj).values())
+    return 0
+
+
+def cache_bytes(hf, ours, ids, step: int = 64) -> dict:
+    """Cache bytes per cached token after a prefill of P (KDA states amortised), and per extra token (the growth
+    from P - step to P: what a longer context costs)."""
+
+    def both(x):
+        with torch.no_grad():
+            hf_bytes = tensor_bytes(hf(input_ids=x, use_cache=True).past_key_values)
+        with torch.inference_mode():
+            cache = GenerationCache(ours)
+            ours.model(x, cache=cache)
+        return cache.nbytes(), hf_bytes
+
+    P = ids.shape[1]
+    (ours_p, hf_p), (ours_q, hf_q) = both(ids), both(ids[:, : P - step])
+    return {"glm53_bytes_per_token": ours_p / P, "transformers_bytes_per_token": hf_p / P, "cache_ratio": ours_p / hf_p,
+            "glm53_bytes_per_extra_token": (ours_p - ours_q) / step,
+            "transformers_bytes_per_extra_token": (hf_p - hf_q) / step,
+            "extra_token_ratio": (ours_p - ours_q) / (hf_p - hf_q)}  # fmt: skip
+
+
+def layer_split(ours, ids, new: int) -> dict:
+    """glm53 decode time per token in the KDA and in the MLA attention layers (forward hooks around self_attn)."""
+    spent = {"kda": 0.0, "mla": 0.0}
+    hooks = []
+    for layer in ours.model.layers:
+        kind = "kda" if layer.is_linear else "mla"
+        start = {}
+        hooks.append(layer.self_attn.register_forward_pre_hook(lambda m, a, s=start: s.update(t=time.perf_counter())))
+        hooks.append(layer.self_attn.register_forward_hook(
+            lambda m, a, o, s=start, k=kind: spent.__setitem__(k, spent[k] + time.perf_counter() - s["t"])))
+    with torch.inference_mode():
+        cache = GenerationCache(ours)
+        ours.model(ids, cache=cache)
+        spent.update(kda=0.0, mla=0.0)
+        token = ids[:, -1:]
+        total = time.perf_counter()
+        for _ in range(new):
+            ours.model(token, cache=cache)
+        total = time.perf_counter() - total
+    for h in hooks:
+        h.remove()
+    return {"decode_ms_per_token": 1e3 * total / new, "kda_ms_per_token": 1e3 * spent["kda"] / new,
+            "mla_ms_per_token": 1e3 * spent["mla"] / new}  # fmt: skip
+
+
+def exact_draft(model) -> None:
+    """Zero every block's output projection and build the MTP layer to predict the main model's next token."""
+    D = model.config.hidden_size
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("o_proj.weight") or "down_proj" in name:
+                p.zero_()
+        layer = model.mtp.layers[0]
+        layer.eh_proj.weight.copy_(torch.cat([torch.eye(D), torch.zeros(D, D)], dim=1))
+        layer.enorm.weight.fill_(1.0)
+        layer.shared_head.norm.weight.copy_(model.model.norm.weight)
+
+
+def speculative(ours, ids, new: int, ks: list[int], reps: int, label: str) -> list[dict]:
+    rows = []
+    for k in ks:
+        plain, fast, rate = [], [], 0.0
+        for _ in range(reps):
+            _, s0 = ours.generate(ids, max_new_tokens=new, return_stats=True)
+            _, s1 = ours.generate(ids, max_new_tokens=new, speculative="mtp", num_speculative_tokens=k,
+                                  return_stats=True)  # fmt: skip
+            plain.append(s0.decode_seconds)
+            fast.append(s1.decode_seconds)
+            rate = s1.acceptance_rate
+        rows.append({"draft": label, "P": ids.shape[1], "k": k, "new": new, "acceptance": round(rate, 3),
+                     "plain_decode_s": round(median(plain), 3), "spec_decode_s": round(median(fast), 3),
+                     "speedup": round(median(plain) / median(fast), 2)})  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, nargs="+", default=[512, 2048])
+    ap.add_argument("--glm53-only-prompts", type=int, nargs="*", default=[], help="decode split without transformers")
+    ap.add_argument("--new", type=int, default=8, help="decode tokens timed per run (after the first)")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--spec-k", type=int, nargs="*", default=[1, 3])
+    ap.add_argument("--spec-prompt", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--out", default="bench_generate.json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    hf, ours, config = build_pair(tempfile.mkdtemp(prefix="glm53-bench-gen-"))
+    rows, split = [], []
+    for P in args.prompts:
+        ids = torch.randint(1, config.vocab_size, (1, P))
+        for model, is_hf in ((ours, False), (hf, True)):  # warm-up
+            run_generate(model, ids[:, :64], 2, is_hf)
+        times = {"glm53": ([], []), "transformers": ([], [])}
+        for _ in range(args.reps):
+            for name, model, is_hf in (("glm53", ours, False), ("transformers", hf, True)):
+                prefill, decode = run_generate(model, ids, 1 + args.new, is_hf)
+                times[name][0].append(prefill)
+                times[name][1].append(decode)
+        (gp, gd), (tp, td) = times["glm53"], times["transformers"]
+        row = {"P": P, "new": args.new, "glm53_prefill_tok_s": round(P / median(gp)),
+               "hf_prefill_tok_s": round(P / median(tp)),
+               "prefill_speedup": round(median([b / a for a, b in zip(gp, tp)]), 2),
+               "glm53_decode_tok_s": round(1 / median(gd), 1), "hf_decode_tok_s": round(1 / median(td), 1),
+               "decode_speedup": round(median([b / a for a, b in zip(gd, td)]), 2)}  # fmt: skip
+        hf_step, ours_step = decode_steps(hf, ours, ids, 4 * args.new)
+        row.update(glm53_step_ms=round(1e3 * ours_step, 1), hf_step_ms=round(1e3 * hf_step, 1),
+                   step_speedup=round(hf_step / ours_step, 2))  # fmt: skip
+        row.update({k: round(v, 3) for k, v in cache_bytes(hf, ours, ids).items()})
+        rows.append(row)
+        print(table([row], list(row)), flush=True)
+    for P in sorted(set(args.prompts) | set(args.glm53_only_prompts)):
+        ids = torch.randint(1, config.vocab_size, (1, P))
+        split.append({"P": P, **{k: round(v, 2) for k, v in layer_split(ours, ids, args.new).items()}})
+    spec_ids = torch.randint(1, config.vocab_size, (1, args.spec_prompt))
+    spec = speculative(ours, spec_ids, 4 * args.new, args.spec_k, args.reps, "random MTP")
+    exact_draft(ours)
+    spec += speculative(ours, spec_ids, 4 * args.new, args.spec_k, args.reps, "exact draft")
+    print("\nglm53 vs transformers generate (batch 1, greedy)\n" + table(rows, list(rows[0])))
+    print("\nglm53 decode cost per token vs context\n" + table(split, list(split[0])))
+    print("\nMTP speculative decoding (glm53)\n" + table(spec, list(spec[0])))
+    path = write_json(args.out, {"machine": machine(), "config": config.to_dict(), "args": vars(args),
+                                 "generate": rows, "decode_split": split, "speculative": spec})  # fmt: skip
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""`generate`: prefill a left-padded batch into a GenerationCache, then decode one token per step (or, with
+`speculative="mtp"`, draft with the MTP layer and verify several tokens per forward: speculative.py).
+
+Legend: B batch, T prompt length (padding included), D model width, vocab the vocabulary size.
+Semantics follow transformers' `generate`: the output is the prompt followed by the new ids, [B, T + new]; a row
+stops at its first EOS (which it keeps), later positions of a finished row hold `pad_token_id`, and the loop ends
+when every row has finished or `max_new_tokens` were produced. Finished rows keep feeding `pad_token_id` as a
+valid token, as transformers does (their outputs are discarded). This module imports nothing from
+glm53.model.model, so `Glm53ForCausalLM.generate` can delegate here without an import cycle.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .cache import GenerationCache, GenerationError
+from .emit import Emitter, GenerationStats, Options
+from .sampling import next_tokens
+from .speculative import speculative_decode
+
+
+def left_padded_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """Validate the prompt and its padding mask -> bool [B, T]; rows must be left-padded (tokens at the end)."""
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0 or input_ids.dtype in (torch.float16, torch.bfloat16,
+                                                                             torch.float32, torch.float64):
+        raise GenerationError(f"input_ids must be a non-empty integer [batch, prompt] tensor, got "
+                              f"{input_ids.dtype} of shape {tuple(input_ids.shape)}")  # fmt: skip
+    if attention_mask is None:
+        return torch.ones_like(input_ids, dtype=torch.bool)
+    if tuple(attention_mask.shape) != tuple(input_ids.shape):
+        raise GenerationError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids "
+                              f"{tuple(input_ids.shape)}")  # fmt: skip
+    valid = attention_mask != 0
+    if not bool(valid[:, -1].all()) or bool((valid[:, 1:].long() < valid[:, :-1].long()).any()):  # NOTE: syncs
+        raise GenerationError("attention_mask must be left-padded (0s then 1s in every row, a token last): "
+                              "generation appends after each row's last position")  # fmt: skip
+    return valid
+
+
+def check_options(model, input_ids: torch.Tensor, max_new_tokens, do_sample, temperature, top_k, top_p,
+                  eos_token_id, pad_token_id, generator) -> Options:  # fmt: skip
+    config = model.config
+    V = config.vocab_size
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise GenerationError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    total = input_ids.shape[1] + max_new_tokens
+    if total > config.max_position_embeddings:
+        raise GenerationError(f"prompt length {input_ids.shape[1]} + max_new_tokens {max_new_tokens} = {total} "
+                              f"exceeds the model's limit max_position_embeddings={config.max_position_embeddings}")
+    if bool(((input_ids < 0) | (input_ids >= V)).any()):  # NOTE: syncs
+        raise GenerationError(f"input_ids hold ids outside the vocabulary [0, {V})")
+    if eos_token_id is None:  # as transformers: the model's own EOS ids unless the call names others
+        eos_token_id = config.eos_token_id
+    eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    for e in eos:
+        if isinstance(e, bool) or not isinstance(e, int) or not 0 <= e < V:
+            raise GenerationError(f"eos_token_id {e!r} is not a token id of the vocabulary [0, {V})")
+    if do_sample:
+        if not temperature > 0:
+            raise GenerationError(f"temperature must be > 0 when sampling, got {temperature!r}")
+        if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+            raise GenerationError(f"top_k must be an integer >= 1 (or None), got {top_k!r}")
+        if top_p is not None and not 0 < top_p <= 1:
+            raise GenerationError(f"top_p must lie in (0, 1] (or None), got {top_p!r}")
+    pad = pad_token_id if pad_token_id is not None else config.pad_token_id
+    pad = pad if pad is not None else (eos[0] if eos else 0)
+    if not 0 <= pad < V:
+        raise GenerationError(f"pad_token_id {pad!r} is not a token id of the vocabulary [0, {V})")
+    eos_t = torch.tensor(eos, dtype=input_ids.dtype, device=input_ids.device)
+    return Options(max_new_tokens, do_sample, temperature, top_k, top_p, eos_t, pad, generator)
+
+
+@torch.inference_mode()
+def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, max_new_tokens: int = 20,
+             do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+             eos_token_id: int | list[int] | None = None, generator: torch.Generator | None = None, streamer=None,
+             pad_token_id: int | None = None, speculative: str | None = None, num_speculative_tokens: int = 1,
+             return_stats: bool = False):  # fmt: skip
+    """Continue each row of a left-padded batch -> [B, T + new] (and GenerationStats with `return_stats`).
+
+    model: a Glm53ForCausalLM. eos_token_id None uses model.config.eos_token_id. do_sample False picks the
+    argmax; True samples after temperature / top_k / top_p, drawing from `generator`. `streamer` gets `put(ids)`
+    (the prompt, then each step's [B] ids) and `end()`.
+    speculative="mtp" drafts `num_speculative_tokens` tokens per step with the model's MTP layer and verifies
+    them in one forward (greedy only; same output as plain greedy decoding).
+    """
+    valid = left_padded_mask(input_ids, attention_mask)
+    opts = check_options(model, input_ids, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id,
+                         pad_token_id, generator)  # fmt: skip
+    stats = GenerationStats(prompt_tokens=input_ids.numel())
+    emitter = Emitter(input_ids, opts, streamer)
+    if speculative is not None:
+        cache = speculative_decode(model, input_ids, valid, opts, emitter, stats, speculative, num_speculative_tokens)
+    elif max_new_tokens > 0:
+        cache = _decode(model, input_ids, valid, opts, emitter, stats)
+    else:
+        cache = None
+    if cache is not None:
+        stats.cache_bytes, stats.cache_positions = cache.nbytes(), cache.seq_len
+    stats.new_tokens = len(emitter.tokens)
+    out = emitter.output(input_ids)
+    return (out, stats) if return_stats else out
+
+
+def _decode(model, input_ids, valid, opts: Options, emitter: Emitter, stats: GenerationStats) -> GenerationCache:
+    """Plain decoding: one prefill forward, then one single-token forward per new token."""
+    cache = GenerationCache(model)
+    start = time.perf_counter()
+    hidden = model.model(input_ids, valid, cache=cache)  # [B, T, D]
+    pick = lambda h: next_tokens(model.lm_head(h[:, -1]), opts.do_sample, opts.temperature, opts.top_k,  # noqa: E731
+                                 opts.top_p, opts.generator)  # fmt: skip
+    done = emitter.emit(pick(hidden))
+    stats.prefill_seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    while not done:
+        hidden = model.model(emitter.tokens[-1][:, None], cache=cache)  # [B, 1, D]
+        done = emitter.emit(pick(hidden))
+    stats.decode_seconds = time.perf_counter() - start
+    return cache
+
+
+__all__ = ["GenerationStats", "generate"]

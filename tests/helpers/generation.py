@@ -1,0 +1,44 @@
+"""Helpers for the generation tests: tiny random glm53 models and the greedy decode by full forwards."""
+
+from __future__ import annotations
+
+import torch
+
+from glm53 import Glm53Config, Glm53ForCausalLM
+from tests.helpers.oracle import randomize
+
+# Enough indexer heads that no two pools score exactly 0 (a sum of ReLUs): ties would make the top-k depend on the
+# number of pools scored (README "Indexer ties"), which differs between a full forward and a decode step.
+UNTIED_INDEXER = dict(index_n_heads=16)
+
+
+def tiny_model(seed: int = 1, random_weights: bool = True, **overrides) -> Glm53ForCausalLM:
+    """A tiny glm53 model in eval mode: every weight randomised at unit gain (tests/helpers/oracle.randomize), or
+    with `random_weights=False` the model's own initialisation (init_weights, seeded)."""
+    config = Glm53Config.tiny(**{**UNTIED_INDEXER, **overrides})
+    torch.manual_seed(seed)
+    model = Glm53ForCausalLM(config).eval()
+    if random_weights:
+        randomize(model, seed)
+    return model
+
+
+def left_padded(vocab: int, lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random prompts of the given lengths, left-padded with id 0 -> (ids [B, P], mask [B, P])."""
+    gen = torch.Generator().manual_seed(seed)
+    P = max(lengths)
+    ids = torch.randint(1, vocab, (len(lengths), P), generator=gen)
+    mask = torch.ones_like(ids)
+    for row, n in enumerate(lengths):
+        mask[row, : P - n] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+@torch.no_grad()
+def greedy_by_full_forward(model, ids: torch.Tensor, mask: torch.Tensor, steps: int) -> torch.Tensor:
+    """Greedy continuation with one full forward per token (no cache): the oracle in the sparse regime."""
+    for _ in range(steps):
+        nxt = model(ids, attention_mask=mask).logits[:, -1].argmax(-1)
+        ids = torch.cat([ids, nxt[:, None]], dim=1)
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+    return ids
