@@ -10,6 +10,10 @@ Conventions (shared by every implementation in this file, same signature):
 - initial_state / final state: [B, H, K, V], fp32.
 Per step:  S_t = diag(exp(g_t)) S_{t-1};  u_t = beta_t (v_t - S_t^T k_t);  S_t += k_t u_t^T;  o_t = S_t^T (scale q_t).
 All arithmetic is fp32; o is returned in q's dtype and the state in fp32.
+Packed documents (`cu_seqlens` over the flattened B * T tokens, kernels/varlen.py): the state restarts from zero
+at every document start, as if each document ran alone (no initial or final state then). The references loop over
+the documents; the fast form runs the rows as one flattened sequence and masks, per chunk, the decayed products
+between documents and the terms that carry a state across a start (`_DocMasks`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 
 from ...utils import ceil_div
 from ..dispatch import register
+from ..varlen import check_cu_seqlens, document_slices, position_in_document, token_documents
 from .decay import (
     BASE_BLOCK,
     _decay,
@@ -58,8 +63,12 @@ def kda_recurrent_reference(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The delta rule one token at a time: the definition every other form is tested against."""
+    if cu_seqlens is not None:
+        return _per_document(kda_recurrent_reference, (q, k, v, g, beta), scale, initial_state, output_final_state,
+                             cu_seqlens)  # fmt: skip
     out_dtype = q.dtype
     q, k, v, g, beta, S = _prepare(q, k, v, g, beta, scale, initial_state)
     outputs = []
@@ -70,6 +79,23 @@ def kda_recurrent_reference(
         outputs.append(torch.einsum("bhkv,bhk->bhv", S, q[:, t]))
     o = torch.stack(outputs, dim=1) if outputs else v.new_zeros(v.shape)
     return o.to(out_dtype), (S if output_final_state else None)
+
+
+def _no_states(initial_state, output_final_state) -> None:
+    if initial_state is not None or output_final_state:
+        raise ValueError("kda: initial_state / output_final_state are not supported with cu_seqlens "
+                         "(every packed document starts from a zero state)")  # fmt: skip
+
+
+def _per_document(kda, xs, scale, initial_state, output_final_state, cu_seqlens):
+    """Run `kda` on each document alone and put the outputs back in place (the references' packed form)."""
+    _no_states(initial_state, output_final_state)
+    B, T = xs[0].shape[:2]
+    cu = check_cu_seqlens(cu_seqlens, B, T)
+    o = xs[2].new_zeros(xs[2].shape, dtype=xs[0].dtype)
+    for b, s, e in document_slices(cu, T):
+        o[b : b + 1, s:e] = kda(*(x[b : b + 1, s:e] for x in xs), scale=scale)[0]
+    return o, None
 
 
 def kda_chunk_reference(
@@ -83,6 +109,7 @@ def kda_chunk_reference(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The chunked (WY / UT-transform) form, written for clarity: one chunk at a time.
 
@@ -94,6 +121,9 @@ def kda_chunk_reference(
     The pairwise decay exp(G_t - G_j), t >= j, is always <= 1, so nothing can overflow; the price is the
     [C, C, K] tensor per chunk, which the fast kernel avoids.
     """
+    if cu_seqlens is not None:
+        run = lambda *xs, scale: kda_chunk_reference(*xs, scale=scale, chunk_size=chunk_size)  # noqa: E731
+        return _per_document(run, (q, k, v, g, beta), scale, initial_state, output_final_state, cu_seqlens)
     out_dtype = q.dtype
     q, k, v, g, beta, S = _prepare(q, k, v, g, beta, scale, initial_state)
     B, T, H, K = k.shape
@@ -178,6 +208,37 @@ def _baddbmm(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1
     return out.view(c.shape)
 
 
+class _DocMasks(NamedTuple):
+    """Packed documents inside the chunked form ([1, 1, N, C, *], broadcast over heads), as 0/1 factors.
+
+    With the plain cumulative decay G of the chunk, exp(G_t - G_j) is still the right decay between two tokens
+    of one document (it sums only their document's steps), so a document start needs no change to G: the
+    products between documents are zeroed (`same`), a token reads the chunk's start state only if no document
+    starts between the chunk start and it (`carry`), and only the chunk's last document writes into the next
+    state (`last`, and `carry_end` for the decayed start state).
+    """
+
+    same: torch.Tensor  # [C, C] token t and j in one document
+    carry: torch.Tensor  # [C, 1] no document start in [chunk start, t]
+    last: torch.Tensor  # [C, 1] token j in the chunk's last document
+    carry_end: torch.Tensor  # [1, 1] carry of the chunk's last token
+
+
+def _doc_masks(cu_seqlens: torch.Tensor, T: int, C: int, dtype: torch.dtype) -> _DocMasks:
+    """`_DocMasks` for one flattened sequence of T tokens in chunks of C (padding joins the last document)."""
+    N = ceil_div(T, C)
+    pad = N * C - T
+    doc = token_documents(cu_seqlens, T)
+    doc = torch.cat([doc, doc[-1:].expand(pad)]).view(N, C)
+    starts = torch.nn.functional.pad(position_in_document(cu_seqlens, T) == 0, (0, pad)).view(N, C)
+    same = doc[:, :, None] == doc[:, None, :]  # [N, C, C]
+    carry = (doc == doc[:, :1]) & ~starts[:, :1] & (starts.long().cumsum(-1) == 0)  # [N, C]
+    last = doc == doc[:, -1:]
+    as_factor = lambda m: m.to(dtype)[None, None]  # noqa: E731
+    return _DocMasks(as_factor(same), as_factor(carry[..., None]), as_factor(last[..., None]),
+                     as_factor(carry[:, -1:, None]))  # fmt: skip
+
+
 class _WyChunks(NamedTuple):
     """The WY-form quantities of every chunk ([B, H, N, ...]), shared by the forward and the hand-written backward.
 
@@ -200,7 +261,7 @@ class _WyChunks(NamedTuple):
     S: torch.Tensor  # [B, H, K, V] final state
 
 
-def _wy_chunks(q, k, v, beta, G, S0) -> _WyChunks:
+def _wy_chunks(q, k, v, beta, G, S0, masks: _DocMasks | None = None) -> _WyChunks:
     """Chunked q, k [B, H, N, C, K], v [.., C, V], beta [.., C, 1], cumulative decay G [.., C, K], S0 [B, H, K, V].
 
     Per chunk (see kda_chunk_reference): W = L^-1 diag(beta) (K e^G), Ub = L^-1 diag(beta) V with
@@ -215,8 +276,12 @@ def _wy_chunks(q, k, v, beta, G, S0) -> _WyChunks:
     else:
         both = _decayed_products(torch.stack([k, q]), k[None], G[None])
         A, QK = both[0].tril(-1), both[1]
+    if masks is not None:  # packed documents: no product, start-state read or state write across a boundary
+        A, QK = A * masks.same, QK * masks.same
     L_inv = _unit_lower_inverse(beta * A)  # L = I + diag(beta) A
     E, E_end, D = _decay(G), _decay(G_end), _decay(G_end - G)
+    if masks is not None:
+        E, E_end, D = E * masks.carry, E_end * masks.carry_end, D * masks.last
     kEv = torch.cat([k * E, v], dim=-1)  # [B, H, N, C, K+V]
     WU = _bmm(L_inv, kEv * beta)  # [W | Ub]
     Kd = k * D
@@ -226,7 +291,7 @@ def _wy_chunks(q, k, v, beta, G, S0) -> _WyChunks:
     return _WyChunks(A, QK, factors, L_inv, E, E_end, D, kEv, WU, Kd, transition, starts, S)
 
 
-def _kda_chunk_core(q, k, v, g, beta, S0):
+def _kda_chunk_core(q, k, v, g, beta, S0, cu_seqlens=None):
     """Scaled fp32/fp64 q, k [B, T, H, K], v [B, T, H, V], g, beta [B, T, H], S0 [B, H, K, V] -> (o, S_T).
 
     The chunk quantities come from `_wy_chunks`; then U = Ub - W S_n and O = (Q e^G) S_n + QK U for all chunks
@@ -238,7 +303,8 @@ def _kda_chunk_core(q, k, v, g, beta, S0):
     q, k, v, g = _to_chunks(T, C, q, k, v, g)  # [B, H, N, C, *]; padding: k = beta = 0, g = 0 (no write, no decay)
     (beta,) = _to_chunks(T, C, beta[..., None])  # [B, H, N, C, 1]
     N = q.shape[2]
-    ch = _wy_chunks(q, k, v, beta, g.cumsum(dim=-2), S0)
+    masks = None if cu_seqlens is None else _doc_masks(cu_seqlens, T, C, q.dtype)
+    ch = _wy_chunks(q, k, v, beta, g.cumsum(dim=-2), S0, masks)
     U = _baddbmm(ch.WU[..., K:], ch.WU[..., :K], ch.starts, alpha=-1.0)  # Ub - W S_n
     o = _baddbmm(_bmm(ch.QK, U), q * ch.E, ch.starts)  # [B, H, N, C, V]
     o = o.permute(0, 2, 3, 1, 4).reshape(B, N * C, H, V)[:, :T]
@@ -256,13 +322,14 @@ def _kda_recurrent_core(q, k, v, g, beta, S):
     return torch.stack(outputs, dim=1), S
 
 
-def _kda_core(q, k, v, g, beta, S0):
+def _kda_core(q, k, v, g, beta, S0, cu_seqlens=None):
+    """With `cu_seqlens` S0 is zero (kda_chunk checks it), so a single token needs no reset."""
     if q.shape[1] <= RECURRENT_MAX_T:
         return _kda_recurrent_core(q, k, v, g, beta, S0)
-    return _kda_chunk_core(q, k, v, g, beta, S0)
+    return _kda_chunk_core(q, k, v, g, beta, S0, cu_seqlens)
 
 
-def _kda_chunk_backward(q, k, v, g, beta, S0, do, dS):
+def _kda_chunk_backward(q, k, v, g, beta, S0, do, dS, cu_seqlens=None):
     """Hand-derived backward of `_kda_chunk_core` on the rebased path (`_rebase_is_safe`); q already scaled.
 
     Recomputes the forward's chunk quantities without autograd (`_wy_chunks`), walks the state recurrence backwards
@@ -281,12 +348,15 @@ def _kda_chunk_backward(q, k, v, g, beta, S0, do, dS):
     G = g.cumsum(dim=-2)
     if not _rebase_is_safe(G):
         return None
-    ch = _wy_chunks(q, k, v, beta, G, S0)
+    masks = None if cu_seqlens is None else _doc_masks(cu_seqlens, T, C, q.dtype)
+    ch = _wy_chunks(q, k, v, beta, G, S0, masks)
     W, Ub, starts = ch.WU[..., :K], ch.WU[..., K:], ch.starts
     U = _baddbmm(Ub, W, starts, alpha=-1.0)
     qE = q * ch.E
     # o = qE S_n + QK U,  U = Ub - W S_n
     dQK = _bmm(do, U.transpose(-1, -2)).tril()
+    if masks is not None:  # the products between documents are constants (zero): no gradient reaches them
+        dQK = dQK * masks.same
     dU = _bmm(ch.QK.transpose(-1, -2), do)
     dqE = _bmm(do, starts.transpose(-1, -2))
     dstarts = _baddbmm(_bmm(qE.transpose(-1, -2), do), W.transpose(-1, -2), dU, alpha=-1.0)  # [B, H, N, K, V]
@@ -309,6 +379,8 @@ def _kda_chunk_backward(q, k, v, g, beta, S0, do, dS):
     # [W | Ub] = L^-1 diag(beta) kEv:  dR = L^-T d[W | Ub],  dL = -dR [W | Ub]^T (strictly lower)
     dR = _bmm(ch.L_inv.transpose(-1, -2), dWU)  # [B, H, N, C, K+V]
     dL = -_bmm(dR, ch.WU.transpose(-1, -2)).tril(-1)
+    if masks is not None:
+        dL = dL * masks.same
     dbeta = (dL * ch.A).sum(-1, keepdim=True) + (dR * ch.kEv).sum(-1, keepdim=True)
     dkEv = dR * beta
     dk_w, dv = dkEv[..., :K] * ch.E, dkEv[..., K:]  # kEv = [k E | v]
@@ -339,11 +411,11 @@ class _KdaRecompute(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, S0, scale):
+    def forward(ctx, q, k, v, g, beta, S0, scale, cu_seqlens=None):
         ctx.save_for_backward(q, k, v, g, beta, S0)
-        ctx.scale = scale
+        ctx.scale, ctx.cu_seqlens = scale, cu_seqlens
         with torch.no_grad():
-            return _kda_core(q * scale, k, v, g, beta, S0)
+            return _kda_core(q * scale, k, v, g, beta, S0, cu_seqlens)
 
     @staticmethod
     def backward(ctx, do, dS):
@@ -351,17 +423,17 @@ class _KdaRecompute(torch.autograd.Function):
         T = q.shape[1]
         if T > RECURRENT_MAX_T:
             do = do.to(q.dtype) if do is not None else torch.zeros_like(v)
-            grads = _kda_chunk_backward(q * ctx.scale, k, v, g, beta, S0, do, dS)
+            grads = _kda_chunk_backward(q * ctx.scale, k, v, g, beta, S0, do, dS, ctx.cu_seqlens)
             if grads is not None:  # None: decays too steep for the rebased factors
                 dq, dk, dv, dg, dbeta, dS0 = grads
-                return dq * ctx.scale, dk, dv, dg, dbeta, dS0, None
+                return dq * ctx.scale, dk, dv, dg, dbeta, dS0, None, None
         inputs = [x.detach().requires_grad_(need) for x, need in zip(ctx.saved_tensors, ctx.needs_input_grad)]
         with torch.enable_grad():
             q, *rest = inputs
-            o, S = _kda_core(q * ctx.scale, *rest)
+            o, S = _kda_core(q * ctx.scale, *rest, ctx.cu_seqlens)
             wanted = [x for x in inputs if x.requires_grad]
             grads = iter(torch.autograd.grad((o, S), wanted, (do, dS), allow_unused=True))
-        return *(next(grads) if x.requires_grad else None for x in inputs), None
+        return *(next(grads) if x.requires_grad else None for x in inputs), None, None
 
 
 def kda_chunk(
@@ -374,11 +446,25 @@ def kda_chunk(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The fast eager form: all chunks at once, one batched matmul per chunk for the state; same signature.
 
     Computes in fp32 (fp64 when q is fp64, for tight gradient tests); backward by recompute (`_KdaRecompute`).
+    With `cu_seqlens` the B rows run as one flattened sequence of B * T tokens, documents masked per chunk.
     """
+    if cu_seqlens is not None:
+        _no_states(initial_state, output_final_state)
+        B, T = q.shape[:2]
+        cu = check_cu_seqlens(cu_seqlens, B, T)
+        flat = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta)]
+        o, _ = _kda_chunk_flat(*flat, scale=scale, cu_seqlens=cu)
+        return o.view(B, T, *o.shape[2:]), None
+    return _kda_chunk_flat(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                           output_final_state=output_final_state)  # fmt: skip
+
+
+def _kda_chunk_flat(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
     B, T, H, K = k.shape
     V = v.shape[-1]
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -393,9 +479,9 @@ def kda_chunk(
     if T == 0:
         return v.new_zeros(v.shape, dtype=q.dtype), (S0 if output_final_state else None)
     if torch.is_grad_enabled() and any(x.requires_grad for x in args):
-        o, S = _KdaRecompute.apply(*args, scale)
+        o, S = _KdaRecompute.apply(*args, scale, cu_seqlens)
     else:
-        o, S = _kda_core(args[0] * scale, *args[1:])
+        o, S = _kda_core(args[0] * scale, *args[1:], cu_seqlens)
     return o.to(q.dtype), (S if output_final_state else None)
 
 
