@@ -19,7 +19,7 @@ def save_checkpoint(model: torch.nn.Module, path: str | os.PathLike, *, max_shar
     recorded and any `quantization_config` dropped (weights are written dequantised). `dtype` casts floating
     tensors except those transformers keeps in fp32 (glm53.precision.FP32_KEEP); None keeps each tensor's dtype. Shards
     are at most `max_shard_size` ("5GB", "200MB" or bytes), with an index when there is more than one. The
-    write is atomic (glm53.shards.atomic_directory): an existing `path` raises unless `overwrite`, which
+    write is atomic (glm53.checkpoint.shards.atomic_directory): an existing `path` raises unless `overwrite`, which
     replaces the checkpoint but keeps the directory's other files (tokenizer...) as transformers does.
     """
     stored = dtype or model.model.embed_tokens.weight.dtype

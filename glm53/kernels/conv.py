@@ -1,9 +1,10 @@
 """Causal depthwise 1-D convolution (the short conv on KDA's q, k and v).
 
-Legend: B batch, T time, D channels, W kernel width.
-x: [B, T, D]; weight: [D, W] (tap W-1 multiplies the current token); optional state: [B, D, W-1], the last
-W-1 inputs before x (zeros when absent). Returns y [B, T, D] in fp32 and, if asked, the new state
-[B, D, W-1] (the last W-1 inputs of cat(state, x)), in x's dtype. No bias, no activation: the caller applies them.
+Legend: B batch, T time, W kernel width; the channels are H*K (one of KDA's q, k, v projections; the code's
+locals call the channel count D).
+x: [B, T, H*K]; weight: [H*K, W] (tap W-1 multiplies the current token); optional state: [B, H*K, W-1], the
+last W-1 inputs before x (zeros when absent). Returns y [B, T, H*K] in fp32 and, if asked, the new state
+[B, H*K, W-1] (the last W-1 inputs of cat(state, x)), in x's dtype. No bias, no activation: the caller applies them.
 Packed documents (`cu_seqlens`, kernels/varlen.py): a tap that would read a token of an earlier document reads
 zero instead, so every document starts from an empty history (no initial or final state then).
 """
@@ -17,7 +18,7 @@ from .varlen import check_cu_seqlens, document_slices, position_in_document
 
 
 def _history(x: torch.Tensor, weight: torch.Tensor, initial_state: torch.Tensor | None) -> torch.Tensor:
-    """Validated history [B, D, W-1] in x's dtype (zeros without a state)."""
+    """Validated history [B, H*K, W-1] in x's dtype (zeros without a state)."""
     B, T, D = x.shape
     W = weight.shape[-1]
     if weight.shape != (D, W):
@@ -30,7 +31,7 @@ def _history(x: torch.Tensor, weight: torch.Tensor, initial_state: torch.Tensor 
 
 
 def _with_history(x: torch.Tensor, weight: torch.Tensor, initial_state: torch.Tensor | None) -> torch.Tensor:
-    return torch.cat([_history(x, weight, initial_state), x.transpose(1, 2)], dim=-1)  # [B, D, W-1+T]
+    return torch.cat([_history(x, weight, initial_state), x.transpose(1, 2)], dim=-1)  # [B, H*K, W-1+T]
 
 
 def causal_conv1d_reference(
@@ -77,11 +78,11 @@ def _edges(cu_seqlens: torch.Tensor, total: int, W: int) -> tuple[torch.Tensor, 
 
 
 class _CausalConv1d(torch.autograd.Function):
-    """W shifted multiply-adds in the [B, T, D] layout, forward and hand-written backward.
+    """W shifted multiply-adds in the [B, T, H*K] layout, forward and hand-written backward.
 
     CPU autograd of a depthwise F.conv1d spends several times the forward in convolution_backward; here the
     backward is W more shifted multiply-adds for the input (and the history) and W products reduced over (B, T)
-    for the weight. full = cat(history, x) along time [B, W-1+T, D] in fp32 is the one tensor kept.
+    for the weight. full = cat(history, x) along time [B, W-1+T, H*K] in fp32 is the one tensor kept.
     With `edges` (packed documents) the few tokens near a document start are recomputed with the taps that
     cross the boundary dropped (exactly: no subtraction), and excluded from the shifted form in backward.
     """
@@ -89,7 +90,7 @@ class _CausalConv1d(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, history, edges=None):
         T, W = x.shape[1], weight.shape[-1]
-        full = torch.cat([history.float(), x.float()], dim=1)  # [B, W-1+T, D]
+        full = torch.cat([history.float(), x.float()], dim=1)  # [B, W-1+T, H*K]
         w = weight.float()
         y = full[:, :T] * w[:, 0]
         for tap in range(1, W):
@@ -134,7 +135,7 @@ def causal_conv1d(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The same sum as shifted multiply-adds in the [B, T, D] layout, with a hand-written backward.
+    """The same sum as shifted multiply-adds in the [B, T, H*K] layout, with a hand-written backward.
 
     With `cu_seqlens` the rows are one flattened sequence whose boundary-crossing taps are dropped (no loop over
     documents, no per-document padding).
@@ -148,11 +149,11 @@ def causal_conv1d(
         history = _history(flat, weight, None).transpose(1, 2)
         y = _CausalConv1d.apply(flat, weight, history, _edges(cu, B * T, W))
         return y.view(B, T, D), None
-    history = _history(x, weight, initial_state).transpose(1, 2)  # [B, W-1, D]
-    y = _CausalConv1d.apply(x, weight, history)  # [B, T, D] fp32
+    history = _history(x, weight, initial_state).transpose(1, 2)  # [B, W-1, H*K]
+    y = _CausalConv1d.apply(x, weight, history)  # [B, T, H*K] fp32
     if not output_final_state:
         return y, None
-    recent = torch.cat([history, x], dim=1)[:, x.shape[1] :]  # the last W-1 inputs [B, W-1, D]
+    recent = torch.cat([history, x], dim=1)[:, x.shape[1] :]  # the last W-1 inputs [B, W-1, H*K]
     return y, recent.transpose(1, 2)
 
 
