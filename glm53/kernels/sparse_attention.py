@@ -205,8 +205,9 @@ def _mqa_softmax(scores, valid):
 # from the smallest to the largest selected position, e.g. the causal prefix of its document), the per-query
 # gather of J latent rows and the [H, Z] x [Z, J] per-query matmuls cost more than plain [Tq*H, Z] x [Z, span]
 # GEMMs over the whole span with the unselected keys masked to -inf: the same sum over the same keys, no gather
-# and no scatter-add of the key gradients. A chunk goes dense when span <= DENSE_SPAN_RATIO * J, which keeps the dense work O(T * J); the ratio
-# is the fastest one measured (benchmarks/RESULTS.md). In a causal sequence this sends the early chunks dense.
+# and no scatter-add of the key gradients. A chunk goes dense when span <= DENSE_SPAN_RATIO * J, which keeps the
+# dense work O(T * J); the ratio is the fastest one measured (benchmarks/RESULTS.md). In a causal sequence this
+# sends the early chunks dense (and, packed, the early chunks of every document).
 DENSE_SPAN_RATIO = 4
 
 

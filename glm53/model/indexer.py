@@ -111,7 +111,8 @@ class Indexer(nn.Module):
         return pool_keys[:, keep], positions.masked_fill(~token_valid, -1)[:, keep], complete[:, keep]
 
     def scores(self, x: torch.Tensor, q_resid: torch.Tensor, pool_keys: torch.Tensor,
-               cu_seqlens: torch.Tensor | None = None, pool_start: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+               cu_seqlens: torch.Tensor | None = None,
+               pool_start: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """[B, T, P] fp32 index scores: sum_h w_h relu(q_h . key_p / sqrt(K)) (kernels/indexer_scores.py);
         packed: 0 for pools of other documents."""
         q = self.wq_b(q_resid).view(*q_resid.shape[:2], self.n_heads, self.head_dim)  # [B, T, H, K]

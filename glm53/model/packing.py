@@ -73,7 +73,8 @@ def first_valid_in_document(valid: torch.Tensor, cu_seqlens: torch.Tensor) -> to
     return torch.minimum(next_valid.gather(1, start.clamp(max=T - 1)), end)
 
 
-def document_pool_layout(valid: torch.Tensor, cu_seqlens: torch.Tensor, kpool: int) -> tuple[torch.Tensor, torch.Tensor]:
+def document_pool_layout(valid: torch.Tensor, cu_seqlens: torch.Tensor,
+                         kpool: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Pools of `kpool` consecutive positions from each document's first valid token, never past its end.
 
     -> positions [B, P, L] (row-local; an empty slot holds T.., past every token) and which of them are valid

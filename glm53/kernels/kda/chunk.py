@@ -376,7 +376,8 @@ def _(q, k, v, g, beta, S0, scale, cu_seqlens=None):
 @torch.library.custom_op("glm53::kda_chunk_backward", mutates_args=())
 def _kda_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      S0: torch.Tensor, do: torch.Tensor, dS: torch.Tensor, scale: float,
-                     cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+                     cu_seqlens: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     if q.shape[1] > RECURRENT_MAX_T:
         grads = _kda_chunk_backward(q * scale, k, v, g, beta, S0, do, dS, cu_seqlens)
         if grads is not None:  # None: decays too steep for the rebased factors
