@@ -1,24 +1,29 @@
-"""Packed documents: training-step throughput and padding saved. A table + JSON.
+"""Padding saved by packing documents into rows (glm53.training.data.pack), on a realistic length mix: a table + JSON.
 
-    python benchmarks/bench_packing.py                      # 2048 tokens, 4 layers, 3 reps, 1 thread
-    python benchmarks/bench_packing.py --tokens 4096 --reps 5
+    python benchmarks/bench_packing.py                  # 4000 documents, rows of 2048 / 4096 / 8192 tokens
+    python benchmarks/bench_packing.py --step           # also a training step: packed vs one sequence vs padded
 
-Throughput: one training step (forward with labels, every default loss, backward) of the bench model (issue 5,
-`--layers` of it) over the same N tokens in three layouts, interleaved rep by rep, medians:
-- "one sequence": input_ids [1, N], no boundaries (what packing is measured against; target: packed within 1.2x);
-- "packed": the same [1, N] tokens as documents of a realistic length mix, `cu_seqlens` (each document alone);
-- "padded": the same documents as a [n_docs, longest] batch with an attention mask (the layout packing replaces).
-Padding: over many documents of the same mix, the slots a batch needs when each batch of `--batch` documents is
-padded to its longest, vs packing them in order into rows of `--seq-len` tokens (a longer document is split):
-the fraction of slots that hold no token. Results: benchmarks/results/bench_packing.json.
-The ratios use the process's CPU time per step (one thread: the work done, which other jobs on a shared machine
-barely change); wall-clock medians are recorded beside them.
+Legend: B batch (rows), T time (row length).
+Lengths: log-normal, median 350 tokens, sigma 1.1, clipped to [8, 32768] (a mix like chat SFT data: many short
+answers, a long tail of documents). Three ways to make rows of at most T tokens:
+    one per row      each document in its own row padded to T (a longer one cut into rows)
+    batch-longest    rows in batches of 8 in data order, each batch padded to its longest row (dynamic padding)
+    packed           glm53's Packer: whole documents one after another, the next row when one does not fit
+`--step` times one training step (forward with labels, default losses, backward) of `--layers` layers of the bench
+model (benchmarks/bench_config.py) over the same `--step-len` tokens of the same mix, interleaved rep by rep:
+    one sequence     input_ids [1, N], no boundaries (what packing is measured against; target: within 1.2x)
+    packed           the same [1, N] tokens with `cu_seqlens`: each document computed as if alone
+    padded           the same documents as a [documents, longest] batch with an attention mask
+Ratios use the medians of the process's CPU time per step (one thread: the work done, which other jobs on a shared
+machine barely change); wall-clock medians are recorded beside them.
+Results: benchmarks/results/bench_packing.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
 
 import torch
@@ -26,111 +31,126 @@ import torch
 from bench_config import bench_config, machine, median, table, timed, write_json
 
 from glm53 import Glm53ForCausalLM
+from glm53.training.data.pack import Packer
+from glm53.training.data.tokenize import TokenDoc
 
-MEDIAN_LEN, SIGMA = 200, 1.0  # lognormal document lengths (SFT-like mix: median 200 tokens, long tail)
+MEDIAN_LEN, SIGMA, MIN_LEN, MAX_LEN = 350, 1.1, 8, 32768
+DYNAMIC_BATCH = 8
 
 
-def length_mix(total: int, seed: int) -> list[int]:
-    """Document lengths of the mix summing to exactly `total` (the last one cut)."""
+def lengths(n: int, seed: int = 0) -> list[int]:
     g = torch.Generator().manual_seed(seed)
-    lengths: list[int] = []
-    while sum(lengths) < total:
-        n = int(math.exp(math.log(MEDIAN_LEN) + SIGMA * torch.randn((), generator=g).item()))
-        lengths.append(max(1, min(n, total - sum(lengths))))
-    return lengths
+    x = torch.randn(n, generator=g) * SIGMA + math.log(MEDIAN_LEN)
+    return x.exp().round().clamp(MIN_LEN, MAX_LEN).long().tolist()
 
 
-def layouts(N: int, vocab: int, seed: int) -> dict:
-    lengths = length_mix(N, seed)
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, vocab, (1, N), generator=g)
-    cu = torch.tensor([0, *lengths]).cumsum(0)
-    longest = max(lengths)
-    padded = torch.zeros(len(lengths), longest, dtype=torch.long)
+def one_per_row(lens: list[int], T: int) -> int:
+    return sum(-(-n // T) for n in lens)  # rows, each T wide
+
+
+def batch_longest(lens: list[int], T: int) -> int:
+    """Padded tokens when batches of DYNAMIC_BATCH rows are padded to their longest row (cut rows included)."""
+    rows = [min(T, n - k) for n in lens for k in range(0, n, T)]
+    return sum(max(rows[i : i + DYNAMIC_BATCH]) * len(rows[i : i + DYNAMIC_BATCH]) for i in range(0, len(rows),
+                                                                                            DYNAMIC_BATCH))  # fmt: skip
+
+
+def packed(lens: list[int], T: int) -> tuple[int, int]:
+    docs = [TokenDoc([1] * n, [True] * n, str(i)) for i, n in enumerate(lens)]
+    packer = Packer(docs, T, seed=0, pad_id=0)
+    while packer.epoch == 0:
+        packer.row()
+    return packer.stats.rows, packer.stats.split
+
+
+def padding_table(n_docs: int) -> list[dict]:
+    lens = lengths(n_docs)
+    tokens = sum(lens)
+    out = []
+    for T in (2048, 4096, 8192):
+        rows_packed, split = packed(lens, T)
+        layouts = {"one per row": one_per_row(lens, T) * T, "batch-longest": batch_longest(lens, T),
+                   "packed": rows_packed * T}  # fmt: skip
+        for name, slots in layouts.items():
+            out.append({"T": T, "layout": name, "token_slots": slots, "padding": f"{1 - tokens / slots:.1%}",
+                        "vs_packed": f"{slots / layouts['packed']:.2f}x", "split_docs": split if name == "packed" else ""})
+    return out
+
+
+def step_layouts(N: int, vocab: int) -> tuple[dict[str, dict], list[int]]:
+    """The three layouts of the same N tokens (documents of the mix, the last one cut to fit)."""
+    lens = []
+    for n in lengths(64, seed=1):
+        lens.append(min(n, N - sum(lens)))
+        if sum(lens) == N:
+            break
+    lens[-1] += N - sum(lens)  # the mix ran short: the last document takes the rest
+    ids = torch.randint(1, vocab, (1, N), generator=torch.Generator().manual_seed(2))
+    cu = torch.tensor([0, *lens]).cumsum(0)
+    padded = torch.zeros(len(lens), max(lens), dtype=torch.long)
     mask = torch.zeros_like(padded)
-    for i, (s, n) in enumerate(zip(cu[:-1].tolist(), lengths)):
+    for i, (s, n) in enumerate(zip(cu[:-1].tolist(), lens)):
         padded[i, :n], mask[i, :n] = ids[0, s : s + n], 1
     return {
         "one sequence": dict(input_ids=ids, labels=ids),
         "packed": dict(input_ids=ids, labels=ids, cu_seqlens=cu),
         "padded": dict(input_ids=padded, labels=padded.masked_fill(mask == 0, -100), attention_mask=mask),
-        "_lengths": lengths,
-    }
+    }, lens
 
 
-def step(model, batch) -> None:
-    model.zero_grad(set_to_none=True)
-    model(**batch).loss.backward()
-
-
-def cpu_timed(fn) -> float:
-    start = time.process_time()
-    fn()
-    return time.process_time() - start
-
-
-def padding_saved(docs: int, batch: int, seq_len: int, seed: int) -> dict:
-    lengths = _sample(docs, seed)
-    tokens = sum(lengths)
-    padded = sum(len(b) * max(b) for b in (lengths[i : i + batch] for i in range(0, docs, batch)))
-    packed_rows = math.ceil(tokens / seq_len)  # in order, splitting: only the last row is partly empty
-    return dict(docs=docs, tokens=tokens, batch=batch, seq_len=seq_len, padded_slots=padded,
-                padded_waste=round(1 - tokens / padded, 4), packed_slots=packed_rows * seq_len,
-                packed_waste=round(1 - tokens / (packed_rows * seq_len), 4),
-                slots_saved=round(1 - packed_rows * seq_len / padded, 4))  # fmt: skip
-
-
-def _sample(docs: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return [max(1, int(math.exp(math.log(MEDIAN_LEN) + SIGMA * torch.randn((), generator=g).item())))
-            for _ in range(docs)]  # fmt: skip
-
-
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tokens", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--docs", type=int, default=4096, help="documents for the padding statistics")
-    p.add_argument("--batch", type=int, default=8, help="documents per padded batch (padding statistics)")
-    p.add_argument("--seq-len", type=int, default=4096, help="packed row length (padding statistics)")
-    args = p.parse_args()
-    torch.set_num_threads(args.threads)
+def step_rate(N: int, layers: int, reps: int) -> dict:
+    """CPU seconds and tokens per CPU second of one training step in each layout, medians over interleaved reps."""
     config = bench_config()
-    config.num_hidden_layers = args.layers
-    config.layer_types = config.layer_types[: args.layers]
-    config.mlp_layer_types = config.mlp_layer_types[: args.layers]
-    config.indexer_types = config.indexer_types[: args.layers]
-    torch.manual_seed(args.seed)
+    config.num_hidden_layers = layers
+    for name in ("layer_types", "mlp_layer_types", "indexer_types"):
+        setattr(config, name, getattr(config, name)[:layers])
+    torch.manual_seed(0)
     model = Glm53ForCausalLM(config).train()
-    batches = layouts(args.tokens, config.vocab_size, args.seed)
-    lengths = batches.pop("_lengths")
+    batches, lens = step_layouts(N, config.vocab_size)
+
+    def step(batch) -> tuple[float, float]:
+        wall, cpu = time.perf_counter(), time.process_time()
+        model.zero_grad(set_to_none=True)
+        model(**batch).loss.backward()
+        return time.process_time() - cpu, time.perf_counter() - wall
+
     for batch in batches.values():  # warm-up
-        step(model, batch)
-    times: dict[str, list[float]] = {name: [] for name in batches}
-    cpu: dict[str, list[float]] = {name: [] for name in batches}
-    for _ in range(args.reps):  # interleaved, so machine load drifts hit every layout alike
+        step(batch)
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in batches}
+    for _ in range(reps):  # interleaved, so machine load drifts hit every layout alike
         for name, batch in batches.items():
-            wall = timed(lambda: cpu[name].append(cpu_timed(lambda: step(model, batch))))
-            times[name].append(wall)
-    base = median(cpu["one sequence"])
-    rows = [dict(layout=name, shape="x".join(map(str, b["input_ids"].shape)), cpu_s=round(median(cpu[name]), 3),
-                 wall_s=round(median(times[name]), 3), tokens_per_cpu_s=round(args.tokens / median(cpu[name])),
-                 vs_one_sequence=round(median(cpu[name]) / base, 3))
+            runs[name].append(step(batch))
+    cpu = {name: median([c for c, _ in r]) for name, r in runs.items()}
+    rows = [dict(layout=name, shape="x".join(map(str, b["input_ids"].shape)), cpu_s=round(cpu[name], 3),
+                 wall_s=round(median([w for _, w in runs[name]]), 3), tokens_per_cpu_s=round(N / cpu[name]),
+                 vs_one_sequence=round(cpu[name] / cpu["one sequence"], 3))
             for name, b in batches.items()]  # fmt: skip
-    pad = padding_saved(args.docs, args.batch, args.seq_len, args.seed + 1)
-    print(f"{args.tokens} tokens as {len(lengths)} documents (median {sorted(lengths)[len(lengths) // 2]}, "
-          f"longest {max(lengths)}), {args.layers} layers, {args.reps} reps, {args.threads} thread(s)")  # fmt: skip
-    print(table(rows, ["layout", "shape", "cpu_s", "wall_s", "tokens_per_cpu_s", "vs_one_sequence"]))
-    print(f"padding over {pad['docs']} documents: padded batches of {pad['batch']} waste {pad['padded_waste']:.1%} "
-          f"of their slots, packed rows of {pad['seq_len']} waste {pad['packed_waste']:.1%}; packing needs "
-          f"{pad['slots_saved']:.1%} fewer slots")  # fmt: skip
-    path = write_json("bench_packing.json", dict(machine=machine(), args=vars(args), lengths=lengths, rows=rows,
-                                                 wall_times=times, cpu_times=cpu, padding=pad))  # fmt: skip
-    print(f"wrote {path}")
+    return {"tokens": N, "layers": layers, "reps": reps, "documents": lens, "rows": rows,
+            "runs_cpu_wall_s": runs}  # fmt: skip
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--docs", type=int, default=4000)
+    p.add_argument("--step", action="store_true", help="also time a packed training step of the bench model")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--step-len", type=int, default=2048, help="tokens N of the timed step")
+    p.add_argument("--layers", type=int, default=4, help="layers of the bench model in the timed step")
+    args = p.parse_args()
+    torch.set_num_threads(1)  # CPU time per step is the measure: one thread keeps it the work done
+    rows = padding_table(args.docs)
+    print(table(rows, ["T", "layout", "token_slots", "padding", "vs_packed", "split_docs"]))
+    payload = {"machine": machine(), "length_mix": dict(median=MEDIAN_LEN, sigma=SIGMA, docs=args.docs), "padding": rows}
+    if args.step:
+        payload["step"] = step_rate(args.step_len, args.layers, args.reps)
+        docs = payload["step"]["documents"]
+        print(f"\none training step: {args.step_len} tokens as {len(docs)} documents ({min(docs)}-{max(docs)} tokens), "
+              f"{args.layers} layers, {args.reps} reps, 1 thread")  # fmt: skip
+        print(table(payload["step"]["rows"], ["layout", "shape", "cpu_s", "wall_s", "tokens_per_cpu_s",
+                                              "vs_one_sequence"]))  # fmt: skip
+    print("wrote", write_json("bench_packing.json", payload))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

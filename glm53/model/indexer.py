@@ -161,7 +161,10 @@ class Indexer(nn.Module):
             candidate &= pool_starts(positions, T)[:, None, :] >= doc_start[:, :, None]
         scores = scores.masked_fill(~candidate, torch.finfo(scores.dtype).min)
         select = min(self.index_topk // self.kpool, scores.shape[-1])
-        chosen = scores.topk(select, dim=-1).indices  # [B, T, select]
+        if cu_seqlens is None:
+            chosen = scores.topk(select, dim=-1).indices  # [B, T, select]
+        else:  # ties to the lowest pool: a row's choice must not depend on how many pools the other rows have
+            chosen = scores.sort(dim=-1, descending=True, stable=True).indices[..., :select]
         chosen_ok = candidate.gather(-1, chosen)
         selected = torch.zeros_like(candidate).scatter_(-1, chosen, chosen_ok)
         tokens = positions[torch.arange(B, device=scores.device)[:, None, None], chosen]  # [B, T, select, L]

@@ -5,7 +5,8 @@ Two ways in (Glm53ForCausalLM.forward / Glm53Model.forward):
 - `cu_seqlens` int [n + 1]: cumulative document lengths over the flattened [B, T] tokens (fla's convention; the
   usual form is input_ids [1, total]). With B > 1, every row start is added as a boundary.
 - `position_ids` [B, T]: restarting at 0 at each document (transformers' DataCollatorWithFlattening); a document
-  starts wherever the position is 0 and at every row start.
+  starts wherever the position does not continue the previous one (at every 0 in that convention) and at every
+  row start, the rule the loss counts use too (glm53/training/loss_counts.py, `document_spans`).
 Both become one `cu_seqlens` over the flattened tokens, with every row start in it (kernels/varlen.py), and
 `segment_ids` [B, T], the document index of every token; ForwardContext carries both. A batch whose rows each
 hold one document needs neither: `document_boundaries` returns None and the ordinary path runs.
@@ -32,7 +33,10 @@ def document_boundaries(B: int, T: int, device: torch.device, cu_seqlens: torch.
         if tuple(position_ids.shape) != (B, T) or position_ids.dtype.is_floating_point:
             raise ValueError(f"position_ids must be an integer tensor of shape {(B, T)} (restarting at 0 at each "
                              f"document), got {position_ids.dtype} {tuple(position_ids.shape)}")  # fmt: skip
-        starts = torch.nonzero(position_ids.to(device).flatten() == 0).flatten()  # NOTE: syncs
+        pos = position_ids.to(device)
+        breaks = torch.ones_like(pos, dtype=torch.bool)
+        breaks[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+        starts = torch.nonzero(breaks.flatten()).flatten()  # NOTE: syncs
         cu = torch.cat([starts, row_starts])
     elif cu_seqlens is not None:
         # the boundaries as given: 1-D integer, from 0 to B * T, non-decreasing (named errors from the check)

@@ -14,6 +14,7 @@ import os
 import torch
 
 from .. import parallel
+from . import finetune
 from .trainer import PRESETS, Trainer
 
 
@@ -34,6 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="CPU intra-op threads (tiny models run fastest on 1: thread hand-offs cost more than the ops)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel degree (torchrun)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (torchrun)")
+    finetune.add_arguments(p)  # --init, --data, --tokenizer, --grad-accum
 
 
 def _check_world(args: argparse.Namespace) -> int:
@@ -52,6 +54,7 @@ def train(args: argparse.Namespace) -> int:
     """Run `glm53 train` with parsed `args`: one process, or one rank of a torchrun (dp, tp) grid."""
     if args.save_every and not args.save:
         raise SystemExit("--save-every needs --save DIR")
+    finetune.check_args(args)
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     par = parallel.runtime if _check_world(args) > 1 else None

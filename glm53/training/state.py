@@ -16,13 +16,15 @@ TRAINER_STATE = "trainer_state.pt"
 
 
 def trainer_state(step: int, optimizer: torch.optim.Optimizer, generator: torch.Generator, par,
-                  layout: tuple[int, int]) -> dict:  # fmt: skip
+                  layout: tuple[int, int], data: dict | None = None) -> dict:  # fmt: skip
     """Single process: the optimizer's state dict and the RNG states. Distributed: the optimizer itself (save_run
-    gathers its full state) and this rank's RNG states (gathered from every rank into `rank_rng`)."""
+    gathers its full state) and this rank's RNG states (gathered from every rank into `rank_rng`). `data`: the
+    --data position (the same on every rank), when training on a file."""
     rng = {"data_rng": generator.get_state(), "torch_rng": torch.get_rng_state()}
+    extra = {} if data is None else {"data": data}
     if par is None:
-        return {"step": step, "optimizer": optimizer.state_dict(), **rng}
-    return {"step": step, "optimizer": optimizer, "rank_rng": rng, "layout": list(layout)}
+        return {"step": step, "optimizer": optimizer.state_dict(), **rng, **extra}
+    return {"step": step, "optimizer": optimizer, "rank_rng": rng, "layout": list(layout), **extra}
 
 
 def save_run(model: Glm53ForCausalLM, path: str, state: dict, par=None) -> None:

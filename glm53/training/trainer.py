@@ -1,7 +1,9 @@
 """The training loop behind `python -m glm53 train` (cli.py): setup, resume, step, log, save.
 
-Every step: forward with labels (lm + MTP + router balance + indexer KL losses, glm53/model/model.py), backward,
-gradient clipping, AdamW, then the aux-loss-free router bias update from the step's expert loads.
+Every step: forward with labels (lm + MTP + router balance + indexer KL losses, glm53/model/model.py) and backward
+for each of the --grad-accum micro-batches, every loss part divided by its count over the whole global batch
+(training/loss_counts.py), then gradient clipping, AdamW, and the aux-loss-free router bias update from the step's
+expert loads. Data: the built-in byte corpus, or --data FILE packed into rows (finetune.py) from an --init model.
 `--save DIR` writes the final checkpoint to DIR and, with `--save-every N`, intermediate ones to DIR/step-N
 (state.py). Under torchrun the ranks form a (dp, tp) DeviceMesh, rank = dp_rank * tp + tp_rank; each dp rank
 draws its own batches (tp ranks of one dp group read the same ones), the loss is computed under
@@ -27,6 +29,8 @@ from ..model.model import Glm53ForCausalLM
 from ..parallel import loss_parallel_context, parallelize
 from ..utils import ceil_div
 from .data import VOCAB_SIZE, batches, corpus_text, encode
+from .data.documents import DataError
+from .finetune import FileData, init_model, model_inputs
 from .state import TRAINER_STATE, load_trainer_state, save_run, trainer_state
 
 GRAD_CLIP = 1.0  # max global gradient norm
@@ -35,6 +39,7 @@ WEIGHT_DECAY = 0.01
 WARMUP_FRACTION = 0.05  # linear warm-up over this share of --steps, then cosine decay
 MIN_LR_FRACTION = 0.1  # the cosine ends at this fraction of --lr
 BAR_WIDTH = 24
+LOSS_PARTS = ("loss", "lm_loss", "mtp_loss", "aux_loss", "indexer_loss")
 
 VOCAB_MULTIPLE = 64  # the byte vocabulary rounded up so it splits evenly over --tp 2, 4, 8 (rows never used)
 PRESETS: dict[str, Callable[[], Glm53Config]] = {
@@ -58,13 +63,12 @@ def _progress(step: int, total: int, loss: float, rate: float) -> str:
     return f"[{'#' * done}{'.' * (BAR_WIDTH - done)}] {step}/{total} loss {loss:.4f} {rate:,.0f} tok/s"
 
 
-def _describe(out) -> str:
-    parts = [f"lm {out.lm_loss.item():.4f}"]
+def _describe(parts: dict[str, float]) -> str:
+    text = [f"lm {parts['lm_loss']:.4f}"]
     for name in ("mtp_loss", "aux_loss", "indexer_loss"):
-        value = getattr(out, name)
-        if value is not None:
-            parts.append(f"{name.removesuffix('_loss')} {value.item():.4g}")
-    return "  ".join(parts)
+        if name in parts:
+            text.append(f"{name.removesuffix('_loss')} {parts[name]:.4g}")
+    return "  ".join(text)
 
 
 class Trainer:
@@ -84,6 +88,7 @@ class Trainer:
         dp_rank = par.local_rank(self.mesh, "dp") if par is not None else 0
         self.generator = torch.Generator().manual_seed(args.seed * 1_000_003 + dp_rank)
         self.start = self._resume()
+        self.data = self._file_data(dp_rank)
 
     # ------------------------------------------------------------------------------------------------ setup
     def _load_resume_state(self) -> dict | None:
@@ -101,6 +106,8 @@ class Trainer:
         args = self.args
         if args.resume:
             model = Glm53ForCausalLM.from_pretrained(args.resume)
+        elif args.init:
+            model = init_model(args.init)
         else:
             model = Glm53ForCausalLM(PRESETS[args.preset]())
         if self.par is not None:
@@ -123,36 +130,78 @@ class Trainer:
         torch.set_rng_state(rng["torch_rng"])
         return int(self.state["step"])
 
+    def _file_data(self, dp_rank: int) -> FileData | None:
+        """The --data source (None for the built-in corpus), at the resumed run's data position."""
+        args, resumed_data = self.args, self.state is not None and "data" in self.state
+        if not args.data:
+            if resumed_data:
+                raise SystemExit(f"--resume {args.resume} was trained on --data; pass the same --data FILE")
+            return None
+        if self.state is not None and not resumed_data:
+            raise SystemExit(f"--resume {args.resume} was trained on the built-in corpus, not on --data")
+        config = self.model.config
+        try:
+            data = FileData(args, args.tokenizer or args.init or args.resume, config.vocab_size,
+                            config.pad_token_id or 0, args.dp, dp_rank)  # fmt: skip
+        except DataError as e:  # a bad file or record: the message (file and line), not a traceback
+            raise SystemExit(f"glm53 train: {e}") from None
+        if resumed_data:
+            data.load_state_dict(self.state["data"], args.resume)
+        return data
+
+    def next_micro_batches(self, corpus) -> list[dict[str, torch.Tensor]]:
+        """The model inputs of one optimizer step: --grad-accum micro-batches of this rank."""
+        if self.data is None:
+            return [dict(input_ids=ids, labels=ids) for ids in (next(corpus) for _ in range(self.args.grad_accum))]
+        return [model_inputs(self.model, b) for b in self.data.next_step()]
+
     # ------------------------------------------------------------------------------------------------- step
     def _loss_context(self) -> contextlib.AbstractContextManager:
         """The vocab-parallel cross-entropy under TP (forward and backward); a no-op otherwise."""
         return loss_parallel_context(self.model) if self.par is not None else contextlib.nullcontext()
 
-    def step(self, step: int, ids: torch.Tensor):
-        """One optimizer step on `ids` [B, T] -> the model output (losses)."""
+    def step(self, step: int, micro: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """One optimizer step on this rank's micro-batches (model inputs with labels) -> this rank's share of each
+        loss part (summed over the micro-batches; the mean over dp ranks is the global batch's loss).
+
+        Every part is normalised by the global batch's counts (micro-batches and dp ranks together), so the step's
+        gradient is one forward's on the whole global batch, whatever the masks and packing."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, self.args.steps, self.args.lr)
         self.optimizer.zero_grad(set_to_none=True)
-        with self._loss_context():
-            out = self.model(ids, labels=ids)
-            out.loss.backward()
+        counts = [self.model.loss_counts(m["labels"], m.get("attention_mask"), m.get("position_ids")) for m in micro]
+        den = sum(counts[1:], counts[0])
+        if self.par is not None:
+            den = self.par.loss_denominators(den, self.mesh)
+        parts: dict[str, torch.Tensor] = {}
+        for inputs in micro:
+            with self._loss_context():
+                out = self.model(**inputs, loss_denominators=den)
+                out.loss.backward()
+            for name in LOSS_PARTS:
+                if getattr(out, name) is not None:
+                    parts[name] = parts.get(name, 0) + getattr(out, name).detach()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP)
         self.optimizer.step()
         self.model.update_router_bias(self.args.bias_rate)  # loads summed over dp ranks by model.expert_load_reduce
-        return out
+        return parts
 
     # -------------------------------------------------------------------------------------------------- log
     def _announce(self) -> None:
         args = self.args
         params = sum(p.numel() for p in self.model.parameters())
         how = f"resuming {args.resume} at step {self.start}" if self.state else f"preset {args.preset}, seed {args.seed}"
+        how = f"fine-tuning {args.init}, seed {args.seed}" if args.init else how
         layout = f", dp {args.dp} x tp {args.tp}" if self.par is not None else ""
-        print(f"glm53 train: {how}, {params:,} parameters{layout}, {args.steps} steps of {args.batch_size}x"
+        accum = f"{args.grad_accum}x" if args.grad_accum > 1 else ""
+        print(f"glm53 train: {how}, {params:,} parameters{layout}, {args.steps} steps of {accum}{args.batch_size}x"
               f"{args.seq_len} tokens", flush=True)  # fmt: skip
+        if self.data is not None:
+            print(self.data.describe(), flush=True)
         if self.start >= args.steps:
             print(f"already at step {self.start} >= --steps {args.steps}; nothing to do", flush=True)
 
-    def _log(self, step: int, out, loss: float, rate: float) -> None:
+    def _log(self, step: int, parts: dict[str, float], loss: float, rate: float) -> None:
         args, tty = self.args, sys.stderr.isatty()
         if tty:
             print("\r" + _progress(step, args.steps, loss, rate), end="", file=sys.stderr, flush=True)
@@ -161,13 +210,16 @@ class Trainer:
                 print(file=sys.stderr)
             else:
                 print(_progress(step, args.steps, loss, rate), file=sys.stderr, flush=True)
-            print(f"step {step:5d}  loss {loss:.4f}  {_describe(out)}  lr {lr_at(step, args.steps, args.lr):.2e}  "
+            print(f"step {step:5d}  loss {loss:.4f}  {_describe(parts)}  lr {lr_at(step, args.steps, args.lr):.2e}  "
                   f"{rate:,.0f} tok/s", flush=True)  # fmt: skip
 
     # ------------------------------------------------------------------------------------------------- save
     def save(self, path: str, step: int) -> None:
-        state = trainer_state(step, self.optimizer, self.generator, self.par, (self.args.dp, self.args.tp))
+        data = self.data.state_dict() if self.data is not None else None
+        state = trainer_state(step, self.optimizer, self.generator, self.par, (self.args.dp, self.args.tp), data)
         save_run(self.model, path, state, self.par)
+        if self.data is not None and self.rank == 0:
+            self.data.tokenizer.save(path)  # a resumed or downstream run finds the tokenizer beside the weights
 
     # -------------------------------------------------------------------------------------------------- run
     def run(self) -> int:
@@ -177,22 +229,26 @@ class Trainer:
         data = batches(encode(corpus_text()), args.batch_size, args.seq_len, self.generator)
         began, tokens = time.perf_counter(), 0
         for step in range(self.start + 1, args.steps + 1):
-            ids = next(data)
-            out = self.step(step, ids)
-            tokens += ids.numel() * args.dp
+            micro = self.next_micro_batches(data)
+            parts = self.step(step, micro)
+            tokens += sum(int(m.get("attention_mask", m["input_ids"]).ne(0).sum()) for m in micro) * args.dp
             rate = tokens / (time.perf_counter() - began)
-            loss_value = out.loss if par is None else par.mean_over(out.loss, self.mesh, "dp")
-            loss = loss_value.item()  # NOTE: syncs
+            values = torch.stack(list(parts.values()))
+            values = values if par is None else par.mean_over(values, self.mesh, "dp")
+            parts = dict(zip(parts, values.tolist()))  # NOTE: syncs
+            loss = parts["loss"]
             if not math.isfinite(loss):
                 raise SystemExit(f"step {step}: loss is {loss}; stopping")
             if self.log_rank:
-                self._log(step, out, loss, rate)
+                self._log(step, parts, loss, rate)
             if args.save and args.save_every and step % args.save_every == 0 and step != args.steps:
                 self.save(os.path.join(args.save, f"step-{step}"), step)
         if args.save:
             self.save(args.save, max(self.start, args.steps))
             if self.log_rank:
                 print(f"saved {args.save} (official layout + {TRAINER_STATE})", flush=True)
+        if self.data is not None and self.log_rank:
+            print(self.data.summary(), flush=True)
         return 0
 
 

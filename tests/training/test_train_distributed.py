@@ -17,7 +17,7 @@ from glm53.training.state import TRAINER_STATE
 from tests.training.test_train_cli import losses
 
 TIMEOUT_S = 180
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 SMALL = ["train", "--preset", "tiny", "--batch-size", "2", "--seq-len", "32", "--log-every", "1", "--seed", "1"]
 
 
@@ -60,3 +60,19 @@ def test_tp2_matches_one_process(tmp_path, capsys):
     for step in single:  # printed with 4 decimals
         assert parallel[step] == pytest.approx(single[step], abs=2e-4), (parallel, single)
     assert Glm53ForCausalLM.from_pretrained(save).mtp is not None
+
+
+def test_dp2_fine_tuning_with_accumulation_matches_one_process(tmp_path, capsys):
+    """--data under torchrun: each dp rank takes its rows of the same packed stream, and every step is normalised
+    by the global batch's counts, so dp 2 x 2 micro-batches of 1 row equal one process's 4-row batch."""
+    from tests.training.test_finetune import load_example
+
+    paths = load_example().prepare(str(tmp_path))
+    common = ["train", "--init", paths["base"], "--data", paths["train"], "--seq-len", "96", "--log-every", "1",
+              "--seed", "2", "--steps", "3"]  # fmt: skip
+    parallel = losses(torchrun(*common, "--dp", "2", "--batch-size", "1", "--grad-accum", "2"))
+    assert main([*common, "--batch-size", "4"]) == 0
+    single = losses(capsys.readouterr().out)
+    assert sorted(parallel) == sorted(single) == [1, 2, 3]
+    for step in single:  # printed with 4 decimals
+        assert parallel[step] == pytest.approx(single[step], abs=2e-4), (parallel, single)

@@ -13,7 +13,7 @@ Per step:  S_t = diag(exp(g_t)) S_{t-1};  u_t = beta_t (v_t - S_t^T k_t);  S_t +
 All arithmetic is fp32; o is returned in q's dtype and the state in fp32.
 Packed documents (`cu_seqlens` over the flattened B * T tokens, kernels/varlen.py): the state restarts from zero
 at every document start, as if each document ran alone (kda/varlen.py: the references loop over the documents,
-the fast form masks each chunk's cross-document terms).
+the fast form masks each chunk's cross-document terms, row by row).
 """
 
 from __future__ import annotations
@@ -257,7 +257,7 @@ def _kda_chunk_core(q, k, v, g, beta, S0, cu_seqlens=None):
     q, k, v, g = _to_chunks(T, C, q, k, v, g)  # [B, H, T/C, C, *]; padding: k = beta = 0, g = 0 (no write, no decay)
     (beta,) = _to_chunks(T, C, beta[..., None])  # [B, H, T/C, C, 1]
     N = q.shape[2]
-    masks = None if cu_seqlens is None else doc_masks(cu_seqlens, T, C, q.dtype)
+    masks = None if cu_seqlens is None else doc_masks(cu_seqlens, B, T, C, q.dtype)
     ch = _wy_chunks(q, k, v, beta, g.cumsum(dim=-2), S0, masks)
     U = _baddbmm(ch.WU[..., K:], ch.WU[..., :K], ch.starts, alpha=-1.0)  # Ub - W S_n
     o = _baddbmm(_bmm(ch.QK, U), q * ch.E, ch.starts)  # [B, H, T/C, C, V]
@@ -302,7 +302,7 @@ def _kda_chunk_backward(q, k, v, g, beta, S0, do, dS, cu_seqlens=None):
     G = g.cumsum(dim=-2)
     if not _rebase_is_safe(G):
         return None
-    masks = None if cu_seqlens is None else doc_masks(cu_seqlens, T, C, q.dtype)
+    masks = None if cu_seqlens is None else doc_masks(cu_seqlens, B, T, C, q.dtype)
     ch = _wy_chunks(q, k, v, beta, G, S0, masks)
     W, Ub, starts = ch.WU[..., :K], ch.WU[..., K:], ch.starts
     U = _baddbmm(Ub, W, starts, alpha=-1.0)
@@ -426,21 +426,12 @@ def kda_chunk(
     """The fast eager form: all chunks at once, one batched matmul per chunk for the state; same signature.
 
     Computes in fp32 (fp64 when q is fp64, for tight gradient tests); backward by recompute (`_kda_op`).
-    With `cu_seqlens` the B rows run as one flattened sequence of B * T tokens, documents masked per chunk.
+    With `cu_seqlens` every row is chunked as without it and the documents are masked per chunk.
     """
+    B, T, H, K = k.shape
     if cu_seqlens is not None:
         no_states(initial_state, output_final_state)
-        B, T = q.shape[:2]
-        cu = check_cu_seqlens(cu_seqlens, B, T)
-        flat = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta)]
-        o, _ = _kda_chunk_flat(*flat, scale=scale, cu_seqlens=cu)
-        return o.view(B, T, *o.shape[2:]), None
-    return _kda_chunk_flat(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                           output_final_state=output_final_state)  # fmt: skip
-
-
-def _kda_chunk_flat(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
-    B, T, H, K = k.shape
+        cu_seqlens = check_cu_seqlens(cu_seqlens, B, T)
     V = v.shape[-1]
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     scale = K**-0.5 if scale is None else scale

@@ -2,8 +2,9 @@
 
 Legend: B batch, T time, C chunk length, N = T / C chunks.
 Every document restarts from a zero state, as if it ran alone (no initial or final state then). The references
-loop over the documents (`per_document`); the fast chunk form runs the rows as one flattened sequence and
-masks, per chunk, what would cross a document start (`DocMasks`).
+loop over the documents (`per_document`); the fast chunk form chunks every row as it would without boundaries
+(so a row's numbers do not depend on the other rows) and masks, per chunk, what would cross a document start
+(`DocMasks`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def per_document(kda, xs, scale, initial_state, output_final_state, cu_seqlens):
 
 
 class DocMasks(NamedTuple):
-    """Packed documents inside the chunked form ([1, 1, N, C, *], broadcast over heads), as 0/1 factors.
+    """Packed documents inside the chunked form ([B, 1, N, C, *], broadcast over heads), as 0/1 factors.
 
     With the plain cumulative decay G of the chunk, exp(G_t - G_j) is still the right decay between two tokens
     of one document (it sums only their document's steps), so a document start needs no change to G: the
@@ -49,19 +50,20 @@ class DocMasks(NamedTuple):
     carry_end: torch.Tensor  # [1, 1] carry of the chunk's last token
 
 
-def doc_masks(cu_seqlens: torch.Tensor, T: int, C: int, dtype: torch.dtype) -> DocMasks:
-    """`DocMasks` for one flattened sequence of T tokens in chunks of C (padding joins the last document)."""
+def doc_masks(cu_seqlens: torch.Tensor, B: int, T: int, C: int, dtype: torch.dtype) -> DocMasks:
+    """`DocMasks` for B rows of T tokens in chunks of C (a row's padding joins its last document)."""
     N = ceil_div(T, C)
     pad = N * C - T
-    doc = token_documents(cu_seqlens, T)
-    doc = torch.cat([doc, doc[-1:].expand(pad)]).view(N, C)
-    starts = torch.nn.functional.pad(position_in_document(cu_seqlens, T) == 0, (0, pad)).view(N, C)
-    same = doc[:, :, None] == doc[:, None, :]  # [N, C, C]
-    carry = (doc == doc[:, :1]) & ~starts[:, :1] & (starts.long().cumsum(-1) == 0)  # [N, C]
-    last = doc == doc[:, -1:]
-    as_factor = lambda m: m.to(dtype)[None, None]  # noqa: E731
+    doc = token_documents(cu_seqlens, B * T).view(B, T)
+    doc = torch.cat([doc, doc[:, -1:].expand(B, pad)], dim=1).view(B, N, C)
+    starts = torch.nn.functional.pad((position_in_document(cu_seqlens, B * T) == 0).view(B, T), (0, pad))
+    starts = starts.view(B, N, C)
+    same = doc[..., :, None] == doc[..., None, :]  # [B, N, C, C]
+    carry = (doc == doc[..., :1]) & ~starts[..., :1] & (starts.long().cumsum(-1) == 0)  # [B, N, C]
+    last = doc == doc[..., -1:]
+    as_factor = lambda m: m.to(dtype)[:, None]  # noqa: E731  [B, 1, N, ...]: broadcast over heads
     return DocMasks(as_factor(same), as_factor(carry[..., None]), as_factor(last[..., None]),
-                    as_factor(carry[:, -1:, None]))  # fmt: skip
+                    as_factor(carry[..., -1:, None]))  # fmt: skip
 
 
 __all__ = ["DocMasks", "doc_masks", "no_states", "per_document"]
