@@ -219,3 +219,21 @@ def test_packed_gradients_match_token_weighted_documents(mode):
     assert not bad, bad
     for got, want in zip(packed_loads, doc_loads):  # expert loads: real tokens only, as the documents alone
         assert torch.equal(got, want)
+
+
+def test_packed_forward_divides_by_its_loss_counts():
+    """`loss_counts(..., position_ids)` (the trainer's denominators, counted per document) are exactly what a packed
+    forward divides each loss part by: given them, it returns its own default means, part by part."""
+    model = build(**TRAINING).train()
+    rows, T = [[9, 1, 31, 6], [2, 13, 35]], 50
+    ids = torch.randint(1, 320, (2, T), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones(2, T, dtype=torch.long)
+    mask[0, 47:] = 0  # row 0 ends in padding (one more, invalid, document)
+    position_ids = torch.cat([torch.cat([torch.arange(n) for n in row + [T - sum(row)] * (sum(row) < T)])[None]
+                              for row in rows])  # fmt: skip
+    labels = ids.masked_fill(mask == 0, -100)
+    own = model(ids, attention_mask=mask, labels=labels, position_ids=position_ids)
+    counts = model.loss_counts(labels, mask, position_ids)
+    given = model(ids, attention_mask=mask, labels=labels, position_ids=position_ids, loss_denominators=counts)
+    for name in ("lm_loss", "mtp_loss", "aux_loss", "indexer_loss", "loss"):
+        assert rel_err(getattr(given, name), getattr(own, name)) <= REL, name
