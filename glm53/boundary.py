@@ -21,6 +21,9 @@ _RESOLVER: ParamResolver | None = None
 # A value every rank holds whole (a replicated DTensor loss) -> plain tensor; None means "unchanged".
 ValueResolver = Callable[[torch.Tensor], torch.Tensor]
 _VALUE_RESOLVER: ValueResolver | None = None
+# Experts module -> the function that runs it across ranks, or None to call the kernel locally.
+ExpertDispatcher = Callable[[nn.Module], Callable | None]
+_EXPERT_DISPATCHER: ExpertDispatcher | None = None
 
 
 def as_local(module: nn.Module, name: str) -> torch.Tensor:
@@ -35,6 +38,20 @@ def set_param_resolver(resolver: ParamResolver | None) -> ParamResolver | None:
     """Install the resolver `as_local` uses (None removes it); returns the previous one."""
     global _RESOLVER
     previous, _RESOLVER = _RESOLVER, resolver
+    return previous
+
+
+def expert_dispatcher(module: nn.Module) -> Callable | None:
+    """The function that runs `module`'s routed experts when the parallel layer spreads them over ranks
+    (expert parallelism: tokens sent to the ranks holding their experts and back), with the `moe_experts`
+    kernel's signature; None on one process, where the module calls the kernel itself."""
+    return None if _EXPERT_DISPATCHER is None else _EXPERT_DISPATCHER(module)
+
+
+def set_expert_dispatcher(dispatcher: ExpertDispatcher | None) -> ExpertDispatcher | None:
+    """Install the lookup `expert_dispatcher` uses (None removes it); returns the previous one."""
+    global _EXPERT_DISPATCHER
+    previous, _EXPERT_DISPATCHER = _EXPERT_DISPATCHER, dispatcher
     return previous
 
 
@@ -73,4 +90,4 @@ def set_value_resolver(resolver: ValueResolver | None) -> ValueResolver | None:
 
 
 __all__ = ["as_local", "as_plain", "into_head_parallel", "set_input_resolver", "set_param_resolver",
-           "set_value_resolver"]
+           "set_value_resolver", "expert_dispatcher", "set_expert_dispatcher"]

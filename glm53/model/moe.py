@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..boundary import as_local
+from ..boundary import as_local, expert_dispatcher
 from ..config import Glm53Config
 from ..kernels import kernel
 from .context import ForwardContext
@@ -73,7 +73,9 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         gate_up, down = as_local(self, "gate_up_proj"), as_local(self, "down_proj")
-        return kernel("moe_experts")(x, indices, weights, gate_up, down, self.swiglu_limit)
+        # Under expert parallelism gate_up/down are this rank's experts and the dispatcher moves tokens to them.
+        run = expert_dispatcher(self) or kernel("moe_experts")
+        return run(x, indices, weights, gate_up, down, self.swiglu_limit)
 
     def init_weights(self) -> None:
         nn.init.normal_(self.gate_up_proj, std=self.initializer_range)

@@ -29,21 +29,22 @@ from ..model.model import Glm53ForCausalLM
 from ..model.mtp import MTPLayer
 from ..precision import keeps_fp32
 from .boundary import name_modules
+from .expert import EXPERT_PARAMS, apply_expert_parallel, expert_modules, expert_shard_placement, flat_data_mesh
 from .plan import check_tp_size, tp_plan
 
 _PARALLELIZED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 _VOCAB_PARALLEL: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
-def _check_mesh(mesh: DeviceMesh, dp_dim: str, tp_dim: str) -> tuple[bool, bool]:
+def _check_mesh(mesh: DeviceMesh, dp_dim: str, tp_dim: str, ep_dim: str = "ep") -> tuple[bool, bool]:
     names = mesh.mesh_dim_names
     if not names:
         raise ValueError(f"parallelize needs a DeviceMesh with named dimensions ({dp_dim!r} and/or {tp_dim!r}); "
                          f"got {mesh} without names (init_device_mesh(..., mesh_dim_names=...))")  # fmt: skip
-    unknown = [n for n in names if n not in (dp_dim, tp_dim)]
+    unknown = [n for n in names if n not in (dp_dim, tp_dim, ep_dim)]
     if unknown:
-        raise ValueError(f"mesh dimensions {unknown} are neither dp_dim={dp_dim!r} nor tp_dim={tp_dim!r}; "
-                         f"the mesh has {list(names)}")  # fmt: skip
+        raise ValueError(f"mesh dimensions {unknown} are neither dp_dim={dp_dim!r}, ep_dim={ep_dim!r} nor "
+                         f"tp_dim={tp_dim!r}; the mesh has {list(names)}")  # fmt: skip
     return dp_dim in names, tp_dim in names
 
 
@@ -106,10 +107,22 @@ def _needs_fp32_units(mp_policy: MixedPrecisionPolicy | None) -> bool:
 
 
 def apply_fsdp(model: Glm53ForCausalLM, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None,
-               reshard_after_forward: bool) -> None:  # fmt: skip
-    """fully_shard each decoder block (with fp32 sub-units under a low-precision policy), then the root."""
+               reshard_after_forward: bool, *, expert_parallel: bool = False,
+               expert_dp_mesh: DeviceMesh | None = None) -> None:  # fmt: skip
+    """fully_shard each decoder block (with fp32 sub-units under a low-precision policy), then the root.
+
+    Routed experts are sharded on a dimension that splits evenly over the ranks (`expert_shard_placement`).
+    Under expert parallelism (`expert_parallel`, experts already Shard(0) over ep) `dp_mesh` is the flattened
+    dp x ep mesh of the other parameters and the experts get their own units over `expert_dp_mesh` (dp), or
+    stay outside FSDP when there is no dp dimension (each ep rank's experts are then whole on it).
+    """
     policy = mp_policy or MixedPrecisionPolicy()
     shard = dict(mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    ignored = _shard_experts(model, dp_mesh, policy, reshard_after_forward, expert_parallel, expert_dp_mesh)
+    if ignored is not None:
+        shard["ignored_params"] = ignored
+    elif not expert_parallel:
+        shard["shard_placement_fn"] = _expert_placement_fn(model, dp_mesh.size())
     for block in _blocks(model):
         if isinstance(block, MTPLayer):
             # MultiTokenPrediction calls shared_head.norm after the layer's forward, when the layer's unit is
@@ -128,7 +141,33 @@ def apply_fsdp(model: Glm53ForCausalLM, dp_mesh: DeviceMesh, mp_policy: MixedPre
             block.register_forward_pre_hook(_cast_float_inputs(policy.param_dtype), with_kwargs=True)
         else:
             fully_shard(block, **shard, mp_policy=policy)
+    shard.pop("shard_placement_fn", None)  # the root's own parameters hold no experts
     fully_shard(model, **shard, mp_policy=policy)
+
+
+def _expert_params(model: nn.Module) -> list[nn.Parameter]:
+    return [m.get_parameter(n) for m in expert_modules(model) for n in EXPERT_PARAMS]
+
+
+def _expert_placement_fn(model: nn.Module, dp_size: int):
+    """shard_placement_fn for a block's unit: routed experts on an evenly splitting dim, the rest FSDP's default."""
+    experts = {id(p) for p in _expert_params(model)}
+    even = expert_shard_placement(dp_size, ep_sharded=False)
+    return lambda p: even(p) if id(p) in experts else None
+
+
+def _shard_experts(model, dp_mesh, policy, reshard_after_forward, expert_parallel, expert_dp_mesh):
+    """Under EP: the experts' own FSDP units over `expert_dp_mesh`; returns the expert parameters FSDP must
+    ignore when there is no dp dimension, else None."""
+    if not expert_parallel:
+        return None
+    if expert_dp_mesh is None:
+        return set(_expert_params(model))
+    place = expert_shard_placement(expert_dp_mesh.size(), ep_sharded=True)
+    for module in expert_modules(model):
+        fully_shard(module, mesh=expert_dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
+                    shard_placement_fn=place)  # fmt: skip
+    return None
 
 
 def fp32_units(block: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
@@ -181,18 +220,20 @@ def _blocks(model: Glm53ForCausalLM) -> list[nn.Module]:
     return [*model.model.layers, *(model.mtp.layers if model.mtp is not None else [])]
 
 
-def expert_load_sum(mesh: DeviceMesh, dp_dim: str, tp_dim: str):
-    """`model.expert_load_reduce` for `mesh`: the expert loads summed over the data-parallel ranks.
+def expert_load_sum(mesh: DeviceMesh, dp_dim: str, tp_dim: str, ep_dim: str = "ep"):
+    """`model.expert_load_reduce` for `mesh`: the expert loads summed over the data-parallel ranks (dp, and ep,
+    whose ranks read their own batches too).
 
     TP ranks route identically and so count the same loads; they are averaged over the TP dimension too (exact
     for these integer counts), so the biases stay identical on every rank even if routing ever drifted.
     """
-    has_dp, has_tp = _check_mesh(mesh, dp_dim, tp_dim)
+    has_dp, has_tp = _check_mesh(mesh, dp_dim, tp_dim, ep_dim)
+    data_dims = [d for d in (dp_dim, ep_dim) if d in mesh.mesh_dim_names]
 
     def reduce(loads: torch.Tensor) -> torch.Tensor:
         loads = loads.clone()
-        if has_dp:
-            dist.all_reduce(loads, group=mesh[dp_dim].get_group())
+        for dim in data_dims:
+            dist.all_reduce(loads, group=mesh[dim].get_group())
         if has_tp:
             dist.all_reduce(loads, group=mesh[tp_dim].get_group())
             loads /= mesh[tp_dim].size()
@@ -210,6 +251,7 @@ def parallelize(
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
     activation_checkpointing: bool = False,
+    ep_dim: str = "ep",
 ) -> Glm53ForCausalLM:
     """Make `model` train on `mesh`: TP on mesh[tp_dim] if present, then activation checkpointing per block,
     then FSDP2 on mesh[dp_dim] if present (per block, then the root). Returns the model (changed in place).
@@ -218,6 +260,11 @@ def parallelize(
 
     Compute the loss inside `loss_parallel_context(model)` (forward and backward) when TP is on: the logits are
     a vocab-sharded DTensor.
+
+    With an `ep_dim` mesh dimension (expert parallelism, `expert.py`): routed experts Shard(0) over it with
+    all-to-all token dispatch, every dp x ep rank reads its own batches, the non-expert parameters are
+    FSDP-sharded over the flattened dp x ep ranks and the experts over dp. Clip gradients with
+    `glm53.parallel.clip_grad_norm_` (the gradients then live on two meshes). Not combined with tp > 1.
     """
     if not isinstance(model, Glm53ForCausalLM):
         raise TypeError(f"parallelize expects a Glm53ForCausalLM, got {type(model).__name__}")
@@ -225,18 +272,29 @@ def parallelize(
     if model in _PARALLELIZED or already:
         raise RuntimeError("parallelize was already applied to this model (or it already holds DTensor parameters); "
                            "build a fresh model and call parallelize once")  # fmt: skip
-    has_dp, has_tp = _check_mesh(mesh, dp_dim, tp_dim)
+    has_dp, has_tp = _check_mesh(mesh, dp_dim, tp_dim, ep_dim)
+    has_ep = ep_dim in mesh.mesh_dim_names
+    if has_ep and has_tp and mesh[tp_dim].size() > 1:
+        raise ValueError(f"expert parallelism ({ep_dim}={mesh[ep_dim].size()}) together with tensor parallelism "
+                         f"({tp_dim}={mesh[tp_dim].size()}) is not supported: use a ({dp_dim!r}, {ep_dim!r}) mesh, "
+                         f"or ({dp_dim!r}, {tp_dim!r}) without EP")  # fmt: skip
     if mp_policy is not None and not has_dp:
         raise ValueError(f"mp_policy is FSDP2's MixedPrecisionPolicy and needs a {dp_dim!r} mesh dimension; "
                          f"the mesh has {list(mesh.mesh_dim_names)}")  # fmt: skip
     if has_tp:
         apply_tensor_parallel(model, mesh[tp_dim])
+    if has_ep:
+        name_modules(model)
+        apply_expert_parallel(model, mesh[ep_dim])
     if activation_checkpointing:
         for block in _blocks(model):
             checkpoint(block)
-    if has_dp:
+    if has_ep:
+        apply_fsdp(model, flat_data_mesh(mesh, dp_dim if has_dp else None, ep_dim), mp_policy,
+                   reshard_after_forward, expert_parallel=True, expert_dp_mesh=mesh[dp_dim] if has_dp else None)
+    elif has_dp:
         apply_fsdp(model, mesh[dp_dim], mp_policy, reshard_after_forward)
-    model.expert_load_reduce = expert_load_sum(mesh, dp_dim, tp_dim)
+    model.expert_load_reduce = expert_load_sum(mesh, dp_dim, tp_dim, ep_dim)
     _PARALLELIZED.add(model)
     return model
 

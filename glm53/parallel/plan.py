@@ -12,7 +12,7 @@ Legend: tp the TP mesh size, H heads, K head width, B batch, T time, vocab the v
   Partial gradient (it meets head-sharded outputs); o_proj rowwise.
 - Dense MLP and the shared expert: gate/up colwise, down rowwise. Router replicated (routing is identical on
   every TP rank). Routed experts split on their intermediate width (`ExpertTensorParallel`); expert parallelism
-  (experts spread over an ep mesh with all-to-all dispatch) is not implemented.
+  (experts spread over an ep mesh with all-to-all dispatch) is expert.py's, on meshes without tp.
 - mHC sites and the block norms replicated.
 - MTP layers (`mtp.layers.*`): eh_proj, enorm, hnorm, shared_head.norm and the block norms replicated; their
   MLA (own indexer) and MoE as above. They share the embedding and lm_head with the main model.

@@ -21,15 +21,20 @@ from torch.distributed.tensor import DTensor
 from ..training.loss_counts import LossCounts
 
 
-def init_mesh(dp: int, tp: int, device_type: str = "cpu") -> DeviceMesh:
+def init_mesh(dp: int, tp: int, device_type: str = "cpu", ep: int = 1) -> DeviceMesh:
     """Start the process group (gloo on CPU, nccl on CUDA; torchrun's environment) and return the mesh that
-    `parallelize` expects: ("dp", "tp") when both exceed 1, else 1-D named after the dimension in use."""
-    if dp < 1 or tp < 1:
-        raise ValueError(f"dp and tp must be >= 1, got dp={dp}, tp={tp}")
+    `parallelize` expects: ("dp", "tp") when both exceed 1, else 1-D named after the dimension in use; with
+    ep > 1, ("dp", "ep") (dp may be 1), plus "tp" when tp > 1 (which parallelize rejects with EP)."""
+    if dp < 1 or tp < 1 or ep < 1:
+        raise ValueError(f"dp, ep and tp must be >= 1, got dp={dp}, ep={ep}, tp={tp}")
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
-    if dp * tp != dist.get_world_size():
-        raise ValueError(f"dp={dp} x tp={tp} = {dp * tp} ranks, but the world has {dist.get_world_size()}")
+    if dp * ep * tp != dist.get_world_size():
+        raise ValueError(f"dp={dp} x ep={ep} x tp={tp} = {dp * ep * tp} ranks, but the world has "
+                         f"{dist.get_world_size()}")  # fmt: skip
+    if ep > 1:
+        shape, names = (dp, ep, tp) if tp > 1 else (dp, ep), ("dp", "ep", "tp") if tp > 1 else ("dp", "ep")
+        return init_device_mesh(device_type, shape, mesh_dim_names=names)
     if dp > 1 and tp > 1:
         return init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
     if tp > 1:

@@ -35,18 +35,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="CPU intra-op threads (tiny models run fastest on 1: thread hand-offs cost more than the ops)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel degree (torchrun)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (torchrun)")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel degree (torchrun): routed experts over ep ranks, each reading its own batches")
     finetune.add_arguments(p)  # --init, --data, --tokenizer, --grad-accum
+    # torchrun runs (glm53/training/distributed.py): GPUs, bf16, DCP checkpoints; --init reads only each rank's shards
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="torchrun: cuda uses nccl, one GPU per rank")  # fmt: skip
+    p.add_argument("--bf16", action="store_true", help="torchrun with --dp > 1: FSDP2 bf16 compute, fp32 keep-list")
+    p.add_argument("--no-export", action="store_true",
+                   help="torchrun --save: write only the DCP training state (no official-layout copy)")
 
 
 def _check_world(args: argparse.Namespace) -> int:
-    """Check --dp * --tp against torchrun's WORLD_SIZE; -> the world size."""
+    """Check --dp * --ep * --tp against torchrun's WORLD_SIZE; -> the world size."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if args.dp < 1 or args.tp < 1:
-        raise SystemExit(f"--dp and --tp must be >= 1, got --dp {args.dp} --tp {args.tp}")
-    if args.dp * args.tp != world:
-        n = args.dp * args.tp
-        raise SystemExit(f"--dp {args.dp} x --tp {args.tp} = {n} processes, but WORLD_SIZE is {world}: launch with "
-                         f"`torchrun --nproc-per-node {n} -m glm53 train ...`")  # fmt: skip
+    if args.dp < 1 or args.tp < 1 or args.ep < 1:
+        raise SystemExit(f"--dp, --ep and --tp must be >= 1, got --dp {args.dp} --ep {args.ep} --tp {args.tp}")
+    if args.dp * args.ep * args.tp != world:
+        n = args.dp * args.ep * args.tp
+        raise SystemExit(f"--dp {args.dp} x --ep {args.ep} x --tp {args.tp} = {n} processes, but WORLD_SIZE is "
+                         f"{world}: launch with `torchrun --nproc-per-node {n} -m glm53 train ...`")  # fmt: skip
     return world
 
 
@@ -55,6 +63,10 @@ def train(args: argparse.Namespace) -> int:
     if args.save_every and not args.save:
         raise SystemExit("--save-every needs --save DIR")
     finetune.check_args(args)
+    if (args.bf16 or args.device != "cpu" or args.no_export) and _check_world(args) == 1:
+        raise SystemExit("--bf16, --device and --no-export are torchrun options (run with --dp/--tp under torchrun)")
+    if args.bf16 and args.dp == 1:
+        raise SystemExit("--bf16 is FSDP2's mixed precision: it needs --dp > 1")
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     par = parallel.runtime if _check_world(args) > 1 else None

@@ -42,9 +42,6 @@ def check_args(args: argparse.Namespace) -> None:
     """Flag combinations argparse cannot check (a usage error, before any work)."""
     if args.init and args.resume:
         raise SystemExit("--init and --resume exclude each other: --resume already holds the model")
-    if args.init and not args.data:
-        raise SystemExit("--init needs --data FILE: the built-in corpus is tokenised as bytes, not with the "
-                         "checkpoint's tokenizer")  # fmt: skip
     if args.tokenizer and not args.data:
         raise SystemExit("--tokenizer needs --data FILE")
     if args.data and not (args.init or args.resume):

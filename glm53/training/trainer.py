@@ -7,9 +7,9 @@ expert loads. Data: the built-in byte corpus, or --data FILE packed into rows (f
 `--save DIR` writes the final checkpoint to DIR and, with `--save-every N`, intermediate ones to DIR/step-N
 (state.py). Under torchrun the ranks form a (dp, tp) DeviceMesh, rank = dp_rank * tp + tp_rank; each dp rank
 draws its own batches (tp ranks of one dp group read the same ones), the loss is computed under
-loss_parallel_context, the expert loads are summed over dp ranks before the bias update, and checkpoints hold
-full tensors, so a run resumes on the same --dp x --tp layout. This module holds no collectives: glm53.parallel
-(parallelize, runtime) does the distributed work.
+loss_parallel_context, the expert loads are summed over dp ranks before the bias update, and checkpoints are DCP
+shards (every rank its own) plus the official layout, resumable on any --dp x --tp layout or in one process
+(state.py, distributed.py). This module holds no collectives: glm53.parallel does the distributed work.
 """
 
 from __future__ import annotations
@@ -26,12 +26,15 @@ import torch
 
 from ..config import Glm53Config
 from ..model.model import Glm53ForCausalLM
+from ..parallel import clip_grad_norm_ as parallel_clip_grad_norm_
 from ..parallel import loss_parallel_context, parallelize
+from ..parallel.run_checkpoint import device_type, has_run_state
 from ..utils import ceil_div
 from .data import VOCAB_SIZE, batches, corpus_text, encode
 from .data.documents import DataError
+from .distributed import init_parallel_model
 from .finetune import FileData, init_model, model_inputs
-from .state import TRAINER_STATE, load_trainer_state, save_run, trainer_state
+from .state import TRAINER_STATE, load_trainer_state, resume_distributed, save_run, trainer_state
 
 GRAD_CLIP = 1.0  # max global gradient norm
 BETAS = (0.9, 0.95)  # AdamW betas (DeepSeek-V3's)
@@ -71,12 +74,18 @@ def _describe(parts: dict[str, float]) -> str:
     return "  ".join(text)
 
 
+def _layout(args: argparse.Namespace) -> list[int]:
+    """The parallel layout saved with a checkpoint: [dp, tp], with ep appended when it exceeds 1."""
+    return [args.dp, args.tp] + ([args.ep] if args.ep > 1 else [])
+
+
 class Trainer:
     """One process, or (`par` = glm53.parallel.runtime) one rank of a torchrun (dp, tp) grid."""
 
     def __init__(self, args: argparse.Namespace, par=None) -> None:
         self.args, self.par = args, par
-        self.mesh = par.init_mesh(args.dp, args.tp) if par is not None else None
+        self.mesh = par.init_mesh(args.dp, args.tp, device_type(args.device), ep=args.ep) if par is not None else None
+        self.device = self.mesh.device_type if par is not None else "cpu"
         self.rank = par.rank() if par is not None else 0
         self.log_rank = self.rank == 0
         torch.manual_seed(args.seed)  # the same initial weights on every rank
@@ -85,26 +94,34 @@ class Trainer:
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr, betas=BETAS, weight_decay=WEIGHT_DECAY)
         # Each data-parallel rank draws its own batches; the TP ranks of one dp group draw the same ones.
-        dp_rank = par.local_rank(self.mesh, "dp") if par is not None else 0
-        self.generator = torch.Generator().manual_seed(args.seed * 1_000_003 + dp_rank)
+        # Expert-parallel ranks read their own batches too (data rank = dp_rank * ep + ep_rank).
+        self.dp_rank = (par.local_rank(self.mesh, "dp") * args.ep + par.local_rank(self.mesh, "ep")
+                        if par is not None else 0)  # fmt: skip
+        self.generator = torch.Generator().manual_seed(args.seed * 1_000_003 + self.dp_rank)
         self.start = self._resume()
-        self.data = self._file_data(dp_rank)
+        self.data = self._file_data(self.dp_rank)
 
     # ------------------------------------------------------------------------------------------------ setup
     def _load_resume_state(self) -> dict | None:
         args = self.args
         if not args.resume:
             return None
+        if has_run_state(args.resume):
+            return {"dcp": args.resume}  # a torchrun run, any layout (one process too): state.resume_distributed
         state = load_trainer_state(args.resume)
-        saved = state.get("layout", [1, 1])  # [dp, tp]
-        if list(saved) != [args.dp, args.tp]:
-            raise SystemExit(f"--resume {args.resume} was saved with --dp {saved[0]} --tp {saved[1]} (its data and "
-                             f"RNG states are per rank); resume with the same layout")  # fmt: skip
+        saved = state.get("layout", [1, 1])  # [dp, tp] (+ [ep] when ep > 1)
+        if list(saved) != _layout(args):
+            raise SystemExit(f"--resume {args.resume} was saved with layout {list(saved)} ([dp, tp] or [dp, tp, ep]; "
+                             f"its data and RNG states are per rank); resume with the same layout")  # fmt: skip
         return state
 
     def _build_model(self) -> Glm53ForCausalLM:
         args = self.args
-        if args.resume:
+        if self.par is not None:
+            return init_parallel_model(args, self.mesh, PRESETS[args.preset])
+        if args.resume and has_run_state(args.resume):  # a torchrun run: DCP fills the weights in _resume
+            model = Glm53ForCausalLM(Glm53Config.from_pretrained(args.resume))
+        elif args.resume:
             model = Glm53ForCausalLM.from_pretrained(args.resume)
         elif args.init:
             model = init_model(args.init)
@@ -120,6 +137,12 @@ class Trainer:
         """Restore the optimizer and RNG states of a resumed run; -> the step it stopped at (0 when fresh)."""
         if self.state is None:
             return 0
+        if "dcp" in self.state:
+            step, data = resume_distributed(self.state["dcp"], self.model, self.optimizer, self.par,
+                                            tuple(_layout(self.args)), self.dp_rank, self.generator)  # fmt: skip
+            if data is not None:
+                self.state["data"] = data
+            return step
         if self.par is None:
             self.optimizer.load_state_dict(self.state["optimizer"])
             rng = self.state
@@ -142,7 +165,7 @@ class Trainer:
         config = self.model.config
         try:
             data = FileData(args, args.tokenizer or args.init or args.resume, config.vocab_size,
-                            config.pad_token_id or 0, args.dp, dp_rank)  # fmt: skip
+                            config.pad_token_id or 0, args.dp * args.ep, dp_rank)  # fmt: skip
         except DataError as e:  # a bad file or record: the message (file and line), not a traceback
             raise SystemExit(f"glm53 train: {e}") from None
         if resumed_data:
@@ -172,7 +195,8 @@ class Trainer:
         counts = [self.model.loss_counts(m["labels"], m.get("attention_mask"), m.get("position_ids")) for m in micro]
         den = sum(counts[1:], counts[0])
         if self.par is not None:
-            den = self.par.loss_denominators(den, self.mesh)
+            # every dp x ep rank reads its own batches: the global batch's counts over both dimensions
+            den = self.par.loss_denominators(self.par.loss_denominators(den, self.mesh, "dp"), self.mesh, "ep")
         parts: dict[str, torch.Tensor] = {}
         for inputs in micro:
             with self._loss_context():
@@ -181,7 +205,10 @@ class Trainer:
             for name in LOSS_PARTS:
                 if getattr(out, name) is not None:
                     parts[name] = parts.get(name, 0) + getattr(out, name).detach()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP)
+        if self.par is not None:  # gradients on two meshes under EP
+            parallel_clip_grad_norm_(self.model.parameters(), GRAD_CLIP)
+        else:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP)
         self.optimizer.step()
         self.model.update_router_bias(self.args.bias_rate)  # loads summed over dp ranks by model.expert_load_reduce
         return parts
@@ -192,7 +219,8 @@ class Trainer:
         params = sum(p.numel() for p in self.model.parameters())
         how = f"resuming {args.resume} at step {self.start}" if self.state else f"preset {args.preset}, seed {args.seed}"
         how = f"fine-tuning {args.init}, seed {args.seed}" if args.init else how
-        layout = f", dp {args.dp} x tp {args.tp}" if self.par is not None else ""
+        ep = f" x ep {args.ep}" if args.ep > 1 else ""
+        layout = f", dp {args.dp} x tp {args.tp}{ep}" if self.par is not None else ""
         accum = f"{args.grad_accum}x" if args.grad_accum > 1 else ""
         print(f"glm53 train: {how}, {params:,} parameters{layout}, {args.steps} steps of {accum}{args.batch_size}x"
               f"{args.seq_len} tokens", flush=True)  # fmt: skip
@@ -216,8 +244,10 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------- save
     def save(self, path: str, step: int) -> None:
         data = self.data.state_dict() if self.data is not None else None
-        state = trainer_state(step, self.optimizer, self.generator, self.par, (self.args.dp, self.args.tp), data)
-        save_run(self.model, path, state, self.par)
+        state = trainer_state(step, self.optimizer, self.generator, self.par, tuple(_layout(self.args)), data)
+        if self.par is not None:
+            state["dp_rank"] = self.dp_rank
+        save_run(self.model, path, state, self.par, export=not self.args.no_export)
         if self.data is not None and self.rank == 0:
             self.data.tokenizer.save(path)  # a resumed or downstream run finds the tokenizer beside the weights
 
@@ -229,12 +259,13 @@ class Trainer:
         data = batches(encode(corpus_text()), args.batch_size, args.seq_len, self.generator)
         began, tokens = time.perf_counter(), 0
         for step in range(self.start + 1, args.steps + 1):
-            micro = self.next_micro_batches(data)
+            micro = [{k: v.to(self.device) for k, v in m.items()} for m in self.next_micro_batches(data)]
             parts = self.step(step, micro)
-            tokens += sum(int(m.get("attention_mask", m["input_ids"]).ne(0).sum()) for m in micro) * args.dp
+            tokens += sum(int(m.get("attention_mask", m["input_ids"]).ne(0).sum()) for m in micro) * args.dp * args.ep
             rate = tokens / (time.perf_counter() - began)
             values = torch.stack(list(parts.values()))
-            values = values if par is None else par.mean_over(values, self.mesh, "dp")
+            # every dp x ep rank trained on its own batches
+            values = values if par is None else par.mean_over(par.mean_over(values, self.mesh, "dp"), self.mesh, "ep")
             parts = dict(zip(parts, values.tolist()))  # NOTE: syncs
             loss = parts["loss"]
             if not math.isfinite(loss):
@@ -246,7 +277,9 @@ class Trainer:
         if args.save:
             self.save(args.save, max(self.start, args.steps))
             if self.log_rank:
-                print(f"saved {args.save} (official layout + {TRAINER_STATE})", flush=True)
+                what = f"official layout + {TRAINER_STATE}" if par is None else \
+                    ("DCP train_state/" if args.no_export else "official layout + DCP train_state/")
+                print(f"saved {args.save} ({what})", flush=True)
         if self.data is not None and self.log_rank:
             print(self.data.summary(), flush=True)
         return 0

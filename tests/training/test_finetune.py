@@ -216,7 +216,6 @@ def test_grad_accum_equals_the_larger_batch(prepared, capsys):
 @pytest.mark.parametrize("flags, message", [
     (["--grad-accum", "0"], None),
     (["--grad-accum", "x"], None),
-    (["--init", "somewhere"], "--init needs --data"),
     (["--data", "x.jsonl"], "--data needs --init"),
     (["--tokenizer", "t"], "--tokenizer needs --data"),
 ])  # fmt: skip

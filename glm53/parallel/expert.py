@@ -1,0 +1,176 @@
+"""Expert parallelism: routed experts spread over the "ep" mesh dimension, tokens moved by all-to-all.
+
+Legend: N tokens on this rank, D model width, k experts per token, E routed experts, ep ranks on the ep mesh,
+El = E / ep experts per rank, M token-expert pairs arriving on this rank (dropless: every pair is computed).
+Mesh: ("dp", "ep") (or ("ep",)); non-expert parameters are FSDP-sharded over the flattened dp x ep ranks and every
+one of those ranks reads its own batches. Routed experts are Shard(0) over ep (rank r holds experts
+[r El, (r + 1) El)) and FSDP-sharded over dp on a dimension that splits evenly (`expert_shard_placement`).
+
+Dispatch on each rank (`ExpertParallelDispatch`), for the [N, k] routing choices:
+1. sort the N*k pairs by expert; since experts are contiguous per rank this also groups them by destination;
+2. exchange the per-expert counts [E] (all_to_all), so each rank knows how many rows arrive from each source
+   rank for each of its El experts;
+3. send the rows (all_to_all_single_autograd with the per-rank split sizes), run the local grouped kernel
+   `moe_experts` with one "choice" per arrived row (its local expert, weight 1);
+4. send the results back (the reverse all_to_all), scale them by the routing weights and add them to their tokens.
+The gradient reaching a local expert is the sum over the ep ranks' tokens of their own losses; FSDP averages over
+dp only (the experts' FSDP mesh), so the local expert parameters' gradient is scaled by 1/ep to make it the
+average over all dp x ep ranks, like every other parameter's.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from ..boundary import set_expert_dispatcher
+from ..kernels import kernel
+from ..model.moe import Experts
+from .boundary import LocalShard, set_boundary_rule
+
+EXPERT_PARAMS = ("gate_up_proj", "down_proj")  # [E, 2I, D], [E, D, I]
+
+# Experts module -> its dispatcher; weak keys: dispatch dies with the model.
+_DISPATCH: "weakref.WeakKeyDictionary[nn.Module, ExpertParallelDispatch]" = weakref.WeakKeyDictionary()
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by `scale`."""
+
+    @staticmethod
+    def forward(ctx, t, scale):
+        ctx.scale = scale
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+def _destination_splits(counts_E: torch.Tensor, ep: int) -> list[int]:
+    return counts_E.view(ep, -1).sum(1).tolist()  # NOTE: syncs (all_to_all split sizes are host ints)
+
+
+class ExpertParallelDispatch:
+    """The routed-experts computation of one MoE layer under EP; same signature as the `moe_experts` kernel,
+    with gate_up [El, 2I, D] and down [El, D, I] this rank's experts."""
+
+    def __init__(self, ep_mesh: DeviceMesh) -> None:
+        self.group = ep_mesh.get_group()
+        self.ep = ep_mesh.size()
+
+    def __call__(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                 down: torch.Tensor, limit: float) -> torch.Tensor:  # fmt: skip
+        N, k = indices.shape
+        El = gate_up.shape[0]
+        expert_of = indices.flatten()  # [N*k]
+        order = torch.argsort(expert_of, stable=True)  # pairs grouped by expert, hence by destination rank
+        token = order // k
+        counts_E = torch.bincount(expert_of, minlength=El * self.ep)  # [E] pairs this rank sends to each expert
+        arriving_E = torch.empty_like(counts_E)  # [ep * El]: from source rank s, for local expert e
+        dist.all_to_all_single(arriving_E, counts_E, group=self.group)
+        send, receive = _destination_splits(counts_E, self.ep), _destination_splits(arriving_E, self.ep)
+        rows = all_to_all_single_autograd(x.index_select(0, token), receive, send, self.group)  # [M, D]
+        # Rows from each source arrive sorted by local expert: label each with its local expert.
+        local_expert = torch.arange(El, device=x.device).repeat(self.ep).repeat_interleave(arriving_E)  # [M]
+        scale = 1.0 / self.ep
+        y = kernel("moe_experts")(rows, local_expert[:, None], rows.new_ones(rows.shape[0], 1, dtype=weights.dtype),
+                                  _ScaleGrad.apply(gate_up, scale), _ScaleGrad.apply(down, scale), limit)  # fmt: skip
+        back = all_to_all_single_autograd(y, send, receive, self.group)  # [N*k, D] in `order`
+        contrib = back * weights.flatten()[order, None]
+        return torch.zeros_like(x).index_add(0, token, contrib.to(x.dtype))
+
+
+def _dispatcher_for(module: nn.Module):
+    return _DISPATCH.get(module)
+
+
+def check_ep_size(model: nn.Module, ep: int) -> None:
+    """Raise ValueError naming n_routed_experts when the experts of `model` (a Glm53ForCausalLM or any module
+    holding routed-experts modules) do not split evenly over `ep` ranks."""
+    for E in sorted({m.gate_up_proj.shape[0] for m in expert_modules(model)}):
+        _check_divisible(E, ep)
+
+
+def _check_divisible(E: int, ep: int) -> None:
+    if E % ep != 0:
+        raise ValueError(f"expert parallelism over {ep} ranks gives each rank n_routed_experts / ep experts, but "
+                         f"n_routed_experts={E} is not divisible by {ep}")  # fmt: skip
+
+
+def expert_modules(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, Experts)]
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
+    """Shard every routed-experts module's parameters Shard(0) over `ep_mesh` and route its forward through
+    `ExpertParallelDispatch` (installed as glm53.boundary's expert dispatcher)."""
+    check_ep_size(model, ep_mesh.size())
+    for module in expert_modules(model):
+        for name in EXPERT_PARAMS:
+            param = getattr(module, name)
+            shard = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
+            module.register_parameter(name, nn.Parameter(shard, requires_grad=param.requires_grad))
+            set_boundary_rule(module, name, LocalShard((Shard(0),)))
+        _DISPATCH[module] = ExpertParallelDispatch(ep_mesh)
+
+
+def expert_shard_placement(dp_size: int, ep_sharded: bool):
+    """FSDP's `shard_placement_fn` for routed-expert parameters: Shard on the first dimension of the local
+    [E or El, *, *] tensor that splits evenly over `dp_size` ranks (FSDP pads uneven dim-0 shards and requires
+    other dims to divide evenly). Under EP, dim 0 already carries the ep split, so dims 1 and 2 come first."""
+
+    def placement(param: nn.Parameter):
+        shape = param.to_local().shape if isinstance(param, DTensor) else param.shape
+        dims = (1, 2, 0) if ep_sharded else (0, 1, 2)
+        for d in dims:
+            if shape[d] % dp_size == 0:
+                return Shard(d)
+        if ep_sharded:
+            raise ValueError(f"FSDP over {dp_size} dp ranks cannot split a routed-expert parameter of local shape "
+                             f"{tuple(shape)} evenly on any dimension (n_routed_experts / ep, "
+                             f"moe_intermediate_size, hidden_size)")  # fmt: skip
+        return Shard(0)
+
+    return placement
+
+
+def flat_data_mesh(mesh: DeviceMesh, dp_dim: str | None, ep_dim: str) -> DeviceMesh:
+    """The mesh non-expert parameters are FSDP-sharded over: dp x ep flattened (ep alone without dp)."""
+    if dp_dim is None:
+        return mesh[ep_dim]
+    return mesh[(dp_dim, ep_dim)]._flatten(f"{dp_dim}_{ep_dim}")
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` for parameters whose gradients live on different meshes (experts on
+    (dp, ep), the rest on the flattened dp x ep mesh): the norm of each mesh's gradients is completed over its
+    ranks, then combined. Returns the total norm (a plain tensor, the same on every rank)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    groups: dict[object, list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    norms = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm(group)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0).item()
+    for group in groups.values():
+        torch._foreach_mul_(group, coef)
+    return total
+
+
+def install() -> None:
+    set_expert_dispatcher(_dispatcher_for)
+
+
+__all__ = ["ExpertParallelDispatch", "apply_expert_parallel", "check_ep_size", "expert_shard_placement",
+           "flat_data_mesh", "clip_grad_norm_", "expert_modules"]  # fmt: skip

@@ -1,0 +1,56 @@
+"""`python -m glm53.tools.plan`: per-rank bytes from the real parallelize on a fake process group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from glm53 import Glm53Config, Glm53ForCausalLM
+from glm53.tools.plan import GIB, main, moe_comm_bytes, parse_args, plan
+
+
+def tiny() -> Glm53Config:
+    return Glm53Config.tiny()
+
+
+@pytest.mark.parametrize("layout", [(2, 2, 1), (4, 1, 1), (1, 4, 1), (2, 1, 2)])
+def test_local_shard_bytes(layout):
+    """Routed experts: E / ep experts per rank, split again over dp (fp32 tiny model: 4 bytes each); the rest
+    at least its share of the world."""
+    dp, ep, tp = layout
+    config = tiny()
+    with torch.device("meta"):
+        model = Glm53ForCausalLM(config)
+    expert_numel = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    total = sum(p.numel() for p in model.parameters())
+    args = parse_args(["--dp", str(dp), "--ep", str(ep), "--tp", str(tp), "--dtype", "fp32", "--seq-len", "64"])
+    result = plan(args, config)
+    measured = result["measured"]
+    shard = dp * ep * tp
+    assert measured["expert"] == expert_numel * 4 // shard
+    assert measured["total_params"] == total
+    assert total * 4 // shard <= measured["params"] <= total * 4 // shard * 1.5
+    assert result["rows"]["adamw"] == 2 * measured["params"] and result["rows"]["grads"] == measured["params"]
+    assert measured["gather"].bytes > 0
+
+
+def test_released_config_layout(capsys):
+    assert main(["--dp", "8", "--ep", "8", "--activation-checkpointing", "--device-gib", "141"]) == 0
+    out = capsys.readouterr().out
+    assert "fits" in out and "313.3B parameters" in out
+    with pytest.raises(SystemExit, match="n_routed_experts=288 is not divisible by 5"):
+        main(["--dp", "1", "--ep", "5"])
+
+
+def test_moe_comm_bytes_formula():
+    """FSDP over 4 ranks sends each expert's shard thrice; EP adds four all-to-alls of k rows per token."""
+    c = tiny()
+    E, k, D, I = c.n_routed_experts, c.num_experts_per_tok, c.hidden_size, c.moe_intermediate_size
+    fsdp = moe_comm_bytes(c, 4, 1, 100, 4)
+    experts = E * 3 * I * D * 4
+    rest = E * D * 4 + 3 * I * c.n_shared_experts * D * 4
+    assert fsdp["all_gather"] == 2 * (experts * 3 // 4 + rest * 3 // 4) and fsdp["all_to_all"] == 0
+    ep = moe_comm_bytes(c, 1, 4, 100, 4)
+    assert ep["all_to_all"] == 4 * 100 * k * D * 4 * 3 // 4 + E * 8 * 3 // 4
+    assert ep["all_gather"] == 2 * rest * 3 // 4
+    assert GIB == 2**30
