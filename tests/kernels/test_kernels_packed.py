@@ -2,7 +2,7 @@
 (forward and all gradients); the references run each document alone.
 
 Boundaries cover documents of length 1 and 2, one short of a fast KDA chunk, longer than a chunk, and two rows
-(B = 2) run as one flattened sequence (every row start is a boundary).
+(B = 2) with boundaries over the flattened tokens (every row start is a boundary).
 """
 
 from __future__ import annotations
