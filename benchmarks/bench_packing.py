@@ -1,7 +1,7 @@
 """Padding saved by packing documents into rows (glm53.training.data.pack), on a realistic length mix: a table + JSON.
 
     python benchmarks/bench_packing.py                  # 4000 documents, rows of 2048 / 4096 / 8192 tokens
-    python benchmarks/bench_packing.py --step           # also tokens/s of a packed [1, 512] step (bench model)
+    python benchmarks/bench_packing.py --step           # also a training step: packed vs one sequence vs padded
 
 Legend: B batch (rows), T time (row length).
 Lengths: log-normal, median 350 tokens, sigma 1.1, clipped to [8, 32768] (a mix like chat SFT data: many short
@@ -9,18 +9,22 @@ answers, a long tail of documents). Three ways to make rows of at most T tokens:
     one per row      each document in its own row padded to T (a longer one cut into rows)
     batch-longest    rows in batches of 8 in data order, each batch padded to its longest row (dynamic padding)
     packed           glm53's Packer: whole documents one after another, the next row when one does not fit
-`--step` times forward+backward of the bench model (benchmarks/bench_config.py) on one packed [1, --step-len] row vs
-the same tokens as one unbroken sequence: position_ids go to the model only when its forward takes them (packed
-documents); until then both runs compute the same thing and the ratio is ~1.
+`--step` times one training step (forward with labels, default losses, backward) of `--layers` layers of the bench
+model (benchmarks/bench_config.py) over the same `--step-len` tokens of the same mix, interleaved rep by rep:
+    one sequence     input_ids [1, N], no boundaries (what packing is measured against; target: within 1.2x)
+    packed           the same [1, N] tokens with `cu_seqlens`: each document computed as if alone
+    padded           the same documents as a [documents, longest] batch with an attention mask
+Ratios use the medians of the process's CPU time per step (one thread: the work done, which other jobs on a shared
+machine barely change); wall-clock medians are recorded beside them.
 Results: benchmarks/results/bench_packing.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
 import math
 import sys
+import time
 
 import torch
 
@@ -73,30 +77,56 @@ def padding_table(n_docs: int) -> list[dict]:
     return out
 
 
-def step_rate(T: int, reps: int) -> dict:
-    """fwd+bwd tokens/s of one [1, T] row of packed documents vs the same tokens as one sequence."""
-    torch.manual_seed(0)
-    model = Glm53ForCausalLM(bench_config())
-    lens, row = lengths(64, seed=1), []
-    for n in lens:
-        row += list(range(min(n, T - len(row))))
-        if len(row) == T:
+def step_layouts(N: int, vocab: int) -> tuple[dict[str, dict], list[int]]:
+    """The three layouts of the same N tokens (documents of the mix, the last one cut to fit)."""
+    lens = []
+    for n in lengths(64, seed=1):
+        lens.append(min(n, N - sum(lens)))
+        if sum(lens) == N:
             break
-    position_ids = torch.tensor(row + list(range(T - len(row))))[None]
-    ids = torch.randint(1, model.config.vocab_size, (1, T))
-    takes = "position_ids" in inspect.signature(model.forward).parameters
+    lens[-1] += N - sum(lens)  # the mix ran short: the last document takes the rest
+    ids = torch.randint(1, vocab, (1, N), generator=torch.Generator().manual_seed(2))
+    cu = torch.tensor([0, *lens]).cumsum(0)
+    padded = torch.zeros(len(lens), max(lens), dtype=torch.long)
+    mask = torch.zeros_like(padded)
+    for i, (s, n) in enumerate(zip(cu[:-1].tolist(), lens)):
+        padded[i, :n], mask[i, :n] = ids[0, s : s + n], 1
+    return {
+        "one sequence": dict(input_ids=ids, labels=ids),
+        "packed": dict(input_ids=ids, labels=ids, cu_seqlens=cu),
+        "padded": dict(input_ids=padded, labels=padded.masked_fill(mask == 0, -100), attention_mask=mask),
+    }, lens
 
-    def run(packed_docs: bool):
-        extra = {"position_ids": position_ids} if packed_docs and takes else {}
-        model(ids, labels=ids, **extra).loss.backward()
 
-    result = {}
-    for name, flag in (("one sequence", False), ("packed", True)):
-        run(flag)  # warm-up
-        result[name] = T / median([timed(lambda: run(flag)) for _ in range(reps)])
-    return {"T": T, "documents": int((position_ids == 0).sum()), "model_takes_position_ids": takes,
-            **{f"{k} tok/s": f"{v:,.0f}" for k, v in result.items()},
-            "packed / one sequence": f"{result['packed'] / result['one sequence']:.2f}"}  # fmt: skip
+def step_rate(N: int, layers: int, reps: int) -> dict:
+    """CPU seconds and tokens per CPU second of one training step in each layout, medians over interleaved reps."""
+    config = bench_config()
+    config.num_hidden_layers = layers
+    for name in ("layer_types", "mlp_layer_types", "indexer_types"):
+        setattr(config, name, getattr(config, name)[:layers])
+    torch.manual_seed(0)
+    model = Glm53ForCausalLM(config).train()
+    batches, lens = step_layouts(N, config.vocab_size)
+
+    def step(batch) -> tuple[float, float]:
+        wall, cpu = time.perf_counter(), time.process_time()
+        model.zero_grad(set_to_none=True)
+        model(**batch).loss.backward()
+        return time.process_time() - cpu, time.perf_counter() - wall
+
+    for batch in batches.values():  # warm-up
+        step(batch)
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in batches}
+    for _ in range(reps):  # interleaved, so machine load drifts hit every layout alike
+        for name, batch in batches.items():
+            runs[name].append(step(batch))
+    cpu = {name: median([c for c, _ in r]) for name, r in runs.items()}
+    rows = [dict(layout=name, shape="x".join(map(str, b["input_ids"].shape)), cpu_s=round(cpu[name], 3),
+                 wall_s=round(median([w for _, w in runs[name]]), 3), tokens_per_cpu_s=round(N / cpu[name]),
+                 vs_one_sequence=round(cpu[name] / cpu["one sequence"], 3))
+            for name, b in batches.items()]  # fmt: skip
+    return {"tokens": N, "layers": layers, "reps": reps, "documents": lens, "rows": rows,
+            "runs_cpu_wall_s": runs}  # fmt: skip
 
 
 def main() -> int:
@@ -104,15 +134,20 @@ def main() -> int:
     p.add_argument("--docs", type=int, default=4000)
     p.add_argument("--step", action="store_true", help="also time a packed training step of the bench model")
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--step-len", type=int, default=512, help="row length T of the timed step")
+    p.add_argument("--step-len", type=int, default=2048, help="tokens N of the timed step")
+    p.add_argument("--layers", type=int, default=4, help="layers of the bench model in the timed step")
     args = p.parse_args()
-    torch.set_num_threads(min(2, torch.get_num_threads()))
+    torch.set_num_threads(1)  # CPU time per step is the measure: one thread keeps it the work done
     rows = padding_table(args.docs)
     print(table(rows, ["T", "layout", "token_slots", "padding", "vs_packed", "split_docs"]))
     payload = {"machine": machine(), "length_mix": dict(median=MEDIAN_LEN, sigma=SIGMA, docs=args.docs), "padding": rows}
     if args.step:
-        payload["step"] = step_rate(args.step_len, args.reps)
-        print(table([payload["step"]], list(payload["step"])))
+        payload["step"] = step_rate(args.step_len, args.layers, args.reps)
+        docs = payload["step"]["documents"]
+        print(f"\none training step: {args.step_len} tokens as {len(docs)} documents ({min(docs)}-{max(docs)} tokens), "
+              f"{args.layers} layers, {args.reps} reps, 1 thread")  # fmt: skip
+        print(table(payload["step"]["rows"], ["layout", "shape", "cpu_s", "wall_s", "tokens_per_cpu_s",
+                                              "vs_one_sequence"]))  # fmt: skip
     print("wrote", write_json("bench_packing.json", payload))
     return 0
 

@@ -5,6 +5,8 @@ locals call the channel count D).
 x: [B, T, H*K]; weight: [H*K, W] (tap W-1 multiplies the current token); optional state: [B, H*K, W-1], the
 last W-1 inputs before x (zeros when absent). Returns y [B, T, H*K] in fp32 and, if asked, the new state
 [B, H*K, W-1] (the last W-1 inputs of cat(state, x)), in x's dtype. No bias, no activation: the caller applies them.
+Packed documents (`cu_seqlens`, kernels/varlen.py): a tap that would read a token of an earlier document reads
+zero instead, so every document starts from an empty history (no initial or final state then).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from .dispatch import register
+from .varlen import check_cu_seqlens, document_slices, position_in_document
 
 
 def _history(x: torch.Tensor, weight: torch.Tensor, initial_state: torch.Tensor | None) -> torch.Tensor:
@@ -37,13 +40,41 @@ def causal_conv1d_reference(
     *,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """y_t = sum_w weight[:, w] * x_{t - (W-1) + w}, tap by tap."""
+    """y_t = sum_w weight[:, w] * x_{t - (W-1) + w}, tap by tap (with `cu_seqlens`: one document at a time)."""
+    if cu_seqlens is not None:
+        return _per_document(causal_conv1d_reference, x, weight, initial_state, output_final_state, cu_seqlens)
     T, W = x.shape[1], weight.shape[-1]
     full = _with_history(x, weight, initial_state)
     y = sum(weight[:, w, None].float() * full[:, :, w : w + T].float() for w in range(W))
     state = full[:, :, full.shape[-1] - (W - 1) :] if output_final_state else None
     return y.transpose(1, 2), state
+
+
+def _per_document(conv, x, weight, initial_state, output_final_state, cu_seqlens):
+    """Run `conv` on each document alone and put the outputs back in place (the references' packed form)."""
+    _no_states(initial_state, output_final_state)
+    B, T, D = x.shape
+    cu = check_cu_seqlens(cu_seqlens, B, T)
+    y = x.new_zeros(B, T, D, dtype=torch.float32)
+    for b, s, e in document_slices(cu, T):
+        y[b : b + 1, s:e] = conv(x[b : b + 1, s:e], weight)[0]
+    return y, None
+
+
+def _no_states(initial_state, output_final_state):
+    if initial_state is not None or output_final_state:
+        raise ValueError("causal_conv1d: initial_state / output_final_state are not supported with cu_seqlens "
+                         "(every packed document starts from an empty history)")  # fmt: skip
+
+
+def _edges(cu_seqlens: torch.Tensor, total: int, W: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens closer than W-1 to their document's start [n_e] and which of their taps stay inside it [n_e, W]."""
+    pos = position_in_document(cu_seqlens, total)
+    tok = torch.nonzero(pos < W - 1).flatten()  # NOTE: syncs; at most W-1 tokens per document
+    lag = W - 1 - torch.arange(W, device=pos.device)  # tap w reads the token `lag[w]` steps back
+    return tok, lag[None, :] <= pos[tok, None]
 
 
 class _CausalConv1d(torch.autograd.Function):
@@ -52,16 +83,25 @@ class _CausalConv1d(torch.autograd.Function):
     CPU autograd of a depthwise F.conv1d spends several times the forward in convolution_backward; here the
     backward is W more shifted multiply-adds for the input (and the history) and W products reduced over (B, T)
     for the weight. full = cat(history, x) along time [B, W-1+T, H*K] in fp32 is the one tensor kept.
+    With `edges` (packed documents) the few tokens near a document start are recomputed with the taps that
+    cross the boundary dropped (exactly: no subtraction), and excluded from the shifted form in backward.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, history):
+    def forward(ctx, x, weight, history, edges=None):
         T, W = x.shape[1], weight.shape[-1]
         full = torch.cat([history.float(), x.float()], dim=1)  # [B, W-1+T, H*K]
         w = weight.float()
         y = full[:, :T] * w[:, 0]
         for tap in range(1, W):
             y.addcmul_(full[:, tap : tap + T], w[:, tap])
+        if edges is not None:
+            tok, keep = edges
+            taps = w.t()[None] * keep[..., None]  # [n_e, W, D] the edge tokens' taps, crossing ones zeroed
+            y[:, tok] = (full[:, tok[:, None] + torch.arange(W, device=tok.device)] * taps).sum(2)
+            ctx.edges = (tok, keep, taps)
+        else:
+            ctx.edges = None
         ctx.save_for_backward(full, weight)
         ctx.dtypes = (x.dtype, history.dtype)
         return y
@@ -71,12 +111,20 @@ class _CausalConv1d(torch.autograd.Function):
         full, weight = ctx.saved_tensors
         T, W = dy.shape[1], weight.shape[-1]
         dy, w = dy.float(), weight.float()
+        if ctx.edges is not None:
+            tok, keep, taps = ctx.edges
+            dy_edge = dy[:, tok]  # [B, n_e, D]
+            dy = dy.index_fill(1, tok, 0.0)  # the shifted form below must not see the edge tokens
         d_full = full.new_zeros(full.shape)
         for tap in range(W):
             d_full[:, tap : tap + T].addcmul_(dy, w[:, tap])
         d_weight = torch.stack([(dy * full[:, tap : tap + T]).sum(dim=(0, 1)) for tap in range(W)], dim=-1)
+        if ctx.edges is not None:
+            idx = tok[:, None] + torch.arange(W, device=tok.device)  # [n_e, W] rows of full
+            d_full.index_add_(1, idx.flatten(), (dy_edge[:, :, None] * taps).flatten(1, 2))
+            d_weight += (dy_edge[:, :, None] * full[:, idx] * keep[..., None]).sum(dim=(0, 1)).t()
         x_dtype, history_dtype = ctx.dtypes
-        return d_full[:, W - 1 :].to(x_dtype), d_weight.to(weight.dtype), d_full[:, : W - 1].to(history_dtype)
+        return d_full[:, W - 1 :].to(x_dtype), d_weight.to(weight.dtype), d_full[:, : W - 1].to(history_dtype), None
 
 
 def causal_conv1d(
@@ -85,8 +133,22 @@ def causal_conv1d(
     *,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The same sum as shifted multiply-adds in the [B, T, H*K] layout, with a hand-written backward."""
+    """The same sum as shifted multiply-adds in the [B, T, H*K] layout, with a hand-written backward.
+
+    With `cu_seqlens` the rows are one flattened sequence whose boundary-crossing taps are dropped (no loop over
+    documents, no per-document padding).
+    """
+    if cu_seqlens is not None:
+        _no_states(initial_state, output_final_state)
+        B, T, D = x.shape
+        W = weight.shape[-1]
+        cu = check_cu_seqlens(cu_seqlens, B, T)
+        flat = x.reshape(1, B * T, D)
+        history = _history(flat, weight, None).transpose(1, 2)
+        y = _CausalConv1d.apply(flat, weight, history, _edges(cu, B * T, W))
+        return y.view(B, T, D), None
     history = _history(x, weight, initial_state).transpose(1, 2)  # [B, W-1, H*K]
     y = _CausalConv1d.apply(x, weight, history)  # [B, T, H*K] fp32
     if not output_final_state:

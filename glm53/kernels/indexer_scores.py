@@ -4,6 +4,11 @@ Legend: B batch, T queries, H indexer heads, K head width, P pools, Tq a block o
 q: [B, T, H, K]; weights: [B, T, H] (already scaled by H^-0.5); pool_keys: [B, P, K]. Returns [B, T, P] fp32.
 The ReLU sits between the head contraction and the head sum, so the [T, H, P] logits cannot be factorised away;
 the fast form only bounds how many of them exist at once.
+Packed documents (`cu_seqlens` over the flattened B * T tokens, kernels/varlen.py, with `pool_start` [B, P], the
+row-local position of each pool's first token, >= T for an empty slot, non-decreasing along P): a query scores
+only the pools that start inside its own document; every other score is 0 (the indexer masks them anyway). The
+reference runs each document alone; the fast form computes, per chunk of queries, only the pool columns its
+documents own.
 """
 
 from __future__ import annotations
@@ -12,19 +17,67 @@ import torch
 import torch.nn.functional as F
 
 from .dispatch import register
+from .varlen import check_cu_seqlens, document_bounds, document_slices
 
 SCORE_BUDGET = 1 << 22  # elements of one [B, Tq, H, P] logits chunk (16 MiB in fp32)
+MIN_PACKED_CHUNK = 64  # queries per chunk at least when packed (short documents share a chunk)
 
 
-def indexer_scores_reference(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor, scale: float) -> torch.Tensor:
-    """All queries at once: materialises the [B, T, H, P] logits."""
+def _check_packed(q: torch.Tensor, pool_keys: torch.Tensor, cu_seqlens, pool_start) -> torch.Tensor:
+    if pool_start is None or pool_start.shape != pool_keys.shape[:2]:
+        raise ValueError(f"indexer_scores with cu_seqlens needs pool_start of shape {tuple(pool_keys.shape[:2])}, "
+                         f"got {None if pool_start is None else tuple(pool_start.shape)}")  # fmt: skip
+    return check_cu_seqlens(cu_seqlens, *q.shape[:2])
+
+
+def indexer_scores_reference(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor, scale: float, *,
+                             cu_seqlens: torch.Tensor | None = None,
+                             pool_start: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """All queries at once: materialises the [B, T, H, P] logits (with `cu_seqlens`: one document at a time)."""
+    if cu_seqlens is not None:
+        cu = _check_packed(q, pool_keys, cu_seqlens, pool_start)
+        out = q.new_zeros(*q.shape[:2], pool_keys.shape[1], dtype=torch.float32)
+        for b, s, e in document_slices(cu, q.shape[1]):
+            own = ((pool_start[b] >= s) & (pool_start[b] < e)).nonzero().flatten()
+            if own.numel():
+                part = indexer_scores_reference(q[b : b + 1, s:e], weights[b : b + 1, s:e], pool_keys[b : b + 1, own],
+                                                scale)  # fmt: skip
+                out[b, s:e, own] = part[0]
+        return out
     logits = torch.matmul(q.float(), pool_keys.float().transpose(-1, -2)[:, None])  # [B, T, H, P]
     logits = F.relu(logits * scale)
     return torch.matmul(weights.float()[..., None, :], logits).squeeze(-2)
 
 
-def indexer_scores(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor, scale: float) -> torch.Tensor:
+def _packed_scores(q, weights, pool_keys, scale, cu, pool_start):
+    """Chunks of queries against the pool columns their documents own, masked to each query's document."""
+    B, T, H, _ = q.shape
+    P = pool_keys.shape[1]
+    start, end = document_bounds(cu, B, T)
+    longest = int((end - start).max())  # NOTE: syncs
+    step = max(1, min(SCORE_BUDGET // max(1, B * H * P), max(MIN_PACKED_CHUNK, longest)))
+    keys_t = pool_keys.float().transpose(-1, -2)[:, None]  # [B, 1, E, P]
+    out = q.new_zeros(B, T, P, dtype=torch.float32)
+    for t0 in range(0, T, step):
+        t1 = min(t0 + step, T)
+        s_c, e_c = start[:, t0:t1, None], end[:, t0:t1, None]  # [B, Tq, 1]
+        owned = ((pool_start >= s_c.min()) & (pool_start < e_c.max())).any(0).nonzero()  # NOTE: syncs
+        if not owned.numel():
+            continue
+        p0, p1 = int(owned[0]), int(owned[-1]) + 1
+        logits = F.relu(torch.matmul(q[:, t0:t1].float(), keys_t[..., p0:p1]) * scale)  # [B, Tq, H, p]
+        scores = torch.matmul(weights[:, t0:t1].float()[..., None, :], logits).squeeze(-2)
+        columns = pool_start[:, None, p0:p1]
+        out[:, t0:t1, p0:p1] = scores * ((columns >= s_c) & (columns < e_c))
+    return out
+
+
+def indexer_scores(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor, scale: float, *,
+                   cu_seqlens: torch.Tensor | None = None, pool_start: torch.Tensor | None = None) -> torch.Tensor:
     """The same, one chunk of queries at a time: never more than SCORE_BUDGET logits alive; same signature."""
+    if cu_seqlens is not None:
+        return _packed_scores(q, weights, pool_keys, scale, _check_packed(q, pool_keys, cu_seqlens, pool_start),
+                              pool_start)  # fmt: skip
     B, T, H, _ = q.shape
     P = pool_keys.shape[1]
     step = max(1, SCORE_BUDGET // max(1, B * H * P))

@@ -7,6 +7,9 @@ empty slot (a position appears at most once per row: the indexer selects disjoin
 Returns o [B, T, H, V] in q's dtype; softmax in fp32. A query whose slots are all empty (a padding row)
 gets a zero output. (transformers' eager path gives such rows a uniform average over all keys instead;
 they are padding, nothing downstream reads them.)
+Packed documents (`cu_seqlens` over the flattened B * T tokens, kernels/varlen.py; keys are the queries' own
+tokens, S = T): a query reads only selected keys of its own document; slots pointing elsewhere count as empty.
+The references run each document alone; the fast forms drop the other documents' slots up front.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from .dispatch import register
+from .varlen import check_cu_seqlens, document_bounds, document_slices
 
 
 def topk_to_mask(topk_indices: torch.Tensor, num_keys: int) -> torch.Tensor:
@@ -25,14 +29,40 @@ def topk_to_mask(topk_indices: torch.Tensor, num_keys: int) -> torch.Tensor:
     return counts > 0
 
 
+def same_document_only(topk_indices: torch.Tensor, cu_seqlens: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """[B, T, J] indices with every slot outside the query's own document set to -1 (empty)."""
+    B, T = topk_indices.shape[:2]
+    if num_keys != T:
+        raise ValueError(f"cu_seqlens needs keys that are the queries' own tokens (S == T), got S={num_keys}, T={T}")
+    start, end = document_bounds(check_cu_seqlens(cu_seqlens, B, T), B, T)
+    inside = (topk_indices >= start[..., None]) & (topk_indices < end[..., None])
+    return topk_indices.masked_fill(~inside, -1)
+
+
+def _per_document(attend, q, kvs, topk_indices, scale, cu_seqlens):
+    """Run `attend` on each document alone (indices shifted to it, others empty) and put the outputs in place."""
+    B, T = q.shape[:2]
+    cu = check_cu_seqlens(cu_seqlens, B, T)
+    o = torch.zeros_like(q) if len(kvs) == 1 else q.new_zeros(*q.shape[:-1], kvs[1].shape[-1])
+    for b, s, e in document_slices(cu, T):
+        idx = topk_indices[b : b + 1, s:e] - s
+        idx = idx.masked_fill((idx < 0) | (idx >= e - s), -1)
+        o[b : b + 1, s:e] = attend(q[b : b + 1, s:e], *(x[b : b + 1, s:e] for x in kvs), idx, scale)
+    return o
+
+
 def sparse_attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     topk_indices: torch.Tensor,
     scale: float,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dense scores over all S keys, masked to the selected set: O(T * S), the obviously-correct form."""
+    if cu_seqlens is not None:
+        return _per_document(sparse_attention_reference, q, (k, v), topk_indices, scale, cu_seqlens)
     mask = topk_to_mask(topk_indices, k.shape[1])  # [B, T, S]
     scores = torch.einsum("bthd,bshd->bhts", q.float(), k.float()) * scale
     scores = scores.masked_fill(~mask[:, None], float("-inf"))
@@ -120,8 +150,12 @@ def sparse_attention(
     v: torch.Tensor,
     topk_indices: torch.Tensor,
     scale: float,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gather form: each query attends to its selected keys only, chunked over queries; same signature."""
+    if cu_seqlens is not None:
+        topk_indices = same_document_only(topk_indices, cu_seqlens, k.shape[1])
     return _SparseAttention.apply(q, k, v, topk_indices, scale)
 
 
@@ -139,8 +173,12 @@ def sparse_mqa_attention_reference(
     kv: torch.Tensor,
     topk_indices: torch.Tensor,
     scale: float,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dense scores against the shared latent, masked to the selected set (O(T * S))."""
+    if cu_seqlens is not None:
+        return _per_document(sparse_mqa_attention_reference, q, (kv,), topk_indices, scale, cu_seqlens)
     mask = topk_to_mask(topk_indices, kv.shape[1])  # [B, T, S]
     scores = torch.einsum("bthc,bsc->bhts", q.float(), kv.float()) * scale
     probs = torch.softmax(scores.masked_fill(~mask[:, None], float("-inf")), dim=-1).nan_to_num(0.0)
@@ -164,22 +202,28 @@ def _mqa_softmax(scores, valid):
 
 
 # Masked-dense chunks: when a chunk's selected keys are a large fraction of the keys it can reach (its key span,
-# the largest selected position + 1, e.g. the causal prefix), the per-query gather of J latent rows and the
-# [H, Z] x [Z, J] per-query matmuls cost more than plain [Tq*H, Z] x [Z, span] GEMMs over the whole span with
-# the unselected keys masked to -inf: the same sum over the same keys, no gather and no scatter-add of the key
-# gradients. A chunk goes dense when span <= DENSE_SPAN_RATIO * J, which keeps the dense work O(T * J); the ratio
-# is the fastest one measured (benchmarks/RESULTS.md). In a causal sequence this sends the early chunks dense.
+# from the smallest to the largest selected position, e.g. the causal prefix of its document), the per-query
+# gather of J latent rows and the [H, Z] x [Z, J] per-query matmuls cost more than plain [Tq*H, Z] x [Z, span]
+# GEMMs over the whole span with the unselected keys masked to -inf: the same sum over the same keys, no gather
+# and no scatter-add of the key gradients. A chunk goes dense when span <= DENSE_SPAN_RATIO * J, which keeps the
+# dense work O(T * J); the ratio is the fastest one measured (benchmarks/RESULTS.md). In a causal sequence this
+# sends the early chunks dense (and, packed, the early chunks of every document).
 DENSE_SPAN_RATIO = 4
 
 
-def _mqa_chunk_span(idx_c: torch.Tensor, num_keys: int) -> int:
-    """Keys [0, span) hold every selected position of the chunk; 0 for an all-empty chunk."""
+def _mqa_chunk_span(idx_c: torch.Tensor, num_keys: int) -> tuple[int, int]:
+    """Keys [lo, hi) hold every selected position of the chunk ((0, 0) for an all-empty chunk). lo > 0 is what
+    keeps a late packed document's chunks on the dense path: its keys start at the document, not at 0."""
+    if not idx_c.numel():
+        return 0, 0
     valid = (idx_c >= 0) & (idx_c < num_keys)
-    return int(torch.where(valid, idx_c, -1).max()) + 1 if idx_c.numel() else 0  # NOTE: syncs
+    lo, hi = torch.stack([torch.where(valid, idx_c, num_keys).min(), torch.where(valid, idx_c, -1).max() + 1]).tolist()
+    return (lo, hi) if hi > 0 else (0, 0)  # NOTE: syncs (the tolist above)
 
 
-def _mqa_dense_mask(idx_c, span):
-    """idx_c [B, Tq, J] -> [B, Tq, 1, span] bool, True where the key is NOT selected (to be masked out)."""
+def _mqa_dense_mask(idx_c, lo, span):
+    """idx_c [B, Tq, J] -> [B, Tq, 1, span] bool over keys [lo, lo + span), True where the key is NOT selected."""
+    idx_c = idx_c - lo
     valid = (idx_c >= 0) & (idx_c < span)
     selected = torch.zeros(*idx_c.shape[:2], span + 1, dtype=torch.bool, device=idx_c.device)
     selected.scatter_(-1, torch.where(valid, idx_c.long(), span), True)  # empty slots land in column `span`
@@ -208,12 +252,13 @@ class _SparseMqaAttention(torch.autograd.Function):
         for start in range(0, T, step):
             end = min(start + step, T)
             idx_c = topk_indices[:, start:end]
-            span = _mqa_chunk_span(idx_c, S)
+            lo, hi = _mqa_chunk_span(idx_c, S)
+            span = hi - lo
             if span <= DENSE_SPAN_RATIO * J:
-                kv_s = kv32[:, :span]
+                kv_s = kv32[:, lo:hi]
                 q_c = q32[:, start:end]
                 scores = (_rows(q_c) @ kv_s.transpose(-1, -2)).mul_(scale).view(*q_c.shape[:-1], span)
-                p = _mqa_dense_probs(scores, _mqa_dense_mask(idx_c, span))  # [B, Tq, H, span]
+                p = _mqa_dense_probs(scores, _mqa_dense_mask(idx_c, lo, span))  # [B, Tq, H, span]
                 o[:, start:end] = (_rows(p) @ kv_s).view(q_c.shape)
             else:
                 valid, _, kv_g = _mqa_gather(kv32, idx_c)
@@ -238,18 +283,19 @@ class _SparseMqaAttention(torch.autograd.Function):
         for start in range(0, T, step):
             end = min(start + step, T)
             q_c, do_c, idx_c = q32[:, start:end], do32[:, start:end], topk_indices[:, start:end]
-            span = _mqa_chunk_span(idx_c, S)
+            lo, hi = _mqa_chunk_span(idx_c, S)
+            span = hi - lo
             if span <= DENSE_SPAN_RATIO * J:
-                kv_s = kv32[:, :span]
+                kv_s = kv32[:, lo:hi]
                 # scores (q kv^T) and dp (do kv^T) in one GEMM over the stacked (query, head) rows
                 q_do = torch.cat([_rows(q_c), _rows(do_c)], dim=1)  # [B, 2*Tq*H, Z]
                 scores, dp = (q_do @ kv_s.transpose(-1, -2)).view(B, 2, *q_c.shape[1:3], span).unbind(1)
-                p = _mqa_dense_probs(scores.mul_(ctx.scale), _mqa_dense_mask(idx_c, span))  # [B, Tq, H, span]
+                p = _mqa_dense_probs(scores.mul_(ctx.scale), _mqa_dense_mask(idx_c, lo, span))  # [B, Tq, H, span]
                 ds = p * (dp - (p * dp).sum(-1, keepdim=True)) * ctx.scale
                 dq[:, start:end] = (_rows(ds) @ kv_s).view(q_c.shape)
                 # as key (ds^T q) plus as value (p^T do), one GEMM over the stacked (query, head) rows: [B, span, Z]
                 pd = torch.cat([_rows(ds), _rows(p)], dim=1)  # [B, 2*Tq*H, span]
-                dkv.view(B, S, C)[:, :span] += pd.transpose(-1, -2) @ q_do
+                dkv.view(B, S, C)[:, lo:hi] += pd.transpose(-1, -2) @ q_do
                 continue
             valid, safe, kv_g = _mqa_gather(kv32, idx_c)
             # scores (q kv^T) and dp (do kv^T) in one matmul over the stacked head axis: [B, Tq, 2H, J]
@@ -269,8 +315,12 @@ def sparse_mqa_attention(
     kv: torch.Tensor,
     topk_indices: torch.Tensor,
     scale: float,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gather form of the absorbed attention, chunked over queries, hand-written backward; same signature."""
+    if cu_seqlens is not None:
+        topk_indices = same_document_only(topk_indices, cu_seqlens, kv.shape[1])
     return _SparseMqaAttention.apply(q, kv, topk_indices, scale)
 
 

@@ -2,8 +2,9 @@
 
 `ForwardContext` travels from `Glm53Model.forward` to each decoder block (and MTP layer) instead of a growing list
 of positional arguments: the padding mask, the top-k a "shared" indexer layer reuses, the per-layer sink for what
-the training losses need (`LayerStats`), and slots reserved for a generation cache and packed-document
-boundaries. Parallel hooks read it by field name (`ctx.stats`, never `args[3]`).
+the training losses need (`LayerStats`), a slot reserved for a generation cache, and packed-document boundaries
+(`cu_seqlens` for the kernels, `segment_ids` for labels, MTP and the balance loss; model/packing.py). Parallel
+hooks read it by field name (`ctx.stats`, never `args[3]`).
 
 Legend: B batch, T time, J selected key slots per query (glm53/model/__init__.py).
 """
@@ -43,7 +44,9 @@ class ForwardContext:
     record_indexer: bool = False  # ... which also records the indexer KL loss's tensors
     stats: LayerStats | None = None  # this layer's sink (set per layer by `for_layer`)
     cache: Any = None  # reserved: a generation cache (glm53/generation)
-    cu_seqlens: torch.Tensor | None = None  # reserved: [n_docs + 1] packed-document boundaries
+    # Packed documents (model/packing.py), both None when every row is one document:
+    cu_seqlens: torch.Tensor | None = None  # [n_docs + 1] int64 boundaries over the flattened B * T tokens
+    segment_ids: torch.Tensor | None = None  # [B, T] int64 document index of every token
 
     def for_layer(self) -> "ForwardContext":
         """A copy for one layer with its own fresh stats sink (None unless `collect_stats`)."""

@@ -14,6 +14,8 @@ Following transformers' Glm5NextTextIndexer (DeepSeek-V3.2 DSA plus GLM's k-pool
 The selection is not differentiable; transformers runs it under no_grad and so does the forward here.
 `score_and_select(..., grad=True)` also returns the scores with gradient for the indexer KL loss
 (glm53/training/losses.py).
+Packed documents (`cu_seqlens`, model/packing.py): pools start at each document's first valid token and never
+run past its end, a query's candidates are complete pools of its own document, and the tail is its document's.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from ..boundary import as_local
 from ..config import Glm53Config
 from ..utils import ceil_div
 from ..kernels import kernel
+from ..kernels.varlen import document_bounds
 from .norm import LayerNorm
+from .packing import document_pool_layout, first_valid_in_document
 
 K_NORM_EPS = 1e-6  # the indexer's key LayerNorm epsilon (transformers)
 
@@ -37,12 +41,16 @@ def first_valid_position(valid: torch.Tensor) -> torch.Tensor:
     return torch.where(valid.any(-1), valid.long().argmax(-1), torch.full_like(valid[:, 0], T, dtype=torch.long))
 
 
-def pool_layout(valid: torch.Tensor, kpool: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pools of `kpool` consecutive positions from each row's first valid token.
+def pool_layout(valid: torch.Tensor, kpool: int,
+                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Pools of `kpool` consecutive positions from each row's (packed: each document's) first valid token.
 
     -> positions [B, P, L] (may run past T), which of them are valid tokens [B, P, L], and which pools to keep
     [P]: pools incomplete in every row are dropped (transformers does the same; it changes how many are picked).
     """
+    if cu_seqlens is not None:
+        positions, token_valid = document_pool_layout(valid, cu_seqlens, kpool)
+        return positions, token_valid, token_valid.all(-1).any(0)
     B, T = valid.shape
     P = ceil_div(T, kpool)
     offsets = torch.arange(P * kpool, device=valid.device).view(1, P, kpool)
@@ -52,10 +60,18 @@ def pool_layout(valid: torch.Tensor, kpool: int) -> tuple[torch.Tensor, torch.Te
     return positions, token_valid, token_valid.all(-1).any(0)
 
 
-def kept_pools(valid: torch.Tensor, kpool: int) -> tuple[torch.Tensor, torch.Tensor]:
+def kept_pools(valid: torch.Tensor, kpool: int,
+               cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The pools the indexer scores: token positions [B, P, L] (-1 where invalid) and completeness [B, P]."""
-    positions, token_valid, keep = pool_layout(valid, kpool)
+    positions, token_valid, keep = pool_layout(valid, kpool, cu_seqlens)
     return positions.masked_fill(~token_valid, -1)[:, keep], token_valid.all(-1)[:, keep]
+
+
+def pool_starts(positions: torch.Tensor, T: int) -> torch.Tensor:
+    """[B, P] position of each pool's first token from its valid token positions [B, P, L] (-1 invalid); T for a
+    pool without a valid token (it belongs to no query's document)."""
+    slot = torch.arange(positions.shape[-1], device=positions.device)
+    return torch.where(positions >= 0, positions - slot, T).amin(-1)
 
 
 class Indexer(nn.Module):
@@ -78,12 +94,13 @@ class Indexer(nn.Module):
     def num_slots(self) -> int:
         return self.index_topk + (self.kpool - 1 if self.select_tail else 0)
 
-    def pools(self, x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def pools(self, x: torch.Tensor, valid: torch.Tensor,
+              cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
         """Pool keys [B, P, K], their token positions [B, P, L] (-1 where invalid), completeness [B, P]."""
         T = valid.shape[1]
         keys = self.k_norm(self.wk(x))  # [B, T, K]
         gate = F.linear(x, as_local(self, "index_kpool_compress_gate"))  # [B, T, K]
-        positions, token_valid, keep = pool_layout(valid, self.kpool)
+        positions, token_valid, keep = pool_layout(valid, self.kpool, cu_seqlens)
         safe = positions.clamp(0, T - 1)
         batch = torch.arange(valid.shape[0], device=x.device)[:, None, None]
         complete = token_valid.all(-1)  # [B, P]
@@ -93,19 +110,27 @@ class Indexer(nn.Module):
         pool_keys = (weights * keys[batch, safe]).sum(dim=2)
         return pool_keys[:, keep], positions.masked_fill(~token_valid, -1)[:, keep], complete[:, keep]
 
-    def scores(self, x: torch.Tensor, q_resid: torch.Tensor, pool_keys: torch.Tensor) -> torch.Tensor:
-        """[B, T, P] fp32 index scores: sum_h w_h relu(q_h . key_p / sqrt(K)) (kernels/indexer_scores.py)."""
+    def scores(self, x: torch.Tensor, q_resid: torch.Tensor, pool_keys: torch.Tensor,
+               cu_seqlens: torch.Tensor | None = None,
+               pool_start: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """[B, T, P] fp32 index scores: sum_h w_h relu(q_h . key_p / sqrt(K)) (kernels/indexer_scores.py);
+        packed: 0 for pools of other documents."""
         q = self.wq_b(q_resid).view(*q_resid.shape[:2], self.n_heads, self.head_dim)  # [B, T, H, K]
         w = self.weights_proj(x).float() * self.n_heads**-0.5  # [B, T, H]
-        return kernel("indexer_scores")(q, w, pool_keys, self.head_dim**-0.5)
+        if cu_seqlens is None:
+            return kernel("indexer_scores")(q, w, pool_keys, self.head_dim**-0.5)
+        return kernel("indexer_scores")(q, w, pool_keys, self.head_dim**-0.5, cu_seqlens=cu_seqlens,
+                                        pool_start=pool_start)  # fmt: skip
 
     @torch.no_grad()
-    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, valid: torch.Tensor,
+                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """x [B, T, D], q_resid [B, T, R], valid [B, T] bool -> top-k key positions [B, T, J] int64."""
-        return self.score_and_select(x, q_resid, valid)[0]
+        return self.score_and_select(x, q_resid, valid, cu_seqlens=cu_seqlens)[0]
 
     def score_and_select(
-        self, x: torch.Tensor, q_resid: torch.Tensor, valid: torch.Tensor, grad: bool = False
+        self, x: torch.Tensor, q_resid: torch.Tensor, valid: torch.Tensor, grad: bool = False,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> (top-k [B, T, J], scores [B, T, P] fp32, candidate pools [B, T, P], selected pools [B, T, P]).
 
@@ -114,14 +139,16 @@ class Indexer(nn.Module):
         selection itself, made from detached scores, is never differentiated (DeepSeek-V3.2).
         """
         with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
-            pool_keys, positions, complete = self.pools(x.detach(), valid)
-            scores = self.scores(x.detach(), q_resid.detach(), pool_keys)
+            pool_keys, positions, complete = self.pools(x.detach(), valid, cu_seqlens)
+            start = None if cu_seqlens is None else pool_starts(positions, valid.shape[1])
+            scores = self.scores(x.detach(), q_resid.detach(), pool_keys, cu_seqlens, start)
         with torch.no_grad():
-            topk, candidate, selected = self.select(scores.detach(), positions, complete, valid)
+            topk, candidate, selected = self.select(scores.detach(), positions, complete, valid, cu_seqlens)
         return topk, scores, candidate, selected
 
     def select(
-        self, scores: torch.Tensor, positions: torch.Tensor, complete: torch.Tensor, valid: torch.Tensor
+        self, scores: torch.Tensor, positions: torch.Tensor, complete: torch.Tensor, valid: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Top-k pools -> (token positions [B, T, J], candidate pools [B, T, P], selected pools [B, T, P])."""
         B, T = valid.shape
@@ -129,28 +156,39 @@ class Indexer(nn.Module):
         # Causal visibility from positions (s <= t; a complete pool's tokens are all valid), no [B, T, T] mask.
         pool_end = positions[..., -1].clamp(0, T - 1)  # [B, P]
         candidate = (pool_end[:, None, :] <= query_pos[None, :, None]) & complete[:, None]  # [B, T, P]
+        if cu_seqlens is not None:  # ... and a pool of the query's own document (it starts at or after the doc)
+            doc_start = document_bounds(cu_seqlens, B, T)[0]
+            candidate &= pool_starts(positions, T)[:, None, :] >= doc_start[:, :, None]
         scores = scores.masked_fill(~candidate, torch.finfo(scores.dtype).min)
         select = min(self.index_topk // self.kpool, scores.shape[-1])
-        chosen = scores.topk(select, dim=-1).indices  # [B, T, select]
+        if cu_seqlens is None:
+            chosen = scores.topk(select, dim=-1).indices  # [B, T, select]
+        else:  # ties to the lowest pool: a row's choice must not depend on how many pools the other rows have
+            chosen = scores.sort(dim=-1, descending=True, stable=True).indices[..., :select]
         chosen_ok = candidate.gather(-1, chosen)
         selected = torch.zeros_like(candidate).scatter_(-1, chosen, chosen_ok)
         tokens = positions[torch.arange(B, device=scores.device)[:, None, None], chosen]  # [B, T, select, L]
         topk = tokens.masked_fill(~chosen_ok[..., None], -1).flatten(-2)
         if self.select_tail:
-            topk = torch.cat([topk, self.visible_tail(valid)], dim=-1)
+            topk = torch.cat([topk, self.visible_tail(valid, cu_seqlens)], dim=-1)
         topk = F.pad(topk, (0, self.num_slots - topk.shape[-1]), value=-1)[..., : self.num_slots]
         return topk.masked_fill(~valid[..., None], -1), candidate, selected
 
-    def visible_tail(self, valid: torch.Tensor) -> torch.Tensor:
+    def visible_tail(self, valid: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """The tokens of each query's incomplete pool: [B, T, L-1] positions, -1 where empty."""
         B, T = valid.shape
         width = self.kpool - 1
         if width == 0:
             return valid.new_empty(B, T, 0, dtype=torch.long)
         count = valid.long().cumsum(-1)  # [B, T] visible (valid, causal) tokens per query
+        origin = first_valid_position(valid)[:, None]  # where the query's pools start
+        if cu_seqlens is not None:  # count only the query's own document
+            doc_start = document_bounds(cu_seqlens, B, T)[0]
+            count = count - torch.cat([count.new_zeros(B, 1), count], dim=1).gather(1, doc_start)
+            origin = first_valid_in_document(valid, cu_seqlens)
         tail = count.remainder(self.kpool)
         offsets = torch.arange(width, device=valid.device)
-        start = first_valid_position(valid)[:, None] + count - tail
+        start = origin + count - tail
         idx = start[..., None] + offsets  # [B, T, L-1]
         query_pos = torch.arange(T, device=valid.device)[None, :, None]
         safe = idx.clamp(0, T - 1)

@@ -8,6 +8,7 @@ Following transformers' Glm5NextTextLinearAttention:
     beta = sigmoid(b_proj(x))
     o = KDA(l2norm(q), l2norm(k), v, g, beta)                (kernels/kda/chunk.py)
     out = o_proj(gated_rmsnorm(o, g_b(g_a(x))))
+Packed documents (ctx.cu_seqlens): the convs and the KDA state restart at every document start.
 """
 
 from __future__ import annotations
@@ -41,9 +42,11 @@ class CausalConv1d(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(channels, 1, width))
 
-    def forward(self, x: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """x [B, T, C] -> silu(conv(x)) [B, T, C], computed in fp32 and cast back to x's dtype."""
-        y, _ = kernel("causal_conv1d")(x, as_local(self, "weight")[:, 0, :], initial_state=state)
+        packed = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}  # kernel keyword, only when packed
+        y, _ = kernel("causal_conv1d")(x, as_local(self, "weight")[:, 0, :], initial_state=state, **packed)
         return F.silu(y).to(x.dtype)
 
 
@@ -88,14 +91,16 @@ class KimiDeltaAttention(nn.Module):
             return ctx.cache.kda_forward(self, x, ctx)
         if ctx is not None:
             x = (x * ctx.valid[:, :, None]).to(x.dtype)
+        cu_seqlens = None if ctx is None else ctx.cu_seqlens
+        packed = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}  # kernel keyword, only when packed
         split = lambda t: rearrange(t, "b t (h k) -> b t h k", k=self.head_dim)  # noqa: E731
-        q = split(self.q_conv1d(self.q_proj(x)))
-        k = split(self.k_conv1d(self.k_proj(x)))
-        v = split(self.v_conv1d(self.v_proj(x)))
+        q = split(self.q_conv1d(self.q_proj(x), cu_seqlens=cu_seqlens))
+        k = split(self.k_conv1d(self.k_proj(x), cu_seqlens=cu_seqlens))
+        v = split(self.v_conv1d(self.v_proj(x), cu_seqlens=cu_seqlens))
         g = self.forget_gate(x)
         beta = torch.sigmoid(self.b_proj(x))
         q, k = l2norm(q.float(), L2NORM_EPS), l2norm(k.float(), L2NORM_EPS)
-        o, _ = kernel("kda")(q, k, v, g, beta)  # q, k stay fp32 (fla l2-normalises inside its fp32 kernel)
+        o, _ = kernel("kda")(q, k, v, g, beta, **packed)  # q, k stay fp32 (fla l2-normalises inside its fp32 kernel)
         o = o.to(v.dtype)
         gate = split(self.g_b_proj(self.g_a_proj(x)))
         o = self.o_norm(o, gate)  # [B, T, H, K]

@@ -9,6 +9,8 @@ Following transformers' Glm5NextTextAttention (no rotary part: qk_rope_head_dim 
     out     = o_proj(sparse_attention(q, k, v, top-k, scale = K^-0.5))
 The attention runs either per head (kernel "sparse_attention") or absorbed into the latent (kernel
 "sparse_mqa_attention", see `absorb` below); both are exact rewrites of the same sum.
+Packed documents (ctx.cu_seqlens): the indexer selects, and the attention kernels read, keys of the query's own
+document only.
 """
 
 from __future__ import annotations
@@ -62,17 +64,18 @@ class MultiHeadLatentAttention(nn.Module):
         """
         if ctx.cache is not None:  # generation: read and extend the cached latent and pools (glm53/generation)
             return ctx.cache.mla_forward(self, x, ctx)
-        valid, stats = ctx.valid, ctx.stats
+        valid, stats, cu_seqlens = ctx.valid, ctx.stats, ctx.cu_seqlens
+        packed = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}  # kernel keyword, only when packed
         record = stats is not None and stats.indexer
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = rearrange(self.q_b_proj(q_resid), "b t (h e) -> b t h e", e=self.qk_head_dim)
         latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))  # [B, T, Z]
         if self.indexer is not None and record:
             topk, stats.index_scores, stats.candidate, stats.selected = self.indexer.score_and_select(
-                x, q_resid, valid, grad=True
+                x, q_resid, valid, grad=True, cu_seqlens=cu_seqlens
             )
         elif self.indexer is not None:
-            topk = self.indexer(x, q_resid, valid)
+            topk = self.indexer(x, q_resid, valid, cu_seqlens)
         elif ctx.shared_topk is None:
             raise ValueError("a 'shared' indexer layer needs the top-k of an earlier 'full' layer (got none)")
         else:
@@ -85,14 +88,14 @@ class MultiHeadLatentAttention(nn.Module):
             q_abs = torch.einsum("bthe,hec->bthc", q, w_uk)
             # under TP this rank's heads read the whole latent: its gradient is summed over the ranks
             shared = into_head_parallel(self.kv_b_proj, "weight", latent)
-            o_latent = kernel("sparse_mqa_attention")(q_abs, shared, topk, self.scale)  # [B, T, H, Z]
+            o_latent = kernel("sparse_mqa_attention")(q_abs, shared, topk, self.scale, **packed)  # [B, T, H, Z]
             o = torch.einsum("bthc,hfc->bthf", o_latent, w_uv)
         else:
             k, v = self._expand_kv(latent)
-            o = kernel("sparse_attention")(q, k, v, topk, self.scale)
+            o = kernel("sparse_attention")(q, k, v, topk, self.scale, **packed)
         if record:
             k = self._expand_kv(latent)[0] if k is None else k
-            stats.pool_mass = attention_pool_mass(q, k, valid, self.kpool, self.scale)
+            stats.pool_mass = attention_pool_mass(q, k, valid, self.kpool, self.scale, cu_seqlens=cu_seqlens)
         if self.training and self.dropout > 0:
             o = nn.functional.dropout(o, self.dropout)
         return self.o_proj(rearrange(o, "b t h f -> b t (h f)")), topk

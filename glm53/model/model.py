@@ -13,6 +13,9 @@ balance / z-loss and the indexer KL loss (glm53/training/losses.py), each on its
 training forwards count expert loads for `update_router_bias`. Per-forward state reaches the blocks in one
 `ForwardContext` (context.py).
 `gradient_checkpointing_enable()` recomputes every decoder block (mHC coefficients included) in backward.
+Packed documents: `cu_seqlens` (input_ids [1, total], or [B, T] with boundaries over the flattened tokens) or
+`position_ids` restarting at 0 per document; each document is computed as if alone (model/packing.py), and
+with labels a document's last token predicts nothing.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from .mla import MultiHeadLatentAttention
 from .moe import MoE, Router
 from .mtp import MultiTokenPrediction, mtp_labels
 from .norm import RMSNorm
+from .packing import document_boundaries, document_labels, segment_ids
 
 
 @dataclass
@@ -79,17 +83,23 @@ class Glm53Model(nn.Module):
         ctx: ForwardContext | None = None,
         stats: list[LayerStats] | None = None,
         cache: object | None = None,
+        *,
+        cu_seqlens: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """-> last hidden state [B, T, D].
 
-        `ctx` (built from `attention_mask` when absent) carries the per-forward state to every block; with
-        `ctx.collect_stats` each layer's LayerStats is appended to `stats`. `cache` (a
+        `ctx` (built from `attention_mask`, `cu_seqlens` / `position_ids` when absent) carries the per-forward
+        state to every block; with `ctx.collect_stats` each layer's LayerStats is appended to `stats`. `cache` (a
         glm53.generation.GenerationCache, when ctx is absent): the first forward fills it, later ones continue it.
         """
         inputs_embeds = self.embed(input_ids, inputs_embeds)
         if ctx is None:
             valid = padding_mask(attention_mask, inputs_embeds.shape[:2], inputs_embeds.device)
-            ctx = ForwardContext(valid=valid, cache=cache)
+            fields = packing_fields(valid, cu_seqlens, position_ids)
+            if cache is not None and fields["cu_seqlens"] is not None:
+                raise ValueError("a generation cache does not take packed documents (cu_seqlens / position_ids)")
+            ctx = ForwardContext(valid=valid, cache=cache, **fields)
         streams = expand_streams(inputs_embeds, self.config.hc_mult)  # [B, T, N, D]
         for layer in self.layers:
             (streams, topk), layer_stats = run_block(self.gradient_checkpointing, layer, (streams,), ctx)
@@ -107,6 +117,14 @@ class Glm53Model(nn.Module):
         for layer in self.layers:
             layer.init_weights()
         self.norm.init_weights()
+
+
+def packing_fields(valid: torch.Tensor, cu_seqlens: torch.Tensor | None,
+                   position_ids: torch.Tensor | None) -> dict[str, torch.Tensor | None]:  # fmt: skip
+    """ForwardContext's packed-document fields (`cu_seqlens`, `segment_ids`; None when nothing is packed)."""
+    B, T = valid.shape
+    cu = document_boundaries(B, T, valid.device, cu_seqlens, position_ids)
+    return dict(cu_seqlens=cu, segment_ids=None if cu is None else segment_ids(cu, B, T))
 
 
 def padding_mask(attention_mask: torch.Tensor | None, shape: torch.Size, device: torch.device) -> torch.Tensor:
@@ -147,17 +165,24 @@ class Glm53ForCausalLM(nn.Module):
         labels: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
         loss_denominators: LossCounts | None = None,
+        *,
+        cu_seqlens: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> CausalLMOutput:
         """With labels, the losses; each part is this forward's mean unless `loss_denominators` (the counts of a
-        whole global batch, `loss_counts` summed over micro-batches and ranks) says what to divide its sum by."""
+        whole global batch, `loss_counts` summed over micro-batches and ranks) says what to divide its sum by.
+        Packed documents: `cu_seqlens` [n_docs + 1] over the flattened tokens or `position_ids` [B, T] restarting
+        at 0 per document (model/packing.py); `loss_counts(..., position_ids)` gives their denominators."""
         collect = labels is not None or self.training
         if not collect:
-            hidden = self.model(input_ids, attention_mask, inputs_embeds)
+            hidden = self.model(input_ids, attention_mask, inputs_embeds, cu_seqlens=cu_seqlens,
+                                position_ids=position_ids)  # fmt: skip
             return CausalLMOutput(logits=self.lm_head(hidden), last_hidden_state=hidden)
         inputs_embeds = self.model.embed(input_ids, inputs_embeds)
         valid = padding_mask(attention_mask, inputs_embeds.shape[:2], inputs_embeds.device)
         record_indexer = labels is not None and self.config.indexer_loss_weight > 0
-        ctx = ForwardContext(valid=valid, collect_stats=True, record_indexer=record_indexer)
+        ctx = ForwardContext(valid=valid, collect_stats=True, record_indexer=record_indexer,
+                             **packing_fields(valid, cu_seqlens, position_ids))  # fmt: skip
         stats: list[LayerStats] = []
         hidden = self.model(inputs_embeds=inputs_embeds, ctx=ctx, stats=stats)
         out = CausalLMOutput(logits=self.lm_head(hidden), last_hidden_state=hidden)
@@ -167,7 +192,7 @@ class Glm53ForCausalLM(nn.Module):
         if self.training:  # evaluation forwards (labels, eval mode) leave the balancing counts alone
             self._count_expert_loads(stats, valid, mtp_runs)
         if labels is not None:
-            self._add_losses(out, labels, valid, stats, mtp_runs, loss_denominators)
+            self._add_losses(out, labels, valid, stats, mtp_runs, loss_denominators, ctx.segment_ids)
         return out
 
     def loss_counts(self, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -189,21 +214,28 @@ class Glm53ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def _add_losses(self, out: CausalLMOutput, labels: torch.Tensor, valid: torch.Tensor, stats: list[LayerStats],
-                    mtp_runs: list, den: LossCounts | None) -> None:  # fmt: skip
-        """Fill out.lm_loss, .mtp_loss, .aux_loss, .indexer_loss and their weighted sum out.loss."""
+                    mtp_runs: list, den: LossCounts | None, segments: torch.Tensor | None = None) -> None:  # fmt: skip
+        """Fill out.lm_loss, .mtp_loss, .aux_loss, .indexer_loss and their weighted sum out.loss.
+
+        `segments` [B, T] (packed documents): no label crosses a document boundary, balance loss per document.
+        """
         cfg = self.config
 
         def per_view(field: str, view: int) -> torch.Tensor | None:
             return None if den is None else getattr(den, field)[view]
 
-        out.lm_loss = loss = causal_lm_loss(out.logits, labels, per_view("targets", 0))
+        if segments is None:
+            depth_labels = lambda d: labels if d == 0 else mtp_labels(labels, d, IGNORE_INDEX)  # noqa: E731
+        else:
+            depth_labels = lambda d: document_labels(labels, segments, d, IGNORE_INDEX)  # noqa: E731
+        out.lm_loss = loss = causal_lm_loss(out.logits, depth_labels(0), per_view("targets", 0))
         if mtp_runs:
-            per_depth = [causal_lm_loss(lg, mtp_labels(labels, d, IGNORE_INDEX), per_view("targets", d))
+            per_depth = [causal_lm_loss(lg, depth_labels(d), per_view("targets", d))
                          for d, (lg, _, _) in enumerate(mtp_runs, start=1)]  # fmt: skip
             out.mtp_loss = torch.stack(per_depth).mean()
             loss = loss + cfg.mtp_loss_weight * out.mtp_loss
         records = [(s, valid, 0) for s in stats] + [(s, v, d) for d, (_, v, s) in enumerate(mtp_runs, start=1)]
-        out.aux_loss = router_aux_loss(records, cfg.router_aux_loss_coef, cfg.router_z_loss_coef, den)
+        out.aux_loss = router_aux_loss(records, cfg.router_aux_loss_coef, cfg.router_z_loss_coef, den, segments)
         if out.aux_loss is not None:
             loss = loss + out.aux_loss
         if cfg.indexer_loss_weight > 0:

@@ -9,7 +9,8 @@ One MTP layer (DeepSeek-V3 section 2.2, GLM-5), stored as `layers.{num_hidden_la
 h^0 is the main model's last hidden state (after the final norm, as serving stacks feed the released MTP layer).
 Depth d (1-based) uses layer min(d, num_nextn_predict_layers) - 1, so GLM-5's single layer serves every depth.
 Position i at depth d reads token i + d and predicts token i + d + 1; positions past the end read a zero
-embedding and are masked out as padding (their labels are -100).
+embedding and are masked out as padding (their labels are -100). Packed documents: a position whose token d
+ahead lies in the next document is masked out the same way (it reads and predicts nothing across a boundary).
 """
 
 from __future__ import annotations
@@ -99,7 +100,10 @@ class MultiTokenPrediction(nn.Module):
         for d in range(1, self.depth + 1):
             layer = self.layer_for(d)
             valid_d = ctx.valid & shift_left(ctx.valid, d, False)
-            depth_ctx = ForwardContext(valid=valid_d, collect_stats=True, record_indexer=ctx.record_indexer)
+            if ctx.segment_ids is not None:
+                valid_d = valid_d & (shift_left(ctx.segment_ids, d, -1) == ctx.segment_ids)
+            depth_ctx = ForwardContext(valid=valid_d, collect_stats=True, record_indexer=ctx.record_indexer,
+                                       cu_seqlens=ctx.cu_seqlens, segment_ids=ctx.segment_ids)  # fmt: skip
             h, stats = run_block(self.gradient_checkpointing, layer, (h, shift_left(embeds, d)), depth_ctx)
             out.append((lm_head(layer.shared_head.norm(h)), valid_d, stats))
         return out

@@ -13,6 +13,8 @@ The semantics are in docs/training.md. (f_i and P_i below are DeepSeek-V3's symb
   A "full" indexer serving "shared" layers learns the average of the targets of every layer using its
   selection (itself included).
 Model code fills a `LayerStats` per layer; the functions here turn them into losses.
+Packed documents (glm53/model/packing.py): the balance loss is per document (`segment_ids`), and the indexer
+target attends within the query's document over its document's pools (`cu_seqlens`).
 
 Normalisation: each loss is a sum over its terms (target tokens, sequences, valid tokens, indexer query rows)
 divided by a denominator: by default this batch's own count (a per-forward mean); given one (a `LossCounts`
@@ -26,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..boundary import as_plain
+from ..kernels.varlen import document_bounds
 from ..model.context import LayerStats
 from ..model.indexer import kept_pools
 
@@ -65,12 +68,16 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_targets: torc
 
 # ----------------------------------------------------------------------------------------------- MoE balance
 def balance_loss(logits: torch.Tensor, indices: torch.Tensor, valid: torch.Tensor,
-                 num_sequences: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                 num_sequences: torch.Tensor | None = None,
+                 segment_ids: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """Sequence-wise balance loss sum_i f_i P_i, summed over sequences with a valid token / `num_sequences`
     (default: their mean).
 
-    logits [M, E] router logits, indices [M, k] chosen experts, valid [B, T] bool (padding is not counted).
+    logits [M, E] router logits, indices [M, k] chosen experts, valid [B, T] bool (padding is not counted);
+    with `segment_ids` [B, T] (packed documents) every document is a sequence.
     """
+    if segment_ids is not None:
+        return _document_balance_loss(logits, indices, valid, segment_ids, num_sequences)
     B, T = valid.shape
     E, K = logits.shape[-1], indices.shape[-1]
     scores = logits.float().sigmoid().view(B, T, E)
@@ -84,6 +91,23 @@ def balance_loss(logits: torch.Tensor, indices: torch.Tensor, valid: torch.Tenso
     per_seq = (f * P).sum(-1)
     has = (n > 0).float()
     return per_term((per_seq * has).sum(), has.sum(), num_sequences)
+
+
+def _document_balance_loss(logits, indices, valid, segment_ids, num_sequences):
+    """`balance_loss` with one sequence per document: f and P summed per document by index_add."""
+    E, K = logits.shape[-1], indices.shape[-1]
+    seg = segment_ids.flatten()
+    n_docs = int(seg.max()) + 1 if seg.numel() else 0  # NOTE: syncs
+    scores = logits.float().sigmoid()
+    probs = scores / scores.sum(-1, keepdim=True)  # [M, E]
+    m = valid.flatten().float()
+    n = torch.zeros(n_docs, device=logits.device).index_add_(0, seg, m)  # valid tokens per document
+    P = torch.zeros(n_docs, E, device=logits.device).index_add_(0, seg, probs * m[:, None]) / n.clamp_min(1)[:, None]
+    slots = (seg[:, None] * E + indices).flatten()  # (document, expert) of every routed slot
+    counts = torch.zeros(n_docs * E, device=logits.device).index_add_(0, slots, m.repeat_interleave(K)).view(-1, E)
+    f = counts * E / (K * n.clamp_min(1))[:, None]
+    has = (n > 0).float()
+    return per_term(((f * P).sum(-1) * has).sum(), has.sum(), num_sequences)
 
 
 def z_loss(logits: torch.Tensor, valid: torch.Tensor, num_tokens: torch.Tensor | None = None) -> torch.Tensor:
@@ -101,11 +125,13 @@ def expert_load(indices: torch.Tensor, valid: torch.Tensor, num_experts: int) ->
 
 
 def router_aux_loss(
-    records: list[tuple[LayerStats, torch.Tensor, int]], balance_coef: float, z_coef: float, denominators=None
+    records: list[tuple[LayerStats, torch.Tensor, int]], balance_coef: float, z_coef: float, denominators=None,
+    segment_ids: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """balance_coef * balance + z_coef * z, averaged over the MoE layers in `records` ((stats, valid, view)
     triples; view 0 is the main model, d the MTP depth d). `denominators` (a LossCounts) replaces each layer's
-    own counts with its view's `sequences` and `tokens`."""
+    own counts with its view's `sequences` and `tokens`; `segment_ids` [B, T]: packed documents, the balance
+    loss per document."""
     terms = []
     for stats, valid, view in records:
         if stats.router_logits is None:
@@ -114,7 +140,8 @@ def router_aux_loss(
                                                                 denominators.tokens[view])  # fmt: skip
         term = stats.router_logits.new_zeros(())
         if balance_coef > 0:
-            term = term + balance_coef * balance_loss(stats.router_logits, stats.router_indices, valid, seqs)
+            term = term + balance_coef * balance_loss(stats.router_logits, stats.router_indices, valid, seqs,
+                                                        segment_ids)
         if z_coef > 0:
             term = term + z_coef * z_loss(stats.router_logits, valid, toks)
         terms.append(term)
@@ -126,7 +153,8 @@ def router_aux_loss(
 # ------------------------------------------------------------------------------------------------ indexer KL
 @torch.no_grad()
 def attention_pool_mass(
-    q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor, kpool: int, scale: float
+    q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor, kpool: int, scale: float,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dense causal attention probabilities summed over heads and within each pool: [B, T, P] fp32.
 
@@ -136,16 +164,19 @@ def attention_pool_mass(
     renormalising gives the sparse attention's own probabilities there (a softmax restricted to a subset).
     """
     B, T = valid.shape
-    positions, _ = kept_pools(valid, kpool)  # [B, P, L]
+    positions, _ = kept_pools(valid, kpool, cu_seqlens)  # [B, P, L]
     P = positions.shape[1]
     index = positions.clamp_min(0).view(B, 1, -1)  # [B, 1, P*L]
     in_pool = (positions >= 0).view(B, 1, -1)
     key_pos = torch.arange(T, device=q.device)
+    doc_start = None if cu_seqlens is None else document_bounds(cu_seqlens, B, T)[0]  # packed: own document only
     chunks = []
     for start in range(0, T, QUERY_CHUNK):  # bounds the [B, H, Tq, S] probabilities in memory
         qc = q[:, start : start + QUERY_CHUNK]
         causal = key_pos[None, :] <= torch.arange(start, start + qc.shape[1], device=q.device)[:, None]
         visible = causal[None] & valid[:, None, :]  # [B, Tq, S]
+        if doc_start is not None:
+            visible &= key_pos[None, None, :] >= doc_start[:, start : start + qc.shape[1], None]
         logits = torch.einsum("bthe,bshe->bhts", qc.float(), k.float()) * scale
         probs = logits.masked_fill(~visible[:, None], float("-inf")).softmax(-1).nan_to_num(0.0)
         token_mass = probs.sum(1)  # [B, Tq, S]: summed over heads

@@ -11,6 +11,9 @@ Conventions (shared by every implementation in this file, same signature):
 - initial_state / final state: [B, H, K, V], fp32.
 Per step:  S_t = diag(exp(g_t)) S_{t-1};  u_t = beta_t (v_t - S_t^T k_t);  S_t += k_t u_t^T;  o_t = S_t^T (scale q_t).
 All arithmetic is fp32; o is returned in q's dtype and the state in fp32.
+Packed documents (`cu_seqlens` over the flattened B * T tokens, kernels/varlen.py): the state restarts from zero
+at every document start, as if each document ran alone (kda/varlen.py: the references loop over the documents,
+the fast form masks each chunk's cross-document terms, row by row).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 from ...utils import ceil_div
 from ..dispatch import register
 from ..opaque import autograd_inside_op
+from ..varlen import check_cu_seqlens
 from .decay import (
     BASE_BLOCK,
     _decay,
@@ -32,6 +36,7 @@ from .decay import (
     _rebased_products,
     _RebasedFactors,
 )
+from .varlen import DocMasks, doc_masks, no_states, per_document
 
 DEFAULT_CHUNK_SIZE = 64
 
@@ -60,8 +65,12 @@ def kda_recurrent_reference(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The delta rule one token at a time: the definition every other form is tested against."""
+    if cu_seqlens is not None:
+        return per_document(kda_recurrent_reference, (q, k, v, g, beta), scale, initial_state, output_final_state,
+                            cu_seqlens)  # fmt: skip
     out_dtype = q.dtype
     q, k, v, g, beta, S = _prepare(q, k, v, g, beta, scale, initial_state)
     outputs = []
@@ -85,6 +94,7 @@ def kda_chunk_reference(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The chunked (WY / UT-transform) form, written for clarity: one chunk at a time.
 
@@ -96,6 +106,9 @@ def kda_chunk_reference(
     The pairwise decay exp(G_t - G_j), t >= j, is always <= 1, so nothing can overflow; the price is the
     [C, C, K] tensor per chunk, which the fast kernel avoids.
     """
+    if cu_seqlens is not None:
+        run = lambda *xs, scale: kda_chunk_reference(*xs, scale=scale, chunk_size=chunk_size)  # noqa: E731
+        return per_document(run, (q, k, v, g, beta), scale, initial_state, output_final_state, cu_seqlens)
     out_dtype = q.dtype
     q, k, v, g, beta, S = _prepare(q, k, v, g, beta, scale, initial_state)
     B, T, H, K = k.shape
@@ -202,7 +215,7 @@ class _WyChunks(NamedTuple):
     S: torch.Tensor  # [B, H, K, V] final state
 
 
-def _wy_chunks(q, k, v, beta, G, S0) -> _WyChunks:
+def _wy_chunks(q, k, v, beta, G, S0, masks: DocMasks | None = None) -> _WyChunks:
     """Chunked q, k [B, H, T/C, C, K], v [.., C, V], beta [.., C, 1], cumulative decay G [.., C, K], S0 [B, H, K, V].
 
     Per chunk (see kda_chunk_reference): W = L^-1 diag(beta) (K e^G), Ub = L^-1 diag(beta) V with
@@ -217,8 +230,12 @@ def _wy_chunks(q, k, v, beta, G, S0) -> _WyChunks:
     else:
         both = _decayed_products(torch.stack([k, q]), k[None], G[None])
         A, QK = both[0].tril(-1), both[1]
+    if masks is not None:  # packed documents: no product, start-state read or state write across a boundary
+        A, QK = A * masks.same, QK * masks.same
     L_inv = _unit_lower_inverse(beta * A)  # L = I + diag(beta) A
     E, E_end, D = _decay(G), _decay(G_end), _decay(G_end - G)
+    if masks is not None:
+        E, E_end, D = E * masks.carry, E_end * masks.carry_end, D * masks.last
     kEv = torch.cat([k * E, v], dim=-1)  # [B, H, T/C, C, K+V]
     WU = _bmm(L_inv, kEv * beta)  # [W | Ub]
     Kd = k * D
@@ -228,7 +245,7 @@ def _wy_chunks(q, k, v, beta, G, S0) -> _WyChunks:
     return _WyChunks(A, QK, factors, L_inv, E, E_end, D, kEv, WU, Kd, transition, starts, S)
 
 
-def _kda_chunk_core(q, k, v, g, beta, S0):
+def _kda_chunk_core(q, k, v, g, beta, S0, cu_seqlens=None):
     """Scaled fp32/fp64 q, k [B, T, H, K], v [B, T, H, V], g, beta [B, T, H], S0 [B, H, K, V] -> (o, S_T).
 
     The chunk quantities come from `_wy_chunks`; then U = Ub - W S_n and O = (Q e^G) S_n + QK U for all chunks
@@ -240,7 +257,8 @@ def _kda_chunk_core(q, k, v, g, beta, S0):
     q, k, v, g = _to_chunks(T, C, q, k, v, g)  # [B, H, T/C, C, *]; padding: k = beta = 0, g = 0 (no write, no decay)
     (beta,) = _to_chunks(T, C, beta[..., None])  # [B, H, T/C, C, 1]
     N = q.shape[2]
-    ch = _wy_chunks(q, k, v, beta, g.cumsum(dim=-2), S0)
+    masks = None if cu_seqlens is None else doc_masks(cu_seqlens, B, T, C, q.dtype)
+    ch = _wy_chunks(q, k, v, beta, g.cumsum(dim=-2), S0, masks)
     U = _baddbmm(ch.WU[..., K:], ch.WU[..., :K], ch.starts, alpha=-1.0)  # Ub - W S_n
     o = _baddbmm(_bmm(ch.QK, U), q * ch.E, ch.starts)  # [B, H, T/C, C, V]
     o = o.permute(0, 2, 3, 1, 4).reshape(B, N * C, H, V)[:, :T]
@@ -258,13 +276,14 @@ def _kda_recurrent_core(q, k, v, g, beta, S):
     return torch.stack(outputs, dim=1), S
 
 
-def _kda_core(q, k, v, g, beta, S0):
+def _kda_core(q, k, v, g, beta, S0, cu_seqlens=None):
+    """With `cu_seqlens` S0 is zero (kda_chunk checks it), so a single token needs no reset."""
     if q.shape[1] <= RECURRENT_MAX_T:
         return _kda_recurrent_core(q, k, v, g, beta, S0)
-    return _kda_chunk_core(q, k, v, g, beta, S0)
+    return _kda_chunk_core(q, k, v, g, beta, S0, cu_seqlens)
 
 
-def _kda_chunk_backward(q, k, v, g, beta, S0, do, dS):
+def _kda_chunk_backward(q, k, v, g, beta, S0, do, dS, cu_seqlens=None):
     """Hand-derived backward of `_kda_chunk_core` on the rebased path (`_rebase_is_safe`); q already scaled.
 
     Recomputes the forward's chunk quantities without autograd (`_wy_chunks`), walks the state recurrence backwards
@@ -283,12 +302,15 @@ def _kda_chunk_backward(q, k, v, g, beta, S0, do, dS):
     G = g.cumsum(dim=-2)
     if not _rebase_is_safe(G):
         return None
-    ch = _wy_chunks(q, k, v, beta, G, S0)
+    masks = None if cu_seqlens is None else doc_masks(cu_seqlens, B, T, C, q.dtype)
+    ch = _wy_chunks(q, k, v, beta, G, S0, masks)
     W, Ub, starts = ch.WU[..., :K], ch.WU[..., K:], ch.starts
     U = _baddbmm(Ub, W, starts, alpha=-1.0)
     qE = q * ch.E
     # o = qE S_n + QK U,  U = Ub - W S_n
     dQK = _bmm(do, U.transpose(-1, -2)).tril()
+    if masks is not None:  # the products between documents are constants (zero): no gradient reaches them
+        dQK = dQK * masks.same
     dU = _bmm(ch.QK.transpose(-1, -2), do)
     dqE = _bmm(do, starts.transpose(-1, -2))
     dstarts = _baddbmm(_bmm(qE.transpose(-1, -2), do), W.transpose(-1, -2), dU, alpha=-1.0)  # [B, H, T/C, K, V]
@@ -311,6 +333,8 @@ def _kda_chunk_backward(q, k, v, g, beta, S0, do, dS):
     # [W | Ub] = L^-1 diag(beta) kEv:  dR = L^-T d[W | Ub],  dL = -dR [W | Ub]^T (strictly lower)
     dR = _bmm(ch.L_inv.transpose(-1, -2), dWU)  # [B, H, T/C, C, K+V]
     dL = -_bmm(dR, ch.WU.transpose(-1, -2)).tril(-1)
+    if masks is not None:
+        dL = dL * masks.same
     dbeta = (dL * ch.A).sum(-1, keepdim=True) + (dR * ch.kEv).sum(-1, keepdim=True)
     dkEv = dR * beta
     dk_w, dv = dkEv[..., :K] * ch.E, dkEv[..., K:]  # kEv = [k E | v]
@@ -338,40 +362,42 @@ def _kda_chunk_backward(q, k, v, g, beta, S0, do, dS):
 # q is saved unscaled (the caller's tensor, usually already kept by autograd) and scaled inside.
 @torch.library.custom_op("glm53::kda_chunk", mutates_args=())
 def _kda_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-            S0: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    o, S = _kda_core(q * scale, k, v, g, beta, S0)
+            S0: torch.Tensor, scale: float, cu_seqlens: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    o, S = _kda_core(q * scale, k, v, g, beta, S0, cu_seqlens)
     return o.contiguous(), S.contiguous()  # the strides the fake implementation promises
 
 
 @_kda_op.register_fake
-def _(q, k, v, g, beta, S0, scale):
+def _(q, k, v, g, beta, S0, scale, cu_seqlens=None):
     return v.new_empty(v.shape), S0.new_empty(S0.shape)
 
 
 @torch.library.custom_op("glm53::kda_chunk_backward", mutates_args=())
 def _kda_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     S0: torch.Tensor, do: torch.Tensor, dS: torch.Tensor, scale: float
+                     S0: torch.Tensor, do: torch.Tensor, dS: torch.Tensor, scale: float,
+                     cu_seqlens: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     if q.shape[1] > RECURRENT_MAX_T:
-        grads = _kda_chunk_backward(q * scale, k, v, g, beta, S0, do, dS)
+        grads = _kda_chunk_backward(q * scale, k, v, g, beta, S0, do, dS, cu_seqlens)
         if grads is not None:  # None: decays too steep for the rebased factors
             dq, dk, dv, dg, dbeta, dS0 = grads
             return tuple(d.contiguous() for d in (dq * scale, dk, dv, dg, dbeta, dS0))
     inputs = [x.detach().requires_grad_() for x in (q, k, v, g, beta, S0)]
     with autograd_inside_op():
         q, *rest = inputs
-        o, S = _kda_core(q * scale, *rest)
+        o, S = _kda_core(q * scale, *rest, cu_seqlens)
         grads = torch.autograd.grad((o, S), inputs, (do, dS), allow_unused=True)
     return tuple(torch.zeros_like(x) if d is None else d.contiguous() for x, d in zip(inputs, grads))
 
 
 @_kda_backward_op.register_fake
-def _(q, k, v, g, beta, S0, do, dS, scale):
+def _(q, k, v, g, beta, S0, do, dS, scale, cu_seqlens=None):
     return tuple(x.new_empty(x.shape) for x in (q, k, v, g, beta, S0))
 
 
 def _kda_setup(ctx, inputs, output) -> None:
-    *tensors, ctx.scale = inputs
+    *tensors, ctx.scale, ctx.cu_seqlens = inputs
     ctx.save_for_backward(*tensors)
 
 
@@ -379,7 +405,7 @@ def _kda_backward(ctx, do, dS):
     q, k, v, g, beta, S0 = ctx.saved_tensors
     do = torch.zeros_like(v) if do is None else do.to(q.dtype)
     dS = torch.zeros_like(S0) if dS is None else dS
-    return *_kda_backward_op(q, k, v, g, beta, S0, do, dS, ctx.scale), None
+    return *_kda_backward_op(q, k, v, g, beta, S0, do, dS, ctx.scale, ctx.cu_seqlens), None, None
 
 
 _kda_op.register_autograd(_kda_backward, setup_context=_kda_setup)
@@ -395,12 +421,17 @@ def kda_chunk(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The fast eager form: all chunks at once, one batched matmul per chunk for the state; same signature.
 
     Computes in fp32 (fp64 when q is fp64, for tight gradient tests); backward by recompute (`_kda_op`).
+    With `cu_seqlens` every row is chunked as without it and the documents are masked per chunk.
     """
     B, T, H, K = k.shape
+    if cu_seqlens is not None:
+        no_states(initial_state, output_final_state)
+        cu_seqlens = check_cu_seqlens(cu_seqlens, B, T)
     V = v.shape[-1]
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     scale = K**-0.5 if scale is None else scale
@@ -413,7 +444,7 @@ def kda_chunk(
     args = (q.to(dtype), k.to(dtype), v.to(dtype), g.to(dtype), beta.to(dtype), S0)
     if T == 0:
         return v.new_zeros(v.shape, dtype=q.dtype), (S0 if output_final_state else None)
-    o, S = _kda_op(*args, float(scale))
+    o, S = _kda_op(*args, float(scale), cu_seqlens)
     return o.to(q.dtype), (S if output_final_state else None)
 
 

@@ -1,0 +1,117 @@
+"""Packed documents: several documents in one row, each computed exactly as if it ran alone.
+
+Legend: B batch, T time, P pools, L tokens per pool (index_kpool), n documents.
+Two ways in (Glm53ForCausalLM.forward / Glm53Model.forward):
+- `cu_seqlens` int [n + 1]: cumulative document lengths over the flattened [B, T] tokens (fla's convention; the
+  usual form is input_ids [1, total]). With B > 1, every row start is added as a boundary.
+- `position_ids` [B, T]: restarting at 0 at each document (transformers' DataCollatorWithFlattening); a document
+  starts wherever the position does not continue the previous one (at every 0 in that convention) and at every
+  row start, the rule the loss counts use too (glm53/training/loss_counts.py, `document_spans`).
+Both become one `cu_seqlens` over the flattened tokens, with every row start in it (kernels/varlen.py), and
+`segment_ids` [B, T], the document index of every token; ForwardContext carries both. A batch whose rows each
+hold one document needs neither: `document_boundaries` returns None and the ordinary path runs.
+Padding (`attention_mask`) combines with packing: padded tokens stay invalid inside their document, and a
+document's k-pools start at its first valid token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels.varlen import check_cu_seqlens, document_bounds, token_documents
+from ..utils import ceil_div
+
+
+def document_boundaries(B: int, T: int, device: torch.device, cu_seqlens: torch.Tensor | None = None,
+                        position_ids: torch.Tensor | None = None) -> torch.Tensor | None:  # fmt: skip
+    """-> int64 cu_seqlens over the flattened B * T tokens (row starts included, empty documents dropped), or
+    None when there is nothing packed (no boundaries given, or one document per row)."""
+    if cu_seqlens is not None and position_ids is not None:
+        raise ValueError("pass at most one of cu_seqlens and position_ids (both describe document boundaries)")
+    row_starts = torch.arange(0, B * T + 1, T, device=device)
+    if position_ids is not None:
+        if tuple(position_ids.shape) != (B, T) or position_ids.dtype.is_floating_point:
+            raise ValueError(f"position_ids must be an integer tensor of shape {(B, T)} (restarting at 0 at each "
+                             f"document), got {position_ids.dtype} {tuple(position_ids.shape)}")  # fmt: skip
+        pos = position_ids.to(device)
+        breaks = torch.ones_like(pos, dtype=torch.bool)
+        breaks[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+        starts = torch.nonzero(breaks.flatten()).flatten()  # NOTE: syncs
+        cu = torch.cat([starts, row_starts])
+    elif cu_seqlens is not None:
+        # the boundaries as given: 1-D integer, from 0 to B * T, non-decreasing (named errors from the check)
+        cu = torch.cat([check_cu_seqlens(cu_seqlens.to(device), 1, B * T), row_starts])
+    else:
+        return None
+    cu = torch.unique(cu)  # sorted; duplicates (empty documents, row starts given twice) removed
+    return None if cu.numel() - 1 == B else cu  # NOTE: syncs
+
+
+def segment_ids(cu_seqlens: torch.Tensor, B: int, T: int) -> torch.Tensor:
+    """[B, T] int64 document index of every token (increasing along the flattened tokens)."""
+    return token_documents(cu_seqlens, B * T).view(B, T)
+
+
+def document_labels(labels: torch.Tensor, segment_ids: torch.Tensor, depth: int, ignore_index: int) -> torch.Tensor:
+    """Labels aligned like input_ids for `causal_lm_loss` at MTP depth `depth` (0: the next-token loss).
+
+    Position i predicts token i + 1 + depth, so the aligned label at i + 1 is labels[i + 1 + depth]; it is
+    ignored when that token lies in another document than position i (a document's last token has no next
+    token; MTP never predicts across a boundary).
+    """
+    T = labels.shape[1]
+    d = min(depth, T)
+    fill = lambda x, v: torch.cat([x[:, d:], x.new_full((x.shape[0], d), v)], dim=1)  # noqa: E731
+    ahead = fill(segment_ids, -1)  # document of token j + depth
+    previous = torch.cat([segment_ids[:, :1], segment_ids[:, :-1]], dim=1)  # document of the predicting position
+    return fill(labels, ignore_index).masked_fill(ahead != previous, ignore_index)
+
+
+def first_valid_in_document(valid: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """[B, T] row-local position of the first valid token of each token's document (its end if it has none)."""
+    B, T = valid.shape
+    start, end = document_bounds(cu_seqlens, B, T)
+    pos = torch.arange(T, device=valid.device).expand(B, T)
+    # next valid position at or after every position, via a reverse running minimum
+    next_valid = torch.where(valid, pos, T).flip(-1).cummin(-1).values.flip(-1)
+    return torch.minimum(next_valid.gather(1, start.clamp(max=T - 1)), end)
+
+
+def document_pool_layout(valid: torch.Tensor, cu_seqlens: torch.Tensor,
+                         kpool: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Pools of `kpool` consecutive positions from each document's first valid token, never past its end.
+
+    -> positions [B, P, L] (row-local; an empty slot holds T.., past every token) and which of them are valid
+    tokens of the pool's document [B, P, L]. A row's pools are its documents' pools in order, so each document
+    owns a contiguous run of slots; P is the most pools any row has. Loop-free over documents.
+    """
+    B, T = valid.shape
+    flat_valid = valid.flatten()
+    n = cu_seqlens.numel() - 1
+    starts, ends = cu_seqlens[:-1], cu_seqlens[1:]
+    doc = token_documents(cu_seqlens, B * T)
+    pos = torch.arange(B * T, device=valid.device)
+    first = torch.full((n,), B * T, device=valid.device, dtype=torch.long)
+    first = torch.minimum(first.scatter_reduce(0, doc, torch.where(flat_valid, pos, B * T), "amin"), ends)
+    counts = ceil_div(ends - first, kpool)  # pools per document
+    before = counts.cumsum(0) - counts  # pools of all earlier documents
+    row = (starts // T).clamp(max=B - 1)
+    row_first_doc = torch.searchsorted(starts, torch.arange(B, device=valid.device) * T)
+    offset = before - before[row_first_doc[row]]  # pools of earlier documents in the same row
+    per_row = torch.zeros(B, dtype=torch.long, device=valid.device).index_add_(0, row, counts)
+    P = max(1, int(per_row.max()))  # NOTE: syncs
+    pool_doc = torch.repeat_interleave(torch.arange(n, device=valid.device), counts)  # NOTE: syncs
+    j = torch.arange(pool_doc.numel(), device=valid.device) - before[pool_doc]
+    slots = torch.arange(kpool, device=valid.device)
+    tokens = first[pool_doc, None] + j[:, None] * kpool + slots  # [pools, L] flattened positions
+    token_ok = (tokens < ends[pool_doc, None]) & flat_valid[tokens.clamp(max=B * T - 1)]
+    positions = (T + slots).expand(B, P, kpool).clone()
+    token_valid = torch.zeros(B, P, kpool, dtype=torch.bool, device=valid.device)
+    r, s = row[pool_doc], offset[pool_doc] + j
+    positions[r, s] = tokens - r[:, None] * T
+    token_valid[r, s] = token_ok
+    return positions, token_valid
+
+
+__all__ = ["document_boundaries", "document_labels", "document_pool_layout", "first_valid_in_document",
+           "segment_ids"]  # fmt: skip
