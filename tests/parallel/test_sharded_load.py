@@ -1,6 +1,7 @@
 """`glm53.parallel.load_pretrained` on gloo: a model built on meta and parallelized (FSDP dp4, TP tp4, dp2 x tp2,
-and dp2 / tp2; expert parallel ep2 and dp2 x ep2) loads a tiny FP8 official-layout checkpoint (4 x 8 blocks, so shard boundaries cut blocks) with
-each rank reading only its own slices; its loss and gradients equal one process's `from_pretrained`."""
+and dp2 / tp2; expert parallel ep2 and dp2 x ep2) loads a tiny FP8 official-layout checkpoint (4 x 8 blocks, so
+shard boundaries cut blocks) with each rank reading only its own slices; its loss and gradients equal one process's
+`from_pretrained`."""
 
 from __future__ import annotations
 
