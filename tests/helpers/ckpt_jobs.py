@@ -1,6 +1,10 @@
 """Jobs for the sharded-checkpoint tests (run on every rank of a parallel_harness.WorkerPool) and the checkpoint
 they read: a tiny official-layout checkpoint (FP8 with 4 x 8 blocks, or fp32) with 4 MLA and 4 KDA heads so TP
 runs over 2 or 4 ranks, one MTP layer, and a layer pattern transformers runs (the export test loads it there).
+
+Layouts are (dp, tp) or, with an ep degree, ("dp", "ep") / ("ep",) meshes (expert parallelism); every data rank
+(dp, or dp x ep in init_device_mesh's row-major order) reads its own slice of the batch, so the single-process
+reference averages over dp x ep slices.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from glm53.parallel import loss_parallel_context, parallelize
 from glm53.parallel.load import SliceReader, load_pretrained
 from tests.helpers.checkpoints import BLOCK, fp8_config_dict, quantize_state, read_all, write_checkpoint
 from tests.helpers.oracle import TINY_VISION, randomize
+from tests.helpers.expert_jobs import build_ep_mesh
 from tests.helpers.parallel_jobs import build_mesh, full
 
 
@@ -56,6 +61,7 @@ class CountingReader(SliceReader):
     def read(self, key, index):
         part = super().read(key, index)
         self.counted = getattr(self, "counted", 0) + part.nbytes
+        self.keys = getattr(self, "keys", set()) | {key}
         return part
 
 
@@ -82,10 +88,39 @@ def expected_bytes(model: torch.nn.Module, path: str) -> int:
     return total
 
 
-def sharded_load_step(path: str, ids: torch.Tensor, dp: int, tp: int, to_empty: bool = False) -> dict:
+def ckpt_mesh(dp: int, tp: int, ep: int = 1):
+    """A (dp, tp) mesh, or with ep > 1 a ("dp", "ep") mesh (("ep",) when dp == 1)."""
+    if ep > 1:
+        return build_ep_mesh(dp, ep, one_dim=dp == 1)
+    return build_mesh(dp, tp)
+
+
+def data_share(mesh, ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(this rank's slice of `ids`, number of slices): one slice per data rank over the mesh's dp and ep dims."""
+    names = mesh.mesh_dim_names if mesh is not None else ()
+    index, count = 0, 1
+    for d in [d for d in ("dp", "ep") if d in names]:
+        index, count = index * mesh[d].size() + mesh.get_local_rank(d), count * mesh[d].size()
+    per = ids.shape[0] // count
+    return ids[index * per : (index + 1) * per], count
+
+
+def mean_over_data_ranks(value: torch.Tensor, mesh) -> torch.Tensor:
+    """The mean of a per-rank value over the data ranks (tp ranks hold the same value)."""
+    names = mesh.mesh_dim_names if mesh is not None else ()
+    if "ep" in names:  # EP excludes TP: every rank is a data rank
+        dist.all_reduce(value)
+        return value / dist.get_world_size()
+    if "dp" in names:
+        dist.all_reduce(value, group=mesh.get_group("dp"))
+        return value / mesh["dp"].size()
+    return value
+
+
+def sharded_load_step(path: str, ids: torch.Tensor, dp: int, tp: int, to_empty: bool = False, ep: int = 1) -> dict:
     """Build on meta, parallelize (then `to_empty` when asked), load_pretrained, one forward/backward on this
-    rank's dp share."""
-    mesh = build_mesh(dp, tp)
+    rank's data share."""
+    mesh = ckpt_mesh(dp, tp, ep)
     config = Glm53Config.from_pretrained(path)
     with torch.device("meta"):
         model = Glm53ForCausalLM(config)
@@ -94,21 +129,16 @@ def sharded_load_step(path: str, ids: torch.Tensor, dp: int, tp: int, to_empty: 
         model.to_empty(device="cpu")
     load_pretrained(model, path, reader=CountingReader)
     reader = model.checkpoint_reader
-    rank_dp = mesh.get_local_rank("dp") if dp > 1 else 0
-    per = ids.shape[0] // dp
-    local_ids = ids[rank_dp * per : (rank_dp + 1) * per]
+    local_ids, _ = data_share(mesh, ids)
     with loss_parallel_context(model):
         out = model(local_ids, labels=local_ids)
         out.loss.backward()
-    loss = full(out.loss)
-    if dp > 1:
-        dist.all_reduce(loss, group=mesh.get_group("dp"))
-        loss /= dp
+    loss = mean_over_data_ranks(full(out.loss), mesh)
     grads = {n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
     params = {n: full(p) for n, p in model.named_parameters()}
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
     return dict(loss=loss, grads=grads, params=params, buffers=buffers, bytes_read=reader.bytes_read,
-                counted=reader.counted, expected=expected_bytes(model, path))  # fmt: skip
+                counted=reader.counted, expected=expected_bytes(model, path), keys=sorted(reader.keys))  # fmt: skip
 
 
 def reference_load_step(path: str, ids: torch.Tensor, dp: int) -> dict:
@@ -129,12 +159,13 @@ def file_bytes(path: str) -> int:
 LR = 1e-2  # AdamW learning rate of the resume tests
 
 
-def _model_on(path: str, dp: int, tp: int):
-    """(model loaded from `path` on a fresh (dp, tp) mesh, its mesh); dp = tp = 0 means one plain process."""
+def _model_on(path: str, dp: int, tp: int, ep: int = 1):
+    """(model loaded from `path` on a fresh (dp, tp) or (dp, ep) mesh, its mesh); dp = tp = 0 means one plain
+    process."""
     config = Glm53Config.from_pretrained(path)
     if dp == 0:
         return Glm53ForCausalLM.from_pretrained(path, dtype=torch.float32), None
-    mesh = build_mesh(dp, tp)
+    mesh = ckpt_mesh(dp, tp, ep)
     with torch.device("meta"):
         model = Glm53ForCausalLM(config)
     parallelize(model, mesh)
@@ -142,11 +173,10 @@ def _model_on(path: str, dp: int, tp: int):
     return model, mesh
 
 
-def _train_step(model, mesh, optimizer, ids: torch.Tensor, dp: int, step: bool = True) -> torch.Tensor:
-    """Loss on this rank's dp share of `ids` (mean over dp ranks returned); then backward + AdamW when `step`."""
-    rank_dp = mesh.get_local_rank("dp") if mesh is not None and "dp" in mesh.mesh_dim_names else 0
-    per = ids.shape[0] // max(dp, 1)
-    local = ids[rank_dp * per : (rank_dp + 1) * per]
+def _train_step(model, mesh, optimizer, ids: torch.Tensor, step: bool = True) -> torch.Tensor:
+    """Loss on this rank's data share of `ids` (mean over data ranks returned); then backward + AdamW when
+    `step`."""
+    local, _ = data_share(mesh, ids)
     optimizer.zero_grad()
     with loss_parallel_context(model):
         loss = model(local, labels=local).loss
@@ -154,47 +184,45 @@ def _train_step(model, mesh, optimizer, ids: torch.Tensor, dp: int, step: bool =
             loss.backward()
     if step:
         optimizer.step()
-    loss = full(loss)
-    if mesh is not None and "dp" in mesh.mesh_dim_names:
-        dist.all_reduce(loss, group=mesh.get_group("dp"))
-        loss /= mesh["dp"].size()
-    return loss
+    return mean_over_data_ranks(full(loss), mesh)
 
 
-def save_then_continue(init: str, save: str, batches: list[torch.Tensor], dp: int, tp: int) -> list[float]:
+def save_then_continue(init: str, save: str, batches: list[torch.Tensor], dp: int, tp: int,
+                       ep: int = 1) -> list[float]:  # fmt: skip
     """Step on batches[0], save the training state (DCP) to `save`, then step on batches[1] and read the loss on
     batches[2] -> [loss 1, loss 2, loss 3]."""
     from glm53.parallel.export import shared_atomic_directory
     from glm53.parallel.train_state import write_training_state
 
-    model, mesh = _model_on(init, dp, tp)
+    model, mesh = _model_on(init, dp, tp, ep)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    first = _train_step(model, mesh, optimizer, batches[0], dp)
+    first = _train_step(model, mesh, optimizer, batches[0])
     with shared_atomic_directory(save) as tmp:
         write_training_state(tmp, model, optimizer, {"step": 1, f"rng.rank{dist.get_rank()}": torch.get_rng_state()})
-    second = _train_step(model, mesh, optimizer, batches[1], dp)
-    third = _train_step(model, mesh, optimizer, batches[2], dp, step=False)
+    second = _train_step(model, mesh, optimizer, batches[1])
+    third = _train_step(model, mesh, optimizer, batches[2], step=False)
     return [first.item(), second.item(), third.item()]
 
 
-def resume_and_continue(init: str, save: str, batches: list[torch.Tensor], dp: int, tp: int) -> list[float]:
+def resume_and_continue(init: str, save: str, batches: list[torch.Tensor], dp: int, tp: int,
+                        ep: int = 1) -> list[float]:  # fmt: skip
     """Build on another layout (dp = 0: one process), load the training state, step on batches[1], read the
     loss on batches[2] -> [loss 2, loss 3, restored step]."""
     from glm53.parallel.train_state import read_training_state
 
-    model, mesh = _model_on(init, dp, tp)  # the initial weights: the saved state must overwrite them
+    model, mesh = _model_on(init, dp, tp, ep)  # the initial weights: the saved state must overwrite them
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR * 3)  # lr restored from the saved param_groups
     extra = read_training_state(save, model, optimizer, {"step": 0})
-    second = _train_step(model, mesh, optimizer, batches[1], max(dp, 1))
-    third = _train_step(model, mesh, optimizer, batches[2], max(dp, 1), step=False)
+    second = _train_step(model, mesh, optimizer, batches[1])
+    third = _train_step(model, mesh, optimizer, batches[2], step=False)
     return [second.item(), third.item(), extra["step"]]
 
 
-def load_and_export(init: str, out: str, dp: int, tp: int, max_shard_size: int) -> dict:
-    """Load `init` sharded on (dp, tp), export it to `out` -> this rank's largest pending file bytes."""
+def load_and_export(init: str, out: str, dp: int, tp: int, max_shard_size: int, ep: int = 1) -> dict:
+    """Load `init` sharded on (dp, tp) or (dp, ep), export it to `out` -> this rank's largest pending file bytes."""
     from glm53.parallel.export import export_pretrained
 
-    model, _ = _model_on(init, dp, tp)
+    model, _ = _model_on(init, dp, tp, ep)
     export_pretrained(model, out, max_shard_size=max_shard_size, overwrite=True)
     return dict(pending=model.export_peak_pending_bytes)
 

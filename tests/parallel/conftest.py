@@ -11,3 +11,11 @@ def pool4():
     pool = WorkerPool(4)
     yield pool
     pool.close()
+
+
+@pytest.fixture(scope="session")
+def pool2():
+    """Two ranks, for the layouts of world size 2 (ep2)."""
+    pool = WorkerPool(2)
+    yield pool
+    pool.close()

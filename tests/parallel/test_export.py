@@ -1,6 +1,7 @@
 """`glm53.parallel.export_pretrained` on gloo: a model sharded on dp2 x tp2 writes the official layout from
 several ranks at once (no rank gathers the model); from_pretrained reloads it exactly, transformers 5.23.0 loads
-it to equal logits, and an existing directory's foreign files survive."""
+it to equal logits, and an existing directory's foreign files survive. Under expert parallelism (dp2 x ep2: experts
+Shard(0) over ep, FSDP over dp) the exported files equal the source checkpoint."""
 
 from __future__ import annotations
 
@@ -47,3 +48,16 @@ def test_export_from_2x2_reloads_exactly_and_in_transformers(pool4, tmp_path):
         expected = hf(input_ids=ids).logits
         got = ours(ids).logits
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_export_from_dp2_ep2_equals_the_source(pool4, tmp_path):
+    init = str(tmp_path / "init")
+    state = write_test_checkpoint(init, fp8_blocks=False)
+    out = tmp_path / "export"
+    results = pool4.run(load_and_export, init=init, out=str(out), dp=2, tp=1, ep=2, max_shard_size=SHARD)
+    written = read_all(str(out))
+    assert set(written) == set(state)
+    bad = [k for k in state if not torch.equal(written[k], state[k])]
+    assert not bad, bad[:5]
+    largest = max(v.nbytes for v in state.values())
+    assert all(r["pending"] <= SHARD + largest for r in results)

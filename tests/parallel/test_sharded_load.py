@@ -1,15 +1,18 @@
 """`glm53.parallel.load_pretrained` on gloo: a model built on meta and parallelized (FSDP dp4, TP tp4, dp2 x tp2,
-and dp2 / tp2) loads a tiny FP8 official-layout checkpoint (4 x 8 blocks, so shard boundaries cut blocks) with
-each rank reading only its own slices; its loss and gradients equal one process's `from_pretrained`."""
+and dp2 / tp2; expert parallel ep2 and dp2 x ep2) loads a tiny FP8 official-layout checkpoint (4 x 8 blocks, so
+shard boundaries cut blocks) with each rank reading only its own slices; its loss and gradients equal one process's
+`from_pretrained`."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
 
 from glm53.parallel.load import dequantize_slice
 from glm53.checkpoint import fp8
-from glm53 import Glm53ForCausalLM
+from glm53 import Glm53Config, Glm53ForCausalLM
 from glm53.errors import CheckpointError
 from tests.helpers.checkpoints import read_all, write_checkpoint
 from tests.helpers.ckpt_jobs import (
@@ -57,6 +60,30 @@ def test_sharded_fp8_load_equals_from_pretrained(pool4, fp8_ckpt, dp, tp):
         assert r["bytes_read"] == r["counted"]
         assert r["expected"] <= r["bytes_read"] <= r["expected"] * 1.1, (r["bytes_read"], r["expected"])
         assert r["bytes_read"] < 0.6 * total, (r["bytes_read"], total)
+
+
+@pytest.mark.parametrize("world,dp,ep", [(2, 1, 2), (4, 2, 2)], ids=["ep2", "dp2xep2"])
+def test_sharded_fp8_load_under_expert_parallelism(request, fp8_ckpt, world, dp, ep):
+    """Experts Shard(0) over ep (and FSDP over dp): each rank reads only its own experts' keys, the gathered
+    parameters are bit-equal to from_pretrained, the loss and gradients (mean over dp x ep slices) equal."""
+    pool = request.getfixturevalue(f"pool{world}")
+    results = pool.run(sharded_load_step, path=fp8_ckpt["path"], ids=fp8_ckpt["ids"], dp=dp, tp=1, ep=ep)
+    ref = fp8_ckpt["refs"][dp * ep]
+    experts = Glm53Config.from_pretrained(fp8_ckpt["path"]).n_routed_experts
+    per = experts // ep
+    for rank, r in enumerate(results):
+        for name, p in ref["params"].items():
+            assert torch.equal(r["params"][name], p), name
+        assert close(r["loss"], ref["loss"]), (r["loss"], ref["loss"])
+        assert set(r["grads"]) == set(ref["grads"])
+        bad = [n for n, g in ref["grads"].items() if not close(r["grads"][n], g)]
+        assert not bad, [(n, rel_err(r["grads"][n], ref["grads"][n])) for n in bad]
+        read = {int(m.group(1)) for k in r["keys"] if (m := re.search(r"\.mlp\.experts\.(\d+)\.", k))}
+        ep_rank = rank % ep  # init_device_mesh is row-major: ep is the fastest dimension
+        assert read == set(range(ep_rank * per, (ep_rank + 1) * per)), (rank, sorted(read))
+        assert r["bytes_read"] == r["counted"]
+        assert r["expected"] <= r["bytes_read"] <= r["expected"] * 1.1, (r["bytes_read"], r["expected"])
+        assert r["bytes_read"] < 0.6 * file_bytes(fp8_ckpt["path"])
 
 
 def test_dequantize_slice_equals_full_dequantize():

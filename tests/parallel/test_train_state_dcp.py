@@ -1,6 +1,6 @@
-"""Training state saved with DCP on one layout resumes on another: saved on dp4 (and on dp2 x tp2), resumed on
-dp2 x tp2, tp4 and in one process, the next step's loss and the one after (AdamW moments, lr) equal continuing on
-the original layout."""
+"""Training state saved with DCP on one layout resumes on another: saved on dp4 (and on dp2 x tp2, dp2 x ep2),
+resumed on dp2 x tp2, dp2 x ep2, tp4, dp4 and in one process, the next step's loss and the one after (AdamW
+moments, lr) equal continuing on the original layout. Layouts are (dp, tp, ep); (0, 0, 1) is one process."""
 
 from __future__ import annotations
 
@@ -24,22 +24,25 @@ def setup(tmp_path_factory):
     return dict(root=root, init=init, batches=batches)
 
 
-@pytest.mark.parametrize("saved,resumed", [((4, 1), [(2, 2), (0, 0)]), ((2, 2), [(1, 4)])], ids=["dp4", "2x2"])
+CASES = [((4, 1, 1), [(2, 2, 1), (0, 0, 1), (2, 1, 2)]), ((2, 2, 1), [(1, 4, 1)]), ((2, 1, 2), [(4, 1, 1), (0, 0, 1)])]
+
+
+@pytest.mark.parametrize("saved,resumed", CASES, ids=["dp4", "2x2", "dp2xep2"])
 def test_resume_on_another_layout(pool4, setup, saved, resumed):
-    save = str(setup["root"] / f"state-{saved[0]}x{saved[1]}")
+    save = str(setup["root"] / "state-{}x{}x{}".format(*saved))
     straight = pool4.run(save_then_continue, init=setup["init"], save=save, batches=setup["batches"],
-                         dp=saved[0], tp=saved[1])[0]  # fmt: skip
+                         dp=saved[0], tp=saved[1], ep=saved[2])[0]  # fmt: skip
     assert not [f for f in os.listdir(setup["root"]) if f.startswith(".")]  # no temporary directory left
     assert sorted(os.listdir(save))[0] == ".metadata" and len(os.listdir(save)) == 5  # one file per rank
-    for dp, tp in resumed:
+    for dp, tp, ep in resumed:
         if dp == 0:
             again = resume_and_continue(init=setup["init"], save=save, batches=setup["batches"], dp=0, tp=0)
         else:
             again = pool4.run(resume_and_continue, init=setup["init"], save=save, batches=setup["batches"],
-                              dp=dp, tp=tp)[0]  # fmt: skip
+                              dp=dp, tp=tp, ep=ep)[0]  # fmt: skip
         assert again[2] == 1
-        assert again[0] == pytest.approx(straight[1], rel=REL), (dp, tp, again, straight)
-        assert again[1] == pytest.approx(straight[2], rel=REL), (dp, tp, again, straight)
+        assert again[0] == pytest.approx(straight[1], rel=REL), (dp, tp, ep, again, straight)
+        assert again[1] == pytest.approx(straight[2], rel=REL), (dp, tp, ep, again, straight)
 
 
 @pytest.mark.parametrize("saved,loaded", [("rows", "strided"), ("strided", "2d"), ("2d", "rows")])
