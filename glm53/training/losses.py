@@ -30,14 +30,19 @@ QUERY_CHUNK = 1024  # queries per block when computing the indexer loss's dense 
 
 # -------------------------------------------------------------------------------------------- next-token CE
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy in fp32; labels are aligned with input_ids and shifted here."""
+    """Mean next-token cross-entropy in fp32; labels are aligned with input_ids and shifted here.
+
+    With no target token (T = 1, or every label IGNORE_INDEX) the loss is 0 with zero gradients rather than
+    0 / 0 = NaN, so such a micro-batch adds nothing to an accumulated gradient instead of poisoning it.
+    """
     if labels.shape != logits.shape[:2]:
         raise ValueError(f"labels must have shape {tuple(logits.shape[:2])} like input_ids, got {tuple(labels.shape)}")
-    shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).flatten().long()
     # Under tensor parallelism the logits are vocab-sharded and the loss a replicated DTensor: as_plain hands it
     # back as a plain tensor so it adds to the losses computed from plain activations.
-    loss = F.cross_entropy(logits.float().flatten(0, 1), shifted.flatten().long(), ignore_index=IGNORE_INDEX)
-    return as_plain(loss)
+    total = F.cross_entropy(logits.float().flatten(0, 1), shifted, ignore_index=IGNORE_INDEX, reduction="sum")
+    targets = (shifted != IGNORE_INDEX).sum()
+    return as_plain(total) / targets.clamp_min(1)
 
 
 # ----------------------------------------------------------------------------------------------- MoE balance
