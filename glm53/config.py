@@ -209,8 +209,9 @@ class Glm53Config:
 
     def _validate_training(self) -> None:
         if self.num_nextn_predict_layers > self.mtp_depth:
-            raise ConfigError(f"num_nextn_predict_layers ({self.num_nextn_predict_layers}) must not exceed mtp_depth "
-                              f"({self.mtp_depth!r}): an MTP layer past the last depth would never be used")  # fmt: skip
+            raise ConfigError(f"num_nextn_predict_layers ({self.num_nextn_predict_layers}) must not exceed "
+                              f"mtp_depth ({self.mtp_depth!r}): an MTP layer past the last depth would never be "
+                              f"used")  # fmt: skip
         if self.indexer_loss_mode not in INDEXER_LOSS_MODES:
             raise ConfigError(f"indexer_loss_mode is {self.indexer_loss_mode!r}; expected one of "
                               f"{list(INDEXER_LOSS_MODES)}")  # fmt: skip
