@@ -20,8 +20,8 @@ class CheckpointError(Glm53Error):
 
 
 class InputError(Glm53Error):
-    """A forward input the model cannot use: out-of-vocabulary ids, an empty batch, a wrong dtype, width or
-    device; names the argument and the offending value."""
+    """An input the model or trainer cannot use: out-of-vocabulary ids, an empty batch, a wrong dtype, width or
+    device, a sequence longer than the corpus; names the argument and the offending value."""
 
 
 __all__ = ["Glm53Error", "ConfigError", "CheckpointError", "InputError"]

@@ -27,7 +27,7 @@ from ..model.model import Glm53ForCausalLM
 from ..parallel import loss_parallel_context, parallelize
 from ..utils import ceil_div
 from .data import VOCAB_SIZE, batches, corpus_text, encode
-from .state import TRAINER_STATE, load_trainer_state, save_run, trainer_state
+from .state import TRAINER_STATE, load_trainer_state, restore_optimizer, save_run, trainer_state
 
 GRAD_CLIP = 1.0  # max global gradient norm
 BETAS = (0.9, 0.95)  # AdamW betas (DeepSeek-V3's)
@@ -114,7 +114,7 @@ class Trainer:
         if self.state is None:
             return 0
         if self.par is None:
-            self.optimizer.load_state_dict(self.state["optimizer"])
+            restore_optimizer(self.optimizer, self.state["optimizer"], self.args.resume)
             rng = self.state
         else:
             self.par.load_full_optimizer_state(self.model, self.optimizer, self.state["optimizer"])
