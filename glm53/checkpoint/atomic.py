@@ -8,14 +8,18 @@ error leaves the old `target` or none, never a half-written one. Rules (tests/re
   index, old shards): everything else in the old directory (adapters, READMEs, tokenizer files, symlinks,
   subdirectories) is hard-linked (same file, byte for byte, nothing copied) into the new one before the swap,
   and the directory keeps its mode. A new directory gets the umask's mode.
-- Temporary directories are named `.NAME.tmp-<host>-<pid>-<random>` and the swap's holder of the old directory
-  `.NAME.old-<host>-<pid>-<random>`: a later write to the same target removes those whose process on this host
+- The swap is one atomic exchange of the two directories where Linux offers it (renameat2), so a kill at any
+  point leaves the complete old or the complete new directory at `target`.
+- Temporary directories are named `.NAME.tmp-<host>-<pid>-<random>` and the fallback swap's holder of the old
+  directory `.NAME.old-<host>-<pid>-<random>`: a later write to the same target removes those whose process on this host
   is gone (provably ours and not in use), restores an old directory a kill left in a holder with no target, and
   logs what it did.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import hashlib
 import logging
 import os
@@ -24,12 +28,14 @@ import secrets
 import shutil
 import socket
 import stat
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 logger = logging.getLogger("glm53.checkpoint")
 
 _REPLACED = "replaced"  # the old directory's name inside its holder once the swap is done
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2  # <fcntl.h>, <linux/fs.h>
 
 
 def _host_tag() -> str:
@@ -120,8 +126,28 @@ def fsync_tree(directory: str) -> None:
                 os.fsync(f.fileno())
 
 
+def _exchange(a: str, b: str) -> bool:
+    """Swap two paths in one step (Linux renameat2 RENAME_EXCHANGE) -> False where the system cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # a file system without the flag
+        return False
+    raise OSError(err, os.strerror(err), b)
+
+
 def _swap(tmp: str, target: str, parent: str, name: str) -> None:
-    """Replace directory `target` by `tmp`: two renames, the old directory parked in a marked holder."""
+    """Replace directory `target` by `tmp`: one atomic exchange where the system has it (the old directory then
+    sits at `tmp`, which is deleted), else two renames with the old directory parked in a marked holder (a kill
+    between them leaves no `target`; the next write to it restores the old one)."""
+    if _exchange(tmp, target):
+        shutil.rmtree(tmp)
+        return
     holder = os.path.join(parent, _new_name(name, "old"))
     os.mkdir(holder, 0o700)
     os.rename(target, os.path.join(holder, name))

@@ -150,6 +150,8 @@ class Glm53ForCausalLM(nn.Module):
         labels: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
     ) -> CausalLMOutput:
+        if labels is not None:  # before the forward: a bad label would otherwise fail only in the loss
+            check_token_ids("labels", labels, self.config.vocab_size, self.lm_head.weight.device, ignore=IGNORE_INDEX)
         collect = labels is not None or self.training
         if not collect:
             hidden = self.model(input_ids, attention_mask, inputs_embeds)
@@ -167,7 +169,6 @@ class Glm53ForCausalLM(nn.Module):
         if self.training:  # evaluation forwards (labels, eval mode) leave the balancing counts alone
             self._count_expert_loads(stats, valid, mtp_runs)
         if labels is not None:
-            check_token_ids("labels", labels, self.config.vocab_size, valid.device, ignore=IGNORE_INDEX)
             self._add_losses(out, labels, valid, stats, mtp_runs)
         return out
 
