@@ -255,15 +255,17 @@ def _open(handles: dict, file: str):
 
 
 def _slice(handles: dict, file: str, key: str):
+    handle = _open(handles, file)
     try:
-        return _open(handles, file).get_slice(key)
+        return handle.get_slice(key)
     except READ_ERRORS as e:
         raise CropError(f"{file}: cannot read tensor {key!r}: {reason(e)}") from e
 
 
 def _get(handles: dict, file: str, key: str) -> torch.Tensor:
+    handle = _open(handles, file)
     try:
-        return _open(handles, file).get_tensor(key)
+        return handle.get_tensor(key)
     except READ_ERRORS as e:
         raise CropError(f"{file}: cannot read tensor {key!r}: {reason(e)}") from e
 

@@ -91,8 +91,9 @@ class TensorReader:
         return self._handles[file]
 
     def _slice(self, key: str):
+        handle = self._handle(key)
         try:
-            return self._handle(key).get_slice(key)
+            return handle.get_slice(key)
         except READ_ERRORS as e:
             raise CheckpointError(f"{self.files[key]}: cannot read tensor {key!r}: {reason(e)}") from e
 
@@ -118,8 +119,9 @@ class TensorReader:
         return None
 
     def _tensor(self, key: str) -> torch.Tensor:
+        handle = self._handle(key)
         try:
-            return self._handle(key).get_tensor(key)
+            return handle.get_tensor(key)
         except READ_ERRORS as e:
             raise CheckpointError(f"{self.files[key]}: cannot read tensor {key!r}: {reason(e)}") from e
 
