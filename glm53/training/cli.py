@@ -34,7 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bias-rate", type=non_negative_float, default=1e-3, help="aux-loss-free router bias update rate")
     p.add_argument("--log-every", type=positive_int, default=10)
     p.add_argument("--save", help="directory to write the final checkpoint to")
-    p.add_argument("--save-every", type=non_negative_int, default=0, help="also save every N steps to DIR/step-N (needs --save)")
+    p.add_argument("--save-every", type=non_negative_int, default=0,
+                   help="also save every N steps to DIR/step-N (needs --save)")
     p.add_argument("--resume", help="checkpoint directory to continue from (model, optimizer, step)")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute blocks in backward")
     p.add_argument("--threads", type=positive_int, default=1,

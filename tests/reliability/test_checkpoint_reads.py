@@ -12,7 +12,6 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from glm53 import Glm53Config, Glm53ForCausalLM
-from glm53.checkpoint import crop as crop_mod
 from glm53.checkpoint.crop import CropError, crop
 from glm53.checkpoint.fp8 import quantize
 from glm53.checkpoint.shards import INDEX_FILE

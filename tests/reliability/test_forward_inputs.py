@@ -15,7 +15,8 @@ def model():
 
 IDS = torch.tensor([[1, 2, 3, 4]])
 CASES = {
-    "oov-high": (dict(input_ids=torch.tensor([[1, 2, 320]])), InputError, r"input_ids holds 320, outside \[0, vocab_size=320\)"),
+    "oov-high": (dict(input_ids=torch.tensor([[1, 2, 320]])), InputError,
+                 r"input_ids holds 320, outside \[0, vocab_size=320\)"),
     "oov-negative": (dict(input_ids=torch.tensor([[1, -3]])), InputError, r"input_ids holds -3, .*vocab_size=320"),
     "T0": (dict(input_ids=torch.zeros(2, 0, dtype=torch.long)), InputError, r"input_ids is empty \(shape \(2, 0\)\)"),
     "B0": (dict(input_ids=torch.zeros(0, 5, dtype=torch.long)), InputError, r"input_ids is empty \(shape \(0, 5\)\)"),
@@ -55,7 +56,8 @@ def test_dtype_as_a_string(tmp_path, model):
     model.save_pretrained(tmp_path / "ckpt")
     loaded = Glm53ForCausalLM.from_pretrained(tmp_path / "ckpt", dtype="bfloat16")
     assert loaded.model.embed_tokens.weight.dtype == torch.bfloat16
-    assert Glm53ForCausalLM.from_pretrained(tmp_path / "ckpt", dtype="torch.float64").lm_head.weight.dtype == torch.float64
+    fp64 = Glm53ForCausalLM.from_pretrained(tmp_path / "ckpt", dtype="torch.float64")
+    assert fp64.lm_head.weight.dtype == torch.float64
     for bad, message in ((5, r"dtype must be a torch.dtype or its name, got 5"),
                          ("bfloat17", r"dtype='bfloat17' is not a torch dtype name"),
                          (torch.int8, r"dtype must be a floating dtype .* got torch.int8")):  # fmt: skip
