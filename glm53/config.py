@@ -338,6 +338,12 @@ def _apply_linear_attn_config(kwargs: dict[str, Any], linear: dict[str, Any]) ->
             # transformers silently lets the dict win; an ambiguous checkpoint config is an error here.
             raise ConfigError(f"{dst}={kwargs[dst]!r} disagrees with linear_attn_config[{src!r}]={linear[src]!r}")
         kwargs[dst] = linear[src]
+    if not isinstance(linear.get("safe_gate", True), bool):
+        raise ConfigError(f"linear_attn_config['safe_gate'] must be a bool, got {linear['safe_gate']!r}")
+    for name in ("kda_layers", "full_attn_layers"):
+        listed = linear.get(name, [])
+        if not isinstance(listed, list) or not all(is_int(i) for i in listed):
+            raise ConfigError(f"linear_attn_config[{name!r}] must be a list of 1-based layer numbers, got {listed!r}")
     # transformers: a "safe gate" (the dict's default) always has a bound; with none given it is -5.
     if linear.get("safe_gate", True) and kwargs.get("linear_lower_bound", -5.0) is None:
         kwargs["linear_lower_bound"] = SAFE_GATE_LOWER_BOUND
@@ -361,6 +367,8 @@ def _indexer_schedule(schedule: dict[str, Any], n: int) -> list[str]:
     """indexer_types from `index_topk_pattern` ("FSSF..." or a list) or `index_topk_freq`/`index_skip_topk_offset`."""
     pattern = schedule.get("index_topk_pattern")
     if pattern is not None:
+        if not isinstance(pattern, (str, list)):
+            raise ConfigError(f"index_topk_pattern must be a string of 'F'/'S' or a list, got {pattern!r}")
         if isinstance(pattern, str):
             letters = {"F": "full", "S": "shared"}
             bad = [c for c in pattern if c not in letters]
@@ -369,12 +377,12 @@ def _indexer_schedule(schedule: dict[str, Any], n: int) -> list[str]:
             return [letters[c] for c in pattern]
         return list(pattern)
     freq = schedule.get("index_topk_freq", 1)
-    if not isinstance(freq, int) or freq < 1:
-        # transformers clamps a freq below 1 to 1; a non-int is an error.
-        if not isinstance(freq, int):
-            raise ConfigError(f"index_topk_freq must be an int, got {freq!r}")
-        freq = 1
+    if not is_int(freq):
+        raise ConfigError(f"index_topk_freq must be an int, got {freq!r}")
+    freq = max(freq, 1)  # transformers clamps a freq below 1 to 1
     offset = schedule.get("index_skip_topk_offset", 2)
+    if not is_int(offset):
+        raise ConfigError(f"index_skip_topk_offset must be an int, got {offset!r}")
     return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
 
 

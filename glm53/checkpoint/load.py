@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import Glm53Config
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ConfigError
 from ..precision import cast_model, resolve_dtype
 from . import fp8
 from .layout import EXPERT_KEY, LAYER_KEY, TEXT_PREFIX, VISION_PREFIX, mtp_internal, official_key, official_to_internal
@@ -190,7 +190,10 @@ def load_checkpoint(cls, path: str | os.PathLike, *, dtype: torch.dtype | None =
     config = Glm53Config.from_pretrained(path)
     if dtype is None:
         stored = config.extra.get("_outer", {}).get("dtype") or config.extra.get("dtype") or "float32"
-        dtype = getattr(torch, str(stored).replace("torch.", ""), torch.float32)
+        try:
+            dtype = resolve_dtype(stored, "dtype")
+        except TypeError as e:
+            raise ConfigError(f"{path}/config.json: {e}") from e
     files = checkpoint_files(path)
     check_layer_count(files, config, path)
     reader = TensorReader(files, fp8.weight_block_size(quantization_config(config)))

@@ -15,6 +15,8 @@ from .atomic import atomic_directory
 from .layout import named_state, official_items
 from .shards import ShardedWriter, checkpoint_owns, write_json
 
+SAVE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
 
 def non_finite_tensors(model: torch.nn.Module) -> list[str]:
     """Names of the floating parameters and buffers holding NaN or inf."""
@@ -27,6 +29,9 @@ def check_savable(model: torch.nn.Module, dtype: torch.dtype | str | None,
     """-> the resolved save dtype; raise before anything is written for a non-floating dtype (TypeError) or a
     model holding NaN/inf (CheckpointError naming the tensors: the loader would refuse the checkpoint)."""
     dtype = None if dtype is None else resolve_dtype(dtype, "dtype")
+    if dtype is not None and dtype not in SAVE_DTYPES:
+        # FP8 needs per-block scales (glm53.checkpoint.fp8); a plain cast would write weights nobody can load.
+        raise TypeError(f"dtype must be one of {[str(d) for d in SAVE_DTYPES]} to save, got {dtype}")
     if not allow_non_finite and (bad := non_finite_tensors(model)):
         shown = bad if len(bad) <= 10 else [*bad[:10], f"... ({len(bad)} in all)"]
         raise CheckpointError(f"refusing to save a model holding NaN or inf in {shown} (pass allow_non_finite=True "

@@ -32,8 +32,8 @@ def check_token_ids(name: str, ids: object, vocab_size: int, device: torch.devic
     if not isinstance(ids, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of token ids [batch, seq] (torch.long), got "
                         f"{type(ids).__name__}; wrap it with torch.tensor({name})")  # fmt: skip
-    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-        raise InputError(f"{name} must hold integer token ids (torch.long), got dtype {ids.dtype}")
+    if ids.dtype not in (torch.long, torch.int):  # what nn.Embedding and cross-entropy index with
+        raise InputError(f"{name} must hold integer token ids (torch.long or torch.int32), got dtype {ids.dtype}")
     if ids.dim() != 2:
         raise InputError(f"{name} must be [batch, seq], got shape {tuple(ids.shape)}")
     if ids.shape[0] == 0 or ids.shape[1] == 0:

@@ -41,6 +41,16 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+MAX_SEED = 2**32 - 1  # the trainer derives per-rank seeds from it (seed * 1_000_003 + rank): must fit int64
+
+
+def seed_int(text: str) -> int:
+    value = _int(text)
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be in [0, {MAX_SEED}], got {value}")
+    return value
+
+
 def positive_float(text: str) -> float:
     value = _float(text)
     if value <= 0:
@@ -55,4 +65,4 @@ def non_negative_float(text: str) -> float:
     return value
 
 
-__all__ = ["positive_int", "non_negative_int", "positive_float", "non_negative_float"]
+__all__ = ["positive_int", "non_negative_int", "seed_int", "positive_float", "non_negative_float"]

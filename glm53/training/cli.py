@@ -16,7 +16,7 @@ import torch
 
 from .. import parallel
 from ..errors import Glm53Error
-from .args import non_negative_float, non_negative_int, positive_float, positive_int
+from .args import non_negative_float, non_negative_int, positive_float, positive_int, seed_int
 from .trainer import PRESETS, Trainer
 
 
@@ -27,7 +27,7 @@ USER_ERRORS = (Glm53Error, OSError)
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model preset (ignored with --resume)")
     p.add_argument("--steps", type=positive_int, default=120, help="train until this step (counting resumed steps)")
-    p.add_argument("--seed", type=non_negative_int, default=0)
+    p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--batch-size", type=positive_int, default=4, help="sequences per step and data-parallel rank")
     p.add_argument("--seq-len", type=positive_int, default=64)
     p.add_argument("--lr", type=positive_float, default=3e-3)

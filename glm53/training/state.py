@@ -90,9 +90,12 @@ def load_trainer_state(path: str) -> dict:
     if "rank_rng" not in state:  # one process: the RNG states the trainer restores
         for key in ("data_rng", "torch_rng"):
             value = state.get(key)
-            if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8:
-                raise CheckpointError(f"{file}: {key!r} must be an RNG state (a uint8 tensor), got "
-                                      f"{type(value).__name__}")  # fmt: skip
+            expected = torch.get_rng_state().shape  # the CPU generator's state (the data generator's too)
+            if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8 or value.shape != expected:
+                found = (f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor)
+                         else type(value).__name__)  # fmt: skip
+                raise CheckpointError(f"{file}: {key!r} must be a CPU RNG state (uint8 {tuple(expected)}), got "
+                                      f"{found}")  # fmt: skip
     check_run_tag(path, state)
     return state
 

@@ -114,3 +114,29 @@ def test_config_file_read_errors_name_the_file(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"config.json cannot be read: Permission denied") as info:
         Glm53Config.from_pretrained(tmp_path)
     assert isinstance(info.value.__cause__, PermissionError)
+
+
+@pytest.mark.parametrize("d,message", [
+    (dict(index_topk_freq=True), r"index_topk_freq must be an int, got True"),
+    (dict(index_skip_topk_offset="2"), r"index_skip_topk_offset must be an int, got '2'"),
+    (dict(index_topk_pattern=7), r"index_topk_pattern must be a string of 'F'/'S' or a list, got 7"),
+    (dict(linear_attn_config={"safe_gate": "false"}), r"linear_attn_config\['safe_gate'\] must be a bool"),
+    (dict(linear_attn_config={"kda_layers": "1,2"}), r"linear_attn_config\['kda_layers'\] must be a list"),
+    (dict(linear_attn_config={"head_dim": "8"}), r"linear_head_dim must be a positive int, got '8'"),
+], ids=["freq-bool", "offset-str", "pattern-int", "safe_gate-str", "kda_layers-str", "linear-head_dim-str"])  # fmt: skip
+def test_release_schedule_keys_are_typed(d, message):
+    base = {k: v for k, v in tiny_dict().items() if k not in ("indexer_types", "linear_head_dim")}
+    with pytest.raises(ConfigError, match=message):
+        Glm53Config.from_dict({**base, **d})
+
+
+@pytest.mark.parametrize("quant,message", [
+    ({"weight_block_size": 128}, r"weight_block_size must be two positive ints, got 128"),
+    ({"weight_block_size": [True, 8]}, r"weight_block_size must be two positive ints, got \[True, 8\]"),
+    ("fp8", r"quantization_config must be a dict, got 'fp8'"),
+])  # fmt: skip
+def test_quantization_block_size_is_typed(quant, message):
+    from glm53.checkpoint.fp8 import weight_block_size
+
+    with pytest.raises(ConfigError, match=message):
+        weight_block_size(quant)

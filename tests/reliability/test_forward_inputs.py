@@ -21,6 +21,7 @@ CASES = {
     "T0": (dict(input_ids=torch.zeros(2, 0, dtype=torch.long)), InputError, r"input_ids is empty \(shape \(2, 0\)\)"),
     "B0": (dict(input_ids=torch.zeros(0, 5, dtype=torch.long)), InputError, r"input_ids is empty \(shape \(0, 5\)\)"),
     "float-ids": (dict(input_ids=IDS.float()), InputError, r"input_ids must hold integer token ids.*float32"),
+    "uint8-ids": (dict(input_ids=IDS.to(torch.uint8)), InputError, r"input_ids must hold integer token ids.*uint8"),
     "list": (dict(input_ids=[[1, 2, 3]]), TypeError, r"input_ids must be a torch.Tensor .* got list"),
     "meta-ids": (dict(input_ids=IDS.to("meta")), InputError, r"input_ids is on the meta device .* the model is on cpu"),
     "meta-mask": (dict(input_ids=IDS, attention_mask=torch.ones(1, 4, device="meta")), InputError,
@@ -63,3 +64,16 @@ def test_dtype_as_a_string(tmp_path, model):
                          (torch.int8, r"dtype must be a floating dtype .* got torch.int8")):  # fmt: skip
         with pytest.raises(TypeError, match=message):
             Glm53ForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=bad)
+
+
+def test_stored_config_dtype_must_be_floating(tmp_path, model):
+    import json
+
+    model.save_pretrained(tmp_path / "ckpt")
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    config["dtype"] = config["text_config"]["dtype"] = "int64"
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
+    from glm53.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"config.json: dtype must be a floating dtype .* got torch.int64"):
+        Glm53ForCausalLM.from_pretrained(tmp_path / "ckpt")

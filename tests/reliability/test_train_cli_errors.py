@@ -16,7 +16,7 @@ SMALL = ["train", "--preset", "tiny", "--batch-size", "2", "--seq-len", "16", "-
     ("--save-every", "-1", "must be >= 0, got -1"), ("--lr", "-1e-3", "must be > 0, got -1e-3"),
     ("--lr", "nan", "expected a finite number, got 'nan'"), ("--bias-rate", "nan", "expected a finite number"),
     ("--bias-rate", "-1", "must be >= 0"), ("--threads", "0", "must be >= 1"), ("--dp", "0", "must be >= 1"),
-    ("--steps", "ten", "expected an integer, got 'ten'"),
+    ("--steps", "ten", "expected an integer, got 'ten'"), ("--seed", str(2**70), "must be in [0, 4294967295]"),
 ])  # fmt: skip
 def test_bad_numbers_are_usage_errors(flag, value, message, capsys):
     with pytest.raises(SystemExit) as info:
@@ -54,7 +54,7 @@ def _copy(saved, tmp_path):
     return tmp_path / "ckpt"
 
 
-@pytest.mark.parametrize("damage", ["truncated", "garbage", "foreign-object", "missing-rng"])
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "foreign-object", "missing-rng", "short-rng"])
 def test_damaged_trainer_state_is_one_line(saved, tmp_path, capsys, damage):
     path = _copy(saved, tmp_path)
     file = path / TRAINER_STATE
@@ -66,7 +66,10 @@ def test_damaged_trainer_state_is_one_line(saved, tmp_path, capsys, damage):
         torch.save({"epoch": 3}, file)
     else:
         state = torch.load(file, weights_only=True)
-        del state["torch_rng"]
+        if damage == "missing-rng":
+            del state["torch_rng"]
+        else:
+            state["data_rng"] = state["data_rng"][:100]
         torch.save(state, file)
     err = _resume_error(path, capsys)
     assert str(file) in err
