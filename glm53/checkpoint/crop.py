@@ -24,9 +24,10 @@ import torch
 from safetensors import safe_open
 
 from ..config import INDEXED_ATTENTION, LINEAR_ATTENTION, Glm53Config
+from ..errors import CheckpointError
 from . import fp8
 from .paths import is_inside
-from .reader import READ_ERRORS, checkpoint_files, reason
+from .reader import READ_ERRORS, check_readable, checkpoint_files, reason
 from .shards import ShardedWriter, atomic_directory, checkpoint_owns, copy_side_files, write_json
 
 # A decoder-layer key of the text model (nested `model.language_model.` or flat `model.` prefix).
@@ -247,6 +248,10 @@ def crop(src: str | os.PathLike, dst: str | os.PathLike, num_layers: int, *, dty
 
 def _open(handles: dict, file: str):
     if file not in handles:
+        try:
+            check_readable(file)
+        except CheckpointError as e:
+            raise CropError(str(e)) from None
         try:
             handles[file] = safe_open(file, framework="pt")
         except READ_ERRORS as e:

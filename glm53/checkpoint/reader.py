@@ -27,8 +27,16 @@ FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2"})
 READ_ERRORS = (SafetensorError, OSError, UnicodeDecodeError, ValueError, RuntimeError)
 
 
+def check_readable(file: str) -> None:
+    """A shard this process may not read: say so (safetensors reports such a file as missing)."""
+    if os.path.exists(file) and not os.access(file, os.R_OK):
+        mode = oct(os.stat(file).st_mode & 0o777)
+        raise CheckpointError(f"{file} cannot be read: permission denied (mode {mode})")
+
+
 def open_safetensors(file: str):
     """`safe_open(file)`; a file that cannot be opened raises CheckpointError naming it, the cause chained."""
+    check_readable(file)
     try:
         return safe_open(file, framework="pt")
     except READ_ERRORS as e:

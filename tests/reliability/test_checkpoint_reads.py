@@ -149,19 +149,31 @@ def test_read_errors_name_the_file(sharded, tmp_path, kind):
 
 
 def test_unreadable_shard_says_permission_denied(sharded, tmp_path, monkeypatch):
+    path = copy(sharded, tmp_path)
+    shard = str(path / first_shard(path))
+    os.chmod(shard, 0)
+    real = os.access
+    # The tests may run as root, which reads any file: report the mode-0000 shard as unreadable, as for a user.
+    monkeypatch.setattr(os, "access", lambda f, mode, **kw: False if str(f) == shard else real(f, mode, **kw))
+    message = rf"{first_shard(path)} cannot be read: permission denied \(mode 0o0\)"
+    with pytest.raises(CheckpointError, match=message):
+        Glm53ForCausalLM.from_pretrained(path)
+    with pytest.raises(CropError, match=message):
+        crop(path, tmp_path / "out", 2, dtype=torch.float32, log=open(os.devnull, "w"))
+
+
+def test_other_os_errors_keep_their_cause(sharded, tmp_path, monkeypatch):
     from glm53.checkpoint import reader
 
     path = copy(sharded, tmp_path)
-    real = reader.safe_open
 
-    def guarded(file, **kwargs):
-        if os.path.basename(file) == first_shard(path):
-            raise PermissionError(13, "Permission denied", file)
-        return real(file, **kwargs)
+    def failing(file, **kwargs):
+        raise OSError(5, "Input/output error", file)
 
-    monkeypatch.setattr(reader, "safe_open", guarded)
-    with pytest.raises(CheckpointError, match=rf"{first_shard(path)} cannot be read as safetensors: Permission denied"):
+    monkeypatch.setattr(reader, "safe_open", failing)
+    with pytest.raises(CheckpointError, match=r"cannot be read as safetensors: Input/output error") as info:
         Glm53ForCausalLM.from_pretrained(path)
+    assert isinstance(info.value.__cause__, OSError)
 
 
 def test_non_utf8_config(sharded, tmp_path):
