@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from .atomic import atomic_directory  # noqa: F401  (re-exported: writers import it from here)
+from .paths import allowed_roots, is_inside
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -110,16 +111,18 @@ def copy_side_files(src: str, dst: str) -> list[str]:
     subdirectories (a training run's intermediate checkpoints, hard-linked rather than copied: they can be large)
     into DST, skipping names DST already has -> the names copied.
 
-    Only regular files and directories inside SRC are copied: a symlink (which may lead anywhere) is skipped,
-    at the top level and inside subdirectories.
+    Only files inside SRC are copied: a symlink that resolves outside it (paths.allowed_roots: SRC, or a hub
+    cache snapshot's blobs) is skipped, at the top level and inside subdirectories; nothing but regular files
+    and directories is read.
     """
+    roots = allowed_roots(src)
     copied = []
     for name in sorted(os.listdir(src)):
         path, target = os.path.join(src, name), os.path.join(dst, name)
-        if os.path.lexists(target) or os.path.islink(path):
+        if os.path.lexists(target) or not _inside(path, roots) or _linked_dir(path):
             continue
         if os.path.isdir(path):
-            shutil.copytree(path, target, copy_function=_link_or_copy, ignore=_symlinks)
+            shutil.copytree(path, target, copy_function=_link_or_copy, ignore=_outside(roots))
         elif name in ("config.json", INDEX_FILE) or name.endswith(".safetensors") or not os.path.isfile(path):
             continue
         else:
@@ -128,8 +131,25 @@ def copy_side_files(src: str, dst: str) -> list[str]:
     return copied
 
 
-def _symlinks(directory: str, names: list[str]) -> list[str]:
-    return [n for n in names if os.path.islink(os.path.join(directory, n))]
+def _inside(path: str, roots: list[str]) -> bool:
+    resolved = os.path.realpath(path)
+    return any(is_inside(resolved, root) for root in roots)
+
+
+def _linked_dir(path: str) -> bool:
+    return os.path.islink(path) and os.path.isdir(path)
+
+
+def _outside(roots: list[str]):
+    """copytree's `ignore`: entries that resolve outside `roots`, symlinked directories (which may loop), and
+    anything but files and directories."""
+
+    def ignore(directory: str, names: list[str]) -> list[str]:
+        paths = {n: os.path.join(directory, n) for n in names}
+        return [n for n, p in paths.items()
+                if not _inside(p, roots) or _linked_dir(p) or not (os.path.isfile(p) or os.path.isdir(p))]  # fmt: skip
+
+    return ignore
 
 
 def _link_or_copy(src: str, dst: str) -> None:

@@ -76,10 +76,14 @@ def test_hub_cache_snapshot_symlinks_into_blobs_are_allowed(sharded, tmp_path):
     blobs, snapshot = repo / "blobs", repo / "snapshots" / "abc123"
     blobs.mkdir(parents=True)
     snapshot.mkdir(parents=True)
+    (blobs / "blob-tokenizer.json").write_text('{"t": 1}')
+    os.symlink("../../blobs/blob-tokenizer.json", snapshot / "tokenizer.json")
     for name in os.listdir(sharded):
         shutil.copy(sharded / name, blobs / f"blob-{name}")
         os.symlink(f"../../blobs/blob-{name}", snapshot / name)
     assert Glm53ForCausalLM.from_pretrained(snapshot).config.num_hidden_layers == 4
+    crop(snapshot, tmp_path / "out", 2, dtype=torch.float32, log=open(os.devnull, "w"))
+    assert (tmp_path / "out" / "tokenizer.json").read_text() == '{"t": 1}'  # the blob's content
 
 
 def test_crop_compares_resolved_paths(sharded, tmp_path):
@@ -99,10 +103,13 @@ def test_crop_copies_only_regular_files_inside_src(sharded, tmp_path):
     (src / "extra").mkdir()
     os.symlink(secret, src / "extra" / "linked.txt")
     (src / "extra" / "real.txt").write_text("kept")
+    os.symlink("real.txt", src / "extra" / "alias.txt")  # inside SRC: copied (by content)
+    os.symlink("..", src / "extra" / "loop")  # a linked directory: never followed
     crop(src, tmp_path / "out", 2, dtype=torch.float32, log=open(os.devnull, "w"))
     out = tmp_path / "out"
     assert (out / "tokenizer.json").read_text() == "{}" and (out / "extra" / "real.txt").read_text() == "kept"
     assert not os.path.lexists(out / "notes.txt") and not os.path.lexists(out / "extra" / "linked.txt")
+    assert (out / "extra" / "alias.txt").read_text() == "kept" and not os.path.lexists(out / "extra" / "loop")
 
 
 # ----------------------------------------------------------------------------------------------- read errors
