@@ -5,7 +5,7 @@ FSDP, whose unsharded parameters are plain tensors) this is the parameter itself
 parameter is a DTensor; `glm53.parallel` installs a resolver with `set_param_resolver` that returns the plain
 tensor the kernel expects after checking the DTensor's placements against the parallel plan (whole parameter,
 or this rank's shard for head-local parameters), and raises naming the parameter otherwise. This keeps
-`torch.distributed` out of model code (STYLE.md: parallelism lives in `glm53/parallel/`).
+`torch.distributed` out of model code (docs/style.md: parallelism lives in `glm53/parallel/`).
 """
 
 from __future__ import annotations

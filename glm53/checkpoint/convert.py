@@ -1,4 +1,7 @@
-"""Conversion between glm53's state dict and transformers' in-memory glm5_next state dict."""
+"""Conversion between glm53's state dict and transformers' in-memory glm5_next state dict.
+
+Legend: H KDA heads, K KDA head width, W conv width (glm53/model/__init__.py).
+"""
 
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ _HF_CONV = re.compile(r"^(layers\.\d+\.self_attn\.)conv1d\.weight$")
 def to_transformers_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """glm53 model -> the state dict of transformers' Glm5NextForConditionalGeneration (text part).
 
-    Renames KDA's gate to `forget_gate.*` and concatenates q/k/v convs into `conv1d` [3*H*K, 1, kernel];
+    Renames KDA's gate to `forget_gate.*` and concatenates q/k/v convs into `conv1d` [3*H*K, 1, W];
     experts stay fused. Tensors are shared with the model except the concatenated convs. `lm_head.weight`
     is included also when tied, as transformers' state_dict does.
     """

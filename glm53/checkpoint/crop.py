@@ -6,7 +6,7 @@ after the main layers (`layers.{L}` with L = the source's num_hidden_layers) to 
 (float8_e4m3fn with a `<name>_scale_inv` companion) are dequantised to `--dtype` (bfloat16 by default) and
 their scales dropped; every other tensor is copied bit for bit. config.json is rewritten (`rewrite_config`),
 other files of SRC (tokenizer, generation config) are copied. Source shards are read one at a time, a tensor at
-a time; the output is sharded with an index and written atomically (glm53.shards.atomic_directory).
+a time; the output is sharded with an index and written atomically (glm53.checkpoint.shards.atomic_directory).
 """
 
 from __future__ import annotations

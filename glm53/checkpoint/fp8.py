@@ -1,8 +1,9 @@
 """Block-scaled FP8 (e4m3) weights as the GLM-5.3 FP8 release stores them (DeepSeek-V3 format).
 
-Legend: O rows (out features), I columns (in features), bo x bi the block size (`weight_block_size`, default
-128 x 128). A 2-D weight `w` [O, I] is stored as float8_e4m3fn `q` [O, I] plus fp32 `<name>_scale_inv`
-`s` [ceil(O/bo), ceil(I/bi)]; edge blocks are partial. Dequantisation (MODEL_NOTES.md, "FP8 release"):
+Legend (local lowercase letters): o rows (out features), i columns (in features), bo x bi the block size
+(`weight_block_size`, default 128 x 128), go x gi the number of blocks. A 2-D weight `w` [o, i] is stored as
+float8_e4m3fn `q` [o, i] plus fp32 `<name>_scale_inv` `s` [ceil(o/bo), ceil(i/bi)]; edge blocks are partial.
+Dequantisation (docs/checkpoints.md, "FP8"):
 
     w[r, c] = q[r, c] * s[r // bo, c // bi]
 
@@ -43,7 +44,7 @@ def weight_block_size(quantization_config: dict[str, Any] | None) -> tuple[int, 
 
 
 def scale_shape(shape: tuple[int, ...], block_size: tuple[int, int]) -> tuple[int, int]:
-    """Shape of `<name>_scale_inv` for a 2-D weight of `shape`: [ceil(O/bo), ceil(I/bi)]."""
+    """Shape of `<name>_scale_inv` for a 2-D weight of `shape`: [ceil(o/bo), ceil(i/bi)]."""
     if len(shape) != 2:
         raise ValueError(f"block-scaled FP8 weights are 2-D, got shape {tuple(shape)}")
     return ceil_div(shape[0], block_size[0]), ceil_div(shape[1], block_size[1])
@@ -65,14 +66,14 @@ def check_scale(key: str, weight_shape: tuple[int, ...], scale_shape_found: tupl
 
 
 def _expand(scale_inv: torch.Tensor, shape: tuple[int, int], block_size: tuple[int, int]) -> torch.Tensor:
-    """[ceil(O/bo), ceil(I/bi)] -> [O, I]: each scale repeated over its block, edge blocks cropped."""
+    """[ceil(o/bo), ceil(i/bi)] -> [o, i]: each scale repeated over its block, edge blocks cropped."""
     bo, bi = block_size
     return scale_inv.float().repeat_interleave(bo, 0)[: shape[0]].repeat_interleave(bi, 1)[:, : shape[1]]
 
 
 def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:  # fmt: skip
-    """q [O, I] (e4m3), scale_inv [ceil(O/bo), ceil(I/bi)] -> weight [O, I] in `dtype` (product in fp32)."""
+    """q [o, i] (e4m3), scale_inv [ceil(o/bo), ceil(i/bi)] -> weight [o, i] in `dtype` (product in fp32)."""
     check_scale("weight", tuple(q.shape), tuple(scale_inv.shape), block_size)
     return (q.float() * _expand(scale_inv, tuple(q.shape), block_size)).to(dtype)
 
@@ -93,7 +94,7 @@ def dequantize_reference(q: torch.Tensor, scale_inv: torch.Tensor,
 
 def quantize(weight: torch.Tensor, block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE
              ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """weight [O, I] -> (q [O, I] e4m3, scale_inv [ceil(O/bo), ceil(I/bi)] fp32), one scale per block.
+    """weight [o, i] -> (q [o, i] e4m3, scale_inv [ceil(o/bo), ceil(i/bi)] fp32), one scale per block.
 
     scale_inv = amax(|block|) / FP8_MAX, so every block's largest entry maps to +-448 (all-zero blocks get 1).
     """

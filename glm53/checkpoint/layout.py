@@ -3,10 +3,11 @@
 On disk (docs/checkpoints.md): text weights under `model.language_model.`, `lm_head.weight` at the top (absent
 when tied), vision under `model.visual.`, the MTP layer as `layers.{num_hidden_layers}.*`. glm53's module names
 are the on-disk names except:
-    hc_{attn,ffn}_{fn,base,scale}                         <-> layers.N.{attn,ffn}_hc.{fn,base,scale}
+    layers.{i}.hc_{attn,ffn}_{fn,base,scale}              <-> layers.{i}.{attn,ffn}_hc.{fn,base,scale}
     layers.{num_hidden_layers + j}.* (MTP)                   <-> mtp.layers.{j}.* (outside `model.`)
     mlp.experts.{e}.{gate,up,down}_proj.weight (per expert) <-> mlp.experts.gate_up_proj [E, 2I, D] /
                                                               mlp.experts.down_proj [E, D, I]
+Legend: E experts, I expert width, D model width (glm53/model/__init__.py); i a layer index, j an MTP layer.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from . import (  # noqa: F401  (registers the implementations)
     hc_project,
     indexer_scores,
     kda,
+    linear_cross_entropy,
     moe,
     rms_norm,
     sinkhorn,

@@ -1,9 +1,10 @@
 """Causal depthwise 1-D convolution (the short conv on KDA's q, k and v).
 
-Legend: B batch, T time, D channels, W kernel width.
-x: [B, T, D]; weight: [D, W] (tap W-1 multiplies the current token); optional state: [B, D, W-1], the last
-W-1 inputs before x (zeros when absent). Returns y [B, T, D] in fp32 and, if asked, the new state
-[B, D, W-1] (the last W-1 inputs of cat(state, x)), in x's dtype. No bias, no activation: the caller applies them.
+Legend: B batch, T time, W kernel width; the channels are H*K (one of KDA's q, k, v projections; the code's
+locals call the channel count D).
+x: [B, T, H*K]; weight: [H*K, W] (tap W-1 multiplies the current token); optional state: [B, H*K, W-1], the
+last W-1 inputs before x (zeros when absent). Returns y [B, T, H*K] in fp32 and, if asked, the new state
+[B, H*K, W-1] (the last W-1 inputs of cat(state, x)), in x's dtype. No bias, no activation: the caller applies them.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from .dispatch import register
 
 
 def _history(x: torch.Tensor, weight: torch.Tensor, initial_state: torch.Tensor | None) -> torch.Tensor:
-    """Validated history [B, D, W-1] in x's dtype (zeros without a state)."""
+    """Validated history [B, H*K, W-1] in x's dtype (zeros without a state)."""
     B, T, D = x.shape
     W = weight.shape[-1]
     if weight.shape != (D, W):
@@ -27,7 +28,7 @@ def _history(x: torch.Tensor, weight: torch.Tensor, initial_state: torch.Tensor 
 
 
 def _with_history(x: torch.Tensor, weight: torch.Tensor, initial_state: torch.Tensor | None) -> torch.Tensor:
-    return torch.cat([_history(x, weight, initial_state), x.transpose(1, 2)], dim=-1)  # [B, D, W-1+T]
+    return torch.cat([_history(x, weight, initial_state), x.transpose(1, 2)], dim=-1)  # [B, H*K, W-1+T]
 
 
 def causal_conv1d_reference(
@@ -46,17 +47,17 @@ def causal_conv1d_reference(
 
 
 class _CausalConv1d(torch.autograd.Function):
-    """W shifted multiply-adds in the [B, T, D] layout, forward and hand-written backward.
+    """W shifted multiply-adds in the [B, T, H*K] layout, forward and hand-written backward.
 
     CPU autograd of a depthwise F.conv1d spends several times the forward in convolution_backward; here the
     backward is W more shifted multiply-adds for the input (and the history) and W products reduced over (B, T)
-    for the weight. full = cat(history, x) along time [B, W-1+T, D] in fp32 is the one tensor kept.
+    for the weight. full = cat(history, x) along time [B, W-1+T, H*K] in fp32 is the one tensor kept.
     """
 
     @staticmethod
     def forward(ctx, x, weight, history):
         T, W = x.shape[1], weight.shape[-1]
-        full = torch.cat([history.float(), x.float()], dim=1)  # [B, W-1+T, D]
+        full = torch.cat([history.float(), x.float()], dim=1)  # [B, W-1+T, H*K]
         w = weight.float()
         y = full[:, :T] * w[:, 0]
         for tap in range(1, W):
@@ -85,12 +86,12 @@ def causal_conv1d(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The same sum as shifted multiply-adds in the [B, T, D] layout, with a hand-written backward."""
-    history = _history(x, weight, initial_state).transpose(1, 2)  # [B, W-1, D]
-    y = _CausalConv1d.apply(x, weight, history)  # [B, T, D] fp32
+    """The same sum as shifted multiply-adds in the [B, T, H*K] layout, with a hand-written backward."""
+    history = _history(x, weight, initial_state).transpose(1, 2)  # [B, W-1, H*K]
+    y = _CausalConv1d.apply(x, weight, history)  # [B, T, H*K] fp32
     if not output_final_state:
         return y, None
-    recent = torch.cat([history, x], dim=1)[:, x.shape[1] :]  # the last W-1 inputs [B, W-1, D]
+    recent = torch.cat([history, x], dim=1)[:, x.shape[1] :]  # the last W-1 inputs [B, W-1, H*K]
     return y, recent.transpose(1, 2)
 
 

@@ -15,6 +15,8 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator
 
+import torch
+
 logger = logging.getLogger("glm53.kernels")
 
 DEFAULT_BACKEND = "fast"
@@ -58,7 +60,8 @@ def chosen_backend(op: str) -> str:
 
 def kernel(op: str) -> Callable:
     name = chosen_backend(op)
-    if (op, name) not in _LOGGED:
+    # torch.compile traces this call: logging would break the graph, so the first eager call logs instead.
+    if (op, name) not in _LOGGED and not torch.compiler.is_compiling():
         _LOGGED.add((op, name))
         logger.info("glm53 kernel %s: using the %s implementation", op, name)
     return _REGISTRY[op][name]

@@ -1,7 +1,7 @@
 """DSA indexer scores against pooled keys: score(t, p) = sum_h w_h(t) * relu(q_h(t) . key_p * scale).
 
-Legend: B batch, T queries, H indexer heads, E head width, P pools.
-q: [B, T, H, E]; weights: [B, T, H] (already scaled by H^-0.5); pool_keys: [B, P, E]. Returns [B, T, P] fp32.
+Legend: B batch, T queries, H indexer heads, K head width, P pools, Tq a block of queries.
+q: [B, T, H, K]; weights: [B, T, H] (already scaled by H^-0.5); pool_keys: [B, P, K]. Returns [B, T, P] fp32.
 The ReLU sits between the head contraction and the head sum, so the [T, H, P] logits cannot be factorised away;
 the fast form only bounds how many of them exist at once.
 """
@@ -30,7 +30,7 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tens
     step = max(1, SCORE_BUDGET // max(1, B * H * P))
     if step >= T:
         return indexer_scores_reference(q, weights, pool_keys, scale)
-    keys_t = pool_keys.float().transpose(-1, -2)[:, None]  # [B, 1, E, P]
+    keys_t = pool_keys.float().transpose(-1, -2)[:, None]  # [B, 1, K, P]
     out = q.new_empty(B, T, P, dtype=torch.float32)
     for start in range(0, T, step):
         end = min(start + step, T)

@@ -1,8 +1,9 @@
 """Routed experts: each token's hidden state goes through its top-k experts' clamped SwiGLU, weighted.
 
-Legend: N tokens, H hidden width, I expert width, E experts, k experts per token.
-x: [N, H]; topk_idx: [N, k] int; topk_weight: [N, k]; gate_up: [E, 2I, H] (gate rows first, then up);
-down: [E, H, I]. Returns [N, H] in x's dtype.
+Legend: M tokens, D model width, I expert width, E experts, k experts per token (the grouped form's
+locals call the token count N).
+x: [M, D]; topk_idx: [M, k] int; topk_weight: [M, k]; gate_up: [E, 2I, D] (gate rows first, then up);
+down: [E, D, I]. Returns [M, D] in x's dtype.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ def _clamped_swiglu_backward(grad, gate, up, limit, d_gate, d_up) -> None:
     where gate <= L, else 0 (silu' by ATen's fused silu_backward, one pass).
     """
     g = gate.clamp(max=limit)
+    if torch.compiler.is_compiling():  # traced: `out=` views are not allowed, and the compiler fuses anyway
+        d_up.copy_((grad * F.silu(g)).masked_fill(up.abs() > limit, 0))
+        d_gate.copy_(torch.ops.aten.silu_backward(grad * up.clamp(-limit, limit), g).masked_fill(gate > limit, 0))
+        return
     torch.mul(grad, F.silu(g), out=d_up).masked_fill_(up.abs() > limit, 0)
     torch.ops.aten.silu_backward.grad_input(grad * up.clamp(-limit, limit), g, grad_input=d_gate)
     d_gate.masked_fill_(gate > limit, 0)
@@ -117,9 +122,51 @@ def _grouped_mm_usable(x: torch.Tensor, *weights: torch.Tensor) -> bool:
                and (w.shape[-2] * x.element_size()) % GROUPED_MM_ALIGN_BYTES == 0 for w in weights)  # fmt: skip
 
 
+@torch.library.custom_op("glm53::grouped_mm", mutates_args=())
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """a [M, In] (rows grouped by expert), b [E, In, Out], offs [E] int32 cumulative rows -> [M, Out].
+
+    torch._grouped_mm as a custom op: torch 2.13's meta registration accepts only bf16, so torch.compile could
+    not trace the fp32 CPU op; the fake implementation below gives the shape for every dtype.
+    """
+    return torch._grouped_mm(a, b, offs=offs)
+
+
+@grouped_mm.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return a.new_empty(a.shape[0], b.shape[-1])
+
+
+def _grouped_mm_setup(ctx, inputs, output) -> None:
+    a, b, offs = inputs
+    ctx.save_for_backward(a, b, offs)
+
+
+def _grouped_mm_backward(ctx, grad):
+    a, b, offs = ctx.saved_tensors
+    grad = grad.contiguous()  # the eager op rejects stride-0 (expanded) gradients
+    d_a = grouped_mm(grad, b.transpose(-2, -1), offs) if ctx.needs_input_grad[0] else None
+    d_b = _grouped_mm_weight_grad(a, grad, offs) if ctx.needs_input_grad[1] else None
+    return d_a, d_b, None
+
+
+@torch.library.custom_op("glm53::grouped_mm_weight_grad", mutates_args=())
+def _grouped_mm_weight_grad(a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """sum over each expert's rows of a^T grad: [M, In], [M, Out] -> [E, In, Out] (empty experts give 0)."""
+    return torch._grouped_mm(a.t(), grad, offs=offs)
+
+
+@_grouped_mm_weight_grad.register_fake
+def _(a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return a.new_empty(offs.shape[0], a.shape[1], grad.shape[1])
+
+
+grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
+
+
 def _padded_mm(rows: torch.Tensor, weight: torch.Tensor, expert: torch.Tensor, slot: torch.Tensor,
                capacity: int) -> torch.Tensor:  # fmt: skip
-    """rows [M, In] sorted by expert, weight [E, Out, In] -> [M, Out] via one bmm over [E, capacity, In]."""
+    """rows [M*k, in] sorted by expert, weight [E, out, in] -> [M*k, out] via one bmm over [E, capacity, in]."""
     padded = rows.new_zeros(weight.shape[0], capacity, rows.shape[-1])
     padded = padded.index_put((expert, slot), rows)
     return torch.bmm(padded, weight.transpose(1, 2))[expert, slot]
@@ -129,23 +176,23 @@ def _moe_experts_grouped(x, topk_idx, topk_weight, gate_up, down, limit, use_gro
     N, k = topk_idx.shape
     E = gate_up.shape[0]
     expert_of = topk_idx.flatten()
-    order = torch.argsort(expert_of, stable=True)  # [N*k] pairs sorted by expert
+    order = torch.argsort(expert_of, stable=True)  # [M*k] pairs sorted by expert
     token = order // k
     expert = expert_of[order]
-    counts = torch.bincount(expert_of, minlength=E)
-    rows = x.index_select(0, token)  # [N*k, H]; backward: index_add_ (x[token] would use a slow accumulate index_put_)
+    counts = torch.zeros(E, dtype=torch.long, device=x.device).index_add_(0, expert_of, torch.ones_like(expert_of))
+    rows = x.index_select(0, token)  # [M*k, D]; backward: index_add_ (x[token] would use a slow accumulate index_put_)
     if use_grouped_mm:
         offs = counts.cumsum(0).to(torch.int32)
-        project = lambda a, w: torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)  # noqa: E731
+        project = lambda a, w: grouped_mm(a, w.transpose(-2, -1), offs)  # noqa: E731
     else:
         starts = counts.cumsum(0) - counts
         slot = torch.arange(expert.numel(), device=x.device) - starts[expert]
         capacity = int(counts.max()) if expert.numel() else 0  # NOTE: syncs
         project = lambda a, w: _padded_mm(a, w, expert, slot, capacity)  # noqa: E731
     # The routing weight scales the I-wide activation before the down projection (linear, so the same sum up to
-    # rounding): backward then keeps no extra [N*k, H] tensor for the weight's gradient.
+    # rounding): backward then keeps no extra [M*k, D] tensor for the weight's gradient.
     act = clamped_swiglu_packed(project(rows, gate_up), limit) * topk_weight.flatten()[order, None]
-    y = project(act.to(rows.dtype).contiguous(), down)  # [N*k, H]
+    y = project(act.to(rows.dtype).contiguous(), down)  # [M*k, D]
     return torch.zeros_like(x).index_add(0, token, y.to(x.dtype))
 
 

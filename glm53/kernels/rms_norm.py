@@ -1,6 +1,7 @@
 """RMS normalisation, plain and gated (KDA's output norm), with hand-written backwards.
 
-Legend: ... any leading dims, D normalised width. x: [..., D]; weight: [D]; gate: [..., D].
+Legend: ... any leading dims, d the normalised width (D in the block norms, R and Z in MLA's latent norms, V in
+KDA's per-head gated norm). x: [..., d]; weight: [d]; gate: [..., d].
     rms_norm(x, w)          = w * (x * r).to(x.dtype),                  r = rsqrt(mean(x^2) + eps) in fp32
     gated_rms_norm(x, g, w) = (x * r * w * sigmoid(g)).to(x.dtype),     everything in fp32
 (transformers' Glm5NextTextRMSNorm casts the normalised x back before the weight; the KDA gated norm does not).
@@ -14,7 +15,7 @@ from .dispatch import register
 
 
 def _rsqrt_mean_square(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """fp32 x [..., D] -> [..., 1] 1 / sqrt(mean(x^2) + eps)."""
+    """fp32 x [..., d] -> [..., 1] 1 / sqrt(mean(x^2) + eps)."""
     return torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
@@ -35,7 +36,7 @@ def _normalize_backward(dn: torch.Tensor, n: torch.Tensor, r: torch.Tensor) -> t
 
 
 def _sum_leading(x: torch.Tensor) -> torch.Tensor:
-    """[..., D] -> [D]: a weight's gradient summed over every leading dim."""
+    """[..., d] -> [d]: a weight's gradient summed over every leading dim."""
     return x.reshape(-1, x.shape[-1]).sum(0)
 
 

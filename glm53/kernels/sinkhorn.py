@@ -1,7 +1,8 @@
 """Sinkhorn-Knopp normalisation of mHC's comb matrix towards a doubly-stochastic matrix.
 
-Legend: N streams. x: [..., N, N] positive. Following transformers' Glm5NextTextHyperConnection: first divide
-by column sums, then (iters - 1) rounds of (rows, columns), each sum floored by `eps`. Computed in fp32.
+Legend: N streams, M tokens (the leading dims, flattened). x: [..., N, N] positive.
+Following transformers' Glm5NextTextHyperConnection: first divide by column sums, then (iters - 1) rounds of
+(rows, columns), each sum floored by `eps`. Computed in fp32.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Top-k sparse attention: each query attends only to the key positions the DSA indexer selected.
 
-Legend: B batch, T queries, S keys, H heads, D q/k width, E value width, J selected slots per query.
-q: [B, T, H, D]; k: [B, S, H, D]; v: [B, S, H, E]; topk_indices: [B, T, J] integer key positions, -1 marks an
+Legend: B batch, T queries, S keys, H heads, K query/key width, V value width, J selected slots per query, Tq a
+block of queries (the backward's locals call K and V D and E).
+q: [B, T, H, K]; k: [B, S, H, K]; v: [B, S, H, V]; topk_indices: [B, T, J] integer key positions, -1 marks an
 empty slot (a position appears at most once per row: the indexer selects disjoint pools and a disjoint tail).
-Returns o [B, T, H, E] in q's dtype; softmax in fp32. A query whose slots are all empty (a padding row)
+Returns o [B, T, H, V] in q's dtype; softmax in fp32. A query whose slots are all empty (a padding row)
 gets a zero output. (transformers' eager path gives such rows a uniform average over all keys instead;
 they are padding, nothing downstream reads them.)
 """
@@ -44,7 +45,7 @@ def sparse_attention_reference(
 # memory bounded by GATHER_BUDGET elements per gathered tensor whatever T is. The backward is written by hand
 # (flash-attention style): it saves only q, k, v and the indices, recomputes each chunk's probabilities and
 # scatters the key/value gradients with index_add_.
-GATHER_BUDGET = 1 << 20  # elements of one gathered [B, H, Tq, J, D] chunk (4 MiB in fp32: stays in cache)
+GATHER_BUDGET = 1 << 20  # elements of one gathered [B, H, Tq, J, K] chunk (4 MiB in fp32: stays in cache)
 
 
 def _query_chunk(B: int, H: int, J: int, width: int) -> int:
@@ -52,7 +53,7 @@ def _query_chunk(B: int, H: int, J: int, width: int) -> int:
 
 
 def _gather(x: torch.Tensor, safe: torch.Tensor) -> torch.Tensor:
-    """x [B, H, S, D], safe [B, Tq, J] -> [B, H, Tq, J, D] (the selected rows, per head)."""
+    """x [B, H, S, K or V], safe [B, Tq, J] -> [B, H, Tq, J, K or V] (the selected rows, per head)."""
     B, H = x.shape[:2]
     b = torch.arange(B, device=x.device)[:, None, None, None]
     h = torch.arange(H, device=x.device)[None, :, None, None]
@@ -60,7 +61,7 @@ def _gather(x: torch.Tensor, safe: torch.Tensor) -> torch.Tensor:
 
 
 def _chunk_probs(q_c, k_h, idx_c, scale):
-    """q_c [B, H, Tq, D], k_h [B, H, S, D], idx_c [B, Tq, J] -> (probs [B, H, Tq, J], safe idx, gathered keys)."""
+    """q_c [B, H, Tq, K], k_h [B, H, S, K], idx_c [B, Tq, J] -> (probs [B, H, Tq, J], safe idx, gathered keys)."""
     S = k_h.shape[2]
     valid = (idx_c >= 0) & (idx_c < S)
     safe = idx_c.long().clamp(0, S - 1)
@@ -74,7 +75,7 @@ class _SparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, topk_indices, scale):
         dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        q_h, k_h, v_h = (x.transpose(1, 2).to(dtype) for x in (q, k, v))  # [B, H, *, D]
+        q_h, k_h, v_h = (x.transpose(1, 2).to(dtype) for x in (q, k, v))  # [B, H, T or S, K or V]
         B, H, T, _ = q_h.shape
         J = topk_indices.shape[-1]
         step = _query_chunk(B, H, J, max(q.shape[-1], v.shape[-1]))
@@ -106,7 +107,7 @@ class _SparseAttention(torch.autograd.Function):
             dp = (_gather(v_h, safe) @ do_c[..., None]).squeeze(-1)  # [B, H, Tq, J]
             ds = p * (dp - (p * dp).sum(-1, keepdim=True)) * ctx.scale
             dq[:, :, start:end] = (ds[..., None, :] @ k_g).squeeze(-2)
-            flat = (rows + safe[:, None]).flatten()  # [B*H*Tq*J] row of dk.view(B*H*S, D)
+            flat = (rows + safe[:, None]).flatten()  # [B*H*Tq*J] row of dk.view(B*H*S, K)
             dk.view(-1, D).index_add_(0, flat, (ds[..., None] * q_c[..., None, :]).view(-1, D))
             dv.view(-1, E).index_add_(0, flat, (p[..., None] * do_c[..., None, :]).view(-1, E))
         grads = (dq.transpose(1, 2).to(q.dtype), dk.transpose(1, 2).to(k.dtype), dv.transpose(1, 2).to(v.dtype))
@@ -129,10 +130,10 @@ register("sparse_attention", "fast", sparse_attention)
 
 
 # ------------------------------------------------------------------------------ absorbed MLA: one shared latent
-# MLA's keys and values are per-head linear maps of one latent c_s [C] (kv_lora_rank). Absorbing the maps into
+# MLA's keys and values are per-head linear maps of one latent c_s [Z] (kv_lora_rank). Absorbing the maps into
 # the query (q_abs = W_uk^T q) and the output (o = W_uv o_lat) leaves multi-query attention in the latent with
-# key = value = c: one gathered [Tq, J, C] tensor serves every head, instead of per-head keys AND values.
-# Legend as above with C the latent width; q: [B, T, H, C], kv: [B, S, C]; returns [B, T, H, C] in q's dtype.
+# key = value = c: one gathered [Tq, J, Z] tensor serves every head, instead of per-head keys AND values.
+# Legend as above with Z the latent width (the code's C); q: [B, T, H, Z], kv: [B, S, Z]; returns [B, T, H, Z].
 def sparse_mqa_attention_reference(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -147,12 +148,12 @@ def sparse_mqa_attention_reference(
 
 
 def _mqa_gather(kv, idx_c):
-    """kv [B, S, C], idx_c [B, Tq, J] -> (valid [B, Tq, J], safe idx, gathered rows [B, Tq, J, C])."""
+    """kv [B, S, Z], idx_c [B, Tq, J] -> (valid [B, Tq, J], safe idx, gathered rows [B, Tq, J, Z])."""
     S = kv.shape[1]
     valid = (idx_c >= 0) & (idx_c < S)
     safe = idx_c.long().clamp(0, S - 1)
     rows = (torch.arange(kv.shape[0], device=kv.device) * S)[:, None, None]
-    # index_select on the flattened rows: ~3x faster on CPU than the advanced-indexing gather kv[b, safe]
+    # index_select on the flattened rows: a plain row copy, cheaper on CPU than the advanced-indexing kv[b, safe]
     kv_g = kv.reshape(-1, kv.shape[-1]).index_select(0, (rows + safe).flatten()).view(*safe.shape, -1)
     return valid, safe, kv_g
 
@@ -164,12 +165,10 @@ def _mqa_softmax(scores, valid):
 
 # Masked-dense chunks: when a chunk's selected keys are a large fraction of the keys it can reach (its key span,
 # the largest selected position + 1, e.g. the causal prefix), the per-query gather of J latent rows and the
-# [H, C] x [C, J] per-query matmuls cost more than plain [Tq*H, C] x [C, span] GEMMs over the whole span with
+# [H, Z] x [Z, J] per-query matmuls cost more than plain [Tq*H, Z] x [Z, span] GEMMs over the whole span with
 # the unselected keys masked to -inf: the same sum over the same keys, no gather and no scatter-add of the key
-# gradients. A chunk goes dense when span <= DENSE_SPAN_RATIO * J, which keeps the dense work O(T * J). Measured
-# on CPU at the bench shape (T = 2048, J = 271, H = 4, C = 64, chunks of 56 queries), whole kernel fwd + bwd:
-# ratio 4 ~78 ms, 6 ~81 ms, 8 ~103 ms, every chunk dense ~101 ms. In a causal sequence this sends the early
-# chunks dense.
+# gradients. A chunk goes dense when span <= DENSE_SPAN_RATIO * J, which keeps the dense work O(T * J); the ratio
+# is the fastest one measured (benchmarks/RESULTS.md). In a causal sequence this sends the early chunks dense.
 DENSE_SPAN_RATIO = 4
 
 
@@ -193,7 +192,7 @@ def _mqa_dense_probs(scores, masked_out):
 
 
 def _rows(x):
-    """[B, Tq, H, C] -> [B, Tq*H, C]: every (query, head) row of a chunk in one GEMM against the shared latent."""
+    """[B, Tq, H, Z] -> [B, Tq*H, Z]: every (query, head) row of a chunk in one GEMM against the shared latent."""
     return x.flatten(1, 2)
 
 
@@ -243,12 +242,12 @@ class _SparseMqaAttention(torch.autograd.Function):
             if span <= DENSE_SPAN_RATIO * J:
                 kv_s = kv32[:, :span]
                 # scores (q kv^T) and dp (do kv^T) in one GEMM over the stacked (query, head) rows
-                q_do = torch.cat([_rows(q_c), _rows(do_c)], dim=1)  # [B, 2*Tq*H, C]
+                q_do = torch.cat([_rows(q_c), _rows(do_c)], dim=1)  # [B, 2*Tq*H, Z]
                 scores, dp = (q_do @ kv_s.transpose(-1, -2)).view(B, 2, *q_c.shape[1:3], span).unbind(1)
                 p = _mqa_dense_probs(scores.mul_(ctx.scale), _mqa_dense_mask(idx_c, span))  # [B, Tq, H, span]
                 ds = p * (dp - (p * dp).sum(-1, keepdim=True)) * ctx.scale
                 dq[:, start:end] = (_rows(ds) @ kv_s).view(q_c.shape)
-                # as key (ds^T q) plus as value (p^T do), one GEMM over the stacked (query, head) rows: [B, span, C]
+                # as key (ds^T q) plus as value (p^T do), one GEMM over the stacked (query, head) rows: [B, span, Z]
                 pd = torch.cat([_rows(ds), _rows(p)], dim=1)  # [B, 2*Tq*H, span]
                 dkv.view(B, S, C)[:, :span] += pd.transpose(-1, -2) @ q_do
                 continue
@@ -259,7 +258,7 @@ class _SparseMqaAttention(torch.autograd.Function):
             p = _mqa_softmax(scores * ctx.scale, valid)
             ds = p * (dp - (p * dp).sum(-1, keepdim=True)) * ctx.scale
             dq[:, start:end] = ds @ kv_g
-            # as key (ds^T q) plus as value (p^T do), in one matmul over the stacked head axis: [B, Tq, J, C]
+            # as key (ds^T q) plus as value (p^T do), in one matmul over the stacked head axis: [B, Tq, J, Z]
             dkv_g = torch.cat([ds, p], dim=-2).transpose(-1, -2) @ q_do
             dkv.index_add_(0, (rows + safe).flatten(), dkv_g.reshape(-1, C))
         return dq.to(q.dtype), dkv.view(B, S, C).to(kv.dtype), None, None

@@ -12,14 +12,19 @@
     model.py             Glm53Model, Glm53ForCausalLM (wiring, losses, router-bias update)
     context.py           ForwardContext (per-forward state for every block) and LayerStats
 
-Shape glossary (one meaning per letter, used by every file's legend in glm53/):
-    B batch                T time (queries)              S keys (when they differ from queries)
-    D model width          V vocabulary                  N mHC streams (hc_mult)
-    H heads                K key / head width            (KDA: K key width, V value width per head)
-    F value head width (MLA)                            C kv_lora_rank latent width; KDA chunk length in kernels
-    R q_lora_rank          E experts                     k experts per token
-    G expert groups        I expert (intermediate) width M tokens routed (flattened B*T or B*T*k)
-    P k-pools              L tokens per pool (index_kpool)   J selected key slots per query
+Shape glossary (one meaning per letter; every file's legend in glm53/ uses these letters and no others):
+    B batch                      T time (queries)                 S keys (where they differ from queries)
+    D model width (hidden_size)  N mHC streams (hc_mult)          H heads (of MLA, KDA or the indexer)
+    K query/key head width       V value head width (KDA; MLA v_head_dim)
+    R q_lora_rank                Z kv_lora_rank (MLA's latent)    C KDA chunk length
+    W causal-conv kernel width   E routed experts                 k experts per token
+    G expert groups              I MLP inner width (intermediate_size; moe_intermediate_size in experts)
+    M tokens flattened (B*T; token-expert pairs are M*k)
+    P k-pools                    L tokens per pool (index_kpool)  J selected key slots per query
+Derived sizes are written as expressions (T/C chunks, rounded up; N*D; (2+N)*N; 2I); `Tq` is a block of
+queries processed at once; the vocabulary is written `vocab`. A file may define extra lowercase letters in its
+own legend. Where a function's local variable names a dimension with another letter (`B, T, H, C = q.shape`), the
+file's legend maps it to the glossary.
 Suffixes on tensors that cross files name their layout (`topk_BTJ`).
 """
 

@@ -4,6 +4,8 @@
 of positional arguments: the padding mask, the top-k a "shared" indexer layer reuses, the per-layer sink for what
 the training losses need (`LayerStats`), and slots reserved for a generation cache and packed-document
 boundaries. Parallel hooks read it by field name (`ctx.stats`, never `args[3]`).
+
+Legend: B batch, T time, J selected key slots per query (glm53/model/__init__.py).
 """
 
 from __future__ import annotations
@@ -19,12 +21,12 @@ import torch
 class LayerStats:
     """What one layer's forward records for the training losses (only when the model asks for it).
 
-    Legend: N tokens (B * T), E experts, k experts per token, P k-pools (glm53/model/__init__.py).
+    Legend: B batch, T time, M tokens (B * T), E experts, k experts per token, P k-pools (glm53/model/__init__.py).
     """
 
     indexer: bool = False  # record the tensors the indexer KL loss needs
-    router_logits: torch.Tensor | None = None  # [N, E] fp32, with gradient
-    router_indices: torch.Tensor | None = None  # [N, k] chosen experts
+    router_logits: torch.Tensor | None = None  # [M, E] fp32, with gradient
+    router_indices: torch.Tensor | None = None  # [M, k] chosen experts
     pool_mass: torch.Tensor | None = None  # [B, T, P] fp32 attention mass per pool (no gradient)
     index_scores: torch.Tensor | None = None  # [B, T, P] fp32 (full indexer layers; gradient to the indexer)
     candidate: torch.Tensor | None = None  # [B, T, P] bool pools the query may pick

@@ -1,18 +1,19 @@
 """The DSA indexer with k-pools: picks, for every query, the key positions sparse attention may read.
 
 Legend: B batch, T time (queries and keys: no cache), D model width, R q_lora_rank, H indexer heads,
-E indexer head width, P pools, L = index_kpool tokens per pool, J output slots.
+K indexer head width, P pools, L = index_kpool tokens per pool, J output slots.
 Following transformers' Glm5NextTextIndexer (DeepSeek-V3.2 DSA plus GLM's k-pools):
-- keys k_t = LayerNorm(wk(x_t)) [E]; pools are runs of L consecutive *valid* tokens starting at the first
+- keys k_t = LayerNorm(wk(x_t)) [K]; pools are runs of L consecutive *valid* tokens starting at the first
   non-padding token of each row; a pool's key is softmax_over_its_tokens(gate(x_t) + ape) weighted sum of k_t.
-- score(t, p) = sum_h w_h(t) * relu(q_h(t) . key_p * E^-0.5), with q = wq_b(q_resid) and
+- score(t, p) = sum_h w_h(t) * relu(q_h(t) . key_p * K^-0.5), with q = wq_b(q_resid) and
   w = weights_proj(x) * H^-0.5.
 - a pool is a candidate for query t only if it is complete and its last token is causally visible;
   the best index_topk / L candidates are expanded to their tokens, and the visible incomplete tail
   (up to L - 1 tokens) is appended when `index_kpool_always_select_tail`.
 - -1 marks an empty slot; padding queries get only -1. J = index_topk (+ L - 1 with the tail).
 The selection is not differentiable; transformers runs it under no_grad and so does the forward here.
-`score_and_select(..., grad=True)` also returns the scores with gradient for the indexer KL loss (losses.py).
+`score_and_select(..., grad=True)` also returns the scores with gradient for the indexer KL loss
+(glm53/training/losses.py).
 """
 
 from __future__ import annotations
@@ -70,18 +71,18 @@ class Indexer(nn.Module):
         self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
         self.k_norm = LayerNorm(self.head_dim, eps=K_NORM_EPS)
         self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
-        self.index_kpool_compress_ape = nn.Parameter(torch.empty(self.kpool, self.head_dim))  # [L, E]
-        self.index_kpool_compress_gate = nn.Parameter(torch.empty(self.head_dim, config.hidden_size))  # [E, D]
+        self.index_kpool_compress_ape = nn.Parameter(torch.empty(self.kpool, self.head_dim))  # [L, K]
+        self.index_kpool_compress_gate = nn.Parameter(torch.empty(self.head_dim, config.hidden_size))  # [K, D]
 
     @property
     def num_slots(self) -> int:
         return self.index_topk + (self.kpool - 1 if self.select_tail else 0)
 
     def pools(self, x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Pool keys [B, P, E], their token positions [B, P, L] (-1 where invalid), completeness [B, P]."""
+        """Pool keys [B, P, K], their token positions [B, P, L] (-1 where invalid), completeness [B, P]."""
         T = valid.shape[1]
-        keys = self.k_norm(self.wk(x))  # [B, T, E]
-        gate = F.linear(x, as_local(self, "index_kpool_compress_gate"))  # [B, T, E]
+        keys = self.k_norm(self.wk(x))  # [B, T, K]
+        gate = F.linear(x, as_local(self, "index_kpool_compress_gate"))  # [B, T, K]
         positions, token_valid, keep = pool_layout(valid, self.kpool)
         safe = positions.clamp(0, T - 1)
         batch = torch.arange(valid.shape[0], device=x.device)[:, None, None]
@@ -93,8 +94,8 @@ class Indexer(nn.Module):
         return pool_keys[:, keep], positions.masked_fill(~token_valid, -1)[:, keep], complete[:, keep]
 
     def scores(self, x: torch.Tensor, q_resid: torch.Tensor, pool_keys: torch.Tensor) -> torch.Tensor:
-        """[B, T, P] fp32 index scores: sum_h w_h relu(q_h . key_p / sqrt(E)) (kernels/indexer_scores.py)."""
-        q = self.wq_b(q_resid).view(*q_resid.shape[:2], self.n_heads, self.head_dim)  # [B, T, H, E]
+        """[B, T, P] fp32 index scores: sum_h w_h relu(q_h . key_p / sqrt(K)) (kernels/indexer_scores.py)."""
+        q = self.wq_b(q_resid).view(*q_resid.shape[:2], self.n_heads, self.head_dim)  # [B, T, H, K]
         w = self.weights_proj(x).float() * self.n_heads**-0.5  # [B, T, H]
         return kernel("indexer_scores")(q, w, pool_keys, self.head_dim**-0.5)
 

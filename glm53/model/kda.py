@@ -1,12 +1,12 @@
 """Kimi Delta Attention layer (KDA): GLM-5.3's linear-attention block.
 
-Legend: B batch, T time, D model width, H heads, K head width (keys and values share it), W conv width.
+Legend: B batch, T time, D model width, H heads, K head width (values share it: V = K), W conv width.
 Following transformers' Glm5NextTextLinearAttention:
     x = x * padding_mask                                     (padding never enters the state)
     q, k, v = silu(causal_conv(proj(x)))                     (three separate depthwise convs, fp32)
     g = lower_bound * sigmoid(exp(A_log) * (f_b(f_a(x)) + dt_bias))   or  -exp(A_log) * softplus(...) if no bound
     beta = sigmoid(b_proj(x))
-    o = KDA(l2norm(q), l2norm(k), v, g, beta)                (kernels/kda.py)
+    o = KDA(l2norm(q), l2norm(k), v, g, beta)                (kernels/kda/chunk.py)
     out = o_proj(gated_rmsnorm(o, g_b(g_a(x))))
 """
 

@@ -1,12 +1,12 @@
 """NoPE multi-head latent attention (MLA) with DSA top-k sparse attention.
 
-Legend: B batch, T time, D model width, H heads, R q_lora_rank, C kv_lora_rank, E qk head width, F v head width,
-J selected key slots per query.
+Legend: B batch, T time, D model width, H heads, R q_lora_rank, Z kv_lora_rank, K qk head width, V v head width,
+J selected key slots per query (einsum subscripts: e, f, c stand for K, V, Z).
 Following transformers' Glm5NextTextAttention (no rotary part: qk_rope_head_dim == 0):
-    q_resid = RMSNorm(q_a_proj(x));            q = q_b_proj(q_resid)       [B, T, H, E]
-    latent  = RMSNorm(kv_a_proj_with_mqa(x));  k, v = split(kv_b_proj(latent))   [B, T, H, E], [B, T, H, F]
+    q_resid = RMSNorm(q_a_proj(x));            q = q_b_proj(q_resid)       [B, T, H, K]
+    latent  = RMSNorm(kv_a_proj_with_mqa(x));  k, v = split(kv_b_proj(latent))   [B, T, H, K], [B, T, H, V]
     top-k   = this layer's indexer(x, q_resid)   or the indices shared from an earlier "full" layer
-    out     = o_proj(sparse_attention(q, k, v, top-k, scale = E^-0.5))
+    out     = o_proj(sparse_attention(q, k, v, top-k, scale = K^-0.5))
 The attention runs either per head (kernel "sparse_attention") or absorbed into the latent (kernel
 "sparse_mqa_attention", see `absorb` below); both are exact rewrites of the same sum.
 """
@@ -49,8 +49,8 @@ class MultiHeadLatentAttention(nn.Module):
         self.kpool = config.index_kpool
         self.indexer = None if self.shares_topk else Indexer(config)
         # Absorbed form (DeepSeek-V2 "weight absorption"): attend in the kv_lora latent, shared by all heads, when
-        # it is no wider than one head's key + value (GLM-5.3: 512 <= 256 + 256). Per (query, slot) it gathers C
-        # numbers instead of H * (E + F); per (query, head, slot) it costs 2C instead of E + F flops. kv_b_proj must
+        # it is no wider than one head's key + value (GLM-5.3: 512 <= 256 + 256). Per (query, slot) it gathers Z
+        # numbers instead of H * (K + V); per (query, head, slot) it costs 2Z instead of K + V flops. kv_b_proj must
         # have no bias (it has none). An explicit numerics setting: Glm53ForCausalLM.set_numerics(mla_absorb=...).
         self.absorb = config.kv_lora_rank <= self.qk_head_dim + self.v_head_dim
 
@@ -64,7 +64,7 @@ class MultiHeadLatentAttention(nn.Module):
         record = stats is not None and stats.indexer
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = rearrange(self.q_b_proj(q_resid), "b t (h e) -> b t h e", e=self.qk_head_dim)
-        latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))  # [B, T, C]
+        latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))  # [B, T, Z]
         if self.indexer is not None and record:
             topk, stats.index_scores, stats.candidate, stats.selected = self.indexer.score_and_select(
                 x, q_resid, valid, grad=True
@@ -79,9 +79,9 @@ class MultiHeadLatentAttention(nn.Module):
         if self.absorb:
             # q_abs = W_uk^T q per head; attend in the latent (key = value = latent); o = W_uv o_latent
             w = as_local(self.kv_b_proj, "weight").view(-1, self.qk_head_dim + self.v_head_dim, latent.shape[-1])
-            w_uk, w_uv = w.split([self.qk_head_dim, self.v_head_dim], dim=1)  # [H, E, C], [H, F, C]
+            w_uk, w_uv = w.split([self.qk_head_dim, self.v_head_dim], dim=1)  # [H, K, Z], [H, V, Z]
             q_abs = torch.einsum("bthe,hec->bthc", q, w_uk)
-            o_latent = kernel("sparse_mqa_attention")(q_abs, latent, topk, self.scale)  # [B, T, H, C]
+            o_latent = kernel("sparse_mqa_attention")(q_abs, latent, topk, self.scale)  # [B, T, H, Z]
             o = torch.einsum("bthc,hfc->bthf", o_latent, w_uv)
         else:
             k, v = self._expand_kv(latent)
@@ -94,7 +94,7 @@ class MultiHeadLatentAttention(nn.Module):
         return self.o_proj(rearrange(o, "b t h f -> b t (h f)")), topk
 
     def _expand_kv(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """latent [B, T, C] -> per-head k [B, T, H, E], v [B, T, H, F]."""
+        """latent [B, T, Z] -> per-head k [B, T, H, K], v [B, T, H, V]."""
         kv = rearrange(self.kv_b_proj(latent), "b t (h e) -> b t h e", e=self.qk_head_dim + self.v_head_dim)
         k, v = kv.split([self.qk_head_dim, self.v_head_dim], dim=-1)
         return k, v

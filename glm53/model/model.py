@@ -1,6 +1,6 @@
 """Glm53Model and Glm53ForCausalLM: embedding -> N mHC streams -> decoder blocks -> stream mean -> norm -> head.
 
-Legend: B batch, T time, N streams (hc_mult), D model width, V vocab.
+Legend: B batch, T time, N streams (hc_mult), D model width, vocab the vocabulary size.
 `attention_mask` is a 2-D padding mask [B, T] (1 = token, 0 = padding; left or right padding). KDA layers zero
 padded inputs and the indexer never selects padded keys, so valid positions do not depend on padding.
 
@@ -43,7 +43,7 @@ from .norm import RMSNorm
 
 @dataclass
 class CausalLMOutput:
-    logits: torch.Tensor  # [B, T, V]
+    logits: torch.Tensor  # [B, T, vocab]
     loss: torch.Tensor | None = None  # lm + mtp_loss_weight * mtp + aux + indexer_loss_weight * indexer
     lm_loss: torch.Tensor | None = None  # next-token cross-entropy alone
     mtp_loss: torch.Tensor | None = None  # MTP cross-entropy, mean over depths (None without an MTP module)
@@ -135,7 +135,7 @@ class Glm53ForCausalLM(nn.Module):
         self.model = Glm53Model(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
-        # MTP layers (layers.{N}.* on disk); they share embed_tokens and lm_head with the main model.
+        # MTP layers (layers.{num_hidden_layers}.* on disk); they share embed_tokens and lm_head with the main model.
         self.mtp = MultiTokenPrediction(config) if config.num_nextn_predict_layers > 0 else None
         # Reduces the stacked expert loads [moe layers, E] before the bias update; the parallel layer sets it
         # to a sum over data-parallel ranks (model code holds no collectives).

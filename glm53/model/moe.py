@@ -1,6 +1,6 @@
 """Mixture of experts: sigmoid group-limited router, fused routed experts, one shared expert.
 
-Legend: N tokens (batch * time flattened), D model width, E routed experts, G expert groups, k experts per token,
+Legend: M tokens (B * T flattened), D model width, E routed experts, G expert groups, k experts per token,
 I expert width. Routing follows transformers' Glm5NextTextTopkRouter (DeepSeek-V3 style): fp32 logits, sigmoid
 scores; the choice adds `e_score_correction_bias` (the aux-loss-free balancing bias) and keeps the `topk_group`
 groups whose two best biased scores sum highest; the weights are the chosen experts' unbiased scores,
@@ -39,13 +39,13 @@ class Router(nn.Module):
         self.counted_load: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [N, D] -> (logits [N, E] fp32, weights [N, k] fp32, indices [N, k])."""
+        """x [M, D] -> (logits [M, E] fp32, weights [M, k] fp32, indices [M, k])."""
         logits = F.linear(x.float(), as_local(self, "weight").float())
         scores = logits.sigmoid()
         biased = scores + self.e_score_correction_bias.float()
         if self.n_group > 1:
-            grouped = biased.view(-1, self.n_group, self.num_experts // self.n_group)  # [N, G, E/G]
-            group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [N, G]
+            grouped = biased.view(-1, self.n_group, self.num_experts // self.n_group)  # [M, G, E/G]
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [M, G]
             keep = torch.zeros_like(group_scores, dtype=torch.bool)
             keep.scatter_(1, group_scores.topk(self.topk_group, dim=-1, sorted=False).indices, True)
             biased = grouped.masked_fill(~keep[..., None], float("-inf")).view(-1, self.num_experts)

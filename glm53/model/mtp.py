@@ -1,6 +1,6 @@
 """Multi-token prediction (MTP): predicts tokens t+2 .. t+1+depth from the main model's hidden states.
 
-Legend: B batch, T time, D model width, V vocab.
+Legend: B batch, T time, D model width, vocab the vocabulary size.
 One MTP layer (DeepSeek-V3 section 2.2, GLM-5), stored as `layers.{num_hidden_layers}.*` in the release:
     x  = eh_proj(cat[enorm(embed(t_{i+d})), hnorm(h_i^{d-1})])         [B, T, 2D] -> [B, T, D]
     x  = x + self_attn(input_layernorm(x))                            (NoPE MLA + its own DSA indexer, no mHC)
@@ -92,7 +92,7 @@ class MultiTokenPrediction(nn.Module):
         """hidden [B, T, D] (main model, final-normed), embeds [B, T, D] of the input tokens; `ctx` is the main
         model's (its `valid` [B, T] and `record_indexer` are used; stats are always collected).
 
-        -> per depth d = 1..mtp_depth: (logits_d [B, T, V] predicting token i + d + 1, valid_d [B, T], stats).
+        -> per depth d = 1..mtp_depth: (logits_d [B, T, vocab] predicting token i + d + 1, valid_d [B, T], stats).
         """
         out = []
         h = hidden

@@ -1,6 +1,7 @@
-"""Normalisations. Legend: ... any leading dims, D normalised width.
+"""Normalisations. Legend: ... any leading dims, d the normalised width (D in the block norms, R and Z in MLA's
+latent norms, K in the indexer's key LayerNorm, V in KDA's gated output norm).
 
-All statistics are computed in fp32 (MODEL_NOTES.md, "Numerics"). The RMS formulas live in kernels/rms_norm.py
+All statistics are computed in fp32 (docs/model.md, "Numerics"). The RMS formulas live in kernels/rms_norm.py
 (a reference and a fast form with a hand-written backward).
 """
 
@@ -22,7 +23,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., D]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., d]
         return kernel("rms_norm")(x, as_local(self, "weight"), self.eps)
 
     def init_weights(self) -> None:
@@ -40,7 +41,7 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # [..., D], [..., D]
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # [..., d], [..., d]
         return kernel("gated_rms_norm")(x, gate, as_local(self, "weight"), self.eps)
 
     def init_weights(self) -> None:
@@ -60,7 +61,7 @@ class LayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., D]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., d]
         return F.layer_norm(x, (x.shape[-1],), as_local(self, "weight"), as_local(self, "bias"), self.eps)
 
     def init_weights(self) -> None:

@@ -4,7 +4,7 @@ Legend: a *boundary* is a place where a glm53 module hands one of its parameters
 tensors (`glm53.boundary.as_local`). What a kernel may receive there depends on the plan, not on the module:
 - `Whole(grad_placements)`: the whole parameter (it must be Replicate on every mesh dimension). When the
   activations it meets are sharded on the mesh (KDA's o_norm on head-sharded outputs) its gradient on each
-  rank is a partial sum, declared with `grad_placements=[Partial()]` (PARALLEL_NOTES.md).
+  rank is a partial sum, declared with `grad_placements=[Partial()]` (docs/parallel.md).
 - `LocalShard(placements)`: this rank's shard of a parameter sharded exactly like the activations it meets
   (KDA's per-channel convs, dt_bias, A_log); anything else is rejected rather than sliced silently.
 Parameters without a registered rule get `Whole()`. Plain tensors always pass through unchanged.

@@ -24,10 +24,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 from ..model.context import ForwardContext
-from ..model.kda import CausalConv1d, KimiDeltaAttention
 from ..model.mla import MultiHeadLatentAttention
 from ..model.model import Glm53ForCausalLM
-from ..model.moe import MoE
 from ..model.mtp import MTPLayer
 from ..precision import keeps_fp32
 from .boundary import name_modules
@@ -121,19 +119,11 @@ def apply_fsdp(model: Glm53ForCausalLM, dp_mesh: DeviceMesh, mp_policy: MixedPre
             # resharded again: its own unit gathers it for that call.
             fully_shard(block.shared_head.norm, **shard, mp_policy=policy)
         if _needs_fp32_units(mp_policy):
-            fp32 = dict(shard, mp_policy=_fp32_policy(policy))
-            for site in ("attn_hc", "ffn_hc"):  # MTP layers have no mHC
-                if hasattr(block, site):
-                    fully_shard(getattr(block, site), **fp32)
-            if isinstance(block.mlp, MoE):
-                fully_shard(block.mlp.gate, **fp32)
-            attn = block.self_attn
-            if isinstance(attn, KimiDeltaAttention):
-                # The projections and o_norm form one low-precision unit; what remains directly under the KDA
-                # module (dt_bias, A_log and the three convs) is its fp32 unit.
-                low = [m for m in attn.children() if not isinstance(m, CausalConv1d)]
+            fp32_modules, low_modules = fp32_units(block)
+            for low in low_modules:  # low-precision children of an fp32 unit get their own units first
                 fully_shard(low, **shard, mp_policy=policy)
-                fully_shard(attn, **fp32)
+            for module in fp32_modules:
+                fully_shard(module, **shard, mp_policy=_fp32_policy(policy))
         if _needs_fp32_units(mp_policy):
             # FSDP's own input cast rebuilds dataclass arguments, so the block would fill a copy of the caller's
             # ForwardContext and the losses would never see the stats the block records: cast here instead.
@@ -142,6 +132,39 @@ def apply_fsdp(model: Glm53ForCausalLM, dp_mesh: DeviceMesh, mp_policy: MixedPre
         else:
             fully_shard(block, **shard, mp_policy=policy)
     fully_shard(model, **shard, mp_policy=policy)
+
+
+def fp32_units(block: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
+    """The FSDP units that keep `block`'s fp32 keep-list (glm53.precision) in fp32 under a bf16 policy.
+
+    -> (fp32 units, low-precision units nested in them). A module all of whose parameters keep fp32 (an mHC
+    site, the router, a conv) is one fp32 unit. A module whose own parameters keep fp32 but whose children do
+    not (KDA: dt_bias and A_log beside its projections) becomes an fp32 unit after each of its children that
+    is not all-fp32 gets a low-precision unit of its own. Names are relative to `block`; the keep-list matches
+    suffixes, so they resolve the same as the model's full names.
+    """
+    fp32: list[nn.Module] = []
+    low: list[nn.Module] = []
+
+    def all_fp32(module: nn.Module, name: str, recurse: bool) -> bool | None:
+        names = [f"{name}.{n}" for n, _ in module.named_parameters(recurse=recurse)]
+        return all(keeps_fp32(n) for n in names) if names else None
+
+    def visit(module: nn.Module, name: str) -> None:
+        if all_fp32(module, name, recurse=True):
+            fp32.append(module)
+        elif all_fp32(module, name, recurse=False):
+            for child_name, child in module.named_children():
+                if all_fp32(child, f"{name}.{child_name}", recurse=True) is False:
+                    low.append(child)
+            fp32.append(module)
+        else:
+            for child_name, child in module.named_children():
+                visit(child, f"{name}.{child_name}")
+
+    for child_name, child in block.named_children():
+        visit(child, child_name)
+    return fp32, low
 
 
 def _cast_float_inputs(dtype: torch.dtype):
@@ -260,5 +283,5 @@ def loss_parallel_context(model: nn.Module) -> contextlib.AbstractContextManager
     return loss_parallel() if model in _VOCAB_PARALLEL else contextlib.nullcontext()
 
 
-__all__ = ["parallelize", "apply_tensor_parallel", "apply_fsdp", "loss_parallel_context", "init_weights",
-           "zero_rows", "expert_load_sum"]
+__all__ = ["parallelize", "apply_tensor_parallel", "apply_fsdp", "fp32_units", "loss_parallel_context",
+           "init_weights", "zero_rows", "expert_load_sum"]

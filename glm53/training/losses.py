@@ -1,9 +1,9 @@
 """Training losses beyond next-token cross-entropy: expert balancing, router z-loss, DSA indexer KL.
 
-Legend: B batch, T time (queries), S keys, H heads, E experts (or head width where noted), K experts per token,
-P k-pools, L tokens per pool, N = B * T tokens.
-(docs/training.md.)
-- Sequence-wise balance loss (DeepSeek-V3 eq. 17-20): per sequence, f_i = E / (K T) * #tokens routed to i and
+Legend: B batch, T time (queries), S keys, H heads, K MLA query/key head width, E experts, k experts per token
+(balance_loss's locals call it K), P k-pools, L tokens per pool, M = B * T tokens, Tq a block of queries.
+The semantics are in docs/training.md. (f_i and P_i below are DeepSeek-V3's symbols, not dimensions.)
+- Sequence-wise balance loss (DeepSeek-V3 eq. 17-20): per sequence, f_i = E / (k T) * #tokens routed to i and
   P_i = mean over tokens of s_i / sum_j s_j (sigmoid scores); loss = sum_i f_i P_i, averaged over sequences.
 - Router z-loss (ST-MoE eq. 5): mean over tokens of logsumexp(router logits)^2.
 - Indexer KL (DeepSeek-V3.2 eq. 3-4, with GLM's k-pools): target = main attention probabilities summed over
@@ -49,7 +49,7 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def balance_loss(logits: torch.Tensor, indices: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Sequence-wise balance loss sum_i f_i P_i, mean over sequences with a valid token.
 
-    logits [N, E] router logits, indices [N, K] chosen experts, valid [B, T] bool (padding is not counted).
+    logits [M, E] router logits, indices [M, k] chosen experts, valid [B, T] bool (padding is not counted).
     """
     B, T = valid.shape
     E, K = logits.shape[-1], indices.shape[-1]
@@ -67,13 +67,13 @@ def balance_loss(logits: torch.Tensor, indices: torch.Tensor, valid: torch.Tenso
 
 
 def z_loss(logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Router z-loss: mean over valid tokens of logsumexp_i(logits_i)^2. logits [N, E], valid [B, T]."""
+    """Router z-loss: mean over valid tokens of logsumexp_i(logits_i)^2. logits [M, E], valid [B, T]."""
     m = valid.flatten().float()
     return (torch.logsumexp(logits.float(), dim=-1).square() * m).sum() / m.sum().clamp_min(1)
 
 
 def expert_load(indices: torch.Tensor, valid: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Tokens routed to each expert [E] (fp32), padding excluded. indices [N, K], valid [B, T]."""
+    """Tokens routed to each expert [E] (fp32), padding excluded. indices [M, k], valid [B, T]."""
     hits = valid.flatten()[:, None].expand_as(indices).float()
     load = torch.zeros(num_experts, device=indices.device)
     return load.scatter_add_(0, indices.flatten(), hits.flatten())
@@ -105,7 +105,7 @@ def attention_pool_mass(
 ) -> torch.Tensor:
     """Dense causal attention probabilities summed over heads and within each pool: [B, T, P] fp32.
 
-    q, k [B, T, H, E] (MLA queries and keys), valid [B, T] bool. The pools are the indexer's (`kept_pools`);
+    q, k [B, T, H, K] (MLA queries and keys), valid [B, T] bool. The pools are the indexer's (`kept_pools`);
     mass on positions outside complete pools (the tail) lands in incomplete or invisible pools, which the
     candidate mask removes later. Restricting these dense probabilities to the selected pools and
     renormalising gives the sparse attention's own probabilities there (a softmax restricted to a subset).
@@ -117,14 +117,14 @@ def attention_pool_mass(
     in_pool = (positions >= 0).view(B, 1, -1)
     key_pos = torch.arange(T, device=q.device)
     chunks = []
-    for start in range(0, T, QUERY_CHUNK):  # bounds the [B, H, chunk, S] probabilities in memory
+    for start in range(0, T, QUERY_CHUNK):  # bounds the [B, H, Tq, S] probabilities in memory
         qc = q[:, start : start + QUERY_CHUNK]
         causal = key_pos[None, :] <= torch.arange(start, start + qc.shape[1], device=q.device)[:, None]
-        visible = causal[None] & valid[:, None, :]  # [B, chunk, S]
+        visible = causal[None] & valid[:, None, :]  # [B, Tq, S]
         logits = torch.einsum("bthe,bshe->bhts", qc.float(), k.float()) * scale
         probs = logits.masked_fill(~visible[:, None], float("-inf")).softmax(-1).nan_to_num(0.0)
-        token_mass = probs.sum(1)  # [B, chunk, S]: summed over heads
-        gathered = token_mass.gather(-1, index.expand(B, qc.shape[1], -1)) * in_pool  # [B, chunk, P*L]
+        token_mass = probs.sum(1)  # [B, Tq, S]: summed over heads
+        gathered = token_mass.gather(-1, index.expand(B, qc.shape[1], -1)) * in_pool  # [B, Tq, P*L]
         chunks.append(gathered.view(B, qc.shape[1], P, kpool).sum(-1))
     return torch.cat(chunks, dim=1)
 

@@ -1,6 +1,6 @@
 """A gloo worker pool for multi-process tests: spawn `world_size` ranks once, then feed them jobs.
 
-Spawning a gloo world costs seconds (PARALLEL_NOTES.md), so a test module starts one pool per world size in a
+Spawning a gloo world costs seconds (docs/parallel.md), so a test module starts one pool per world size in a
 module-scoped fixture and sends every rank the same job (an importable function and its kwargs, generated in
 the parent). Each rank returns the job's result; an exception on any rank fails the call with its traceback.
 Jobs live in this file so the spawned children can import them.

@@ -1,7 +1,7 @@
 """Every glm53 block against its transformers 5.23.0 counterpart, with identical random weights.
 
 Each test builds the transformers module from the same Glm53Config, randomises every parameter and buffer
-(tests/oracle.py `randomize`: A_log, dt_bias, hc base/scale, e_score_correction_bias, norm weights and biases,
+(tests/helpers/oracle.py `randomize`: A_log, dt_bias, hc base/scale, e_score_correction_bias, norm weights and biases,
 indexer ape/gate ...), copies them into the glm53 module by name and compares outputs in fp32.
 """
 

@@ -2,7 +2,7 @@
 plan's keys and parallelize's errors.
 
 `LocalTensorMode` with the `fake` process group runs a whole world of 4 ranks in this process and computes the
-collectives (PARALLEL_NOTES.md), so placement properties are checked in milliseconds per example. Meshes:
+collectives (docs/parallel.md), so placement properties are checked in milliseconds per example. Meshes:
 tp=2 (the "tp" half of a 2x2 mesh) and tp=4. FSDP needs real processes: see test_parallel_gloo.py.
 """
 
@@ -302,7 +302,7 @@ def test_parallelize_errors(meshes):
 
 
 def test_only_glm53_parallel_imports_torch_distributed():
-    """STYLE.md rule 11: model code stays free of torch.distributed."""
+    """docs/style.md, "Parallelism": model code stays free of torch.distributed."""
     root = Path(glm53.__file__).parent
     imports = re.compile(r"^\s*(import|from)\s+torch\.distributed", re.MULTILINE)
     model_files = [p for p in root.rglob("*.py") if "parallel" not in p.relative_to(root).parts]

@@ -1,6 +1,7 @@
 """Kimi Delta Attention (KDA): the gated delta rule with a per-channel forget gate.
 
-Legend: B batch, T time, H heads, K key width, V value width, C chunk length, N = T / C chunks.
+Legend: B batch, T time, H heads, K key width, V value width, C chunk length, T/C chunks (rounded up; the
+functions' locals call the chunk count N), n the length of one chunk in the chunked reference.
 
 Conventions (shared by every implementation in this file, same signature):
 - q, k: [B, T, H, K], already L2-normalised by the caller; `scale` multiplies q (default K^-0.5).
@@ -21,6 +22,7 @@ import torch
 
 from ...utils import ceil_div
 from ..dispatch import register
+from ..opaque import autograd_inside_op
 from .decay import (
     BASE_BLOCK,
     _decay,
@@ -130,9 +132,9 @@ def kda_chunk_reference(
 
 # ----------------------------------------------------------------------------------------------------- fast form
 # The intra-chunk decayed products (sub-chunk rebasing, the hierarchical factorisation, why neither can overflow)
-# live in kda_decay.py; this part is the WY solve, the state recurrence over chunks and the hand-written backward.
-# Chunk length of the fast form. Intra-chunk work grows with C (products, the triangular solve), per-chunk
-# state work with T / C; on CPU with K = V = 64, C = 32 ran fwd+bwd ~20% faster than 64 and than 16 at T = 2048.
+# live in decay.py; this part is the WY solve, the state recurrence over chunks and the hand-written backward.
+# Chunk length of the fast form: intra-chunk work grows with C (products, the triangular solve), per-chunk state
+# work with T/C; 32 balances the two on CPU (benchmarks/RESULTS.md).
 FAST_CHUNK_SIZE = 32
 RECURRENT_MAX_T = 1  # single-token steps (decode) use the recurrent form directly
 
@@ -149,8 +151,8 @@ def _unit_lower_inverse(A: torch.Tensor) -> torch.Tensor:
 
 
 def _scan_states(transition: torch.Tensor, inject: torch.Tensor, S0: torch.Tensor):
-    """S_{n+1} = transition_n S_n + inject_n over chunks: [B, H, N, K, K], [B, H, N, K, V], S0 [B, H, K, V] ->
-    (chunk start states [B, H, N, K, V], final state [B, H, K, V]). The chunk axis is sliced in place
+    """S_{n+1} = transition_n S_n + inject_n over chunks: [B, H, T/C, K, K], [B, H, T/C, K, V], S0 [B, H, K, V] ->
+    (chunk start states [B, H, T/C, K, V], final state [B, H, K, V]). The chunk axis is sliced in place
     (batch-strided matmuls), so no permuted copy of the per-chunk tensors is made."""
     B, H, N, K, V = inject.shape
     S = S0.reshape(B * H, K, V)
@@ -162,7 +164,7 @@ def _scan_states(transition: torch.Tensor, inject: torch.Tensor, S0: torch.Tenso
 
 
 def _to_chunks(T, C, *xs):
-    """[B, T, H, *] -> [B, H, N, C, *] (zero-padded to N * C tokens), contiguous."""
+    """[B, T, H, *] -> [B, H, T/C, C, *] (zero-padded to (T/C) * C tokens), contiguous."""
     N = ceil_div(T, C)
     pad = N * C - T
     pad_to = lambda x: torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)) if pad else x  # noqa: E731
@@ -170,12 +172,12 @@ def _to_chunks(T, C, *xs):
 
 
 def _from_chunks(T, *xs):
-    """[B, H, N, C, *] -> [B, T, H, *] (padding dropped)."""
+    """[B, H, T/C, C, *] -> [B, T, H, *] (padding dropped)."""
     return [x.permute(0, 2, 3, 1, 4).flatten(1, 2)[:, :T] for x in xs]
 
 
 def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [..., M, K] @ b [..., K, N] for equal leading dims, as one bmm (views with a row stride are fine)."""
+    """a @ b for equal leading dims (any last-two sizes), as one bmm (views with a row stride are fine)."""
     return torch.bmm(a.flatten(0, -3), b.flatten(0, -3)).view(*a.shape[:-1], b.shape[-1])
 
 
@@ -186,7 +188,7 @@ def _baddbmm(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1
 
 
 class _WyChunks(NamedTuple):
-    """The WY-form quantities of every chunk ([B, H, N, ...]), shared by the forward and the hand-written backward.
+    """The WY-form quantities of every chunk ([B, H, T/C, ...]), shared by the forward and the hand-written backward.
 
     kEv = [k e^G | v] [C, K+V] and WU = L^-1 diag(beta) kEv = [W | Ub] side by side, so one matmul serves both
     right-hand sides (and, in backward, both of their gradients); TI = Kd^T WU = [Kd^T W | inject] likewise.
@@ -208,26 +210,26 @@ class _WyChunks(NamedTuple):
 
 
 def _wy_chunks(q, k, v, beta, G, S0) -> _WyChunks:
-    """Chunked q, k [B, H, N, C, K], v [.., C, V], beta [.., C, 1], cumulative decay G [.., C, K], S0 [B, H, K, V].
+    """Chunked q, k [B, H, T/C, C, K], v [.., C, V], beta [.., C, 1], cumulative decay G [.., C, K], S0 [B, H, K, V].
 
     Per chunk (see kda_chunk_reference): W = L^-1 diag(beta) (K e^G), Ub = L^-1 diag(beta) V with
     L = I + diag(beta) A, all chunks at once; then the states follow the linear recurrence
     S_{n+1} = (diag(e^{G_C}) - Kd^T W) S_n + Kd^T Ub   (Kd = K e^{G_C - G}), one batched matmul per chunk.
     """
     K = k.shape[-1]
-    G_end = G[..., -1:, :]  # [B, H, N, 1, K]
+    G_end = G[..., -1:, :]  # [B, H, T/C, 1, K]
     factors = _rebased_factors(k, q, G) if _rebase_is_safe(G) else None
     if factors is not None:
-        A, QK = _rebased_products(factors)  # [B, H, N, C, C] each
+        A, QK = _rebased_products(factors)  # [B, H, T/C, C, C] each
     else:
         both = _decayed_products(torch.stack([k, q]), k[None], G[None])
         A, QK = both[0].tril(-1), both[1]
     L_inv = _unit_lower_inverse(beta * A)  # L = I + diag(beta) A
     E, E_end, D = _decay(G), _decay(G_end), _decay(G_end - G)
-    kEv = torch.cat([k * E, v], dim=-1)  # [B, H, N, C, K+V]
+    kEv = torch.cat([k * E, v], dim=-1)  # [B, H, T/C, C, K+V]
     WU = _bmm(L_inv, kEv * beta)  # [W | Ub]
     Kd = k * D
-    TI = _bmm(Kd.transpose(-1, -2), WU)  # [B, H, N, K, K+V]
+    TI = _bmm(Kd.transpose(-1, -2), WU)  # [B, H, T/C, K, K+V]
     transition = torch.diag_embed(E_end.squeeze(-2)) - TI[..., :K]
     starts, S = _scan_states(transition, TI[..., K:], S0)
     return _WyChunks(A, QK, factors, L_inv, E, E_end, D, kEv, WU, Kd, transition, starts, S)
@@ -242,12 +244,12 @@ def _kda_chunk_core(q, k, v, g, beta, S0):
     B, T, H, K = k.shape
     V = v.shape[-1]
     C = _chunk_size(T)
-    q, k, v, g = _to_chunks(T, C, q, k, v, g)  # [B, H, N, C, *]; padding: k = beta = 0, g = 0 (no write, no decay)
-    (beta,) = _to_chunks(T, C, beta[..., None])  # [B, H, N, C, 1]
+    q, k, v, g = _to_chunks(T, C, q, k, v, g)  # [B, H, T/C, C, *]; padding: k = beta = 0, g = 0 (no write, no decay)
+    (beta,) = _to_chunks(T, C, beta[..., None])  # [B, H, T/C, C, 1]
     N = q.shape[2]
     ch = _wy_chunks(q, k, v, beta, g.cumsum(dim=-2), S0)
     U = _baddbmm(ch.WU[..., K:], ch.WU[..., :K], ch.starts, alpha=-1.0)  # Ub - W S_n
-    o = _baddbmm(_bmm(ch.QK, U), q * ch.E, ch.starts)  # [B, H, N, C, V]
+    o = _baddbmm(_bmm(ch.QK, U), q * ch.E, ch.starts)  # [B, H, T/C, C, V]
     o = o.permute(0, 2, 3, 1, 4).reshape(B, N * C, H, V)[:, :T]
     return o, ch.S
 
@@ -282,8 +284,8 @@ def _kda_chunk_backward(q, k, v, g, beta, S0, do, dS):
     B, T, H, K = k.shape
     V = v.shape[-1]
     C = _chunk_size(T)
-    q, k, v, g, do = _to_chunks(T, C, q, k, v, g, do)  # [B, H, N, C, *]
-    (beta,) = _to_chunks(T, C, beta[..., None])  # [B, H, N, C, 1]
+    q, k, v, g, do = _to_chunks(T, C, q, k, v, g, do)  # [B, H, T/C, C, *]
+    (beta,) = _to_chunks(T, C, beta[..., None])  # [B, H, T/C, C, 1]
     N = q.shape[2]
     G = g.cumsum(dim=-2)
     if not _rebase_is_safe(G):
@@ -296,25 +298,25 @@ def _kda_chunk_backward(q, k, v, g, beta, S0, do, dS):
     dQK = _bmm(do, U.transpose(-1, -2)).tril()
     dU = _bmm(ch.QK.transpose(-1, -2), do)
     dqE = _bmm(do, starts.transpose(-1, -2))
-    dstarts = _baddbmm(_bmm(qE.transpose(-1, -2), do), W.transpose(-1, -2), dU, alpha=-1.0)  # [B, H, N, K, V]
+    dstarts = _baddbmm(_bmm(qE.transpose(-1, -2), do), W.transpose(-1, -2), dU, alpha=-1.0)  # [B, H, T/C, K, V]
     # S_{n+1} = transition_n S_n + inject_n, walked backwards from the final state's gradient
     dS_next = dS.reshape(B * H, K, V) if dS is not None else ch.S.new_zeros(B * H, K, V)
-    dstarts_n, trans_n = dstarts.flatten(0, 1), ch.transition.flatten(0, 1).transpose(-1, -2)  # [B*H, N, *, *] views
+    dstarts_n, trans_n = dstarts.flatten(0, 1), ch.transition.flatten(0, 1).transpose(-1, -2)  # [B*H, T/C, *, *] views
     nexts = []
     for n in range(N - 1, -1, -1):
         nexts.append(dS_next)
         dS_next = torch.baddbmm(dstarts_n[:, n], trans_n[:, n], dS_next)
     dS0 = dS_next.view(B, H, K, V)
     dinject = torch.stack(nexts[::-1], dim=1).view(B, H, N, K, V)  # dS_{n+1}
-    dtrans = _bmm(dinject, starts.transpose(-1, -2))  # [B, H, N, K, K]
+    dtrans = _bmm(dinject, starts.transpose(-1, -2))  # [B, H, T/C, K, K]
     # TI = Kd^T [W | Ub] = [diag(E_end) - transition | inject]:  dTI = [-dtrans | dinject]
-    dTI = torch.cat([-dtrans, dinject], dim=-1)  # [B, H, N, K, K+V]
-    dKd = _bmm(ch.WU, dTI.transpose(-1, -2))  # [B, H, N, C, K]
+    dTI = torch.cat([-dtrans, dinject], dim=-1)  # [B, H, T/C, K, K+V]
+    dKd = _bmm(ch.WU, dTI.transpose(-1, -2))  # [B, H, T/C, C, K]
     dWU = _bmm(ch.Kd, dTI)  # [dW | dUb] from TI, then from U = Ub - W S_n:
     dWU[..., :K] -= _bmm(dU, starts.transpose(-1, -2))
     dWU[..., K:] += dU
     # [W | Ub] = L^-1 diag(beta) kEv:  dR = L^-T d[W | Ub],  dL = -dR [W | Ub]^T (strictly lower)
-    dR = _bmm(ch.L_inv.transpose(-1, -2), dWU)  # [B, H, N, C, K+V]
+    dR = _bmm(ch.L_inv.transpose(-1, -2), dWU)  # [B, H, T/C, C, K+V]
     dL = -_bmm(dR, ch.WU.transpose(-1, -2)).tril(-1)
     dbeta = (dL * ch.A).sum(-1, keepdim=True) + (dR * ch.kEv).sum(-1, keepdim=True)
     dkEv = dR * beta
@@ -336,39 +338,58 @@ def _kda_chunk_backward(q, k, v, g, beta, S0, do, dS):
     return dq, dk, dv, dg, dbeta[..., 0], dS0
 
 
-class _KdaRecompute(torch.autograd.Function):
-    """Saves only the inputs; backward recomputes the chunk quantities and runs the hand-derived backward.
+# The fast kernel as a custom op (opaque to torch.compile: `_kda_core` branches on the data). Backward
+# recomputes: only the inputs are saved, so no per-chunk temporary (decay products, L^-1 solutions, per-chunk
+# states) outlives the forward. Where the hand-written backward does not apply (single-token steps, decays too
+# steep for sub-chunk rebasing) the chunked forward is recomputed under autograd and differentiated.
+# q is saved unscaled (the caller's tensor, usually already kept by autograd) and scaled inside.
+@torch.library.custom_op("glm53::kda_chunk", mutates_args=())
+def _kda_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+            S0: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    o, S = _kda_core(q * scale, k, v, g, beta, S0)
+    return o.contiguous(), S.contiguous()  # the strides the fake implementation promises
 
-    So no per-chunk temporary (decay products, L^-1 solutions, per-chunk states) outlives the forward: they exist
-    only while this layer's backward runs. Where the hand-written backward does not apply (single-token steps,
-    decays too steep for sub-chunk rebasing) the chunked forward is recomputed under autograd and differentiated.
-    q is saved unscaled (the caller's tensor, usually already kept by autograd) and scaled inside.
-    """
 
-    @staticmethod
-    def forward(ctx, q, k, v, g, beta, S0, scale):
-        ctx.save_for_backward(q, k, v, g, beta, S0)
-        ctx.scale = scale
-        with torch.no_grad():
-            return _kda_core(q * scale, k, v, g, beta, S0)
+@_kda_op.register_fake
+def _(q, k, v, g, beta, S0, scale):
+    return v.new_empty(v.shape), S0.new_empty(S0.shape)
 
-    @staticmethod
-    def backward(ctx, do, dS):
-        q, k, v, g, beta, S0 = ctx.saved_tensors
-        T = q.shape[1]
-        if T > RECURRENT_MAX_T:
-            do = do.to(q.dtype) if do is not None else torch.zeros_like(v)
-            grads = _kda_chunk_backward(q * ctx.scale, k, v, g, beta, S0, do, dS)
-            if grads is not None:  # None: decays too steep for the rebased factors
-                dq, dk, dv, dg, dbeta, dS0 = grads
-                return dq * ctx.scale, dk, dv, dg, dbeta, dS0, None
-        inputs = [x.detach().requires_grad_(need) for x, need in zip(ctx.saved_tensors, ctx.needs_input_grad)]
-        with torch.enable_grad():
-            q, *rest = inputs
-            o, S = _kda_core(q * ctx.scale, *rest)
-            wanted = [x for x in inputs if x.requires_grad]
-            grads = iter(torch.autograd.grad((o, S), wanted, (do, dS), allow_unused=True))
-        return *(next(grads) if x.requires_grad else None for x in inputs), None
+
+@torch.library.custom_op("glm53::kda_chunk_backward", mutates_args=())
+def _kda_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     S0: torch.Tensor, do: torch.Tensor, dS: torch.Tensor, scale: float
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    if q.shape[1] > RECURRENT_MAX_T:
+        grads = _kda_chunk_backward(q * scale, k, v, g, beta, S0, do, dS)
+        if grads is not None:  # None: decays too steep for the rebased factors
+            dq, dk, dv, dg, dbeta, dS0 = grads
+            return tuple(d.contiguous() for d in (dq * scale, dk, dv, dg, dbeta, dS0))
+    inputs = [x.detach().requires_grad_() for x in (q, k, v, g, beta, S0)]
+    with autograd_inside_op():
+        q, *rest = inputs
+        o, S = _kda_core(q * scale, *rest)
+        grads = torch.autograd.grad((o, S), inputs, (do, dS), allow_unused=True)
+    return tuple(torch.zeros_like(x) if d is None else d.contiguous() for x, d in zip(inputs, grads))
+
+
+@_kda_backward_op.register_fake
+def _(q, k, v, g, beta, S0, do, dS, scale):
+    return tuple(x.new_empty(x.shape) for x in (q, k, v, g, beta, S0))
+
+
+def _kda_setup(ctx, inputs, output) -> None:
+    *tensors, ctx.scale = inputs
+    ctx.save_for_backward(*tensors)
+
+
+def _kda_backward(ctx, do, dS):
+    q, k, v, g, beta, S0 = ctx.saved_tensors
+    do = torch.zeros_like(v) if do is None else do.to(q.dtype)
+    dS = torch.zeros_like(S0) if dS is None else dS
+    return *_kda_backward_op(q, k, v, g, beta, S0, do, dS, ctx.scale), None
+
+
+_kda_op.register_autograd(_kda_backward, setup_context=_kda_setup)
 
 
 def kda_chunk(
@@ -384,7 +405,7 @@ def kda_chunk(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The fast eager form: all chunks at once, one batched matmul per chunk for the state; same signature.
 
-    Computes in fp32 (fp64 when q is fp64, for tight gradient tests); backward by recompute (`_KdaRecompute`).
+    Computes in fp32 (fp64 when q is fp64, for tight gradient tests); backward by recompute (`_kda_op`).
     """
     B, T, H, K = k.shape
     V = v.shape[-1]
@@ -399,10 +420,7 @@ def kda_chunk(
     args = (q.to(dtype), k.to(dtype), v.to(dtype), g.to(dtype), beta.to(dtype), S0)
     if T == 0:
         return v.new_zeros(v.shape, dtype=q.dtype), (S0 if output_final_state else None)
-    if torch.is_grad_enabled() and any(x.requires_grad for x in args):
-        o, S = _KdaRecompute.apply(*args, scale)
-    else:
-        o, S = _kda_core(args[0] * scale, *args[1:])
+    o, S = _kda_op(*args, float(scale))
     return o.to(q.dtype), (S if output_final_state else None)
 
 

@@ -1,6 +1,6 @@
-"""Intra-chunk decayed products of the fast KDA chunk form (kda.py), and their adjoint.
+"""Intra-chunk decayed products of the fast KDA chunk form (chunk.py), and their adjoint.
 
-Legend: ... leading dims (B, H, N chunks), C chunk length, K key width, s rows per block.
+Legend: ... leading dims (B, H, T/C chunks), C chunk length, K key width, s rows per block (local).
 For a, b [..., C, K] and the cumulative log-decay G [..., C, K] (from the chunk start, non-increasing):
     M[t, j] = sum_c a_tc b_jc exp(G_tc - G_jc)  for j <= t (0 above),
 formed without any [C, C, K] tensor.
@@ -34,8 +34,8 @@ import torch
 SUB_CHUNK = 16  # rebasing block: 15 steps of the -5 gate span at most 75 <= REBASE_MAX_EXP
 REBASE_MAX_EXP = 80.0  # largest exponent the rebased path may evaluate (fp32 overflows above ~88.7)
 # Every decay exponent (always <= 0 here) is floored at -EXP_FLOOR before exp(): exp(-80) = 1.8e-35 is still a
-# normal fp32 number, while exp(-100) would be a denormal, which x86 CPUs process 10-100x slower (it made the
-# matmuls below crawl). The change to any product is below 1.8e-35 absolute (the other factor is <= 1).
+# normal fp32 number, while exp(-100) would be a denormal, which x86 CPUs process far more slowly (the matmuls
+# below would crawl). The change to any product is below 1.8e-35 absolute (the other factor is <= 1).
 EXP_FLOOR = 80.0
 BASE_BLOCK = 8  # diagonal blocks of the hierarchical form use the explicit pairwise decay
 

@@ -1,0 +1,50 @@
+"""torch.compile of whole decoder blocks (fullgraph=True: a graph break fails the test), forward and backward,
+equal to eager. Kernels with data-dependent control flow are custom ops (glm53/kernels/opaque.py).
+
+The "aot_eager" backend runs dynamo + AOT autograd (tracing, fake tensors, the joint graph) without generating
+C++, so the test checks traceability in seconds; inductor compiles the same graphs.
+MLA blocks are not yet compile-clean (the sparse-attention kernels' key-span sync): marked xfail(strict) so
+the day they compile the marker has to go.
+"""
+
+import pytest
+import torch
+
+from glm53 import Glm53Config, Glm53ForCausalLM
+from glm53.model.context import ForwardContext
+
+BLOCKS = {"KDA-MoE": 1,  # KDA chunk kernel, causal convs, mHC, router, grouped experts
+          "MLA-MoE": pytest.param(3, marks=pytest.mark.xfail(strict=True, reason="sparse attention span sync"))}
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    m = Glm53ForCausalLM(Glm53Config.tiny())
+    for p in m.parameters():  # random weights: default inits hide bugs
+        torch.nn.init.normal_(p, std=0.2)
+    return m
+
+
+@pytest.mark.parametrize("index", BLOCKS.values(), ids=BLOCKS.keys())
+def test_block_compiles_fullgraph_and_matches_eager(model, index):
+    torch._dynamo.reset()
+    block = model.model.layers[index]
+    g = torch.Generator().manual_seed(index)
+    streams = torch.randn(2, 21, model.config.hc_mult, model.config.hidden_size, generator=g)
+    valid = torch.ones(2, 21, dtype=torch.bool)
+    valid[1, :5] = False
+    cot = torch.randn(streams.shape, generator=g)
+
+    def run(fn):
+        x = streams.clone().requires_grad_()
+        out, _ = fn(x, ForwardContext(valid=valid))
+        grads = torch.autograd.grad((out * cot).sum(), [x, *block.parameters()], allow_unused=True)
+        return out, grads
+
+    ref_out, ref_grads = run(block)
+    out, grads = run(torch.compile(block, fullgraph=True, backend="aot_eager"))
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
+    for g_c, g_e in zip(grads, ref_grads):
+        if g_e is not None:
+            torch.testing.assert_close(g_c, g_e, rtol=1e-5, atol=1e-6)
