@@ -12,7 +12,6 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))  # oracle.py builds the transformers model from a Glm53Config
 
 from glm53 import Glm53Config  # noqa: E402
 

@@ -4,8 +4,14 @@
     python benchmarks/bench_model.py --quick              # T in {512, 2048}, glm53 scaling at 4096/8192
     python benchmarks/bench_model.py --seqlens 1024 2048 --reps 5
 
-For each T both models first run one untimed forward and step (warm-up); then they alternate (glm53,
-transformers, glm53, ...) and ratios are medians of the per-pair ratios. Forward runs under no_grad;
+Allocator: by default both models run with glibc told to keep freed memory (RETAIN_ENV below; without it
+transformers' step is dominated by page faults, see RESULTS.md), the fair headline; `--allocator default` runs
+glibc's defaults, and `--also-default` adds that run (a child process) to the same report. The script re-executes
+itself when the environment does not match the requested allocator (glibc reads it at start-up).
+Before timing, both models' logits on the same ids must agree (else the run aborts). For each T both models first
+run one untimed forward and step (warm-up); then they alternate (glm53, transformers, glm53, ...) and ratios are
+medians of the per-pair ratios; the fp32 GEMM peak is measured again before every repetition and its median and
+spread are reported. Forward runs under no_grad;
 forward+backward is one training step's loss.backward() (CE on the logits). Peak memory of a training step is the peak RSS growth of a fresh child process running one step
 (VmHWM, reset just before the step, minus the RSS just before it). MFU = 6 * active matmul parameters * tokens / step time /
 fp32 GEMM peak measured in the same run (attention/KDA score flops are not counted: a lower bound).
@@ -29,6 +35,9 @@ from bench_config import ROOT, bench_config, gemm_peak_flops, machine, median, t
 from glm53 import Glm53ForCausalLM
 from glm53.kernels import chosen_backend
 
+RETAIN_ENV = {"MALLOC_TRIM_THRESHOLD_": "4000000000", "MALLOC_MMAP_THRESHOLD_": "4000000000"}
+LOGITS_RTOL = 1e-3  # relative L2 difference of the two models' logits that aborts the run
+
 OPS = ("kda", "sparse_attention", "sparse_mqa_attention", "moe_experts", "indexer_scores", "hc_collapse", "hc_mix",
        "hc_project", "sinkhorn", "causal_conv1d")
 
@@ -51,6 +60,34 @@ def forward(model, ids, is_hf):
     model.eval()
     with torch.no_grad():
         logits_of(model, ids, is_hf)
+
+
+def check_same_logits(hf, ours, config) -> float:
+    """Relative L2 difference of the two models' logits on seeded ids; raises when they disagree."""
+    ids = torch.randint(1, config.vocab_size, (1, 300), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a, b = logits_of(hf.eval(), ids, True).float(), logits_of(ours.eval(), ids, False).float()
+    rel = float((a - b).norm() / b.norm())
+    if rel > LOGITS_RTOL:
+        raise SystemExit(f"glm53 and transformers disagree before timing: relative logits difference {rel:.2e}")
+    return rel
+
+
+def seeded_ids(config, T: int) -> torch.Tensor:
+    """The same token ids for both models (and every child process) at length T."""
+    return torch.randint(1, config.vocab_size, (1, T), generator=torch.Generator().manual_seed(T))
+
+
+def ensure_allocator(allocator: str) -> None:
+    """Re-execute this script with the environment `allocator` asks for, unless it already has it."""
+    env = dict(os.environ)
+    if allocator == "retain":
+        env.update(RETAIN_ENV)
+    else:
+        for key in RETAIN_ENV:
+            env.pop(key, None)
+    if env != dict(os.environ):
+        os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]], env)
 
 
 def train_step(model, ids, is_hf):
@@ -98,7 +135,7 @@ def memory_child(path: str, which: str, T: int) -> None:
         model, is_hf = Glm5NextForConditionalGeneration.from_pretrained(path, attn_implementation="eager"), True
     else:
         model, is_hf = Glm53ForCausalLM.from_pretrained(path), False
-    ids = torch.randint(1, bench_config().vocab_size, (1, T))
+    ids = seeded_ids(bench_config(), T)
     rss_before = _vm("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
@@ -122,26 +159,39 @@ def main() -> None:
     ap.add_argument("--scaling-seqlens", type=int, nargs=2, default=[4096, 8192], help="glm53 forward T ratio")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--out", default="bench_model.json", help="file name under benchmarks/results/")
+    ap.add_argument("--allocator", choices=["retain", "default"], default="retain",
+                    help="glibc keeps freed memory (fair, default) or glibc defaults")
+    ap.add_argument("--also-default", action="store_true", help="also run with the default allocator (a child)")
     ap.add_argument("--memory-child", choices=["glm53", "transformers"], help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    ensure_allocator(args.allocator)
     torch.set_num_threads(args.threads)
     if args.memory_child:
         return memory_child(args.path, args.memory_child, args.seqlens[0])
+    if args.also_default:
+        child_out = args.out.replace(".json", "") + "_default_allocator.json"
+        argv = [a for a in sys.argv[1:] if a != "--also-default"]
+        argv = [*argv[: argv.index("--out")], *argv[argv.index("--out") + 2 :]] if "--out" in argv else argv
+        cmd = [sys.executable, os.path.abspath(__file__), *argv, "--allocator", "default", "--out", child_out]
+        env = {k: v for k, v in os.environ.items() if k not in RETAIN_ENV}
+        print(subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout, flush=True)
     seqlens = args.seqlens or ([512, 2048] if args.quick else [512, 1024, 2048, 4096])
     torch.manual_seed(0)
     tmp = tempfile.mkdtemp(prefix="glm53-bench-")
     hf, ours, config = build_pair(tmp)
     backends = {op: chosen_backend(op) for op in OPS}
-    peak = gemm_peak_flops()
+    logits_rel = check_same_logits(hf, ours, config)
+    peaks = []
     flops_per_token = 6 * active_matmul_params(config)
     rows = []
     for T in seqlens:
-        ids = torch.randint(1, config.vocab_size, (1, T))
+        ids = seeded_ids(config, T)
         times = {k: [] for k in ("glm53_fwd", "hf_fwd", "glm53_step", "hf_step")}
         for model, is_hf in ((ours, False), (hf, True)):  # warm-up both (allocator, lazy init, first-call logging)
             forward(model, ids, is_hf), train_step(model, ids, is_hf)
         for _ in range(args.reps):
+            peaks.append(gemm_peak_flops())
             times["glm53_fwd"].append(timed(lambda: forward(ours, ids, False)))
             times["hf_fwd"].append(timed(lambda: forward(hf, ids, True)))
             times["glm53_step"].append(timed(lambda: train_step(ours, ids, False)))
@@ -156,7 +206,7 @@ def main() -> None:
             "glm53_step_tok_s": round(T / step, 1),
             "hf_step_tok_s": round(T / median(times["hf_step"]), 1),
             "step_speedup": round(ratio("hf_step", "glm53_step"), 2),
-            "glm53_mfu_pct": round(100 * flops_per_token * T / step / peak, 2),
+            "glm53_mfu_pct": round(100 * flops_per_token * T / step / median(peaks), 2),
             "times_s": {k: [round(x, 4) for x in v] for k, v in times.items()},
         })  # fmt: skip
         print(f"T={T}: step speed-up {rows[-1]['step_speedup']}x, forward {rows[-1]['fwd_speedup']}x", flush=True)
@@ -170,17 +220,20 @@ def main() -> None:
     scale_times = {T4: [], T8: []}
     for _ in range(args.reps):
         for T in (T4, T8):
-            ids = torch.randint(1, config.vocab_size, (1, T))
+            ids = seeded_ids(config, T)
             scale_times[T].append(timed(lambda: forward(ours, ids, False)))
     scaling = {"T": [T4, T8], "glm53_fwd_s": [median(scale_times[T4]), median(scale_times[T8])],
                "ratio": round(median(scale_times[T8]) / median(scale_times[T4]), 3)}  # fmt: skip
     payload = {"machine": machine(), "command": " ".join(sys.argv), "backends": backends,
-               "gemm_peak_gflops": round(peak / 1e9, 2), "model_flops_per_token": flops_per_token,
+               "allocator": args.allocator, "environment": {k: os.environ.get(k) for k in RETAIN_ENV},
+               "logits_rel_diff": logits_rel, "gemm_peak_gflops": round(median(peaks) / 1e9, 2),
+               "gemm_peak_gflops_all": [round(p / 1e9, 1) for p in peaks], "model_flops_per_token": flops_per_token,
                "paired": rows, "memory": memory, "scaling": scaling}  # fmt: skip
     path = write_json(args.out, payload)
     cols = ["T", "glm53_fwd_tok_s", "hf_fwd_tok_s", "fwd_speedup", "glm53_step_tok_s", "hf_step_tok_s",
             "step_speedup", "glm53_mfu_pct"]  # fmt: skip
-    print(f"\nbackends: {backends}; fp32 GEMM peak {payload['gemm_peak_gflops']} GFLOP/s; threads {args.threads}")
+    print(f"\nallocator: {args.allocator}; backends: {backends}; logits agree to {logits_rel:.1e}; threads {args.threads}")
+    print(f"fp32 GEMM peak median {payload['gemm_peak_gflops']} GFLOP/s, measured {payload['gemm_peak_gflops_all']}")
     print(table(rows, cols))
     if memory:
         print("\npeak memory of a training step (RSS growth)")

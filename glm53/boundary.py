@@ -38,6 +38,26 @@ def set_param_resolver(resolver: ParamResolver | None) -> ParamResolver | None:
     return previous
 
 
+# (module, attribute name, activation) -> the activation, marked so its gradient is summed over the ranks that
+# share `module.<name>`'s heads; None means "unchanged".
+InputResolver = Callable[[nn.Module, str, torch.Tensor], torch.Tensor]
+_INPUT_RESOLVER: InputResolver | None = None
+
+
+def into_head_parallel(module: nn.Module, name: str, x: torch.Tensor) -> torch.Tensor:
+    """`x`, which every rank holds whole, as the input of a computation over this rank's heads of
+    `module.<name>` (the absorbed MLA reads the shared latent with its local heads). On one process `x` itself;
+    under tensor parallelism its gradient is a partial sum over the ranks' heads, which the parallel layer sums."""
+    return x if _INPUT_RESOLVER is None else _INPUT_RESOLVER(module, name, x)
+
+
+def set_input_resolver(resolver: InputResolver | None) -> InputResolver | None:
+    """Install the resolver `into_head_parallel` uses (None removes it); returns the previous one."""
+    global _INPUT_RESOLVER
+    previous, _INPUT_RESOLVER = _INPUT_RESOLVER, resolver
+    return previous
+
+
 def as_plain(value: torch.Tensor) -> torch.Tensor:
     """A computed value that every rank holds whole (the vocab-parallel cross-entropy's replicated DTensor loss)
     as a plain tensor, so it can be added to losses computed from plain activations (router balance, indexer KL);
@@ -52,4 +72,5 @@ def set_value_resolver(resolver: ValueResolver | None) -> ValueResolver | None:
     return previous
 
 
-__all__ = ["as_local", "as_plain", "set_param_resolver", "set_value_resolver"]
+__all__ = ["as_local", "as_plain", "into_head_parallel", "set_input_resolver", "set_param_resolver",
+           "set_value_resolver"]

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 from einops import rearrange
 
-from ..boundary import as_local
+from ..boundary import as_local, into_head_parallel
 from ..config import Glm53Config
 from .indexer import Indexer
 from ..kernels import kernel
@@ -81,7 +81,9 @@ class MultiHeadLatentAttention(nn.Module):
             w = as_local(self.kv_b_proj, "weight").view(-1, self.qk_head_dim + self.v_head_dim, latent.shape[-1])
             w_uk, w_uv = w.split([self.qk_head_dim, self.v_head_dim], dim=1)  # [H, K, Z], [H, V, Z]
             q_abs = torch.einsum("bthe,hec->bthc", q, w_uk)
-            o_latent = kernel("sparse_mqa_attention")(q_abs, latent, topk, self.scale)  # [B, T, H, Z]
+            # under TP this rank's heads read the whole latent: its gradient is summed over the ranks
+            shared = into_head_parallel(self.kv_b_proj, "weight", latent)
+            o_latent = kernel("sparse_mqa_attention")(q_abs, shared, topk, self.scale)  # [B, T, H, Z]
             o = torch.einsum("bthc,hfc->bthf", o_latent, w_uv)
         else:
             k, v = self._expand_kv(latent)

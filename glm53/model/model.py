@@ -30,6 +30,7 @@ from ..checkpoint.load import load_checkpoint
 from ..checkpoint.save import save_checkpoint
 from ..config import Glm53Config
 from ..precision import cast_model, resolve_dtype
+from ..training.loss_counts import LossCounts, count_loss_terms
 from ..training.losses import IGNORE_INDEX, causal_lm_loss, expert_load, indexer_kl_terms, router_aux_loss
 from .block import DecoderBlock, run_block
 from .context import ForwardContext, LayerStats
@@ -149,7 +150,10 @@ class Glm53ForCausalLM(nn.Module):
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        loss_denominators: LossCounts | None = None,
     ) -> CausalLMOutput:
+        """With labels, the losses; each part is this forward's mean unless `loss_denominators` (the counts of a
+        whole global batch, `loss_counts` summed over micro-batches and ranks) says what to divide its sum by."""
         if labels is not None:  # before the forward: a bad label would otherwise fail only in the loss
             check_token_ids("labels", labels, self.config.vocab_size, self.lm_head.weight.device, ignore=IGNORE_INDEX)
         collect = labels is not None or self.training
@@ -169,8 +173,15 @@ class Glm53ForCausalLM(nn.Module):
         if self.training:  # evaluation forwards (labels, eval mode) leave the balancing counts alone
             self._count_expert_loads(stats, valid, mtp_runs)
         if labels is not None:
-            self._add_losses(out, labels, valid, stats, mtp_runs)
+            self._add_losses(out, labels, valid, stats, mtp_runs, loss_denominators)
         return out
+
+    def loss_counts(self, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                    position_ids: torch.Tensor | None = None) -> LossCounts:  # fmt: skip
+        """How many terms each loss part of a forward on the same inputs averages over (no forward needed);
+        with position_ids, each packed document counts as if it were alone."""
+        valid = padding_mask(attention_mask, labels.shape, labels.device)
+        return count_loss_terms(self.config, labels, valid, position_ids)
 
     def tie_weights(self) -> None:
         """Share the embedding with lm_head when configured (again after `to_empty`, which unties)."""
@@ -178,23 +189,27 @@ class Glm53ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def _add_losses(self, out: CausalLMOutput, labels: torch.Tensor, valid: torch.Tensor, stats: list[LayerStats],
-                    mtp_runs: list) -> None:  # fmt: skip
+                    mtp_runs: list, den: LossCounts | None) -> None:  # fmt: skip
         """Fill out.lm_loss, .mtp_loss, .aux_loss, .indexer_loss and their weighted sum out.loss."""
         cfg = self.config
-        out.lm_loss = loss = causal_lm_loss(out.logits, labels)
+
+        def per_view(field: str, view: int) -> torch.Tensor | None:
+            return None if den is None else getattr(den, field)[view]
+
+        out.lm_loss = loss = causal_lm_loss(out.logits, labels, per_view("targets", 0))
         if mtp_runs:
-            per_depth = [causal_lm_loss(lg, mtp_labels(labels, d, IGNORE_INDEX)) for d, (lg, _, _) in
-                         enumerate(mtp_runs, start=1)]  # fmt: skip
+            per_depth = [causal_lm_loss(lg, mtp_labels(labels, d, IGNORE_INDEX), per_view("targets", d))
+                         for d, (lg, _, _) in enumerate(mtp_runs, start=1)]  # fmt: skip
             out.mtp_loss = torch.stack(per_depth).mean()
             loss = loss + cfg.mtp_loss_weight * out.mtp_loss
-        records = [(s, valid) for s in stats] + [(s, v) for _, v, s in mtp_runs]
-        out.aux_loss = router_aux_loss(records, cfg.router_aux_loss_coef, cfg.router_z_loss_coef)
+        records = [(s, valid, 0) for s in stats] + [(s, v, d) for d, (_, v, s) in enumerate(mtp_runs, start=1)]
+        out.aux_loss = router_aux_loss(records, cfg.router_aux_loss_coef, cfg.router_z_loss_coef, den)
         if out.aux_loss is not None:
             loss = loss + out.aux_loss
         if cfg.indexer_loss_weight > 0:
-            terms = indexer_kl_terms(stats, valid, cfg.indexer_loss_mode)
-            for _, v, s in mtp_runs:
-                terms += indexer_kl_terms([s], v, cfg.indexer_loss_mode)
+            terms = indexer_kl_terms(stats, valid, cfg.indexer_loss_mode, per_view("indexer_rows", 0))
+            for d, (_, v, s) in enumerate(mtp_runs, start=1):
+                terms += indexer_kl_terms([s], v, cfg.indexer_loss_mode, per_view("indexer_rows", d))
             out.indexer_loss = torch.stack(terms).mean() if terms else out.lm_loss.new_zeros(())
             loss = loss + cfg.indexer_loss_weight * out.indexer_loss
         out.loss = loss

@@ -21,7 +21,10 @@ from .parallelize import (
     zero_rows,
 )
 from .plan import ExpertTensorParallel, LocalShardParams, ReplicateModule, ReplicateParams, check_tp_size, tp_plan
-from .runtime import full_optimizer_state, full_state, init_mesh, load_full_optimizer_state
+from .runtime import full_optimizer_state, full_state, init_mesh, load_full_optimizer_state, loss_denominators
+from .load import load_pretrained
+from .export import export_pretrained
+from .train_state import read_training_state, write_training_state
 
 _boundary.install()
 
@@ -29,6 +32,7 @@ __all__ = [
     "materialize_full", "local_shard", "PlacementError", "Whole", "LocalShard", "set_boundary_rule",
     "parallelize", "apply_tensor_parallel", "apply_fsdp", "loss_parallel_context", "init_weights", "zero_rows",
     "expert_load_sum",
-    "init_mesh", "full_state", "full_optimizer_state", "load_full_optimizer_state",
+    "init_mesh", "loss_denominators", "full_state", "full_optimizer_state", "load_full_optimizer_state",
+    "load_pretrained", "export_pretrained", "write_training_state", "read_training_state",
     "tp_plan", "check_tp_size", "ReplicateParams", "ReplicateModule", "LocalShardParams", "ExpertTensorParallel",
 ]  # fmt: skip

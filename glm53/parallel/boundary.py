@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.placement_types import Placement
 
-from ..boundary import set_param_resolver, set_value_resolver
+from ..boundary import set_input_resolver, set_param_resolver, set_value_resolver
 
 
 class PlacementError(ValueError):
@@ -139,11 +139,26 @@ def plain_value(t: torch.Tensor) -> torch.Tensor:
     return t.to_local(grad_placements=t.placements)
 
 
+def head_parallel_input(module: nn.Module, name: str, x: torch.Tensor) -> torch.Tensor:
+    """`glm53.boundary.into_head_parallel` under DTensor: when `module.<name>` is sharded over the mesh (this rank
+    holds some heads), `x` (whole on every rank) gets a Partial gradient, so autograd sums it over the ranks
+    (Megatron's "f"); for a plain or replicated parameter `x` passes unchanged."""
+    param = getattr(module, name)
+    if not isinstance(param, DTensor) or all(p.is_replicate() for p in param.placements):
+        return x
+    mesh = param.device_mesh
+    return DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False).to_local(
+        grad_placements=[Partial()] * mesh.ndim
+    )
+
+
 def install() -> None:
-    """Route glm53's `as_local` and `as_plain` through the rules above (no-ops for plain tensors: safe to leave on)."""
+    """Route glm53's `as_local`, `as_plain` and `into_head_parallel` through the rules above (no-ops for plain
+    tensors: safe to leave on)."""
     set_param_resolver(_resolve)
     set_value_resolver(plain_value)
+    set_input_resolver(head_parallel_input)
 
 
 __all__ = ["PlacementError", "materialize_full", "local_shard", "Whole", "LocalShard", "set_boundary_rule",
-           "boundary_rule", "name_modules", "install", "plain_value"]  # fmt: skip
+           "boundary_rule", "name_modules", "install", "plain_value", "head_parallel_input"]  # fmt: skip

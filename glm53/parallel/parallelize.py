@@ -51,9 +51,6 @@ def apply_tensor_parallel(model: Glm53ForCausalLM, tp_mesh: DeviceMesh) -> None:
     """Apply `tp_plan(model)` on `tp_mesh` and check that every parameter became a DTensor on it."""
     check_tp_size(model, tp_mesh.size())
     name_modules(model)
-    # Per-head MLA: the absorbed form contracts kv_b_proj's weight with the replicated latent outside nn.Linear,
-    # while per head ColwiseParallel reduces the latent's gradient over the head shards.
-    model.set_numerics(mla_absorb=False)
     parallelize_module(model, tp_mesh, tp_plan(model))
     missed = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
     if missed:

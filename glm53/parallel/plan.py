@@ -17,8 +17,10 @@ Legend: tp the TP mesh size, H heads, K head width, B batch, T time, vocab the v
 - MTP layers (`mtp.layers.*`): eh_proj, enorm, hnorm, shared_head.norm and the block norms replicated; their
   MLA (own indexer) and MoE as above. They share the embedding and lm_head with the main model.
 Every parameter not sharded becomes a Replicate DTensor on the TP mesh (docs/parallel.md: a plain parameter
-beside DTensors breaks clip_grad_norm_ and mixed ops). MLA runs per head under TP: `apply_tensor_parallel` sets
-it explicitly with `model.set_numerics(mla_absorb=False)` (the plan's styles never change numerics).
+beside DTensors breaks clip_grad_norm_ and mixed ops). MLA keeps its numerics setting under TP: the absorbed form reads
+its local heads' kv_b_proj rows (`ColwiseHeads`) and sums the shared latent's gradient over the ranks
+(`glm53.boundary.into_head_parallel`); the per-head form (`set_numerics(mla_absorb=False)`) runs through
+ColwiseParallel.
 """
 
 from __future__ import annotations
@@ -142,6 +144,17 @@ class ExpertTensorParallel(LocalShardParams):
         return module
 
 
+class ColwiseHeads(ColwiseParallel):
+    """ColwiseParallel whose weight a kernel may also read head-locally through `as_local`: the absorbed MLA
+    contracts its local heads' kv_b_proj rows with the shared latent outside nn.Linear (rows are ordered
+    (head, k|v), so this rank's Shard(0) rows are whole heads)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = super()._apply(module, device_mesh)
+        set_boundary_rule(module, "weight", LocalShard((Shard(0),)))
+        return module
+
+
 def _is_float(t) -> bool:
     return isinstance(t, torch.Tensor) and t.is_floating_point()
 
@@ -166,7 +179,7 @@ def _mla_plan(p: str, has_indexer: bool) -> dict[str, ParallelStyle]:
         f"{p}.q_b_proj": ColwiseParallel(),
         f"{p}.kv_a_proj_with_mqa": ReplicateModule(),
         f"{p}.kv_a_layernorm": ReplicateParams(),
-        f"{p}.kv_b_proj": ColwiseParallel(),
+        f"{p}.kv_b_proj": ColwiseHeads(),
         f"{p}.o_proj": RowwiseParallel(),
     }
     if has_indexer:

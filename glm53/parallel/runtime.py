@@ -18,6 +18,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from ..training.loss_counts import LossCounts
+
 
 def init_mesh(dp: int, tp: int, device_type: str = "cpu") -> DeviceMesh:
     """Start the process group (gloo on CPU, nccl on CUDA; torchrun's environment) and return the mesh that
@@ -60,6 +62,23 @@ def mean_over(value: torch.Tensor, mesh: DeviceMesh, dim: str = "dp") -> torch.T
     return value
 
 
+def sum_over(value: torch.Tensor, mesh: DeviceMesh, dim: str = "dp") -> torch.Tensor:
+    """A plain tensor summed over mesh dimension `dim` (itself when the mesh has no such dimension)."""
+    value = value.detach().clone()
+    if dim in (mesh.mesh_dim_names or ()):
+        dist.all_reduce(value, group=mesh[dim].get_group())
+    return value
+
+
+def loss_denominators(counts: LossCounts, mesh: DeviceMesh, dim: str = "dp") -> LossCounts:
+    """The `loss_denominators` every data-parallel rank passes to its forwards: the loss counts of the global
+    batch (this rank's, summed over its micro-batches, then over the `dim` ranks) divided by the number of `dim`
+    ranks, because FSDP averages gradients over them: the average of (rank sum) / (global count / dp) is
+    (global sum) / (global count), one process's gradient on the whole global batch."""
+    size = mesh[dim].size() if dim in (mesh.mesh_dim_names or ()) else 1
+    return LossCounts.from_stacked(sum_over(counts.stacked(), mesh, dim) / size)
+
+
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -92,5 +111,5 @@ def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
 
-__all__ = ["init_mesh", "shutdown", "rank", "local_rank", "mean_over", "barrier", "gather_objects", "full_state",
+__all__ = ["init_mesh", "shutdown", "rank", "local_rank", "mean_over", "sum_over", "loss_denominators", "barrier", "gather_objects", "full_state",
            "full_optimizer_state", "load_full_optimizer_state"]  # fmt: skip

@@ -16,6 +16,7 @@ import torch
 
 from .. import parallel
 from ..errors import Glm53Error
+from . import finetune
 from .args import non_negative_float, non_negative_int, positive_float, positive_int, seed_int
 from .trainer import PRESETS, Trainer
 
@@ -42,6 +43,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="CPU intra-op threads (tiny models run fastest on 1: thread hand-offs cost more than the ops)")
     p.add_argument("--dp", type=positive_int, default=1, help="data-parallel degree (torchrun)")
     p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree (torchrun)")
+    finetune.add_arguments(p)  # --init, --data, --tokenizer, --grad-accum
+    # torchrun runs (glm53/training/distributed.py): GPUs, bf16, DCP checkpoints; --init reads only each rank's shards
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="torchrun: cuda uses nccl, one GPU per rank")  # fmt: skip
+    p.add_argument("--bf16", action="store_true", help="torchrun with --dp > 1: FSDP2 bf16 compute, fp32 keep-list")
+    p.add_argument("--no-export", action="store_true",
+                   help="torchrun --save: write only the DCP training state (no official-layout copy)")
 
 
 def _check_world(args: argparse.Namespace) -> int:
@@ -63,6 +71,11 @@ def train(args: argparse.Namespace) -> int:
     if args.save and os.path.lexists(args.save) and not os.path.isdir(args.save):
         # Checked before training: the save at the end would refuse to replace a file anyway.
         raise SystemExit(f"glm53 train: error: --save {args.save} exists and is not a directory")
+    finetune.check_args(args)
+    if (args.bf16 or args.device != "cpu" or args.no_export) and _check_world(args) == 1:
+        raise SystemExit("--bf16, --device and --no-export are torchrun options (run with --dp/--tp under torchrun)")
+    if args.bf16 and args.dp == 1:
+        raise SystemExit("--bf16 is FSDP2's mixed precision: it needs --dp > 1")
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     par = parallel.runtime if _check_world(args) > 1 else None

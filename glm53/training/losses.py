@@ -13,6 +13,11 @@ The semantics are in docs/training.md. (f_i and P_i below are DeepSeek-V3's symb
   A "full" indexer serving "shared" layers learns the average of the targets of every layer using its
   selection (itself included).
 Model code fills a `LayerStats` per layer; the functions here turn them into losses.
+
+Normalisation: each loss is a sum over its terms (target tokens, sequences, valid tokens, indexer query rows)
+divided by a denominator: by default this batch's own count (a per-forward mean); given one (a `LossCounts`
+field, loss_counts.py), the count of the whole global batch, so that gradients summed over micro-batches and
+data-parallel ranks equal the gradient of one forward on the global batch.
 """
 
 from __future__ import annotations
@@ -29,25 +34,44 @@ QUERY_CHUNK = 1024  # queries per block when computing the indexer loss's dense 
 
 
 # -------------------------------------------------------------------------------------------- next-token CE
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy in fp32; labels are aligned with input_ids and shifted here.
+def per_term(total: torch.Tensor, count: torch.Tensor, denominator: torch.Tensor | None) -> torch.Tensor:
+    """total / denominator, or this batch's mean total / count when no denominator is given.
+
+    A given denominator may be fractional (a global count divided by the data-parallel degree) and is zero only
+    when every rank's total is zero, hence the tiny floor instead of 1.
+    """
+    if denominator is None:
+        return total / count.clamp_min(1)
+    return total / denominator.to(total.device, total.dtype).clamp_min(torch.finfo(total.dtype).tiny)
+
+
+def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
+    """Labels [B, T] aligned with input_ids -> the next-token targets [B, T] (IGNORE_INDEX past the end)."""
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_targets: torch.Tensor | None = None) -> torch.Tensor:
+    """Next-token cross-entropy in fp32, summed over targets / `num_targets` (default: the mean); labels are
+    aligned with input_ids and shifted here.
 
     With no target token (T = 1, or every label IGNORE_INDEX) the loss is 0 with zero gradients rather than
     0 / 0 = NaN, so such a micro-batch adds nothing to an accumulated gradient instead of poisoning it.
     """
     if labels.shape != logits.shape[:2]:
         raise ValueError(f"labels must have shape {tuple(logits.shape[:2])} like input_ids, got {tuple(labels.shape)}")
-    shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX).flatten().long()
+    shifted = next_token_targets(labels)
     # Under tensor parallelism the logits are vocab-sharded and the loss a replicated DTensor: as_plain hands it
     # back as a plain tensor so it adds to the losses computed from plain activations.
-    total = F.cross_entropy(logits.float().flatten(0, 1), shifted, ignore_index=IGNORE_INDEX, reduction="sum")
-    targets = (shifted != IGNORE_INDEX).sum()
-    return as_plain(total) / targets.clamp_min(1)
+    total = F.cross_entropy(logits.float().flatten(0, 1), shifted.flatten().long(), ignore_index=IGNORE_INDEX,
+                            reduction="sum")  # fmt: skip
+    return per_term(as_plain(total), (shifted != IGNORE_INDEX).sum(), num_targets)
 
 
 # ----------------------------------------------------------------------------------------------- MoE balance
-def balance_loss(logits: torch.Tensor, indices: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Sequence-wise balance loss sum_i f_i P_i, mean over sequences with a valid token.
+def balance_loss(logits: torch.Tensor, indices: torch.Tensor, valid: torch.Tensor,
+                 num_sequences: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """Sequence-wise balance loss sum_i f_i P_i, summed over sequences with a valid token / `num_sequences`
+    (default: their mean).
 
     logits [M, E] router logits, indices [M, k] chosen experts, valid [B, T] bool (padding is not counted).
     """
@@ -63,13 +87,14 @@ def balance_loss(logits: torch.Tensor, indices: torch.Tensor, valid: torch.Tenso
     f = counts * E / (K * n.clamp_min(1))[:, None]
     per_seq = (f * P).sum(-1)
     has = (n > 0).float()
-    return (per_seq * has).sum() / has.sum().clamp_min(1)
+    return per_term((per_seq * has).sum(), has.sum(), num_sequences)
 
 
-def z_loss(logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Router z-loss: mean over valid tokens of logsumexp_i(logits_i)^2. logits [M, E], valid [B, T]."""
+def z_loss(logits: torch.Tensor, valid: torch.Tensor, num_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """Router z-loss: logsumexp_i(logits_i)^2 summed over valid tokens / `num_tokens` (default: the mean).
+    logits [M, E], valid [B, T]."""
     m = valid.flatten().float()
-    return (torch.logsumexp(logits.float(), dim=-1).square() * m).sum() / m.sum().clamp_min(1)
+    return per_term((torch.logsumexp(logits.float(), dim=-1).square() * m).sum(), m.sum(), num_tokens)
 
 
 def expert_load(indices: torch.Tensor, valid: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -80,18 +105,22 @@ def expert_load(indices: torch.Tensor, valid: torch.Tensor, num_experts: int) ->
 
 
 def router_aux_loss(
-    records: list[tuple[LayerStats, torch.Tensor]], balance_coef: float, z_coef: float
+    records: list[tuple[LayerStats, torch.Tensor, int]], balance_coef: float, z_coef: float, denominators=None
 ) -> torch.Tensor | None:
-    """balance_coef * balance + z_coef * z, averaged over the MoE layers in `records` ((stats, valid) pairs)."""
+    """balance_coef * balance + z_coef * z, averaged over the MoE layers in `records` ((stats, valid, view)
+    triples; view 0 is the main model, d the MTP depth d). `denominators` (a LossCounts) replaces each layer's
+    own counts with its view's `sequences` and `tokens`."""
     terms = []
-    for stats, valid in records:
+    for stats, valid, view in records:
         if stats.router_logits is None:
             continue
+        seqs, toks = (None, None) if denominators is None else (denominators.sequences[view],
+                                                                denominators.tokens[view])  # fmt: skip
         term = stats.router_logits.new_zeros(())
         if balance_coef > 0:
-            term = term + balance_coef * balance_loss(stats.router_logits, stats.router_indices, valid)
+            term = term + balance_coef * balance_loss(stats.router_logits, stats.router_indices, valid, seqs)
         if z_coef > 0:
-            term = term + z_coef * z_loss(stats.router_logits, valid)
+            term = term + z_coef * z_loss(stats.router_logits, valid, toks)
         terms.append(term)
     if not terms or (balance_coef == 0 and z_coef == 0):
         return None
@@ -135,8 +164,10 @@ def normalized_target(mass: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return mass / mass.sum(-1, keepdim=True).clamp_min(torch.finfo(mass.dtype).tiny)
 
 
-def pool_kl(scores: torch.Tensor, target: torch.Tensor, mask: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """KL(target || softmax(scores over mask)), mean over valid queries with a pool in `mask`.
+def pool_kl(scores: torch.Tensor, target: torch.Tensor, mask: torch.Tensor, valid: torch.Tensor,
+            num_rows: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """KL(target || softmax(scores over mask)), summed over valid queries with a pool in `mask` / `num_rows`
+    (default: their mean; with dense and sparse masks alike those are the queries with a candidate pool).
 
     scores [B, T, P] (fp32 index scores), target [B, T, P] (sums to 1 over mask), mask [B, T, P], valid [B, T].
     """
@@ -144,11 +175,13 @@ def pool_kl(scores: torch.Tensor, target: torch.Tensor, mask: torch.Tensor, vali
     target = target.masked_fill(~mask, 0.0)
     kl = (torch.xlogy(target, target) - target * logp).sum(-1)  # [B, T]
     rows = (valid & mask.any(-1)).float()
-    return (kl * rows).sum() / rows.sum().clamp_min(1)
+    return per_term((kl * rows).sum(), rows.sum(), num_rows)
 
 
-def indexer_kl_terms(stats: list[LayerStats], valid: torch.Tensor, mode: str) -> list[torch.Tensor]:
-    """One KL term per full indexer in `stats` (attention layers in order; shared ones follow their full one)."""
+def indexer_kl_terms(stats: list[LayerStats], valid: torch.Tensor, mode: str,
+                     num_rows: torch.Tensor | None = None) -> list[torch.Tensor]:  # fmt: skip
+    """One KL term per full indexer in `stats` (attention layers in order; shared ones follow their full one),
+    each summed over its query rows / `num_rows` (default: its mean)."""
     groups: list[tuple[LayerStats, list[torch.Tensor]]] = []
     for s in stats:
         if s.index_scores is not None:
@@ -161,7 +194,7 @@ def indexer_kl_terms(stats: list[LayerStats], valid: torch.Tensor, mode: str) ->
     for full, masses in groups:
         mask = full.candidate if mode == "dense" else full.selected
         target = torch.stack([normalized_target(m, mask) for m in masses]).mean(0)
-        terms.append(pool_kl(full.index_scores, target, mask, valid))
+        terms.append(pool_kl(full.index_scores, target, mask, valid, num_rows))
     return terms
 
 
@@ -173,6 +206,8 @@ __all__ = [
     "balance_loss",
     "expert_load",
     "indexer_kl_terms",
+    "next_token_targets",
+    "per_term",
     "normalized_target",
     "pool_kl",
     "router_aux_loss",

@@ -1,7 +1,8 @@
 """Training checkpoints written by `glm53 train`: the official-layout model plus `trainer_state.pt`.
 
-`trainer_state.pt` holds the step, the optimizer state, the data and torch RNG states (and, under torchrun, every
-rank's RNG states and the (dp, tp) layout); it is read with weights_only=True.
+`trainer_state.pt` holds the step, the optimizer state, the data and torch RNG states; it is read with
+weights_only=True. Under torchrun the run is saved with DCP instead (`save_distributed`: `train_state/`, every rank
+writing its own shards) and resumes on any --dp x --tp layout.
 
 One process: the weights and `trainer_state.pt` are one atomic unit. Both are written into the same temporary
 directory, which one rename puts in place (glm53/checkpoint/atomic.py; other files of an existing directory,
@@ -12,6 +13,7 @@ that were not written together.
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 
@@ -29,34 +31,80 @@ RUN_TAG = "glm53_run_tag"  # "<save id>:<step>", in every shard's header and in 
 
 
 def trainer_state(step: int, optimizer: torch.optim.Optimizer, generator: torch.Generator, par,
-                  layout: tuple[int, int]) -> dict:  # fmt: skip
+                  layout: tuple[int, int], data: dict | None = None) -> dict:  # fmt: skip
     """Single process: the optimizer's state dict and the RNG states. Distributed: the optimizer itself (save_run
-    gathers its full state) and this rank's RNG states (gathered from every rank into `rank_rng`)."""
+    gathers its full state) and this rank's RNG states (gathered from every rank into `rank_rng`). `data`: the
+    --data position (the same on every rank), when training on a file."""
     rng = {"data_rng": generator.get_state(), "torch_rng": torch.get_rng_state()}
+    extra = {} if data is None else {"data": data}
     if par is None:
-        return {"step": step, "optimizer": optimizer.state_dict(), **rng}
-    return {"step": step, "optimizer": optimizer, "rank_rng": rng, "layout": list(layout)}
+        return {"step": step, "optimizer": optimizer.state_dict(), **rng, **extra}
+    return {"step": step, "optimizer": optimizer, "rank_rng": rng, "layout": list(layout), **extra}
 
 
-def save_run(model: Glm53ForCausalLM, path: str, state: dict, par=None) -> None:
+def save_run(model: Glm53ForCausalLM, path: str, state: dict, par=None, export: bool = True) -> None:
     """Write the official layout (atomic, via save_pretrained) and trainer_state.pt beside it.
 
-    Under torchrun (`par` is glm53.parallel.runtime) every rank gathers the sharded parameters and the optimizer
-    state to full tensors; rank 0 writes them with every rank's RNG states, then all ranks wait for it.
+    Under torchrun (`par` is glm53.parallel.runtime) the run is saved with DCP instead (`save_distributed`).
     """
     if par is None:
         save_single(model, path, state)
         return
-    full = par.full_state(model)
-    optimizer = par.full_optimizer_state(model, state["optimizer"])
-    state = {**state, "optimizer": optimizer, "rank_rng": par.gather_objects(state["rank_rng"])}
-    if par.rank() == 0:
-        with torch.device("meta"):
-            plain = Glm53ForCausalLM(model.config)
-        plain.load_state_dict(full, assign=True)
-        plain.save_pretrained(path, overwrite=True)
-        torch.save(state, os.path.join(path, TRAINER_STATE))
-    par.barrier()
+    save_distributed(model, path, state, par, export)
+
+
+DATA_STATE_BYTES = 4096  # the --data cursor (small JSON) travels through DCP as a fixed-size byte tensor
+
+
+def _encode_data_state(data: dict) -> torch.Tensor:
+    raw = json.dumps(data, sort_keys=True).encode()
+    if len(raw) > DATA_STATE_BYTES:
+        raise ValueError(f"the --data position takes {len(raw)} bytes, more than {DATA_STATE_BYTES}")
+    return torch.tensor(list(raw) + [0] * (DATA_STATE_BYTES - len(raw)), dtype=torch.uint8)
+
+
+def _decode_data_state(t: torch.Tensor) -> dict | None:
+    raw = bytes(t.tolist()).rstrip(b"\0")
+    return json.loads(raw) if raw else None
+
+
+def save_distributed(model: Glm53ForCausalLM, path: str, state: dict, par, export: bool) -> None:
+    """Every rank writes its own shards of the model and optimizer (DCP, `train_state/`), the step, the layout
+    and its RNG states; with `export` the official layout is written beside them by several ranks, one tensor at a
+    time (glm53.parallel.export). One directory, renamed into place when complete."""
+    from ..parallel.run_checkpoint import save_run_state
+
+    rank, dp_rank = par.rank(), state["dp_rank"]  # dp_rank: set by the trainer
+    # The TP ranks of one dp group hold the same data stream: one key per dp rank (DCP writes it once).
+    extra = {"step": state["step"], "layout": torch.tensor(state["layout"]),
+             f"data_rng.dp{dp_rank}": state["rank_rng"]["data_rng"],
+             f"torch_rng.rank{rank}": state["rank_rng"]["torch_rng"]}  # fmt: skip
+    if state.get("data") is not None:  # the --data cursor, the same on every rank
+        extra["data_state"] = _encode_data_state(state["data"])
+    save_run_state(model, state["optimizer"], path, extra, export=export)
+
+
+def resume_distributed(path: str, model: Glm53ForCausalLM, optimizer: torch.optim.Optimizer, par,
+                       layout: tuple[int, int], dp_rank: int, generator: torch.Generator
+                       ) -> tuple[int, dict | None]:  # fmt: skip
+    """Load a DCP run saved on any (dp, tp) layout; -> (its step, its --data cursor or None). This rank's data stream continues the saved one
+    of the same dp index (the whole data order is the saved run's when --dp is unchanged) and its torch RNG state
+    is restored when the saved run had this rank."""
+    from ..parallel.run_checkpoint import load_run_state
+
+    rank = par.rank() if par is not None else 0
+    data_key, rng_key = f"data_rng.dp{dp_rank}", f"torch_rng.rank{rank}"
+    defaults = {"step": 0, "layout": torch.tensor([0, 0]), data_key: generator.get_state(),
+                rng_key: torch.get_rng_state(), "data_state": torch.zeros(DATA_STATE_BYTES, dtype=torch.uint8)}  # fmt: skip
+    got = load_run_state(path, model, optimizer, defaults)
+    generator.set_state(got[data_key])
+    torch.set_rng_state(got[rng_key])
+    saved = [int(v) for v in got["layout"]]
+    if saved != list(layout) and rank == 0:
+        print(f"resuming a run saved on --dp {saved[0]} --tp {saved[1]} on --dp {layout[0]} --tp {layout[1]}: model "
+              f"and optimizer resharded" + ("" if saved[0] == layout[0] else "; the data order differs from the "
+              "saved run's (it draws per dp rank)"), flush=True)  # fmt: skip
+    return int(got["step"]), _decode_data_state(got["data_state"])
 
 
 def _owned_by_training_save(name: str) -> bool:
@@ -144,5 +192,5 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, saved: dict, path: str) 
     optimizer.load_state_dict(saved)
 
 
-__all__ = ["TRAINER_STATE", "RUN_TAG", "trainer_state", "save_run", "save_single", "load_trainer_state",
-           "check_run_tag", "restore_optimizer"]  # fmt: skip
+__all__ = ["TRAINER_STATE", "RUN_TAG", "trainer_state", "save_run", "save_single", "save_distributed",
+           "resume_distributed", "load_trainer_state", "check_run_tag", "restore_optimizer"]  # fmt: skip

@@ -172,7 +172,7 @@ def apply_subplan(model: Glm53ForCausalLM, prefix: str, module: torch.nn.Module,
 def run_site(kind: str, model: Glm53ForCausalLM, module: torch.nn.Module, x: torch.Tensor, valid: torch.Tensor):
     if kind == "kda":
         return module(x, ForwardContext(valid=valid))
-    if kind == "mla":
+    if kind.startswith("mla"):
         return module(x, ForwardContext(valid=valid))[0]
     if kind == "moe":
         return module(x)
@@ -184,7 +184,8 @@ def run_site(kind: str, model: Glm53ForCausalLM, module: torch.nn.Module, x: tor
 
 SITES = {  # kind -> FQN of the module in the tiny model
     "kda": "model.layers.0.self_attn",
-    "mla": "model.layers.1.self_attn",
+    "mla": "model.layers.1.self_attn",  # absorbed form (the default), also under TP
+    "mla-per-head": "model.layers.1.self_attn",
     "moe": "model.layers.0.mlp",
     "hc": "model.layers.0.attn_hc",
 }
@@ -224,8 +225,9 @@ def test_kernel_boundaries_exact_or_clear_error(meshes, tiny_model, kind, placed
         if kind == "hc":
             parallelize_module(model.model.layers[0].input_layernorm, mesh, ReplicateParams())
         boundary = apply_subplan(model, SITES[kind], module, mesh)
-        if kind == "mla":
-            module.absorb = False  # what apply_tensor_parallel sets (model.set_numerics(mla_absorb=False))
+        module_form = {"mla": True, "mla-per-head": False}
+        if kind in module_form:
+            module.absorb = module_form[kind]  # the reference runs the default (absorbed) form
         misplaced = []
         if placed == "misplaced":
             names = data.draw(st.lists(st.sampled_from(sorted(boundary)), min_size=1, max_size=3, unique=True))

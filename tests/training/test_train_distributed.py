@@ -1,5 +1,6 @@
-"""`torchrun -m glm53 train --dp/--tp` on CPU/gloo: it trains, saves a loadable official-layout checkpoint and
-resumes exactly; with --tp 2 its losses equal one process's."""
+"""`torchrun -m glm53 train --dp/--tp` on CPU/gloo: it trains, saves a loadable official-layout checkpoint plus
+its DCP training state and resumes exactly, also in one process from a --tp 2 run; with --tp 2 its losses equal
+one process's; --init fills a meta-built model from a checkpoint with --bf16 and --no-export."""
 
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ import torch
 
 from glm53 import Glm53ForCausalLM
 from glm53.__main__ import main
+from glm53.parallel.run_checkpoint import DCP_DIR
+from glm53.parallel.train_state import saved_keys
 from glm53.training.state import TRAINER_STATE
 from tests.training.test_train_cli import losses
 
 TIMEOUT_S = 180
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 SMALL = ["train", "--preset", "tiny", "--batch-size", "2", "--seq-len", "32", "--log-every", "1", "--seed", "1"]
 
 
@@ -42,8 +45,10 @@ def test_dp2_trains_saves_and_resumes(tmp_path):
     assert model.mtp is not None and model.mtp_checkpoint_keys == []
     fresh = Glm53ForCausalLM(model.config)
     assert not torch.equal(model.lm_head.weight, fresh.lm_head.weight)
-    state = torch.load(save / "step-2" / TRAINER_STATE, weights_only=True)
-    assert state["step"] == 2 and state["layout"] == [2, 1] and len(state["rank_rng"]) == 2
+    keys = saved_keys(str(save / "step-2" / DCP_DIR))  # DCP: one file per rank, no full-state gather
+    assert {"extra.step", "extra.data_rng.dp0", "extra.data_rng.dp1", "extra.torch_rng.rank1"} <= keys
+    assert sorted(os.listdir(save / "step-2" / DCP_DIR)) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert not (save / TRAINER_STATE).exists()
 
     resumed = losses(torchrun(*SMALL, "--dp", "2", "--steps", "4", "--resume", str(save / "step-2")))
     assert sorted(resumed) == [3, 4]
@@ -51,12 +56,61 @@ def test_dp2_trains_saves_and_resumes(tmp_path):
         assert resumed[step] == pytest.approx(straight[step], rel=1e-5), (step, resumed, straight)
 
 
-def test_tp2_matches_one_process(tmp_path, capsys):
+def test_tp2_matches_one_process_and_resumes_in_one(tmp_path, capsys):
     save = tmp_path / "tp"
-    parallel = losses(torchrun(*SMALL, "--dp", "1", "--tp", "2", "--steps", "2", "--save", str(save)))
-    assert main([*SMALL, "--steps", "2"]) == 0
+    parallel = losses(torchrun(*SMALL, "--dp", "1", "--tp", "2", "--steps", "3", "--save", str(save),
+                               "--save-every", "1"))  # fmt: skip
+    assert main([*SMALL, "--steps", "3"]) == 0
     single = losses(capsys.readouterr().out)
-    assert sorted(parallel) == sorted(single) == [1, 2]
+    assert sorted(parallel) == sorted(single) == [1, 2, 3]
     for step in single:  # printed with 4 decimals
         assert parallel[step] == pytest.approx(single[step], abs=2e-4), (parallel, single)
     assert Glm53ForCausalLM.from_pretrained(save).mtp is not None
+    # The DCP state saved on tp2 resharded into one process: model, AdamW moments, step, data and RNG states.
+    assert main([*SMALL, "--steps", "3", "--resume", str(save / "step-1")]) == 0
+    resumed = losses(capsys.readouterr().out)
+    assert sorted(resumed) == [2, 3]
+    for step in resumed:
+        assert resumed[step] == pytest.approx(parallel[step], abs=2e-4), (resumed, parallel)
+
+
+def test_init_fills_meta_model_bf16_no_export(tmp_path):
+    init = tmp_path / "init"
+    trained = losses(torchrun(*SMALL, "--dp", "2", "--steps", "6", "--lr", "1e-2", "--save", str(init)))
+    out = tmp_path / "from-init"
+    text = torchrun(*SMALL, "--dp", "2", "--steps", "1", "--lr", "1e-2", "--init", str(init), "--bf16", "--save",
+                    str(out), "--no-export")  # fmt: skip
+    started = losses(text)
+    # Starts from the trained weights (a fresh tiny model starts near 6.35), within bf16 of the trained loss.
+    assert started[1] < trained[1] - 0.2 and started[1] == pytest.approx(trained[6], abs=0.15), (started, trained)
+    files = sorted(os.listdir(out))
+    assert "config.json" in files and DCP_DIR in files and not any(f.endswith(".safetensors") for f in files)
+    assert "DCP train_state/" in text
+
+
+@pytest.mark.parametrize("flags", [["--bf16"], ["--no-export"]], ids=lambda f: f[0])
+def test_torchrun_flags_refused_in_one_process(flags):
+    with pytest.raises(SystemExit, match="torchrun options"):
+        main([*SMALL, *flags])
+
+
+def test_dp2_fine_tuning_with_accumulation_matches_one_process(tmp_path, capsys):
+    """--data under torchrun: each dp rank takes its rows of the same packed stream, and every step is normalised
+    by the global batch's counts, so dp 2 x 2 micro-batches of 1 row equal one process's 4-row batch."""
+    from tests.training.test_finetune import load_example
+
+    paths = load_example().prepare(str(tmp_path))
+    common = ["train", "--init", paths["base"], "--data", paths["train"], "--seq-len", "96", "--log-every", "1",
+              "--seed", "2", "--steps", "3"]  # fmt: skip
+    save = tmp_path / "run"
+    dp2 = ["--dp", "2", "--batch-size", "1", "--grad-accum", "2"]
+    parallel = losses(torchrun(*common, *dp2, "--save", str(save), "--save-every", "2"))
+    # the DCP run carries the --data cursor: resuming at step 2 continues with the same rows
+    without_init = [a for a in common if a not in ("--init", paths["base"])]
+    resumed = losses(torchrun(*without_init, *dp2, "--resume", str(save / "step-2")))
+    assert sorted(resumed) == [3] and resumed[3] == pytest.approx(parallel[3], abs=2e-4), (resumed, parallel)
+    assert main([*common, "--batch-size", "4"]) == 0
+    single = losses(capsys.readouterr().out)
+    assert sorted(parallel) == sorted(single) == [1, 2, 3]
+    for step in single:  # printed with 4 decimals
+        assert parallel[step] == pytest.approx(single[step], abs=2e-4), (parallel, single)

@@ -1,0 +1,106 @@
+"""Pack tokenised documents into rows of T tokens with document boundaries, in a seeded order, resumably.
+
+Legend: B batch (rows), T time (--seq-len).
+Each row holds whole documents one after another; a document that does not fit in what is left of a row starts
+the next row (the rest is padding), and a document longer than a row is cut into pieces, the first filling the
+current row. Every document (or piece) is a segment: `position_ids` restart at 0 at its first token (the
+padding-free convention of transformers' DataCollatorWithFlattening; padding is a segment of its own), and its
+first token is never a target (nothing before it in the segment predicts it), so the previous document's last
+token has no next-token target across the boundary.
+Order: a permutation of the documents per epoch from (seed, epoch). The cursor (epoch, index into the
+permutation, token offset into that document) is the data position saved in the trainer state: a resumed run
+continues at exactly the next token of the same document.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..losses import IGNORE_INDEX
+from .tokenize import TokenDoc
+
+EPOCH_SEED_STRIDE = 1_000_003  # keeps (seed, epoch) pairs apart
+
+
+@dataclass
+class Batch:
+    """One micro-batch: every tensor [B, T]."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor  # IGNORE_INDEX where no loss
+    attention_mask: torch.Tensor  # 1 at document tokens, 0 at padding
+    position_ids: torch.Tensor  # restart at 0 at each segment
+
+    def rows(self, index: slice) -> "Batch":
+        return Batch(*(t[index] for t in (self.input_ids, self.labels, self.attention_mask, self.position_ids)))
+
+
+@dataclass
+class PackStats:
+    rows: int = 0
+    padding: int = 0  # padding tokens in those rows
+    split: int = 0  # documents cut into pieces (counted when their first piece is packed)
+
+
+class Packer:
+    def __init__(self, docs: list[TokenDoc], seq_len: int, seed: int, pad_id: int) -> None:
+        if not docs:
+            raise ValueError("nothing to pack: no documents")
+        self.docs, self.seq_len, self.seed, self.pad_id = docs, seq_len, seed, pad_id
+        self.epoch, self.index, self.offset = 0, 0, 0
+        self.order = self._order(0)
+        self.stats = PackStats()
+
+    def _order(self, epoch: int) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed * EPOCH_SEED_STRIDE + epoch)
+        return torch.randperm(len(self.docs), generator=g).tolist()
+
+    # ------------------------------------------------------------------------------------------- position
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index, "offset": self.offset}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.index, self.offset = int(state["epoch"]), int(state["index"]), int(state["offset"])
+        self.order = self._order(self.epoch)
+
+    def _advance(self) -> None:
+        self.index, self.offset = self.index + 1, 0
+        if self.index == len(self.order):
+            self.epoch, self.index = self.epoch + 1, 0
+            self.order = self._order(self.epoch)
+
+    # ---------------------------------------------------------------------------------------------- rows
+    def row(self) -> tuple[list[int], list[int], list[int], list[int]]:
+        """The next row: (ids, labels, attention mask, position_ids), each of length T."""
+        T = self.seq_len
+        ids, labels, positions = [], [], []
+        while len(ids) < T:
+            doc = self.docs[self.order[self.index]]
+            space, rest = T - len(ids), len(doc.ids) - self.offset
+            if space < rest <= T and ids:  # fits in a row, not in this one: start the next row with it
+                break
+            take = min(space, rest)
+            if self.offset == 0 and take < len(doc.ids):
+                self.stats.split += 1
+            piece = slice(self.offset, self.offset + take)
+            ids += doc.ids[piece]
+            labels += [IGNORE_INDEX] + [t if m else IGNORE_INDEX for t, m in
+                                        zip(doc.ids[piece][1:], doc.targets[piece][1:])]  # fmt: skip
+            positions += range(take)
+            self.offset += take
+            if self.offset == len(doc.ids):
+                self._advance()
+        real, pad = len(ids), T - len(ids)
+        self.stats.rows += 1
+        self.stats.padding += pad
+        return (ids + [self.pad_id] * pad, labels + [IGNORE_INDEX] * pad, [1] * real + [0] * pad,
+                positions + list(range(pad)))  # fmt: skip
+
+    def batch(self, rows: int) -> Batch:
+        """The next `rows` rows as tensors [rows, T]."""
+        return Batch(*(torch.tensor(column, dtype=torch.long) for column in zip(*(self.row() for _ in range(rows)))))
+
+
+__all__ = ["Batch", "Packer", "PackStats"]

@@ -1,0 +1,133 @@
+"""Tokenise fine-tuning documents: token ids plus which of them are loss targets.
+
+Legend: token lists, no tensors (pack.py makes the [B, T] rows).
+The tokenizer comes from a directory: `transformers.AutoTokenizer` when it holds a tokenizer_config.json (chat
+template, end-of-sequence token), else a bare `tokenizers` tokenizer.json (no chat template, no EOS).
+- text: every token is a target, then EOS (when the tokenizer has one).
+- messages / prompt+completion: with a chat template, the conversation is rendered turn by turn and only the
+  assistant turns' tokens (after the generation prompt) are targets; without one, each message is written as
+  "role: content\n" (a prompt/completion pair as prompt then completion) and only the assistant content and
+  the EOS after it are targets.
+Each rendered piece is tokenised on its own, so the target boundary never falls inside a token.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from .documents import TRAINED_ROLE, DataError, Document
+
+HF_CONFIG = "tokenizer_config.json"
+TOKENIZER_JSON = "tokenizer.json"
+
+
+class TextTokenizer:
+    """The few things the data pipeline needs from either kind of tokenizer."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        if not os.path.isdir(path):
+            raise DataError(f"--tokenizer {path}: not a directory")
+        if os.path.isfile(os.path.join(path, HF_CONFIG)):
+            from transformers import AutoTokenizer  # only for tokenizer directories written by transformers
+
+            try:
+                self.hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            except (OSError, ValueError) as e:  # re-raised with the flag and directory named
+                raise DataError(f"--tokenizer {path}: transformers.AutoTokenizer cannot load it ({e})") from e
+            self.raw = None
+            self.eos_id = self.hf.eos_token_id
+            self.pad_id = self.hf.pad_token_id if self.hf.pad_token_id is not None else self.eos_id
+            self.vocab_size = len(self.hf)
+            self.chat_template = getattr(self.hf, "chat_template", None)
+        elif os.path.isfile(os.path.join(path, TOKENIZER_JSON)):
+            from tokenizers import Tokenizer
+
+            self.hf, self.raw = None, Tokenizer.from_file(os.path.join(path, TOKENIZER_JSON))
+            self.eos_id = self.pad_id = None
+            self.vocab_size = self.raw.get_vocab_size(with_added_tokens=True)
+            self.chat_template = None
+        else:
+            raise DataError(f"--tokenizer {path}: no tokenizer there (neither {HF_CONFIG} nor {TOKENIZER_JSON}); "
+                            f"pass --tokenizer DIR with the checkpoint's tokenizer files")  # fmt: skip
+
+    def encode(self, text: str) -> list[int]:
+        if not text:
+            return []
+        if self.raw is not None:
+            return self.raw.encode(text, add_special_tokens=False).ids
+        return self.hf.encode(text, add_special_tokens=False)
+
+    def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def save(self, path: str) -> None:
+        """Write the tokenizer files into checkpoint directory `path` (a resumed run finds them there)."""
+        if self.raw is not None:
+            self.raw.save(os.path.join(path, TOKENIZER_JSON))
+        else:
+            self.hf.save_pretrained(path)
+
+
+@dataclass
+class TokenDoc:
+    ids: list[int]
+    targets: list[bool]  # per token: is it a loss target
+    where: str  # FILE:LINE
+
+
+def encode_document(doc: Document, tok: TextTokenizer) -> TokenDoc:
+    pieces = _pieces(doc, tok)
+    ids, targets = [], []
+    for piece, trained in pieces:
+        tokens = piece if isinstance(piece, list) else tok.encode(piece)
+        ids += tokens
+        targets += [trained] * len(tokens)
+    return TokenDoc(ids, targets, doc.where)
+
+
+def _pieces(doc: Document, tok: TextTokenizer) -> list[tuple[str | list[int], bool]]:
+    """(text or token ids, trained) in document order."""
+    eos = [[tok.eos_id]] if tok.eos_id is not None else []
+    if doc.text is not None:
+        return [(doc.text, True), *((e, True) for e in eos)]
+    if tok.chat_template:
+        return _chat_pieces(doc, tok)
+    out = []
+    for m in doc.messages:
+        trained = m["role"] == TRAINED_ROLE
+        if doc.plain_prompt:  # prompt then completion, as the raw texts
+            out.append((m["content"], trained))
+        else:
+            out += [(f"{m['role']}: ", False), (m["content"] + ("" if trained else "\n"), trained)]
+        if trained:
+            out += [(e, True) for e in eos] or [("\n", True)]
+    return out
+
+
+def _chat_pieces(doc: Document, tok: TextTokenizer) -> list[tuple[str, bool]]:
+    """Render the conversation turn by turn; each turn's new text is a piece (assistant turns: trained after
+    the generation prompt). A template whose renders are not prefixes of each other cannot be split so."""
+    out, before = [], ""
+    for i, m in enumerate(doc.messages):
+        after = tok.render(doc.messages[: i + 1], add_generation_prompt=False)
+        if m["role"] == TRAINED_ROLE:
+            prompt = tok.render(doc.messages[:i], add_generation_prompt=True) if i else before
+            _check_prefix(before, prompt, doc, tok)
+            _check_prefix(prompt, after, doc, tok)
+            out += [(prompt[len(before) :], False), (after[len(prompt) :], True)]
+        else:
+            _check_prefix(before, after, doc, tok)
+            out.append((after[len(before) :], False))
+        before = after
+    return out
+
+
+def _check_prefix(prefix: str, text: str, doc: Document, tok: TextTokenizer) -> None:
+    if not text.startswith(prefix):
+        raise DataError(f"{doc.where}: the chat template of {tok.path} renders this conversation differently as it "
+                        f"grows (an earlier turn changes), so the assistant tokens cannot be told apart")  # fmt: skip
+
+
+__all__ = ["TextTokenizer", "TokenDoc", "encode_document"]

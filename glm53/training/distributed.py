@@ -1,0 +1,40 @@
+"""The model of a `glm53 train` run under torchrun: which weights it starts from, on which device and in which
+precision (trainer.py calls `init_parallel_model(args, mesh)`; the single-process run builds its model itself).
+
+    --resume DIR (a DCP run)   build on meta, parallelize; the DCP state fills it (any saved layout)
+    --init DIR                 build on meta, parallelize, `glm53.parallel.load_pretrained` (own slices only)
+    otherwise                  the preset, seeded identically on every rank, then parallelize
+--bf16 runs FSDP2 with a bf16 MixedPrecisionPolicy (glm53.precision's fp32 keep-list stays fp32); --device cuda
+puts the shards on this rank's GPU (nccl).
+Legend: dp/tp the mesh dimensions (glm53.parallel.init_mesh).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from ..config import Glm53Config
+from ..model.model import Glm53ForCausalLM
+from ..parallel import parallelize
+from ..parallel.run_checkpoint import bf16_policy, has_run_state, parallel_model
+
+
+def init_parallel_model(args: argparse.Namespace, mesh, preset) -> Glm53ForCausalLM:
+    """The parallelized model a torchrun run starts from (see the module docstring); `preset` builds the config."""
+    options = dict(bf16=args.bf16, activation_checkpointing=args.activation_checkpointing)
+    if args.resume and has_run_state(args.resume):
+        return parallel_model(Glm53Config.from_pretrained(args.resume), mesh, **options)
+    if args.init:
+        return parallel_model(Glm53Config.from_pretrained(args.init), mesh, init=args.init, **options)
+    if args.resume:  # an official-layout checkpoint with a trainer_state.pt of the old format
+        model = Glm53ForCausalLM.from_pretrained(args.resume)
+    else:
+        model = Glm53ForCausalLM(preset())
+    model.to(mesh.device_type)
+    return parallelize(model, mesh, mp_policy=bf16_policy() if args.bf16 else None,
+                       activation_checkpointing=args.activation_checkpointing)  # fmt: skip
+
+
+__all__ = ["init_parallel_model"]

@@ -1,0 +1,162 @@
+"""Fine-tuning a checkpoint on a data file: `glm53 train --init CHECKPOINT_DIR --data FILE [--tokenizer DIR]`.
+
+Legend: B batch (rows per micro-batch), T time (--seq-len).
+The flags and their checks, the model's initial weights (`init_model`), and `FileData`, the trainer's data
+source for --data: read (data/documents.py), tokenise (data/tokenize.py), pack (data/pack.py). Every
+data-parallel rank packs the same global stream and takes its own rows of each step, so the data position is one
+cursor, identical on every rank, saved in the trainer state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import inspect
+
+import torch
+
+from ..model.model import Glm53ForCausalLM
+from .data.documents import DataError, read_documents
+from .data.pack import Batch, Packer
+from .data.tokenize import TextTokenizer, encode_document
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (argparse turns the ValueError into a usage error naming the flag)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return value
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--init", metavar="CHECKPOINT_DIR", help="start from this official-layout checkpoint (needs --data)")
+    p.add_argument("--data", metavar="FILE", help=".txt (blank-line-separated documents) or .jsonl ({'text'}, "
+                   "{'messages'} or {'prompt', 'completion'} per line) to fine-tune on")  # fmt: skip
+    p.add_argument("--tokenizer", metavar="DIR", help="tokenizer directory (default: --init, or --resume)")
+    p.add_argument("--grad-accum", type=positive_int, default=1, metavar="N",
+                   help="micro-batches of --batch-size rows per optimizer step, one loss over all of them")  # fmt: skip
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Flag combinations argparse cannot check (a usage error, before any work)."""
+    if args.init and args.resume:
+        raise SystemExit("--init and --resume exclude each other: --resume already holds the model")
+    if args.tokenizer and not args.data:
+        raise SystemExit("--tokenizer needs --data FILE")
+    if args.data and not (args.init or args.resume):
+        raise SystemExit("--data needs --init CHECKPOINT_DIR (or --resume of a run that used --data)")
+
+
+def init_model(path: str) -> Glm53ForCausalLM:
+    """The model --init starts from (one process, full weights)."""
+    return Glm53ForCausalLM.from_pretrained(path)
+
+
+def file_digest(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def model_inputs(model: Glm53ForCausalLM, batch: Batch) -> dict[str, torch.Tensor]:
+    """The forward's keyword arguments for a packed micro-batch. Its position_ids (restarting at each document)
+    go only to a forward that takes them (packed documents); otherwise each row's documents are one sequence."""
+    inputs = dict(input_ids=batch.input_ids, labels=batch.labels, attention_mask=batch.attention_mask)
+    if "position_ids" in inspect.signature(model.forward).parameters:
+        inputs["position_ids"] = batch.position_ids
+    return inputs
+
+
+@torch.no_grad()
+def heldout_loss(model: Glm53ForCausalLM, path: str, tokenizer_dir: str, seq_len: int, batch_size: int = 8) -> float:
+    """The next-token loss (mean over every target token) of `model` on every document of data file `path`,
+    packed as for training (eval mode: no expert-load counting)."""
+    tokenizer = TextTokenizer(tokenizer_dir)
+    docs = [encode_document(d, tokenizer) for d in read_documents(path).documents]
+    packer = Packer([d for d in docs if any(d.targets[1:])], seq_len, 0, tokenizer.pad_id or 0)
+    rows = []
+    while packer.epoch == 0:
+        rows.append(packer.row())
+    batches = [Batch(*(torch.tensor(c, dtype=torch.long) for c in zip(*rows[i : i + batch_size])))
+               for i in range(0, len(rows), batch_size)]  # fmt: skip
+    inputs = [model_inputs(model, b) for b in batches]
+    counts = [model.loss_counts(i["labels"], i["attention_mask"], i.get("position_ids")) for i in inputs]
+    den = sum(counts[1:], counts[0])
+    was_training = model.training
+    model.eval()
+    total = sum(model(**i, loss_denominators=den).lm_loss for i in inputs)
+    model.train(was_training)
+    return float(total)
+
+
+class FileData:
+    """Packed rows from --data; `next_step` -> this rank's micro-batches of one optimizer step."""
+
+    def __init__(self, args: argparse.Namespace, tokenizer_dir: str, vocab_size: int, pad_id: int, dp: int,
+                 dp_rank: int) -> None:  # fmt: skip
+        self.path, self.dp, self.dp_rank = args.data, dp, dp_rank
+        self.batch_size, self.grad_accum = args.batch_size, args.grad_accum
+        self.tokenizer = TextTokenizer(tokenizer_dir)
+        read = read_documents(args.data)
+        docs = [encode_document(d, self.tokenizer) for d in read.documents]
+        self.skipped = {"without text": read.empty, "without target tokens": 0}
+        kept = []
+        for doc in docs:
+            if not any(doc.targets[1:]):  # a segment's first token is never a target (pack.py)
+                self.skipped["without target tokens"] += 1
+            else:
+                kept.append(doc)
+        if not kept:
+            raise DataError(f"--data {args.data}: no document has a token to train on ({self._skip_text()})")
+        for doc in kept:
+            top = max(doc.ids)
+            if top >= vocab_size:
+                raise DataError(f"{doc.where}: token id {top} from --tokenizer {tokenizer_dir} is outside the "
+                                f"model's vocabulary (vocab_size {vocab_size})")  # fmt: skip
+        self.docs, self.seq_len = kept, args.seq_len
+        self.digest = file_digest(args.data)
+        pad = self.tokenizer.pad_id if self.tokenizer.pad_id is not None else pad_id
+        self.packer = Packer(kept, args.seq_len, args.seed, pad)
+
+    def _skip_text(self) -> str:
+        return ", ".join(f"{n} {why}" for why, n in self.skipped.items() if n) or "nothing"
+
+    def describe(self) -> str:
+        """What was read, kept and skipped, and which documents get split (said once, at the start)."""
+        tokens = sum(len(d.ids) for d in self.docs)
+        targets = sum(sum(d.targets[1:]) for d in self.docs)
+        long = [d for d in self.docs if len(d.ids) > self.seq_len]
+        text = (f"data {self.path}: {len(self.docs)} documents, {tokens:,} tokens ({targets:,} loss targets); "
+                f"skipped: {self._skip_text()}")  # fmt: skip
+        if long:
+            text += (f"\n{len(long)} documents are longer than --seq-len {self.seq_len} and are split into pieces "
+                     f"(the first at {long[0].where})")  # fmt: skip
+        return text
+
+    def summary(self) -> str:
+        s = self.packer.stats
+        share = s.padding / max(1, s.rows * self.seq_len)
+        pos = self.packer.state_dict()
+        return (f"data: packed {s.rows} rows ({share:.1%} padding); next: epoch {pos['epoch']}, document "
+                f"{pos['index']} of {len(self.docs)}; skipped: {self._skip_text()}")
+
+    def next_step(self) -> list[Batch]:
+        """All dp ranks pack the step's rows identically; this rank keeps its grad_accum micro-batches."""
+        per_rank = self.batch_size * self.grad_accum
+        rows = self.packer.batch(per_rank * self.dp).rows(slice(self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank))
+        return [rows.rows(slice(m * self.batch_size, (m + 1) * self.batch_size)) for m in range(self.grad_accum)]
+
+    def state_dict(self) -> dict:
+        return {"file_sha256": self.digest, "documents": len(self.docs), **self.packer.state_dict()}
+
+    def load_state_dict(self, state: dict, where: str) -> None:
+        if state.get("file_sha256") != self.digest or state.get("documents") != len(self.docs):
+            raise SystemExit(f"--resume {where} was trained on a different --data file than {self.path} (its "
+                             f"sha256 or document count differs); resume with the same file")  # fmt: skip
+        self.packer.load_state_dict(state)
+
+
+__all__ = ["FileData", "add_arguments", "check_args", "heldout_loss", "init_model", "model_inputs", "positive_int"]

@@ -1,0 +1,104 @@
+"""`glm53.parallel.load_pretrained` on gloo: a model built on meta and parallelized (FSDP dp4, TP tp4, dp2 x tp2,
+and dp2 / tp2) loads a tiny FP8 official-layout checkpoint (4 x 8 blocks, so shard boundaries cut blocks) with
+each rank reading only its own slices; its loss and gradients equal one process's `from_pretrained`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from glm53.parallel.load import dequantize_slice
+from glm53.checkpoint import fp8
+from glm53 import Glm53ForCausalLM
+from glm53.errors import CheckpointError
+from tests.helpers.checkpoints import read_all, write_checkpoint
+from tests.helpers.ckpt_jobs import (
+    file_bytes,
+    reference_load_step,
+    sharded_load_error,
+    sharded_load_step,
+    write_test_checkpoint,
+)
+
+TOL = 1e-4  # relative to each reference tensor's largest magnitude (fp32, different summation orders)
+LAYOUTS4 = [(4, 1), (1, 4), (2, 2)]
+
+
+@pytest.fixture(scope="module")
+def fp8_ckpt(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("sharded") / "fp8")
+    write_test_checkpoint(path, fp8_blocks=True)
+    ids = torch.randint(1, 320, (4, 16), generator=torch.Generator().manual_seed(5))
+    return dict(path=path, ids=ids, refs={dp: reference_load_step(path, ids, dp) for dp in (1, 2, 4)})
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / max(b.abs().max().item(), 1e-12)).item()
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return rel_err(a, b) <= TOL
+
+
+@pytest.mark.parametrize("dp,tp", LAYOUTS4, ids=lambda v: str(v))
+def test_sharded_fp8_load_equals_from_pretrained(pool4, fp8_ckpt, dp, tp):
+    results = pool4.run(sharded_load_step, path=fp8_ckpt["path"], ids=fp8_ckpt["ids"], dp=dp, tp=tp)
+    ref = fp8_ckpt["refs"][dp]
+    for r in results:
+        for name, p in ref["params"].items():  # the load itself is exact
+            assert torch.equal(r["params"][name], p), name
+        assert close(r["loss"], ref["loss"]), (r["loss"], ref["loss"])
+        assert set(r["grads"]) == set(ref["grads"])
+        bad = [n for n, g in ref["grads"].items() if not close(r["grads"][n], g)]
+        assert not bad, [(n, rel_err(r["grads"][n], ref["grads"][n])) for n in bad]
+    total = file_bytes(fp8_ckpt["path"])
+    for r in results:
+        # Every stored element the rank holds, once (FP8 scales of the touched blocks on top), never the file.
+        assert r["bytes_read"] == r["counted"]
+        assert r["expected"] <= r["bytes_read"] <= r["expected"] * 1.1, (r["bytes_read"], r["expected"])
+        assert r["bytes_read"] < 0.6 * total, (r["bytes_read"], total)
+
+
+def test_dequantize_slice_equals_full_dequantize():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(13, 29, generator=g)
+    q, s = fp8.quantize(w, (4, 8))
+    full = fp8.dequantize(q, s, (4, 8))
+    for r0, r1, c0, c1 in [(0, 13, 0, 29), (3, 9, 5, 22), (4, 8, 8, 16), (12, 13, 28, 29)]:
+        blocks = s[r0 // 4 : -(-r1 // 4), c0 // 8 : -(-c1 // 8)]
+        part = dequantize_slice(q[r0:r1, c0:c1], blocks, (4, 8), (r0, c0))
+        assert torch.equal(part, full[r0:r1, c0:c1]), (r0, r1, c0, c1)
+
+
+def test_fp32_reads_exactly_the_rank_share(pool4, tmp_path):
+    path = str(tmp_path / "fp32")
+    write_test_checkpoint(path, fp8_blocks=False)
+    ids = torch.randint(1, 320, (4, 8), generator=torch.Generator().manual_seed(1))
+    results = pool4.run(sharded_load_step, path=path, ids=ids, dp=2, tp=2, to_empty=True)  # materialised already
+    ref = reference_load_step(path, ids, 2)
+    assert all(torch.equal(r["params"][n], p) for r in results for n, p in ref["params"].items())
+    for r in results:  # each local element read once, nothing else (replicated tensors whole on every rank)
+        assert r["bytes_read"] == r["counted"] == r["expected"], (r["bytes_read"], r["expected"])
+    assert sum(r["bytes_read"] for r in results) < 2 * file_bytes(path)  # not 4 copies of the checkpoint
+
+
+def test_bad_checkpoints_raise_from_pretrained_errors_on_every_rank(pool4, tmp_path):
+    src = str(tmp_path / "good")
+    write_test_checkpoint(src, fp8_blocks=False)
+    config = (tmp_path / "good" / "config.json").read_text()
+    state = read_all(src)
+    cases = {}
+    nan = dict(state)
+    key = "model.language_model.layers.1.mlp.experts.5.up_proj.weight"  # one expert: on one dp rank only
+    nan[key] = nan[key].clone()
+    nan[key][3, 7] = float("nan")
+    cases["nan"] = nan
+    cases["missing"] = {k: v for k, v in state.items() if not k.endswith("layers.2.self_attn.o_proj.weight")}
+    for name, tensors in cases.items():
+        path = str(tmp_path / name)
+        write_checkpoint(path, tensors, {})
+        (tmp_path / name / "config.json").write_text(config)
+        with pytest.raises(CheckpointError) as single:
+            Glm53ForCausalLM.from_pretrained(path, dtype=torch.float32)
+        messages = pool4.run(sharded_load_error, path=path, dp=2, tp=2)
+        assert messages == [str(single.value)] * 4, (name, messages, str(single.value))
