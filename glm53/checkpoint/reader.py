@@ -142,5 +142,5 @@ class TensorReader:
                 raise CheckpointError(f"FP8 tensor {key!r} has no {scale!r} companion")
             tensor = fp8.dequantize(tensor, self._tensor(scale), self.block_size)
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):  # NOTE: syncs
-            raise CheckpointError(f"{self.files[key]}: tensor {key!r} holds NaN or infinite values")
+            raise CheckpointError(f"tensor {key!r} holds NaN or infinite values")
         return tensor
