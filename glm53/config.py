@@ -11,8 +11,21 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
+
+from .config_checks import (
+    check_bools_and_strings,
+    check_extra,
+    check_floats,
+    check_ints,
+    check_list_fields,
+    check_token_ids,
+    is_int,
+    unknown_keys,
+)
+from .errors import ConfigError
 
 LINEAR_ATTENTION = "linear_attention"  # KDA layer
 INDEXED_ATTENTION = "indexed_attention"  # NoPE MLA + DSA indexer layer
@@ -98,8 +111,9 @@ class Glm53Config:
 
     def __post_init__(self) -> None:
         n = self.num_hidden_layers
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"num_hidden_layers must be a positive int, got {n!r}")
+        if not is_int(n) or n < 1:
+            raise ConfigError(f"num_hidden_layers must be a positive int, got {n!r}")
+        check_list_fields(self)
         if self.layer_types is None:
             self.layer_types = [LINEAR_ATTENTION if i % 4 != 3 else INDEXED_ATTENTION for i in range(n)]
         else:
@@ -128,98 +142,90 @@ class Glm53Config:
 
     # --------------------------------------------------------------- validation
     def validate(self) -> None:
-        """Raise ValueError naming the first bad field and its value."""
+        """Raise ConfigError (a ValueError) naming the first bad field and its value."""
+        check_ints(self)
+        check_bools_and_strings(self)
+        check_floats(self)
+        check_token_ids(self)
+        check_list_fields(self)
+        check_extra(self.extra)
+        self._validate_schedules()
+        self._validate_attention()
+        self._validate_experts()
+        self._validate_training()
+        if self.hidden_act != "silu":
+            raise ConfigError(f"hidden_act must be 'silu', got {self.hidden_act!r}")
+
+    def _validate_schedules(self) -> None:
+        """Per-layer lists: one entry per layer, known names, a 'full' indexer before every 'shared' one."""
         n = self.num_hidden_layers
-        positive = [
-            "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_attention_heads",
-            "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "index_topk", "index_head_dim", "index_n_heads",
-            "index_kpool", "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group", "linear_num_heads",
-            "linear_head_dim", "linear_conv_kernel_dim", "hc_mult", "hc_sinkhorn_iters",
-        ]  # fmt: skip
-        for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
         for name in ("layer_types", "mlp_layer_types", "indexer_types"):
             value = getattr(self, name)
             if len(value) != n:
-                raise ValueError(f"{name} has {len(value)} entries but num_hidden_layers is {n}: {value!r}")
+                raise ConfigError(f"{name} has {len(value)} entries but num_hidden_layers is {n}: {value!r}")
         for name, allowed in (("layer_types", LAYER_TYPES), ("mlp_layer_types", MLP_TYPES),
                               ("indexer_types", INDEXER_TYPES)):  # fmt: skip
             for i, value in enumerate(getattr(self, name)):
                 if value not in allowed:
-                    raise ValueError(f"{name}[{i}] is {value!r}; expected one of {list(allowed)}")
-        if self.num_attention_heads != self.num_key_value_heads:
-            raise ValueError(
-                f"num_key_value_heads ({self.num_key_value_heads!r}) must equal num_attention_heads "
-                f"({self.num_attention_heads!r})"
-            )
-        if self.q_lora_rank is None or not isinstance(self.q_lora_rank, int) or self.q_lora_rank < 1:
-            raise ValueError(f"q_lora_rank is required by the DSA indexer and must be a positive int, got "
-                             f"{self.q_lora_rank!r}")  # fmt: skip
-        if self.qk_rope_head_dim != 0:
-            raise ValueError(f"qk_rope_head_dim must be 0 (GLM-5.3 attention is NoPE), got {self.qk_rope_head_dim!r}")
-        if self.index_topk % self.index_kpool != 0:
-            raise ValueError(
-                f"index_topk ({self.index_topk!r}) must be divisible by index_kpool ({self.index_kpool!r})"
-            )
-        if self.n_routed_experts % self.n_group != 0:
-            raise ValueError(f"n_routed_experts ({self.n_routed_experts}) must be divisible by n_group "
-                             f"({self.n_group!r})")  # fmt: skip
-        if self.topk_group > self.n_group:
-            raise ValueError(f"topk_group ({self.topk_group!r}) must not exceed n_group ({self.n_group})")
-        if self.num_experts_per_tok > self.n_routed_experts:
-            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok!r}) must not exceed n_routed_experts "
-                             f"({self.n_routed_experts})")  # fmt: skip
-        if self.n_routed_experts // self.n_group < 2 and self.n_group > 1:
-            raise ValueError(f"n_group ({self.n_group!r}) leaves fewer than 2 experts per group; group scores sum "
-                             f"the top-2 experts of each group")  # fmt: skip
-        if self.topk_group * (self.n_routed_experts // self.n_group) < self.num_experts_per_tok:
-            raise ValueError(f"topk_group ({self.topk_group!r}) groups hold fewer experts than num_experts_per_tok "
-                             f"({self.num_experts_per_tok})")  # fmt: skip
-        self._validate_training()
-        if self.hidden_act != "silu":
-            raise ValueError(f"hidden_act must be 'silu', got {self.hidden_act!r}")
-        if self.linear_lower_bound is not None and not self.linear_lower_bound < 0:
-            raise ValueError(f"linear_lower_bound must be negative or None, got {self.linear_lower_bound!r}")
-        if not self.swiglu_limit > 0:
-            raise ValueError(f"swiglu_limit must be positive, got {self.swiglu_limit!r}")
-        if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
-            raise ValueError(f"pad_token_id ({self.pad_token_id!r}) must lie in [0, vocab_size={self.vocab_size})")
+                    raise ConfigError(f"{name}[{i}] is {value!r}; expected one of {list(allowed)}")
         seen_full = False
         for i in self.attention_layers:
             if self.indexer_types[i] == "full":
                 seen_full = True
             elif not seen_full:
-                raise ValueError(
+                raise ConfigError(
                     f"indexer_types[{i}] is 'shared' but no earlier indexed_attention layer has a 'full' indexer "
                     f"to share top-k from: {self.indexer_types!r}"
                 )
 
+    def _validate_attention(self) -> None:
+        if self.num_attention_heads != self.num_key_value_heads:
+            raise ConfigError(
+                f"num_key_value_heads ({self.num_key_value_heads!r}) must equal num_attention_heads "
+                f"({self.num_attention_heads!r})"
+            )
+        if self.qk_rope_head_dim != 0:
+            raise ConfigError(f"qk_rope_head_dim must be 0 (GLM-5.3 attention is NoPE), got {self.qk_rope_head_dim!r}")
+        if self.index_topk % self.index_kpool != 0:
+            raise ConfigError(
+                f"index_topk ({self.index_topk!r}) must be divisible by index_kpool ({self.index_kpool!r})"
+            )
+
+    def _validate_experts(self) -> None:
+        if self.n_routed_experts % self.n_group != 0:
+            raise ConfigError(f"n_routed_experts ({self.n_routed_experts}) must be divisible by n_group "
+                              f"({self.n_group!r})")  # fmt: skip
+        if self.topk_group > self.n_group:
+            raise ConfigError(f"topk_group ({self.topk_group!r}) must not exceed n_group ({self.n_group})")
+        if self.num_experts_per_tok > self.n_routed_experts:
+            raise ConfigError(f"num_experts_per_tok ({self.num_experts_per_tok!r}) must not exceed n_routed_experts "
+                              f"({self.n_routed_experts})")  # fmt: skip
+        if self.n_routed_experts // self.n_group < 2 and self.n_group > 1:
+            raise ConfigError(f"n_group ({self.n_group!r}) leaves fewer than 2 experts per group; group scores sum "
+                              f"the top-2 experts of each group")  # fmt: skip
+        if self.topk_group * (self.n_routed_experts // self.n_group) < self.num_experts_per_tok:
+            raise ConfigError(f"topk_group ({self.topk_group!r}) groups hold fewer experts than num_experts_per_tok "
+                              f"({self.num_experts_per_tok})")  # fmt: skip
+
     def _validate_training(self) -> None:
-        for name in ("num_nextn_predict_layers", "mtp_depth"):
-            value = getattr(self, name)
-            low = 1 if name == "mtp_depth" else 0
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         if self.num_nextn_predict_layers > self.mtp_depth:
-            raise ValueError(f"num_nextn_predict_layers ({self.num_nextn_predict_layers}) must not exceed mtp_depth "
-                             f"({self.mtp_depth!r}): an MTP layer past the last depth would never be used")  # fmt: skip
-        for name in ("mtp_loss_weight", "indexer_loss_weight", "router_aux_loss_coef", "router_z_loss_coef"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-                raise ValueError(f"{name} must be a non-negative number, got {value!r}")
+            raise ConfigError(f"num_nextn_predict_layers ({self.num_nextn_predict_layers}) must not exceed "
+                              f"mtp_depth ({self.mtp_depth!r}): an MTP layer past the last depth would never be "
+                              f"used")  # fmt: skip
         if self.indexer_loss_mode not in INDEXER_LOSS_MODES:
-            raise ValueError(f"indexer_loss_mode is {self.indexer_loss_mode!r}; expected one of "
-                             f"{list(INDEXER_LOSS_MODES)}")  # fmt: skip
+            raise ConfigError(f"indexer_loss_mode is {self.indexer_loss_mode!r}; expected one of "
+                              f"{list(INDEXER_LOSS_MODES)}")  # fmt: skip
 
     # ------------------------------------------------------------ conversions
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Glm53Config":
         """Build from a config dict: nested (`text_config`) or flat, in transformers' or the release's spelling."""
         if not isinstance(d, dict):
-            raise ValueError(f"config must be a dict, got {type(d).__name__}")
+            raise ConfigError(f"config must be a dict, got {type(d).__name__}")
         outer: dict[str, Any] = {}
+        if "text_config" in d and not isinstance(d["text_config"], dict):
+            raise ConfigError(f"text_config must be a dict (the text model's config), got "
+                              f"{type(d['text_config']).__name__}: {d['text_config']!r}")  # fmt: skip
         if isinstance(d.get("text_config"), dict):
             text = dict(d["text_config"])
             outer = {k: v for k, v in d.items() if k != "text_config"}
@@ -239,9 +245,12 @@ class Glm53Config:
                 kwargs[key] = value
             elif key not in _IGNORED_KEYS or key in ("model_type", "architectures"):
                 extra[key] = value
+        if unknown := unknown_keys(extra):
+            # Release configs carry keys glm53 does not read: kept (to_dict round-trips them), not an error.
+            warnings.warn(f"config keys glm53 does not use (kept, ignored): {unknown}", stacklevel=2)
         if linear is not None:
             if not isinstance(linear, dict):
-                raise ValueError(f"linear_attn_config must be a dict, got {linear!r}")
+                raise ConfigError(f"linear_attn_config must be a dict, got {linear!r}")
             extra["linear_attn_config"] = linear
             _apply_linear_attn_config(kwargs, linear)
         if kwargs.get("indexer_types") is None and schedule:
@@ -284,11 +293,15 @@ class Glm53Config:
         file = os.path.join(path, "config.json") if os.path.isdir(path) else path
         if not os.path.isfile(file):
             raise FileNotFoundError(f"no config.json at {file}")
-        with open(file) as f:
-            try:
+        try:
+            with open(file, encoding="utf-8") as f:
                 d = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{file} is not valid JSON: {e}") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{file} is not valid JSON: {e}") from e
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{file} is not UTF-8 text: {e}") from e
+        except OSError as e:
+            raise ConfigError(f"{file} cannot be read: {e.strerror or e}") from e
         return cls.from_dict(d)
 
     def replace(self, **changes: Any) -> "Glm53Config":
@@ -323,8 +336,14 @@ def _apply_linear_attn_config(kwargs: dict[str, Any], linear: dict[str, Any]) ->
             continue
         if dst in kwargs and kwargs[dst] != linear[src]:
             # transformers silently lets the dict win; an ambiguous checkpoint config is an error here.
-            raise ValueError(f"{dst}={kwargs[dst]!r} disagrees with linear_attn_config[{src!r}]={linear[src]!r}")
+            raise ConfigError(f"{dst}={kwargs[dst]!r} disagrees with linear_attn_config[{src!r}]={linear[src]!r}")
         kwargs[dst] = linear[src]
+    if not isinstance(linear.get("safe_gate", True), bool):
+        raise ConfigError(f"linear_attn_config['safe_gate'] must be a bool, got {linear['safe_gate']!r}")
+    for name in ("kda_layers", "full_attn_layers"):
+        listed = linear.get(name, [])
+        if not isinstance(listed, list) or not all(is_int(i) for i in listed):
+            raise ConfigError(f"linear_attn_config[{name!r}] must be a list of 1-based layer numbers, got {listed!r}")
     # transformers: a "safe gate" (the dict's default) always has a bound; with none given it is -5.
     if linear.get("safe_gate", True) and kwargs.get("linear_lower_bound", -5.0) is None:
         kwargs["linear_lower_bound"] = SAFE_GATE_LOWER_BOUND
@@ -340,7 +359,7 @@ def _apply_linear_attn_config(kwargs: dict[str, Any], linear: dict[str, Any]) ->
             elif i + 1 in full:
                 types.append(INDEXED_ATTENTION)
             else:
-                raise ValueError(f"linear_attn_config lists layer {i + 1} in neither kda_layers nor full_attn_layers")
+                raise ConfigError(f"linear_attn_config lists layer {i + 1} in neither kda_layers nor full_attn_layers")
         kwargs["layer_types"] = types
 
 
@@ -348,20 +367,22 @@ def _indexer_schedule(schedule: dict[str, Any], n: int) -> list[str]:
     """indexer_types from `index_topk_pattern` ("FSSF..." or a list) or `index_topk_freq`/`index_skip_topk_offset`."""
     pattern = schedule.get("index_topk_pattern")
     if pattern is not None:
+        if not isinstance(pattern, (str, list)):
+            raise ConfigError(f"index_topk_pattern must be a string of 'F'/'S' or a list, got {pattern!r}")
         if isinstance(pattern, str):
             letters = {"F": "full", "S": "shared"}
             bad = [c for c in pattern if c not in letters]
             if bad:
-                raise ValueError(f"index_topk_pattern {pattern!r} has characters other than 'F' and 'S': {bad}")
+                raise ConfigError(f"index_topk_pattern {pattern!r} has characters other than 'F' and 'S': {bad}")
             return [letters[c] for c in pattern]
         return list(pattern)
     freq = schedule.get("index_topk_freq", 1)
-    if not isinstance(freq, int) or freq < 1:
-        # transformers clamps a freq below 1 to 1; a non-int is an error.
-        if not isinstance(freq, int):
-            raise ValueError(f"index_topk_freq must be an int, got {freq!r}")
-        freq = 1
+    if not is_int(freq):
+        raise ConfigError(f"index_topk_freq must be an int, got {freq!r}")
+    freq = max(freq, 1)  # transformers clamps a freq below 1 to 1
     offset = schedule.get("index_skip_topk_offset", 2)
+    if not is_int(offset):
+        raise ConfigError(f"index_skip_topk_offset must be an int, got {offset!r}")
     return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
 
 

@@ -19,4 +19,9 @@ class CheckpointError(Glm53Error):
     """A checkpoint that cannot be read or does not fit the model: names the file and every offending key."""
 
 
-__all__ = ["Glm53Error", "ConfigError", "CheckpointError"]
+class InputError(Glm53Error):
+    """An input the model or trainer cannot use: out-of-vocabulary ids, an empty batch, a wrong dtype, width or
+    device, a sequence longer than the corpus; names the argument and the offending value."""
+
+
+__all__ = ["Glm53Error", "ConfigError", "CheckpointError", "InputError"]

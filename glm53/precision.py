@@ -34,4 +34,19 @@ def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return model
 
 
-__all__ = ["FP32_KEEP", "keeps_fp32", "cast_model"]
+def resolve_dtype(dtype: torch.dtype | str, what: str = "dtype") -> torch.dtype:
+    """A floating torch.dtype from a dtype or its name ("bfloat16", "torch.bfloat16"); else TypeError naming
+    `what` (the argument) and the value."""
+    if isinstance(dtype, str):
+        resolved = getattr(torch, dtype.removeprefix("torch."), None)
+        if not isinstance(resolved, torch.dtype):
+            raise TypeError(f"{what}={dtype!r} is not a torch dtype name (e.g. 'bfloat16', 'float32')")
+        dtype = resolved
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{what} must be a torch.dtype or its name, got {dtype!r} ({type(dtype).__name__})")
+    if not dtype.is_floating_point:
+        raise TypeError(f"{what} must be a floating dtype (weights are real numbers), got {dtype}")
+    return dtype
+
+
+__all__ = ["FP32_KEEP", "keeps_fp32", "cast_model", "resolve_dtype"]

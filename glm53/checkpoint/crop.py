@@ -24,9 +24,11 @@ import torch
 from safetensors import safe_open
 
 from ..config import INDEXED_ATTENTION, LINEAR_ATTENTION, Glm53Config
+from ..errors import CheckpointError
 from . import fp8
-from .reader import checkpoint_files
-from .shards import ShardedWriter, atomic_directory, copy_side_files, write_json
+from .paths import is_inside
+from .reader import READ_ERRORS, check_readable, checkpoint_files, reason
+from .shards import ShardedWriter, atomic_directory, checkpoint_owns, copy_side_files, write_json
 
 # A decoder-layer key of the text model (nested `model.language_model.` or flat `model.` prefix).
 _TEXT_LAYER = re.compile(r"^(model\.language_model\.|model\.)layers\.(\d+)\.(.*)$")
@@ -132,8 +134,11 @@ def plan_crop(src: str, n: int, dtype: torch.dtype = torch.bfloat16) -> Plan:
     config_path = os.path.join(src, "config.json")
     if not os.path.isfile(config_path):
         raise CropError(f"no config.json in {src}")
-    with open(config_path) as f:
-        config = json.load(f)
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CropError(f"{config_path} cannot be read as JSON: {reason(e)}") from e
     source = Glm53Config.from_dict(config)
     total = source.num_hidden_layers
     _check_layers(n, total)
@@ -156,14 +161,14 @@ def plan_crop(src: str, n: int, dtype: torch.dtype = torch.bfloat16) -> Plan:
                 mtp_keys.append(key)
             elif layer >= n:
                 continue
-        info = _open(handles, file).get_slice(key)
+        info = _slice(handles, file, key)
         shape, src_dtype = tuple(info.get_shape()), info.get_dtype()
         dequantize = fp8.is_fp8(src_dtype)
         if dequantize:
             scale = key + fp8.SCALE_SUFFIX
             scale_shape = None
             if scale in files:
-                scale_shape = tuple(_open(handles, files[scale]).get_slice(scale).get_shape())
+                scale_shape = tuple(_slice(handles, files[scale], scale).get_shape())
             try:
                 fp8.check_scale(key, shape, scale_shape, plan.block_size)
             except ValueError as e:
@@ -212,15 +217,18 @@ def crop(src: str | os.PathLike, dst: str | os.PathLike, num_layers: int, *, dty
     src, dst = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))
     if not os.path.isdir(src):
         raise CropError(f"source checkpoint directory {src} does not exist")
-    if dst == src or dst.startswith(src + os.sep) or src.startswith(dst + os.sep):
-        raise CropError(f"DST ({dst}) must not be SRC or lie inside it (or contain it)")
+    # Resolved paths: a symlink to (or inside) SRC must not slip past the check.
+    real_src, real_dst = os.path.realpath(src), os.path.realpath(dst)
+    if is_inside(real_dst, real_src) or is_inside(real_src, real_dst):
+        raise CropError(f"DST ({dst}, resolved {real_dst}) must not be SRC or lie inside it (or contain it); "
+                        f"SRC resolves to {real_src}")  # fmt: skip
     if os.path.lexists(dst) and not overwrite and not dry_run:
         raise CropError(f"{dst} already exists; pass --overwrite to replace it")
     plan = plan_crop(src, num_layers, dtype)
     if dry_run:
         print_plan(plan, dtype)
         return plan
-    with atomic_directory(dst, overwrite=overwrite) as tmp:
+    with atomic_directory(dst, overwrite=overwrite, own=checkpoint_owns) as tmp:
         writer = ShardedWriter(tmp, max_shard_size)
         handles, done = {}, 0
         for i, file in enumerate(plan.shards):
@@ -240,16 +248,39 @@ def crop(src: str | os.PathLike, dst: str | os.PathLike, num_layers: int, *, dty
 
 def _open(handles: dict, file: str):
     if file not in handles:
-        handles[file] = safe_open(file, framework="pt")
+        try:
+            check_readable(file)
+        except CheckpointError as e:
+            raise CropError(str(e)) from None
+        try:
+            handles[file] = safe_open(file, framework="pt")
+        except READ_ERRORS as e:
+            raise CropError(f"{file} cannot be read as safetensors: {reason(e)}") from e
     return handles[file]
+
+
+def _slice(handles: dict, file: str, key: str):
+    handle = _open(handles, file)
+    try:
+        return handle.get_slice(key)
+    except READ_ERRORS as e:
+        raise CropError(f"{file}: cannot read tensor {key!r}: {reason(e)}") from e
+
+
+def _get(handles: dict, file: str, key: str) -> torch.Tensor:
+    handle = _open(handles, file)
+    try:
+        return handle.get_tensor(key)
+    except READ_ERRORS as e:
+        raise CropError(f"{file}: cannot read tensor {key!r}: {reason(e)}") from e
 
 
 def _read(e: Entry, plan: Plan, handles: dict, dtype: torch.dtype) -> torch.Tensor:
     """One output tensor: FP8 dequantised to `dtype`, anything else exactly as stored."""
-    tensor = _open(handles, e.file).get_tensor(e.src)
+    tensor = _get(handles, e.file, e.src)
     if not e.dequantize:
         return tensor
-    scale = _open(handles, e.scale_file).get_tensor(e.src + fp8.SCALE_SUFFIX)
+    scale = _get(handles, e.scale_file, e.src + fp8.SCALE_SUFFIX)
     return fp8.dequantize(tensor, scale, plan.block_size, dtype)
 
 

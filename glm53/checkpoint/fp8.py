@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..errors import ConfigError
 from ..utils import ceil_div
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -33,9 +34,12 @@ def is_fp8(dtype: torch.dtype | str) -> bool:
 
 def weight_block_size(quantization_config: dict[str, Any] | None) -> tuple[int, int]:
     """`quantization_config["weight_block_size"]` as (bo, bi); 128 x 128 when absent."""
+    if quantization_config is not None and not isinstance(quantization_config, dict):
+        raise ConfigError(f"quantization_config must be a dict, got {quantization_config!r}")
     block = (quantization_config or {}).get("weight_block_size") or DEFAULT_BLOCK_SIZE
-    if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
-        raise ValueError(f"quantization_config.weight_block_size must be two positive ints, got {block!r}")
+    if (not isinstance(block, (list, tuple)) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):  # fmt: skip
+        raise ConfigError(f"quantization_config.weight_block_size must be two positive ints, got {block!r}")
     return int(block[0]), int(block[1])
 
 

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import Glm53Config
-from ..errors import CheckpointError
-from ..precision import cast_model
+from ..errors import CheckpointError, ConfigError
+from ..precision import cast_model, resolve_dtype
 from . import fp8
 from .layout import EXPERT_KEY, LAYER_KEY, TEXT_PREFIX, VISION_PREFIX, mtp_internal, official_key, official_to_internal
-from .reader import TensorReader, checkpoint_files
+from .reader import FLOAT_DTYPES, TensorReader, checkpoint_files
 
 logger = logging.getLogger("glm53.checkpoint")
 
@@ -123,11 +123,51 @@ def _plan(model: torch.nn.Module, files: dict[str, str], reader: TensorReader, n
             missing.append(f"{official_key(name, num_layers)} {tuple(tensor.shape)}")
     bad_fp8 = [msg for key in plan.used_keys() if (msg := reader.check_fp8(key))]
     sections = [("FP8 scales", bad_fp8), ("missing keys (expected shape)", missing),
-                ("unexpected keys", plan.unexpected), ("mis-shaped keys", bad_shape)]  # fmt: skip
+                ("unexpected keys", plan.unexpected), ("mis-shaped keys", bad_shape),
+                ("keys of a dtype the parameter cannot hold", _dtype_problems(targets, plan, reader))]  # fmt: skip
     problems = [f"{title}:\n  " + "\n  ".join(sorted(items)) for title, items in sections if items]
     if problems:
         raise CheckpointError("checkpoint does not match the model config:\n" + "\n".join(problems))
     return plan
+
+
+def _dtype_problems(targets: dict, plan: LoadPlan, reader: TensorReader) -> list[str]:
+    """A floating parameter accepts only floating tensors (FP8 with a floating scale): casting an int, bool or
+    complex tensor into it would truncate or drop data silently."""
+    pairs = [(name, key) for name, key in plan.direct.items()]
+    pairs += [(name, key) for name, parts in plan.experts.items() for key in parts.values()]
+    problems = []
+    for name, key in pairs:
+        found, target = reader.dtype(key), targets[name]
+        if target.is_floating_point() and found not in FLOAT_DTYPES:
+            problems.append(f"{key}: {found}, but {name} is {str(target.dtype).replace('torch.', '')} "
+                            f"(floating: one of {sorted(FLOAT_DTYPES)})")  # fmt: skip
+    return problems
+
+
+def check_layer_count(files: dict[str, str], config: Glm53Config, path: str) -> None:
+    """Compare the checkpoint's decoder layers with config.json before building anything: a config claiming far
+    more layers than the checkpoint holds would otherwise spend minutes building a model that cannot load."""
+    text = [key[len(TEXT_PREFIX):] for key in files if key.startswith(TEXT_PREFIX)]
+    layers = {int(m[1]) for local in text if (m := LAYER_KEY.match(local))}
+    n = config.num_hidden_layers
+    absent = sorted(set(range(n)) - layers)
+    if absent:
+        shown = absent if len(absent) <= 8 else [*absent[:4], "...", *absent[-2:]]
+        raise CheckpointError(f"{path}: config.json has num_hidden_layers={n} but the checkpoint has no tensors for "
+                              f"{len(absent)} of those layers (layers {shown}); it holds layers "
+                              f"{_ranges(sorted(layers))}")  # fmt: skip
+
+
+def _ranges(values: list[int]) -> str:
+    if not values:
+        return "none"
+    out, start = [], values[0]
+    for prev, cur in zip(values, [*values[1:], None]):
+        if cur != prev + 1:
+            out.append(f"{start}" if start == prev else f"{start}..{prev}")
+            start = cur
+    return ", ".join(out)
 
 
 def quantization_config(config: Glm53Config) -> dict | None:
@@ -146,11 +186,16 @@ def load_checkpoint(cls, path: str | os.PathLike, *, dtype: torch.dtype | None =
     `model.mtp_checkpoint_keys`.
     """
     path = os.fspath(path)
+    dtype = None if dtype is None else resolve_dtype(dtype, "dtype")
     config = Glm53Config.from_pretrained(path)
     if dtype is None:
         stored = config.extra.get("_outer", {}).get("dtype") or config.extra.get("dtype") or "float32"
-        dtype = getattr(torch, str(stored).replace("torch.", ""), torch.float32)
+        try:
+            dtype = resolve_dtype(stored, "dtype")
+        except TypeError as e:
+            raise ConfigError(f"{path}/config.json: {e}") from e
     files = checkpoint_files(path)
+    check_layer_count(files, config, path)
     reader = TensorReader(files, fp8.weight_block_size(quantization_config(config)))
     with torch.device("meta"):
         model = cls(config)

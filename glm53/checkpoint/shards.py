@@ -1,8 +1,9 @@
 """Writing checkpoint directories: sharded safetensors with an index, written atomically.
 
 Everything goes to a hidden temporary directory beside the target (same filesystem) and is renamed into
-place only after every file is written and fsynced, so an exception, a kill or a full disk leaves either the
-old target or none, never a half-written checkpoint that looks complete. Shards follow transformers' naming:
+place only after every file is written and fsynced (atomic.py), so an exception, a kill or a full disk leaves
+either the old target or none, never a half-written checkpoint that looks complete; overwriting keeps the
+directory's files that are not the checkpoint's own (`checkpoint_owns`). Shards follow transformers' naming:
 one `model.safetensors` when everything fits, else `model-0000i-of-0000n.safetensors` plus
 `model.safetensors.index.json` ({"metadata": {"total_size": bytes}, "weight_map": {key: file}}).
 """
@@ -13,12 +14,12 @@ import json
 import os
 import re
 import shutil
-import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 from safetensors.torch import save_file
+
+from .atomic import atomic_directory  # noqa: F401  (re-exported: writers import it from here)
+from .paths import allowed_roots, is_inside
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -40,40 +41,14 @@ def parse_size(size: int | str) -> int:
     return value
 
 
-def _fsync_tree(directory: str) -> None:
-    for name in os.listdir(directory):
-        file = os.path.join(directory, name)
-        if os.path.isfile(file):
-            with open(file, "rb") as f:
-                os.fsync(f.fileno())
+# The checkpoint's own files: what overwriting a checkpoint directory replaces (everything else is kept).
+_SHARD_FILE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+CHECKPOINT_FILES = ("config.json", SINGLE_FILE, INDEX_FILE)
 
 
-@contextmanager
-def atomic_directory(target: str | os.PathLike, overwrite: bool = False) -> Iterator[str]:
-    """Yield a temporary directory beside `target`; on success rename it to `target`, on error delete it.
-
-    An existing `target` raises FileExistsError unless `overwrite`, in which case it is replaced only after
-    the new directory is complete.
-    """
-    target = os.path.abspath(os.fspath(target))
-    if os.path.lexists(target) and not overwrite:
-        raise FileExistsError(f"{target} already exists (pass overwrite=True / --overwrite to replace it)")
-    parent, name = os.path.split(target)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
-    try:
-        yield tmp
-        _fsync_tree(tmp)
-        if os.path.lexists(target):
-            old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
-            os.rename(target, os.path.join(old, name))
-            os.rename(tmp, target)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+def checkpoint_owns(name: str) -> bool:
+    """Whether `name` in a checkpoint directory is the checkpoint's own (config, weights, index, shards)."""
+    return name in CHECKPOINT_FILES or bool(_SHARD_FILE.match(name))
 
 
 class ShardedWriter:
@@ -134,20 +109,47 @@ class ShardedWriter:
 def copy_side_files(src: str, dst: str) -> list[str]:
     """Copy SRC's top-level files that are not weights or config.json (tokenizer, generation config...) and its
     subdirectories (a training run's intermediate checkpoints, hard-linked rather than copied: they can be large)
-    into DST, skipping names DST already has -> the names copied."""
+    into DST, skipping names DST already has -> the names copied.
+
+    Only files inside SRC are copied: a symlink that resolves outside it (paths.allowed_roots: SRC, or a hub
+    cache snapshot's blobs) is skipped, at the top level and inside subdirectories; nothing but regular files
+    and directories is read.
+    """
+    roots = allowed_roots(src)
     copied = []
     for name in sorted(os.listdir(src)):
         path, target = os.path.join(src, name), os.path.join(dst, name)
-        if os.path.lexists(target):
+        if os.path.lexists(target) or not _inside(path, roots) or _linked_dir(path):
             continue
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.copytree(path, target, copy_function=_link_or_copy)
+        if os.path.isdir(path):
+            shutil.copytree(path, target, copy_function=_link_or_copy, ignore=_outside(roots))
         elif name in ("config.json", INDEX_FILE) or name.endswith(".safetensors") or not os.path.isfile(path):
             continue
         else:
             shutil.copy2(path, target)
         copied.append(name)
     return copied
+
+
+def _inside(path: str, roots: list[str]) -> bool:
+    resolved = os.path.realpath(path)
+    return any(is_inside(resolved, root) for root in roots)
+
+
+def _linked_dir(path: str) -> bool:
+    return os.path.islink(path) and os.path.isdir(path)
+
+
+def _outside(roots: list[str]):
+    """copytree's `ignore`: entries that resolve outside `roots`, symlinked directories (which may loop), and
+    anything but files and directories."""
+
+    def ignore(directory: str, names: list[str]) -> list[str]:
+        paths = {n: os.path.join(directory, n) for n in names}
+        return [n for n, p in paths.items()
+                if not _inside(p, roots) or _linked_dir(p) or not (os.path.isfile(p) or os.path.isdir(p))]  # fmt: skip
+
+    return ignore
 
 
 def _link_or_copy(src: str, dst: str) -> None:

@@ -82,8 +82,9 @@ class KimiDeltaAttention(nn.Module):
         rate = as_local(self, "A_log").float().exp()[:, None]  # [H, 1]
         if self.lower_bound is not None:
             return self.lower_bound * torch.sigmoid(rate * raw)
-        softplus = torch.where(raw > SOFTPLUS_THRESHOLD, raw, torch.log1p(torch.exp(raw)))
-        return -rate * softplus
+        # F.softplus switches to x above the threshold without evaluating exp(x) there, so its gradient stays
+        # finite for any input (a where() over log1p(exp(x)) overflows in the unused branch: 0 * inf = NaN).
+        return -rate * F.softplus(raw, threshold=SOFTPLUS_THRESHOLD)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
         """x [B, T, D] -> [B, T, D]; padded positions (ctx.valid False) are zeroed before the layer."""

@@ -32,12 +32,13 @@ from ..checkpoint.convert import from_transformers
 from ..checkpoint.load import load_checkpoint
 from ..checkpoint.save import save_checkpoint
 from ..config import Glm53Config
-from ..precision import cast_model
+from ..precision import cast_model, resolve_dtype
 from ..training.loss_counts import LossCounts, count_loss_terms
 from ..training.losses import IGNORE_INDEX, causal_lm_loss, expert_load, indexer_kl_terms, router_aux_loss
 from .block import DecoderBlock, run_block
 from .context import ForwardContext, LayerStats
 from .hyper_connection import HyperConnection, collapse_streams, expand_streams
+from .inputs import check_device, check_inputs_embeds, check_token_ids
 from .mla import MultiHeadLatentAttention
 from .moe import MoE, Router
 from .mtp import MultiTokenPrediction, mtp_labels
@@ -69,10 +70,12 @@ class Glm53Model(nn.Module):
         """Validate the inputs and return the embeddings [B, T, D]."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        weight = self.embed_tokens.weight
         if inputs_embeds is None:
-            if input_ids.dim() != 2:
-                raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+            check_token_ids("input_ids", input_ids, self.config.vocab_size, weight.device)
             inputs_embeds = self.embed_tokens(input_ids)
+        else:
+            check_inputs_embeds(inputs_embeds, weight, self.config.hidden_size)
         return inputs_embeds
 
     def forward(
@@ -131,6 +134,10 @@ def padding_mask(attention_mask: torch.Tensor | None, shape: torch.Size, device:
     """Validate a 2-D padding mask and return it as bool [B, T] (all True when absent)."""
     if attention_mask is None:
         return torch.ones(*shape, dtype=torch.bool, device=device)
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"attention_mask must be a torch.Tensor [batch, seq] of 0/1, got "
+                        f"{type(attention_mask).__name__}")  # fmt: skip
+    check_device("attention_mask", attention_mask, device)
     if attention_mask.dim() != 2 or tuple(attention_mask.shape) != tuple(shape):
         raise ValueError(
             f"attention_mask must be a 2-D padding mask of shape {tuple(shape)} (1 = token, 0 = padding), "
@@ -173,6 +180,8 @@ class Glm53ForCausalLM(nn.Module):
         whole global batch, `loss_counts` summed over micro-batches and ranks) says what to divide its sum by.
         Packed documents: `cu_seqlens` [n_docs + 1] over the flattened tokens or `position_ids` [B, T] restarting
         at 0 per document (model/packing.py); `loss_counts(..., position_ids)` gives their denominators."""
+        if labels is not None:  # before the forward: a bad label would otherwise fail only in the loss
+            check_token_ids("labels", labels, self.config.vocab_size, self.lm_head.weight.device, ignore=IGNORE_INDEX)
         collect = labels is not None or self.training
         if not collect:
             hidden = self.model(input_ids, attention_mask, inputs_embeds, cu_seqlens=cu_seqlens,
@@ -321,20 +330,20 @@ class Glm53ForCausalLM(nn.Module):
         return cast_model(self, dtype)
 
     @classmethod
-    def from_config(cls, config: Glm53Config, *, dtype: torch.dtype = torch.float32,
+    def from_config(cls, config: Glm53Config, *, dtype: torch.dtype | str = torch.float32,
                     device: str | torch.device = "cpu") -> "Glm53ForCausalLM":  # fmt: skip
         """Build on the meta device, materialise on `device` and initialise (no fp32 copy of a bf16 model)."""
         with torch.device("meta"):
             model = cls(config)
         model.to_empty(device=device)
         model.tie_weights()
-        cast_model(model, dtype)
+        cast_model(model, resolve_dtype(dtype, "dtype"))
         with torch.no_grad():
             model.init_weights()
         return model
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, dtype: torch.dtype | None = None,
+    def from_pretrained(cls, path: str | os.PathLike, dtype: torch.dtype | str | None = None,
                         device: str | torch.device = "cpu") -> "Glm53ForCausalLM":  # fmt: skip
         """Load an official-layout checkpoint directory (see glm53.checkpoint.load_checkpoint)."""
         return load_checkpoint(cls, path, dtype=dtype, device=device)
@@ -345,6 +354,8 @@ class Glm53ForCausalLM(nn.Module):
         return from_transformers(hf_model, cls)
 
     def save_pretrained(self, path: str | os.PathLike, max_shard_size: int | str = "5GB",
-                        dtype: torch.dtype | None = None, overwrite: bool = False) -> str:  # fmt: skip
+                        dtype: torch.dtype | str | None = None, overwrite: bool = False,
+                        allow_non_finite: bool = False) -> str:  # fmt: skip
         """Write the official layout atomically (see glm53.checkpoint.save_checkpoint) -> the directory."""
-        return save_checkpoint(self, path, max_shard_size=max_shard_size, dtype=dtype, overwrite=overwrite)
+        return save_checkpoint(self, path, max_shard_size=max_shard_size, dtype=dtype, overwrite=overwrite,
+                               allow_non_finite=allow_non_finite)  # fmt: skip

@@ -10,32 +10,40 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import sys
 
 import torch
 
 from .. import parallel
+from ..errors import Glm53Error
 from . import finetune
+from .args import non_negative_float, non_negative_int, positive_float, positive_int, seed_int
 from .trainer import PRESETS, Trainer
+
+
+# Errors that mean "fix your input", reported as one line with exit status 1 (argparse's own are status 2).
+USER_ERRORS = (Glm53Error, OSError)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model preset (ignored with --resume)")
-    p.add_argument("--steps", type=int, default=120, help="train until this step (counting resumed steps)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=4, help="sequences per step and data-parallel rank")
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--bias-rate", type=float, default=1e-3, help="aux-loss-free router bias update rate")
-    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--steps", type=positive_int, default=120, help="train until this step (counting resumed steps)")
+    p.add_argument("--seed", type=seed_int, default=0)
+    p.add_argument("--batch-size", type=positive_int, default=4, help="sequences per step and data-parallel rank")
+    p.add_argument("--seq-len", type=positive_int, default=64)
+    p.add_argument("--lr", type=positive_float, default=3e-3)
+    p.add_argument("--bias-rate", type=non_negative_float, default=1e-3, help="aux-loss-free router bias update rate")
+    p.add_argument("--log-every", type=positive_int, default=10)
     p.add_argument("--save", help="directory to write the final checkpoint to")
-    p.add_argument("--save-every", type=int, default=0, help="also save every N steps to DIR/step-N (needs --save)")
+    p.add_argument("--save-every", type=non_negative_int, default=0,
+                   help="also save every N steps to DIR/step-N (needs --save)")
     p.add_argument("--resume", help="checkpoint directory to continue from (model, optimizer, step)")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute blocks in backward")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=positive_int, default=1,
                    help="CPU intra-op threads (tiny models run fastest on 1: thread hand-offs cost more than the ops)")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel degree (torchrun)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (torchrun)")
-    p.add_argument("--ep", type=int, default=1,
+    p.add_argument("--dp", type=positive_int, default=1, help="data-parallel degree (torchrun)")
+    p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree (torchrun)")
+    p.add_argument("--ep", type=positive_int, default=1,
                    help="expert-parallel degree (torchrun): routed experts over ep ranks, each reading its own batches")
     finetune.add_arguments(p)  # --init, --data, --tokenizer, --grad-accum
     # torchrun runs (glm53/training/distributed.py): GPUs, bf16, DCP checkpoints; --init reads only each rank's shards
@@ -62,6 +70,9 @@ def train(args: argparse.Namespace) -> int:
     """Run `glm53 train` with parsed `args`: one process, or one rank of a torchrun (dp, tp) grid."""
     if args.save_every and not args.save:
         raise SystemExit("--save-every needs --save DIR")
+    if args.save and os.path.lexists(args.save) and not os.path.isdir(args.save):
+        # Checked before training: the save at the end would refuse to replace a file anyway.
+        raise SystemExit(f"glm53 train: error: --save {args.save} exists and is not a directory")
     finetune.check_args(args)
     if (args.bf16 or args.device != "cpu" or args.no_export) and _check_world(args) == 1:
         raise SystemExit("--bf16, --device and --no-export are torchrun options (run with --dp/--tp under torchrun)")
@@ -72,6 +83,10 @@ def train(args: argparse.Namespace) -> int:
     par = parallel.runtime if _check_world(args) > 1 else None
     try:
         return Trainer(args, par).run()
+    except USER_ERRORS as e:
+        # Bad input (a checkpoint, a config, a file in the way) is the user's to fix: one line, no traceback.
+        print(f"glm53 train: error: {e}", file=sys.stderr, flush=True)
+        return 1
     finally:
         torch.set_num_threads(threads)
         if par is not None:

@@ -55,7 +55,11 @@ def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_targets: torch.Tensor | None = None) -> torch.Tensor:
     """Next-token cross-entropy in fp32, summed over targets / `num_targets` (default: the mean); labels are
-    aligned with input_ids and shifted here."""
+    aligned with input_ids and shifted here.
+
+    With no target token (T = 1, or every label IGNORE_INDEX) the loss is 0 with zero gradients rather than
+    0 / 0 = NaN, so such a micro-batch adds nothing to an accumulated gradient instead of poisoning it.
+    """
     if labels.shape != logits.shape[:2]:
         raise ValueError(f"labels must have shape {tuple(logits.shape[:2])} like input_ids, got {tuple(labels.shape)}")
     shifted = next_token_targets(labels)

@@ -3,18 +3,31 @@
 `trainer_state.pt` holds the step, the optimizer state, the data and torch RNG states; it is read with
 weights_only=True. Under torchrun the run is saved with DCP instead (`save_distributed`: `train_state/`, every rank
 writing its own shards) and resumes on any --dp x --tp layout.
+
+One process: the weights and `trainer_state.pt` are one atomic unit. Both are written into the same temporary
+directory, which one rename puts in place (glm53/checkpoint/atomic.py; other files of an existing directory,
+such as earlier `step-N` checkpoints, are kept). Both carry the same run tag (a random save id and the step: in
+every shard's safetensors header and in the trainer state), and resuming refuses weights and a trainer state
+that were not written together.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import uuid
 
 import torch
 
+from ..checkpoint.atomic import atomic_directory
+from ..checkpoint.reader import checkpoint_files, open_safetensors
+from ..checkpoint.save import check_savable, write_checkpoint_files
+from ..checkpoint.shards import checkpoint_owns
+from ..errors import CheckpointError
 from ..model.model import Glm53ForCausalLM
 
 TRAINER_STATE = "trainer_state.pt"
+RUN_TAG = "glm53_run_tag"  # "<save id>:<step>", in every shard's header and in trainer_state.pt
 
 
 def trainer_state(step: int, optimizer: torch.optim.Optimizer, generator: torch.Generator, par,
@@ -35,8 +48,7 @@ def save_run(model: Glm53ForCausalLM, path: str, state: dict, par=None, export: 
     Under torchrun (`par` is glm53.parallel.runtime) the run is saved with DCP instead (`save_distributed`).
     """
     if par is None:
-        model.save_pretrained(path, overwrite=True)
-        torch.save(state, os.path.join(path, TRAINER_STATE))
+        save_single(model, path, state)
         return
     save_distributed(model, path, state, par, export)
 
@@ -99,11 +111,90 @@ def resume_distributed(path: str, model: Glm53ForCausalLM, optimizer: torch.opti
     return int(got["step"]), _decode_data_state(got["data_state"])
 
 
+def _owned_by_training_save(name: str) -> bool:
+    return checkpoint_owns(name) or name == TRAINER_STATE
+
+
+def save_single(model: Glm53ForCausalLM, path: str, state: dict) -> None:
+    """One process: weights and trainer state written together, put in place by one rename (module docstring)."""
+    check_savable(model, None, allow_non_finite=False)  # a NaN model would save into an unloadable checkpoint
+    tag = f"{uuid.uuid4().hex}:{int(state['step'])}"
+    with atomic_directory(path, overwrite=True, own=_owned_by_training_save) as tmp:
+        write_checkpoint_files(model, tmp, metadata={RUN_TAG: tag})
+        torch.save({**state, RUN_TAG: tag}, os.path.join(tmp, TRAINER_STATE))
+
+
 def load_trainer_state(path: str) -> dict:
+    """Read DIR/trainer_state.pt and check that it belongs with DIR's weights; bad files raise CheckpointError."""
     file = os.path.join(path, TRAINER_STATE)
     if not os.path.isfile(file):
         raise FileNotFoundError(f"--resume {path}: no {TRAINER_STATE} (was it saved by `glm53 train`?)")
-    return torch.load(file, weights_only=True)
+    try:
+        state = torch.load(file, weights_only=True)
+    # torch.load reports a truncated, corrupted or foreign file through many types (zip, pickle, EOF, runtime).
+    except Exception as e:
+        raise CheckpointError(f"{file} cannot be read as a trainer state saved by `glm53 train`: "
+                              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e  # fmt: skip
+    if not isinstance(state, dict) or "optimizer" not in state or not _is_step(state.get("step")):
+        found = sorted(state) if isinstance(state, dict) else type(state).__name__
+        raise CheckpointError(f"{file} is not a trainer state saved by `glm53 train` (needs 'step' and "
+                              f"'optimizer'; found {found})")  # fmt: skip
+    if "rank_rng" not in state:  # one process: the RNG states the trainer restores
+        for key in ("data_rng", "torch_rng"):
+            value = state.get(key)
+            expected = torch.get_rng_state().shape  # the CPU generator's state (the data generator's too)
+            if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8 or value.shape != expected:
+                found = (f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor)
+                         else type(value).__name__)  # fmt: skip
+                raise CheckpointError(f"{file}: {key!r} must be a CPU RNG state (uint8 {tuple(expected)}), got "
+                                      f"{found}")  # fmt: skip
+    check_run_tag(path, state)
+    return state
 
 
-__all__ = ["TRAINER_STATE", "trainer_state", "save_run", "save_distributed", "resume_distributed", "load_trainer_state"]
+def _is_step(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def check_run_tag(path: str, state: dict) -> None:
+    """The weights' run tags (every shard) must equal the trainer state's: they were written by one save.
+
+    States and weights without tags on both sides (written before tags, or by the distributed path) pass.
+    """
+    tags = {}
+    for file in sorted(set(checkpoint_files(path).values())):
+        with open_safetensors(file) as f:
+            tags[os.path.basename(file)] = (f.metadata() or {}).get(RUN_TAG)
+    expected = state.get(RUN_TAG)
+    if expected is None and not any(tags.values()):
+        return
+    wrong = {name: tag for name, tag in tags.items() if tag != expected}
+    if wrong:
+        raise CheckpointError(f"{path}: the weights and {TRAINER_STATE} were not written by the same save "
+                              f"({TRAINER_STATE} has run tag {expected!r}, {wrong}); resuming would mix steps. "
+                              f"Resume from a complete checkpoint")  # fmt: skip
+
+
+def restore_optimizer(optimizer: torch.optim.Optimizer, saved: dict, path: str) -> None:
+    """Load an optimizer state after checking it was made for these parameters (count and shapes)."""
+    file = os.path.join(path, TRAINER_STATE)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    try:
+        ids = [i for group in saved["param_groups"] for i in group["params"]]
+        per_param = saved["state"]
+    except (KeyError, TypeError) as e:
+        raise CheckpointError(f"{file}: 'optimizer' is not an optimizer state dict (missing {e})") from e
+    if len(ids) != len(params):
+        raise CheckpointError(f"{file}: the optimizer state is for {len(ids)} parameters, the model has "
+                              f"{len(params)}: a trainer state of another model")  # fmt: skip
+    for index, (i, p) in enumerate(zip(ids, params)):
+        for name, value in per_param.get(i, {}).items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != p.shape:
+                raise CheckpointError(f"{file}: optimizer state {name!r} of parameter {index} has shape "
+                                      f"{tuple(value.shape)}, the parameter {tuple(p.shape)}: a trainer state of "
+                                      f"another model")  # fmt: skip
+    optimizer.load_state_dict(saved)
+
+
+__all__ = ["TRAINER_STATE", "RUN_TAG", "trainer_state", "save_run", "save_single", "save_distributed",
+           "resume_distributed", "load_trainer_state", "check_run_tag", "restore_optimizer"]  # fmt: skip

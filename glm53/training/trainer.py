@@ -34,7 +34,7 @@ from .data import VOCAB_SIZE, batches, corpus_text, encode
 from .data.documents import DataError
 from .distributed import init_parallel_model
 from .finetune import FileData, init_model, model_inputs
-from .state import TRAINER_STATE, load_trainer_state, resume_distributed, save_run, trainer_state
+from .state import TRAINER_STATE, load_trainer_state, restore_optimizer, resume_distributed, save_run, trainer_state
 
 GRAD_CLIP = 1.0  # max global gradient norm
 BETAS = (0.9, 0.95)  # AdamW betas (DeepSeek-V3's)
@@ -144,7 +144,7 @@ class Trainer:
                 self.state["data"] = data
             return step
         if self.par is None:
-            self.optimizer.load_state_dict(self.state["optimizer"])
+            restore_optimizer(self.optimizer, self.state["optimizer"], self.args.resume)
             rng = self.state
         else:
             self.par.load_full_optimizer_state(self.model, self.optimizer, self.state["optimizer"])

@@ -8,9 +8,10 @@ Conventions (shared by every implementation in this file, same signature):
 - v: [B, T, H, V].
 - g: [B, T, H, K] log-space decay (g <= 0): the state is multiplied by exp(g_t) before step t writes.
 - beta: [B, T, H] write strength in (0, 1).
-- initial_state / final state: [B, H, K, V], fp32.
+- initial_state / final state: [B, H, K, V], fp32 (fp64 for fp64 inputs).
 Per step:  S_t = diag(exp(g_t)) S_{t-1};  u_t = beta_t (v_t - S_t^T k_t);  S_t += k_t u_t^T;  o_t = S_t^T (scale q_t).
-All arithmetic is fp32; o is returned in q's dtype and the state in fp32.
+All arithmetic is fp32, or fp64 when q is fp64 (so the references can serve as ground truth); o is returned in
+q's dtype and the state in the compute dtype.
 Packed documents (`cu_seqlens` over the flattened B * T tokens, kernels/varlen.py): the state restarts from zero
 at every document start, as if each document ran alone (kda/varlen.py: the references loop over the documents,
 the fast form masks each chunk's cross-document terms, row by row).
@@ -41,17 +42,23 @@ from .varlen import DocMasks, doc_masks, no_states, per_document
 DEFAULT_CHUNK_SIZE = 64
 
 
+def compute_dtype(q: torch.Tensor) -> torch.dtype:
+    """fp64 for fp64 inputs (ground truth for gradient checks), fp32 for everything else."""
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
 def _prepare(q, k, v, g, beta, scale, initial_state):
     B, T, H, K = k.shape
     V = v.shape[-1]
     scale = K**-0.5 if scale is None else scale
-    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    dtype = compute_dtype(q)
+    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
     if initial_state is None:
         state = q.new_zeros(B, H, K, V)
     else:
         if initial_state.shape != (B, H, K, V):
             raise ValueError(f"initial_state has shape {tuple(initial_state.shape)}, expected {(B, H, K, V)}")
-        state = initial_state.float()
+        state = initial_state.to(dtype)
     return q * scale, k, v, g, beta, state
 
 
@@ -125,7 +132,7 @@ def kda_chunk_reference(
         diff = (G[:, :, :, None, :] - G[:, :, None, :, :]).masked_fill(~mask[:, :, None], float("-inf"))
         decay = diff.exp()  # [B, H, n, n, K]
         kk = torch.einsum("bhtc,bhjc,bhtjc->bhtj", kc, kc, decay).tril(-1)  # strictly lower
-        system = torch.eye(n, device=q.device) + bc[..., None] * kk
+        system = torch.eye(n, dtype=q.dtype, device=q.device) + bc[..., None] * kk
         rhs = bc[..., None] * (vc - (kc * G.exp()) @ S)
         U = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)  # [B, H, n, V]
         qk = torch.einsum("bhtc,bhjc,bhtjc->bhtj", qc, kc, decay)
@@ -433,7 +440,7 @@ def kda_chunk(
         no_states(initial_state, output_final_state)
         cu_seqlens = check_cu_seqlens(cu_seqlens, B, T)
     V = v.shape[-1]
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dtype = compute_dtype(q)
     scale = K**-0.5 if scale is None else scale
     if initial_state is None:
         S0 = q.new_zeros(B, H, K, V, dtype=dtype)

@@ -6,6 +6,8 @@ from importlib import resources
 
 import torch
 
+from ...errors import InputError
+
 BYTE_OFFSET = 1  # token 0 is padding
 VOCAB_SIZE = 256 + BYTE_OFFSET
 
@@ -24,7 +26,14 @@ def decode(tokens: torch.Tensor) -> str:
 
 
 def batches(tokens: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator):
-    """Endless random windows [batch_size, seq_len] from the token stream."""
+    """Endless random windows [batch_size, seq_len] from the token stream (checked here, before the first one)."""
+    if not 1 <= seq_len < tokens.numel():
+        raise InputError(f"--seq-len {seq_len} needs a corpus of more than {seq_len} tokens; this one has "
+                         f"{tokens.numel()}")  # fmt: skip
+    return _windows(tokens, batch_size, seq_len, generator)
+
+
+def _windows(tokens: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator):
     high = tokens.numel() - seq_len
     while True:
         starts = torch.randint(0, high, (batch_size,), generator=generator)
