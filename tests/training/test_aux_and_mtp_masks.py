@@ -116,3 +116,20 @@ def test_mtp_validity_loads_and_indexer_rows_follow_the_depth_shifted_mask():
         terms.append(pool_kl(s.index_scores, target, s.candidate, depth_valid(mask, d)))
     assert len(terms) == 3
     torch.testing.assert_close(out.indexer_loss, torch.stack(terms).mean(), rtol=1e-5, atol=1e-7)
+
+
+def test_balance_and_z_loss_of_sequences_with_one_or_no_real_token():
+    """Sequence 0 has one real token, sequence 1 none: it is left out of the mean, not counted as empty."""
+    from glm53.training.losses import balance_loss, z_loss
+
+    gen = torch.Generator().manual_seed(0)
+    E, k = 6, 2
+    logits = 2 * torch.randn(2 * 3, E, generator=gen)
+    indices = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(6)])
+    valid = torch.tensor([[False, False, True], [False, False, False]])
+    s = logits[2].double().sigmoid()
+    counts = torch.zeros(E, dtype=torch.float64).index_fill(0, indices[2], 1.0)
+    expected = (counts * E / k * s / s.sum()).sum()
+    torch.testing.assert_close(balance_loss(logits, indices, valid).double(), expected, rtol=1e-6, atol=0)
+    torch.testing.assert_close(z_loss(logits, valid).double(), torch.logsumexp(logits[2].double(), 0) ** 2,
+                               rtol=1e-6, atol=0)  # fmt: skip

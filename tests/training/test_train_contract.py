@@ -95,3 +95,13 @@ def test_learning_rate_schedule_values():
     # cosine, not linear: a quarter of the way down it has lost less than a quarter of the range
     assert lr_at(warmup + decay // 4, total, peak) == pytest.approx(peak * (0.1 + 0.9 * 0.8535533905932737))
     assert lr_at(total, total, peak) == pytest.approx(MIN_LR_FRACTION * peak)  # the end of the cosine
+    assert lr_at(total + 7, total, peak) == pytest.approx(MIN_LR_FRACTION * peak)  # and it stays there
+
+
+def test_learning_rate_schedule_of_short_runs():
+    """Fewer than 1 / WARMUP_FRACTION steps: one warm-up step, then the cosine over the rest."""
+    peak = 1.0
+    assert lr_at(1, 10, peak) == pytest.approx(peak)
+    assert lr_at(2, 10, peak) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 9)))
+    assert lr_at(1, 2, peak) == pytest.approx(peak) and lr_at(2, 2, peak) == pytest.approx(0.1)
+    assert lr_at(1, 1, peak) == pytest.approx(peak)
