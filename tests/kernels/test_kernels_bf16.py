@@ -29,7 +29,9 @@ def assert_within_bf16_rounding(got: torch.Tensor, ref: torch.Tensor, what: str)
     rounding = (ref.to(torch.bfloat16).float() - ref).abs()
     err = (got.float() - ref).abs()
     assert rounding.max() > 0, what
-    assert err.max() <= MAX_ROUNDINGS * rounding.max(), f"{what}: max error {err.max():.3e} vs rounding {rounding.max():.3e}"
+    assert err.max() <= MAX_ROUNDINGS * rounding.max(), (
+        f"{what}: max error {err.max():.3e} vs rounding {rounding.max():.3e}"
+    )
     assert err.mean() <= MEAN_ROUNDINGS * rounding.mean(), (
         f"{what}: mean error {err.mean():.3e} vs rounding {rounding.mean():.3e}"
     )
