@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import inspect
 import math
 
 import pytest
@@ -29,6 +30,14 @@ def make_trainer(steps: int = 20) -> Trainer:
     return Trainer(args)
 
 
+def run_step(trainer: Trainer, step: int, ids: torch.Tensor) -> None:
+    """One Trainer.step on `ids` [B, T] (labels = ids), whether the step takes the batch or its micro-batches."""
+    if "micro" in inspect.signature(trainer.step).parameters:
+        trainer.step(step, [dict(input_ids=ids, labels=ids)])
+    else:
+        trainer.step(step, ids)
+
+
 def record_routing(model) -> list[tuple[Router, torch.Tensor]]:
     """Every router call of the next forwards, in order: (router, chosen experts [B*T, k])."""
     calls = []
@@ -45,7 +54,7 @@ def test_step_clips_the_gradient_norm():
     twin(ids, labels=ids).loss.backward()
     raw = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in twin.parameters() if p.grad is not None]))
     assert raw > 1.2 * GRAD_CLIP, "the case must need clipping"
-    trainer.step(1, ids)
+    run_step(trainer, 1, ids)
     grads = [p.grad for p in trainer.model.parameters() if p.grad is not None]
     clipped = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
     torch.testing.assert_close(clipped, torch.tensor(GRAD_CLIP), rtol=1e-5, atol=0)
@@ -64,7 +73,7 @@ def test_router_biases_move_by_the_rate_towards_balance_and_lr_follows_the_sched
     for step in (1, 2):
         before = [r.e_score_correction_bias.clone() for r in routers]
         calls.clear()
-        trainer.step(step, torch.randint(1, 256, (2, 24), generator=gen))
+        run_step(trainer, step, torch.randint(1, 256, (2, 24), generator=gen))
         assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(lr_at(step, 20, 1e-2))  # the schedule is used
         for router, old in zip(routers, before):
             load = torch.zeros(router.num_experts)
