@@ -2,9 +2,7 @@
 
 Legend: tp the TP mesh size, H heads, K head width, V vocab.
 - Embedding vocab-parallel (RowwiseParallel on nn.Embedding); lm_head colwise with its logits left as a
-  Shard(-1) DTensor, so `F.cross_entropy` under `loss_parallel()` never gathers [B, T, V]. The embedding's
-  `padding_idx` (the global pad id) still keeps the pad row's gradient zero: DTensor computes the embedding
-  backward on the global indices (tests/parallel/test_parallel_placements.py).
+  Shard(-1) DTensor, so `F.cross_entropy` under `loss_parallel()` never gathers [B, T, V].
 - MLA: q_a_proj, kv_a_proj_with_mqa and their norms replicated; q_b_proj, kv_b_proj colwise (whole heads:
   `kv_b_proj` rows are ordered (head, k|v), so a contiguous split keeps each head's k and v together);
   sparse attention runs on the local heads; o_proj rowwise.
