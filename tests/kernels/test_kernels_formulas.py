@@ -67,3 +67,27 @@ def test_hc_collapse_is_the_weighted_stream_sum(kernel):
         return sum(pre[:, :, n, None] * streams[:, :, n] for n in range(streams.shape[2]))
 
     check(kernel, formula, [pre.abs(), streams])
+
+
+@pytest.mark.parametrize("frozen", [0, 1, 2], ids=["x-frozen", "second-frozen", "weight-frozen"])
+@pytest.mark.parametrize("op", ["rms_norm", "gated_rms_norm"])
+def test_norm_gradients_with_frozen_inputs(op, frozen):
+    """A frozen input (a norm weight not trained, a gate from a frozen branch) gets no gradient, the others
+    still get the formula's: the hand-written backwards skip exactly the gradients nobody asked for."""
+    x, gate, w = inputs((3, 5, 8), (3, 5, 8), (8,))
+    if op == "rms_norm":
+        kernel, formula, xs = (lambda x, w: rms_norm(x, w, EPS)), rms_formula, [3 * x, 1 + w]
+        frozen = min(frozen, 1)
+    else:
+        kernel, formula, xs = (lambda x, g, w: gated_rms_norm(x, g, w, EPS)), gated_formula, [3 * x, 2 * gate, 1 + w]
+    low = [t.float().requires_grad_(i != frozen) for i, t in enumerate(xs)]
+    high = [t.float().double().requires_grad_(i != frozen) for i, t in enumerate(xs)]
+    got, want = kernel(*low), formula(*high)
+    cot = torch.randn(want.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    (got * cot.float()).sum().backward()
+    (want * cot).sum().backward()
+    for i, (a, b) in enumerate(zip(low, high)):
+        if i == frozen:
+            assert a.grad is None
+        else:
+            torch.testing.assert_close(a.grad.double(), b.grad, **BWD)
