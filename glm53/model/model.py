@@ -61,7 +61,9 @@ class Glm53Model(nn.Module):
     def __init__(self, config: Glm53Config) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # padding_idx as transformers' Glm5NextTextModel: the pad row never receives a gradient (a left-padded
+        # row's last pad position predicts the first real token, which would otherwise train it); forward unchanged
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
         self.layers = nn.ModuleList(DecoderBlock(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.gradient_checkpointing = False  # recompute each block in backward (Glm53ForCausalLM toggles it)

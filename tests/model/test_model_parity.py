@@ -155,10 +155,12 @@ def test_bf16_close_to_fp32(tmp_path):
     valid = mask.bool()
     err = (got.float() - ref)[valid].abs()
     hf_err = (hf_got.float() - ref)[valid].abs()
-    assert 0 < err.max() <= ref[valid].abs().max()  # it ran in bf16 and stayed finite and bounded
+    assert err.max() > 0 and torch.isfinite(err).all()  # it ran in bf16
     # Random tiny models are sensitive (a bf16 rounding can flip a router or indexer choice), so the bound is
     # relative to transformers' bf16 error on the same weights: glm53 must be no less accurate on average.
     assert err.mean() <= 1.25 * hf_err.mean(), f"glm53 bf16 mean error {err.mean():.3e} vs transformers {hf_err.mean():.3e}"
+    assert err.max() <= 1.25 * hf_err.max(), f"glm53 bf16 max error {err.max():.3e} vs transformers {hf_err.max():.3e}"
+    # (test_bf16_model.py bounds the error in bf16 roundings where no routing or top-k choice can flip)
 
 
 def test_meta_build_and_init_matches_constructor_shapes():

@@ -66,9 +66,16 @@ def test_no_mtp_work_without_labels_and_logits_unchanged():
     with_mtp = Glm53ForCausalLM(mtp_config())
     plain = Glm53ForCausalLM(Glm53Config.tiny(router_aux_loss_coef=0.0))
     plain.load_state_dict({k: v for k, v in with_mtp.state_dict().items() if not k.startswith("mtp.")})
+    calls = []
+    with_mtp.mtp.register_forward_hook(lambda mod, args, out: calls.append(len(out)))
     ids = torch.randint(1, 320, (B, T))
-    a, b = with_mtp(ids, labels=ids), plain(ids, labels=ids)
-    assert torch.equal(a.logits, b.logits) and torch.equal(a.lm_loss, b.lm_loss)
+    for mode in ("eval", "train"):  # without labels the MTP layer never runs, whatever the mode
+        getattr(with_mtp, mode)(), getattr(plain, mode)()
+        a, b = with_mtp(ids), plain(ids)
+        assert torch.equal(a.logits, b.logits) and a.mtp_loss is None and a.loss is None
+    assert calls == []
+    a, b = with_mtp(ids, labels=ids), plain(ids, labels=ids)  # with labels it runs (one call, mtp_depth 2 runs)
+    assert calls == [2] and torch.equal(a.logits, b.logits) and torch.equal(a.lm_loss, b.lm_loss)
     assert b.mtp_loss is None and a.mtp_loss is not None
 
 
