@@ -7,9 +7,27 @@ the repository root on sys.path and they import as `tests.helpers.<module>`).
 import pytest
 import torch
 
+from tests.helpers.parallel_harness import WorkerPool
+
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+# One spawned gloo world per size for the whole session (spawning costs seconds per world); every multi-process
+# test module shares them. A job that kills a worker fails the tests that use the pool afterwards too.
+@pytest.fixture(scope="session")
+def pool2():
+    pool = WorkerPool(2)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="session")
+def pool4():
+    pool = WorkerPool(4)
+    yield pool
+    pool.close()

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
 from ..checkpoint.layout import TEXT_PREFIX, internal_to_official, named_state
-from ..checkpoint.shards import INDEX_FILE, SINGLE_FILE, atomic_directory, copy_side_files, parse_size, write_json
+from ..checkpoint.shards import INDEX_FILE, SINGLE_FILE, atomic_directory, checkpoint_owns, parse_size, write_json
 from ..precision import keeps_fp32
 from .pieces import box_slices, intersect, is_primary, local_boxes, local_tensor
 
@@ -190,23 +190,23 @@ def write_config(model, directory: str, dtype: torch.dtype | None = None) -> Non
 
 
 @contextlib.contextmanager
-def shared_atomic_directory(path: str | os.PathLike, overwrite: bool = False) -> Iterator[str]:
+def shared_atomic_directory(path: str | os.PathLike, overwrite: bool = False,
+                            own: Callable[[str], bool] = checkpoint_owns) -> Iterator[str]:  # fmt: skip
     """`atomic_directory` for all ranks: rank 0 creates the temporary directory and renames it when every rank
-    left the block without error; the directory must be on a file system every rank sees. Foreign files of an
-    existing `path` (tokenizer, earlier step-N checkpoints) are carried over, as save_pretrained does."""
+    left the block without error; the directory must be on a file system every rank sees. Only the entries `own`
+    claims are replaced; every other file of an existing `path` (tokenizer, adapters, README, symlinks, earlier
+    step-N checkpoints) is kept byte-identical, as save_pretrained does."""
     path = os.path.abspath(os.fspath(path))
     if not dist.is_initialized():
-        with atomic_directory(path, overwrite=overwrite) as tmp:
+        with atomic_directory(path, overwrite=overwrite, own=own) as tmp:
             yield tmp
-            if os.path.isdir(path):
-                copy_side_files(path, tmp)
         return
     rank = dist.get_rank()
     stack = contextlib.ExitStack()
     box: list = [None]
     if rank == 0:
         try:
-            box[0] = stack.enter_context(atomic_directory(path, overwrite=overwrite))
+            box[0] = stack.enter_context(atomic_directory(path, overwrite=overwrite, own=own))
         except FileExistsError as e:
             box[0] = e
     dist.broadcast_object_list(box, src=0)
@@ -223,8 +223,6 @@ def shared_atomic_directory(path: str | os.PathLike, overwrite: bool = False) ->
         _agree(ok)
         if int(ok[0]) == 0:
             raise RuntimeError(f"another rank failed while writing {path}; nothing was written")
-        if rank == 0 and os.path.isdir(path):
-            copy_side_files(path, box[0])
     dist.barrier()  # the rename is done before anyone reads the directory
 
 

@@ -17,6 +17,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from ..config import Glm53Config
 from ..model.model import Glm53ForCausalLM
+from ..checkpoint.shards import checkpoint_owns
 from .export import shared_atomic_directory, write_config, write_official
 from .load import load_pretrained, materialize
 from .parallelize import parallelize
@@ -62,7 +63,7 @@ def save_run_state(model: Glm53ForCausalLM, optimizer: torch.optim.Optimizer, pa
                    export: bool = True) -> None:  # fmt: skip
     """Write the run to `path` (replacing it, keeping foreign files): the official layout unless `export` is
     False (config.json always), and the DCP training state with `extra`; every rank writes its own part."""
-    with shared_atomic_directory(path, overwrite=True) as tmp:
+    with shared_atomic_directory(path, overwrite=True, own=lambda name: name == DCP_DIR or checkpoint_owns(name)) as tmp:
         if export:
             write_official(model, tmp)
         elif dist.get_rank() == 0:

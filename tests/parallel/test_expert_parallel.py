@@ -12,7 +12,6 @@ import torch
 
 from glm53 import Glm53Config, Glm53ForCausalLM
 from tests.helpers.expert_jobs import ep_step
-from tests.helpers.parallel_harness import WorkerPool
 from tests.helpers.parallel_jobs import BIAS_RATE, reference_step
 from tests.parallel.test_parallel_gloo import BF16_REL, TRAINING, check_parity, config_dict
 
@@ -38,18 +37,6 @@ def make_case(seed: int = 0, bias: dict[int, float] | None = None, **training) -
     return dict(config=config, state=state, ids=ids)
 
 
-@pytest.fixture(scope="module")
-def pool2():
-    pool = WorkerPool(2)
-    yield pool
-    pool.close()
-
-
-@pytest.fixture(scope="module")
-def pool4():
-    pool = WorkerPool(4)
-    yield pool
-    pool.close()
 
 
 def run_and_check(pool, case, dp, ep, **kwargs):

@@ -61,3 +61,31 @@ def test_export_from_dp2_ep2_equals_the_source(pool4, tmp_path):
     assert not bad, bad[:5]
     largest = max(v.nbytes for v in state.values())
     assert all(r["pending"] <= SHARD + largest for r in results)
+
+
+def test_export_over_a_checkpoint_keeps_foreign_files(tmp_path):
+    """Overwriting replaces only the checkpoint's own files (issue 11's rule, also for the torchrun export and the
+    DCP run directory): a user's adapter, README, symlink and subdirectory stay byte-identical."""
+    from glm53 import Glm53Config
+    from glm53.parallel import export_pretrained
+
+    model = Glm53ForCausalLM(Glm53Config.tiny())
+    target = tmp_path / "ckpt"
+    model.save_pretrained(target, max_shard_size="20KB")  # several shards: the stale ones must go
+    assert len(list(target.glob("model-*.safetensors"))) > 1
+    (target / "adapter_model.safetensors").write_bytes(b"adapter bytes")
+    (target / "README.md").write_text("mine")
+    (target / "notes").mkdir()
+    (target / "notes" / "a.txt").write_text("kept")
+    os.symlink(target / "README.md", target / "link.md")
+    export_pretrained(model, target, overwrite=True)  # one shard now
+    assert (target / "adapter_model.safetensors").read_bytes() == b"adapter bytes"
+    assert (target / "README.md").read_text() == "mine" and (target / "notes" / "a.txt").read_text() == "kept"
+    assert os.path.islink(target / "link.md")
+    assert not list(target.glob("model-*.safetensors"))  # the old checkpoint's shards are gone
+    torch.testing.assert_close(Glm53ForCausalLM.from_pretrained(target).lm_head.weight, model.lm_head.weight)
+    regular = tmp_path / "file"
+    regular.write_text("x")
+    with pytest.raises((FileExistsError, NotADirectoryError, ValueError)):
+        export_pretrained(model, regular, overwrite=True)
+    assert regular.read_text() == "x"

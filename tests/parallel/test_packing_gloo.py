@@ -13,7 +13,6 @@ import torch
 
 from glm53 import Glm53Config, Glm53ForCausalLM
 from tests.helpers.packing_jobs import packed_reference, packed_step
-from tests.helpers.parallel_harness import WorkerPool
 
 REL_TOL = 1e-4
 GRAD_FLOOR = 1e-4  # as tests/parallel/test_parallel_gloo.py: relative to 1e-4 of the largest gradient at least
@@ -50,13 +49,6 @@ def case():
             if ".indexer." in name and p.dim() == 2:
                 p.normal_(std=0.3, generator=g)
     return dict(config=config, state={k: v.clone() for k, v in model.state_dict().items()})
-
-
-@pytest.fixture(scope="module")
-def pool4():
-    pool = WorkerPool(4)
-    yield pool
-    pool.close()
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor, floor: float = 1e-12) -> float:

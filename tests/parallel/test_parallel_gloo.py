@@ -13,7 +13,6 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from glm53 import Glm53Config, Glm53ForCausalLM
-from tests.helpers.parallel_harness import WorkerPool
 from tests.helpers.parallel_jobs import meta_init, parallel_step, reference_step
 
 REL_TOL = 1e-4  # fp32: relative to the largest magnitude of each reference tensor
@@ -65,18 +64,6 @@ def training_case():
     return dict(config=config, state=state, ids=ids, reference=reference_step(config, state, ids, dp=2))
 
 
-@pytest.fixture(scope="module")
-def pool2():
-    pool = WorkerPool(2)
-    yield pool
-    pool.close()
-
-
-@pytest.fixture(scope="module")
-def pool4():
-    pool = WorkerPool(4)
-    yield pool
-    pool.close()
 
 
 # A gradient is compared relative to its own largest entry, but never relative to less than GRAD_FLOOR x the largest

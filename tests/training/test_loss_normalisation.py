@@ -14,7 +14,6 @@ import torch
 from glm53 import Glm53Config, Glm53ForCausalLM
 from glm53.training.losses import IGNORE_INDEX
 from tests.helpers.loss_jobs import PARTS, accumulated_step, single_process
-from tests.helpers.parallel_harness import WorkerPool
 
 B, T = 8, 16
 TOL = dict(rtol=1e-5, atol=1e-7)
@@ -115,18 +114,6 @@ def test_micro_batches_sum_to_the_global_batch(case):
         check_grads({n: p.grad for n, p in model.named_parameters() if p.grad is not None}, case["reference"])
 
 
-@pytest.fixture(scope="module")
-def pool2():
-    pool = WorkerPool(2)
-    yield pool
-    pool.close()
-
-
-@pytest.fixture(scope="module")
-def pool4():
-    pool = WorkerPool(4)
-    yield pool
-    pool.close()
 
 
 @pytest.mark.parametrize("layout", ["dp2", "dp2-accum2", "2x2-accum2"])
