@@ -27,19 +27,22 @@ def _float(text: str) -> float:
     return value
 
 
-def positive_int(text: str) -> int:
-    value = _int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _at_least(parse, low, inclusive: bool = True):
+    """An argparse type: `parse(text)` (a finite int or float), >= low (or > low), else a usage error."""
+
+    def check(text: str):
+        value = parse(text)
+        if value < low or (value == low and not inclusive):
+            raise argparse.ArgumentTypeError(f"must be {'>=' if inclusive else '>'} {low}, got {text}")
+        return value
+
+    return check
 
 
-def non_negative_int(text: str) -> int:
-    value = _int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
+positive_int = _at_least(_int, 1)
+non_negative_int = _at_least(_int, 0)
+positive_float = _at_least(_float, 0, inclusive=False)
+non_negative_float = _at_least(_float, 0)
 
 MAX_SEED = 2**32 - 1  # the trainer derives per-rank seeds from it (seed * 1_000_003 + rank): must fit int64
 
@@ -48,20 +51,6 @@ def seed_int(text: str) -> int:
     value = _int(text)
     if not 0 <= value <= MAX_SEED:
         raise argparse.ArgumentTypeError(f"must be in [0, {MAX_SEED}], got {value}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    value = _float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    value = _float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
 
 

@@ -17,16 +17,9 @@ import torch
 
 from ..model.model import Glm53ForCausalLM
 from .data.documents import DataError, read_documents
+from .args import positive_int
 from .data.pack import Batch, Packer
 from .data.tokenize import TextTokenizer, encode_document
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (argparse turns the ValueError into a usage error naming the flag)."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
-    return value
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -159,4 +152,4 @@ class FileData:
         self.packer.load_state_dict(state)
 
 
-__all__ = ["FileData", "add_arguments", "check_args", "heldout_loss", "init_model", "model_inputs", "positive_int"]
+__all__ = ["FileData", "add_arguments", "check_args", "heldout_loss", "init_model", "model_inputs"]

@@ -11,11 +11,10 @@ import logging
 import warnings
 
 import torch
-import torch.distributed as dist
 
 from glm53 import Glm53Config, Glm53ForCausalLM
 from glm53.parallel import loss_parallel_context, parallelize
-from tests.helpers.parallel_jobs import build_mesh, full, loss_parts
+from tests.helpers.parallel_jobs import build_mesh, full, loss_parts, mean_over_dp
 
 
 def packed_reference(config: dict, state: dict, ids: torch.Tensor, position_ids: torch.Tensor) -> dict:
@@ -43,10 +42,6 @@ def packed_step(config: dict, state: dict, ids: torch.Tensor, position_ids: torc
     with loss_parallel_context(model):
         out = model(ids[rows], labels=ids[rows], position_ids=position_ids[rows])
         out.loss.backward()
-    loss, parts = full(out.loss), loss_parts(out)
-    if dp > 1:
-        for value in (loss, *parts.values()):
-            dist.all_reduce(value, group=mesh.get_group("dp"))
-            value /= dp
+    loss, parts = mean_over_dp(mesh, dp, full(out.loss), loss_parts(out))
     grads = {n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
     return dict(loss=loss, parts=parts, grads=grads)

@@ -77,6 +77,15 @@ def router_biases(model) -> dict[str, torch.Tensor]:
     return {n: b.detach().clone() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
 
 
+def mean_over_dp(mesh, dp: int, loss: torch.Tensor, parts: dict) -> tuple[torch.Tensor, dict]:
+    """The loss and its parts averaged over the data-parallel ranks in place (unchanged when dp == 1)."""
+    if dp > 1:
+        for value in (loss, *parts.values()):
+            dist.all_reduce(value, group=mesh.get_group("dp"))
+            value /= dp
+    return loss, parts
+
+
 def parallel_step(config: dict, state: dict, ids: torch.Tensor, dp: int, tp: int, bf16: bool = False,
                   checkpointing: bool = False, mask: torch.Tensor | None = None) -> dict:  # fmt: skip
     """One forward/backward/clip/SGD step on a (dp, tp) mesh; this rank runs its dp share of `ids`."""
@@ -106,11 +115,7 @@ def parallel_step(config: dict, state: dict, ids: torch.Tensor, dp: int, tp: int
     with loss_parallel_context(model):
         out = model(local_ids, attention_mask=local_mask, labels=labels_for(local_ids, local_mask))
         out.loss.backward()
-    loss, parts = full(out.loss), loss_parts(out)
-    if dp > 1:
-        for value in (loss, *parts.values()):
-            dist.all_reduce(value, group=mesh.get_group("dp"))
-            value /= dp
+    loss, parts = mean_over_dp(mesh, dp, full(out.loss), loss_parts(out))
     grads = {n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
     norm = full(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM))
     torch.optim.SGD(model.parameters(), lr=LR).step()
