@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -34,6 +34,40 @@ class LayerStats:
     selected: torch.Tensor | None = None  # [B, T, P] bool pools it picked
 
 
+class SequenceShards(Protocol):
+    """What a block needs to run on one contiguous slice of every sample's sequence (context parallelism).
+
+    Implemented in glm53/parallel/context.py over a "cp" mesh dimension; the model only calls these methods, so it
+    never imports torch.distributed. Rank `rank` of `size` holds global positions [offset, offset + local), of
+    `total` in all. Every method is differentiable: gradients flow back to the rank that owns each position.
+    """
+
+    rank: int
+    size: int
+    offset: int  # global position of this rank's first token
+    total: int  # global sequence length (every rank's slice summed)
+
+    def all_gather(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """Every rank's slice of `x` concatenated in rank order along `dim` (the gradient is summed back)."""
+        ...
+
+    def from_previous(self, x: torch.Tensor, width: int, dim: int = 1) -> torch.Tensor:
+        """The last `width` positions of the previous rank's `x` along `dim` (zeros on rank 0): a causal halo."""
+        ...
+
+    def from_next(self, x: torch.Tensor, width: int, dim: int = 1) -> torch.Tensor:
+        """The first `width` positions of the next rank's `x` along `dim` (zeros on the last rank)."""
+        ...
+
+    def stack(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's `x` stacked along a new leading dim [size, ...] (small summaries, e.g. KDA transitions)."""
+        ...
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` summed over the ranks, without gradient (counts and loss values for reporting)."""
+        ...
+
+
 @dataclass
 class ForwardContext:
     """State shared by the blocks of one forward. `valid` is required; the rest default to "not in use"."""
@@ -47,6 +81,8 @@ class ForwardContext:
     # Packed documents (model/packing.py), both None when every row is one document:
     cu_seqlens: torch.Tensor | None = None  # [n_docs + 1] int64 boundaries over the flattened B * T tokens
     segment_ids: torch.Tensor | None = None  # [B, T] int64 document index of every token
+    # Context parallelism: this rank holds one contiguous slice of every sequence (None: the whole sequence)
+    cp: SequenceShards | None = None
 
     def for_layer(self) -> "ForwardContext":
         """A copy for one layer with its own fresh stats sink (None unless `collect_stats`)."""
@@ -54,4 +90,4 @@ class ForwardContext:
         return dataclasses.replace(self, stats=stats)
 
 
-__all__ = ["ForwardContext", "LayerStats"]
+__all__ = ["ForwardContext", "LayerStats", "SequenceShards"]
