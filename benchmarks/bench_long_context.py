@@ -1,0 +1,127 @@
+"""Long context on the bench config (issue 15): forward time scaling and training-step memory per token.
+
+    python benchmarks/bench_long_context.py                       # forward at 16K/32K, memory at 4K..32K
+    python benchmarks/bench_long_context.py --forward 8192 16384 --memory 2048 4096 8192
+
+Forward: glm53 alone (transformers' eager attention builds [T, T] masks per layer and cannot run 32K here), no
+grad, median of `--reps` after one warm-up; the target is T(32768) / T(16384) <= 2.1 (linear would be 2.0).
+Memory: one training step (the model's own loss with labels, activation checkpointing on, every loss part the
+config enables) in a fresh child process per T; peak RSS growth (VmHWM reset just before the step, minus the RSS
+before it) divided by T. The target is "flat from 4K to 32K": the 32K / 4K ratio of bytes per token near 1.
+glibc keeps freed memory as in bench_model.py (RETAIN_ENV) so the peak is the step's, not page-fault churn.
+Results: benchmarks/results/bench_long_context.json and tables on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+from bench_config import ROOT, bench_config, machine, median, table, timed, write_json
+
+from glm53 import Glm53ForCausalLM
+
+RETAIN_ENV = {"MALLOC_TRIM_THRESHOLD_": "4000000000", "MALLOC_MMAP_THRESHOLD_": "4000000000"}
+
+
+def seeded_ids(vocab: int, T: int) -> torch.Tensor:
+    return torch.randint(1, vocab, (1, T), generator=torch.Generator().manual_seed(T))
+
+
+def build_model() -> Glm53ForCausalLM:
+    torch.manual_seed(0)
+    return Glm53ForCausalLM.from_config(bench_config())
+
+
+def _vm(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def memory_child(T: int) -> None:
+    """One checkpointed training step in this fresh process; prints its peak RSS growth in bytes."""
+    model = build_model().train()
+    model.gradient_checkpointing_enable()
+    ids = seeded_ids(model.config.vocab_size, T)
+    rss_before = _vm("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    out = model(ids, labels=ids, **_no_logits(model))
+    out.loss.backward()
+    print(json.dumps({"peak_bytes": _vm("VmHWM") - rss_before}))
+
+
+def _no_logits(model) -> dict:
+    """return_logits=False where the model supports it (the chunked loss never builds [B, T, V] logits)."""
+    import inspect
+
+    return {"return_logits": False} if "return_logits" in inspect.signature(model.forward).parameters else {}
+
+
+def measure_memory(T: int, threads: int) -> int:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), **RETAIN_ENV)
+    cmd = [sys.executable, os.path.abspath(__file__), "--memory-child", str(T)]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])["peak_bytes"]
+
+
+def forward_times(seqlens: list[int], reps: int) -> list[dict]:
+    model = build_model().eval()
+    rows = []
+    for T in seqlens:
+        ids = seeded_ids(model.config.vocab_size, T)
+        with torch.no_grad():
+            model(ids)  # warm-up
+            times = [timed(lambda: model(ids)) for _ in range(reps)]
+        rows.append({"T": T, "fwd_s": round(median(times), 3), "tok_s": round(T / median(times), 1),
+                     "times_s": [round(t, 3) for t in times]})  # fmt: skip
+        print(f"forward T={T}: {rows[-1]['fwd_s']} s", flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--forward", type=int, nargs="*", default=[16384, 32768], help="T for the forward timings")
+    ap.add_argument("--memory", type=int, nargs="*", default=[4096, 8192, 16384, 32768], help="T for memory")
+    ap.add_argument("--reps", type=int, default=2, help="forward repetitions per T (median reported)")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--out", default="bench_long_context.json", help="file name under benchmarks/results/")
+    ap.add_argument("--memory-child", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    for name in ("forward", "memory"):
+        if any(T < 1 for T in getattr(args, name)):
+            ap.error(f"--{name}: sequence lengths must be positive")
+    if args.reps < 1:
+        ap.error("--reps must be at least 1")
+    torch.set_num_threads(args.threads)
+    if args.memory_child:
+        return memory_child(args.memory_child)
+    fwd = forward_times(args.forward, args.reps)
+    memory = []
+    for T in args.memory:
+        peak = measure_memory(T, args.threads)
+        memory.append({"T": T, "peak_MiB": round(peak / 2**20, 1), "bytes_per_token": round(peak / T)})
+        print(f"training step T={T}: {memory[-1]['peak_MiB']} MiB", flush=True)
+    for row in memory:
+        row["per_token_vs_first"] = round(row["bytes_per_token"] / memory[0]["bytes_per_token"], 3)
+    ratio = round(fwd[-1]["fwd_s"] / fwd[-2]["fwd_s"], 3) if len(fwd) >= 2 else None
+    payload = {"machine": machine(), "command": " ".join(sys.argv), "environment": RETAIN_ENV,
+               "forward": fwd, "forward_ratio_last_two": ratio, "memory": memory}  # fmt: skip
+    path = write_json(args.out, payload)
+    print(table(fwd, ["T", "fwd_s", "tok_s"]))
+    if ratio is not None:
+        print(f"forward T={fwd[-1]['T']} / T={fwd[-2]['T']}: {ratio}")
+    print(table(memory, ["T", "peak_MiB", "bytes_per_token", "per_token_vs_first"]))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
