@@ -12,6 +12,9 @@ Training (docs/training.md): with labels, Glm53ForCausalLM also returns the MTP 
 balance / z-loss and the indexer KL loss (glm53/training/losses.py), each on its own and weighted into `.loss`;
 training forwards count expert loads for `update_router_bias`. Per-forward state reaches the blocks in one
 `ForwardContext` (context.py).
+Head and loss: with labels the next-token and MTP losses run the head and the cross-entropy as one chunked op
+(`causal_lm_head_loss`, glm53/kernels/linear_cross_entropy.py) and never hold [B, T, vocab] logits;
+`return_logits=False` (what training loops pass) skips the logits too, `out.logits` is then None.
 `gradient_checkpointing_enable()` recomputes every decoder block (mHC coefficients included) in backward.
 Packed documents: `cu_seqlens` (input_ids [1, total], or [B, T] with boundaries over the flattened tokens) or
 `position_ids` restarting at 0 per document; each document is computed as if alone (model/packing.py), and
@@ -34,7 +37,7 @@ from ..checkpoint.save import save_checkpoint
 from ..config import Glm53Config
 from ..precision import cast_model, resolve_dtype
 from ..training.loss_counts import LossCounts, count_loss_terms
-from ..training.losses import IGNORE_INDEX, causal_lm_loss, expert_load, indexer_kl_terms, router_aux_loss
+from ..training.losses import IGNORE_INDEX, causal_lm_head_loss, expert_load, indexer_kl_terms, router_aux_loss
 from .block import DecoderBlock, run_block
 from .context import ForwardContext, LayerStats
 from .hyper_connection import HyperConnection, collapse_streams, expand_streams
@@ -48,7 +51,7 @@ from .packing import document_boundaries, document_labels, segment_ids
 
 @dataclass
 class CausalLMOutput:
-    logits: torch.Tensor  # [B, T, vocab]
+    logits: torch.Tensor | None  # [B, T, vocab] in the head's dtype; None with return_logits=False
     loss: torch.Tensor | None = None  # lm + mtp_loss_weight * mtp + aux + indexer_loss_weight * indexer
     lm_loss: torch.Tensor | None = None  # next-token cross-entropy alone
     mtp_loss: torch.Tensor | None = None  # MTP cross-entropy, mean over depths (None without an MTP module)
@@ -177,8 +180,13 @@ class Glm53ForCausalLM(nn.Module):
         *,
         cu_seqlens: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        return_logits: bool = True,
     ) -> CausalLMOutput:
-        """With labels, the losses; each part is this forward's mean unless `loss_denominators` (the counts of a
+        """`return_logits` (default True): `out.logits = lm_head(last hidden state)` [B, T, vocab], in the graph as
+        always; with False, `out.logits` is None and no [B, T, vocab] tensor is made (training loops pass False).
+        The losses never read `out.logits`: with labels and return_logits=True the logits are computed beside the
+        chunked loss, so a caller can still use them (with gradient), at the cost of their memory.
+        With labels, the losses; each part is this forward's mean unless `loss_denominators` (the counts of a
         whole global batch, `loss_counts` summed over micro-batches and ranks) says what to divide its sum by.
         Packed documents: `cu_seqlens` [n_docs + 1] over the flattened tokens or `position_ids` [B, T] restarting
         at 0 per document (model/packing.py); `loss_counts(..., position_ids)` gives their denominators."""
@@ -188,7 +196,7 @@ class Glm53ForCausalLM(nn.Module):
         if not collect:
             hidden = self.model(input_ids, attention_mask, inputs_embeds, cu_seqlens=cu_seqlens,
                                 position_ids=position_ids)  # fmt: skip
-            return CausalLMOutput(logits=self.lm_head(hidden), last_hidden_state=hidden)
+            return CausalLMOutput(logits=self._logits(hidden, return_logits), last_hidden_state=hidden)
         inputs_embeds = self.model.embed(input_ids, inputs_embeds)
         valid = padding_mask(attention_mask, inputs_embeds.shape[:2], inputs_embeds.device)
         record_indexer = labels is not None and self.config.indexer_loss_weight > 0
@@ -196,15 +204,20 @@ class Glm53ForCausalLM(nn.Module):
                              **packing_fields(valid, cu_seqlens, position_ids))  # fmt: skip
         stats: list[LayerStats] = []
         hidden = self.model(inputs_embeds=inputs_embeds, ctx=ctx, stats=stats)
-        out = CausalLMOutput(logits=self.lm_head(hidden), last_hidden_state=hidden)
-        mtp_runs = []  # per depth: (logits, valid, stats)
+        out = CausalLMOutput(logits=self._logits(hidden, return_logits), last_hidden_state=hidden)
+        mtp_runs = []  # per depth: (normed hidden the head reads, valid, stats)
         if self.mtp is not None and labels is not None:
-            mtp_runs = self.mtp(hidden, inputs_embeds, ctx, self.lm_head)
+            mtp_runs = self.mtp(hidden, inputs_embeds, ctx)
         if self.training:  # evaluation forwards (labels, eval mode) leave the balancing counts alone
             self._count_expert_loads(stats, valid, mtp_runs)
         if labels is not None:
             self._add_losses(out, labels, valid, stats, mtp_runs, loss_denominators, ctx.segment_ids)
         return out
+
+    def _logits(self, hidden: torch.Tensor, return_logits: bool) -> torch.Tensor | None:
+        if not isinstance(return_logits, bool):
+            raise TypeError(f"return_logits must be True or False, got {return_logits!r}")
+        return self.lm_head(hidden) if return_logits else None
 
     def loss_counts(self, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
                     position_ids: torch.Tensor | None = None) -> LossCounts:  # fmt: skip
@@ -239,10 +252,11 @@ class Glm53ForCausalLM(nn.Module):
             depth_labels = lambda d: labels if d == 0 else mtp_labels(labels, d, IGNORE_INDEX)  # noqa: E731
         else:
             depth_labels = lambda d: document_labels(labels, segments, d, IGNORE_INDEX)  # noqa: E731
-        out.lm_loss = loss = causal_lm_loss(out.logits, depth_labels(0), per_view("targets", 0))
+        head = self.lm_head
+        out.lm_loss = loss = causal_lm_head_loss(out.last_hidden_state, head, depth_labels(0), per_view("targets", 0))
         if mtp_runs:
-            per_depth = [causal_lm_loss(lg, depth_labels(d), per_view("targets", d))
-                         for d, (lg, _, _) in enumerate(mtp_runs, start=1)]  # fmt: skip
+            per_depth = [causal_lm_head_loss(h, head, depth_labels(d), per_view("targets", d))
+                         for d, (h, _, _) in enumerate(mtp_runs, start=1)]  # fmt: skip
             out.mtp_loss = torch.stack(per_depth).mean()
             loss = loss + cfg.mtp_loss_weight * out.mtp_loss
         records = [(s, valid, 0) for s in stats] + [(s, v, d) for d, (_, v, s) in enumerate(mtp_runs, start=1)]

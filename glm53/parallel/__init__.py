@@ -21,6 +21,7 @@ from .parallelize import (
     zero_rows,
 )
 from . import expert as _expert
+from . import vocab_loss as _vocab_loss
 from .expert import apply_expert_parallel, check_ep_size, clip_grad_norm_
 from .plan import ExpertTensorParallel, LocalShardParams, ReplicateModule, ReplicateParams, check_tp_size, tp_plan
 from .runtime import full_optimizer_state, full_state, init_mesh, load_full_optimizer_state, loss_denominators
@@ -30,6 +31,7 @@ from .train_state import read_training_state, write_training_state
 
 _boundary.install()
 _expert.install()
+_vocab_loss.install()
 
 __all__ = [
     "materialize_full", "local_shard", "PlacementError", "Whole", "LocalShard", "set_boundary_rule",
