@@ -129,7 +129,8 @@ def test_chunked_loss_equals_plain_fp32(small_chunks, kind):
     lm, mtp = todays_losses(model, fast, inputs)
     torch.testing.assert_close(fast["parts"]["lm_loss"], lm, **FP32_TOL)
     torch.testing.assert_close(fast["parts"]["mtp_loss"], mtp, **FP32_TOL)
-    assert set(fast["grads"]) == set(plain["grads"]) and {"hidden", "mtp_hidden_1", "mtp_hidden_2"} <= set(fast["grads"])
+    assert set(fast["grads"]) == set(plain["grads"])
+    assert {"hidden", "mtp_hidden_1", "mtp_hidden_2"} <= set(fast["grads"])
     assert fast["grads"]["lm_head.weight"].abs().max() > 0
     bad = grad_errors(fast["grads"], plain["grads"])
     assert max(bad.values()) <= 1e-5, {n: e for n, e in bad.items() if e > 1e-5}
