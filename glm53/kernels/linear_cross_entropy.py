@@ -8,6 +8,9 @@ The fast form walks the tokens in chunks whose fp32 logits fit LOGITS_BUDGET_BYT
 logits in the input dtype, upcasts them to fp32 for the logsumexp, and keeps only the [M] fp32 log-normaliser;
 backward recomputes each chunk's logits and forms softmax - onehot in place. Peak extra memory: one
 [chunk, vocab] fp32 block (plus its input-dtype copy), whatever M is.
+`chunk_statistics` and `chunk_gradients` take a weight holding any contiguous block of the vocabulary, so the
+vocab-parallel loss (glm53/parallel/vocab_loss.py) runs the same chunks on one rank's rows and only combines the
+per-token statistics across ranks.
 """
 
 from __future__ import annotations
