@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import glm53.kernels.linear_cross_entropy as lce
 from glm53 import Glm53Config, Glm53ForCausalLM
-from glm53.kernels import use_backend
+from glm53.kernels import dispatch, use_backend
 from glm53.model.model import packing_fields
 from glm53.model.mtp import mtp_labels
 from glm53.model.packing import document_labels
@@ -189,7 +189,7 @@ class LargestVocabBlock(TorchDispatchMode):
         return out
 
 
-def test_training_forward_never_builds_full_logits(small_chunks):
+def test_training_forward_never_builds_full_logits(small_chunks, monkeypatch):
     """With return_logits=False no op output holds more than CHUNK_TOKENS rows over the vocabulary, forward or
     backward, and the loss goes through the kernel once per head (main + each MTP depth), never through lm_head."""
     model = make_model()
@@ -202,15 +202,9 @@ def test_training_forward_never_builds_full_logits(small_chunks):
         calls.append(hidden.shape[0])
         return original(hidden, weight, targets, chunk)
 
-    from glm53.kernels import dispatch
-
-    saved = dispatch._REGISTRY["linear_cross_entropy"]["fast"]
-    dispatch.register("linear_cross_entropy", "fast", counting)
-    try:
-        with LargestVocabBlock() as seen:
-            model(**inputs, return_logits=False).loss.backward()
-    finally:
-        dispatch.register("linear_cross_entropy", "fast", saved)
+    monkeypatch.setitem(dispatch._REGISTRY["linear_cross_entropy"], "fast", counting)  # restored after the test
+    with LargestVocabBlock() as seen:
+        model(**inputs, return_logits=False).loss.backward()
     assert calls == [B * T] * (1 + DEPTH) and not head_calls
     assert 0 < seen.rows <= CHUNK_TOKENS, seen.rows
     with LargestVocabBlock() as plain:  # the same probe sees the plain path's full logits
