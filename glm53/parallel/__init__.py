@@ -2,11 +2,12 @@
 
     mesh = init_device_mesh("cuda", (dp, tp), mesh_dim_names=("dp", "tp"))
     model = parallelize(Glm53ForCausalLM.from_config(config), mesh, mp_policy=MixedPrecisionPolicy(torch.bfloat16))
-    with loss_parallel_context(model):
-        loss = model(ids, labels=ids, return_logits=False).loss
-        loss.backward()
+    loss = model(ids, labels=ids, return_logits=False).loss  # under TP: the vocab-parallel chunked loss
+    loss.backward()
 
-Importing this package routes `glm53.boundary.as_local` through `boundary._resolve` (a no-op for plain tensors).
+Importing this package routes `glm53.boundary.as_local` through `boundary._resolve` (a no-op for plain tensors)
+and a vocab-sharded head's loss through `vocab_loss.py`; `loss_parallel_context(model)` is for a loss of your own
+over the vocab-sharded `out.logits`.
 """
 
 from . import boundary as _boundary
