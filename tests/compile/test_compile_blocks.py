@@ -3,8 +3,6 @@ equal to eager. Kernels with data-dependent control flow are custom ops (glm53/k
 
 The "aot_eager" backend runs dynamo + AOT autograd (tracing, fake tensors, the joint graph) without generating
 C++, so the test checks traceability in seconds; inductor compiles the same graphs.
-MLA blocks are not yet compile-clean (the sparse-attention kernels' key-span sync): marked xfail(strict) so
-the day they compile the marker has to go.
 """
 
 import pytest
@@ -14,7 +12,7 @@ from glm53 import Glm53Config, Glm53ForCausalLM
 from glm53.model.context import ForwardContext
 
 BLOCKS = {"KDA-MoE": 1,  # KDA chunk kernel, causal convs, mHC, router, grouped experts
-          "MLA-MoE": pytest.param(3, marks=pytest.mark.xfail(strict=True, reason="sparse attention span sync"))}
+          "MLA-MoE": 3}  # indexer, absorbed sparse attention (custom op), router, grouped experts
 
 
 @pytest.fixture(scope="module")
