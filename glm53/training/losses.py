@@ -235,9 +235,51 @@ def indexer_kl_terms(stats: list[LayerStats], valid: torch.Tensor, mode: str,
     terms = []
     for full, masses in groups:
         mask = full.candidate if mode == "dense" else full.selected
-        target = torch.stack([normalized_target(m, mask) for m in masses]).mean(0)
-        terms.append(pool_kl(full.index_scores, target, mask, valid, num_rows))
+        terms.append(chunked_pool_kl(full.index_scores, masses, mask, valid, num_rows))
     return terms
+
+
+def chunked_pool_kl(scores: torch.Tensor, masses: list[torch.Tensor], mask: torch.Tensor, valid: torch.Tensor,
+                    num_rows: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """`pool_kl(scores, mean_i normalized_target(masses[i], mask), mask, valid, num_rows)`, computed KL_CHUNK query
+    rows at a time in forward and backward: no [B, T, P] temporary beyond the inputs (the targets, the student's
+    log-probabilities and their gradient exist one chunk at a time; the backward recomputes them)."""
+    return _ChunkedPoolKl.apply(scores, mask, valid, num_rows, *masses)
+
+
+KL_CHUNK = 256  # query rows per chunk of the indexer KL
+
+
+def _kl_chunk(scores, masses, mask, valid, t0, t1):
+    """Rows [t0, t1) -> (KL per row [B, Tq], row weight [B, Tq], student probabilities, target) ([B, Tq, P])."""
+    m = mask[:, t0:t1]
+    target = torch.stack([normalized_target(x[:, t0:t1].float(), m) for x in masses]).mean(0)
+    logp = scores[:, t0:t1].float().masked_fill(~m, torch.finfo(torch.float32).min).log_softmax(-1)
+    kl = (torch.xlogy(target, target) - target * logp).sum(-1)
+    return kl, (valid[:, t0:t1] & m.any(-1)).float(), logp, target
+
+
+class _ChunkedPoolKl(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, scores, mask, valid, num_rows, *masses):
+        total, count = scores.new_zeros((), dtype=torch.float32), scores.new_zeros((), dtype=torch.float32)
+        for t0 in range(0, scores.shape[1], KL_CHUNK):
+            kl, rows, _, _ = _kl_chunk(scores, masses, mask, valid, t0, t0 + KL_CHUNK)
+            total, count = total + (kl * rows).sum(), count + rows.sum()
+        ctx.save_for_backward(scores, mask, valid, *masses)
+        ctx.per_row = per_term(total.new_ones(()), count, num_rows)  # d loss / d total
+        return total * ctx.per_row
+
+    @staticmethod
+    def backward(ctx, grad):
+        scores, mask, valid, *masses = ctx.saved_tensors
+        d_scores = torch.zeros_like(scores, dtype=torch.float32)
+        for t0 in range(0, scores.shape[1], KL_CHUNK):
+            _, rows, logp, target = _kl_chunk(scores, masses, mask, valid, t0, t0 + KL_CHUNK)
+            # d KL / d scores = p - target over the mask (target sums to 1 there), 0 off it
+            d = (logp.exp() * target.sum(-1, keepdim=True) - target).masked_fill_(~mask[:, t0 : t0 + KL_CHUNK], 0.0)
+            d_scores[:, t0 : t0 + KL_CHUNK] = d * (rows * grad * ctx.per_row)[..., None]
+        return (d_scores.to(scores.dtype), None, None, None, *(None for _ in masses))
 
 
 __all__ = [
