@@ -59,18 +59,33 @@ def _packed_scores(q, weights, pool_keys, scale, cu, pool_start):
     step = max(1, min(SCORE_BUDGET // max(1, B * H * P), max(MIN_PACKED_CHUNK, longest)))
     keys_t = pool_keys.float().transpose(-1, -2)[:, None]  # [B, 1, E, P]
     out = q.new_zeros(B, T, P, dtype=torch.float32)
-    for t0 in range(0, T, step):
+    for t0, (p0, p1) in zip(range(0, T, step), _owned_pools(start, end, pool_start, step)):
+        if p0 >= p1:
+            continue
         t1 = min(t0 + step, T)
         s_c, e_c = start[:, t0:t1, None], end[:, t0:t1, None]  # [B, Tq, 1]
-        owned = ((pool_start >= s_c.min()) & (pool_start < e_c.max())).any(0).nonzero()  # NOTE: syncs
-        if not owned.numel():
-            continue
-        p0, p1 = int(owned[0]), int(owned[-1]) + 1
         logits = F.relu(torch.matmul(q[:, t0:t1].float(), keys_t[..., p0:p1]) * scale)  # [B, Tq, H, p]
         scores = torch.matmul(weights[:, t0:t1].float()[..., None, :], logits).squeeze(-2)
         columns = pool_start[:, None, p0:p1]
         out[:, t0:t1, p0:p1] = scores * ((columns >= s_c) & (columns < e_c))
     return out
+
+
+def _owned_pools(start, end, pool_start, step) -> list[tuple[int, int]]:
+    """Per chunk of `step` queries, the pool columns [p0, p1) starting inside the chunk's documents (any row),
+    for all chunks in one host transfer before the loop. start, end [B, T] document bounds; pool_start [B, P]
+    non-decreasing along P."""
+    B, T = start.shape
+    n = -(-T // step)
+    pad = n * step - T
+    lo = F.pad(start, (0, pad), value=T).view(B, n, step).amin(-1)  # [B, n]: earliest document start
+    hi = F.pad(end, (0, pad), value=0).view(B, n, step).amax(-1)  # [B, n]: latest document end
+    seq = pool_start.contiguous()
+    p0 = torch.searchsorted(seq, lo.contiguous())  # first pool starting at or after lo, per row
+    p1 = torch.searchsorted(seq, hi.contiguous())  # first pool starting at or after hi
+    P = pool_start.shape[1]
+    p0, p1 = torch.where(p0 < p1, p0, P).amin(0), torch.where(p0 < p1, p1, 0).amax(0)
+    return torch.stack([p0, p1], dim=-1).tolist()  # NOTE: syncs (once per call, not per chunk)
 
 
 def _score_chunk(B: int, H: int, P: int) -> int:

@@ -78,3 +78,22 @@ def test_fast_kernels_compile_fullgraph_forward_and_backward(small_chunks):
     g = torch.Generator().manual_seed(0)
     q_i, w, keys = (torch.randn(*s, generator=g).requires_grad_() for s in ((2, 40, 4, 8), (2, 40, 4), (2, 11, 8)))
     compiled_equals_eager(idx_mod.indexer_scores, [q_i, w, keys], 8**-0.5)
+
+
+def test_packed_indexer_scores_reads_pool_ranges_once(monkeypatch):
+    """Packed documents: every chunk's pool columns come from one transfer before the loop, not one per chunk."""
+    from tests.kernels.test_kernels_packed import LAYOUTS, cu_for, pool_starts_for
+
+    B, T, lengths = LAYOUTS["B1-short-docs"]
+    monkeypatch.setattr(idx_mod, "MIN_PACKED_CHUNK", 5)
+    monkeypatch.setattr(idx_mod, "SCORE_BUDGET", 1)
+    owned, calls = idx_mod._owned_pools, []
+    monkeypatch.setattr(idx_mod, "_owned_pools", lambda *a: calls.append(len(owned(*a))) or owned(*a))
+    starts = pool_starts_for(lengths, B, T, 4)
+    g = torch.Generator().manual_seed(0)
+    q, w, keys = torch.randn(B, T, 4, 8, generator=g), torch.randn(B, T, 4, generator=g), torch.randn(
+        B, starts.shape[1], 8, generator=g)  # fmt: skip
+    got = idx_mod.indexer_scores(q, w, keys, 0.35, cu_seqlens=cu_for(lengths), pool_start=starts)
+    ref = idx_mod.indexer_scores_reference(q, w, keys, 0.35, cu_seqlens=cu_for(lengths), pool_start=starts)
+    assert_all_close((got,), (ref,), FP32_TOL, ["scores"])
+    assert len(calls) == 1 and calls[0] > 2  # one call for all (several) chunks
