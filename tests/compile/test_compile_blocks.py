@@ -11,8 +11,9 @@ import torch
 from glm53 import Glm53Config, Glm53ForCausalLM
 from glm53.model.context import ForwardContext
 
-BLOCKS = {"KDA-MoE": 1,  # KDA chunk kernel, causal convs, mHC, router, grouped experts
-          "MLA-MoE": 3}  # indexer, absorbed sparse attention (custom op), router, grouped experts
+BLOCKS = {"KDA-MoE": (1, True),  # KDA chunk kernel, causal convs, mHC, router, grouped experts
+          "MLA-MoE": (3, True),  # indexer, absorbed sparse attention (custom op), router, grouped experts
+          "MLA-per-head-MoE": (3, False)}  # the per-head sparse attention (custom op) instead
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,9 @@ def model():
 
 @pytest.mark.parametrize("index", BLOCKS.values(), ids=BLOCKS.keys())
 def test_block_compiles_fullgraph_and_matches_eager(model, index):
+    index, absorb = index
     torch._dynamo.reset()
+    model.set_numerics(mla_absorb=absorb)
     block = model.model.layers[index]
     g = torch.Generator().manual_seed(index)
     streams = torch.randn(2, 21, model.config.hc_mult, model.config.hidden_size, generator=g)
