@@ -63,7 +63,8 @@ def inputs(op: str, T: int, c: Glm53Config):
     if op == "kda":
         Hk, K = c.linear_num_heads, c.linear_head_dim
         q, k = F.normalize(rnd(1, T, Hk, K), dim=-1), F.normalize(rnd(1, T, Hk, K), dim=-1)
-        return [q, k, rnd(1, T, Hk, K), -5 * torch.rand(1, T, Hk, K, generator=g), torch.rand(1, T, Hk, generator=g)], []
+        gate, beta = -5 * torch.rand(1, T, Hk, K, generator=g), torch.rand(1, T, Hk, generator=g)
+        return [q, k, rnd(1, T, Hk, K), gate, beta], []
     raise KeyError(op)
 
 
