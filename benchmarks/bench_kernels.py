@@ -26,6 +26,8 @@ from glm53.kernels import backends
 from glm53.kernels.dispatch import _REGISTRY
 
 TOPK, KPOOL = 256, 16
+DEFAULT_OPS = ["kda", "sparse_attention", "sparse_mqa_attention", "moe_experts", "indexer_scores", "hc_collapse",
+               "hc_mix", "hc_project", "sinkhorn", "causal_conv1d", "rms_norm", "gated_rms_norm"]  # fmt: skip
 
 
 def causal_topk(T: int, J: int) -> torch.Tensor:
@@ -104,9 +106,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="T in {512, 2048}")
     ap.add_argument("--seqlens", type=int, nargs="+")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--ops", nargs="+", default=["kda", "sparse_attention", "sparse_mqa_attention", "moe_experts",
-                                                 "indexer_scores", "hc_collapse", "hc_mix", "hc_project", "sinkhorn",
-                                                 "causal_conv1d", "rms_norm", "gated_rms_norm"])  # fmt: skip
+    ap.add_argument("--ops", nargs="+", help="default: every op (with --released: released_widths.OPS)")
     ap.add_argument("--skip-recurrent-above", type=int, default=2048,
                     help="skip KDA's token-by-token reference above this T (it is a Python loop)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -117,6 +117,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.released:
         return released(args)
+    args.ops = args.ops or DEFAULT_OPS
     seqlens = args.seqlens or ([512, 2048] if args.quick else [512, 1024, 2048, 4096])
     rows = []
     for op in args.ops:
@@ -142,7 +143,7 @@ def main() -> None:
 def released(args) -> None:
     from released_widths import OPS, released_rows
 
-    ops = [op for op in args.ops if op in OPS] if "--ops" in sys.argv else None
+    ops = None if args.ops is None else [op for op in args.ops if op in OPS]
     rows = released_rows(args.seqlens or [4096], args.reps, args.threads, ops)
     path = write_json(args.out or "bench_kernels_released.json", {"machine": machine(), "command": " ".join(sys.argv),
                                                                   "threads": args.threads, "rows": rows})  # fmt: skip

@@ -10,6 +10,8 @@ at one tensor-parallel rank's share of heads (64 / TP_SHARE), the layout that us
 - pool_mass: the KL target's dense attention mass per pool (no grad; training/losses.attention_pool_mass);
 - indexer_kl: the KL of the index scores against that target, fwd+bwd (losses.indexer_kl_terms);
 - kda: the chunked KDA kernel, fwd and fwd+bwd.
+On CPU T = 4096 takes long (the absorbed attention alone is ~1 TFLOP forward; the per-head form gathers J = 2051
+slots per query and head whatever T is): `--seqlens 1024` for a run of a few minutes.
 Peak memory is the child's peak RSS growth over the measured call (VmHWM reset just before it): every tensor the
 call allocates, inputs excluded.
 """
