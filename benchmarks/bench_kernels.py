@@ -3,11 +3,13 @@
     python benchmarks/bench_kernels.py                 # T in {512, 1024, 2048, 4096}
     python benchmarks/bench_kernels.py --quick         # T in {512, 2048}, 3 reps
     python benchmarks/bench_kernels.py --seqlens 1024 --ops kda sparse_mqa_attention
+    python benchmarks/bench_kernels.py --released [--seqlens 1024]  # GLM-5.3 widths at T = 4096, + peak memory
 
 Shapes follow the bench model (issue 5): KDA 4 heads x 64, MLA 4 heads x 64 with kv_lora 64 and 271 slots
 (index_topk 256 + a 15-token tail), 16 experts top-4 of width 128 on hidden 256, indexer 4 heads x 32 over
 T/16 pools, 4 mHC streams. Times are medians; "fwd" under no_grad, "fwd+bwd" with a random cotangent.
-Results: benchmarks/results/bench_kernels.json.
+Results: benchmarks/results/bench_kernels.json (--released: bench_kernels_released.json; shapes, rows and the
+memory measurement in released_widths.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from glm53.kernels import backends
 from glm53.kernels.dispatch import _REGISTRY
 
 TOPK, KPOOL = 256, 16
+DEFAULT_OPS = ["kda", "sparse_attention", "sparse_mqa_attention", "moe_experts", "indexer_scores", "hc_collapse",
+               "hc_mix", "hc_project", "sinkhorn", "causal_conv1d", "rms_norm", "gated_rms_norm"]  # fmt: skip
 
 
 def causal_topk(T: int, J: int) -> torch.Tensor:
@@ -102,15 +106,18 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="T in {512, 2048}")
     ap.add_argument("--seqlens", type=int, nargs="+")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--ops", nargs="+", default=["kda", "sparse_attention", "sparse_mqa_attention", "moe_experts",
-                                                 "indexer_scores", "hc_collapse", "hc_mix", "hc_project", "sinkhorn",
-                                                 "causal_conv1d", "rms_norm", "gated_rms_norm"])  # fmt: skip
+    ap.add_argument("--ops", nargs="+", help="default: every op (with --released: released_widths.OPS)")
     ap.add_argument("--skip-recurrent-above", type=int, default=2048,
                     help="skip KDA's token-by-token reference above this T (it is a Python loop)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--out", default="bench_kernels.json", help="file name under benchmarks/results/")
+    ap.add_argument("--out", default=None, help="file name under benchmarks/results/")
+    ap.add_argument("--released", action="store_true",
+                    help="the released widths (released_widths.py) at T = 4096 (or --seqlens), with peak memory")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.released:
+        return released(args)
+    args.ops = args.ops or DEFAULT_OPS
     seqlens = args.seqlens or ([512, 2048] if args.quick else [512, 1024, 2048, 4096])
     rows = []
     for op in args.ops:
@@ -127,9 +134,20 @@ def main() -> None:
                     row["eager_speedup_fwd_bwd"] = round(t["fwd_bwd_ms"] / fast["fwd_bwd_ms"], 2)
                 rows.append(row)
                 print(f"{op:22s} T={T:5d} {backend:10s} {t}", file=sys.stderr, flush=True)
-    path = write_json(args.out, {"machine": machine(), "command": " ".join(sys.argv),
+    path = write_json(args.out or "bench_kernels.json", {"machine": machine(), "command": " ".join(sys.argv),
                                              "threads": args.threads, "rows": rows})  # fmt: skip
     print(table(rows, ["op", "T", "backend", "fwd_ms", "fwd_bwd_ms", "eager_speedup_fwd_bwd"]))
+    print(f"wrote {path}")
+
+
+def released(args) -> None:
+    from released_widths import OPS, released_rows
+
+    ops = None if args.ops is None else [op for op in args.ops if op in OPS]
+    rows = released_rows(args.seqlens or [4096], args.reps, args.threads, ops)
+    path = write_json(args.out or "bench_kernels_released.json", {"machine": machine(), "command": " ".join(sys.argv),
+                                                                  "threads": args.threads, "rows": rows})  # fmt: skip
+    print(table(rows, ["op", "T", "backend", "fwd_ms", "fwd_bwd_ms", "peak_mib"]))
     print(f"wrote {path}")
 
 

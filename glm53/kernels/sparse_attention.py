@@ -15,6 +15,7 @@ The references run each document alone; the fast forms drop the other documents'
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .dispatch import register
 from .varlen import check_cu_seqlens, document_bounds, document_slices
@@ -71,15 +72,18 @@ def sparse_attention_reference(
 
 
 # ------------------------------------------------------------------------------------------------- gather form
-# Each query reads only its J selected keys: O(T * J) work and, with queries processed QUERY chunks at a time,
-# memory bounded by GATHER_BUDGET elements per gathered tensor whatever T is. The backward is written by hand
-# (flash-attention style): it saves only q, k, v and the indices, recomputes each chunk's probabilities and
-# scatters the key/value gradients with index_add_.
+# Each query reads only its J selected keys: O(T * J) work, queries processed a chunk at a time. The chunk holds
+# GATHER_BUDGET elements per gathered tensor when a query is small, and never fewer than MIN_QUERY_CHUNK queries
+# when it is large (at the released widths one query's gathered keys alone exceed the budget): memory per chunk is
+# then MIN_QUERY_CHUNK queries' worth whatever T is, and the number of Python iterations is T / MIN_QUERY_CHUNK at
+# most, never one per query. The backward is written by hand (flash-attention style): it saves only q, k, v and the
+# indices, recomputes each chunk's probabilities and scatters the key/value gradients with index_add_.
 GATHER_BUDGET = 1 << 20  # elements of one gathered [B, H, Tq, J, K] chunk (4 MiB in fp32: stays in cache)
+MIN_QUERY_CHUNK = 16  # queries per chunk at least (bounds the loop's length at wide shapes)
 
 
 def _query_chunk(B: int, H: int, J: int, width: int) -> int:
-    return max(1, GATHER_BUDGET // max(1, B * H * J * width))
+    return max(MIN_QUERY_CHUNK, GATHER_BUDGET // max(1, B * H * J * width))
 
 
 def _gather(x: torch.Tensor, safe: torch.Tensor) -> torch.Tensor:
@@ -101,47 +105,47 @@ def _chunk_probs(q_c, k_h, idx_c, scale):
     return torch.softmax(scores, dim=-1).nan_to_num(0.0), safe, k_g  # all-empty rows -> 0
 
 
-class _SparseAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, topk_indices, scale):
-        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        q_h, k_h, v_h = (x.transpose(1, 2).to(dtype) for x in (q, k, v))  # [B, H, T or S, K or V]
-        B, H, T, _ = q_h.shape
-        J = topk_indices.shape[-1]
-        step = _query_chunk(B, H, J, max(q.shape[-1], v.shape[-1]))
-        o = q_h.new_empty(B, H, T, v.shape[-1])
-        for start in range(0, T, step):
-            end = min(start + step, T)
-            p, safe, _ = _chunk_probs(q_h[:, :, start:end], k_h, topk_indices[:, start:end], scale)
-            o[:, :, start:end] = (p[..., None, :] @ _gather(v_h, safe)).squeeze(-2)
-        ctx.save_for_backward(q, k, v, topk_indices)
-        ctx.scale = scale
-        return o.transpose(1, 2).to(q.dtype)
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, topk_indices = ctx.saved_tensors
-        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        q_h, k_h, v_h, do_h = (x.transpose(1, 2).to(dtype) for x in (q, k, v, do))
-        B, H, T, D = q_h.shape
-        S, E = k_h.shape[2], v_h.shape[-1]
-        J = topk_indices.shape[-1]
-        dq = q_h.new_empty(B, H, T, D)
-        dk, dv = q_h.new_zeros(B, H, S, D), q_h.new_zeros(B, H, S, E)  # contiguous: rows of .view(B*H*S, *)
-        rows = (torch.arange(B * H, device=q.device) * S).view(B, H, 1, 1)
-        step = _query_chunk(B, H, J, max(D, E))
-        for start in range(0, T, step):
-            end = min(start + step, T)
-            q_c, do_c = q_h[:, :, start:end], do_h[:, :, start:end]
-            p, safe, k_g = _chunk_probs(q_c, k_h, topk_indices[:, start:end], ctx.scale)
-            dp = (_gather(v_h, safe) @ do_c[..., None]).squeeze(-1)  # [B, H, Tq, J]
-            ds = p * (dp - (p * dp).sum(-1, keepdim=True)) * ctx.scale
-            dq[:, :, start:end] = (ds[..., None, :] @ k_g).squeeze(-2)
-            flat = (rows + safe[:, None]).flatten()  # [B*H*Tq*J] row of dk.view(B*H*S, K)
-            dk.view(-1, D).index_add_(0, flat, (ds[..., None] * q_c[..., None, :]).view(-1, D))
-            dv.view(-1, E).index_add_(0, flat, (p[..., None] * do_c[..., None, :]).view(-1, E))
-        grads = (dq.transpose(1, 2).to(q.dtype), dk.transpose(1, 2).to(k.dtype), dv.transpose(1, 2).to(v.dtype))
-        return (*grads, None, None)
+
+def _sparse_forward(q, k, v, topk_indices, scale):
+    """The gather form's forward: [B, T, H, V] in q's dtype, contiguous."""
+    q_h, k_h, v_h = (x.transpose(1, 2).to(_compute_dtype(q)) for x in (q, k, v))  # [B, H, T or S, K or V]
+    B, H, T, _ = q_h.shape
+    J = topk_indices.shape[-1]
+    step = _query_chunk(B, H, J, max(q.shape[-1], v.shape[-1]))
+    o = q_h.new_empty(B, T, H, v.shape[-1])
+    for start in range(0, T, step):
+        end = min(start + step, T)
+        p, safe, _ = _chunk_probs(q_h[:, :, start:end], k_h, topk_indices[:, start:end], scale)
+        o[:, start:end] = (p[..., None, :] @ _gather(v_h, safe)).squeeze(-2).transpose(1, 2)
+    return o.to(q.dtype)
+
+
+def _sparse_backward(q, k, v, topk_indices, do, scale):
+    """-> (dq, dk, dv) in the inputs' dtypes, contiguous: recompute each chunk's probabilities, scatter dk, dv."""
+    dtype = _compute_dtype(q)
+    q_h, k_h, v_h, do_h = (x.transpose(1, 2).to(dtype) for x in (q, k, v, do))
+    B, H, T, D = q_h.shape
+    S, E = k_h.shape[2], v_h.shape[-1]
+    J = topk_indices.shape[-1]
+    dq = q_h.new_empty(B, T, H, D)
+    dk, dv = q_h.new_zeros(B, H, S, D), q_h.new_zeros(B, H, S, E)  # contiguous: rows of .view(B*H*S, *)
+    rows = (torch.arange(B * H, device=q.device) * S).view(B, H, 1, 1)
+    step = _query_chunk(B, H, J, max(D, E))
+    for start in range(0, T, step):
+        end = min(start + step, T)
+        q_c, do_c = q_h[:, :, start:end], do_h[:, :, start:end]
+        p, safe, k_g = _chunk_probs(q_c, k_h, topk_indices[:, start:end], scale)
+        dp = (_gather(v_h, safe) @ do_c[..., None]).squeeze(-1)  # [B, H, Tq, J]
+        ds = p * (dp - (p * dp).sum(-1, keepdim=True)) * scale
+        dq[:, start:end] = (ds[..., None, :] @ k_g).squeeze(-2).transpose(1, 2)
+        flat = (rows + safe[:, None]).flatten()  # [B*H*Tq*J] row of dk.view(B*H*S, K)
+        dk.view(-1, D).index_add_(0, flat, (ds[..., None] * q_c[..., None, :]).view(-1, D))
+        dv.view(-1, E).index_add_(0, flat, (p[..., None] * do_c[..., None, :]).view(-1, E))
+    dk, dv = (x.transpose(1, 2).to(y.dtype).contiguous() for x, y in ((dk, k), (dv, v)))
+    return dq.to(q.dtype), dk, dv
 
 
 def sparse_attention(
@@ -156,7 +160,7 @@ def sparse_attention(
     """Gather form: each query attends to its selected keys only, chunked over queries; same signature."""
     if cu_seqlens is not None:
         topk_indices = same_document_only(topk_indices, cu_seqlens, k.shape[1])
-    return _SparseAttention.apply(q, k, v, topk_indices, scale)
+    return _sparse_op(q, k, v, topk_indices, scale)
 
 
 register("sparse_attention", "reference", sparse_attention_reference)
@@ -211,14 +215,20 @@ def _mqa_softmax(scores, valid):
 DENSE_SPAN_RATIO = 4
 
 
-def _mqa_chunk_span(idx_c: torch.Tensor, num_keys: int) -> tuple[int, int]:
-    """Keys [lo, hi) hold every selected position of the chunk ((0, 0) for an all-empty chunk). lo > 0 is what
-    keeps a late packed document's chunks on the dense path: its keys start at the document, not at 0."""
-    if not idx_c.numel():
-        return 0, 0
-    valid = (idx_c >= 0) & (idx_c < num_keys)
-    lo, hi = torch.stack([torch.where(valid, idx_c, num_keys).min(), torch.where(valid, idx_c, -1).max() + 1]).tolist()
-    return (lo, hi) if hi > 0 else (0, 0)  # NOTE: syncs (the tolist above)
+def _mqa_chunk_spans(topk_indices: torch.Tensor, num_keys: int, step: int) -> list[tuple[int, int]]:
+    """Keys [lo, hi) holding every selected position of each chunk of `step` queries ((0, 0) for an all-empty
+    chunk), all chunks in one reduction and one host transfer before the loop. lo > 0 is what keeps a late packed
+    document's chunks on the dense path: its keys start at the document, not at 0."""
+    B, T, J = topk_indices.shape
+    n = -(-T // step)
+    if not topk_indices.numel():
+        return [(0, 0)] * n
+    idx = F.pad(topk_indices, (0, 0, 0, n * step - T), value=-1).view(B, n, step * J).transpose(0, 1)
+    valid = (idx >= 0) & (idx < num_keys)  # [n, B, step*J]
+    lo = torch.where(valid, idx, num_keys).flatten(1).amin(-1)
+    hi = torch.where(valid, idx, -1).flatten(1).amax(-1) + 1
+    spans = torch.stack([lo, hi], dim=-1).tolist()  # NOTE: syncs (once per call, not per chunk)
+    return [(a, b) if b > 0 else (0, 0) for a, b in spans]
 
 
 def _mqa_dense_mask(idx_c, lo, span):
@@ -240,74 +250,68 @@ def _rows(x):
     return x.flatten(1, 2)
 
 
-class _SparseMqaAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, kv, topk_indices, scale):
-        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        q32, kv32 = q.to(dtype).contiguous(), kv.to(dtype).contiguous()
-        B, T, H, C = q.shape
-        S, J = kv.shape[1], topk_indices.shape[-1]
-        step = _query_chunk(B, 1, J, C + H)
-        o = q32.new_empty(B, T, H, C)
-        for start in range(0, T, step):
-            end = min(start + step, T)
-            idx_c = topk_indices[:, start:end]
-            lo, hi = _mqa_chunk_span(idx_c, S)
-            span = hi - lo
-            if span <= DENSE_SPAN_RATIO * J:
-                kv_s = kv32[:, lo:hi]
-                q_c = q32[:, start:end]
-                scores = (_rows(q_c) @ kv_s.transpose(-1, -2)).mul_(scale).view(*q_c.shape[:-1], span)
-                p = _mqa_dense_probs(scores, _mqa_dense_mask(idx_c, lo, span))  # [B, Tq, H, span]
-                o[:, start:end] = (_rows(p) @ kv_s).view(q_c.shape)
-            else:
-                valid, _, kv_g = _mqa_gather(kv32, idx_c)
-                p = _mqa_softmax((q32[:, start:end] @ kv_g.transpose(-1, -2)) * scale, valid)  # [B, Tq, H, J]
-                o[:, start:end] = p @ kv_g
-        ctx.save_for_backward(q, kv, topk_indices)
-        ctx.scale = scale
-        return o.to(q.dtype)
+def _mqa_forward(q, kv, topk_indices, scale):
+    """The absorbed gather form's forward: [B, T, H, Z] in q's dtype, contiguous."""
+    dtype = _compute_dtype(q)
+    q32, kv32 = q.to(dtype).contiguous(), kv.to(dtype).contiguous()
+    B, T, H, C = q.shape
+    S, J = kv.shape[1], topk_indices.shape[-1]
+    step = _query_chunk(B, 1, J, C + H)
+    o = q32.new_empty(B, T, H, C)
+    for start, (lo, hi) in zip(range(0, T, step), _mqa_chunk_spans(topk_indices, S, step)):
+        end = min(start + step, T)
+        idx_c, span = topk_indices[:, start:end], hi - lo
+        if span <= DENSE_SPAN_RATIO * J:
+            kv_s = kv32[:, lo:hi]
+            q_c = q32[:, start:end]
+            scores = (_rows(q_c) @ kv_s.transpose(-1, -2)).mul_(scale).view(*q_c.shape[:-1], span)
+            p = _mqa_dense_probs(scores, _mqa_dense_mask(idx_c, lo, span))  # [B, Tq, H, span]
+            o[:, start:end] = (_rows(p) @ kv_s).view(q_c.shape)
+        else:
+            valid, _, kv_g = _mqa_gather(kv32, idx_c)
+            p = _mqa_softmax((q32[:, start:end] @ kv_g.transpose(-1, -2)) * scale, valid)  # [B, Tq, H, J]
+            o[:, start:end] = p @ kv_g
+    return o.to(q.dtype)
 
-    @staticmethod
-    def backward(ctx, do):
-        q, kv, topk_indices = ctx.saved_tensors
-        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        # contiguous: a strided q or do (an einsum's output, an expanded sum's gradient) makes every chunk's bmm
-        # fall back to one copy per query
-        q32, kv32, do32 = (x.to(dtype).contiguous() for x in (q, kv, do))
-        B, T, H, C = q.shape
-        S, J = kv.shape[1], topk_indices.shape[-1]
-        dq, dkv = q32.new_empty(B, T, H, C), q32.new_zeros(B * S, C)
-        rows = (torch.arange(B, device=q.device) * S)[:, None, None]
-        step = _query_chunk(B, 1, J, C + H)
-        for start in range(0, T, step):
-            end = min(start + step, T)
-            q_c, do_c, idx_c = q32[:, start:end], do32[:, start:end], topk_indices[:, start:end]
-            lo, hi = _mqa_chunk_span(idx_c, S)
-            span = hi - lo
-            if span <= DENSE_SPAN_RATIO * J:
-                kv_s = kv32[:, lo:hi]
-                # scores (q kv^T) and dp (do kv^T) in one GEMM over the stacked (query, head) rows
-                q_do = torch.cat([_rows(q_c), _rows(do_c)], dim=1)  # [B, 2*Tq*H, Z]
-                scores, dp = (q_do @ kv_s.transpose(-1, -2)).view(B, 2, *q_c.shape[1:3], span).unbind(1)
-                p = _mqa_dense_probs(scores.mul_(ctx.scale), _mqa_dense_mask(idx_c, lo, span))  # [B, Tq, H, span]
-                ds = p * (dp - (p * dp).sum(-1, keepdim=True)) * ctx.scale
-                dq[:, start:end] = (_rows(ds) @ kv_s).view(q_c.shape)
-                # as key (ds^T q) plus as value (p^T do), one GEMM over the stacked (query, head) rows: [B, span, Z]
-                pd = torch.cat([_rows(ds), _rows(p)], dim=1)  # [B, 2*Tq*H, span]
-                dkv.view(B, S, C)[:, lo:hi] += pd.transpose(-1, -2) @ q_do
-                continue
-            valid, safe, kv_g = _mqa_gather(kv32, idx_c)
-            # scores (q kv^T) and dp (do kv^T) in one matmul over the stacked head axis: [B, Tq, 2H, J]
-            q_do = torch.cat([q_c, do_c], dim=-2)
-            scores, dp = (q_do @ kv_g.transpose(-1, -2)).split(H, dim=-2)
-            p = _mqa_softmax(scores * ctx.scale, valid)
-            ds = p * (dp - (p * dp).sum(-1, keepdim=True)) * ctx.scale
-            dq[:, start:end] = ds @ kv_g
-            # as key (ds^T q) plus as value (p^T do), in one matmul over the stacked head axis: [B, Tq, J, Z]
-            dkv_g = torch.cat([ds, p], dim=-2).transpose(-1, -2) @ q_do
-            dkv.index_add_(0, (rows + safe).flatten(), dkv_g.reshape(-1, C))
-        return dq.to(q.dtype), dkv.view(B, S, C).to(kv.dtype), None, None
+
+def _mqa_backward(q, kv, topk_indices, do, scale):
+    """-> (dq, dkv) in the inputs' dtypes, contiguous: recompute each chunk's probabilities, scatter dkv."""
+    dtype = _compute_dtype(q)
+    # contiguous: a strided q or do (an einsum's output, an expanded sum's gradient) makes every chunk's bmm
+    # fall back to one copy per query
+    q32, kv32, do32 = (x.to(dtype).contiguous() for x in (q, kv, do))
+    B, T, H, C = q.shape
+    S, J = kv.shape[1], topk_indices.shape[-1]
+    dq, dkv = q32.new_empty(B, T, H, C), q32.new_zeros(B * S, C)
+    rows = (torch.arange(B, device=q.device) * S)[:, None, None]
+    step = _query_chunk(B, 1, J, C + H)
+    for start, (lo, hi) in zip(range(0, T, step), _mqa_chunk_spans(topk_indices, S, step)):
+        end = min(start + step, T)
+        q_c, do_c, idx_c = q32[:, start:end], do32[:, start:end], topk_indices[:, start:end]
+        span = hi - lo
+        if span <= DENSE_SPAN_RATIO * J:
+            kv_s = kv32[:, lo:hi]
+            # scores (q kv^T) and dp (do kv^T) in one GEMM over the stacked (query, head) rows
+            q_do = torch.cat([_rows(q_c), _rows(do_c)], dim=1)  # [B, 2*Tq*H, Z]
+            scores, dp = (q_do @ kv_s.transpose(-1, -2)).view(B, 2, *q_c.shape[1:3], span).unbind(1)
+            p = _mqa_dense_probs(scores.mul_(scale), _mqa_dense_mask(idx_c, lo, span))  # [B, Tq, H, span]
+            ds = p * (dp - (p * dp).sum(-1, keepdim=True)) * scale
+            dq[:, start:end] = (_rows(ds) @ kv_s).view(q_c.shape)
+            # as key (ds^T q) plus as value (p^T do), one GEMM over the stacked (query, head) rows: [B, span, Z]
+            pd = torch.cat([_rows(ds), _rows(p)], dim=1)  # [B, 2*Tq*H, span]
+            dkv.view(B, S, C)[:, lo:hi] += pd.transpose(-1, -2) @ q_do
+            continue
+        valid, safe, kv_g = _mqa_gather(kv32, idx_c)
+        # scores (q kv^T) and dp (do kv^T) in one matmul over the stacked head axis: [B, Tq, 2H, J]
+        q_do = torch.cat([q_c, do_c], dim=-2)
+        scores, dp = (q_do @ kv_g.transpose(-1, -2)).split(H, dim=-2)
+        p = _mqa_softmax(scores * scale, valid)
+        ds = p * (dp - (p * dp).sum(-1, keepdim=True)) * scale
+        dq[:, start:end] = ds @ kv_g
+        # as key (ds^T q) plus as value (p^T do), in one matmul over the stacked head axis: [B, Tq, J, Z]
+        dkv_g = torch.cat([ds, p], dim=-2).transpose(-1, -2) @ q_do
+        dkv.index_add_(0, (rows + safe).flatten(), dkv_g.reshape(-1, C))
+    return dq.to(q.dtype), dkv.view(B, S, C).to(kv.dtype)
 
 
 def sparse_mqa_attention(
@@ -321,8 +325,79 @@ def sparse_mqa_attention(
     """Gather form of the absorbed attention, chunked over queries, hand-written backward; same signature."""
     if cu_seqlens is not None:
         topk_indices = same_document_only(topk_indices, cu_seqlens, kv.shape[1])
-    return _SparseMqaAttention.apply(q, kv, topk_indices, scale)
+    return _mqa_op(q, kv, topk_indices, scale)
 
 
 register("sparse_mqa_attention", "reference", sparse_mqa_attention_reference)
 register("sparse_mqa_attention", "fast", sparse_mqa_attention)
+
+
+# ---------------------------------------------------------------------------------------- torch.compile boundary
+# Both fast forms run as custom ops (kernels/opaque.py): torch.compile sees one opaque call with a fake
+# implementation for the shapes, instead of a Python loop over chunks and the absorbed form's span sync; the
+# hand-written backward is the op's autograd formula, itself a custom op. Outputs are contiguous, as the fakes say.
+@torch.library.custom_op("glm53::sparse_attention", mutates_args=())
+def _sparse_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk_indices: torch.Tensor,
+               scale: float) -> torch.Tensor:  # fmt: skip
+    return _sparse_forward(q, k, v, topk_indices, scale)
+
+
+@_sparse_op.register_fake
+def _(q, k, v, topk_indices, scale):
+    return q.new_empty(*q.shape[:-1], v.shape[-1])
+
+
+@torch.library.custom_op("glm53::sparse_attention_backward", mutates_args=())
+def _sparse_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk_indices: torch.Tensor,
+                        do: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    return _sparse_backward(q, k, v, topk_indices, do, scale)
+
+
+@_sparse_backward_op.register_fake
+def _(q, k, v, topk_indices, do, scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _sparse_setup(ctx, inputs, output) -> None:
+    q, k, v, topk_indices, ctx.scale = inputs
+    ctx.save_for_backward(q, k, v, topk_indices)
+
+
+def _sparse_grad(ctx, do):
+    return (*_sparse_backward_op(*ctx.saved_tensors, do, ctx.scale), None, None)
+
+
+_sparse_op.register_autograd(_sparse_grad, setup_context=_sparse_setup)
+
+
+@torch.library.custom_op("glm53::sparse_mqa_attention", mutates_args=())
+def _mqa_op(q: torch.Tensor, kv: torch.Tensor, topk_indices: torch.Tensor, scale: float) -> torch.Tensor:
+    return _mqa_forward(q, kv, topk_indices, scale)
+
+
+@_mqa_op.register_fake
+def _(q, kv, topk_indices, scale):
+    return q.new_empty(q.shape)
+
+
+@torch.library.custom_op("glm53::sparse_mqa_attention_backward", mutates_args=())
+def _mqa_backward_op(q: torch.Tensor, kv: torch.Tensor, topk_indices: torch.Tensor, do: torch.Tensor,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    return _mqa_backward(q, kv, topk_indices, do, scale)
+
+
+@_mqa_backward_op.register_fake
+def _(q, kv, topk_indices, do, scale):
+    return q.new_empty(q.shape), kv.new_empty(kv.shape)
+
+
+def _mqa_setup(ctx, inputs, output) -> None:
+    q, kv, topk_indices, ctx.scale = inputs
+    ctx.save_for_backward(q, kv, topk_indices)
+
+
+def _mqa_grad(ctx, do):
+    return (*_mqa_backward_op(*ctx.saved_tensors, do, ctx.scale), None, None)
+
+
+_mqa_op.register_autograd(_mqa_grad, setup_context=_mqa_setup)

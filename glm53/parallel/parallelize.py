@@ -30,6 +30,7 @@ from ..precision import keeps_fp32
 from .boundary import name_modules
 from .expert import EXPERT_PARAMS, apply_expert_parallel, expert_modules, expert_shard_placement, flat_data_mesh
 from .plan import check_tp_size, tp_plan
+from .pool_mass import sum_selected_pool_mass
 
 _PARALLELIZED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 _VOCAB_PARALLEL: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
@@ -59,19 +60,26 @@ def apply_tensor_parallel(model: Glm53ForCausalLM, tp_mesh: DeviceMesh) -> None:
     _VOCAB_PARALLEL.add(model)
     for module in model.modules():
         if isinstance(module, MultiHeadLatentAttention):
-            module.register_forward_hook(_sum_pool_mass_over_heads(tp_mesh), with_kwargs=True)
+            module.register_forward_hook(_sum_pool_mass_over_heads(tp_mesh, model), with_kwargs=True)
 
 
-def _sum_pool_mass_over_heads(tp_mesh: DeviceMesh):
+def _sum_pool_mass_over_heads(tp_mesh: DeviceMesh, model: Glm53ForCausalLM):
     """MLA records the indexer KL target (attention mass summed over heads) from its local heads under TP: a
     partial sum, completed here over the TP ranks so every rank trains its (replicated) indexer on the same
-    target as one process."""
+    target as one process. The sparse KL reads only the selected pools: [B, T, J] is summed, not [B, T, P]
+    (pool_mass.py)."""
 
-    def hook(_module: nn.Module, args: tuple, kwargs: dict, _output) -> None:
+    def hook(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
         ctx = _forward_context(args, kwargs)
         stats = ctx.stats if ctx is not None else None
-        if stats is not None and stats.pool_mass is not None:
-            dist.all_reduce(stats.pool_mass, group=tp_mesh.get_group())  # no gradient: a target
+        if stats is None or stats.pool_mass is None:
+            return
+        group = tp_mesh.get_group()
+        if model.config.indexer_loss_mode == "sparse":  # no gradient either way: a target
+            stats.pool_mass = sum_selected_pool_mass(stats.pool_mass, output[1], ctx.valid, module.kpool,
+                                                     ctx.cu_seqlens, lambda t: dist.all_reduce(t, group=group))
+        else:
+            dist.all_reduce(stats.pool_mass, group=group)
 
     return hook
 

@@ -35,7 +35,9 @@ from ..model.context import LayerStats
 from ..model.indexer import kept_pools
 
 IGNORE_INDEX = -100  # label value that contributes no loss (transformers' convention)
-QUERY_CHUNK = 1024  # queries per block when computing the indexer loss's dense attention target
+QUERY_CHUNK = 1024  # queries per block at most when computing the indexer loss's dense attention target
+MASS_BUDGET = 1 << 24  # elements of one [B, H, Tq, S] block of that target's probabilities (64 MiB in fp32)
+MIN_MASS_CHUNK = 16  # queries per block at least (bounds the loop's length at wide shapes)
 
 
 # -------------------------------------------------------------------------------------------- next-token CE
@@ -197,23 +199,32 @@ def attention_pool_mass(
     B, T = valid.shape
     positions, _ = kept_pools(valid, kpool, cu_seqlens)  # [B, P, L]
     P = positions.shape[1]
-    index = positions.clamp_min(0).view(B, 1, -1)  # [B, 1, P*L]
-    in_pool = (positions >= 0).view(B, 1, -1)
     key_pos = torch.arange(T, device=q.device)
     doc_start = None if cu_seqlens is None else document_bounds(cu_seqlens, B, T)[0]  # packed: own document only
-    chunks = []
-    for start in range(0, T, QUERY_CHUNK):  # bounds the [B, H, Tq, S] probabilities in memory
-        qc = q[:, start : start + QUERY_CHUNK]
-        causal = key_pos[None, :] <= torch.arange(start, start + qc.shape[1], device=q.device)[:, None]
-        visible = causal[None] & valid[:, None, :]  # [B, Tq, S]
+    out = q.new_empty(B, T, P, dtype=torch.float32)
+    step = _mass_chunk(B, q.shape[2], T)
+    for start in range(0, T, step):  # bounds the [B, H, Tq, S] probabilities in memory
+        end = min(start + step, T)
+        # causal: keys past the chunk's last query carry no mass, so the chunk reads keys [0, end) only
+        causal = key_pos[None, :end] <= torch.arange(start, end, device=q.device)[:, None]
+        visible = causal[None] & valid[:, None, :end]  # [B, Tq, S']
         if doc_start is not None:
-            visible &= key_pos[None, None, :] >= doc_start[:, start : start + qc.shape[1], None]
-        logits = torch.einsum("bthe,bshe->bhts", qc.float(), k.float()) * scale
-        probs = logits.masked_fill(~visible[:, None], float("-inf")).softmax(-1).nan_to_num(0.0)
-        token_mass = probs.sum(1)  # [B, Tq, S]: summed over heads
-        gathered = token_mass.gather(-1, index.expand(B, qc.shape[1], -1)) * in_pool  # [B, Tq, P*L]
-        chunks.append(gathered.view(B, qc.shape[1], P, kpool).sum(-1))
-    return torch.cat(chunks, dim=1)
+            visible &= key_pos[None, None, :end] >= doc_start[:, start:end, None]
+        logits = torch.einsum("bthe,bshe->bhts", q[:, start:end].float(), k[:, :end].float()).mul_(scale)
+        probs = logits.masked_fill_(~visible[:, None], float("-inf")).softmax(-1).nan_to_num_(0.0)
+        del logits  # the softmax made a new tensor: one [B, H, Tq, S'] alive besides it at most
+        token_mass = probs.sum(1)  # [B, Tq, S']: summed over heads
+        in_chunk = (positions >= 0) & (positions < end)  # pool tokens this chunk's queries may see
+        index = positions.clamp(0, end - 1).view(B, 1, -1).expand(B, end - start, -1)  # [B, Tq, P*L]
+        gathered = token_mass.gather(-1, index) * in_chunk.view(B, 1, -1)
+        out[:, start:end] = gathered.view(B, end - start, P, kpool).sum(-1)
+    return out
+
+
+def _mass_chunk(B: int, H: int, T: int) -> int:
+    """Queries per chunk of the dense target: MASS_BUDGET probabilities, at least MIN_MASS_CHUNK queries and at
+    most QUERY_CHUNK."""
+    return max(1, min(QUERY_CHUNK, max(MIN_MASS_CHUNK, MASS_BUDGET // max(1, B * H * T))))
 
 
 def normalized_target(mass: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -251,9 +262,51 @@ def indexer_kl_terms(stats: list[LayerStats], valid: torch.Tensor, mode: str,
     terms = []
     for full, masses in groups:
         mask = full.candidate if mode == "dense" else full.selected
-        target = torch.stack([normalized_target(m, mask) for m in masses]).mean(0)
-        terms.append(pool_kl(full.index_scores, target, mask, valid, num_rows))
+        terms.append(chunked_pool_kl(full.index_scores, masses, mask, valid, num_rows))
     return terms
+
+
+def chunked_pool_kl(scores: torch.Tensor, masses: list[torch.Tensor], mask: torch.Tensor, valid: torch.Tensor,
+                    num_rows: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """`pool_kl(scores, mean_i normalized_target(masses[i], mask), mask, valid, num_rows)`, computed KL_CHUNK query
+    rows at a time in forward and backward: no [B, T, P] temporary beyond the inputs (the targets, the student's
+    log-probabilities and their gradient exist one chunk at a time; the backward recomputes them)."""
+    return _ChunkedPoolKl.apply(scores, mask, valid, num_rows, *masses)
+
+
+KL_CHUNK = 256  # query rows per chunk of the indexer KL
+
+
+def _kl_chunk(scores, masses, mask, valid, t0, t1):
+    """Rows [t0, t1) -> (KL per row [B, Tq], row weight [B, Tq], student probabilities, target) ([B, Tq, P])."""
+    m = mask[:, t0:t1]
+    target = torch.stack([normalized_target(x[:, t0:t1].float(), m) for x in masses]).mean(0)
+    logp = scores[:, t0:t1].float().masked_fill(~m, torch.finfo(torch.float32).min).log_softmax(-1)
+    kl = (torch.xlogy(target, target) - target * logp).sum(-1)
+    return kl, (valid[:, t0:t1] & m.any(-1)).float(), logp, target
+
+
+class _ChunkedPoolKl(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, scores, mask, valid, num_rows, *masses):
+        total, count = scores.new_zeros((), dtype=torch.float32), scores.new_zeros((), dtype=torch.float32)
+        for t0 in range(0, scores.shape[1], KL_CHUNK):
+            kl, rows, _, _ = _kl_chunk(scores, masses, mask, valid, t0, t0 + KL_CHUNK)
+            total, count = total + (kl * rows).sum(), count + rows.sum()
+        ctx.save_for_backward(scores, mask, valid, *masses)
+        ctx.per_row = per_term(total.new_ones(()), count, num_rows)  # d loss / d total
+        return total * ctx.per_row
+
+    @staticmethod
+    def backward(ctx, grad):
+        scores, mask, valid, *masses = ctx.saved_tensors
+        d_scores = torch.zeros_like(scores, dtype=torch.float32)
+        for t0 in range(0, scores.shape[1], KL_CHUNK):
+            _, rows, logp, target = _kl_chunk(scores, masses, mask, valid, t0, t0 + KL_CHUNK)
+            # d KL / d scores = p - target over the mask (target sums to 1 there), 0 off it
+            d = (logp.exp() * target.sum(-1, keepdim=True) - target).masked_fill_(~mask[:, t0 : t0 + KL_CHUNK], 0.0)
+            d_scores[:, t0 : t0 + KL_CHUNK] = d * (rows * grad * ctx.per_row)[..., None]
+        return (d_scores.to(scores.dtype), None, None, None, *(None for _ in masses))
 
 
 __all__ = [

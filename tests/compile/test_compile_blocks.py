@@ -3,8 +3,6 @@ equal to eager. Kernels with data-dependent control flow are custom ops (glm53/k
 
 The "aot_eager" backend runs dynamo + AOT autograd (tracing, fake tensors, the joint graph) without generating
 C++, so the test checks traceability in seconds; inductor compiles the same graphs.
-MLA blocks are not yet compile-clean (the sparse-attention kernels' key-span sync): marked xfail(strict) so
-the day they compile the marker has to go.
 """
 
 import pytest
@@ -13,8 +11,9 @@ import torch
 from glm53 import Glm53Config, Glm53ForCausalLM
 from glm53.model.context import ForwardContext
 
-BLOCKS = {"KDA-MoE": 1,  # KDA chunk kernel, causal convs, mHC, router, grouped experts
-          "MLA-MoE": pytest.param(3, marks=pytest.mark.xfail(strict=True, reason="sparse attention span sync"))}
+BLOCKS = {"KDA-MoE": (1, True),  # KDA chunk kernel, causal convs, mHC, router, grouped experts
+          "MLA-MoE": (3, True),  # indexer, absorbed sparse attention (custom op), router, grouped experts
+          "MLA-per-head-MoE": (3, False)}  # the per-head sparse attention (custom op) instead
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +27,9 @@ def model():
 
 @pytest.mark.parametrize("index", BLOCKS.values(), ids=BLOCKS.keys())
 def test_block_compiles_fullgraph_and_matches_eager(model, index):
+    index, absorb = index
     torch._dynamo.reset()
+    model.set_numerics(mla_absorb=absorb)
     block = model.model.layers[index]
     g = torch.Generator().manual_seed(index)
     streams = torch.randn(2, 21, model.config.hc_mult, model.config.hidden_size, generator=g)

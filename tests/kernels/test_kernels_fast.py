@@ -140,10 +140,16 @@ def sparse_inputs(B, T, S, H, D, E, J, dtype=torch.float64, seed=0):
 SPARSE_SHAPES = [(2, 37, 37, 3, 8, 5, 7), (1, 1, 1, 2, 4, 4, 3), (2, 20, 20, 2, 4, 6, 40), (1, 50, 80, 2, 8, 8, 9)]
 
 
-@pytest.mark.parametrize("budget", [64, 1 << 22], ids=["many-chunks", "one-chunk"])
+# (budget, fewest queries per chunk): "min-chunk" is the released widths' regime, where one query alone exceeds the
+# budget (the old code's chunk of 1 query); "small-chunks" crosses many chunk boundaries
+CHUNKINGS = {"min-chunk": (64, 16), "small-chunks": (64, 3), "one-chunk": (1 << 22, 16)}
+
+
+@pytest.mark.parametrize("chunking", CHUNKINGS.values(), ids=CHUNKINGS.keys())
 @pytest.mark.parametrize("shape", SPARSE_SHAPES, ids=[f"B{s[0]}-T{s[1]}-S{s[2]}-H{s[3]}-J{s[6]}" for s in SPARSE_SHAPES])
-def test_sparse_attention_matches_dense_reference(shape, budget, monkeypatch):
-    monkeypatch.setattr(sa_mod, "GATHER_BUDGET", budget)
+def test_sparse_attention_matches_dense_reference(shape, chunking, monkeypatch):
+    monkeypatch.setattr(sa_mod, "GATHER_BUDGET", chunking[0])
+    monkeypatch.setattr(sa_mod, "MIN_QUERY_CHUNK", chunking[1])
     (q, k, v), idx = sparse_inputs(*shape)
     ref = sparse_attention_reference(q, k, v, idx, 0.3)
     got = sparse_attention(q, k, v, idx, 0.3)
@@ -185,9 +191,11 @@ def test_moe_grouped_equals_expert_loop(case, dtype, fast):
 
 
 # ---------------------------------------------------------------------------------------------- indexer scores
+@pytest.mark.parametrize("min_chunk", [1, 64], ids=["3-per-chunk", "min-64"])
 @pytest.mark.parametrize("T,P", [(1, 1), (37, 10), (70, 17)], ids=["T1-P1", "T37-P10", "T70-P17"])
-def test_indexer_scores_chunked_equals_reference(T, P, monkeypatch):
-    monkeypatch.setattr(idx_mod, "SCORE_BUDGET", 3 * 4 * P)  # 3 queries per chunk
+def test_indexer_scores_chunked_equals_reference(T, P, min_chunk, monkeypatch):
+    monkeypatch.setattr(idx_mod, "SCORE_BUDGET", 3 * 2 * 4 * P)  # 3 queries per chunk (B = 2) ...
+    monkeypatch.setattr(idx_mod, "MIN_SCORE_CHUNK", min_chunk)  # ... unless the floor is higher
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(2, T, 4, 8, generator=gen, requires_grad=True)
     w = torch.randn(2, T, 4, generator=gen, requires_grad=True)
@@ -312,15 +320,16 @@ def test_hc_project_equals_reference(shape):
 
 # ------------------------------------------------------------------------ absorbed (latent, multi-query) attention
 @pytest.mark.parametrize("span_ratio", [-1, 1 << 30], ids=["gather", "masked-dense"])
-@pytest.mark.parametrize("budget", [64, 1 << 22], ids=["many-chunks", "one-chunk"])
+@pytest.mark.parametrize("chunking", CHUNKINGS.values(), ids=CHUNKINGS.keys())
 @pytest.mark.parametrize("shape", SPARSE_SHAPES, ids=[f"B{s[0]}-T{s[1]}-S{s[2]}-H{s[3]}-J{s[6]}" for s in SPARSE_SHAPES])
-def test_sparse_mqa_attention_matches_dense_reference(shape, budget, span_ratio, monkeypatch):
+def test_sparse_mqa_attention_matches_dense_reference(shape, chunking, span_ratio, monkeypatch):
     from glm53.kernels.sparse_attention import (
         sparse_mqa_attention,
         sparse_mqa_attention_reference,
     )
 
-    monkeypatch.setattr(sa_mod, "GATHER_BUDGET", budget)
+    monkeypatch.setattr(sa_mod, "GATHER_BUDGET", chunking[0])
+    monkeypatch.setattr(sa_mod, "MIN_QUERY_CHUNK", chunking[1])
     monkeypatch.setattr(sa_mod, "DENSE_SPAN_RATIO", span_ratio)  # force one chunk path
     B, T, S, H, D, _, J = shape
     (q, k, _), idx = sparse_inputs(B, T, S, H, D, D, J)

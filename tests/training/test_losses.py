@@ -229,3 +229,30 @@ def test_attention_target_is_the_same_in_query_chunks(monkeypatch):
     # one unit of probability per head; in row 0 all of it lies in kept pools (tokens 0-35) until token 36
     torch.testing.assert_close(whole[0, :36].sum(-1), torch.full((36,), 3.0))
     assert whole[0, 36].sum() < 3.0 - 1e-3 and (whole.sum(-1) <= 3.0 + 1e-5).all()
+
+
+@pytest.mark.parametrize("chunk", [3, 256], ids=["chunks-of-3", "one-chunk"])
+@pytest.mark.parametrize("num_rows", [None, 7.5], ids=["own-mean", "given-count"])
+def test_chunked_indexer_kl_equals_plain(chunk, num_rows, monkeypatch):
+    """The chunked KL (targets and gradient one block of queries at a time) equals pool_kl on the whole
+    normalised, averaged target: value and gradient of the scores."""
+    import glm53.training.losses as losses
+
+    monkeypatch.setattr(losses, "KL_CHUNK", chunk)
+    g = torch.Generator().manual_seed(0)
+    B, T, P = 2, 11, 5
+    scores = torch.randn(B, T, P, generator=g, dtype=torch.float64).requires_grad_()
+    masses = [torch.rand(B, T, P, generator=g, dtype=torch.float64) for _ in range(2)]
+    mask = torch.rand(B, T, P, generator=g) < 0.6
+    mask[0, 3] = False  # a query without pools
+    valid = torch.ones(B, T, dtype=torch.bool)
+    valid[1, :2] = False
+    den = None if num_rows is None else torch.tensor(num_rows)
+    target = torch.stack([losses.normalized_target(m, mask) for m in masses]).mean(0)
+    ref = losses.pool_kl(scores, target, mask, valid, den)
+    got = losses.chunked_pool_kl(scores, masses, mask, valid, den)
+    torch.testing.assert_close(got, ref.float(), rtol=1e-6, atol=1e-7)
+    cot = torch.tensor(1.7, dtype=torch.float64)
+    (g_ref,), (g_got,) = torch.autograd.grad(ref, scores, cot), torch.autograd.grad(got, scores, cot)
+    torch.testing.assert_close(g_got, g_ref, rtol=1e-5, atol=1e-7)
+    assert g_ref.abs().max() > 1e-3

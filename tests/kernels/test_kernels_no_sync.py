@@ -1,0 +1,99 @@
+"""The fast attention and indexer-score kernels never read a device value inside their chunk loops (no host sync
+per chunk) and stay single custom-op calls under torch.compile(fullgraph=True), forward and backward.
+
+Legend: B batch, T queries, S keys, H heads, K head width, J selected slots per query, P pools.
+The loop check runs each kernel's implementation on meta tensors, which hold no values: an `.item()`, `.tolist()`
+or `int(tensor)` anywhere in the loop raises. The absorbed form's key spans (one transfer per call, before the
+loop) are computed from the real indices and handed in, and the test counts that they are asked for once.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from glm53.kernels import indexer_scores as idx_mod
+from glm53.kernels import sparse_attention as sa_mod
+from tests.kernels.test_kernels_fast import FP32_TOL, assert_all_close, grads, sparse_inputs
+
+SHAPE = (2, 40, 40, 3, 8, 6, 7)  # B, T, S, H, K, V, J: 40 queries in chunks of 3 -> 14 chunks
+
+
+def on_meta(*xs):
+    return [x.detach().to("meta") for x in xs]
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(sa_mod, "GATHER_BUDGET", 1)
+    monkeypatch.setattr(sa_mod, "MIN_QUERY_CHUNK", 3)
+    monkeypatch.setattr(idx_mod, "SCORE_BUDGET", 1)
+    monkeypatch.setattr(idx_mod, "MIN_SCORE_CHUNK", 3)
+
+
+def test_per_head_loop_reads_no_device_value(small_chunks):
+    (q, k, v), idx = sparse_inputs(*SHAPE, dtype=torch.float32)
+    q, k, v, idx = on_meta(q, k, v, idx)
+    assert sa_mod._sparse_forward(q, k, v, idx, 0.3).shape == (*q.shape[:-1], v.shape[-1])
+    dq, dk, dv = sa_mod._sparse_backward(q, k, v, idx, torch.empty_like(q[..., :1]).expand(*q.shape[:-1], 6), 0.3)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+
+
+@pytest.mark.parametrize("span_ratio", [-1, 1 << 30], ids=["gather", "masked-dense"])
+def test_absorbed_loop_reads_no_device_value(small_chunks, span_ratio, monkeypatch):
+    monkeypatch.setattr(sa_mod, "DENSE_SPAN_RATIO", span_ratio)
+    (q, k, _), idx = sparse_inputs(*SHAPE, dtype=torch.float32)
+    kv = k[:, :, 0]
+    spans = sa_mod._mqa_chunk_spans(idx, kv.shape[1], 3)
+    asked = []
+    monkeypatch.setattr(sa_mod, "_mqa_chunk_spans", lambda *a: asked.append(a[2]) or spans)
+    q, kv, idx = on_meta(q, kv, idx)
+    assert sa_mod._mqa_forward(q, kv, idx, 0.3).shape == q.shape
+    dq, dkv = sa_mod._mqa_backward(q, kv, idx, torch.empty_like(q), 0.3)
+    assert (dq.shape, dkv.shape) == (q.shape, kv.shape)
+    assert asked == [3, 3]  # one span transfer per forward and per backward, not one per chunk
+
+
+def test_indexer_scores_loop_reads_no_device_value(small_chunks):
+    q, w, keys = torch.empty(2, 40, 4, 8, device="meta"), torch.empty(2, 40, 4, device="meta"), torch.empty(
+        2, 11, 8, device="meta")  # fmt: skip
+    assert idx_mod._scores_forward(q, w, keys, 0.3).shape == (2, 40, 11)
+    dq, dw, dkeys = idx_mod._scores_backward(q, w, keys, torch.empty(2, 40, 11, device="meta"), 0.3)
+    assert (dq.shape, dw.shape, dkeys.shape) == (q.shape, w.shape, keys.shape)
+
+
+def compiled_equals_eager(fn, leaves, *extra):
+    torch._dynamo.reset()
+    ref = fn(*leaves, *extra)
+    got = torch.compile(fn, fullgraph=True, backend="aot_eager")(*leaves, *extra)
+    assert_all_close((got,), (ref,), FP32_TOL, ["out"])
+    assert_all_close(grads(got, leaves), grads(ref, leaves), FP32_TOL, [f"d{i}" for i in range(len(leaves))])
+
+
+def test_fast_kernels_compile_fullgraph_forward_and_backward(small_chunks):
+    (q, k, v), idx = sparse_inputs(*SHAPE, dtype=torch.float32)
+    compiled_equals_eager(sa_mod.sparse_attention, [q, k, v], idx, 0.3)
+    kv = k[:, :, 0].detach().requires_grad_()
+    compiled_equals_eager(sa_mod.sparse_mqa_attention, [q, kv], idx, 0.3)
+    g = torch.Generator().manual_seed(0)
+    q_i, w, keys = (torch.randn(*s, generator=g).requires_grad_() for s in ((2, 40, 4, 8), (2, 40, 4), (2, 11, 8)))
+    compiled_equals_eager(idx_mod.indexer_scores, [q_i, w, keys], 8**-0.5)
+
+
+def test_packed_indexer_scores_reads_pool_ranges_once(monkeypatch):
+    """Packed documents: every chunk's pool columns come from one transfer before the loop, not one per chunk."""
+    from tests.kernels.test_kernels_packed import LAYOUTS, cu_for, pool_starts_for
+
+    B, T, lengths = LAYOUTS["B1-short-docs"]
+    monkeypatch.setattr(idx_mod, "MIN_PACKED_CHUNK", 5)
+    monkeypatch.setattr(idx_mod, "SCORE_BUDGET", 1)
+    owned, calls = idx_mod._owned_pools, []
+    monkeypatch.setattr(idx_mod, "_owned_pools", lambda *a: calls.append(len(owned(*a))) or owned(*a))
+    starts = pool_starts_for(lengths, B, T, 4)
+    g = torch.Generator().manual_seed(0)
+    q, w, keys = torch.randn(B, T, 4, 8, generator=g), torch.randn(B, T, 4, generator=g), torch.randn(
+        B, starts.shape[1], 8, generator=g)  # fmt: skip
+    got = idx_mod.indexer_scores(q, w, keys, 0.35, cu_seqlens=cu_for(lengths), pool_start=starts)
+    ref = idx_mod.indexer_scores_reference(q, w, keys, 0.35, cu_seqlens=cu_for(lengths), pool_start=starts)
+    assert_all_close((got,), (ref,), FP32_TOL, ["scores"])
+    assert len(calls) == 1 and calls[0] > 2  # one call for all (several) chunks

@@ -1,0 +1,60 @@
+"""The indexer KL target under TP: the sparse mode sums only the selected pools' mass over the ranks.
+
+Legend: B batch, T queries, P k-pools, J selected key slots per query.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from glm53 import Glm53Config, Glm53ForCausalLM
+from glm53.model.indexer import Indexer
+from glm53.parallel.pool_mass import sum_selected_pool_mass
+from glm53.training.losses import normalized_target
+from tests.helpers.parallel_jobs import parallel_step, reference_step
+from tests.parallel.test_parallel_gloo import BATCH, SEQ, TRAINING, check_parity, config_dict
+
+
+def test_sparse_reduction_sums_every_selected_pool_and_sends_only_the_slots():
+    config = Glm53Config.tiny(index_topk=8, index_kpool=4)
+    torch.manual_seed(0)
+    indexer = Indexer(config)
+    for p in indexer.parameters():
+        torch.nn.init.normal_(p)
+    B, T = 2, 29
+    x, q_resid = torch.randn(B, T, config.hidden_size), torch.randn(B, T, config.q_lora_rank)
+    valid = torch.ones(B, T, dtype=torch.bool)
+    valid[1, :6] = False
+    topk, _, candidate, selected = indexer.score_and_select(x, q_resid, valid)
+    mass = torch.rand(*candidate.shape)
+    sent = []
+
+    def all_reduce(t):  # two ranks holding the same partial sum
+        sent.append(t.shape)
+        t.mul_(2)
+
+    got = sum_selected_pool_mass(mass, topk, valid, config.index_kpool, None, all_reduce)
+    assert sent == [topk.shape]  # [B, T, J], never [B, T, P]
+    assert selected.sum() > 20 and torch.equal(got[selected], 2 * mass[selected])
+    untouched = ~selected & (got == mass)
+    assert untouched.sum() > 0.5 * (~selected).sum()  # pools outside the slots stay partial sums
+    torch.testing.assert_close(normalized_target(got, selected), normalized_target(2 * mass, selected))
+
+
+def test_sparse_indexer_loss_tp2_matches_one_process(pool2):
+    """tp2 (with activation checkpointing: the hook runs again on recompute) in the sparse KL mode: every loss
+    part and gradient equals one process."""
+    config = config_dict(**TRAINING, indexer_loss_mode="sparse")
+    torch.manual_seed(0)
+    model = Glm53ForCausalLM(Glm53Config(**config))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # index scores far from the target (test_parallel_gloo.py)
+            if ".indexer." in name and p.dim() == 2:
+                p.normal_(std=0.3, generator=g)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.randint(1, config["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(2))
+    results = pool2.run(parallel_step, config=config, state=state, ids=ids, dp=1, tp=2, checkpointing=True)
+    reference = reference_step(config, state, ids, dp=1)
+    assert reference["parts"]["indexer_loss"] > 1e-2
+    check_parity(results, reference)
