@@ -34,9 +34,10 @@ from ..checkpoint.save import save_checkpoint
 from ..config import Glm53Config
 from ..precision import cast_model, resolve_dtype
 from ..training.loss_counts import LossCounts, count_loss_terms
-from ..training.losses import IGNORE_INDEX, causal_lm_loss, expert_load, indexer_kl_terms, router_aux_loss
+from ..training.losses import IGNORE_INDEX, causal_lm_loss, expert_load, indexer_kl_terms, router_aux_loss, target_loss
 from .block import DecoderBlock, run_block
-from .context import ForwardContext, LayerStats
+from .context import ForwardContext, LayerStats, SequenceShards
+from .cp import across_ranks, sharded_packing_fields, sharded_targets
 from .hyper_connection import HyperConnection, collapse_streams, expand_streams
 from .inputs import check_device, check_inputs_embeds, check_token_ids
 from .mla import MultiHeadLatentAttention
@@ -91,6 +92,7 @@ class Glm53Model(nn.Module):
         *,
         cu_seqlens: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        cp: SequenceShards | None = None,
     ) -> torch.Tensor:
         """-> last hidden state [B, T, D].
 
@@ -99,12 +101,15 @@ class Glm53Model(nn.Module):
         glm53.generation.GenerationCache, when ctx is absent): the first forward fills it, later ones continue it.
         """
         inputs_embeds = self.embed(input_ids, inputs_embeds)
+        if cp is not None or (ctx is not None and ctx.cp is not None):
+            check_context_parallel(self)
         if ctx is None:
             valid = padding_mask(attention_mask, inputs_embeds.shape[:2], inputs_embeds.device)
-            fields = packing_fields(valid, cu_seqlens, position_ids)
-            if cache is not None and fields["cu_seqlens"] is not None:
-                raise ValueError("a generation cache does not take packed documents (cu_seqlens / position_ids)")
-            ctx = ForwardContext(valid=valid, cache=cache, **fields)
+            fields = packing_fields(valid, cu_seqlens, position_ids, cp)
+            if cache is not None and (fields["cu_seqlens"] is not None or cp is not None):
+                raise ValueError("a generation cache does not take packed documents (cu_seqlens / position_ids) "
+                                 "or context parallelism (cp)")  # fmt: skip
+            ctx = ForwardContext(valid=valid, cache=cache, cp=cp, **fields)
         streams = expand_streams(inputs_embeds, self.config.hc_mult)  # [B, T, N, D]
         for layer in self.layers:
             (streams, topk), layer_stats = run_block(self.gradient_checkpointing, layer, (streams,), ctx)
@@ -124,10 +129,32 @@ class Glm53Model(nn.Module):
         self.norm.init_weights()
 
 
-def packing_fields(valid: torch.Tensor, cu_seqlens: torch.Tensor | None,
-                   position_ids: torch.Tensor | None) -> dict[str, torch.Tensor | None]:  # fmt: skip
-    """ForwardContext's packed-document fields (`cu_seqlens`, `segment_ids`; None when nothing is packed)."""
+def check_context_parallel(model: nn.Module) -> None:
+    """Raise NotImplementedError when `model` has a layer that cannot run on a slice of the sequence yet."""
+    if any(isinstance(m, MultiHeadLatentAttention) for m in model.modules()):
+        raise NotImplementedError("context parallelism (cp) does not cover MLA layers yet (layer_types "
+                                  "'indexed_attention', and the MTP layers): use a configuration whose layers are "
+                                  "all 'linear_attention' without MTP, or no cp")  # fmt: skip
+
+
+def packing_fields(valid: torch.Tensor, cu_seqlens: torch.Tensor | None, position_ids: torch.Tensor | None,
+                   cp: SequenceShards | None = None) -> dict[str, torch.Tensor | None]:  # fmt: skip
+    """ForwardContext's packed-document fields (`cu_seqlens`, `segment_ids`; None when nothing is packed).
+
+    Under context parallelism (`cp`) documents come as this slice's `position_ids` (model/cp.py): every rank
+    then has both fields, its own slice holding a document start or not."""
     B, T = valid.shape
+    if cp is not None:
+        if cu_seqlens is not None:
+            raise ValueError("under context parallelism pass packed documents as position_ids (this slice's, "
+                             "restarting at 0 per document; glm53.parallel.context_parallel_inputs makes them), "
+                             "not cu_seqlens")  # fmt: skip
+        if position_ids is None:
+            return dict(cu_seqlens=None, segment_ids=None)
+        if tuple(position_ids.shape) != (B, T) or position_ids.dtype.is_floating_point:
+            raise ValueError(f"position_ids must be an integer tensor of shape {(B, T)}, got {position_ids.dtype} "
+                             f"{tuple(position_ids.shape)}")  # fmt: skip
+        return sharded_packing_fields(position_ids.to(valid.device), cp)
     cu = document_boundaries(B, T, valid.device, cu_seqlens, position_ids)
     return dict(cu_seqlens=cu, segment_ids=None if cu is None else segment_ids(cu, B, T))
 
@@ -177,23 +204,32 @@ class Glm53ForCausalLM(nn.Module):
         *,
         cu_seqlens: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        cp: SequenceShards | None = None,
     ) -> CausalLMOutput:
         """With labels, the losses; each part is this forward's mean unless `loss_denominators` (the counts of a
         whole global batch, `loss_counts` summed over micro-batches and ranks) says what to divide its sum by.
         Packed documents: `cu_seqlens` [n_docs + 1] over the flattened tokens or `position_ids` [B, T] restarting
-        at 0 per document (model/packing.py); `loss_counts(..., position_ids)` gives their denominators."""
+        at 0 per document (model/packing.py); `loss_counts(..., position_ids)` gives their denominators.
+        Context parallelism (`cp`, model/cp.py): the inputs are this rank's slice of every sequence, `labels` its
+        slice of the next-token targets (shifted over the whole sequence) and `loss_denominators` are required;
+        glm53.parallel.context_parallel_inputs makes all of them. Every loss part is then the whole batch's."""
         if labels is not None:  # before the forward: a bad label would otherwise fail only in the loss
             check_token_ids("labels", labels, self.config.vocab_size, self.lm_head.weight.device, ignore=IGNORE_INDEX)
+        if cp is not None:
+            check_context_parallel(self)
         collect = labels is not None or self.training
+        if cp is not None and labels is not None and loss_denominators is None:
+            raise ValueError("under context parallelism (cp) pass loss_denominators: the counts of the whole "
+                             "sequences (glm53.parallel.context_parallel_inputs computes them)")  # fmt: skip
         if not collect:
             hidden = self.model(input_ids, attention_mask, inputs_embeds, cu_seqlens=cu_seqlens,
-                                position_ids=position_ids)  # fmt: skip
+                                position_ids=position_ids, cp=cp)  # fmt: skip
             return CausalLMOutput(logits=self.lm_head(hidden), last_hidden_state=hidden)
         inputs_embeds = self.model.embed(input_ids, inputs_embeds)
         valid = padding_mask(attention_mask, inputs_embeds.shape[:2], inputs_embeds.device)
         record_indexer = labels is not None and self.config.indexer_loss_weight > 0
-        ctx = ForwardContext(valid=valid, collect_stats=True, record_indexer=record_indexer,
-                             **packing_fields(valid, cu_seqlens, position_ids))  # fmt: skip
+        ctx = ForwardContext(valid=valid, collect_stats=True, record_indexer=record_indexer, cp=cp,
+                             **packing_fields(valid, cu_seqlens, position_ids, cp))  # fmt: skip
         stats: list[LayerStats] = []
         hidden = self.model(inputs_embeds=inputs_embeds, ctx=ctx, stats=stats)
         out = CausalLMOutput(logits=self.lm_head(hidden), last_hidden_state=hidden)
@@ -203,7 +239,7 @@ class Glm53ForCausalLM(nn.Module):
         if self.training:  # evaluation forwards (labels, eval mode) leave the balancing counts alone
             self._count_expert_loads(stats, valid, mtp_runs)
         if labels is not None:
-            self._add_losses(out, labels, valid, stats, mtp_runs, loss_denominators, ctx.segment_ids)
+            self._add_losses(out, labels, valid, stats, mtp_runs, loss_denominators, ctx.segment_ids, cp)
         return out
 
     def loss_counts(self, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -225,28 +261,34 @@ class Glm53ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def _add_losses(self, out: CausalLMOutput, labels: torch.Tensor, valid: torch.Tensor, stats: list[LayerStats],
-                    mtp_runs: list, den: LossCounts | None, segments: torch.Tensor | None = None) -> None:  # fmt: skip
+                    mtp_runs: list, den: LossCounts | None, segments: torch.Tensor | None = None,
+                    cp: SequenceShards | None = None) -> None:  # fmt: skip
         """Fill out.lm_loss, .mtp_loss, .aux_loss, .indexer_loss and their weighted sum out.loss.
 
         `segments` [B, T] (packed documents): no label crosses a document boundary, balance loss per document.
+        `cp`: `labels` are next-token targets of this slice; each part is this rank's share, then `across_ranks`.
         """
         cfg = self.config
 
         def per_view(field: str, view: int) -> torch.Tensor | None:
             return None if den is None else getattr(den, field)[view]
 
-        if segments is None:
-            depth_labels = lambda d: labels if d == 0 else mtp_labels(labels, d, IGNORE_INDEX)  # noqa: E731
+        if cp is not None:
+            ce = lambda lg, d: target_loss(lg, sharded_targets(labels, segments, d, cp, IGNORE_INDEX),  # noqa: E731
+                                           per_view("targets", d))
+        elif segments is None:
+            ce = lambda lg, d: causal_lm_loss(  # noqa: E731
+                lg, labels if d == 0 else mtp_labels(labels, d, IGNORE_INDEX), per_view("targets", d))
         else:
-            depth_labels = lambda d: document_labels(labels, segments, d, IGNORE_INDEX)  # noqa: E731
-        out.lm_loss = loss = causal_lm_loss(out.logits, depth_labels(0), per_view("targets", 0))
+            ce = lambda lg, d: causal_lm_loss(  # noqa: E731
+                lg, document_labels(labels, segments, d, IGNORE_INDEX), per_view("targets", d))
+        out.lm_loss = loss = ce(out.logits, 0)
         if mtp_runs:
-            per_depth = [causal_lm_loss(lg, depth_labels(d), per_view("targets", d))
-                         for d, (lg, _, _) in enumerate(mtp_runs, start=1)]  # fmt: skip
+            per_depth = [ce(lg, d) for d, (lg, _, _) in enumerate(mtp_runs, start=1)]
             out.mtp_loss = torch.stack(per_depth).mean()
             loss = loss + cfg.mtp_loss_weight * out.mtp_loss
         records = [(s, valid, 0) for s in stats] + [(s, v, d) for d, (_, v, s) in enumerate(mtp_runs, start=1)]
-        out.aux_loss = router_aux_loss(records, cfg.router_aux_loss_coef, cfg.router_z_loss_coef, den, segments)
+        out.aux_loss = router_aux_loss(records, cfg.router_aux_loss_coef, cfg.router_z_loss_coef, den, segments, cp)
         if out.aux_loss is not None:
             loss = loss + out.aux_loss
         if cfg.indexer_loss_weight > 0:
@@ -256,6 +298,9 @@ class Glm53ForCausalLM(nn.Module):
             out.indexer_loss = torch.stack(terms).mean() if terms else out.lm_loss.new_zeros(())
             loss = loss + cfg.indexer_loss_weight * out.indexer_loss
         out.loss = loss
+        if cp is not None:
+            for name in ("loss", "lm_loss", "mtp_loss", "aux_loss", "indexer_loss"):
+                setattr(out, name, across_ranks(getattr(out, name), cp))
 
     @torch.no_grad()
     def _count_expert_loads(self, stats: list[LayerStats], valid: torch.Tensor, mtp_runs: list) -> None:

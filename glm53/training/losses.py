@@ -62,7 +62,11 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_targets: torc
     """
     if labels.shape != logits.shape[:2]:
         raise ValueError(f"labels must have shape {tuple(logits.shape[:2])} like input_ids, got {tuple(labels.shape)}")
-    shifted = next_token_targets(labels)
+    return target_loss(logits, next_token_targets(labels), num_targets)
+
+
+def target_loss(logits: torch.Tensor, shifted: torch.Tensor, num_targets: torch.Tensor | None = None) -> torch.Tensor:
+    """`causal_lm_loss` from targets [B, T] already aligned with the logits (position i predicts shifted[i])."""
     # Under tensor parallelism the logits are vocab-sharded and the loss a replicated DTensor: as_plain hands it
     # back as a plain tensor so it adds to the losses computed from plain activations.
     total = F.cross_entropy(logits.float().flatten(0, 1), shifted.flatten().long(), ignore_index=IGNORE_INDEX,
@@ -73,13 +77,16 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_targets: torc
 # ----------------------------------------------------------------------------------------------- MoE balance
 def balance_loss(logits: torch.Tensor, indices: torch.Tensor, valid: torch.Tensor,
                  num_sequences: torch.Tensor | None = None,
-                 segment_ids: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                 segment_ids: torch.Tensor | None = None, cp=None) -> torch.Tensor:  # fmt: skip
     """Sequence-wise balance loss sum_i f_i P_i, summed over sequences with a valid token / `num_sequences`
     (default: their mean).
 
     logits [M, E] router logits, indices [M, k] chosen experts, valid [B, T] bool (padding is not counted);
-    with `segment_ids` [B, T] (packed documents) every document is a sequence.
+    with `segment_ids` [B, T] (packed documents) every document is a sequence. `cp` (a SequenceShards, context
+    parallelism): this rank's share of the loss of the whole sequences (`sharded_balance_loss`).
     """
+    if cp is not None:
+        return sharded_balance_loss(logits, indices, valid, num_sequences, segment_ids, cp)
     if segment_ids is not None:
         return _document_balance_loss(logits, indices, valid, segment_ids, num_sequences)
     B, T = valid.shape
@@ -114,6 +121,36 @@ def _document_balance_loss(logits, indices, valid, segment_ids, num_sequences):
     return per_term(((f * P).sum(-1) * has).sum(), has.sum(), num_sequences)
 
 
+def sharded_balance_loss(logits, indices, valid, num_sequences, segment_ids, cp) -> torch.Tensor:
+    """`balance_loss` of whole sequences split over context-parallel ranks, divided by their number.
+
+    f and P are sums over a sequence's tokens, which several ranks hold: each rank sums its slice per sequence
+    (row, or document by its global `segment_ids`), the sums are stacked over the ranks (with gradient) and
+    every rank computes the whole loss; as its share it returns loss / cp.size, and the stack's backward sends
+    every rank's gradient to the tokens' ranks.
+    """
+    B, T = valid.shape
+    E, K = logits.shape[-1], indices.shape[-1]
+    if segment_ids is None:
+        seq, n_seq = torch.arange(B, device=logits.device).repeat_interleave(T), B
+    else:
+        seq = segment_ids.flatten()
+        n_seq = int(cp.stack(seq.max()).max()) + 1  # NOTE: syncs
+    scores = logits.float().sigmoid()
+    probs = scores / scores.sum(-1, keepdim=True)  # [M, E]
+    m = valid.flatten().float()
+    tokens_and_probs = torch.cat([m[:, None], probs * m[:, None]], dim=-1)  # [M, 1 + E]
+    sums = torch.zeros(n_seq, 1 + E, device=logits.device).index_add_(0, seq, tokens_and_probs)
+    slots = (seq[:, None] * E + indices).flatten()
+    counts = torch.zeros(n_seq * E, device=logits.device).index_add_(0, slots, m.repeat_interleave(K)).view(-1, E)
+    total = cp.stack(torch.cat([sums, counts], dim=-1)).sum(0)  # [sequences, 1 + 2E] over the whole sequences
+    n, P, counts = total[:, 0], total[:, 1 : 1 + E], total[:, 1 + E :]
+    f = counts * E / (K * n.clamp_min(1))[:, None]
+    has = (n > 0).float()
+    loss = per_term(((f * P / n.clamp_min(1)[:, None]).sum(-1) * has).sum(), has.sum(), num_sequences)
+    return loss / cp.size
+
+
 def z_loss(logits: torch.Tensor, valid: torch.Tensor, num_tokens: torch.Tensor | None = None) -> torch.Tensor:
     """Router z-loss: logsumexp_i(logits_i)^2 summed over valid tokens / `num_tokens` (default: the mean).
     logits [M, E], valid [B, T]."""
@@ -130,12 +167,12 @@ def expert_load(indices: torch.Tensor, valid: torch.Tensor, num_experts: int) ->
 
 def router_aux_loss(
     records: list[tuple[LayerStats, torch.Tensor, int]], balance_coef: float, z_coef: float, denominators=None,
-    segment_ids: torch.Tensor | None = None,
+    segment_ids: torch.Tensor | None = None, cp=None,
 ) -> torch.Tensor | None:
     """balance_coef * balance + z_coef * z, averaged over the MoE layers in `records` ((stats, valid, view)
     triples; view 0 is the main model, d the MTP depth d). `denominators` (a LossCounts) replaces each layer's
     own counts with its view's `sequences` and `tokens`; `segment_ids` [B, T]: packed documents, the balance
-    loss per document."""
+    loss per document; `cp`: context parallelism (`sharded_balance_loss`)."""
     terms = []
     for stats, valid, view in records:
         if stats.router_logits is None:
@@ -145,7 +182,7 @@ def router_aux_loss(
         term = stats.router_logits.new_zeros(())
         if balance_coef > 0:
             term = term + balance_coef * balance_loss(stats.router_logits, stats.router_indices, valid, seqs,
-                                                        segment_ids)
+                                                        segment_ids, cp)
         if z_coef > 0:
             term = term + z_coef * z_loss(stats.router_logits, valid, toks)
         terms.append(term)
@@ -235,6 +272,8 @@ __all__ = [
     "causal_lm_loss",
     "attention_pool_mass",
     "balance_loss",
+    "sharded_balance_loss",
+    "target_loss",
     "expert_load",
     "indexer_kl_terms",
     "next_token_targets",
