@@ -66,6 +66,8 @@ class MultiHeadLatentAttention(nn.Module):
         With `ctx.stats.indexer`, records what the indexer KL loss needs (training/losses.py); the output is
         unchanged. With `ctx.cp` the queries are this rank's slice and the keys the whole sequence (see below).
         """
+        if ctx.cache is not None and ctx.cp is not None:
+            raise ValueError("a generation cache (ctx.cache) cannot be used with context parallelism (ctx.cp)")
         if ctx.cache is not None:  # generation: read and extend the cached latent and pools (glm53/generation)
             return ctx.cache.mla_forward(self, x, ctx)
         stats, cp = ctx.stats, ctx.cp

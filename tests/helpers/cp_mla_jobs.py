@@ -35,9 +35,10 @@ def build_pair(config: dict, state: dict, absorb: bool) -> tuple[MultiHeadLatent
     return layers[0], layers[1]
 
 
-def run_pair(full, shared, inputs: dict, cp=None) -> dict:
+def run_pair(full, shared, inputs: dict, cp=None, record: bool = True) -> dict:
     """Forward + backward of the pair on this rank's rows (all rows when `cp` is None) -> outputs, the recorded
-    indexer-loss tensors, gradients of the inputs and of every parameter (this rank's share of the sum)."""
+    indexer-loss tensors (with `record`; else the no-grad indexer path runs), gradients of the inputs and of every
+    parameter (this rank's share of the sum)."""
     T = inputs["valid"].shape[1]
     rows = slice(0, T) if cp is None else slice(cp.offset, cp.offset + T // cp.size)
     local = {k: None if v is None else v[:, rows] for k, v in inputs.items()}
@@ -45,33 +46,35 @@ def run_pair(full, shared, inputs: dict, cp=None) -> dict:
     x2 = local["x2"].clone().requires_grad_()
     segment_ids = local["segment_ids"]
     cu = None if segment_ids is None else segment_boundaries(segment_ids)  # as the model builds it (rank-local)
-    ctx = ForwardContext(valid=local["valid"], collect_stats=True, record_indexer=True, cu_seqlens=cu,
+    ctx = ForwardContext(valid=local["valid"], collect_stats=record, record_indexer=record, cu_seqlens=cu,
                          segment_ids=segment_ids, cp=cp)  # fmt: skip
     ctx1 = ctx.for_layer()
     out1, topk1 = full(x1, ctx1)
     ctx2 = dataclasses.replace(ctx, shared_topk=topk1).for_layer()
     out2, topk2 = shared(x2, ctx2)
-    s1, s2 = ctx1.stats, ctx2.stats
-    P = s1.index_scores.shape[-1]
-    loss = (out1 * local["g1"]).sum() + (out2 * local["g2"]).sum() + (s1.index_scores * local["h"][..., :P]).sum()
+    loss = (out1 * local["g1"]).sum() + (out2 * local["g2"]).sum()
+    recorded = {}
+    if record:
+        s1, s2 = ctx1.stats, ctx2.stats
+        loss = loss + (s1.index_scores * local["h"][..., : s1.index_scores.shape[-1]]).sum()
+        recorded = dict(index_scores=s1.index_scores.detach(), candidate=s1.candidate, selected=s1.selected,
+                        pool_mass1=s1.pool_mass, pool_mass2=s2.pool_mass)  # fmt: skip
     loss.backward()
     params = {f"full.{n}": p for n, p in full.named_parameters()} | {f"shared.{n}": p for n, p in
                                                                      shared.named_parameters()}  # fmt: skip
     return dict(
-        out1=out1.detach(), out2=out2.detach(), topk1=topk1, topk2=topk2,
-        index_scores=s1.index_scores.detach(), candidate=s1.candidate, selected=s1.selected,
-        pool_mass1=s1.pool_mass, pool_mass2=s2.pool_mass, x1_grad=x1.grad, x2_grad=x2.grad,
-        grads={n: p.grad.clone() for n, p in params.items() if p.grad is not None},
+        out1=out1.detach(), out2=out2.detach(), topk1=topk1, topk2=topk2, x1_grad=x1.grad, x2_grad=x2.grad,
+        grads={n: p.grad.clone() for n, p in params.items() if p.grad is not None}, **recorded,
     )  # fmt: skip
 
 
-def cp_pair_job(config: dict, state: dict, inputs: dict, absorb: bool) -> dict:
+def cp_pair_job(config: dict, state: dict, inputs: dict, absorb: bool, record: bool = True) -> dict:
     """`run_pair` on this rank's slice over a 1-D "cp" mesh of the whole world."""
     size = dist.get_world_size()
     mesh = init_device_mesh("cpu", (size,), mesh_dim_names=("cp",))
     full, shared = build_pair(config, state, absorb)
     T = inputs["valid"].shape[1]
-    return run_pair(full, shared, inputs, CpShards(mesh, T // size))
+    return run_pair(full, shared, inputs, CpShards(mesh, T // size), record)
 
 
 __all__ = ["build_pair", "cp_pair_job", "run_pair"]

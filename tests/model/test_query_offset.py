@@ -5,7 +5,8 @@ of the keys' sequence give exactly that slice of the whole computation.
 - `attention_pool_mass` with `query_offset` (also across its query chunks);
 - `own_document_pools`: the packed `indexer_scores` column mask, by rows;
 - key_sequence.py: `segment_boundaries` equals the model's `document_boundaries`, `same_document_slots` the packed
-  kernels' `same_document_only`.
+  kernels' `same_document_only`;
+- MLA rejects a generation cache under context parallelism.
 
 Legend (glm53/model/__init__.py): B batch, S keys (the whole sequence), T queries, P k-pools.
 """
@@ -17,8 +18,10 @@ import torch
 
 from glm53 import Glm53Config
 from glm53.kernels.sparse_attention import same_document_only
+from glm53.model.context import ForwardContext
 from glm53.model.indexer import Indexer, own_document_pools, pool_starts
 from glm53.model.key_sequence import KeySequence, same_document_slots, segment_boundaries
+from glm53.model.mla import MultiHeadLatentAttention
 from glm53.model.packing import document_boundaries, segment_ids as segment_ids_of
 from glm53.training import losses
 
@@ -120,3 +123,10 @@ def test_same_document_slots_with_offset_are_rows_of_the_kernels_filter():
         rows = slice(offset, offset + n)
         assert torch.equal(same_document_slots(topk[:, rows], KeySequence(valid, cu, offset)), whole[:, rows])
     assert same_document_slots(topk, KeySequence(valid, None, 0)) is topk
+
+
+def test_mla_rejects_a_generation_cache_under_context_parallelism():
+    layer = MultiHeadLatentAttention(Glm53Config.tiny(layer_types=["indexed_attention"] * 4), 0)
+    ctx = ForwardContext(valid=torch.ones(1, 4, dtype=torch.bool), cache=object(), cp=object())
+    with pytest.raises(ValueError, match="context parallelism"):
+        layer(torch.randn(1, 4, 32), ctx)
