@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from glm53 import Glm53Config
+from glm53.model.block import run_block
 from glm53.model.context import ForwardContext
 from glm53.model.key_sequence import segment_boundaries
 from glm53.model.mla import MultiHeadLatentAttention
@@ -35,10 +36,11 @@ def build_pair(config: dict, state: dict, absorb: bool) -> tuple[MultiHeadLatent
     return layers[0], layers[1]
 
 
-def run_pair(full, shared, inputs: dict, cp=None, record: bool = True) -> dict:
+def run_pair(full, shared, inputs: dict, cp=None, record: bool = True, checkpointing: bool = False) -> dict:
     """Forward + backward of the pair on this rank's rows (all rows when `cp` is None) -> outputs, the recorded
     indexer-loss tensors (with `record`; else the no-grad indexer path runs), gradients of the inputs and of every
-    parameter (this rank's share of the sum)."""
+    parameter (this rank's share of the sum). `checkpointing`: each layer recomputed in backward (run_block), its
+    collectives included."""
     T = inputs["valid"].shape[1]
     rows = slice(0, T) if cp is None else slice(cp.offset, cp.offset + T // cp.size)
     local = {k: None if v is None else v[:, rows] for k, v in inputs.items()}
@@ -48,14 +50,12 @@ def run_pair(full, shared, inputs: dict, cp=None, record: bool = True) -> dict:
     cu = None if segment_ids is None else segment_boundaries(segment_ids)  # as the model builds it (rank-local)
     ctx = ForwardContext(valid=local["valid"], collect_stats=record, record_indexer=record, cu_seqlens=cu,
                          segment_ids=segment_ids, cp=cp)  # fmt: skip
-    ctx1 = ctx.for_layer()
-    out1, topk1 = full(x1, ctx1)
-    ctx2 = dataclasses.replace(ctx, shared_topk=topk1).for_layer()
-    out2, topk2 = shared(x2, ctx2)
+    (out1, topk1), s1 = run_block(checkpointing, full, (x1,), ctx)
+    ctx2 = dataclasses.replace(ctx, shared_topk=topk1)
+    (out2, topk2), s2 = run_block(checkpointing, shared, (x2,), ctx2)
     loss = (out1 * local["g1"]).sum() + (out2 * local["g2"]).sum()
     recorded = {}
     if record:
-        s1, s2 = ctx1.stats, ctx2.stats
         loss = loss + (s1.index_scores * local["h"][..., : s1.index_scores.shape[-1]]).sum()
         recorded = dict(index_scores=s1.index_scores.detach(), candidate=s1.candidate, selected=s1.selected,
                         pool_mass1=s1.pool_mass, pool_mass2=s2.pool_mass)  # fmt: skip
@@ -68,13 +68,14 @@ def run_pair(full, shared, inputs: dict, cp=None, record: bool = True) -> dict:
     )  # fmt: skip
 
 
-def cp_pair_job(config: dict, state: dict, inputs: dict, absorb: bool, record: bool = True) -> dict:
+def cp_pair_job(config: dict, state: dict, inputs: dict, absorb: bool, record: bool = True,
+                checkpointing: bool = False) -> dict:  # fmt: skip
     """`run_pair` on this rank's slice over a 1-D "cp" mesh of the whole world."""
     size = dist.get_world_size()
     mesh = init_device_mesh("cpu", (size,), mesh_dim_names=("cp",))
     full, shared = build_pair(config, state, absorb)
     T = inputs["valid"].shape[1]
-    return run_pair(full, shared, inputs, CpShards(mesh, T // size), record)
+    return run_pair(full, shared, inputs, CpShards(mesh, T // size), record, checkpointing)
 
 
 __all__ = ["build_pair", "cp_pair_job", "run_pair"]

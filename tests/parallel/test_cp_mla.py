@@ -132,3 +132,12 @@ def test_cp_mla_without_recording_matches_one_process(pool4, name):
     ranks = pool4.run(cp_pair_job, config=config, state=state, inputs=inputs, absorb=True, record=False)
     assert "index_scores" not in ranks[0] and not any(".indexer." in key for key in expected["grads"])
     compare(ranks, expected)
+
+
+def test_cp_mla_with_activation_checkpointing_matches_one_process(pool2):
+    """Both layers recomputed in backward (their all-gathers run again there, in the same order on every rank)."""
+    config, state = state_for("sparse")
+    inputs = make_inputs(config, "packed")
+    expected = run_pair(*build_pair(config, state, True), inputs)
+    ranks = pool2.run(cp_pair_job, config=config, state=state, inputs=inputs, absorb=True, checkpointing=True)
+    compare(ranks, expected)
