@@ -195,7 +195,7 @@ def router_aux_loss(
 @torch.no_grad()
 def attention_pool_mass(
     q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor, kpool: int, scale: float,
-    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None, query_offset: int = 0,
 ) -> torch.Tensor:
     """Dense causal attention probabilities summed over heads and within each pool: [B, T, P] fp32.
 
@@ -203,6 +203,8 @@ def attention_pool_mass(
     mass on positions outside complete pools (the tail) lands in incomplete or invisible pools, which the
     candidate mask removes later. Restricting these dense probabilities to the selected pools and
     renormalising gives the sparse attention's own probabilities there (a softmax restricted to a subset).
+    Context parallelism: q [B, Tq, H, K] are the queries at positions query_offset + [0, Tq) of the sequence
+    that k [B, S, H, K], valid [B, S] and cu_seqlens (over B * S) describe; the result is [B, Tq, P].
     """
     B, T = valid.shape
     positions, _ = kept_pools(valid, kpool, cu_seqlens)  # [B, P, L]
@@ -212,12 +214,13 @@ def attention_pool_mass(
     key_pos = torch.arange(T, device=q.device)
     doc_start = None if cu_seqlens is None else document_bounds(cu_seqlens, B, T)[0]  # packed: own document only
     chunks = []
-    for start in range(0, T, QUERY_CHUNK):  # bounds the [B, H, Tq, S] probabilities in memory
+    for start in range(0, q.shape[1], QUERY_CHUNK):  # bounds the [B, H, Tq, S] probabilities in memory
         qc = q[:, start : start + QUERY_CHUNK]
-        causal = key_pos[None, :] <= torch.arange(start, start + qc.shape[1], device=q.device)[:, None]
+        rows = slice(query_offset + start, query_offset + start + qc.shape[1])  # the chunk's key positions
+        causal = key_pos[None, :] <= torch.arange(rows.start, rows.stop, device=q.device)[:, None]
         visible = causal[None] & valid[:, None, :]  # [B, Tq, S]
         if doc_start is not None:
-            visible &= key_pos[None, None, :] >= doc_start[:, start : start + qc.shape[1], None]
+            visible &= key_pos[None, None, :] >= doc_start[:, rows, None]
         logits = torch.einsum("bthe,bshe->bhts", qc.float(), k.float()) * scale
         probs = logits.masked_fill(~visible[:, None], float("-inf")).softmax(-1).nan_to_num(0.0)
         token_mass = probs.sum(1)  # [B, Tq, S]: summed over heads
