@@ -101,8 +101,6 @@ class Glm53Model(nn.Module):
         glm53.generation.GenerationCache, when ctx is absent): the first forward fills it, later ones continue it.
         """
         inputs_embeds = self.embed(input_ids, inputs_embeds)
-        if cp is not None or (ctx is not None and ctx.cp is not None):
-            check_context_parallel(self)
         if ctx is None:
             valid = padding_mask(attention_mask, inputs_embeds.shape[:2], inputs_embeds.device)
             fields = packing_fields(valid, cu_seqlens, position_ids, cp)
@@ -127,14 +125,6 @@ class Glm53Model(nn.Module):
         for layer in self.layers:
             layer.init_weights()
         self.norm.init_weights()
-
-
-def check_context_parallel(model: nn.Module) -> None:
-    """Raise NotImplementedError when `model` has a layer that cannot run on a slice of the sequence yet."""
-    if any(isinstance(m, MultiHeadLatentAttention) for m in model.modules()):
-        raise NotImplementedError("context parallelism (cp) does not cover MLA layers yet (layer_types "
-                                  "'indexed_attention', and the MTP layers): use a configuration whose layers are "
-                                  "all 'linear_attention' without MTP, or no cp")  # fmt: skip
 
 
 def packing_fields(valid: torch.Tensor, cu_seqlens: torch.Tensor | None, position_ids: torch.Tensor | None,
@@ -215,8 +205,6 @@ class Glm53ForCausalLM(nn.Module):
         glm53.parallel.context_parallel_inputs makes all of them. Every loss part is then the whole batch's."""
         if labels is not None:  # before the forward: a bad label would otherwise fail only in the loss
             check_token_ids("labels", labels, self.config.vocab_size, self.lm_head.weight.device, ignore=IGNORE_INDEX)
-        if cp is not None:
-            check_context_parallel(self)
         collect = labels is not None or self.training
         if cp is not None and labels is not None and loss_denominators is None:
             raise ValueError("under context parallelism (cp) pass loss_denominators: the counts of the whole "

@@ -88,4 +88,30 @@ def cp_reference(config: dict, state: dict, ids: torch.Tensor, mask: torch.Tenso
                 logits=out.logits.detach())
 
 
-__all__ = ["cp_reference", "cp_step", "kda_sharded_job"]
+
+
+
+class OneRank:
+    """A SequenceShards of one rank (the whole sequence): the cp code path on one process, for tests."""
+
+    rank, size, offset = 0, 1, 0
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+
+    def all_gather(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        return x
+
+    def stack(self, x: torch.Tensor) -> torch.Tensor:
+        return x[None]
+
+    def from_previous(self, x: torch.Tensor, width: int, dim: int = 1) -> torch.Tensor:
+        return torch.zeros_like(x.narrow(dim, 0, width))
+
+    def from_next(self, x: torch.Tensor, width: int, dim: int = 1) -> torch.Tensor:
+        return torch.zeros_like(x.narrow(dim, 0, width))
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        return x.detach()
+
+__all__ = ["OneRank", "cp_reference", "cp_step", "kda_sharded_job"]
