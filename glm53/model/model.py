@@ -261,15 +261,17 @@ class Glm53ForCausalLM(nn.Module):
         def per_view(field: str, view: int) -> torch.Tensor | None:
             return None if den is None else getattr(den, field)[view]
 
-        if cp is not None:
-            ce = lambda lg, d: target_loss(lg, sharded_targets(labels, segments, d, cp, IGNORE_INDEX),  # noqa: E731
-                                           per_view("targets", d))
-        elif segments is None:
-            ce = lambda lg, d: causal_lm_loss(  # noqa: E731
-                lg, labels if d == 0 else mtp_labels(labels, d, IGNORE_INDEX), per_view("targets", d))
-        else:
-            ce = lambda lg, d: causal_lm_loss(  # noqa: E731
-                lg, document_labels(labels, segments, d, IGNORE_INDEX), per_view("targets", d))
+        def ce(logits: torch.Tensor, d: int) -> torch.Tensor:
+            """The cross-entropy of view d (0: next token, d: MTP depth d)."""
+            if cp is not None:
+                return target_loss(logits, sharded_targets(labels, segments, d, cp, IGNORE_INDEX),
+                                   per_view("targets", d))  # fmt: skip
+            if segments is not None:
+                aligned = document_labels(labels, segments, d, IGNORE_INDEX)
+            else:
+                aligned = labels if d == 0 else mtp_labels(labels, d, IGNORE_INDEX)
+            return causal_lm_loss(logits, aligned, per_view("targets", d))
+
         out.lm_loss = loss = ce(out.logits, 0)
         if mtp_runs:
             per_depth = [ce(lg, d) for d, (lg, _, _) in enumerate(mtp_runs, start=1)]

@@ -15,7 +15,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from glm53 import Glm53Config, Glm53ForCausalLM
-from glm53.kernels.kda import kda_chunk
 from glm53.kernels.kda.state_passing import kda_sharded
 from glm53.model.cp import boundaries
 from glm53.parallel import CpShards, context_parallel_inputs, parallelize

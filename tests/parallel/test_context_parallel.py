@@ -112,7 +112,8 @@ def check_parity(results: list[dict], reference: dict, cp: int) -> None:
             assert rel_err(value, reference["parts"][name]) <= REL_TOL, (rank, name, value, reference["parts"][name])
         assert set(res["grads"]) == set(reference["grads"])
         bad = {n: rel_err(g, reference["grads"][n]) for n, g in res["grads"].items()}
-        assert max(bad.values()) <= REL_TOL, f"rank {rank}: gradients differ: {sorted(bad.items(), key=lambda x: x[1])[-3:]}"
+        worst = sorted(bad.items(), key=lambda item: item[1])[-3:]
+        assert max(bad.values()) <= REL_TOL, f"rank {rank}: gradients differ from one process: {worst}"
         for name, bias in res["biases"].items():  # the expert loads of every rank's tokens
             assert torch.equal(bias, reference["biases"][name]), f"rank {rank}: {name}"
     per_dp = len(results) // cp

@@ -64,8 +64,9 @@ def kda_pieces(q, k, v, g, beta, *, pieces: int, scale: float | None = None,
     return torch.cat(outs, dim=1), final
 
 
-def kda_sharded(q, k, v, g, beta, shards, *, scale: float | None = None, initial_state: torch.Tensor | None = None,
-                starts: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None, kernel=kda_chunk):  # fmt: skip
+def kda_sharded(q, k, v, g, beta, shards, *, scale: float | None = None,
+                initial_state: torch.Tensor | None = None, starts: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None, kernel=kda_chunk):  # fmt: skip
     """This rank's piece of a sequence split over `shards` (a SequenceShards) -> o [B, T, H, V] (T local).
 
     `initial_state` [B, H, K, V] is the whole sequence's, the same on every rank (each rank's gradient of it is
