@@ -16,6 +16,8 @@ training forwards count expert loads for `update_router_bias`. Per-forward state
 Packed documents: `cu_seqlens` (input_ids [1, total], or [B, T] with boundaries over the flattened tokens) or
 `position_ids` restarting at 0 per document; each document is computed as if alone (model/packing.py), and
 with labels a document's last token predicts nothing.
+Context parallelism: `cp=` (a SequenceShards) runs this rank's slice of every sequence (model/cp.py); the
+inputs come from glm53.parallel.context_parallel_inputs.
 """
 
 from __future__ import annotations
