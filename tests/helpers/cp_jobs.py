@@ -47,8 +47,10 @@ def _mesh(dp: int, cp: int):
 
 
 def cp_step(config: dict, state: dict, ids: torch.Tensor, dp: int, cp: int, checkpointing: bool = False,
-            mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> dict:  # fmt: skip
-    """Forward/backward/bias update on a (dp, cp) mesh: this rank's dp block of rows, its cp slice of them."""
+            mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+            cu_seqlens: torch.Tensor | None = None) -> dict:  # fmt: skip
+    """Forward/backward/bias update on a (dp, cp) mesh: this rank's dp block of rows, its cp slice of them.
+    Packed documents as `position_ids` [B, T], or (dp 1) as `cu_seqlens` over the flattened batch."""
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
     mesh = _mesh(dp, cp)
@@ -60,7 +62,8 @@ def cp_step(config: dict, state: dict, ids: torch.Tensor, dp: int, cp: int, chec
     rows = slice(rank_dp * per, (rank_dp + 1) * per)
     row_mask = None if mask is None else mask[rows]
     kwargs = context_parallel_inputs(model, ids[rows], labels=labels_for(ids[rows], row_mask), attention_mask=row_mask,
-                                     position_ids=None if position_ids is None else position_ids[rows])  # fmt: skip
+                                     position_ids=None if position_ids is None else position_ids[rows],
+                                     cu_seqlens=cu_seqlens)  # fmt: skip
     out = model(**kwargs)
     out.loss.backward()
     loss, parts = full(out.loss), loss_parts(out)
