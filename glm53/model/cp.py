@@ -1,6 +1,7 @@
 """Context parallelism inside the model: what the blocks compute from this rank's slice of every sequence.
 
-Legend (glm53/model/__init__.py): B batch, T time (this rank's slice), W causal-conv kernel width.
+Legend (glm53/model/__init__.py): B batch, T time (this rank's slice), W causal-conv kernel width; d is an MTP
+depth (a shift in positions).
 Every rank holds positions [cp.offset, cp.offset + T) of each row (glm53.parallel.context_parallel_inputs) and
 reaches the other slices only through `ForwardContext.cp` (a SequenceShards): the model never imports
 torch.distributed. The helpers here:
@@ -9,6 +10,7 @@ torch.distributed. The helpers here:
   as one process numbers it (`segment_ids`, the same numbers on every rank, so slices can be compared).
 - `halo_starts`: document starts over the previous rank's last W - 1 positions and this slice (convs, KDA).
 - `ahead`: x shifted left by d positions, the last d taken from the next rank (MTP, its labels).
+- `sharded_targets`: this slice's targets at each MTP depth from next-token targets (documents respected).
 - `across_ranks`: a loss part whose value is the sum over the ranks and whose gradient is cp x this rank's.
 Every rank calls the same collectives in the same order, whatever its own slice holds.
 """
