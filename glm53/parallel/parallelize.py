@@ -290,9 +290,9 @@ def parallelize(
         raise ValueError(f"expert parallelism ({ep_dim}={mesh[ep_dim].size()}) together with tensor parallelism "
                          f"({tp_dim}={mesh[tp_dim].size()}) is not supported: use a ({dp_dim!r}, {ep_dim!r}) mesh, "
                          f"or ({dp_dim!r}, {tp_dim!r}) without EP")  # fmt: skip
-    if mp_policy is not None and not has_dp:
-        raise ValueError(f"mp_policy is FSDP2's MixedPrecisionPolicy and needs a {dp_dim!r} mesh dimension; "
-                         f"the mesh has {list(mesh.mesh_dim_names)}")  # fmt: skip
+    if mp_policy is not None and not has_dp and cp_dim not in mesh.mesh_dim_names:
+        raise ValueError(f"mp_policy is FSDP2's MixedPrecisionPolicy and needs a {dp_dim!r} or {cp_dim!r} mesh "
+                         f"dimension; the mesh has {list(mesh.mesh_dim_names)}")  # fmt: skip
     if has_tp:
         apply_tensor_parallel(model, mesh[tp_dim])
     if has_ep:

@@ -13,6 +13,7 @@ import warnings
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from glm53 import Glm53Config, Glm53ForCausalLM
 from glm53.kernels.kda.state_passing import kda_sharded
@@ -48,7 +49,7 @@ def _mesh(dp: int, cp: int):
 
 def cp_step(config: dict, state: dict, ids: torch.Tensor, dp: int, cp: int, checkpointing: bool = False,
             mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-            cu_seqlens: torch.Tensor | None = None) -> dict:  # fmt: skip
+            cu_seqlens: torch.Tensor | None = None, bf16: bool = False) -> dict:  # fmt: skip
     """Forward/backward/bias update on a (dp, cp) mesh: this rank's dp block of rows, its cp slice of them.
     Packed documents as `position_ids` [B, T], or (dp 1) as `cu_seqlens` over the flattened batch."""
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
@@ -56,7 +57,8 @@ def cp_step(config: dict, state: dict, ids: torch.Tensor, dp: int, cp: int, chec
     mesh = _mesh(dp, cp)
     model = Glm53ForCausalLM(Glm53Config(**config))
     model.load_state_dict(state)
-    parallelize(model, mesh, activation_checkpointing=checkpointing)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    parallelize(model, mesh, activation_checkpointing=checkpointing, mp_policy=policy)
     per = ids.shape[0] // dp
     rank_dp = mesh.get_local_rank("dp") if dp > 1 else 0
     rows = slice(rank_dp * per, (rank_dp + 1) * per)
