@@ -63,6 +63,9 @@ def context_parallel_inputs(
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
     B, T = input_ids.shape
+    for name, x in (("labels", labels), ("attention_mask", attention_mask), ("position_ids", position_ids)):
+        if x is not None and tuple(x.shape) != (B, T):
+            raise ValueError(f"{name} must have the shape of input_ids {(B, T)}, got {tuple(x.shape)}")
     size, rank = cp_mesh.size(), cp_mesh.get_local_rank()
     local = ceil_div(T, size)
     width = local * size - T
