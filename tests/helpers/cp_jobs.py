@@ -18,7 +18,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from glm53 import Glm53Config, Glm53ForCausalLM
 from glm53.kernels.kda.state_passing import kda_sharded
 from glm53.model.cp import boundaries
-from glm53.parallel import CpShards, context_parallel_inputs, parallelize
+from glm53.parallel import CpShards, context_parallel_inputs, init_mesh, parallelize
 from tests.helpers.parallel_jobs import BIAS_RATE, full, labels_for, loss_parts, router_biases
 
 
@@ -41,12 +41,6 @@ def kda_sharded_job(leaves: list[torch.Tensor], cot: torch.Tensor, doc_starts: t
     return dict(o=o.detach(), grads=[g.detach() for g in grads])
 
 
-def _mesh(dp: int, cp: int):
-    if dp > 1:
-        return init_device_mesh("cpu", (dp, cp), mesh_dim_names=("dp", "cp"))
-    return init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
-
-
 def cp_step(config: dict, state: dict, ids: torch.Tensor, dp: int, cp: int, checkpointing: bool = False,
             mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
             cu_seqlens: torch.Tensor | None = None, bf16: bool = False) -> dict:  # fmt: skip
@@ -54,7 +48,7 @@ def cp_step(config: dict, state: dict, ids: torch.Tensor, dp: int, cp: int, chec
     Packed documents as `position_ids` [B, T], or (dp 1) as `cu_seqlens` over the flattened batch."""
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
-    mesh = _mesh(dp, cp)
+    mesh = init_mesh(dp, 1, cp=cp)  # ("dp", "cp"), or ("cp",) when dp is 1
     model = Glm53ForCausalLM(Glm53Config(**config))
     model.load_state_dict(state)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
