@@ -75,7 +75,7 @@ def main() -> None:
     for step in range(1, args.steps + 1):
         ids = next(data)[dp_rank * per_rank : (dp_rank + 1) * per_rank].to(device)
         with loss_parallel_context(model):
-            loss = model(ids, labels=ids).loss
+            loss = model(ids, labels=ids, return_logits=False).loss
             loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()

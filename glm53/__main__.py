@@ -30,7 +30,7 @@ def demo(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     for step in range(1, args.steps + 1):
         ids = next(data)
-        loss = model(ids, labels=ids).loss
+        loss = model(ids, labels=ids, return_logits=False).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

@@ -55,6 +55,27 @@ def set_expert_dispatcher(dispatcher: ExpertDispatcher | None) -> ExpertDispatch
     return previous
 
 
+# Head module -> the function computing its head + cross-entropy when the parallel layer shards its vocabulary,
+# or None where the head's weight is whole.
+VocabParallelLoss = Callable[[nn.Module], Callable | None]
+_VOCAB_PARALLEL_LOSS: VocabParallelLoss | None = None
+
+
+def vocab_parallel_loss(module: nn.Module) -> Callable | None:
+    """For a head whose vocabulary rows the parallel layer spread over ranks (tensor parallelism), the function
+    (hidden [M, D], targets [M]) -> the fp32 sum over target tokens of -log softmax(hidden W^T)[target] (the
+    `linear_cross_entropy` kernel's result, without its weight argument), which combines the ranks' softmax
+    statistics; None on one process, where the caller hands the whole weight to the kernel."""
+    return None if _VOCAB_PARALLEL_LOSS is None else _VOCAB_PARALLEL_LOSS(module)
+
+
+def set_vocab_parallel_loss(lookup: VocabParallelLoss | None) -> VocabParallelLoss | None:
+    """Install the lookup `vocab_parallel_loss` uses (None removes it); returns the previous one."""
+    global _VOCAB_PARALLEL_LOSS
+    previous, _VOCAB_PARALLEL_LOSS = _VOCAB_PARALLEL_LOSS, lookup
+    return previous
+
+
 # (module, attribute name, activation) -> the activation, marked so its gradient is summed over the ranks that
 # share `module.<name>`'s heads; None means "unchanged".
 InputResolver = Callable[[nn.Module, str, torch.Tensor], torch.Tensor]
@@ -90,4 +111,5 @@ def set_value_resolver(resolver: ValueResolver | None) -> ValueResolver | None:
 
 
 __all__ = ["as_local", "as_plain", "into_head_parallel", "set_input_resolver", "set_param_resolver",
-           "set_value_resolver", "expert_dispatcher", "set_expert_dispatcher"]
+           "set_value_resolver", "expert_dispatcher", "set_expert_dispatcher", "vocab_parallel_loss",
+           "set_vocab_parallel_loss"]

@@ -12,6 +12,9 @@ Training (docs/training.md): with labels, Glm53ForCausalLM also returns the MTP 
 balance / z-loss and the indexer KL loss (glm53/training/losses.py), each on its own and weighted into `.loss`;
 training forwards count expert loads for `update_router_bias`. Per-forward state reaches the blocks in one
 `ForwardContext` (context.py).
+Head and loss: with labels the next-token and MTP losses run the head and the cross-entropy as one chunked op
+(`causal_lm_head_loss`, glm53/kernels/linear_cross_entropy.py) and never hold [B, T, vocab] logits;
+`return_logits=False` (what training loops pass) skips the logits too, `out.logits` is then None.
 `gradient_checkpointing_enable()` recomputes every decoder block (mHC coefficients included) in backward.
 Packed documents: `cu_seqlens` (input_ids [1, total], or [B, T] with boundaries over the flattened tokens) or
 `position_ids` restarting at 0 per document; each document is computed as if alone (model/packing.py), and
@@ -36,7 +39,8 @@ from ..checkpoint.save import save_checkpoint
 from ..config import Glm53Config
 from ..precision import cast_model, resolve_dtype
 from ..training.loss_counts import LossCounts, count_loss_terms
-from ..training.losses import IGNORE_INDEX, causal_lm_loss, expert_load, indexer_kl_terms, router_aux_loss, target_loss
+from ..training.losses import IGNORE_INDEX, causal_lm_head_loss, expert_load, head_target_loss, indexer_kl_terms
+from ..training.losses import router_aux_loss
 from .block import DecoderBlock, run_block
 from .context import ForwardContext, LayerStats, SequenceShards
 from .cp import across_ranks, sharded_packing_fields, sharded_targets
@@ -51,7 +55,7 @@ from .packing import document_boundaries, document_labels, segment_ids
 
 @dataclass
 class CausalLMOutput:
-    logits: torch.Tensor  # [B, T, vocab]
+    logits: torch.Tensor | None  # [B, T, vocab] in the head's dtype; None with return_logits=False
     loss: torch.Tensor | None = None  # lm + mtp_loss_weight * mtp + aux + indexer_loss_weight * indexer
     lm_loss: torch.Tensor | None = None  # next-token cross-entropy alone
     mtp_loss: torch.Tensor | None = None  # MTP cross-entropy, mean over depths (None without an MTP module)
@@ -196,9 +200,14 @@ class Glm53ForCausalLM(nn.Module):
         *,
         cu_seqlens: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        return_logits: bool = True,
         cp: SequenceShards | None = None,
     ) -> CausalLMOutput:
-        """With labels, the losses; each part is this forward's mean unless `loss_denominators` (the counts of a
+        """`return_logits` (default True): `out.logits = lm_head(last hidden state)` [B, T, vocab], in the graph as
+        always; with False, `out.logits` is None and no [B, T, vocab] tensor is made (training loops pass False).
+        The losses never read `out.logits`: with labels and return_logits=True the logits are computed beside the
+        chunked loss, so a caller can still use them (with gradient), at the cost of their memory.
+        With labels, the losses; each part is this forward's mean unless `loss_denominators` (the counts of a
         whole global batch, `loss_counts` summed over micro-batches and ranks) says what to divide its sum by.
         Packed documents: `cu_seqlens` [n_docs + 1] over the flattened tokens or `position_ids` [B, T] restarting
         at 0 per document (model/packing.py); `loss_counts(..., position_ids)` gives their denominators.
@@ -214,7 +223,7 @@ class Glm53ForCausalLM(nn.Module):
         if not collect:
             hidden = self.model(input_ids, attention_mask, inputs_embeds, cu_seqlens=cu_seqlens,
                                 position_ids=position_ids, cp=cp)  # fmt: skip
-            return CausalLMOutput(logits=self.lm_head(hidden), last_hidden_state=hidden)
+            return CausalLMOutput(logits=self._logits(hidden, return_logits), last_hidden_state=hidden)
         inputs_embeds = self.model.embed(input_ids, inputs_embeds)
         valid = padding_mask(attention_mask, inputs_embeds.shape[:2], inputs_embeds.device)
         record_indexer = labels is not None and self.config.indexer_loss_weight > 0
@@ -222,15 +231,20 @@ class Glm53ForCausalLM(nn.Module):
                              **packing_fields(valid, cu_seqlens, position_ids, cp))  # fmt: skip
         stats: list[LayerStats] = []
         hidden = self.model(inputs_embeds=inputs_embeds, ctx=ctx, stats=stats)
-        out = CausalLMOutput(logits=self.lm_head(hidden), last_hidden_state=hidden)
-        mtp_runs = []  # per depth: (logits, valid, stats)
+        out = CausalLMOutput(logits=self._logits(hidden, return_logits), last_hidden_state=hidden)
+        mtp_runs = []  # per depth: (normed hidden the head reads, valid, stats)
         if self.mtp is not None and labels is not None:
-            mtp_runs = self.mtp(hidden, inputs_embeds, ctx, self.lm_head)
+            mtp_runs = self.mtp(hidden, inputs_embeds, ctx)
         if self.training:  # evaluation forwards (labels, eval mode) leave the balancing counts alone
             self._count_expert_loads(stats, valid, mtp_runs)
         if labels is not None:
             self._add_losses(out, labels, valid, stats, mtp_runs, loss_denominators, ctx.segment_ids, cp)
         return out
+
+    def _logits(self, hidden: torch.Tensor, return_logits: bool) -> torch.Tensor | None:
+        if not isinstance(return_logits, bool):
+            raise TypeError(f"return_logits must be True or False, got {return_logits!r}")
+        return self.lm_head(hidden) if return_logits else None
 
     def loss_counts(self, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
                     position_ids: torch.Tensor | None = None) -> LossCounts:  # fmt: skip
@@ -263,20 +277,22 @@ class Glm53ForCausalLM(nn.Module):
         def per_view(field: str, view: int) -> torch.Tensor | None:
             return None if den is None else getattr(den, field)[view]
 
-        def ce(logits: torch.Tensor, d: int) -> torch.Tensor:
-            """The cross-entropy of view d (0: next token, d: MTP depth d)."""
+        head = self.lm_head
+
+        def ce(hidden: torch.Tensor, d: int) -> torch.Tensor:
+            """The cross-entropy of view d (0: next token, d: MTP depth d) from the hidden state the head reads."""
             if cp is not None:
-                return target_loss(logits, sharded_targets(labels, segments, d, cp, IGNORE_INDEX),
-                                   per_view("targets", d))  # fmt: skip
+                targets = sharded_targets(labels, segments, d, cp, IGNORE_INDEX)
+                return head_target_loss(hidden, head, targets, per_view("targets", d))
             if segments is not None:
                 aligned = document_labels(labels, segments, d, IGNORE_INDEX)
             else:
                 aligned = labels if d == 0 else mtp_labels(labels, d, IGNORE_INDEX)
-            return causal_lm_loss(logits, aligned, per_view("targets", d))
+            return causal_lm_head_loss(hidden, head, aligned, per_view("targets", d))
 
-        out.lm_loss = loss = ce(out.logits, 0)
+        out.lm_loss = loss = ce(out.last_hidden_state, 0)
         if mtp_runs:
-            per_depth = [ce(lg, d) for d, (lg, _, _) in enumerate(mtp_runs, start=1)]
+            per_depth = [ce(h, d) for d, (h, _, _) in enumerate(mtp_runs, start=1)]
             out.mtp_loss = torch.stack(per_depth).mean()
             loss = loss + cfg.mtp_loss_weight * out.mtp_loss
         records = [(s, valid, 0) for s in stats] + [(s, v, d) for d, (_, v, s) in enumerate(mtp_runs, start=1)]

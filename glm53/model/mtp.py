@@ -6,6 +6,8 @@ One MTP layer (DeepSeek-V3 section 2.2, GLM-5), stored as `layers.{num_hidden_la
     x  = x + self_attn(input_layernorm(x))                            (NoPE MLA + its own DSA indexer, no mHC)
     h^d = x + mlp(post_attention_layernorm(x))                         (MoE)
     logits_d = lm_head(shared_head.norm(h^d))                          (embedding and lm_head are the model's)
+The module returns shared_head.norm(h^d); the model applies its lm_head inside the loss (a chunked head + loss
+that never holds the [B, T, vocab] logits of a depth).
 h^0 is the main model's last hidden state (after the final norm, as serving stacks feed the released MTP layer).
 Depth d (1-based) uses layer min(d, num_nextn_predict_layers) - 1, so GLM-5's single layer serves every depth.
 Position i at depth d reads token i + d and predicts token i + d + 1; positions past the end read a zero
@@ -90,12 +92,13 @@ class MultiTokenPrediction(nn.Module):
         return self.layers[min(d, len(self.layers)) - 1]
 
     def forward(
-        self, hidden: torch.Tensor, embeds: torch.Tensor, ctx: ForwardContext, lm_head: nn.Module
+        self, hidden: torch.Tensor, embeds: torch.Tensor, ctx: ForwardContext
     ) -> list[tuple[torch.Tensor, torch.Tensor, LayerStats]]:
         """hidden [B, T, D] (main model, final-normed), embeds [B, T, D] of the input tokens; `ctx` is the main
         model's (its `valid` [B, T] and `record_indexer` are used; stats are always collected).
 
-        -> per depth d = 1..mtp_depth: (logits_d [B, T, vocab] predicting token i + d + 1, valid_d [B, T], stats).
+        -> per depth d = 1..mtp_depth: (shared_head.norm(h^d) [B, T, D], what lm_head reads to predict token
+        i + d + 1; valid_d [B, T]; stats).
         """
         out = []
         h = hidden
@@ -107,7 +110,7 @@ class MultiTokenPrediction(nn.Module):
             depth_ctx = ForwardContext(valid=valid_d, collect_stats=True, record_indexer=ctx.record_indexer,
                                        cu_seqlens=ctx.cu_seqlens, segment_ids=ctx.segment_ids, cp=ctx.cp)  # fmt: skip
             h, stats = run_block(self.gradient_checkpointing, layer, (h, ahead(embeds, d, 0.0, ctx.cp)), depth_ctx)
-            out.append((lm_head(layer.shared_head.norm(h)), valid_d, stats))
+            out.append((layer.shared_head.norm(h), valid_d, stats))
         return out
 
     def init_weights(self) -> None:

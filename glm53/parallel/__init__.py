@@ -2,11 +2,12 @@
 
     mesh = init_device_mesh("cuda", (dp, tp), mesh_dim_names=("dp", "tp"))
     model = parallelize(Glm53ForCausalLM.from_config(config), mesh, mp_policy=MixedPrecisionPolicy(torch.bfloat16))
-    with loss_parallel_context(model):
-        loss = model(ids, labels=ids).loss
-        loss.backward()
+    loss = model(ids, labels=ids, return_logits=False).loss  # under TP: the vocab-parallel chunked loss
+    loss.backward()
 
-Importing this package routes `glm53.boundary.as_local` through `boundary._resolve` (a no-op for plain tensors).
+Importing this package routes `glm53.boundary.as_local` through `boundary._resolve` (a no-op for plain tensors)
+and a vocab-sharded head's loss through `vocab_loss.py`; `loss_parallel_context(model)` is for a loss of your own
+over the vocab-sharded `out.logits`.
 """
 
 from . import boundary as _boundary
@@ -21,6 +22,7 @@ from .parallelize import (
     zero_rows,
 )
 from . import expert as _expert
+from . import vocab_loss as _vocab_loss
 from .expert import apply_expert_parallel, check_ep_size, clip_grad_norm_
 from .plan import ExpertTensorParallel, LocalShardParams, ReplicateModule, ReplicateParams, check_tp_size, tp_plan
 from .runtime import full_optimizer_state, full_state, init_mesh, load_full_optimizer_state, loss_denominators
@@ -32,6 +34,7 @@ from .cp_inputs import context_parallel_inputs
 
 _boundary.install()
 _expert.install()
+_vocab_loss.install()
 
 __all__ = [
     "materialize_full", "local_shard", "PlacementError", "Whole", "LocalShard", "set_boundary_rule",

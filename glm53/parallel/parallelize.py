@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import weakref
 
 import torch
@@ -61,7 +60,6 @@ def apply_tensor_parallel(model: Glm53ForCausalLM, tp_mesh: DeviceMesh) -> None:
         raise RuntimeError(f"the TP plan does not cover parameters {missed}; add their modules to "
                            f"glm53.parallel.tp_plan")  # fmt: skip
     _VOCAB_PARALLEL.add(model)
-    model.register_forward_pre_hook(_require_loss_parallel, with_kwargs=True)
     for module in model.modules():
         if isinstance(module, MultiHeadLatentAttention):
             module.register_forward_hook(_sum_pool_mass_over_heads(tp_mesh), with_kwargs=True)
@@ -84,20 +82,6 @@ def _sum_pool_mass_over_heads(tp_mesh: DeviceMesh):
 def _forward_context(args: tuple, kwargs: dict) -> ForwardContext | None:
     """The ForwardContext among a module call's arguments (found by type, never by position)."""
     return next((a for a in (*args, *kwargs.values()) if isinstance(a, ForwardContext)), None)
-
-
-def _loss_parallel_active() -> bool:
-    # torch keeps no public flag for loss_parallel(); it installs DTensor handlers for the loss ops. Should that
-    # private table move, assume active rather than refuse a correct call.
-    handlers = getattr(getattr(DTensor, "_op_dispatcher", None), "_custom_op_handlers", None)
-    return handlers is None or torch.ops.aten.nll_loss_forward.default in handlers
-
-
-def _require_loss_parallel(model: nn.Module, args: tuple, kwargs: dict) -> None:
-    labels = inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments.get("labels")
-    if labels is not None and not _loss_parallel_active():
-        raise RuntimeError("with tensor parallelism the logits are vocab-sharded DTensors: compute the loss (forward "
-                           "and backward) inside glm53.parallel.loss_parallel_context(model)")  # fmt: skip
 
 
 def _fp32_policy(mp_policy: MixedPrecisionPolicy) -> MixedPrecisionPolicy:
@@ -262,8 +246,9 @@ def parallelize(
     MTP layers are blocks like the decoder's. Sets `model.expert_load_reduce` to the sum of the expert loads over
     the data-parallel ranks (`expert_load_sum`), so `update_router_bias` moves every rank's biases alike.
 
-    Compute the loss inside `loss_parallel_context(model)` (forward and backward) when TP is on: the logits are
-    a vocab-sharded DTensor.
+    With TP the head is vocab-sharded: the model's own losses combine the ranks' softmax statistics
+    (vocab_loss.py) and need no context; `out.logits` is a vocab-sharded DTensor, so a loss of your own over it
+    goes inside `loss_parallel_context(model)`.
 
     With an `ep_dim` mesh dimension (expert parallelism, `expert.py`): routed experts Shard(0) over it with
     all-to-all token dispatch, every dp x ep rank reads its own batches, the non-expert parameters are
@@ -361,7 +346,8 @@ def init_weights(model: Glm53ForCausalLM) -> Glm53ForCausalLM:
 def loss_parallel_context(model: nn.Module) -> contextlib.AbstractContextManager:
     """`loss_parallel()` when `model`'s lm_head is vocab-sharded by `parallelize`, else a no-op context.
 
-    Wrap both the forward that computes the loss and its backward in it.
+    For cross-entropy computed by the caller over the vocab-sharded `out.logits` (forward and backward inside it);
+    the model's own losses (labels=...) do not need it (vocab_loss.py), and entering it around them is harmless.
     """
     return loss_parallel() if model in _VOCAB_PARALLEL else contextlib.nullcontext()
 

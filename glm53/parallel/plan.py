@@ -1,8 +1,9 @@
 """The tensor-parallel plan: one ParallelStyle per module FQN (torchtitan's layout; model code stays plain).
 
 Legend: tp the TP mesh size, H heads, K head width, B batch, T time, vocab the vocabulary size.
-- Embedding vocab-parallel (RowwiseParallel on nn.Embedding); lm_head colwise with its logits left as a
-  Shard(-1) DTensor, so `F.cross_entropy` under `loss_parallel()` never gathers [B, T, vocab].
+- Embedding vocab-parallel (RowwiseParallel on nn.Embedding); lm_head colwise: the model's losses read its
+  Shard(0) weight through the vocab-parallel chunked loss (vocab_loss.py), and returned logits stay a Shard(-1)
+  DTensor (`F.cross_entropy` over them under `loss_parallel()` never gathers [B, T, vocab]).
 - MLA: q_a_proj, kv_a_proj_with_mqa and their norms replicated; q_b_proj, kv_b_proj colwise (whole heads:
   `kv_b_proj` rows are ordered (head, k|v), so a contiguous split keeps each head's k and v together);
   sparse attention runs on the local heads; o_proj rowwise.

@@ -80,7 +80,7 @@ def heldout_loss(model: Glm53ForCausalLM, path: str, tokenizer_dir: str, seq_len
     den = sum(counts[1:], counts[0])
     was_training = model.training
     model.eval()
-    total = sum(model(**i, loss_denominators=den).lm_loss for i in inputs)
+    total = sum(model(**i, loss_denominators=den, return_logits=False).lm_loss for i in inputs)
     model.train(was_training)
     return float(total)
 

@@ -1,7 +1,8 @@
 """Training losses beyond next-token cross-entropy: expert balancing, router z-loss, DSA indexer KL.
 
 Legend: B batch, T time (queries), S keys, H heads, K MLA query/key head width, E experts, k experts per token
-(balance_loss's locals call it K), P k-pools, L tokens per pool, M = B * T tokens, Tq a block of queries.
+(balance_loss's locals call it K), P k-pools, L tokens per pool, M = B * T tokens, Tq a block of queries,
+D model width, vocab the vocabulary.
 The semantics are in docs/training.md. (f_i and P_i below are DeepSeek-V3's symbols, not dimensions.)
 - Sequence-wise balance loss (DeepSeek-V3 eq. 17-20): per sequence, f_i = E / (k T) * #tokens routed to i and
   P_i = mean over tokens of s_i / sum_j s_j (sigmoid scores); loss = sum_i f_i P_i, averaged over sequences.
@@ -27,7 +28,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..boundary import as_plain
+from ..boundary import as_local, as_plain, vocab_parallel_loss
+from ..kernels.dispatch import kernel
 from ..kernels.varlen import document_bounds
 from ..model.context import LayerStats
 from ..model.indexer import kept_pools
@@ -62,15 +64,43 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_targets: torc
     """
     if labels.shape != logits.shape[:2]:
         raise ValueError(f"labels must have shape {tuple(logits.shape[:2])} like input_ids, got {tuple(labels.shape)}")
-    return target_loss(logits, next_token_targets(labels), num_targets)
-
-
-def target_loss(logits: torch.Tensor, shifted: torch.Tensor, num_targets: torch.Tensor | None = None) -> torch.Tensor:
-    """`causal_lm_loss` from targets [B, T] already aligned with the logits (position i predicts shifted[i])."""
+    shifted = next_token_targets(labels)
     # Under tensor parallelism the logits are vocab-sharded and the loss a replicated DTensor: as_plain hands it
     # back as a plain tensor so it adds to the losses computed from plain activations.
     total = F.cross_entropy(logits.float().flatten(0, 1), shifted.flatten().long(), ignore_index=IGNORE_INDEX,
                             reduction="sum")  # fmt: skip
+    return per_term(as_plain(total), (shifted != IGNORE_INDEX).sum(), num_targets)
+
+
+def causal_lm_head_loss(hidden: torch.Tensor, lm_head: torch.nn.Module, labels: torch.Tensor,
+                        num_targets: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """`causal_lm_loss(lm_head(hidden), labels, num_targets)` without ever holding [B, T, vocab] logits.
+
+    hidden [B, T, D] (what the head reads), lm_head an nn.Linear without bias, labels [B, T] aligned with
+    input_ids. The head and the cross-entropy run as one `linear_cross_entropy` kernel (dispatch: "fast" walks the
+    tokens in chunks keeping only per-token softmax statistics, "reference" is the plain full-logits form); the
+    logits are computed in the head's dtype and the softmax in fp32, as `causal_lm_loss` does after `lm_head`.
+    Under tensor parallelism the head is vocab-sharded and `glm53.boundary.vocab_parallel_loss` combines the ranks'
+    statistics instead.
+    """
+    if labels.shape != hidden.shape[:2]:
+        raise ValueError(f"labels must have shape {tuple(hidden.shape[:2])} like input_ids, got {tuple(labels.shape)}")
+    return head_target_loss(hidden, lm_head, next_token_targets(labels), num_targets)
+
+
+def head_target_loss(hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Tensor,
+                     num_targets: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """`causal_lm_head_loss` from targets [B, T] already aligned with hidden (position i predicts targets[i]; the
+    labels context parallelism hands each rank)."""
+    if getattr(lm_head, "bias", None) is not None:
+        raise ValueError("causal_lm_head_loss takes a head without bias (lm_head.bias is set)")
+    shifted = targets.flatten()
+    flat = hidden.flatten(0, 1)  # [M, D]
+    sharded = vocab_parallel_loss(lm_head)
+    if sharded is not None:
+        total = sharded(flat, shifted)
+    else:
+        total = kernel("linear_cross_entropy")(flat, as_local(lm_head, "weight"), shifted)
     return per_term(as_plain(total), (shifted != IGNORE_INDEX).sum(), num_targets)
 
 
@@ -273,10 +303,11 @@ __all__ = [
     "IGNORE_INDEX",
     "LayerStats",
     "causal_lm_loss",
+    "causal_lm_head_loss",
     "attention_pool_mass",
     "balance_loss",
     "sharded_balance_loss",
-    "target_loss",
+    "head_target_loss",
     "expert_load",
     "indexer_kl_terms",
     "next_token_targets",

@@ -200,7 +200,7 @@ class Trainer:
         parts: dict[str, torch.Tensor] = {}
         for inputs in micro:
             with self._loss_context():
-                out = self.model(**inputs, loss_denominators=den)
+                out = self.model(**inputs, loss_denominators=den, return_logits=False)
                 out.loss.backward()
             for name in LOSS_PARTS:
                 if getattr(out, name) is not None:

@@ -157,7 +157,8 @@ def document_parts(model, doc: torch.Tensor, mode: str) -> dict:
     ce_sum = lambda logits, d: F.cross_entropy(logits[0, : max(n - 1 - d, 0)], doc[0, d + 1 :],  # noqa: E731
                                                reduction="sum")
     parts = {"lm": [(ce_sum(out.logits, 0), n - 1)]}
-    parts["mtp"] = [(ce_sum(lg, d), max(n - 1 - d, 0)) for d, (lg, _, _) in enumerate(seen["mtp"], start=1)]
+    # each MTP run carries the normed hidden state the shared lm_head reads
+    parts["mtp"] = [(ce_sum(model.lm_head(h), d), max(n - 1 - d, 0)) for d, (h, _, _) in enumerate(seen["mtp"], 1)]
     records = [(s, seen["valid"]) for s in seen["stats"]] + [(s, v) for _, v, s in seen["mtp"]]
     records = [(s, v) for s, v in records if s.router_logits is not None]
     has = [int(v.any()) for _, v in records]
