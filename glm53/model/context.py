@@ -81,7 +81,8 @@ class ForwardContext:
     # Packed documents (model/packing.py), both None when every row is one document:
     cu_seqlens: torch.Tensor | None = None  # [n_docs + 1] int64 boundaries over the flattened B * T tokens
     segment_ids: torch.Tensor | None = None  # [B, T] int64 document index of every token
-    # Context parallelism: this rank holds one contiguous slice of every sequence (None: the whole sequence)
+    # Context parallelism: this rank holds one contiguous slice of every sequence (None: the whole sequence). Under
+    # cp, `segment_ids` hold global document ids, set on every rank when any row is packed (model/key_sequence.py)
     cp: SequenceShards | None = None
 
     def for_layer(self) -> "ForwardContext":

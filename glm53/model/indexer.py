@@ -1,7 +1,8 @@
 """The DSA indexer with k-pools: picks, for every query, the key positions sparse attention may read.
 
-Legend: B batch, T time (queries and keys: no cache), D model width, R q_lora_rank, H indexer heads,
-K indexer head width, P pools, L = index_kpool tokens per pool, J output slots.
+Legend: B batch, T time (queries), S keys (where they differ: queries that are a slice of the keys' sequence),
+D model width, R q_lora_rank, H indexer heads, K indexer head width, P pools, L = index_kpool tokens per pool,
+J output slots.
 Following transformers' Glm5NextTextIndexer (DeepSeek-V3.2 DSA plus GLM's k-pools):
 - keys k_t = LayerNorm(wk(x_t)) [K]; pools are runs of L consecutive *valid* tokens starting at the first
   non-padding token of each row; a pool's key is softmax_over_its_tokens(gate(x_t) + ape) weighted sum of k_t.
@@ -16,6 +17,9 @@ The selection is not differentiable; transformers runs it under no_grad and so d
 (glm53/training/losses.py).
 Packed documents (`cu_seqlens`, model/packing.py): pools start at each document's first valid token and never
 run past its end, a query's candidates are complete pools of its own document, and the tail is its document's.
+Context parallelism (`shards`, ForwardContext.cp): a rank scores its own queries against the pools of the whole
+sequence, built from gathered per-token keys at global positions (`select` / `visible_tail` take the queries'
+`query_offset` into the keys' sequence).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from ..config import Glm53Config
 from ..utils import ceil_div
 from ..kernels import kernel
 from ..kernels.varlen import document_bounds
+from .context import SequenceShards
 from .norm import LayerNorm
 from .packing import document_pool_layout, first_valid_in_document
 
@@ -74,6 +79,16 @@ def pool_starts(positions: torch.Tensor, T: int) -> torch.Tensor:
     return torch.where(positions >= 0, positions - slot, T).amin(-1)
 
 
+def own_document_pools(pool_start: torch.Tensor, cu_seqlens: torch.Tensor, S: int, query_offset: int,
+                       T: int) -> torch.Tensor:  # fmt: skip
+    """[B, T, P] bool: the pool starts inside the document of query query_offset + t (pool_start [B, P] and the
+    boundaries `cu_seqlens` over B * S describe the keys' sequence): the packed `indexer_scores` column mask."""
+    start, end = document_bounds(cu_seqlens, pool_start.shape[0], S)
+    rows = slice(query_offset, query_offset + T)
+    columns = pool_start[:, None, :]
+    return (columns >= start[:, rows, None]) & (columns < end[:, rows, None])
+
+
 class Indexer(nn.Module):
     def __init__(self, config: Glm53Config) -> None:
         super().__init__()
@@ -97,12 +112,19 @@ class Indexer(nn.Module):
     def pools(self, x: torch.Tensor, valid: torch.Tensor,
               cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
         """Pool keys [B, P, K], their token positions [B, P, L] (-1 where invalid), completeness [B, P]."""
+        return self.pool(*self.token_keys(x), valid, cu_seqlens)
+
+    def token_keys(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, D] -> per-token keys [B, T, K] and pooling-gate logits [B, T, K] (x's dtype)."""
+        return self.k_norm(self.wk(x)), F.linear(x, as_local(self, "index_kpool_compress_gate"))
+
+    def pool(self, keys: torch.Tensor, gate: torch.Tensor, valid: torch.Tensor,
+             cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """`pools` from per-token keys and gate logits [B, T, K] (context parallelism gathers these, not x)."""
         T = valid.shape[1]
-        keys = self.k_norm(self.wk(x))  # [B, T, K]
-        gate = F.linear(x, as_local(self, "index_kpool_compress_gate"))  # [B, T, K]
         positions, token_valid, keep = pool_layout(valid, self.kpool, cu_seqlens)
         safe = positions.clamp(0, T - 1)
-        batch = torch.arange(valid.shape[0], device=x.device)[:, None, None]
+        batch = torch.arange(valid.shape[0], device=keys.device)[:, None, None]
         complete = token_valid.all(-1)  # [B, P]
         logits = gate[batch, safe].float() + as_local(self, "index_kpool_compress_ape").float()
         logits = logits.masked_fill(~token_valid[..., None], float("-inf"))
@@ -124,41 +146,64 @@ class Indexer(nn.Module):
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, q_resid: torch.Tensor, valid: torch.Tensor,
-                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-        """x [B, T, D], q_resid [B, T, R], valid [B, T] bool -> top-k key positions [B, T, J] int64."""
-        return self.score_and_select(x, q_resid, valid, cu_seqlens=cu_seqlens)[0]
+                cu_seqlens: torch.Tensor | None = None,
+                shards: SequenceShards | None = None) -> torch.Tensor:  # fmt: skip
+        """x [B, T, D], q_resid [B, T, R], valid [B, T] bool -> top-k key positions [B, T, J] int64 (`shards`:
+        as `score_and_select`)."""
+        return self.score_and_select(x, q_resid, valid, cu_seqlens=cu_seqlens, shards=shards)[0]
 
     def score_and_select(
         self, x: torch.Tensor, q_resid: torch.Tensor, valid: torch.Tensor, grad: bool = False,
-        cu_seqlens: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None, shards: SequenceShards | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> (top-k [B, T, J], scores [B, T, P] fp32, candidate pools [B, T, P], selected pools [B, T, P]).
 
         With `grad` (and grad mode on) the scores carry gradient to this indexer's own parameters only: its
         inputs are detached, so the indexer KL loss (losses.py) trains the indexer and nothing else, and the
         selection itself, made from detached scores, is never differentiated (DeepSeek-V3.2).
+        With `shards` (context parallelism, ForwardContext.cp): x and q_resid are this rank's queries, at global
+        positions shards.offset + [0, T); `valid` [B, S] and `cu_seqlens` (over B * S) describe the whole
+        sequence; the per-token keys and gate logits are gathered from every rank (their gradient flows back to
+        the owner) and pooled at global positions, so a pool straddling a rank boundary is the one-process pool.
+        The outputs are this rank's query rows; top-k holds global key positions.
         """
+        offset = 0 if shards is None else shards.offset
         with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
-            pool_keys, positions, complete = self.pools(x.detach(), valid, cu_seqlens)
+            keys, gate = self.token_keys(x.detach())
+            if shards is not None:
+                keys, gate = shards.all_gather(keys, dim=1), shards.all_gather(gate, dim=1)
+            pool_keys, positions, complete = self.pool(keys, gate, valid, cu_seqlens)
             start = None if cu_seqlens is None else pool_starts(positions, valid.shape[1])
-            scores = self.scores(x.detach(), q_resid.detach(), pool_keys, cu_seqlens, start)
+            if shards is None:
+                scores = self.scores(x.detach(), q_resid.detach(), pool_keys, cu_seqlens, start)
+            else:  # the packed kernel's queries are the keys' own positions: mask other documents' pools here
+                scores = self.scores(x.detach(), q_resid.detach(), pool_keys)
+                if cu_seqlens is not None:
+                    scores = scores * own_document_pools(start, cu_seqlens, valid.shape[1], offset, x.shape[1])
         with torch.no_grad():
-            topk, candidate, selected = self.select(scores.detach(), positions, complete, valid, cu_seqlens)
+            topk, candidate, selected = self.select(scores.detach(), positions, complete, valid, cu_seqlens,
+                                                    query_offset=offset)  # fmt: skip
         return topk, scores, candidate, selected
 
     def select(
         self, scores: torch.Tensor, positions: torch.Tensor, complete: torch.Tensor, valid: torch.Tensor,
-        cu_seqlens: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None, query_offset: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Top-k pools -> (token positions [B, T, J], candidate pools [B, T, P], selected pools [B, T, P])."""
-        B, T = valid.shape
-        query_pos = torch.arange(T, device=scores.device)
-        # Causal visibility from positions (s <= t; a complete pool's tokens are all valid), no [B, T, T] mask.
-        pool_end = positions[..., -1].clamp(0, T - 1)  # [B, P]
+        """Top-k pools -> (token positions [B, T, J], candidate pools [B, T, P], selected pools [B, T, P]).
+
+        scores [B, T, P] are the queries at positions query_offset + [0, T) of the keys' sequence: `valid` [B, S]
+        and `cu_seqlens` (over B * S) describe the keys (T == S with offset 0 when queries and keys coincide).
+        """
+        B, S = valid.shape
+        T = scores.shape[1]
+        rows = slice(query_offset, query_offset + T)
+        query_pos = torch.arange(query_offset, query_offset + T, device=scores.device)
+        # Causal visibility from positions (s <= t; a complete pool's tokens are all valid), no [B, T, S] mask.
+        pool_end = positions[..., -1].clamp(0, S - 1)  # [B, P]
         candidate = (pool_end[:, None, :] <= query_pos[None, :, None]) & complete[:, None]  # [B, T, P]
         if cu_seqlens is not None:  # ... and a pool of the query's own document (it starts at or after the doc)
-            doc_start = document_bounds(cu_seqlens, B, T)[0]
-            candidate &= pool_starts(positions, T)[:, None, :] >= doc_start[:, :, None]
+            doc_start = document_bounds(cu_seqlens, B, S)[0][:, rows]
+            candidate &= pool_starts(positions, S)[:, None, :] >= doc_start[:, :, None]
         scores = scores.masked_fill(~candidate, torch.finfo(scores.dtype).min)
         select = min(self.index_topk // self.kpool, scores.shape[-1])
         if cu_seqlens is None:
@@ -170,29 +215,37 @@ class Indexer(nn.Module):
         tokens = positions[torch.arange(B, device=scores.device)[:, None, None], chosen]  # [B, T, select, L]
         topk = tokens.masked_fill(~chosen_ok[..., None], -1).flatten(-2)
         if self.select_tail:
-            topk = torch.cat([topk, self.visible_tail(valid, cu_seqlens)], dim=-1)
+            topk = torch.cat([topk, self.visible_tail(valid, cu_seqlens, query_offset, T)], dim=-1)
         topk = F.pad(topk, (0, self.num_slots - topk.shape[-1]), value=-1)[..., : self.num_slots]
-        return topk.masked_fill(~valid[..., None], -1), candidate, selected
+        return topk.masked_fill(~valid[:, rows, None], -1), candidate, selected
 
-    def visible_tail(self, valid: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-        """The tokens of each query's incomplete pool: [B, T, L-1] positions, -1 where empty."""
-        B, T = valid.shape
+    def visible_tail(self, valid: torch.Tensor, cu_seqlens: torch.Tensor | None = None, query_offset: int = 0,
+                     num_queries: int | None = None) -> torch.Tensor:  # fmt: skip
+        """The tokens of each query's incomplete pool: [B, T, L-1] positions, -1 where empty.
+
+        Queries are positions query_offset + [0, T) (T = num_queries, default all S) of the sequence `valid`
+        [B, S] and `cu_seqlens` (over B * S) describe.
+        """
+        B, S = valid.shape
+        T = S - query_offset if num_queries is None else num_queries
         width = self.kpool - 1
         if width == 0:
             return valid.new_empty(B, T, 0, dtype=torch.long)
-        count = valid.long().cumsum(-1)  # [B, T] visible (valid, causal) tokens per query
+        rows = slice(query_offset, query_offset + T)
+        count = valid.long().cumsum(-1)  # [B, S] visible (valid, causal) tokens per query
         origin = first_valid_position(valid)[:, None]  # where the query's pools start
         if cu_seqlens is not None:  # count only the query's own document
-            doc_start = document_bounds(cu_seqlens, B, T)[0]
+            doc_start = document_bounds(cu_seqlens, B, S)[0]
             count = count - torch.cat([count.new_zeros(B, 1), count], dim=1).gather(1, doc_start)
-            origin = first_valid_in_document(valid, cu_seqlens)
+            origin = first_valid_in_document(valid, cu_seqlens)[:, rows]
+        count = count[:, rows]  # [B, T]
         tail = count.remainder(self.kpool)
         offsets = torch.arange(width, device=valid.device)
         start = origin + count - tail
         idx = start[..., None] + offsets  # [B, T, L-1]
-        query_pos = torch.arange(T, device=valid.device)[None, :, None]
-        safe = idx.clamp(0, T - 1)
-        ok = (offsets < tail[..., None]) & (idx < T) & (idx <= query_pos)
+        query_pos = torch.arange(query_offset, query_offset + T, device=valid.device)[None, :, None]
+        safe = idx.clamp(0, S - 1)
+        ok = (offsets < tail[..., None]) & (idx < S) & (idx <= query_pos)
         ok = ok & valid.gather(-1, safe.flatten(1)).view_as(safe)
         return idx.masked_fill(~ok, -1)
 

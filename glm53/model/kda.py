@@ -9,6 +9,8 @@ Following transformers' Glm5NextTextLinearAttention:
     o = KDA(l2norm(q), l2norm(k), v, g, beta)                (kernels/kda/chunk.py)
     out = o_proj(gated_rmsnorm(o, g_b(g_a(x))))
 Packed documents (ctx.cu_seqlens): the convs and the KDA state restart at every document start.
+Context parallelism (ctx.cp, model/cp.py): the convs read the previous rank's last W - 1 inputs (a halo) and the
+state enters from the ranks before through their transitions (kernels/kda/state_passing.py, `kda_sharded`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from ..boundary import as_local
 from ..config import Glm53Config
 from ..kernels import kernel
 from ..kernels.kda import l2norm
+from ..kernels.kda.state_passing import kda_sharded
 from .context import ForwardContext
+from .cp import boundaries, halo_starts
 from .norm import GatedRMSNorm
 
 L2NORM_EPS = 1e-6  # fla's l2norm epsilon
@@ -92,20 +96,48 @@ class KimiDeltaAttention(nn.Module):
             return ctx.cache.kda_forward(self, x, ctx)
         if ctx is not None:
             x = (x * ctx.valid[:, :, None]).to(x.dtype)
+        split = lambda t: rearrange(t, "b t (h k) -> b t h k", k=self.head_dim)  # noqa: E731
+        projected = [self.q_proj(x), self.k_proj(x), self.v_proj(x)]
+        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        if ctx is not None and ctx.cp is not None:
+            return self._sharded(x, ctx, [split(t) for t in self._sharded_convs(projected, ctx)], split)
         cu_seqlens = None if ctx is None else ctx.cu_seqlens
         packed = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}  # kernel keyword, only when packed
-        split = lambda t: rearrange(t, "b t (h k) -> b t h k", k=self.head_dim)  # noqa: E731
-        q = split(self.q_conv1d(self.q_proj(x), cu_seqlens=cu_seqlens))
-        k = split(self.k_conv1d(self.k_proj(x), cu_seqlens=cu_seqlens))
-        v = split(self.v_conv1d(self.v_proj(x), cu_seqlens=cu_seqlens))
+        q, k, v = (split(conv(t, cu_seqlens=cu_seqlens)) for conv, t in zip(convs, projected))
         g = self.forget_gate(x)
         beta = torch.sigmoid(self.b_proj(x))
         q, k = l2norm(q.float(), L2NORM_EPS), l2norm(k.float(), L2NORM_EPS)
         o, _ = kernel("kda")(q, k, v, g, beta, **packed)  # q, k stay fp32 (fla l2-normalises inside its fp32 kernel)
-        o = o.to(v.dtype)
+        return self._output(x, o.to(v.dtype), split)
+
+    def _output(self, x: torch.Tensor, o: torch.Tensor, split) -> torch.Tensor:
+        """o [B, T, H, K] -> o_proj(gated_rmsnorm(o, g_b(g_a(x)))) [B, T, D]."""
         gate = split(self.g_b_proj(self.g_a_proj(x)))
         o = self.o_norm(o, gate)  # [B, T, H, K]
         return self.o_proj(rearrange(o, "b t h k -> b t (h k)"))
+
+    def _sharded_convs(self, projected: list[torch.Tensor], ctx: ForwardContext) -> list[torch.Tensor]:
+        """The three convs on this rank's slice, each extended by the previous rank's last W - 1 inputs (one
+        exchange for all three); packed, a tap never reads across a document start, halo included."""
+        width = self.q_conv1d.weight.shape[-1] - 1
+        halo = ctx.cp.from_previous(torch.cat(projected, dim=-1), width)  # [B, W - 1, 3 * H * K] (zeros on rank 0)
+        halos = halo.split([t.shape[-1] for t in projected], dim=-1)
+        cu = None if ctx.segment_ids is None else boundaries(halo_starts(ctx.segment_ids, ctx.cp, width))
+        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        return [conv(torch.cat([h, t], dim=1), cu_seqlens=cu)[:, width:] for conv, h, t in zip(convs, halos, projected)]
+
+    def _sharded(self, x: torch.Tensor, ctx: ForwardContext, qkv: list[torch.Tensor], split) -> torch.Tensor:
+        """The delta rule on this rank's slice, its initial state composed from the earlier ranks' transitions."""
+        q, k, v = qkv
+        g = self.forget_gate(x)
+        beta = torch.sigmoid(self.b_proj(x))
+        q, k = l2norm(q.float(), L2NORM_EPS), l2norm(k.float(), L2NORM_EPS)
+        packed = {}
+        if ctx.segment_ids is not None:
+            starts = halo_starts(ctx.segment_ids, ctx.cp, 0)  # [B, T]
+            packed = dict(starts=starts, cu_seqlens=boundaries(starts))
+        o = kda_sharded(q, k, v, g, beta, ctx.cp, kernel=kernel("kda"), **packed)
+        return self._output(x, o.to(v.dtype), split)
 
     def init_weights(self) -> None:
         std = self.initializer_range

@@ -1,7 +1,8 @@
 """NoPE multi-head latent attention (MLA) with DSA top-k sparse attention.
 
-Legend: B batch, T time, D model width, H heads, R q_lora_rank, Z kv_lora_rank, K qk head width, V v head width,
-J selected key slots per query (einsum subscripts: e, f, c stand for K, V, Z).
+Legend: B batch, T time (queries), S keys (the whole sequence under context parallelism), D model width, H heads,
+R q_lora_rank, Z kv_lora_rank, K qk head width, V v head width, J selected key slots per query (einsum
+subscripts: e, f, c stand for K, V, Z).
 Following transformers' Glm5NextTextAttention (no rotary part: qk_rope_head_dim == 0):
     q_resid = RMSNorm(q_a_proj(x));            q = q_b_proj(q_resid)       [B, T, H, K]
     latent  = RMSNorm(kv_a_proj_with_mqa(x));  k, v = split(kv_b_proj(latent))   [B, T, H, K], [B, T, H, V]
@@ -11,6 +12,8 @@ The attention runs either per head (kernel "sparse_attention") or absorbed into 
 "sparse_mqa_attention", see `absorb` below); both are exact rewrites of the same sum.
 Packed documents (ctx.cu_seqlens): the indexer selects, and the attention kernels read, keys of the query's own
 document only.
+Context parallelism (ctx.cp): queries stay on their rank; the keys are the gathered latent of the whole sequence
+(key_sequence.py) and the indexer pools at global positions, so every rank's rows equal one process's rows.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from .indexer import Indexer
 from ..kernels import kernel
 from ..training.losses import attention_pool_mass
 from .context import ForwardContext
+from .key_sequence import key_sequence, same_document_slots
 from .norm import RMSNorm
 
 
@@ -60,45 +64,58 @@ class MultiHeadLatentAttention(nn.Module):
         """x [B, T, D] -> (out [B, T, D], top-k [B, T, J]); reads ctx.valid, ctx.shared_topk (shared layers).
 
         With `ctx.stats.indexer`, records what the indexer KL loss needs (training/losses.py); the output is
-        unchanged.
+        unchanged. With `ctx.cp` the queries are this rank's slice and the keys the whole sequence (see below).
         """
+        if ctx.cache is not None and ctx.cp is not None:
+            raise ValueError("a generation cache (ctx.cache) cannot be used with context parallelism (ctx.cp)")
         if ctx.cache is not None:  # generation: read and extend the cached latent and pools (glm53/generation)
             return ctx.cache.mla_forward(self, x, ctx)
-        valid, stats, cu_seqlens = ctx.valid, ctx.stats, ctx.cu_seqlens
-        packed = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}  # kernel keyword, only when packed
+        stats, cp = ctx.stats, ctx.cp
+        keys = key_sequence(ctx)  # the whole sequence's mask and documents (gathered under cp)
+        valid, cu_seqlens = keys.valid, keys.cu_seqlens
         record = stats is not None and stats.indexer
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = rearrange(self.q_b_proj(q_resid), "b t (h e) -> b t h e", e=self.qk_head_dim)
         latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))  # [B, T, Z]
+        if cp is not None:  # every rank's latent: Z numbers per key (its gradient is summed back to the owner)
+            latent = cp.all_gather(latent, dim=1)  # [B, S, Z]
         if self.indexer is not None and record:
             topk, stats.index_scores, stats.candidate, stats.selected = self.indexer.score_and_select(
-                x, q_resid, valid, grad=True, cu_seqlens=cu_seqlens
+                x, q_resid, valid, grad=True, cu_seqlens=cu_seqlens, shards=cp
             )
         elif self.indexer is not None:
-            topk = self.indexer(x, q_resid, valid, cu_seqlens)
+            topk = self.indexer(x, q_resid, valid, cu_seqlens, shards=cp)
         elif ctx.shared_topk is None:
             raise ValueError("a 'shared' indexer layer needs the top-k of an earlier 'full' layer (got none)")
         else:
             topk = ctx.shared_topk
-        k = None
-        if self.absorb:
-            # q_abs = W_uk^T q per head; attend in the latent (key = value = latent); o = W_uv o_latent
-            w = as_local(self.kv_b_proj, "weight").view(-1, self.qk_head_dim + self.v_head_dim, latent.shape[-1])
-            w_uk, w_uv = w.split([self.qk_head_dim, self.v_head_dim], dim=1)  # [H, K, Z], [H, V, Z]
-            q_abs = torch.einsum("bthe,hec->bthc", q, w_uk)
-            # under TP this rank's heads read the whole latent: its gradient is summed over the ranks
-            shared = into_head_parallel(self.kv_b_proj, "weight", latent)
-            o_latent = kernel("sparse_mqa_attention")(q_abs, shared, topk, self.scale, **packed)  # [B, T, H, Z]
-            o = torch.einsum("bthc,hfc->bthf", o_latent, w_uv)
-        else:
-            k, v = self._expand_kv(latent)
-            o = kernel("sparse_attention")(q, k, v, topk, self.scale, **packed)
+        if cp is None:
+            o, k = self._attend(q, latent, topk, {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens})
+        else:  # the packed kernels take queries at the keys' own positions: drop other documents' slots here
+            o, k = self._attend(q, latent, same_document_slots(topk, keys), {})
         if record:
             k = self._expand_kv(latent)[0] if k is None else k
-            stats.pool_mass = attention_pool_mass(q, k, valid, self.kpool, self.scale, cu_seqlens=cu_seqlens)
+            stats.pool_mass = attention_pool_mass(q, k, valid, self.kpool, self.scale, cu_seqlens=cu_seqlens,
+                                                  query_offset=keys.offset)  # fmt: skip
         if self.training and self.dropout > 0:
             o = nn.functional.dropout(o, self.dropout)
         return self.o_proj(rearrange(o, "b t h f -> b t (h f)")), topk
+
+    def _attend(self, q: torch.Tensor, latent: torch.Tensor, topk: torch.Tensor,
+                packed: dict) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """q [B, T, H, K], latent [B, S, Z], topk [B, T, J] -> (o [B, T, H, V], the per-head keys [B, S, H, K]
+        when they were expanded, else None). `packed`: the kernels' cu_seqlens keyword, when packed."""
+        if not self.absorb:
+            k, v = self._expand_kv(latent)
+            return kernel("sparse_attention")(q, k, v, topk, self.scale, **packed), k
+        # q_abs = W_uk^T q per head; attend in the latent (key = value = latent); o = W_uv o_latent
+        w = as_local(self.kv_b_proj, "weight").view(-1, self.qk_head_dim + self.v_head_dim, latent.shape[-1])
+        w_uk, w_uv = w.split([self.qk_head_dim, self.v_head_dim], dim=1)  # [H, K, Z], [H, V, Z]
+        q_abs = torch.einsum("bthe,hec->bthc", q, w_uk)
+        # under TP this rank's heads read the whole latent: its gradient is summed over the ranks
+        shared = into_head_parallel(self.kv_b_proj, "weight", latent)
+        o_latent = kernel("sparse_mqa_attention")(q_abs, shared, topk, self.scale, **packed)  # [B, T, H, Z]
+        return torch.einsum("bthc,hfc->bthf", o_latent, w_uv), None
 
     def _expand_kv(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """latent [B, T, Z] -> per-head k [B, T, H, K], v [B, T, H, V]."""

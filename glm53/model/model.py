@@ -19,6 +19,8 @@ Head and loss: with labels the next-token and MTP losses run the head and the cr
 Packed documents: `cu_seqlens` (input_ids [1, total], or [B, T] with boundaries over the flattened tokens) or
 `position_ids` restarting at 0 per document; each document is computed as if alone (model/packing.py), and
 with labels a document's last token predicts nothing.
+Context parallelism: `cp=` (a SequenceShards) runs this rank's slice of every sequence (model/cp.py); the
+inputs come from glm53.parallel.context_parallel_inputs.
 """
 
 from __future__ import annotations
@@ -37,9 +39,11 @@ from ..checkpoint.save import save_checkpoint
 from ..config import Glm53Config
 from ..precision import cast_model, resolve_dtype
 from ..training.loss_counts import LossCounts, count_loss_terms
-from ..training.losses import IGNORE_INDEX, causal_lm_head_loss, expert_load, indexer_kl_terms, router_aux_loss
+from ..training.losses import IGNORE_INDEX, causal_lm_head_loss, expert_load, head_target_loss, indexer_kl_terms
+from ..training.losses import router_aux_loss
 from .block import DecoderBlock, run_block
-from .context import ForwardContext, LayerStats
+from .context import ForwardContext, LayerStats, SequenceShards
+from .cp import across_ranks, sharded_packing_fields, sharded_targets
 from .hyper_connection import HyperConnection, collapse_streams, expand_streams
 from .inputs import check_device, check_inputs_embeds, check_token_ids
 from .mla import MultiHeadLatentAttention
@@ -94,6 +98,7 @@ class Glm53Model(nn.Module):
         *,
         cu_seqlens: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        cp: SequenceShards | None = None,
     ) -> torch.Tensor:
         """-> last hidden state [B, T, D].
 
@@ -104,10 +109,11 @@ class Glm53Model(nn.Module):
         inputs_embeds = self.embed(input_ids, inputs_embeds)
         if ctx is None:
             valid = padding_mask(attention_mask, inputs_embeds.shape[:2], inputs_embeds.device)
-            fields = packing_fields(valid, cu_seqlens, position_ids)
-            if cache is not None and fields["cu_seqlens"] is not None:
-                raise ValueError("a generation cache does not take packed documents (cu_seqlens / position_ids)")
-            ctx = ForwardContext(valid=valid, cache=cache, **fields)
+            fields = packing_fields(valid, cu_seqlens, position_ids, cp)
+            if cache is not None and (fields["cu_seqlens"] is not None or cp is not None):
+                raise ValueError("a generation cache does not take packed documents (cu_seqlens / position_ids) "
+                                 "or context parallelism (cp)")  # fmt: skip
+            ctx = ForwardContext(valid=valid, cache=cache, cp=cp, **fields)
         streams = expand_streams(inputs_embeds, self.config.hc_mult)  # [B, T, N, D]
         for layer in self.layers:
             (streams, topk), layer_stats = run_block(self.gradient_checkpointing, layer, (streams,), ctx)
@@ -127,10 +133,24 @@ class Glm53Model(nn.Module):
         self.norm.init_weights()
 
 
-def packing_fields(valid: torch.Tensor, cu_seqlens: torch.Tensor | None,
-                   position_ids: torch.Tensor | None) -> dict[str, torch.Tensor | None]:  # fmt: skip
-    """ForwardContext's packed-document fields (`cu_seqlens`, `segment_ids`; None when nothing is packed)."""
+def packing_fields(valid: torch.Tensor, cu_seqlens: torch.Tensor | None, position_ids: torch.Tensor | None,
+                   cp: SequenceShards | None = None) -> dict[str, torch.Tensor | None]:  # fmt: skip
+    """ForwardContext's packed-document fields (`cu_seqlens`, `segment_ids`; None when nothing is packed).
+
+    Under context parallelism (`cp`) documents come as this slice's `position_ids` (model/cp.py): every rank
+    then has both fields, its own slice holding a document start or not."""
     B, T = valid.shape
+    if cp is not None:
+        if cu_seqlens is not None:
+            raise ValueError("under context parallelism pass packed documents as position_ids (this slice's, "
+                             "restarting at 0 per document; glm53.parallel.context_parallel_inputs makes them), "
+                             "not cu_seqlens")  # fmt: skip
+        if position_ids is None:
+            return dict(cu_seqlens=None, segment_ids=None)
+        if tuple(position_ids.shape) != (B, T) or position_ids.dtype.is_floating_point:
+            raise ValueError(f"position_ids must be an integer tensor of shape {(B, T)}, got {position_ids.dtype} "
+                             f"{tuple(position_ids.shape)}")  # fmt: skip
+        return sharded_packing_fields(position_ids.to(valid.device), cp)
     cu = document_boundaries(B, T, valid.device, cu_seqlens, position_ids)
     return dict(cu_seqlens=cu, segment_ids=None if cu is None else segment_ids(cu, B, T))
 
@@ -181,6 +201,7 @@ class Glm53ForCausalLM(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         return_logits: bool = True,
+        cp: SequenceShards | None = None,
     ) -> CausalLMOutput:
         """`return_logits` (default True): `out.logits = lm_head(last hidden state)` [B, T, vocab], in the graph as
         always; with False, `out.logits` is None and no [B, T, vocab] tensor is made (training loops pass False).
@@ -189,19 +210,25 @@ class Glm53ForCausalLM(nn.Module):
         With labels, the losses; each part is this forward's mean unless `loss_denominators` (the counts of a
         whole global batch, `loss_counts` summed over micro-batches and ranks) says what to divide its sum by.
         Packed documents: `cu_seqlens` [n_docs + 1] over the flattened tokens or `position_ids` [B, T] restarting
-        at 0 per document (model/packing.py); `loss_counts(..., position_ids)` gives their denominators."""
+        at 0 per document (model/packing.py); `loss_counts(..., position_ids)` gives their denominators.
+        Context parallelism (`cp`, model/cp.py): the inputs are this rank's slice of every sequence, `labels` its
+        slice of the next-token targets (shifted over the whole sequence) and `loss_denominators` are required;
+        glm53.parallel.context_parallel_inputs makes all of them. Every loss part is then the whole batch's."""
         if labels is not None:  # before the forward: a bad label would otherwise fail only in the loss
             check_token_ids("labels", labels, self.config.vocab_size, self.lm_head.weight.device, ignore=IGNORE_INDEX)
         collect = labels is not None or self.training
+        if cp is not None and labels is not None and loss_denominators is None:
+            raise ValueError("under context parallelism (cp) pass loss_denominators: the counts of the whole "
+                             "sequences (glm53.parallel.context_parallel_inputs computes them)")  # fmt: skip
         if not collect:
             hidden = self.model(input_ids, attention_mask, inputs_embeds, cu_seqlens=cu_seqlens,
-                                position_ids=position_ids)  # fmt: skip
+                                position_ids=position_ids, cp=cp)  # fmt: skip
             return CausalLMOutput(logits=self._logits(hidden, return_logits), last_hidden_state=hidden)
         inputs_embeds = self.model.embed(input_ids, inputs_embeds)
         valid = padding_mask(attention_mask, inputs_embeds.shape[:2], inputs_embeds.device)
         record_indexer = labels is not None and self.config.indexer_loss_weight > 0
-        ctx = ForwardContext(valid=valid, collect_stats=True, record_indexer=record_indexer,
-                             **packing_fields(valid, cu_seqlens, position_ids))  # fmt: skip
+        ctx = ForwardContext(valid=valid, collect_stats=True, record_indexer=record_indexer, cp=cp,
+                             **packing_fields(valid, cu_seqlens, position_ids, cp))  # fmt: skip
         stats: list[LayerStats] = []
         hidden = self.model(inputs_embeds=inputs_embeds, ctx=ctx, stats=stats)
         out = CausalLMOutput(logits=self._logits(hidden, return_logits), last_hidden_state=hidden)
@@ -211,7 +238,7 @@ class Glm53ForCausalLM(nn.Module):
         if self.training:  # evaluation forwards (labels, eval mode) leave the balancing counts alone
             self._count_expert_loads(stats, valid, mtp_runs)
         if labels is not None:
-            self._add_losses(out, labels, valid, stats, mtp_runs, loss_denominators, ctx.segment_ids)
+            self._add_losses(out, labels, valid, stats, mtp_runs, loss_denominators, ctx.segment_ids, cp)
         return out
 
     def _logits(self, hidden: torch.Tensor, return_logits: bool) -> torch.Tensor | None:
@@ -238,29 +265,38 @@ class Glm53ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def _add_losses(self, out: CausalLMOutput, labels: torch.Tensor, valid: torch.Tensor, stats: list[LayerStats],
-                    mtp_runs: list, den: LossCounts | None, segments: torch.Tensor | None = None) -> None:  # fmt: skip
+                    mtp_runs: list, den: LossCounts | None, segments: torch.Tensor | None = None,
+                    cp: SequenceShards | None = None) -> None:  # fmt: skip
         """Fill out.lm_loss, .mtp_loss, .aux_loss, .indexer_loss and their weighted sum out.loss.
 
         `segments` [B, T] (packed documents): no label crosses a document boundary, balance loss per document.
+        `cp`: `labels` are next-token targets of this slice; each part is this rank's share, then `across_ranks`.
         """
         cfg = self.config
 
         def per_view(field: str, view: int) -> torch.Tensor | None:
             return None if den is None else getattr(den, field)[view]
 
-        if segments is None:
-            depth_labels = lambda d: labels if d == 0 else mtp_labels(labels, d, IGNORE_INDEX)  # noqa: E731
-        else:
-            depth_labels = lambda d: document_labels(labels, segments, d, IGNORE_INDEX)  # noqa: E731
         head = self.lm_head
-        out.lm_loss = loss = causal_lm_head_loss(out.last_hidden_state, head, depth_labels(0), per_view("targets", 0))
+
+        def ce(hidden: torch.Tensor, d: int) -> torch.Tensor:
+            """The cross-entropy of view d (0: next token, d: MTP depth d) from the hidden state the head reads."""
+            if cp is not None:
+                targets = sharded_targets(labels, segments, d, cp, IGNORE_INDEX)
+                return head_target_loss(hidden, head, targets, per_view("targets", d))
+            if segments is not None:
+                aligned = document_labels(labels, segments, d, IGNORE_INDEX)
+            else:
+                aligned = labels if d == 0 else mtp_labels(labels, d, IGNORE_INDEX)
+            return causal_lm_head_loss(hidden, head, aligned, per_view("targets", d))
+
+        out.lm_loss = loss = ce(out.last_hidden_state, 0)
         if mtp_runs:
-            per_depth = [causal_lm_head_loss(h, head, depth_labels(d), per_view("targets", d))
-                         for d, (h, _, _) in enumerate(mtp_runs, start=1)]  # fmt: skip
+            per_depth = [ce(h, d) for d, (h, _, _) in enumerate(mtp_runs, start=1)]
             out.mtp_loss = torch.stack(per_depth).mean()
             loss = loss + cfg.mtp_loss_weight * out.mtp_loss
         records = [(s, valid, 0) for s in stats] + [(s, v, d) for d, (_, v, s) in enumerate(mtp_runs, start=1)]
-        out.aux_loss = router_aux_loss(records, cfg.router_aux_loss_coef, cfg.router_z_loss_coef, den, segments)
+        out.aux_loss = router_aux_loss(records, cfg.router_aux_loss_coef, cfg.router_z_loss_coef, den, segments, cp)
         if out.aux_loss is not None:
             loss = loss + out.aux_loss
         if cfg.indexer_loss_weight > 0:
@@ -270,6 +306,9 @@ class Glm53ForCausalLM(nn.Module):
             out.indexer_loss = torch.stack(terms).mean() if terms else out.lm_loss.new_zeros(())
             loss = loss + cfg.indexer_loss_weight * out.indexer_loss
         out.loss = loss
+        if cp is not None:
+            for name in ("loss", "lm_loss", "mtp_loss", "aux_loss", "indexer_loss"):
+                setattr(out, name, across_ranks(getattr(out, name), cp))
 
     @torch.no_grad()
     def _count_expert_loads(self, stats: list[LayerStats], valid: torch.Tensor, mtp_runs: list) -> None:

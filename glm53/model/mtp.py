@@ -13,6 +13,7 @@ Depth d (1-based) uses layer min(d, num_nextn_predict_layers) - 1, so GLM-5's si
 Position i at depth d reads token i + d and predicts token i + d + 1; positions past the end read a zero
 embedding and are masked out as padding (their labels are -100). Packed documents: a position whose token d
 ahead lies in the next document is masked out the same way (it reads and predicts nothing across a boundary).
+Context parallelism (ctx.cp): the tokens d ahead of a slice's last positions come from the next rank (model/cp.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from ..config import Glm53Config
 from .block import run_block
 from .context import ForwardContext, LayerStats
+from .cp import ahead
 from .mla import MultiHeadLatentAttention
 from .moe import MoE
 from .norm import RMSNorm
@@ -102,12 +104,12 @@ class MultiTokenPrediction(nn.Module):
         h = hidden
         for d in range(1, self.depth + 1):
             layer = self.layer_for(d)
-            valid_d = ctx.valid & shift_left(ctx.valid, d, False)
+            valid_d = ctx.valid & ahead(ctx.valid, d, False, ctx.cp)
             if ctx.segment_ids is not None:
-                valid_d = valid_d & (shift_left(ctx.segment_ids, d, -1) == ctx.segment_ids)
+                valid_d = valid_d & (ahead(ctx.segment_ids, d, -1, ctx.cp) == ctx.segment_ids)
             depth_ctx = ForwardContext(valid=valid_d, collect_stats=True, record_indexer=ctx.record_indexer,
-                                       cu_seqlens=ctx.cu_seqlens, segment_ids=ctx.segment_ids)  # fmt: skip
-            h, stats = run_block(self.gradient_checkpointing, layer, (h, shift_left(embeds, d)), depth_ctx)
+                                       cu_seqlens=ctx.cu_seqlens, segment_ids=ctx.segment_ids, cp=ctx.cp)  # fmt: skip
+            h, stats = run_block(self.gradient_checkpointing, layer, (h, ahead(embeds, d, 0.0, ctx.cp)), depth_ctx)
             out.append((layer.shared_head.norm(h), valid_d, stats))
         return out
 

@@ -29,6 +29,8 @@ from .runtime import full_optimizer_state, full_state, init_mesh, load_full_opti
 from .load import load_pretrained
 from .export import export_pretrained
 from .train_state import read_training_state, write_training_state
+from .context import CpShards
+from .cp_inputs import context_parallel_inputs
 
 _boundary.install()
 _expert.install()
@@ -40,5 +42,6 @@ __all__ = [
     "expert_load_sum", "apply_expert_parallel", "check_ep_size", "clip_grad_norm_",
     "init_mesh", "loss_denominators", "full_state", "full_optimizer_state", "load_full_optimizer_state",
     "load_pretrained", "export_pretrained", "write_training_state", "read_training_state",
+    "context_parallel_inputs", "CpShards",
     "tp_plan", "check_tp_size", "ReplicateParams", "ReplicateModule", "LocalShardParams", "ExpertTensorParallel",
 ]  # fmt: skip

@@ -1,6 +1,6 @@
 """Per-rank memory of a parallel layout, read from the real `parallelize` on a fake process group (no data).
 
-Legend: W world size (dp x ep x tp), dp/ep/tp the mesh dimensions (runtime.init_mesh's layout). The model is
+Legend: W world size (dp x cp x ep x tp), dp/cp/ep/tp the mesh dimensions (runtime.init_mesh's layout). The model is
 built on the meta device; `fake_world(W)` starts torch's `fake` process group as rank 0 of W, whose collectives
 do nothing, so `parallelize` places every parameter exactly as on a real run and each local shard's size is
 rank 0's. Used by `python -m glm53.tools.plan`.
@@ -32,9 +32,10 @@ def fake_world(world_size: int):
         dist.destroy_process_group()
 
 
-def layout_mesh(dp: int, ep: int, tp: int, device_type: str = "cpu") -> DeviceMesh:
-    """The mesh `glm53 train --dp --ep --tp` builds (runtime.init_mesh), on the current process group."""
-    dims = [(n, s) for n, s in (("dp", dp), ("ep", ep), ("tp", tp)) if s > 1 or (n == "dp" and ep > 1)]
+def layout_mesh(dp: int, ep: int, tp: int, device_type: str = "cpu", cp: int = 1) -> DeviceMesh:
+    """The mesh `glm53 train --dp --ep --tp` builds (runtime.init_mesh), on the current process group; with
+    cp > 1 a "cp" dimension after dp (context parallelism)."""
+    dims = [(n, s) for n, s in (("dp", dp), ("cp", cp), ("ep", ep), ("tp", tp)) if s > 1 or (n == "dp" and ep > 1)]
     if not dims:
         dims = [("dp", 1)]
     names, shape = zip(*dims)

@@ -1,6 +1,7 @@
 """`parallelize`: tensor parallelism, then activation checkpointing, then FSDP2 (per block, then the root).
 
-Legend: dp the data-parallel mesh dimension (FSDP2), tp the tensor-parallel one (`plan.py`).
+Legend: dp the data-parallel mesh dimension (FSDP2), tp the tensor-parallel one (`plan.py`), cp the
+context-parallel one (every rank one slice of each sequence; FSDP shards over dp x cp).
 Under a low-precision `MixedPrecisionPolicy` the parameters the model needs in fp32 (mHC fn/base/scale, the
 router, KDA's convs, dt_bias and A_log) live in their own FSDP units with an fp32 policy; the router's
 e_score_correction_bias is a buffer, which FSDP never casts.
@@ -34,17 +35,19 @@ from .pool_mass import sum_selected_pool_mass
 
 _PARALLELIZED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 _VOCAB_PARALLEL: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+_CP_MESH: "weakref.WeakKeyDictionary[nn.Module, tuple[DeviceMesh, DeviceMesh]]" = weakref.WeakKeyDictionary()
 
 
-def _check_mesh(mesh: DeviceMesh, dp_dim: str, tp_dim: str, ep_dim: str = "ep") -> tuple[bool, bool]:
+def _check_mesh(mesh: DeviceMesh, dp_dim: str, tp_dim: str, ep_dim: str = "ep",
+                cp_dim: str = "cp") -> tuple[bool, bool]:  # fmt: skip
     names = mesh.mesh_dim_names
     if not names:
         raise ValueError(f"parallelize needs a DeviceMesh with named dimensions ({dp_dim!r} and/or {tp_dim!r}); "
                          f"got {mesh} without names (init_device_mesh(..., mesh_dim_names=...))")  # fmt: skip
-    unknown = [n for n in names if n not in (dp_dim, tp_dim, ep_dim)]
+    unknown = [n for n in names if n not in (dp_dim, tp_dim, ep_dim, cp_dim)]
     if unknown:
-        raise ValueError(f"mesh dimensions {unknown} are neither dp_dim={dp_dim!r}, ep_dim={ep_dim!r} nor "
-                         f"tp_dim={tp_dim!r}; the mesh has {list(names)}")  # fmt: skip
+        raise ValueError(f"mesh dimensions {unknown} are neither dp_dim={dp_dim!r}, ep_dim={ep_dim!r}, "
+                         f"cp_dim={cp_dim!r} nor tp_dim={tp_dim!r}; the mesh has {list(names)}")  # fmt: skip
     return dp_dim in names, tp_dim in names
 
 
@@ -212,15 +215,15 @@ def _blocks(model: Glm53ForCausalLM) -> list[nn.Module]:
     return [*model.model.layers, *(model.mtp.layers if model.mtp is not None else [])]
 
 
-def expert_load_sum(mesh: DeviceMesh, dp_dim: str, tp_dim: str, ep_dim: str = "ep"):
+def expert_load_sum(mesh: DeviceMesh, dp_dim: str, tp_dim: str, ep_dim: str = "ep", cp_dim: str = "cp"):
     """`model.expert_load_reduce` for `mesh`: the expert loads summed over the data-parallel ranks (dp, and ep,
-    whose ranks read their own batches too).
+    whose ranks read their own batches too) and the context-parallel ones (cp: each holds other tokens).
 
     TP ranks route identically and so count the same loads; they are averaged over the TP dimension too (exact
     for these integer counts), so the biases stay identical on every rank even if routing ever drifted.
     """
-    has_dp, has_tp = _check_mesh(mesh, dp_dim, tp_dim, ep_dim)
-    data_dims = [d for d in (dp_dim, ep_dim) if d in mesh.mesh_dim_names]
+    has_dp, has_tp = _check_mesh(mesh, dp_dim, tp_dim, ep_dim, cp_dim)
+    data_dims = [d for d in (dp_dim, ep_dim, cp_dim) if d in mesh.mesh_dim_names]
 
     def reduce(loads: torch.Tensor) -> torch.Tensor:
         loads = loads.clone()
@@ -244,6 +247,7 @@ def parallelize(
     reshard_after_forward: bool = True,
     activation_checkpointing: bool = False,
     ep_dim: str = "ep",
+    cp_dim: str = "cp",
 ) -> Glm53ForCausalLM:
     """Make `model` train on `mesh`: TP on mesh[tp_dim] if present, then activation checkpointing per block,
     then FSDP2 on mesh[dp_dim] if present (per block, then the root). Returns the model (changed in place).
@@ -258,6 +262,10 @@ def parallelize(
     all-to-all token dispatch, every dp x ep rank reads its own batches, the non-expert parameters are
     FSDP-sharded over the flattened dp x ep ranks and the experts over dp. Clip gradients with
     `glm53.parallel.clip_grad_norm_` (the gradients then live on two meshes). Not combined with tp > 1.
+
+    With a `cp_dim` dimension (context parallelism): parameters are FSDP-sharded over the flattened dp x cp ranks
+    (cp alone without dp) and the mesh is recorded for `context_parallel_inputs(model, ...)`, which gives each
+    rank its slice of every sequence; expert loads are summed over cp too. Not combined with tp or ep.
     """
     if not isinstance(model, Glm53ForCausalLM):
         raise TypeError(f"parallelize expects a Glm53ForCausalLM, got {type(model).__name__}")
@@ -265,15 +273,19 @@ def parallelize(
     if model in _PARALLELIZED or already:
         raise RuntimeError("parallelize was already applied to this model (or it already holds DTensor parameters); "
                            "build a fresh model and call parallelize once")  # fmt: skip
-    has_dp, has_tp = _check_mesh(mesh, dp_dim, tp_dim, ep_dim)
+    has_dp, has_tp = _check_mesh(mesh, dp_dim, tp_dim, ep_dim, cp_dim)
     has_ep = ep_dim in mesh.mesh_dim_names
+    has_cp = cp_dim in mesh.mesh_dim_names
+    if has_cp and (has_tp or has_ep):
+        raise ValueError(f"context parallelism ({cp_dim!r}) is not supported together with {tp_dim!r} or {ep_dim!r} "
+                         f"yet; the mesh has {list(mesh.mesh_dim_names)}")  # fmt: skip
     if has_ep and has_tp and mesh[tp_dim].size() > 1:
         raise ValueError(f"expert parallelism ({ep_dim}={mesh[ep_dim].size()}) together with tensor parallelism "
                          f"({tp_dim}={mesh[tp_dim].size()}) is not supported: use a ({dp_dim!r}, {ep_dim!r}) mesh, "
                          f"or ({dp_dim!r}, {tp_dim!r}) without EP")  # fmt: skip
-    if mp_policy is not None and not has_dp:
-        raise ValueError(f"mp_policy is FSDP2's MixedPrecisionPolicy and needs a {dp_dim!r} mesh dimension; "
-                         f"the mesh has {list(mesh.mesh_dim_names)}")  # fmt: skip
+    if mp_policy is not None and not has_dp and cp_dim not in mesh.mesh_dim_names:
+        raise ValueError(f"mp_policy is FSDP2's MixedPrecisionPolicy and needs a {dp_dim!r} or {cp_dim!r} mesh "
+                         f"dimension; the mesh has {list(mesh.mesh_dim_names)}")  # fmt: skip
     if has_tp:
         apply_tensor_parallel(model, mesh[tp_dim])
     if has_ep:
@@ -285,11 +297,27 @@ def parallelize(
     if has_ep:
         apply_fsdp(model, flat_data_mesh(mesh, dp_dim if has_dp else None, ep_dim), mp_policy,
                    reshard_after_forward, expert_parallel=True, expert_dp_mesh=mesh[dp_dim] if has_dp else None)
+    elif has_cp:
+        flat = mesh[(dp_dim, cp_dim)]._flatten(f"{dp_dim}_{cp_dim}") if has_dp else mesh[cp_dim]
+        apply_fsdp(model, flat, mp_policy, reshard_after_forward)
+        _CP_MESH[model] = (mesh[cp_dim], mesh)
     elif has_dp:
         apply_fsdp(model, mesh[dp_dim], mp_policy, reshard_after_forward)
-    model.expert_load_reduce = expert_load_sum(mesh, dp_dim, tp_dim, ep_dim)
+    model.expert_load_reduce = expert_load_sum(mesh, dp_dim, tp_dim, ep_dim, cp_dim)
     _PARALLELIZED.add(model)
     return model
+
+
+def context_parallel_mesh(model: nn.Module, mesh: DeviceMesh | None = None) -> tuple[DeviceMesh, DeviceMesh]:
+    """(the cp mesh dimension, the whole mesh) of a model parallelized with a cp dimension, or of `mesh` given
+    as a 1-D cp mesh or a mesh with a "cp" dimension."""
+    if mesh is not None:
+        names = mesh.mesh_dim_names or ()
+        return (mesh["cp"], mesh) if "cp" in names and len(names) > 1 else (mesh, mesh)
+    if model not in _CP_MESH:
+        raise ValueError("context_parallel_inputs needs a model parallelized with a cp dimension "
+                         "(parallelize(model, mesh, cp_dim=...)) or an explicit mesh=")  # fmt: skip
+    return _CP_MESH[model]
 
 
 def zero_rows(weight: torch.Tensor, rows: list[int]) -> None:
@@ -333,4 +361,4 @@ def loss_parallel_context(model: nn.Module) -> contextlib.AbstractContextManager
 
 
 __all__ = ["parallelize", "apply_tensor_parallel", "apply_fsdp", "fp32_units", "loss_parallel_context",
-           "init_weights", "zero_rows", "expert_load_sum"]
+           "init_weights", "zero_rows", "expert_load_sum", "context_parallel_mesh"]

@@ -21,17 +21,23 @@ from torch.distributed.tensor import DTensor
 from ..training.loss_counts import LossCounts
 
 
-def init_mesh(dp: int, tp: int, device_type: str = "cpu", ep: int = 1) -> DeviceMesh:
+def init_mesh(dp: int, tp: int, device_type: str = "cpu", ep: int = 1, cp: int = 1) -> DeviceMesh:
     """Start the process group (gloo on CPU, nccl on CUDA; torchrun's environment) and return the mesh that
     `parallelize` expects: ("dp", "tp") when both exceed 1, else 1-D named after the dimension in use; with
-    ep > 1, ("dp", "ep") (dp may be 1), plus "tp" when tp > 1 (which parallelize rejects with EP)."""
-    if dp < 1 or tp < 1 or ep < 1:
-        raise ValueError(f"dp, ep and tp must be >= 1, got dp={dp}, ep={ep}, tp={tp}")
+    ep > 1, ("dp", "ep") (dp may be 1), plus "tp" when tp > 1 (which parallelize rejects with EP); with cp > 1
+    (context parallelism, not combined with ep or tp), ("dp", "cp"), or ("cp",) when dp is 1."""
+    if dp < 1 or tp < 1 or ep < 1 or cp < 1:
+        raise ValueError(f"dp, ep, tp and cp must be >= 1, got dp={dp}, ep={ep}, tp={tp}, cp={cp}")
+    if cp > 1 and (ep > 1 or tp > 1):
+        raise ValueError(f"context parallelism (cp={cp}) is not combined with ep or tp yet, got ep={ep}, tp={tp}")
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
-    if dp * ep * tp != dist.get_world_size():
-        raise ValueError(f"dp={dp} x ep={ep} x tp={tp} = {dp * ep * tp} ranks, but the world has "
+    if dp * ep * tp * cp != dist.get_world_size():
+        raise ValueError(f"dp={dp} x ep={ep} x tp={tp} x cp={cp} = {dp * ep * tp * cp} ranks, but the world has "
                          f"{dist.get_world_size()}")  # fmt: skip
+    if cp > 1:
+        shape, names = ((dp, cp), ("dp", "cp")) if dp > 1 else ((cp,), ("cp",))
+        return init_device_mesh(device_type, shape, mesh_dim_names=names)
     if ep > 1:
         shape, names = (dp, ep, tp) if tp > 1 else (dp, ep), ("dp", "ep", "tp") if tp > 1 else ("dp", "ep")
         return init_device_mesh(device_type, shape, mesh_dim_names=names)

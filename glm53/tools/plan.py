@@ -1,7 +1,8 @@
-"""`python -m glm53.tools.plan`: per-rank training memory of a (dp, ep, tp) layout for the released config.
+"""`python -m glm53.tools.plan`: per-rank training memory of a (dp, cp, ep, tp) layout for the released config.
 
     python -m glm53.tools.plan --dp 16 --ep 8 --tp 1 --seq-len 4096 --batch 1 --activation-checkpointing \
         --dtype bf16 --device-gib 141
+    python -m glm53.tools.plan --dp 4 --cp 16 --seq-len 131072 --activation-checkpointing --device-gib 141
 
 Legend: W = dp x ep x tp ranks, D model width, N mHC streams, H heads, K/F head widths, R q_lora_rank, C
 kv_lora_rank, E experts, k experts per token, I expert width, V vocabulary, J selected key slots, P k-pools.
@@ -13,6 +14,10 @@ the next one prefetched (its unsharded gradients in backward are the same size).
 the tensors each layer type keeps for backward per token (formulas below), times the tokens of one data rank
 (batch x seq_len); with activation checkpointing only each block's input streams are kept, plus one block's
 activations while it is recomputed.
+Context parallelism (`--cp`): a data rank's sequences are split over cp ranks, so the per-token terms count
+batch x seq_len / cp tokens; the parameters are FSDP-sharded over dp x cp. What does not shrink with cp: an MLA
+block's queries still score the pools of the whole sequence (P = seq_len / index_kpool per query) and each MLA
+block gathers the whole sequence's kv latent and the indexer's per-token keys and gate logits.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dp", type=int, default=1, help="data-parallel (FSDP) degree")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (must divide n_routed_experts)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel degree (ranks sharing each sequence)")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
     p.add_argument("--batch", type=int, default=1, help="sequences per data rank (each dp x ep rank)")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
@@ -98,6 +104,12 @@ def layer_kinds(c: Glm53Config) -> Counter:
     return kinds
 
 
+def gathered_elements(c: Glm53Config, seq_len: int) -> int:
+    """Elements one MLA block gathers per sequence under context parallelism: the kv latent and the indexer's
+    per-token keys and pooling-gate logits of every position."""
+    return seq_len * (c.kv_lora_rank + 2 * c.index_head_dim)
+
+
 def activation_elements(c: Glm53Config, kind: tuple[str, str], tp: int, ep: int, seq_len: int,
                         dtype_bytes: int) -> int:  # fmt: skip
     """Elements kept per token by one block of `kind` (two mHC sites, attention, MLP)."""
@@ -128,12 +140,12 @@ def moe_comm_bytes(c: Glm53Config, dp: int, ep: int, tokens: int, dtype_bytes: i
 
 
 # ------------------------------------------------------------------------------------------------------ plan
-def measure(c: Glm53Config, dp: int, ep: int, tp: int, dtype: torch.dtype) -> dict:
+def measure(c: Glm53Config, dp: int, ep: int, tp: int, dtype: torch.dtype, cp: int = 1) -> dict:
     """Rank 0's parameter elements per dtype and the largest all-gather, from the real parallelize."""
     size = torch.tensor([], dtype=dtype).element_size()
     bytes_of = lambda fqn, numel: numel * (4 if keeps_fp32(fqn) else size)  # noqa: E731
-    with fake_world(dp * ep * tp):
-        mesh = layout_mesh(dp, ep, tp)
+    with fake_world(dp * cp * ep * tp):
+        mesh = layout_mesh(dp, ep, tp, cp=cp)
         with torch.device("meta"):
             model = Glm53ForCausalLM(c)
         parallelize(model, mesh)
@@ -148,10 +160,11 @@ def plan(args: argparse.Namespace, config: Glm53Config | None = None) -> dict:
     c = config or Glm53Config()
     dtype = DTYPES[args.dtype]
     size = torch.tensor([], dtype=dtype).element_size()
-    m = measure(c, args.dp, args.ep, args.tp, dtype)
-    tokens = args.batch * args.seq_len
+    m = measure(c, args.dp, args.ep, args.tp, dtype, args.cp)
+    tokens = args.batch * -(-args.seq_len // args.cp)  # this rank's tokens
+    gathered = args.batch * gathered_elements(c, args.seq_len) * size if args.cp > 1 else 0
     per_kind = {kind: activation_elements(c, kind, args.tp, args.ep, args.seq_len, size) * size * tokens
-                for kind in layer_kinds(c)}  # fmt: skip
+                + (gathered if kind[0] == "mla" else 0) for kind in layer_kinds(c)}  # fmt: skip
     counts = layer_kinds(c)
     head = tokens * (c.vocab_size // args.tp) * FP32 * 2  # fp32 logits and their gradient
     if args.activation_checkpointing:
@@ -162,21 +175,22 @@ def plan(args: argparse.Namespace, config: Glm53Config | None = None) -> dict:
                 activations=acts + head)  # fmt: skip
     comm = moe_comm_bytes(c, args.dp, args.ep, tokens, size)
     return dict(rows=rows, total=sum(rows.values()), per_kind=per_kind, counts=counts, measured=m, head=head,
-                comm=comm)  # fmt: skip
+                comm=comm, tokens=tokens)  # fmt: skip
 
 
 def report(args: argparse.Namespace, result: dict, seconds: float) -> str:
     m, rows = result["measured"], result["rows"]
-    world = args.dp * args.ep * args.tp
-    lines = [f"layout dp {args.dp} x ep {args.ep} x tp {args.tp} = {world} ranks; {m['total_params'] / 1e9:.1f}B "
-             f"parameters; {args.dtype}; batch {args.batch} x seq {args.seq_len} per data rank; activation "
-             f"checkpointing {'on' if args.activation_checkpointing else 'off'}", "",
+    world = args.dp * args.cp * args.ep * args.tp
+    lines = [f"layout dp {args.dp} x cp {args.cp} x ep {args.ep} x tp {args.tp} = {world} ranks; "
+             f"{m['total_params'] / 1e9:.1f}B parameters; {args.dtype}; batch {args.batch} x seq {args.seq_len} per "
+             f"data rank ({result['tokens']} tokens per rank); activation checkpointing "
+             f"{'on' if args.activation_checkpointing else 'off'}", "",
              "per rank (rank 0's local shards)      GiB"]  # fmt: skip
     for name, value in rows.items():
         lines.append(f"  {name:<34} {value / GIB:9.2f}")
     lines.append(f"    of which routed experts (params) {m['expert'] / GIB:9.2f}")
     lines.append(f"    largest all-gather: {m['gather'].unit} ({m['gather'].bytes / GIB:.2f} GiB, counted twice)")
-    lines.append("activation estimate per block (all tokens of a data rank, no checkpointing)")
+    lines.append("activation estimate per block (all tokens of a rank, no checkpointing)")
     for (attn, mlp), value in sorted(result["per_kind"].items()):
         lines.append(f"  {attn}+{mlp:<4} x{result['counts'][(attn, mlp)]:<3}{'':24} {value / GIB:9.2f}")
     lines.append(f"  logits + gradient (fp32){'':12} {result['head'] / GIB:9.2f}")
@@ -190,7 +204,7 @@ def report(args: argparse.Namespace, result: dict, seconds: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    for name in ("dp", "ep", "tp", "seq_len", "batch"):
+    for name in ("dp", "cp", "ep", "tp", "seq_len", "batch"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     began = time.perf_counter()

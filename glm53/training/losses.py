@@ -87,9 +87,16 @@ def causal_lm_head_loss(hidden: torch.Tensor, lm_head: torch.nn.Module, labels: 
     """
     if labels.shape != hidden.shape[:2]:
         raise ValueError(f"labels must have shape {tuple(hidden.shape[:2])} like input_ids, got {tuple(labels.shape)}")
+    return head_target_loss(hidden, lm_head, next_token_targets(labels), num_targets)
+
+
+def head_target_loss(hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Tensor,
+                     num_targets: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """`causal_lm_head_loss` from targets [B, T] already aligned with hidden (position i predicts targets[i]; the
+    labels context parallelism hands each rank)."""
     if getattr(lm_head, "bias", None) is not None:
         raise ValueError("causal_lm_head_loss takes a head without bias (lm_head.bias is set)")
-    shifted = next_token_targets(labels).flatten()
+    shifted = targets.flatten()
     flat = hidden.flatten(0, 1)  # [M, D]
     sharded = vocab_parallel_loss(lm_head)
     if sharded is not None:
@@ -102,13 +109,16 @@ def causal_lm_head_loss(hidden: torch.Tensor, lm_head: torch.nn.Module, labels: 
 # ----------------------------------------------------------------------------------------------- MoE balance
 def balance_loss(logits: torch.Tensor, indices: torch.Tensor, valid: torch.Tensor,
                  num_sequences: torch.Tensor | None = None,
-                 segment_ids: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                 segment_ids: torch.Tensor | None = None, cp=None) -> torch.Tensor:  # fmt: skip
     """Sequence-wise balance loss sum_i f_i P_i, summed over sequences with a valid token / `num_sequences`
     (default: their mean).
 
     logits [M, E] router logits, indices [M, k] chosen experts, valid [B, T] bool (padding is not counted);
-    with `segment_ids` [B, T] (packed documents) every document is a sequence.
+    with `segment_ids` [B, T] (packed documents) every document is a sequence. `cp` (a SequenceShards, context
+    parallelism): this rank's share of the loss of the whole sequences (`sharded_balance_loss`).
     """
+    if cp is not None:
+        return sharded_balance_loss(logits, indices, valid, num_sequences, segment_ids, cp)
     if segment_ids is not None:
         return _document_balance_loss(logits, indices, valid, segment_ids, num_sequences)
     B, T = valid.shape
@@ -143,6 +153,36 @@ def _document_balance_loss(logits, indices, valid, segment_ids, num_sequences):
     return per_term(((f * P).sum(-1) * has).sum(), has.sum(), num_sequences)
 
 
+def sharded_balance_loss(logits, indices, valid, num_sequences, segment_ids, cp) -> torch.Tensor:
+    """`balance_loss` of whole sequences split over context-parallel ranks, divided by their number.
+
+    f and P are sums over a sequence's tokens, which several ranks hold: each rank sums its slice per sequence
+    (row, or document by its global `segment_ids`), the sums are stacked over the ranks (with gradient) and
+    every rank computes the whole loss; as its share it returns loss / cp.size, and the stack's backward sends
+    every rank's gradient to the tokens' ranks.
+    """
+    B, T = valid.shape
+    E, K = logits.shape[-1], indices.shape[-1]
+    if segment_ids is None:
+        seq, n_seq = torch.arange(B, device=logits.device).repeat_interleave(T), B
+    else:
+        seq = segment_ids.flatten()
+        n_seq = int(cp.stack(seq.max()).max()) + 1  # NOTE: syncs
+    scores = logits.float().sigmoid()
+    probs = scores / scores.sum(-1, keepdim=True)  # [M, E]
+    m = valid.flatten().float()
+    tokens_and_probs = torch.cat([m[:, None], probs * m[:, None]], dim=-1)  # [M, 1 + E]
+    sums = torch.zeros(n_seq, 1 + E, device=logits.device).index_add_(0, seq, tokens_and_probs)
+    slots = (seq[:, None] * E + indices).flatten()
+    counts = torch.zeros(n_seq * E, device=logits.device).index_add_(0, slots, m.repeat_interleave(K)).view(-1, E)
+    total = cp.stack(torch.cat([sums, counts], dim=-1)).sum(0)  # [sequences, 1 + 2E] over the whole sequences
+    n, P, counts = total[:, 0], total[:, 1 : 1 + E], total[:, 1 + E :]
+    f = counts * E / (K * n.clamp_min(1))[:, None]
+    has = (n > 0).float()
+    loss = per_term(((f * P / n.clamp_min(1)[:, None]).sum(-1) * has).sum(), has.sum(), num_sequences)
+    return loss / cp.size
+
+
 def z_loss(logits: torch.Tensor, valid: torch.Tensor, num_tokens: torch.Tensor | None = None) -> torch.Tensor:
     """Router z-loss: logsumexp_i(logits_i)^2 summed over valid tokens / `num_tokens` (default: the mean).
     logits [M, E], valid [B, T]."""
@@ -159,12 +199,12 @@ def expert_load(indices: torch.Tensor, valid: torch.Tensor, num_experts: int) ->
 
 def router_aux_loss(
     records: list[tuple[LayerStats, torch.Tensor, int]], balance_coef: float, z_coef: float, denominators=None,
-    segment_ids: torch.Tensor | None = None,
+    segment_ids: torch.Tensor | None = None, cp=None,
 ) -> torch.Tensor | None:
     """balance_coef * balance + z_coef * z, averaged over the MoE layers in `records` ((stats, valid, view)
     triples; view 0 is the main model, d the MTP depth d). `denominators` (a LossCounts) replaces each layer's
     own counts with its view's `sequences` and `tokens`; `segment_ids` [B, T]: packed documents, the balance
-    loss per document."""
+    loss per document; `cp`: context parallelism (`sharded_balance_loss`)."""
     terms = []
     for stats, valid, view in records:
         if stats.router_logits is None:
@@ -174,7 +214,7 @@ def router_aux_loss(
         term = stats.router_logits.new_zeros(())
         if balance_coef > 0:
             term = term + balance_coef * balance_loss(stats.router_logits, stats.router_indices, valid, seqs,
-                                                        segment_ids)
+                                                        segment_ids, cp)
         if z_coef > 0:
             term = term + z_coef * z_loss(stats.router_logits, valid, toks)
         terms.append(term)
@@ -187,7 +227,7 @@ def router_aux_loss(
 @torch.no_grad()
 def attention_pool_mass(
     q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor, kpool: int, scale: float,
-    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None, query_offset: int = 0,
 ) -> torch.Tensor:
     """Dense causal attention probabilities summed over heads and within each pool: [B, T, P] fp32.
 
@@ -195,29 +235,33 @@ def attention_pool_mass(
     mass on positions outside complete pools (the tail) lands in incomplete or invisible pools, which the
     candidate mask removes later. Restricting these dense probabilities to the selected pools and
     renormalising gives the sparse attention's own probabilities there (a softmax restricted to a subset).
+    Context parallelism: q [B, Tq, H, K] are the queries at positions query_offset + [0, Tq) of the sequence
+    that k [B, S, H, K], valid [B, S] and cu_seqlens (over B * S) describe; the result is [B, Tq, P].
     """
     B, T = valid.shape
     positions, _ = kept_pools(valid, kpool, cu_seqlens)  # [B, P, L]
     P = positions.shape[1]
     key_pos = torch.arange(T, device=q.device)
     doc_start = None if cu_seqlens is None else document_bounds(cu_seqlens, B, T)[0]  # packed: own document only
-    out = q.new_empty(B, T, P, dtype=torch.float32)
+    Tq = q.shape[1]
+    out = q.new_empty(B, Tq, P, dtype=torch.float32)
     step = _mass_chunk(B, q.shape[2], T)
-    for start in range(0, T, step):  # bounds the [B, H, Tq, S] probabilities in memory
-        end = min(start + step, T)
-        # causal: keys past the chunk's last query carry no mass, so the chunk reads keys [0, end) only
-        causal = key_pos[None, :end] <= torch.arange(start, end, device=q.device)[:, None]
-        visible = causal[None] & valid[:, None, :end]  # [B, Tq, S']
+    for start in range(0, Tq, step):  # bounds the [B, H, Tq, S] probabilities in memory
+        lo, hi = query_offset + start, query_offset + min(start + step, Tq)  # the chunk's positions
+        # causal: keys past the chunk's last query carry no mass, so the chunk reads keys [0, hi) only
+        causal = key_pos[None, :hi] <= torch.arange(lo, hi, device=q.device)[:, None]
+        visible = causal[None] & valid[:, None, :hi]  # [B, Tq, S']
         if doc_start is not None:
-            visible &= key_pos[None, None, :end] >= doc_start[:, start:end, None]
-        logits = torch.einsum("bthe,bshe->bhts", q[:, start:end].float(), k[:, :end].float()).mul_(scale)
+            visible &= key_pos[None, None, :hi] >= doc_start[:, lo:hi, None]
+        qc = q[:, start : start + (hi - lo)]
+        logits = torch.einsum("bthe,bshe->bhts", qc.float(), k[:, :hi].float()).mul_(scale)
         probs = logits.masked_fill_(~visible[:, None], float("-inf")).softmax(-1).nan_to_num_(0.0)
         del logits  # the softmax made a new tensor: one [B, H, Tq, S'] alive besides it at most
         token_mass = probs.sum(1)  # [B, Tq, S']: summed over heads
-        in_chunk = (positions >= 0) & (positions < end)  # pool tokens this chunk's queries may see
-        index = positions.clamp(0, end - 1).view(B, 1, -1).expand(B, end - start, -1)  # [B, Tq, P*L]
+        in_chunk = (positions >= 0) & (positions < hi)  # pool tokens this chunk's queries may see
+        index = positions.clamp(0, hi - 1).view(B, 1, -1).expand(B, hi - lo, -1)  # [B, Tq, P*L]
         gathered = token_mass.gather(-1, index) * in_chunk.view(B, 1, -1)
-        out[:, start:end] = gathered.view(B, end - start, P, kpool).sum(-1)
+        out[:, start : start + (hi - lo)] = gathered.view(B, hi - lo, P, kpool).sum(-1)
     return out
 
 
@@ -316,6 +360,8 @@ __all__ = [
     "causal_lm_head_loss",
     "attention_pool_mass",
     "balance_loss",
+    "sharded_balance_loss",
+    "head_target_loss",
     "expert_load",
     "indexer_kl_terms",
     "next_token_targets",

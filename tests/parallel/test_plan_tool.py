@@ -54,3 +54,25 @@ def test_moe_comm_bytes_formula():
     assert ep["all_to_all"] == 4 * 100 * k * D * 4 * 3 // 4 + E * 8 * 3 // 4
     assert ep["all_gather"] == 2 * rest * 3 // 4
     assert GIB == 2**30
+
+
+def test_context_parallel_shards_parameters_and_tokens():
+    """--cp: parameters sharded over dp x cp like dp alone, per-token activations over seq_len / cp tokens; an
+    MLA block also keeps the whole sequence's gathered latent and indexer keys."""
+    config = tiny()
+    argv = ["--dtype", "fp32", "--seq-len", "256"]
+    dp4 = plan(parse_args(["--dp", "4", *argv]), config)
+    cp4 = plan(parse_args(["--dp", "2", "--cp", "2", *argv]), config)
+    assert cp4["measured"]["params"] == dp4["measured"]["params"] and cp4["tokens"] == 128
+    gathered = 256 * (config.kv_lora_rank + 2 * config.index_head_dim) * 4
+    assert cp4["per_kind"][("kda", "moe")] * 2 == dp4["per_kind"][("kda", "moe")]
+    assert cp4["per_kind"][("mla", "moe")] == dp4["per_kind"][("mla", "moe")] // 2 + gathered
+    assert cp4["head"] * 2 == dp4["head"]
+
+
+def test_released_config_at_128k_tokens_fits_with_cp(capsys):
+    assert main(["--dp", "2", "--cp", "16", "--seq-len", "131072", "--activation-checkpointing",
+                 "--device-gib", "141"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "dp 2 x cp 16" in out and "8192 tokens per rank" in out and "fits" in out
+    assert main(["--dp", "32", "--seq-len", "131072", "--activation-checkpointing", "--device-gib", "141"]) == 1
