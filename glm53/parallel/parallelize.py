@@ -1,4 +1,5 @@
-"""`parallelize`: tensor parallelism, then activation checkpointing, then FSDP2 (per block, then the root).
+"""`parallelize`: tensor parallelism, then activation checkpointing, then per-block torch.compile (optional), then
+FSDP2 (per block, then the root): torchtitan's order.
 
 Legend: dp the data-parallel mesh dimension (FSDP2), tp the tensor-parallel one (`plan.py`).
 Under a low-precision `MixedPrecisionPolicy` the parameters the model needs in fp32 (mHC fn/base/scale, the
@@ -23,6 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
+from ..model.compile import compile_blocks
 from ..model.context import ForwardContext
 from ..model.mla import MultiHeadLatentAttention
 from ..model.model import Glm53ForCausalLM
@@ -252,6 +254,8 @@ def parallelize(
     reshard_after_forward: bool = True,
     activation_checkpointing: bool = False,
     ep_dim: str = "ep",
+    compile: bool = False,  # noqa: A002 (torchtitan's name for the option)
+    compile_backend: str = "inductor",
 ) -> Glm53ForCausalLM:
     """Make `model` train on `mesh`: TP on mesh[tp_dim] if present, then activation checkpointing per block,
     then FSDP2 on mesh[dp_dim] if present (per block, then the root). Returns the model (changed in place).
@@ -265,6 +269,11 @@ def parallelize(
     all-to-all token dispatch, every dp x ep rank reads its own batches, the non-expert parameters are
     FSDP-sharded over the flattened dp x ep ranks and the experts over dp. Clip gradients with
     `glm53.parallel.clip_grad_norm_` (the gradients then live on two meshes). Not combined with tp > 1.
+
+    `compile=True` compiles each block's forward with `compile_backend` (glm53.model.compile.compile_blocks) after
+    TP and activation checkpointing and before FSDP, so FSDP's all-gathers run eagerly around the compiled block.
+    Under a low-precision `mp_policy` the fp32 units nested in each block (mHC, router, convs) split its graph.
+    Checked on dp meshes; not with expert parallelism (its all-to-all split sizes are read on the host).
     """
     if not isinstance(model, Glm53ForCausalLM):
         raise TypeError(f"parallelize expects a Glm53ForCausalLM, got {type(model).__name__}")
@@ -289,6 +298,10 @@ def parallelize(
     if activation_checkpointing:
         for block in _blocks(model):
             checkpoint(block)
+    if compile:
+        # fp32 units nested in a block (low-precision policy) run FSDP hooks, which dynamo never traces: the
+        # block's graph splits around them
+        compile_blocks(model, backend=compile_backend, fullgraph=False if _needs_fp32_units(mp_policy) else None)
     if has_ep:
         apply_fsdp(model, flat_data_mesh(mesh, dp_dim if has_dp else None, ep_dim), mp_policy,
                    reshard_after_forward, expert_parallel=True, expert_dp_mesh=mesh[dp_dim] if has_dp else None)

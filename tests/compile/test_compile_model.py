@@ -6,7 +6,8 @@ The "aot_eager" backend (dynamo + AOT autograd, no code generation) checks trace
 compiles the same graphs (benchmarks/bench_model.py --compile). `fullgraph=True` makes any graph break fail.
 KDA + MoE configs compile as one graph. Configs with MLA layers (and MTP, whose layer is MLA) still break the
 graph in the indexer's pool selection and the sparse attention's key span (data-dependent shapes), until those
-become custom ops; they are checked for parity with breaks allowed, and the no-break check is xfail(strict).
+become custom ops; they are checked for parity with breaks allowed (and the test fails once there are none, so
+that it becomes a fullgraph test).
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ def run(model: Glm53ForCausalLM, fn, batch, inference: bool) -> dict[str, object
                 **{k: getattr(out, k) for k in LOSS_PARTS})  # fmt: skip
 
 
-def check_parity(name: str, dtype: torch.dtype, fullgraph: bool, inference: bool = True) -> None:
+def check_parity(name: str, dtype: torch.dtype, fullgraph: bool, inference: bool = True) -> int:
+    """Compiled vs eager on the same weights and batch -> the number of graph breaks."""
     model = make_model(name, dtype)
     batch = make_batch(model.config.vocab_size)
     torch._dynamo.reset()
@@ -87,7 +89,9 @@ def check_parity(name: str, dtype: torch.dtype, fullgraph: bool, inference: bool
     assert len(got["loads"]) == len(ref["loads"]) > 0
     for g, r in zip(got["loads"], ref["loads"]):
         torch.testing.assert_close(g, r, rtol=0, atol=0)  # expert counts: routing identical
-    assert not fullgraph or not torch._dynamo.utils.counters["graph_break"]
+    breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+    assert not fullgraph or breaks == 0
+    return breaks
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -97,13 +101,9 @@ def test_kda_moe_model_compiles_fullgraph_and_matches_eager(dtype):
 
 def test_hybrid_model_with_graph_breaks_matches_eager():
     # each graph break is a separate compile: one dtype and the training step only keep this test short
-    check_parity("hybrid-MLA-MTP", torch.float32, fullgraph=False, inference=False)
+    breaks = check_parity("hybrid-MLA-MTP", torch.float32, fullgraph=False, inference=False)
+    # expected until the sparse-attention custom ops land; then compile this config with fullgraph=True here
+    # (test above) and drop MultiHeadLatentAttention from glm53.model.compile.GRAPH_BREAKING
+    assert breaks > 0, "the MLA model compiles without graph breaks now: make this test fullgraph"
 
 
-@pytest.mark.xfail(strict=True, reason="MLA: indexer pool selection and sparse attention key span break the graph")
-def test_hybrid_model_has_no_graph_break():
-    model = make_model("hybrid-MLA-MTP", torch.float32).train()
-    ids, mask, labels = make_batch(model.config.vocab_size)
-    torch._dynamo.reset()
-    explanation = torch._dynamo.explain(model)(ids, attention_mask=mask, labels=labels)
-    assert explanation.graph_break_count == 0, [b.reason.splitlines()[0] for b in explanation.break_reasons]
