@@ -8,6 +8,7 @@ Backend "aot_eager" (tracing and AOT autograd without code generation) keeps eac
 
 from __future__ import annotations
 
+import argparse
 import copy
 
 import pytest
@@ -15,7 +16,9 @@ import torch
 from torch._dynamo.utils import counters
 
 from glm53 import Glm53Config, Glm53ForCausalLM
-from glm53.model.compile import compile_blocks
+from glm53.model.compile import compile_blocks, model_blocks
+from glm53.training.cli import add_arguments
+from glm53.training.trainer import Trainer
 from tests.helpers.compile_jobs import step
 
 KDA = dict(router_z_loss_coef=1e-2)
@@ -57,12 +60,13 @@ def test_compiled_blocks_under_fsdp_match_the_uncompiled_parallel_run(pool2, cas
             torch.testing.assert_close(got["grads"][name], value, **tol, msg=lambda m: f"{name}: {m}")
 
 
-def test_compile_blocks_keeps_parameter_names_and_matches_eager():
+def test_compile_blocks_keeps_parameter_names_and_matches_eager_with_checkpointing():
     inputs = make_inputs(CONFIG)
     model = Glm53ForCausalLM(CONFIG)
     model.load_state_dict(inputs["state"])
     compiled = compile_blocks(copy.deepcopy(model), backend="aot_eager")
     assert list(compiled.state_dict()) == list(model.state_dict())
+    compiled.gradient_checkpointing_enable()  # the compiled blocks run again inside torch.utils.checkpoint
     torch._dynamo.reset()
     counters.clear()
     runs = []
@@ -78,3 +82,13 @@ def test_compile_blocks_keeps_parameter_names_and_matches_eager():
         compile_blocks(compiled, backend="aot_eager")
     with pytest.raises(ValueError, match="backend"):
         compile_blocks(copy.deepcopy(model), backend="tensorrt")
+
+
+def test_train_cli_compile_flag_compiles_every_block():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--compile", "aot_eager", "--steps", "1"])
+    model = Trainer(args, None).model
+    blocks = model_blocks(model)
+    assert len(blocks) == 5 and all(hasattr(b.forward, "_torchdynamo_orig_callable") for b in blocks)  # 4 + MTP
+    assert parser.parse_args(["--compile"]).compile == "inductor" and parser.parse_args([]).compile is None
