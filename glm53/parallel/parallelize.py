@@ -272,7 +272,9 @@ def parallelize(
 
     `compile=True` compiles each block's forward with `compile_backend` (glm53.model.compile.compile_blocks) after
     TP and activation checkpointing and before FSDP, so FSDP's all-gathers run eagerly around the compiled block.
-    Under a low-precision `mp_policy` the fp32 units nested in each block (mHC, router, convs) split its graph.
+    Blocks holding MLA stay eager until their kernels are compile-clean. Under a low-precision `mp_policy` the
+    fp32 units nested in each block (mHC, router, convs) split its graph, so every block compiles with graph
+    breaks allowed, and activation checkpointing is refused (a split block recomputes differently).
     Checked on dp meshes; not with expert parallelism (its all-to-all split sizes are read on the host).
     """
     if not isinstance(model, Glm53ForCausalLM):
@@ -287,6 +289,12 @@ def parallelize(
         raise ValueError(f"expert parallelism ({ep_dim}={mesh[ep_dim].size()}) together with tensor parallelism "
                          f"({tp_dim}={mesh[tp_dim].size()}) is not supported: use a ({dp_dim!r}, {ep_dim!r}) mesh, "
                          f"or ({dp_dim!r}, {tp_dim!r}) without EP")  # fmt: skip
+    if compile and has_ep:
+        raise ValueError(f"compile=True with expert parallelism ({ep_dim}={mesh[ep_dim].size()}) is not supported: "
+                         "the all-to-all dispatch reads its split sizes on the host (a graph break per MoE block)")
+    if compile and activation_checkpointing and _needs_fp32_units(mp_policy):
+        raise ValueError("compile=True with activation checkpointing needs whole block graphs, but under a "
+                         "low-precision mp_policy the nested fp32 FSDP units split them (glm53/model/compile.py)")
     if mp_policy is not None and not has_dp:
         raise ValueError(f"mp_policy is FSDP2's MixedPrecisionPolicy and needs a {dp_dim!r} mesh dimension; "
                          f"the mesh has {list(mesh.mesh_dim_names)}")  # fmt: skip
@@ -301,7 +309,7 @@ def parallelize(
     if compile:
         # fp32 units nested in a block (low-precision policy) run FSDP hooks, which dynamo never traces: the
         # block's graph splits around them
-        compile_blocks(model, backend=compile_backend, fullgraph=False if _needs_fp32_units(mp_policy) else None)
+        compile_blocks(model, backend=compile_backend, fullgraph=not _needs_fp32_units(mp_policy))
     if has_ep:
         apply_fsdp(model, flat_data_mesh(mesh, dp_dim if has_dp else None, ep_dim), mp_policy,
                    reshard_after_forward, expert_parallel=True, expert_dp_mesh=mesh[dp_dim] if has_dp else None)

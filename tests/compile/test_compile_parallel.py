@@ -19,13 +19,13 @@ from glm53 import Glm53Config, Glm53ForCausalLM
 from glm53.model.compile import compile_blocks, model_blocks
 from glm53.training.cli import add_arguments
 from glm53.training.trainer import Trainer
-from tests.helpers.compile_jobs import step
+from tests.helpers.compile_jobs import refused, step
 
-KDA = dict(router_z_loss_coef=1e-2)
-CONFIG = Glm53Config.tiny(num_hidden_layers=3, layer_types=["linear_attention"] * 3,
-                          mlp_layer_types=["dense", "sparse", "sparse"], **KDA)  # fmt: skip
+# KDA layers 0-2 (dense, MoE, MoE) compiled, MLA layer 3 and the MTP layer eager; every loss part on
+HYBRID = Glm53Config.tiny(num_nextn_predict_layers=1, indexer_loss_weight=0.5, router_z_loss_coef=1e-2)
 # under FSDP one KDA + MoE block: each compiled block kind costs seconds per rank
-ONE_BLOCK = Glm53Config.tiny(num_hidden_layers=1, layer_types=["linear_attention"], mlp_layer_types=["sparse"], **KDA)
+ONE_BLOCK = Glm53Config.tiny(num_hidden_layers=1, layer_types=["linear_attention"], mlp_layer_types=["sparse"],
+                             router_z_loss_coef=1e-2)  # fmt: skip
 # fp32: whole block graphs. bf16 policy: the nested fp32 FSDP units (mHC, router, convs) split each block's graph.
 CASES = {"fp32-checkpointing": dict(checkpointing=True), "bf16-policy": dict(bf16=True)}
 
@@ -61,11 +61,12 @@ def test_compiled_blocks_under_fsdp_match_the_uncompiled_parallel_run(pool2, cas
 
 
 def test_compile_blocks_keeps_parameter_names_and_matches_eager_with_checkpointing():
-    inputs = make_inputs(CONFIG)
-    model = Glm53ForCausalLM(CONFIG)
+    inputs = make_inputs(HYBRID)
+    model = Glm53ForCausalLM(HYBRID)
     model.load_state_dict(inputs["state"])
     compiled = compile_blocks(copy.deepcopy(model), backend="aot_eager")
     assert list(compiled.state_dict()) == list(model.state_dict())
+    assert [hasattr(b.forward, "_torchdynamo_orig_callable") for b in model_blocks(compiled)] == [1, 1, 1, 0, 0]
     compiled.gradient_checkpointing_enable()  # the compiled blocks run again inside torch.utils.checkpoint
     torch._dynamo.reset()
     counters.clear()
@@ -73,7 +74,7 @@ def test_compile_blocks_keeps_parameter_names_and_matches_eager_with_checkpointi
     for m in (model, compiled):
         out = m(inputs["ids"], attention_mask=inputs["mask"], labels=inputs["labels"])
         runs.append((out.loss, torch.autograd.grad(out.loss, list(m.parameters()), allow_unused=True)))
-    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 2  # dense and MoE block kinds
+    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 2  # KDA-dense, KDA-MoE reused
     torch.testing.assert_close(runs[1][0], runs[0][0], rtol=1e-5, atol=1e-6)
     for got, ref in zip(runs[1][1], runs[0][1]):
         if ref is not None:
@@ -89,6 +90,13 @@ def test_train_cli_compile_flag_compiles_every_block():
     add_arguments(parser)
     args = parser.parse_args(["--compile", "aot_eager", "--steps", "1"])
     model = Trainer(args, None).model
-    blocks = model_blocks(model)
-    assert len(blocks) == 5 and all(hasattr(b.forward, "_torchdynamo_orig_callable") for b in blocks)  # 4 + MTP
+    compiled = [hasattr(b.forward, "_torchdynamo_orig_callable") for b in model_blocks(model)]
+    assert compiled == [1, 1, 1, 0, 0]  # KDA blocks; MLA block and MTP layer eager (glm53/model/compile.py)
     assert parser.parse_args(["--compile"]).compile == "inductor" and parser.parse_args([]).compile is None
+
+
+def test_parallelize_refuses_compile_where_blocks_cannot_stay_whole(pool2):
+    for errors in pool2.run(refused, config=ONE_BLOCK.to_dict()):
+        assert len(errors) == 2
+        assert "activation checkpointing" in errors[0] and "mp_policy" in errors[0]
+        assert "expert parallelism" in errors[1]

@@ -40,3 +40,21 @@ def step(config: dict, state: dict, ids: torch.Tensor, mask: torch.Tensor, label
     parts = {n: full(getattr(out, n)) for n in PARTS if getattr(out, n) is not None}
     return dict(parts=parts, grads=grads, graph_breaks=sum(counters["graph_break"].values()),
                 graphs=counters["stats"]["unique_graphs"])  # fmt: skip
+
+
+def refused(config: dict) -> list[str]:
+    """The errors parallelize(compile=True) raises for the combinations it refuses (before changing the model)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    cases = [(build_mesh(2, 1), dict(mp_policy=policy, activation_checkpointing=True)),
+             (init_device_mesh("cpu", (2,), mesh_dim_names=("ep",)), {})]  # fmt: skip
+    errors = []
+    for mesh, options in cases:
+        model = Glm53ForCausalLM(Glm53Config(**config))
+        try:
+            parallelize(model, mesh, compile=True, **options)
+        except ValueError as e:
+            errors.append(str(e))
+        assert not any(hasattr(b.forward, "_torchdynamo_orig_callable") for b in model.model.layers)
+    return errors
