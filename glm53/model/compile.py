@@ -41,7 +41,8 @@ def compile_blocks(model: nn.Module, *, backend: str = "inductor", fullgraph: bo
     FSDP units are nested in a block: their hooks always run eagerly); not with activation checkpointing (see
     the module docstring).
     `dynamic=False` (static shapes: a new sequence length compiles new graphs): with automatic dynamic shapes a
-    dynamic graph compiled after a static one can be picked when activation checkpointing recomputes a block.
+    dynamic graph compiled after a static one can be picked when activation checkpointing recomputes a block
+    (the case torch's CheckpointError message describes, pytorch issue 166926).
     """
     if backend not in BACKENDS:
         raise ValueError(f"compile backend must be one of {BACKENDS}, got {backend!r}")
