@@ -3,6 +3,7 @@
     python benchmarks/bench_model.py                      # T in {512, 1024, 2048, 4096}, 3 reps, memory at 2048
     python benchmarks/bench_model.py --quick              # T in {512, 2048}, glm53 scaling at 4096/8192
     python benchmarks/bench_model.py --seqlens 1024 2048 --reps 5
+    python benchmarks/bench_model.py --quick --compile      # adds glm53 compiled per block (inductor) as a third model
 
 Allocator: by default both models run with glibc told to keep freed memory (RETAIN_ENV below; without it
 transformers' step is dominated by page faults, see RESULTS.md), the fair headline; `--allocator default` runs
@@ -15,12 +16,17 @@ spread are reported. Forward runs under no_grad;
 forward+backward is one training step's loss.backward() (CE on the logits). Peak memory of a training step is the peak RSS growth of a fresh child process running one step
 (VmHWM, reset just before the step, minus the RSS just before it). MFU = 6 * active matmul parameters * tokens / step time /
 fp32 GEMM peak measured in the same run (attention/KDA score flops are not counted: a lower bound).
+`--compile`: a copy of glm53 with every block's forward compiled by inductor (glm53.model.compile.compile_blocks,
+static shapes: one compile per T and mode) joins the alternation; its first forward and first step at each T are
+timed on their own and reported as compile time (first call minus the steady-state median), and its logits must
+equal eager glm53's at every T before timing. MLA blocks still break their graph (see glm53/model/compile.py).
 Results: benchmarks/results/bench_model.json and a table on stdout.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import subprocess
@@ -88,6 +94,40 @@ def ensure_allocator(allocator: str) -> None:
             env.pop(key, None)
     if env != dict(os.environ):
         os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]], env)
+
+
+def compiled_copy(model):
+    """A copy of glm53 with every block compiled by inductor (static shapes, so every T compiles its own graphs)."""
+    from glm53.model.compile import compile_blocks
+
+    # block kinds x {eval, train} x T, plus the frames MLA's graph breaks resume in, exceed dynamo's default of 8
+    torch._dynamo.config.recompile_limit = 64
+    return compile_blocks(copy.deepcopy(model), backend="inductor", dynamic=False)
+
+
+def warm_up_compiled(compiled, ours, ids) -> dict:
+    """First forward and step of the compiled copy at this T (compilation included); its logits must be eager's."""
+    first_fwd = timed(lambda: forward(compiled, ids, False))
+    first_step = timed(lambda: train_step(compiled, ids, False))
+    with torch.no_grad():
+        a, b = logits_of(compiled.eval(), ids, False), logits_of(ours.eval(), ids, False)
+    rel = float((a - b).norm() / b.norm())
+    if rel > LOGITS_RTOL:
+        raise SystemExit(f"compiled glm53 disagrees with eager glm53 at T={ids.shape[1]}: relative difference {rel:.2e}")
+    return {"first_fwd_s": first_fwd, "first_step_s": first_step, "logits_rel_diff": rel}
+
+
+def compiled_columns(times: dict, ratio, first: dict) -> dict:
+    """The compiled model's entries of one T's row; compile time = first call minus the steady-state median."""
+    T_fwd, T_step = median(times["compiled_fwd"]), median(times["compiled_step"])
+    return {
+        "compiled_step_speedup_vs_hf": round(ratio("hf_step", "compiled_step"), 2),
+        "compiled_step_speedup_vs_eager": round(ratio("glm53_step", "compiled_step"), 2),
+        "compiled_fwd_speedup_vs_eager": round(ratio("glm53_fwd", "compiled_fwd"), 2),
+        "compile_fwd_s": round(first["first_fwd_s"] - T_fwd, 1),
+        "compile_step_s": round(first["first_step_s"] - T_step, 1),
+        "compiled_logits_rel_diff": first["logits_rel_diff"],
+    }
 
 
 def train_step(model, ids, is_hf):
@@ -162,6 +202,7 @@ def main() -> None:
     ap.add_argument("--allocator", choices=["retain", "default"], default="retain",
                     help="glibc keeps freed memory (fair, default) or glibc defaults")
     ap.add_argument("--also-default", action="store_true", help="also run with the default allocator (a child)")
+    ap.add_argument("--compile", action="store_true", help="add glm53 with per-block inductor compile to the run")
     ap.add_argument("--memory-child", choices=["glm53", "transformers"], help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -182,20 +223,25 @@ def main() -> None:
     hf, ours, config = build_pair(tmp)
     backends = {op: chosen_backend(op) for op in OPS}
     logits_rel = check_same_logits(hf, ours, config)
+    compiled = compiled_copy(ours) if args.compile else None
     peaks = []
     flops_per_token = 6 * active_matmul_params(config)
     rows = []
     for T in seqlens:
         ids = seeded_ids(config, T)
-        times = {k: [] for k in ("glm53_fwd", "hf_fwd", "glm53_step", "hf_step")}
+        times = {k: [] for k in ("glm53_fwd", "hf_fwd", "glm53_step", "hf_step", "compiled_fwd", "compiled_step")}
         for model, is_hf in ((ours, False), (hf, True)):  # warm-up both (allocator, lazy init, first-call logging)
             forward(model, ids, is_hf), train_step(model, ids, is_hf)
+        first = warm_up_compiled(compiled, ours, ids) if compiled is not None else None
         for _ in range(args.reps):
             peaks.append(gemm_peak_flops())
             times["glm53_fwd"].append(timed(lambda: forward(ours, ids, False)))
             times["hf_fwd"].append(timed(lambda: forward(hf, ids, True)))
             times["glm53_step"].append(timed(lambda: train_step(ours, ids, False)))
             times["hf_step"].append(timed(lambda: train_step(hf, ids, True)))
+            if compiled is not None:
+                times["compiled_fwd"].append(timed(lambda: forward(compiled, ids, False)))
+                times["compiled_step"].append(timed(lambda: train_step(compiled, ids, False)))
         ratio = lambda a, b: median([x / y for x, y in zip(times[a], times[b])])  # noqa: E731
         step = median(times["glm53_step"])
         rows.append({
@@ -207,8 +253,12 @@ def main() -> None:
             "hf_step_tok_s": round(T / median(times["hf_step"]), 1),
             "step_speedup": round(ratio("hf_step", "glm53_step"), 2),
             "glm53_mfu_pct": round(100 * flops_per_token * T / step / median(peaks), 2),
-            "times_s": {k: [round(x, 4) for x in v] for k, v in times.items()},
+            "times_s": {k: [round(x, 4) for x in v] for k, v in times.items() if v},
         })  # fmt: skip
+        if compiled is not None:
+            rows[-1].update(compiled_columns(times, ratio, first))
+            rows[-1]["compiled_mfu_pct"] = round(100 * flops_per_token * T / median(times["compiled_step"])
+                                                 / median(peaks), 2)  # fmt: skip
         print(f"T={T}: step speed-up {rows[-1]['step_speedup']}x, forward {rows[-1]['fwd_speedup']}x", flush=True)
     memory = []
     for T in args.memory_seqlens:
@@ -235,6 +285,11 @@ def main() -> None:
     print(f"\nallocator: {args.allocator}; backends: {backends}; logits agree to {logits_rel:.1e}; threads {args.threads}")
     print(f"fp32 GEMM peak median {payload['gemm_peak_gflops']} GFLOP/s, measured {payload['gemm_peak_gflops_all']}")
     print(table(rows, cols))
+    if compiled is not None:
+        print("\nglm53 compiled per block (inductor); compile time = first call - steady state")
+        print(table(rows, ["T", "compiled_step_speedup_vs_hf", "compiled_step_speedup_vs_eager",
+                           "compiled_fwd_speedup_vs_eager", "compiled_mfu_pct", "compile_fwd_s",
+                           "compile_step_s"]))  # fmt: skip
     if memory:
         print("\npeak memory of a training step (RSS growth)")
         print(table(memory, ["T", "glm53_MiB", "hf_MiB", "ratio"]))

@@ -11,6 +11,7 @@
     mtp.py               multi-token prediction layers
     model.py             Glm53Model, Glm53ForCausalLM (wiring, losses, router-bias update)
     context.py           ForwardContext (per-forward state for every block) and LayerStats
+    compile.py           per-block torch.compile in place (`compile_blocks`)
 
 Shape glossary (one meaning per letter; every file's legend in glm53/ uses these letters and no others):
     B batch                      T time (queries)                 S keys (where they differ from queries)

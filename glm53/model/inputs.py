@@ -3,6 +3,10 @@
 Legend: B batch, T time, D model width (hidden_size), V vocab (vocab_size).
 Without these, an out-of-vocabulary id fails deep in `nn.Embedding` ("index out of range in self"), an empty
 batch crashes in a top-k, and inputs on the meta device (or another device than the model) compute garbage.
+Under torch.compile the checks on tensor *values* (ids in range, masks of 0/1) are skipped: they read the data
+on the host, which would split the compiled graph (a graph break per check) and sync the device every step.
+The checks on types, shapes, dtypes and devices stay (they cost nothing at run time). Validate data once
+outside the compiled region (`check_token_ids` is public) when it comes from an untrusted source.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ def check_token_ids(name: str, ids: object, vocab_size: int, device: torch.devic
     if ids.shape[0] == 0 or ids.shape[1] == 0:
         raise InputError(f"{name} is empty (shape {tuple(ids.shape)}): batch and sequence length must be >= 1")
     check_device(name, ids, device)
+    if torch.compiler.is_compiling():  # value check skipped: see the module docstring
+        return
     bad = (ids < 0) | (ids >= vocab_size)
     if ignore is not None:
         bad &= ids != ignore

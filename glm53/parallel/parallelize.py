@@ -1,4 +1,5 @@
-"""`parallelize`: tensor parallelism, then activation checkpointing, then FSDP2 (per block, then the root).
+"""`parallelize`: tensor parallelism, then activation checkpointing, then per-block torch.compile (optional), then
+FSDP2 (per block, then the root): torchtitan's order.
 
 Legend: dp the data-parallel mesh dimension (FSDP2), tp the tensor-parallel one (`plan.py`), cp the
 context-parallel one (every rank one slice of each sequence; FSDP shards over dp x cp).
@@ -23,6 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
+from ..model.compile import compile_blocks
 from ..model.context import ForwardContext
 from ..model.mla import MultiHeadLatentAttention
 from ..model.model import Glm53ForCausalLM
@@ -248,6 +250,8 @@ def parallelize(
     activation_checkpointing: bool = False,
     ep_dim: str = "ep",
     cp_dim: str = "cp",
+    compile: bool = False,  # noqa: A002 (torchtitan's name for the option)
+    compile_backend: str = "inductor",
 ) -> Glm53ForCausalLM:
     """Make `model` train on `mesh`: TP on mesh[tp_dim] if present, then activation checkpointing per block,
     then FSDP2 on mesh[dp_dim] if present (per block, then the root). Returns the model (changed in place).
@@ -266,6 +270,13 @@ def parallelize(
     With a `cp_dim` dimension (context parallelism): parameters are FSDP-sharded over the flattened dp x cp ranks
     (cp alone without dp) and the mesh is recorded for `context_parallel_inputs(model, ...)`, which gives each
     rank its slice of every sequence; expert loads are summed over cp too. Not combined with tp or ep.
+
+    `compile=True` compiles each block's forward with `compile_backend` (glm53.model.compile.compile_blocks) after
+    TP and activation checkpointing and before FSDP, so FSDP's all-gathers run eagerly around the compiled block.
+    Blocks holding MLA stay eager until their kernels are compile-clean. Under a low-precision `mp_policy` the
+    fp32 units nested in each block (mHC, router, convs) split its graph, so every block compiles with graph
+    breaks allowed, and activation checkpointing is refused (a split block recomputes differently).
+    Checked on dp meshes; not with expert parallelism (its all-to-all split sizes are read on the host).
     """
     if not isinstance(model, Glm53ForCausalLM):
         raise TypeError(f"parallelize expects a Glm53ForCausalLM, got {type(model).__name__}")
@@ -283,6 +294,12 @@ def parallelize(
         raise ValueError(f"expert parallelism ({ep_dim}={mesh[ep_dim].size()}) together with tensor parallelism "
                          f"({tp_dim}={mesh[tp_dim].size()}) is not supported: use a ({dp_dim!r}, {ep_dim!r}) mesh, "
                          f"or ({dp_dim!r}, {tp_dim!r}) without EP")  # fmt: skip
+    if compile and has_ep:
+        raise ValueError(f"compile=True with expert parallelism ({ep_dim}={mesh[ep_dim].size()}) is not supported: "
+                         "the all-to-all dispatch reads its split sizes on the host (a graph break per MoE block)")
+    if compile and activation_checkpointing and _needs_fp32_units(mp_policy):
+        raise ValueError("compile=True with activation checkpointing needs whole block graphs, but under a "
+                         "low-precision mp_policy the nested fp32 FSDP units split them (glm53/model/compile.py)")
     if mp_policy is not None and not has_dp and cp_dim not in mesh.mesh_dim_names:
         raise ValueError(f"mp_policy is FSDP2's MixedPrecisionPolicy and needs a {dp_dim!r} or {cp_dim!r} mesh "
                          f"dimension; the mesh has {list(mesh.mesh_dim_names)}")  # fmt: skip
@@ -294,6 +311,10 @@ def parallelize(
     if activation_checkpointing:
         for block in _blocks(model):
             checkpoint(block)
+    if compile:
+        # fp32 units nested in a block (low-precision policy) run FSDP hooks, which dynamo never traces: the
+        # block's graph splits around them
+        compile_blocks(model, backend=compile_backend, fullgraph=not _needs_fp32_units(mp_policy))
     if has_ep:
         apply_fsdp(model, flat_data_mesh(mesh, dp_dim if has_dp else None, ep_dim), mp_policy,
                    reshard_after_forward, expert_parallel=True, expert_dp_mesh=mesh[dp_dim] if has_dp else None)

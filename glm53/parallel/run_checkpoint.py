@@ -42,13 +42,15 @@ def bf16_policy() -> MixedPrecisionPolicy:
 
 
 def parallel_model(config: Glm53Config, mesh, *, init: str | None = None, bf16: bool = False,
-                   activation_checkpointing: bool = False) -> Glm53ForCausalLM:  # fmt: skip
+                   activation_checkpointing: bool = False, compile: str | None = None) -> Glm53ForCausalLM:  # noqa: A002
     """Build on meta, parallelize on `mesh`, materialise on its device; fill from the official checkpoint `init`
-    (each rank reading its own slices) or leave the values to the caller (a DCP resume fills them)."""
+    (each rank reading its own slices) or leave the values to the caller (a DCP resume fills them). `compile`: the
+    torch.compile backend for every block (None: eager)."""
     with torch.device("meta"):
         model = Glm53ForCausalLM(config)
     parallelize(model, mesh, mp_policy=bf16_policy() if bf16 else None,
-                activation_checkpointing=activation_checkpointing)  # fmt: skip
+                activation_checkpointing=activation_checkpointing, compile=compile is not None,
+                compile_backend=compile or "inductor")  # fmt: skip
     if init is not None:
         return load_pretrained(model, init)
     materialize(model)

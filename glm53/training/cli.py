@@ -16,6 +16,7 @@ import torch
 
 from .. import parallel
 from ..errors import Glm53Error
+from ..model.compile import BACKENDS
 from . import finetune
 from .args import non_negative_float, non_negative_int, positive_float, positive_int, seed_int
 from .trainer import PRESETS, Trainer
@@ -39,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also save every N steps to DIR/step-N (needs --save)")
     p.add_argument("--resume", help="checkpoint directory to continue from (model, optimizer, step)")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute blocks in backward")
+    p.add_argument("--compile", nargs="?", const="inductor", choices=BACKENDS, metavar="BACKEND",
+                   help="torch.compile every block (glm53.model.compile.compile_blocks; parallel runs too); "
+                        "BACKEND defaults to inductor, aot_eager only traces")  # fmt: skip
     p.add_argument("--threads", type=positive_int, default=1,
                    help="CPU intra-op threads (tiny models run fastest on 1: thread hand-offs cost more than the ops)")
     p.add_argument("--dp", type=positive_int, default=1, help="data-parallel degree (torchrun)")

@@ -5,7 +5,7 @@ precision (trainer.py calls `init_parallel_model(args, mesh)`; the single-proces
     --init DIR                 build on meta, parallelize, `glm53.parallel.load_pretrained` (own slices only)
     otherwise                  the preset, seeded identically on every rank, then parallelize
 --bf16 runs FSDP2 with a bf16 MixedPrecisionPolicy (glm53.precision's fp32 keep-list stays fp32); --device cuda
-puts the shards on this rank's GPU (nccl).
+puts the shards on this rank's GPU (nccl); --compile BACKEND compiles every block (parallelize's compile option).
 Legend: dp/tp the mesh dimensions (glm53.parallel.init_mesh).
 """
 
@@ -23,7 +23,7 @@ from ..parallel.run_checkpoint import bf16_policy, has_run_state, parallel_model
 
 def init_parallel_model(args: argparse.Namespace, mesh, preset) -> Glm53ForCausalLM:
     """The parallelized model a torchrun run starts from (see the module docstring); `preset` builds the config."""
-    options = dict(bf16=args.bf16, activation_checkpointing=args.activation_checkpointing)
+    options = dict(bf16=args.bf16, activation_checkpointing=args.activation_checkpointing, compile=args.compile)
     if args.resume and has_run_state(args.resume):
         return parallel_model(Glm53Config.from_pretrained(args.resume), mesh, **options)
     if args.init:
@@ -34,7 +34,8 @@ def init_parallel_model(args: argparse.Namespace, mesh, preset) -> Glm53ForCausa
         model = Glm53ForCausalLM(preset())
     model.to(mesh.device_type)
     return parallelize(model, mesh, mp_policy=bf16_policy() if args.bf16 else None,
-                       activation_checkpointing=args.activation_checkpointing)  # fmt: skip
+                       activation_checkpointing=args.activation_checkpointing, compile=args.compile is not None,
+                       compile_backend=args.compile or "inductor")  # fmt: skip
 
 
 __all__ = ["init_parallel_model"]

@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 
 from ..config import Glm53Config
+from ..model.compile import compile_blocks
 from ..model.model import Glm53ForCausalLM
 from ..parallel import clip_grad_norm_ as parallel_clip_grad_norm_
 from ..parallel import loss_parallel_context, parallelize
@@ -131,6 +132,8 @@ class Trainer:
             model = parallelize(model, self.mesh, activation_checkpointing=args.activation_checkpointing)
         elif args.activation_checkpointing:
             model.gradient_checkpointing_enable()
+        if args.compile:
+            compile_blocks(model, backend=args.compile)
         return model
 
     def _resume(self) -> int:

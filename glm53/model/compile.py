@@ -1,0 +1,66 @@
+"""Per-block torch.compile: each decoder block's (and MTP layer's) forward compiled in place.
+
+Legend: B batch, T time, N streams, D model width (glm53/model/__init__.py); blocks map streams [B, T, N, D] to
+streams [B, T, N, D].
+torchtitan compiles one transformer block at a time (repeated structure: every block of a kind reuses one
+compiled graph; the embedding, head and losses stay eager) after tensor parallelism and activation checkpointing
+and before FSDP. Here the block's `forward` is replaced by its compiled version instead of wrapping the module
+(torch.compile(module) returns an OptimizedModule whose parameter names gain `_orig_mod.`, which the checkpoint
+layout, the TP plan and the fp32 keep-list would not match). Module hooks (FSDP's all-gathers, composable
+activation checkpointing, the parallel layer's input casts) stay outside the compiled region and run eagerly;
+recomputation in backward calls the compiled forward again.
+
+KDA blocks trace as one graph (the KDA chunk kernel and the grouped expert matmul are custom ops,
+glm53/kernels/opaque.py). MLA blocks and MTP layers (MLA + MoE) still break the graph in the indexer's pool
+selection and the sparse attention's key span (data-dependent shapes) until those kernels become custom ops:
+by default they stay eager. A block whose graph breaks is unsafe under activation checkpointing: the forward
+that compiles it runs part of it eagerly, the recomputation in backward runs the compiled frames, and the two
+save different tensors (torch.utils.checkpoint raises CheckpointError on the first step).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from .mla import MultiHeadLatentAttention
+
+# Modules whose kernels still break a compiled graph: a block holding one stays eager under fullgraph=True.
+GRAPH_BREAKING: tuple[type[nn.Module], ...] = (MultiHeadLatentAttention,)
+BACKENDS = ("inductor", "aot_eager", "eager")  # inductor generates kernels; the others only trace (tests)
+
+
+def compile_blocks(model: nn.Module, *, backend: str = "inductor", fullgraph: bool = True,
+                   dynamic: bool | None = False) -> nn.Module:  # fmt: skip
+    """Compile the forward of the decoder blocks and MTP layers of a Glm53ForCausalLM in place -> the model.
+
+    Call it on a single-process model, or through `glm53.parallel.parallelize(..., compile=True)`, which calls it
+    after TP and activation checkpointing and before FSDP. Parameter names and state dicts are unchanged.
+    `fullgraph=True`: every block without a GRAPH_BREAKING module compiles as one graph (a break raises); the
+    others stay eager. `fullgraph=False`: every block compiles, graph breaks allowed (parallelize uses it when
+    FSDP units are nested in a block: their hooks always run eagerly); not with activation checkpointing (see
+    the module docstring).
+    `dynamic=False` (static shapes: a new sequence length compiles new graphs): with automatic dynamic shapes a
+    dynamic graph compiled after a static one can be picked when activation checkpointing recomputes a block
+    (the case torch's CheckpointError message describes, pytorch issue 166926).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"compile backend must be one of {BACKENDS}, got {backend!r}")
+    for block in model_blocks(model):
+        if getattr(block, "_glm53_compiled", False):
+            raise RuntimeError(f"{type(block).__name__} is already compiled: call compile_blocks once per model")
+        if fullgraph and any(isinstance(m, GRAPH_BREAKING) for m in block.modules()):
+            continue
+        # an instance attribute shadows the class's forward; nn.Module.__call__ still runs the hooks around it
+        block.forward = torch.compile(block.forward, backend=backend, fullgraph=fullgraph, dynamic=dynamic)
+        block._glm53_compiled = True
+    return model
+
+
+def model_blocks(model: nn.Module) -> list[nn.Module]:
+    """The decoder blocks, then the MTP layers, of a Glm53ForCausalLM."""
+    mtp = getattr(model, "mtp", None)
+    return [*model.model.layers, *(mtp.layers if mtp is not None else [])]
+
+
+__all__ = ["BACKENDS", "GRAPH_BREAKING", "compile_blocks", "model_blocks"]
