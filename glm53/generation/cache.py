@@ -4,8 +4,9 @@ O(index_topk) (MLA) instead of a forward over the whole sequence.
 Legend (glm53/model/__init__.py): B batch, T new positions, S cached positions (padding included), H KDA heads,
 K key head width (KDA; the indexer's head width for its pools), V KDA value width, W conv width, Z kv_lora_rank,
 L tokens per k-pool (index_kpool), P k-pools.
-Per KDA layer (`KdaLayerCache`): the fp32 recurrent state [B, H, K, V] and the q, k, v conv histories
-[B, H*K, W-1] (the last W-1 inputs of each short conv). Neither grows with the context.
+Per KDA layer (`KdaLayerCache`): the fp32 recurrent state [B, H, K, V] and the q, k, v conv histories side by
+side, time-major [B, W-1, 3*H*K] (the last W-1 inputs of each short conv; one tensor so a decode step convolves
+all three at once). Neither grows with the context.
 Per MLA layer (`MlaLayerCache`): the normed kv latent [B, S, Z] (what attention reads: keys and values are maps
 of it), per request its first token and its token count (its tokens are contiguous from the first), and, for layers with
 their own indexer, the pooled keys of complete k-pools [B, P, K] plus the pool being filled (its tokens' keys
@@ -41,27 +42,27 @@ class GenerationError(Glm53Error):
     """A `generate` argument out of range: names the argument and the bad value."""
 
 
-def _grow(buf: torch.Tensor, needed: int, dim: int = 1) -> torch.Tensor:
-    """`buf` with at least `needed` slots along `dim` (contents kept, new slots zero)."""
+def _grow(buf: torch.Tensor, needed: int, dim: int = 1, exact: bool = False) -> torch.Tensor:
+    """`buf` with at least `needed` slots along `dim` (contents kept, new slots zero); `exact`: no more than that."""
     if buf.shape[dim] >= needed:
         return buf
     shape = list(buf.shape)
-    shape[dim] = max(needed, GROWTH * buf.shape[dim])
+    shape[dim] = needed if exact else max(needed, GROWTH * buf.shape[dim])
     out = buf.new_zeros(shape)
     out.narrow(dim, 0, buf.shape[dim]).copy_(buf)
     return out
 
 
 class KdaLayerCache:
-    """One KDA layer: recurrent state [B, H, K, V] fp32 and the q, k, v conv histories [B, H*K, W-1]."""
+    """One KDA layer: recurrent state [B, H, K, V] fp32 and the q | k | v conv histories [B, W-1, 3*H*K]."""
 
     def __init__(self) -> None:
         self.length = 0  # positions seen (prompt padding included)
         self.state: torch.Tensor | None = None
-        self.conv: tuple[torch.Tensor, ...] | None = None
+        self.conv: torch.Tensor | None = None  # [B, W-1, 3*H*K]
         self._mark: tuple | None = None  # (length, state, conv) at mark()
         self._states: list[torch.Tensor] = []  # state after each token since the mark
-        self._inputs: list[tuple[torch.Tensor, ...]] = []  # conv inputs [B, T, H*K] x 3 per forward since it
+        self._inputs: list[torch.Tensor] = []  # conv inputs [B, T, 3*H*K] per forward since it
 
     @property
     def marked(self) -> bool:
@@ -71,7 +72,7 @@ class KdaLayerCache:
         self._mark = (self.length, self.state, self.conv)
         self._states, self._inputs = [], []
 
-    def record(self, states: list[torch.Tensor], inputs: tuple[torch.Tensor, ...]) -> None:
+    def record(self, states: list[torch.Tensor], inputs: torch.Tensor) -> None:
         self._states.extend(states)
         self._inputs.append(inputs)
 
@@ -82,14 +83,12 @@ class KdaLayerCache:
         length, state0, conv0 = self._mark
         self.length = length + keep
         self.state = state0 if keep == 0 else self._states[keep - 1]
-        seen = [torch.cat(parts, dim=1)[:, :keep] for parts in zip(*self._inputs)]  # [B, keep, H*K] x 3
-        self.conv = tuple(
-            torch.cat([c, x.transpose(1, 2).to(c.dtype)], dim=-1)[..., keep:] for c, x in zip(conv0, seen)
-        )
+        seen = torch.cat(self._inputs, dim=1)[:, :keep]  # [B, keep, 3*H*K]
+        self.conv = torch.cat([conv0, seen.to(conv0.dtype)], dim=1)[:, keep:]
         self._mark, self._states, self._inputs = None, [], []
 
     def nbytes(self) -> int:
-        tensors = ([self.state] if self.state is not None else []) + list(self.conv or ())
+        tensors = [t for t in (self.state, self.conv) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -118,6 +117,7 @@ class MlaLayerCache:
         self.first: torch.Tensor | None = None  # [B] position of each row's first token
         self.count: torch.Tensor | None = None  # [B] tokens per row
         self.max_count = 0  # max(count), kept on the host so the pool width needs no device sync
+        self.counts_host: list[int] = []  # count per row on the host (known since the prefill; steps add to it)
         self.pools: _PoolState | None = None
         self._mark: tuple | None = None
         self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (key, gate, valid) per token
@@ -149,7 +149,8 @@ class MlaLayerCache:
         if not bool((self.count == T - self.first).all()):  # NOTE: syncs (once, at prefill)
             raise CacheError("a cached prefill needs a left-padded attention_mask (0s then 1s in every row): decode "
                              "steps append after each row's last position")  # fmt: skip
-        self.max_count = int(self.count.max())
+        self.counts_host = self.count.tolist()
+        self.max_count = max(self.counts_host)
 
     def advance(self, valid: torch.Tensor) -> None:
         """Decode steps: every row gains T tokens (valid [B, T] must be all True)."""
@@ -158,6 +159,7 @@ class MlaLayerCache:
         T = valid.shape[1]
         self.count = self.count + T
         self.max_count += T
+        self.counts_host = [c + T for c in self.counts_host]
 
     def start_pools(self, keys, count, partial_keys, partial_gate, partial_count, ape: torch.Tensor) -> None:
         """Prefill: the pool state (see _PoolState) and the indexer's per-slot gate offset ape [L, K]."""
@@ -188,22 +190,32 @@ class MlaLayerCache:
 
     def mark(self) -> None:
         pools = self.pools.clone_small() if self.pools is not None else None
-        self._mark = (self.length, self.count, self.max_count, pools)
+        self._mark = (self.length, self.count, self.max_count, pools, self.counts_host)
         self._pending = []
 
     def rewind(self, keep: int) -> None:
         """Back to the mark, then re-apply the first `keep` positions appended since (their latent is still there)."""
         if self._mark is None:
             raise CacheError("rewind() needs an earlier mark()")
-        length, count, max_count, pools = self._mark
+        length, count, max_count, pools, counts_host = self._mark
         pending = self._pending[:keep]
         self._mark, self._pending = None, []
         self.length, self.count, self.max_count, self.pools = length + keep, count + keep, max_count + keep, pools
+        self.counts_host = [c + keep for c in counts_host]
         if pools is not None:
             self.max_count = max_count
             for step, (key, gate, valid) in enumerate(pending, start=1):
                 self.max_count = max_count + step
                 self.push_pool_token(key, gate, self._ape, valid)
+
+    def reserve(self, positions: int) -> None:
+        """Allocate the latent (and pooled-key) buffers for `positions` cached positions now, exactly: later appends
+        up to there copy nothing."""
+        if self.latent is not None:
+            self.latent = _grow(self.latent, positions, exact=True)
+        if self.pools is not None:
+            L = self.pools.partial_keys.shape[1]
+            self.pools.keys = _grow(self.pools.keys, positions // L + 1, exact=True)
 
     def nbytes(self) -> int:
         """Bytes of what is cached (the filled part of the buffers)."""
@@ -239,6 +251,8 @@ class GenerationCache:
             raise CacheError(f"part must be 'main' or 'mtp', got {part!r}")
         self.part = part
         self.model_id = id(model)
+        self.decode_plan = None  # glm53/generation/decode.py: per-layer constants of the T = 1 step, made once
+        self.marked = False
         self._layers: dict[int, KdaLayerCache | MlaLayerCache] = {}
         for module in attention:
             is_kda = hasattr(module, "A_log")
@@ -265,11 +279,19 @@ class GenerationCache:
     def mark(self) -> None:
         for cache in self._layers.values():
             cache.mark()
+        self.marked = True
 
     def rewind(self, keep: int) -> None:
         """Back to the last `mark()`, keeping the first `keep` positions appended since."""
         for cache in self._layers.values():
             cache.rewind(keep)
+        self.marked = False
+
+    def reserve(self, positions: int) -> None:
+        """Size every MLA layer's buffers for `positions` cached positions (after the prefill; see MlaLayerCache)."""
+        for cache in self._layers.values():
+            if isinstance(cache, MlaLayerCache):
+                cache.reserve(positions)
 
     def nbytes(self) -> int:
         """Bytes held by every layer's cache."""

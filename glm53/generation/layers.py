@@ -23,18 +23,22 @@ L2NORM_EPS = 1e-6  # KimiDeltaAttention's q/k l2norm epsilon (glm53/model/kda.py
 
 
 # --------------------------------------------------------------------------------------------------------- KDA
-def _short_convs(module, x: torch.Tensor, cache) -> tuple[list[torch.Tensor], tuple, tuple]:
-    """silu(conv(proj(x))) for q, k, v continuing the cached histories -> (outputs, new histories, conv inputs)."""
+def _short_convs(module, x: torch.Tensor, cache) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """silu(conv(proj(x))) for q, k, v continuing the cached histories -> (outputs, new histories [B, W-1, 3*H*K],
+    conv inputs [B, T, 3*H*K])."""
     raw = (module.q_proj(x), module.k_proj(x), module.v_proj(x))  # [B, T, H*K] each
     convs = (module.q_conv1d, module.k_conv1d, module.v_conv1d)
-    histories = cache.conv if cache.conv is not None else (None, None, None)
+    C = raw[0].shape[-1]
+    # the kernel takes each history as [B, H*K, W-1]: views of the cache's time-major [B, W-1, 3*H*K]
+    histories = (None,) * 3 if cache.conv is None else \
+        tuple(cache.conv[..., i * C : (i + 1) * C].transpose(1, 2) for i in range(3))  # fmt: skip
     outs, states = [], []
     for r, conv, history in zip(raw, convs, histories):
         y, state = kernel("causal_conv1d")(r, as_local(conv, "weight")[:, 0, :], initial_state=history,
                                            output_final_state=True)  # fmt: skip
         outs.append(F.silu(y).to(x.dtype))
-        states.append(state)
-    return outs, tuple(states), raw
+        states.append(state.transpose(1, 2))
+    return outs, torch.cat(states, dim=-1), torch.cat(raw, dim=-1)
 
 
 def kda_cached_forward(module, x: torch.Tensor, ctx, cache) -> torch.Tensor:

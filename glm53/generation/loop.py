@@ -16,6 +16,7 @@ import time
 import torch
 
 from .cache import GenerationCache, GenerationError
+from .decode import decode_step
 from .emit import Emitter, GenerationStats, Options
 from .sampling import next_tokens
 from .speculative import speculative_decode
@@ -105,17 +106,18 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
 
 
 def _decode(model, input_ids, valid, opts: Options, emitter: Emitter, stats: GenerationStats) -> GenerationCache:
-    """Plain decoding: one prefill forward, then one single-token forward per new token."""
+    """Plain decoding: one prefill forward, then one decode step (decode.py) per new token."""
     cache = GenerationCache(model)
     start = time.perf_counter()
-    hidden = model.model(input_ids, valid, cache=cache)  # [B, T, D]
-    pick = lambda h: next_tokens(model.lm_head(h[:, -1]), opts.do_sample, opts.temperature, opts.top_k,  # noqa: E731
+    hidden = model.model(input_ids, valid, cache=cache)[:, -1]  # [B, D]
+    cache.reserve(input_ids.shape[1] + opts.max_new_tokens)  # the latent buffers, once
+    pick = lambda h: next_tokens(model.lm_head(h), opts.do_sample, opts.temperature, opts.top_k,  # noqa: E731
                                  opts.top_p, opts.generator)  # fmt: skip
     done = emitter.emit(pick(hidden))
     stats.prefill_seconds = time.perf_counter() - start
     start = time.perf_counter()
     while not done:
-        hidden = model.model(emitter.tokens[-1][:, None], cache=cache)  # [B, 1, D]
+        hidden = decode_step(model, cache, emitter.tokens[-1])  # [B, D]
         done = emitter.emit(pick(hidden))
     stats.decode_seconds = time.perf_counter() - start
     return cache
