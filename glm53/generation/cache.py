@@ -11,6 +11,11 @@ Per MLA layer (`MlaLayerCache`): the normed kv latent [B, S, Z] (what attention 
 of it), per request its first token and its token count (its tokens are contiguous from the first), and, for layers with
 their own indexer, the pooled keys of complete k-pools [B, P, K] plus the pool being filled (its tokens' keys
 [B, L, K] and fp32 gate logits [B, L, K]). Shared-indexer layers keep no indexer state.
+Bytes per cached token (Z kv_lora_rank, K the indexer's head width, L index_kpool, b bytes per element): a
+full-indexer MLA layer keeps b(Z + K/L), a shared one bZ; transformers 5.23 keeps b(Z + 2K + 1) (the latent, and per
+token the indexer key, its gate logits and a valid flag) and bZ. Nothing smaller is exact: any complete pool may be
+selected later, so every latent row stays, and the pooled keys are what the indexer scores. `latent_dtype` (e.g.
+torch.bfloat16 for an fp32 model) stores the latent rounded to a narrower dtype: fewer bytes, no longer exact.
 Positions are one time axis for the whole batch: a left-padded prompt fills positions [0, T) (padding included,
 never selected), each decode step appends one position per row, so a row's tokens are contiguous from `first`.
 
@@ -111,7 +116,8 @@ class _PoolState:
 class MlaLayerCache:
     """One MLA layer: normed latent [B, S, Z], per-row first token / token count, the indexer's pool state."""
 
-    def __init__(self) -> None:
+    def __init__(self, latent_dtype: torch.dtype | None = None) -> None:
+        self.latent_dtype = latent_dtype  # None: the model's dtype (exact); else the latent is rounded to it
         self.length = 0  # cached positions S (the same for every row)
         self.latent: torch.Tensor | None = None  # [B, capacity, Z]
         self.first: torch.Tensor | None = None  # [B] position of each row's first token
@@ -132,7 +138,7 @@ class MlaLayerCache:
         B, T, Z = latent.shape
         start = self.length
         if self.latent is None:
-            self.latent = latent.new_zeros(B, T, Z)
+            self.latent = latent.new_zeros(B, T, Z, dtype=self.latent_dtype or latent.dtype)
         elif self.latent.shape[0] != B:
             raise CacheError(f"the cache holds a batch of {self.latent.shape[0]} rows, the input has {B}")
         self.latent = _grow(self.latent, start + T)
@@ -237,10 +243,11 @@ class GenerationCache:
     """Every attention layer's cache for one model (`part="main"`: the decoder stack; `"mtp"`: its MTP layers).
 
     Pass it to `Glm53Model.forward(..., cache=cache)`: the first forward is the prefill (any padding mask, left
-    padding for generation), each later forward appends decode tokens (all valid) after it.
+    padding for generation), each later forward appends decode tokens (all valid) after it; or run decode steps with
+    `glm53.generation.decode.decode_step`. `latent_dtype`: see the module docstring (None: exact).
     """
 
-    def __init__(self, model: nn.Module, part: str = "main") -> None:
+    def __init__(self, model: nn.Module, part: str = "main", latent_dtype: torch.dtype | None = None) -> None:
         if part == "main":
             attention = [layer.self_attn for layer in model.model.layers]
         elif part == "mtp":
@@ -249,6 +256,10 @@ class GenerationCache:
             attention = [layer.self_attn for layer in model.mtp.layers]
         else:
             raise CacheError(f"part must be 'main' or 'mtp', got {part!r}")
+        if latent_dtype is not None and (not isinstance(latent_dtype, torch.dtype) or not latent_dtype.is_floating_point
+                                         or latent_dtype.itemsize < 2):
+            raise CacheError(f"latent_dtype must be None or a floating dtype of 16 bits or more (torch.bfloat16, "
+                             f"torch.float16, ...), got {latent_dtype!r}")
         self.part = part
         self.model_id = id(model)
         self.decode_plan = None  # glm53/generation/decode.py: per-layer constants of the T = 1 step, made once
@@ -256,7 +267,7 @@ class GenerationCache:
         self._layers: dict[int, KdaLayerCache | MlaLayerCache] = {}
         for module in attention:
             is_kda = hasattr(module, "A_log")
-            self._layers[id(module)] = KdaLayerCache() if is_kda else MlaLayerCache()
+            self._layers[id(module)] = KdaLayerCache() if is_kda else MlaLayerCache(latent_dtype)
 
     def layer(self, module: nn.Module, kind: type) -> KdaLayerCache | MlaLayerCache:
         cache = self._layers.get(id(module))

@@ -315,7 +315,7 @@ def _attention(p: _Mla, q: torch.Tensor, latent: torch.Tensor, topk: torch.Tenso
         probs = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1).nan_to_num(0.0)
         o_latent = torch.bmm(probs, kv).to(q.dtype)  # [B, H, Z]
         return torch.bmm(o_latent.transpose(0, 1), p.w_uv_t).transpose(0, 1)
-    k, v = p.module._expand_kv(kv)  # [B, J, H, K], [B, J, H, V]
+    k, v = p.module._expand_kv(kv.to(q.dtype))  # [B, J, H, K], [B, J, H, V]
     scores = torch.einsum("bhe,bjhe->bhj", q.to(dtype), k.to(dtype)) * p.scale
     probs = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1).nan_to_num(0.0)
     return torch.einsum("bhj,bjhf->bhf", probs, v.to(dtype)).to(q.dtype)

@@ -142,7 +142,7 @@ def _cached_attention(module, q: torch.Tensor, latent_buffer: torch.Tensor, topk
         o_latent = torch.einsum("bthj,btjc->bthc", _softmax_slots(scores, filled), kv.to(dtype)).to(q.dtype)
         return torch.einsum("bthc,hfc->bthf", o_latent, w_uv)
     B, T, J, Z = kv.shape
-    k, v = module._expand_kv(kv.view(B, T * J, Z))  # [B, T*J, H, K], [B, T*J, H, V]
+    k, v = module._expand_kv(kv.view(B, T * J, Z).to(q.dtype))  # [B, T*J, H, K], [B, T*J, H, V]
     k, v = k.view(B, T, J, *k.shape[2:]).to(dtype), v.view(B, T, J, *v.shape[2:]).to(dtype)
     scores = torch.einsum("bthe,btjhe->bthj", q.to(dtype), k) * module.scale
     return torch.einsum("bthj,btjhf->bthf", _softmax_slots(scores, filled), v).to(q.dtype)

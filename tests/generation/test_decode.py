@@ -88,3 +88,28 @@ def test_decode_step_bad_cache():
         cache.mark()
         with pytest.raises(CacheError, match="marked"):
             decode_step(model, cache, ids[:, 0])
+
+
+def test_bf16_latent_cache_halves_latent_bytes():
+    """latent_dtype=torch.bfloat16 on an fp32 model: the latent costs 2 bytes per element instead of 4 and the
+    logits move by bf16 rounding only (not exact: well above fp32 rounding, well below the logits' scale)."""
+    model = tiny_model(random_weights=False)
+    cfg = model.config
+    P, N = 12, 8
+    ids, mask = left_padded(cfg.vocab_size, [P + N, P + N - 3])
+    caches, logits = {}, {}
+    with torch.inference_mode():
+        full = model(ids, attention_mask=mask).logits
+        for dtype in (None, torch.bfloat16):
+            cache = caches[dtype] = GenerationCache(model, latent_dtype=dtype)
+            model.model(ids[:, :P], mask[:, :P], cache=cache)
+            logits[dtype] = torch.stack([model.lm_head(decode_step(model, cache, ids[:, t])) for t in range(P, P + N)], 1)
+    n_mla = len(cfg.attention_layers)
+    B = ids.shape[0]
+    assert caches[None].nbytes() - caches[torch.bfloat16].nbytes() == n_mla * B * (P + N) * cfg.kv_lora_rank * 2
+    scale = full.abs().max().item()
+    exact = (logits[None] - full[:, P:]).abs().max().item()
+    rounded = (logits[torch.bfloat16] - full[:, P:]).abs().max().item()
+    assert exact <= REL_TOL * scale < rounded <= 5e-3 * scale
+    with pytest.raises(CacheError, match="latent_dtype"):
+        GenerationCache(model, latent_dtype=torch.int8)
