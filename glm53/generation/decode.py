@@ -37,10 +37,15 @@ def _weight(linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
     return as_local(linear, "weight"), bias
 
 
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x.to(dtype) without the call when x already has it (a decode step is made of small ops: calls count)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm as kernels/rms_norm.py: w * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), statistics in fp32."""
-    xf = x.float()
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    xf = _as(x, torch.float32)
+    return weight * _as(xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps), x.dtype)
 
 
 # ------------------------------------------------------------------------------------------------------------ mHC
@@ -87,7 +92,7 @@ def _sinkhorn(site: _Site, c: torch.Tensor) -> torch.Tensor:
 def _coefficients(site: _Site, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """HyperConnection.coefficients for streams [B, N, D] -> pre [B, N], post [B, N], comb [B, N, N] (fp32)."""
     B, n = streams.shape[0], site.n
-    flat = streams.reshape(B, -1).float()  # [B, N*D]
+    flat = _as(streams.reshape(B, -1), torch.float32)  # [B, N*D]
     raw = F.linear(flat, site.fn)  # [B, (2+N)*N]
     r = torch.rsqrt(torch.linalg.vector_norm(flat, dim=-1, keepdim=True).square_() / flat.shape[-1] + site.norm_eps)
     z = torch.addcmul(site.base, raw * r, site.scale)  # scale * logits + base, per coefficient
@@ -100,14 +105,14 @@ def _coefficients(site: _Site, streams: torch.Tensor) -> tuple[torch.Tensor, tor
 
 def _collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
     """sum_j pre_j x_j in fp32 -> [B, D] in streams' dtype (kernels/hc_collapse.py)."""
-    return torch.bmm(pre[:, None, :], streams.float()).view(streams.shape[0], -1).to(streams.dtype)
+    return _as(torch.bmm(pre[:, None, :], _as(streams, torch.float32)).view(streams.shape[0], -1), streams.dtype)
 
 
 def _mix(streams: torch.Tensor, comb: torch.Tensor, post: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """new_i = post_i out + sum_j comb_ji x_j [B, N, D] in streams' dtype (kernels/hc_mix.py)."""
     dtype = streams.dtype
-    new = torch.bmm(comb.to(dtype).transpose(1, 2), streams)
-    return new.addcmul_(post.to(dtype)[:, :, None], out.to(dtype)[:, None, :])
+    new = torch.bmm(_as(comb, dtype).transpose(1, 2), streams)
+    return new.addcmul_(_as(post, dtype)[:, :, None], _as(out, dtype)[:, None, :])
 
 
 # ------------------------------------------------------------------------------------------------------------ KDA
@@ -121,7 +126,7 @@ class _Kda:
     o: tuple
     taps: torch.Tensor  # [W, 3*H*K] fp32: the q | k | v conv kernels, time-major
     dt_bias: torch.Tensor  # [H*K] fp32
-    rate: torch.Tensor  # [H, 1] fp32 exp(A_log)
+    rate: torch.Tensor  # [H, 1, 1] fp32 exp(A_log)
     lower_bound: float | None
     head_dim: int
     norm_weight: torch.Tensor
@@ -134,37 +139,38 @@ def _kda(module: nn.Module) -> _Kda:
     taps = torch.cat([as_local(c, "weight")[:, 0, :] for c in (module.q_conv1d, module.k_conv1d, module.v_conv1d)])
     return _Kda(proj, as_local(module.f_b_proj, "weight"), as_local(module.g_b_proj, "weight"), _weight(module.o_proj),
                 taps.float().t().contiguous(), as_local(module, "dt_bias").float(),
-                as_local(module, "A_log").float().exp()[:, None], module.lower_bound, module.head_dim,
-                as_local(module.o_norm, "weight"), module.o_norm.eps)  # fmt: skip
+                as_local(module, "A_log").float().exp()[:, None, None], module.lower_bound, module.head_dim,
+                as_local(module.o_norm, "weight").float(), module.o_norm.eps)  # fmt: skip
 
 
 def _kda_step(p: _Kda, x: torch.Tensor, cache: KdaLayerCache) -> torch.Tensor:
-    """KimiDeltaAttention on one token: x [B, D] -> [B, D]; the state advances in place."""
+    """KimiDeltaAttention on one token: x [B, D] -> [B, D]; the state advances in place. Per head the token's
+    vectors are kept as [B, H, 1, K] rows, so the delta rule's products are plain matmuls on the state."""
     B, K = x.shape[0], p.head_dim
     q_raw, k_raw, v_raw, f_a, b, g_a = (F.linear(x, w, bias) for w, bias in p.proj)
-    full = torch.cat([cache.conv, torch.cat([q_raw, k_raw, v_raw], dim=-1)[:, None]], dim=1)  # [B, W, 3*H*K]
-    qkv = F.silu((full.float() * p.taps).sum(1)).to(x.dtype).view(B, 3, -1, K)  # [B, 3, H, K]
-    qk = qkv[:, :2].float()
+    full = torch.cat([cache.conv, torch.cat([q_raw, k_raw, v_raw], dim=-1).view(B, 1, -1)], dim=1)  # [B, W, 3*H*K]
+    qkv = _as(F.silu((_as(full, torch.float32) * p.taps).sum(1)), x.dtype).view(B, 3, -1, 1, K)  # [B, 3, H, 1, K]
+    qk = _as(qkv[:, :2], torch.float32)
     qk = qk / torch.sqrt((qk * qk).sum(dim=-1, keepdim=True) + L2NORM_EPS)  # l2norm
-    raw = (F.linear(f_a, p.f_b).float() + p.dt_bias).view(B, -1, K)  # [B, H, K]
+    raw = (_as(F.linear(f_a, p.f_b), torch.float32) + p.dt_bias).view(B, -1, K, 1)  # [B, H, K, 1]
     if p.lower_bound is not None:
         g = p.lower_bound * torch.sigmoid(p.rate * raw)
     else:
         g = -p.rate * F.softplus(raw, threshold=20.0)
     dt = KDA_RECURRENT_DTYPE if x.dtype != torch.float64 else torch.float64
-    q, k, v = qk[:, 0].to(dt) * K**-0.5, qk[:, 1].to(dt), qkv[:, 2].to(dt)  # [B, H, K]
-    beta = torch.sigmoid(b).to(dt)  # [B, H]
+    q, k, v = _as(qk[:, 0], dt) * K**-0.5, _as(qk[:, 1], dt), _as(qkv[:, 2], dt)  # [B, H, 1, K]
+    beta = _as(torch.sigmoid(b), dt).view(B, -1, 1, 1)
     S = cache.state  # [B, H, K, V], owned by the cache (not marked: decode_step checks)
-    S.mul_(g.to(dt).exp()[..., None])
-    u = beta[..., None] * (v - torch.matmul(k[:, :, None, :], S)[:, :, 0])  # [B, H, V]
-    S.add_(k[..., None] * u[:, :, None, :])
-    o = torch.matmul(q[:, :, None, :], S)[:, :, 0].to(qkv.dtype)  # [B, H, V]
+    S.mul_(_as(g, dt).exp())
+    u = beta * (v - torch.matmul(k, S))  # [B, H, 1, V]
+    S.add_(k.transpose(-1, -2) * u)
+    o = _as(torch.matmul(q, S), qkv.dtype)  # [B, H, 1, V]
     cache.conv = full[:, 1:]
     cache.length += 1
-    gate = F.linear(g_a, p.g_b).view(B, -1, K).float()
-    of = o.float()
-    of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + p.norm_eps) * p.norm_weight.float() * torch.sigmoid(gate)
-    return F.linear(of.to(o.dtype).view(B, -1), *p.o)
+    gate = _as(F.linear(g_a, p.g_b), torch.float32).view(B, -1, 1, K)
+    of = _as(o, torch.float32)
+    of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + p.norm_eps) * p.norm_weight * torch.sigmoid(gate)
+    return F.linear(_as(of, o.dtype).view(B, -1), *p.o)
 
 
 # ------------------------------------------------------------------------------------------------------------ MLA
@@ -369,16 +375,15 @@ def _moe_step(p: _Moe, x: torch.Tensor) -> torch.Tensor:
     k = indices.shape[1]
     experts = indices.flatten().tolist()  # NOTE: syncs (the chosen experts steer the host loop)
     order = sorted(range(len(experts)), key=experts.__getitem__)
-    flat_weights = weights.flatten()
+    pair_weights = weights.flatten()[order][:, None]  # [B*k, 1] in visiting order
     ys, i = [], 0
     while i < len(order):
         e, j = experts[order[i]], i
         while j < len(order) and experts[order[j]] == e:
             j += 1
-        pairs = order[i:j]
-        rows = x if x.shape[0] == 1 else x[[pair // k for pair in pairs]]
-        act = clamped_swiglu_packed(F.linear(rows, p.gate_up[e]), p.limit) * flat_weights[pairs][:, None]
-        ys.append(F.linear(act.to(x.dtype), p.down[e]))
+        rows = x if x.shape[0] == 1 else x[[pair // k for pair in order[i:j]]]
+        act = clamped_swiglu_packed(F.linear(rows, p.gate_up[e]), p.limit) * pair_weights[i:j]
+        ys.append(F.linear(_as(act, x.dtype), p.down[e]))
         i = j
     if x.shape[0] == 1:
         routed = ys[0]
