@@ -44,8 +44,8 @@ def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm as kernels/rms_norm.py: w * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), statistics in fp32."""
-    xf = _as(x, torch.float32)
-    return weight * _as(xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps), x.dtype)
+    # F.rms_norm without a weight is the same x * rsqrt(mean(x^2) + eps), in one call
+    return weight * _as(F.rms_norm(_as(x, torch.float32), (x.shape[-1],), None, eps), x.dtype)
 
 
 # ------------------------------------------------------------------------------------------------------------ mHC
@@ -168,8 +168,7 @@ def _kda_step(p: _Kda, x: torch.Tensor, cache: KdaLayerCache) -> torch.Tensor:
     cache.conv = full[:, 1:]
     cache.length += 1
     gate = _as(F.linear(g_a, p.g_b), torch.float32).view(B, -1, 1, K)
-    of = _as(o, torch.float32)
-    of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + p.norm_eps) * p.norm_weight * torch.sigmoid(gate)
+    of = F.rms_norm(_as(o, torch.float32), (K,), None, p.norm_eps) * p.norm_weight * torch.sigmoid(gate)
     return F.linear(_as(of, o.dtype).view(B, -1), *p.o)
 
 
