@@ -15,7 +15,7 @@ load on a shared machine).
 Also reported: glm53's decode_step time per token and its KDA / MLA attention parts at each context length (KDA
 should stay flat); cache bytes per cached token after the prefill (glm53's GenerationCache.nbytes vs every tensor in
 transformers' DynamicCache) and per extra token of context, beside the analytic per-token bytes (cache.py) and the
-bf16-latent cache (`latent_dtype=torch.bfloat16`, not exact); MTP speculative decoding (k draft tokens) against plain
+bf16 / int8 latent caches (`latent_dtype=torch.bfloat16` / `torch.int8`, not exact); MTP speculative decoding (k draft tokens) against plain
 greedy decoding, with the random MTP layer (acceptance ~0: the cost of drafting) and with an exact draft (every
 block's output projection zeroed so the next token is a function of the current one, and the MTP layer built to
 predict it: acceptance 1.0, the ceiling).
@@ -150,19 +150,21 @@ def analytic_bytes_per_token(config, elem: int = 4) -> tuple[int, int]:
 
 def cache_bytes(hf, ours, ids, step: int = 64) -> dict:
     """Cache bytes per cached token after a prefill of P (KDA states amortised), and per extra token (the growth
-    from P - step to P: what a longer context costs); also with a bf16 latent (not exact)."""
+    from P - step to P: what a longer context costs); also with a bf16 and an int8 latent (not exact)."""
 
     def both(x):
         with torch.no_grad():
             hf_bytes = tensor_bytes(hf(input_ids=x, use_cache=True).past_key_values)
+        sizes = []
         with torch.inference_mode():
-            cache, bf16 = GenerationCache(ours), GenerationCache(ours, latent_dtype=torch.bfloat16)
-            ours.model(x, cache=cache)
-            ours.model(x, cache=bf16)
-        return cache.nbytes(), hf_bytes, bf16.nbytes()
+            for dtype in (None, torch.bfloat16, torch.int8):
+                cache = GenerationCache(ours, latent_dtype=dtype)
+                ours.model(x, cache=cache)
+                sizes.append(cache.nbytes())
+        return sizes[0], hf_bytes, sizes[1], sizes[2]
 
     P = ids.shape[1]
-    (ours_p, hf_p, bf_p), (ours_q, hf_q, bf_q) = both(ids), both(ids[:, : P - step])
+    (ours_p, hf_p, bf_p, i8_p), (ours_q, hf_q, bf_q, i8_q) = both(ids), both(ids[:, : P - step])
     analytic = analytic_bytes_per_token(ours.config)
     return {"glm53_bytes_per_token": ours_p / P, "transformers_bytes_per_token": hf_p / P, "cache_ratio": ours_p / hf_p,
             "glm53_bytes_per_extra_token": (ours_p - ours_q) / step,
@@ -170,7 +172,9 @@ def cache_bytes(hf, ours, ids, step: int = 64) -> dict:
             "extra_token_ratio": (ours_p - ours_q) / (hf_p - hf_q),
             "analytic_glm53_per_token": analytic[0], "analytic_hf_per_token": analytic[1],
             "bf16_latent_bytes_per_extra_token": (bf_p - bf_q) / step,
-            "bf16_latent_extra_token_ratio": (bf_p - bf_q) / (hf_p - hf_q)}  # fmt: skip
+            "bf16_latent_extra_token_ratio": (bf_p - bf_q) / (hf_p - hf_q),
+            "int8_latent_bytes_per_extra_token": (i8_p - i8_q) / step,
+            "int8_latent_extra_token_ratio": (i8_p - i8_q) / (hf_p - hf_q)}  # fmt: skip
 
 
 def layer_split(ours, ids, new: int) -> dict:

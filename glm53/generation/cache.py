@@ -15,7 +15,8 @@ Bytes per cached token (Z kv_lora_rank, K the indexer's head width, L index_kpoo
 full-indexer MLA layer keeps b(Z + K/L), a shared one bZ; transformers 5.23 keeps b(Z + 2K + 1) (the latent, and per
 token the indexer key, its gate logits and a valid flag) and bZ. Nothing smaller is exact: any complete pool may be
 selected later, so every latent row stays, and the pooled keys are what the indexer scores. `latent_dtype` (e.g.
-torch.bfloat16 for an fp32 model) stores the latent rounded to a narrower dtype: fewer bytes, no longer exact.
+torch.bfloat16 for an fp32 model) stores the latent rounded to a narrower dtype: fewer bytes, no longer exact;
+torch.int8 stores each row as int8 with one fp32 scale (absmax / 127): Z + 4 bytes per row.
 Positions are one time axis for the whole batch: a left-padded prompt fills positions [0, T) (padding included,
 never selected), each decode step appends one position per row, so a row's tokens are contiguous from `first`.
 
@@ -37,6 +38,8 @@ from ..errors import Glm53Error
 from . import layers
 
 GROWTH = 2  # latent / pool buffers grow geometrically, so appends are amortised O(1)
+INT8_MAX = 127  # an int8 latent row is round(latent / scale) with scale = absmax(row) / INT8_MAX
+LATENT_DTYPES = "None (exact), a floating dtype of 16 bits or more (torch.bfloat16, torch.float16, ...) or torch.int8"
 
 
 class CacheError(Glm53Error):
@@ -120,6 +123,7 @@ class MlaLayerCache:
         self.latent_dtype = latent_dtype  # None: the model's dtype (exact); else the latent is rounded to it
         self.length = 0  # cached positions S (the same for every row)
         self.latent: torch.Tensor | None = None  # [B, capacity, Z]
+        self.scale: torch.Tensor | None = None  # [B, capacity] fp32 per-row scales of an int8 latent
         self.first: torch.Tensor | None = None  # [B] position of each row's first token
         self.count: torch.Tensor | None = None  # [B] tokens per row
         self.max_count = 0  # max(count), kept on the host so the pool width needs no device sync
@@ -139,12 +143,38 @@ class MlaLayerCache:
         start = self.length
         if self.latent is None:
             self.latent = latent.new_zeros(B, T, Z, dtype=self.latent_dtype or latent.dtype)
+            if self.latent_dtype == torch.int8:
+                self.scale = latent.new_zeros(B, T, dtype=torch.float32)
         elif self.latent.shape[0] != B:
             raise CacheError(f"the cache holds a batch of {self.latent.shape[0]} rows, the input has {B}")
-        self.latent = _grow(self.latent, start + T)
-        self.latent[:, start : start + T] = latent
+        self.ensure(start + T)
+        self.write(start, latent)
         self.length = start + T
         return start
+
+    def ensure(self, positions: int, exact: bool = False) -> None:
+        """Room for `positions` cached positions in the latent buffers (`exact`: no more)."""
+        self.latent = _grow(self.latent, positions, exact=exact)
+        if self.scale is not None:
+            self.scale = _grow(self.scale, positions, exact=exact)
+
+    def write(self, start: int, latent: torch.Tensor) -> None:
+        """Store latent [B, T, Z] at positions start .. start+T-1 (rounded or quantised to the cache's dtype)."""
+        T = latent.shape[1]
+        if self.scale is None:
+            self.latent[:, start : start + T] = latent
+            return
+        absmax = latent.float().abs().amax(dim=-1)  # [B, T]
+        scale = torch.where(absmax > 0, absmax / INT8_MAX, torch.ones_like(absmax))
+        self.latent[:, start : start + T] = (latent.float() / scale[..., None]).round_().clamp_(-INT8_MAX, INT8_MAX)
+        self.scale[:, start : start + T] = scale
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Latent rows at flat indices (b * capacity + position) [n] -> [n, Z] (fp32 when quantised)."""
+        rows = self.latent.reshape(-1, self.latent.shape[-1]).index_select(0, index)
+        if self.scale is None:
+            return rows
+        return rows.float() * self.scale.reshape(-1).index_select(0, index)[:, None]
 
     def start_rows(self, valid: torch.Tensor) -> None:
         """First forward (prefill): each row's first token and token count from its padding mask [B, T]."""
@@ -218,7 +248,7 @@ class MlaLayerCache:
         """Allocate the latent (and pooled-key) buffers for `positions` cached positions now, exactly: later appends
         up to there copy nothing."""
         if self.latent is not None:
-            self.latent = _grow(self.latent, positions, exact=True)
+            self.ensure(positions, exact=True)
         if self.pools is not None:
             L = self.pools.partial_keys.shape[1]
             self.pools.keys = _grow(self.pools.keys, positions // L + 1, exact=True)
@@ -229,6 +259,8 @@ class MlaLayerCache:
             return 0
         S = self.length
         total = self.latent[:, :S].numel() * self.latent.element_size()
+        if self.scale is not None:
+            total += self.scale[:, :S].numel() * self.scale.element_size()
         total += sum(t.numel() * t.element_size() for t in (self.first, self.count))
         if self.pools is not None:
             ps = self.pools
@@ -256,10 +288,10 @@ class GenerationCache:
             attention = [layer.self_attn for layer in model.mtp.layers]
         else:
             raise CacheError(f"part must be 'main' or 'mtp', got {part!r}")
-        if latent_dtype is not None and (not isinstance(latent_dtype, torch.dtype) or not latent_dtype.is_floating_point
-                                         or latent_dtype.itemsize < 2):
-            raise CacheError(f"latent_dtype must be None or a floating dtype of 16 bits or more (torch.bfloat16, "
-                             f"torch.float16, ...), got {latent_dtype!r}")
+        if latent_dtype is not None and latent_dtype != torch.int8 and (
+                not isinstance(latent_dtype, torch.dtype) or not latent_dtype.is_floating_point
+                or latent_dtype.itemsize < 2):  # fmt: skip
+            raise CacheError(f"latent_dtype must be {LATENT_DTYPES}, got {latent_dtype!r}")
         self.part = part
         self.model_id = id(model)
         self.decode_plan = None  # glm53/generation/decode.py: per-layer constants of the T = 1 step, made once

@@ -298,19 +298,19 @@ def _append(cache: MlaLayerCache, latent: torch.Tensor) -> int:
     """Write the token's latent [B, Z] at the next position -> that position (MlaLayerCache.append)."""
     start = cache.length
     if cache.latent.shape[1] <= start:
-        cache.latent = _grow(cache.latent, start + 1)
-    cache.latent[:, start] = latent
+        cache.ensure(start + 1)
+    cache.write(start, latent[:, None])
     return start
 
 
-def _attention(p: _Mla, q: torch.Tensor, latent: torch.Tensor, topk: torch.Tensor) -> torch.Tensor:
+def _attention(p: _Mla, q: torch.Tensor, cache: MlaLayerCache, topk: torch.Tensor) -> torch.Tensor:
     """layers._cached_attention for one query per row: q [B, H, K], topk [B, J] -> [B, H, V]."""
-    B, cap, Z = latent.shape
+    B, cap, Z = cache.latent.shape
     filled = topk >= 0
     rows = topk.clamp(min=0)
     if B > 1:
         rows = rows + (torch.arange(B, device=topk.device) * cap)[:, None]
-    kv = latent.reshape(-1, Z).index_select(0, rows.flatten()).view(B, -1, Z)  # [B, J, Z]
+    kv = cache.rows(rows.flatten()).view(B, -1, Z)  # [B, J, Z]
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     mask = ~filled[:, None, :]
     if p.absorb:
@@ -344,7 +344,7 @@ def _mla_step(p: _Mla, x: torch.Tensor, cache: MlaLayerCache,
     cache.count = cache.count + 1
     cache.max_count += 1
     cache.counts_host = [c + 1 for c in cache.counts_host]
-    o = _attention(p, q, cache.latent, topk)
+    o = _attention(p, q, cache, topk)
     return F.linear(o.reshape(B, -1), *p.o), topk
 
 

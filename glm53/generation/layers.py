@@ -95,7 +95,7 @@ def mla_cached_forward(module, x: torch.Tensor, ctx, cache) -> tuple[torch.Tenso
     if prefill:
         o = _prefill_attention(module, q, latent, topk)
     else:
-        o = _cached_attention(module, q, cache.latent, topk)
+        o = _cached_attention(module, q, cache, topk)
     return module.o_proj(rearrange(o, "b t h f -> b t (h f)")), topk
 
 
@@ -117,13 +117,14 @@ def _prefill_attention(module, q: torch.Tensor, latent: torch.Tensor, topk: torc
     return kernel("sparse_attention")(q, k, v, topk, module.scale)
 
 
-def _gather_rows(buffer: torch.Tensor, topk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """buffer [B, capacity, Z], topk [B, T, J] -> (the selected rows [B, T, J, Z], slot is filled [B, T, J])."""
-    B, cap, Z = buffer.shape
+def _gather_rows(cache, topk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache's latent [B, capacity, Z], topk [B, T, J] -> (the selected rows [B, T, J, Z], slot is filled
+    [B, T, J])."""
+    B, cap, Z = cache.latent.shape
     filled = topk >= 0
     rows = (torch.arange(B, device=topk.device) * cap)[:, None, None] + topk.clamp(min=0)
     # index_select on the flattened rows: reads J rows per query straight from the buffer, whatever S is
-    return buffer.reshape(-1, Z).index_select(0, rows.flatten()).view(*topk.shape, Z), filled
+    return cache.rows(rows.flatten()).view(*topk.shape, Z), filled
 
 
 def _softmax_slots(scores: torch.Tensor, filled: torch.Tensor) -> torch.Tensor:
@@ -131,9 +132,10 @@ def _softmax_slots(scores: torch.Tensor, filled: torch.Tensor) -> torch.Tensor:
     return torch.softmax(scores.masked_fill(~filled[:, :, None], float("-inf")), dim=-1).nan_to_num(0.0)
 
 
-def _cached_attention(module, q: torch.Tensor, latent_buffer: torch.Tensor, topk: torch.Tensor) -> torch.Tensor:
-    """Decode attention: each query reads only its J selected latent rows, O(T * J) -> [B, T, H, V]."""
-    kv, filled = _gather_rows(latent_buffer, topk)  # [B, T, J, Z]
+def _cached_attention(module, q: torch.Tensor, cache, topk: torch.Tensor) -> torch.Tensor:
+    """Decode attention: each query reads only its J selected latent rows of the MlaLayerCache, O(T * J) ->
+    [B, T, H, V]."""
+    kv, filled = _gather_rows(cache, topk)  # [B, T, J, Z]
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     if module.absorb:
         w_uk, w_uv = _absorbed_weights(module, kv.shape[-1])

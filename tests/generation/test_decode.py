@@ -90,9 +90,15 @@ def test_decode_step_bad_cache():
             decode_step(model, cache, ids[:, 0])
 
 
-def test_bf16_latent_cache_halves_latent_bytes():
-    """latent_dtype=torch.bfloat16 on an fp32 model: the latent costs 2 bytes per element instead of 4 and the
-    logits move by bf16 rounding only (not exact: well above fp32 rounding, well below the logits' scale)."""
+# latent_dtype -> (bytes saved per latent row of width Z against fp32, the largest logit change relative to the
+# logits' scale): bf16 rounds to 8 mantissa bits, int8 to 1/254 of each row's absmax
+NARROW = {torch.bfloat16: (lambda Z: 2 * Z, 5e-3), torch.int8: (lambda Z: 3 * Z - 4, 1e-2)}
+
+
+@pytest.mark.parametrize("dtype", list(NARROW), ids=["bf16", "int8"])
+def test_narrow_latent_cache(dtype):
+    """latent_dtype on an fp32 model: fewer bytes per latent row, logits moved by the rounding only (not exact: well
+    above fp32 rounding, well below the logits' scale)."""
     model = tiny_model(random_weights=False)
     cfg = model.config
     P, N = 12, 8
@@ -100,16 +106,24 @@ def test_bf16_latent_cache_halves_latent_bytes():
     caches, logits = {}, {}
     with torch.inference_mode():
         full = model(ids, attention_mask=mask).logits
-        for dtype in (None, torch.bfloat16):
-            cache = caches[dtype] = GenerationCache(model, latent_dtype=dtype)
+        for key in (None, dtype):
+            cache = caches[key] = GenerationCache(model, latent_dtype=key)
             model.model(ids[:, :P], mask[:, :P], cache=cache)
-            logits[dtype] = torch.stack([model.lm_head(decode_step(model, cache, ids[:, t])) for t in range(P, P + N)], 1)
+            logits[key] = torch.stack([model.lm_head(decode_step(model, cache, ids[:, t])) for t in range(P, P + N)], 1)
+        generic = GenerationCache(model, latent_dtype=dtype)  # the generic cached path reads the same rows
+        model.model(ids[:, :P], mask[:, :P], cache=generic)
+        generic_logits = torch.cat([model.lm_head(model.model(ids[:, t : t + 1], cache=generic))
+                                    for t in range(P, P + N)], 1)  # fmt: skip
+    saved, bound = NARROW[dtype]
     n_mla = len(cfg.attention_layers)
-    B = ids.shape[0]
-    assert caches[None].nbytes() - caches[torch.bfloat16].nbytes() == n_mla * B * (P + N) * cfg.kv_lora_rank * 2
+    assert caches[None].nbytes() - caches[dtype].nbytes() == n_mla * ids.shape[0] * (P + N) * saved(cfg.kv_lora_rank)
     scale = full.abs().max().item()
     exact = (logits[None] - full[:, P:]).abs().max().item()
-    rounded = (logits[torch.bfloat16] - full[:, P:]).abs().max().item()
-    assert exact <= REL_TOL * scale < rounded <= 5e-3 * scale
+    rounded = (logits[dtype] - full[:, P:]).abs().max().item()
+    assert exact <= REL_TOL * scale < rounded <= bound * scale
+    assert (generic_logits - logits[dtype]).abs().max().item() <= REL_TOL * scale
+
+
+def test_bad_latent_dtype():
     with pytest.raises(CacheError, match="latent_dtype"):
-        GenerationCache(model, latent_dtype=torch.int8)
+        GenerationCache(tiny_model(), latent_dtype=torch.int16)
