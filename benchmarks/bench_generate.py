@@ -15,10 +15,10 @@ load on a shared machine).
 Also reported: glm53's decode_step time per token and its KDA / MLA attention parts at each context length (KDA
 should stay flat); cache bytes per cached token after the prefill (glm53's GenerationCache.nbytes vs every tensor in
 transformers' DynamicCache) and per extra token of context, beside the analytic per-token bytes (cache.py) and the
-bf16 / int8 latent caches (`latent_dtype=torch.bfloat16` / `torch.int8`, not exact); MTP speculative decoding (k draft tokens) against plain
-greedy decoding, with the random MTP layer (acceptance ~0: the cost of drafting) and with an exact draft (every
-block's output projection zeroed so the next token is a function of the current one, and the MTP layer built to
-predict it: acceptance 1.0, the ceiling).
+bf16 / int8 latent caches (`latent_dtype=torch.bfloat16` / `torch.int8`, not exact); MTP speculative decoding (k
+draft tokens) against plain greedy decoding, with the random MTP layer (acceptance ~0: the cost of drafting) and with
+an exact draft (every block's output projection zeroed so the next token is a function of the current one, and the
+MTP layer built to predict it: acceptance 1.0, the ceiling).
 Results: benchmarks/results/bench_generate.json and a table on stdout.
 """
 
@@ -250,7 +250,8 @@ def main() -> None:
     ap.add_argument("--spec-prompt", type=int, default=512)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--out", default="bench_generate.json")
-    ap.add_argument("--quick", action="store_true", help="prompt 2048 (split also at 512, 4096), 4 new tokens, 1 rep, k = 1 at prompt 128")
+    ap.add_argument("--quick", action="store_true",
+                    help="prompt 2048 (split also at 512, 4096), 4 new tokens, 1 rep, k = 1 at prompt 128")
     args = ap.parse_args()
     if args.quick:
         args.prompts, args.new, args.reps, args.spec_k, args.spec_prompt = [2048], 4, 1, [1], 128
