@@ -93,9 +93,9 @@ def _coefficients(site: _Site, streams: torch.Tensor) -> tuple[torch.Tensor, tor
     """HyperConnection.coefficients for streams [B, N, D] -> pre [B, N], post [B, N], comb [B, N, N] (fp32)."""
     B, n = streams.shape[0], site.n
     flat = _as(streams.reshape(B, -1), torch.float32)  # [B, N*D]
-    raw = F.linear(flat, site.fn)  # [B, (2+N)*N]
-    r = torch.rsqrt(torch.linalg.vector_norm(flat, dim=-1, keepdim=True).square_() / flat.shape[-1] + site.norm_eps)
-    z = torch.addcmul(site.base, raw * r, site.scale)  # scale * logits + base, per coefficient
+    # normalise, then project (kernels/hc_project.py's reference form): two calls instead of the fast form's six
+    mixed = F.linear(F.rms_norm(flat, (flat.shape[-1],), None, site.norm_eps), site.fn)  # [B, (2+N)*N]
+    z = torch.addcmul(site.base, mixed, site.scale)  # scale * logits + base, per coefficient
     gates = torch.sigmoid(z[:, : 2 * n])
     pre = gates[:, :n] + site.eps
     post = 2 * gates[:, n:]
