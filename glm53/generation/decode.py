@@ -10,10 +10,14 @@ blocks calling layers.py), formula by formula in the same dtypes; only the bookk
   tokens are all valid and come from the model's own picks;
 - what depends only on the weights is made once per cache (`DecodePlan`): local weight views, each mHC site's
   scale and bias vectors, KDA's exp(A_log) and its three conv kernels side by side, MLA's absorbed per-head maps;
-- Sinkhorn's row and column sums are one (b)addmm each, with eps as the added input, into preallocated buffers;
-- the indexer's k-pool bookkeeping is steered by the per-row token counts the cache keeps on the host.
-The results equal the generic path's up to fp32 rounding (GEMM and reduction order), not bit for bit
-(tests/generation/test_decode.py).
+- Sinkhorn's row and column sums are one baddbmm each, with eps as the added input, into preallocated buffers; the
+  mHC projection and the RMS norms take their fewest-call forms (F.rms_norm; normalise-then-project, which is
+  kernels/hc_project.py's reference form);
+- the indexer's k-pool bookkeeping is steered by the per-row token counts the cache keeps on the host;
+- a MoE layer runs one GEMV pair per chosen expert (the chosen experts are read on the host).
+A step is ~2.5k small ops instead of the generic path's ~4.4k (bench config; half of them Sinkhorn's): its cost is
+per-op overhead and weight reads, not arithmetic. The results equal the generic path's up to fp32 rounding (GEMM
+and reduction order), not bit for bit (tests/generation/test_decode.py).
 """
 
 from __future__ import annotations
