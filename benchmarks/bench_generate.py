@@ -2,18 +2,23 @@
 
     python benchmarks/bench_generate.py                        # prompts 512 and 2048, 8 new tokens, 2 reps
     python benchmarks/bench_generate.py --prompts 512 2048 8192 --new 16 --reps 3
+    python benchmarks/bench_generate.py --quick                # prompt 2048 only, fewer tokens and reps (~1 min)
 
 Batch 1, greedy. Per prompt length P, both models run generate(max_new_tokens=1 + new) with a streamer that stamps
 each token: prefill = start to the first new token (the prompt forward and its pick), decode = the time per later
 token. The two models alternate (glm53, transformers, glm53, ...) and ratios are medians of per-pair ratios.
-The decode step alone (one forward of one token after the same prefill, no generate loop; the fastest of several
-interleaved steps, the measure least disturbed by other load) is reported beside it.
-Also reported: glm53's decode time per token split into KDA and MLA layers at each context length (KDA should stay
-flat); cache bytes per cached token after the prefill (glm53's GenerationCache.nbytes vs every tensor in
-transformers' DynamicCache) and per extra token of context; MTP speculative decoding (k draft tokens) against plain
-greedy decoding, with the random MTP layer (acceptance ~0: the cost of drafting) and with an exact draft (every
-block's output projection zeroed so the next token is a function of the current one, and the MTP layer built to
-predict it: acceptance 1.0, the ceiling).
+The decode step alone (one token after the same prefill, no generate loop) is timed interleaved for transformers'
+cached forward, glm53's decode_step (what generate runs) and glm53's generic cached forward (model.model(token,
+cache=cache): the path generate took before decode_step), median and fastest of several steps each; the step
+speed-up is the median of per-round ratios (and the ratio of the fastest steps, the measure least disturbed by other
+load on a shared machine).
+Also reported: glm53's decode_step time per token and its KDA / MLA attention parts at each context length (KDA
+should stay flat); cache bytes per cached token after the prefill (glm53's GenerationCache.nbytes vs every tensor in
+transformers' DynamicCache) and per extra token of context, beside the analytic per-token bytes (cache.py) and the
+bf16 / int8 latent caches (`latent_dtype=torch.bfloat16` / `torch.int8`, not exact); MTP speculative decoding (k
+draft tokens) against plain greedy decoding, with the random MTP layer (acceptance ~0: the cost of drafting) and with
+an exact draft (every block's output projection zeroed so the next token is a function of the current one, and the
+MTP layer built to predict it: acceptance 1.0, the ceiling).
 Results: benchmarks/results/bench_generate.json and a table on stdout.
 """
 
@@ -28,7 +33,8 @@ import torch
 from bench_config import bench_config, machine, median, table, write_json
 
 from glm53 import Glm53ForCausalLM
-from glm53.generation import GenerationCache
+from glm53.generation import GenerationCache, decode
+from glm53.generation.decode import decode_step
 
 
 def build_pair(path: str):
@@ -67,25 +73,50 @@ def run_generate(model, ids, new: int, is_hf: bool) -> tuple[float, float]:
     return first - start, (last - first) / max(1, len(streamer.times) - 2)
 
 
-def decode_steps(hf, ours, ids, steps: int) -> tuple[float, float]:
-    """Seconds of one decode forward (no generate loop around it), transformers and glm53 interleaved after the
-    same prefill: the fastest of `steps` (the least disturbed by other load on a shared machine)."""
+def decode_steps(hf, ours, ids, steps: int) -> dict[str, list[float]]:
+    """Seconds of one decode step after the same prefill, interleaved per round: transformers' cached forward,
+    glm53's decode_step and glm53's generic cached forward (each with its own cache, all at the same positions)."""
     with torch.no_grad():
         pkv = hf(input_ids=ids, use_cache=True).past_key_values
     with torch.inference_mode():
-        cache = GenerationCache(ours)
-        ours.model(ids, cache=cache)
-    token, hf_t, ours_t = ids[:, -1:], [], []
-    for _ in range(steps):
-        start = time.perf_counter()
+        generic, fast = GenerationCache(ours), GenerationCache(ours)
+        ours.model(ids, cache=generic)
+        ours.model(ids, cache=fast)
+        fast.reserve(ids.shape[1] + steps + 1)
+    token = ids[:, -1:]
+
+    def hf_step():
+        nonlocal pkv
         with torch.no_grad():
             pkv = hf(input_ids=token, past_key_values=pkv, use_cache=True).past_key_values
-        hf_t.append(time.perf_counter() - start)
-        start = time.perf_counter()
+
+    def fast_step():
         with torch.inference_mode():
-            ours.lm_head(ours.model(token, cache=cache)[:, -1])
-        ours_t.append(time.perf_counter() - start)
-    return min(hf_t), min(ours_t)
+            ours.lm_head(decode_step(ours, fast, token[:, 0]))
+
+    def generic_step():
+        with torch.inference_mode():
+            ours.lm_head(ours.model(token, cache=generic)[:, -1])
+
+    runs = {"transformers": hf_step, "glm53": fast_step, "glm53_generic": generic_step}
+    times = {name: [] for name in runs}
+    for _ in range(steps):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def step_columns(times: dict[str, list[float]]) -> dict:
+    ms = lambda xs: round(1e3 * xs, 2)  # noqa: E731
+    hf, fast, generic = times["transformers"], times["glm53"], times["glm53_generic"]
+    return {"glm53_step_ms_med": ms(median(fast)), "glm53_step_ms_min": ms(min(fast)),
+            "generic_step_ms_med": ms(median(generic)), "generic_step_ms_min": ms(min(generic)),
+            "hf_step_ms_med": ms(median(hf)), "hf_step_ms_min": ms(min(hf)),
+            "step_speedup": round(median([h / f for h, f in zip(hf, fast)]), 2),
+            "step_speedup_min": round(min(hf) / min(fast), 2),
+            "generic_speedup_min": round(min(hf) / min(generic), 2)}  # fmt: skip
 
 
 def tensor_bytes(obj, seen=None) -> int:
@@ -106,47 +137,75 @@ def tensor_bytes(obj, seen=None) -> int:
     return 0
 
 
+def analytic_bytes_per_token(config, elem: int = 4) -> tuple[int, int]:
+    """Bytes per cached token summed over the MLA layers (cache.py's docstring): glm53 keeps the latent Z and one
+    pooled key K per L tokens (full-indexer layers); transformers the latent and per token the indexer key, its gate
+    logits and a valid flag (2K + 1)."""
+    Z, K, L = config.kv_lora_rank, config.index_head_dim, config.index_kpool
+    full = [config.indexer_types[i] == "full" for i in config.attention_layers]
+    ours = sum(elem * Z + (elem * K // L if f else 0) for f in full)
+    theirs = sum(elem * Z + (elem * (2 * K + 1) if f else 0) for f in full)
+    return ours, theirs
+
+
 def cache_bytes(hf, ours, ids, step: int = 64) -> dict:
     """Cache bytes per cached token after a prefill of P (KDA states amortised), and per extra token (the growth
-    from P - step to P: what a longer context costs)."""
+    from P - step to P: what a longer context costs); also with a bf16 and an int8 latent (not exact)."""
 
     def both(x):
         with torch.no_grad():
             hf_bytes = tensor_bytes(hf(input_ids=x, use_cache=True).past_key_values)
+        sizes = []
         with torch.inference_mode():
-            cache = GenerationCache(ours)
-            ours.model(x, cache=cache)
-        return cache.nbytes(), hf_bytes
+            for dtype in (None, torch.bfloat16, torch.int8):
+                cache = GenerationCache(ours, latent_dtype=dtype)
+                ours.model(x, cache=cache)
+                sizes.append(cache.nbytes())
+        return sizes[0], hf_bytes, sizes[1], sizes[2]
 
     P = ids.shape[1]
-    (ours_p, hf_p), (ours_q, hf_q) = both(ids), both(ids[:, : P - step])
+    (ours_p, hf_p, bf_p, i8_p), (ours_q, hf_q, bf_q, i8_q) = both(ids), both(ids[:, : P - step])
+    analytic = analytic_bytes_per_token(ours.config)
     return {"glm53_bytes_per_token": ours_p / P, "transformers_bytes_per_token": hf_p / P, "cache_ratio": ours_p / hf_p,
             "glm53_bytes_per_extra_token": (ours_p - ours_q) / step,
             "transformers_bytes_per_extra_token": (hf_p - hf_q) / step,
-            "extra_token_ratio": (ours_p - ours_q) / (hf_p - hf_q)}  # fmt: skip
+            "extra_token_ratio": (ours_p - ours_q) / (hf_p - hf_q),
+            "analytic_glm53_per_token": analytic[0], "analytic_hf_per_token": analytic[1],
+            "bf16_latent_bytes_per_extra_token": (bf_p - bf_q) / step,
+            "bf16_latent_extra_token_ratio": (bf_p - bf_q) / (hf_p - hf_q),
+            "int8_latent_bytes_per_extra_token": (i8_p - i8_q) / step,
+            "int8_latent_extra_token_ratio": (i8_p - i8_q) / (hf_p - hf_q)}  # fmt: skip
 
 
 def layer_split(ours, ids, new: int) -> dict:
-    """glm53 decode time per token in the KDA and in the MLA attention layers (forward hooks around self_attn)."""
+    """glm53 decode_step time per token and the part spent in its KDA and MLA attention steps (decode.py's
+    _kda_step / _mla_step, wrapped with timers for this measurement only)."""
     spent = {"kda": 0.0, "mla": 0.0}
-    hooks = []
-    for layer in ours.model.layers:
-        kind = "kda" if layer.is_linear else "mla"
-        start = {}
-        hooks.append(layer.self_attn.register_forward_pre_hook(lambda m, a, s=start: s.update(t=time.perf_counter())))
-        hooks.append(layer.self_attn.register_forward_hook(
-            lambda m, a, o, s=start, k=kind: spent.__setitem__(k, spent[k] + time.perf_counter() - s["t"])))
+    originals = {"kda": decode._kda_step, "mla": decode._mla_step}
+
+    def timed(kind: str):
+        def run(*args):
+            start = time.perf_counter()
+            out = originals[kind](*args)
+            spent[kind] += time.perf_counter() - start
+            return out
+
+        return run
+
     with torch.inference_mode():
         cache = GenerationCache(ours)
         ours.model(ids, cache=cache)
-        spent.update(kda=0.0, mla=0.0)
-        token = ids[:, -1:]
-        total = time.perf_counter()
-        for _ in range(new):
-            ours.model(token, cache=cache)
-        total = time.perf_counter() - total
-    for h in hooks:
-        h.remove()
+        cache.reserve(ids.shape[1] + new + 1)
+        token = ids[:, -1]
+        decode_step(ours, cache, token)  # builds the plan
+        decode._kda_step, decode._mla_step = timed("kda"), timed("mla")
+        try:
+            total = time.perf_counter()
+            for _ in range(new):
+                decode_step(ours, cache, token)
+            total = time.perf_counter() - total
+        finally:
+            decode._kda_step, decode._mla_step = originals["kda"], originals["mla"]
     return {"decode_ms_per_token": 1e3 * total / new, "kda_ms_per_token": 1e3 * spent["kda"] / new,
             "mla_ms_per_token": 1e3 * spent["mla"] / new}  # fmt: skip
 
@@ -191,7 +250,12 @@ def main() -> None:
     ap.add_argument("--spec-prompt", type=int, default=512)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--out", default="bench_generate.json")
+    ap.add_argument("--quick", action="store_true",
+                    help="prompt 2048 (split also at 512, 4096), 4 new tokens, 1 rep, k = 1 at prompt 128")
     args = ap.parse_args()
+    if args.quick:
+        args.prompts, args.new, args.reps, args.spec_k, args.spec_prompt = [2048], 4, 1, [1], 128
+        args.glm53_only_prompts = args.glm53_only_prompts or [512, 4096]
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     hf, ours, config = build_pair(tempfile.mkdtemp(prefix="glm53-bench-gen-"))
@@ -212,9 +276,7 @@ def main() -> None:
                "prefill_speedup": round(median([b / a for a, b in zip(gp, tp)]), 2),
                "glm53_decode_tok_s": round(1 / median(gd), 1), "hf_decode_tok_s": round(1 / median(td), 1),
                "decode_speedup": round(median([b / a for a, b in zip(gd, td)]), 2)}  # fmt: skip
-        hf_step, ours_step = decode_steps(hf, ours, ids, 4 * args.new)
-        row.update(glm53_step_ms=round(1e3 * ours_step, 1), hf_step_ms=round(1e3 * hf_step, 1),
-                   step_speedup=round(hf_step / ours_step, 2))  # fmt: skip
+        row.update(step_columns(decode_steps(hf, ours, ids, 4 * args.new)))
         row.update({k: round(v, 3) for k, v in cache_bytes(hf, ours, ids).items()})
         rows.append(row)
         print(table([row], list(row)), flush=True)

@@ -3,6 +3,7 @@ with greedy or sampled decoding, and MTP speculative decoding.
 
     cache.py        GenerationCache (rides on ForwardContext.cache), per-layer caches, mark / rewind, nbytes
     layers.py       cached forwards of the KDA and MLA layers (prefill with the chunked kernels, decode steps)
+    decode.py       decode_step: one token per row through the whole model (what generate runs after the prompt)
     sampling.py     temperature / top-k / top-p filters and the next-token choice
     emit.py         options, EOS / padding per row and the streamer, GenerationStats
     loop.py         generate(model, input_ids, ...): prefill then one token per step
@@ -13,9 +14,10 @@ Use `Glm53ForCausalLM.generate(...)` or `glm53.generation.generate(model, ...)`.
 """
 
 from .cache import CacheError, GenerationCache, GenerationError
+from .decode import decode_step
 from .emit import GenerationStats
 from .loop import generate
 from .sampling import allowed_logits, next_tokens
 
-__all__ = ["CacheError", "GenerationCache", "GenerationError", "GenerationStats", "allowed_logits", "generate",
-           "next_tokens"]  # fmt: skip
+__all__ = ["CacheError", "GenerationCache", "GenerationError", "GenerationStats", "allowed_logits", "decode_step",
+           "generate", "next_tokens"]  # fmt: skip

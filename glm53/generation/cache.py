@@ -4,12 +4,19 @@ O(index_topk) (MLA) instead of a forward over the whole sequence.
 Legend (glm53/model/__init__.py): B batch, T new positions, S cached positions (padding included), H KDA heads,
 K key head width (KDA; the indexer's head width for its pools), V KDA value width, W conv width, Z kv_lora_rank,
 L tokens per k-pool (index_kpool), P k-pools.
-Per KDA layer (`KdaLayerCache`): the fp32 recurrent state [B, H, K, V] and the q, k, v conv histories
-[B, H*K, W-1] (the last W-1 inputs of each short conv). Neither grows with the context.
+Per KDA layer (`KdaLayerCache`): the fp32 recurrent state [B, H, K, V] and the q, k, v conv histories side by
+side, time-major [B, W-1, 3*H*K] (the last W-1 inputs of each short conv; one tensor so a decode step convolves
+all three at once). Neither grows with the context.
 Per MLA layer (`MlaLayerCache`): the normed kv latent [B, S, Z] (what attention reads: keys and values are maps
 of it), per request its first token and its token count (its tokens are contiguous from the first), and, for layers with
 their own indexer, the pooled keys of complete k-pools [B, P, K] plus the pool being filled (its tokens' keys
 [B, L, K] and fp32 gate logits [B, L, K]). Shared-indexer layers keep no indexer state.
+Bytes per cached token (Z kv_lora_rank, K the indexer's head width, L index_kpool, b bytes per element): a
+full-indexer MLA layer keeps b(Z + K/L), a shared one bZ; transformers 5.23 keeps b(Z + 2K + 1) (the latent, and per
+token the indexer key, its gate logits and a valid flag) and bZ. Nothing smaller is exact: any complete pool may be
+selected later, so every latent row stays, and the pooled keys are what the indexer scores. `latent_dtype` (e.g.
+torch.bfloat16 for an fp32 model) stores the latent rounded to a narrower dtype: fewer bytes, no longer exact;
+torch.int8 stores each row as int8 with one fp32 scale (absmax / 127): Z + 4 bytes per row.
 Positions are one time axis for the whole batch: a left-padded prompt fills positions [0, T) (padding included,
 never selected), each decode step appends one position per row, so a row's tokens are contiguous from `first`.
 
@@ -31,6 +38,8 @@ from ..errors import Glm53Error
 from . import layers
 
 GROWTH = 2  # latent / pool buffers grow geometrically, so appends are amortised O(1)
+INT8_MAX = 127  # an int8 latent row is round(latent / scale) with scale = absmax(row) / INT8_MAX
+LATENT_DTYPES = "None (exact), a floating dtype of 16 bits or more (torch.bfloat16, torch.float16, ...) or torch.int8"
 
 
 class CacheError(Glm53Error):
@@ -41,27 +50,27 @@ class GenerationError(Glm53Error):
     """A `generate` argument out of range: names the argument and the bad value."""
 
 
-def _grow(buf: torch.Tensor, needed: int, dim: int = 1) -> torch.Tensor:
-    """`buf` with at least `needed` slots along `dim` (contents kept, new slots zero)."""
+def _grow(buf: torch.Tensor, needed: int, dim: int = 1, exact: bool = False) -> torch.Tensor:
+    """`buf` with at least `needed` slots along `dim` (contents kept, new slots zero); `exact`: no more than that."""
     if buf.shape[dim] >= needed:
         return buf
     shape = list(buf.shape)
-    shape[dim] = max(needed, GROWTH * buf.shape[dim])
+    shape[dim] = needed if exact else max(needed, GROWTH * buf.shape[dim])
     out = buf.new_zeros(shape)
     out.narrow(dim, 0, buf.shape[dim]).copy_(buf)
     return out
 
 
 class KdaLayerCache:
-    """One KDA layer: recurrent state [B, H, K, V] fp32 and the q, k, v conv histories [B, H*K, W-1]."""
+    """One KDA layer: recurrent state [B, H, K, V] fp32 and the q | k | v conv histories [B, W-1, 3*H*K]."""
 
     def __init__(self) -> None:
         self.length = 0  # positions seen (prompt padding included)
         self.state: torch.Tensor | None = None
-        self.conv: tuple[torch.Tensor, ...] | None = None
+        self.conv: torch.Tensor | None = None  # [B, W-1, 3*H*K]
         self._mark: tuple | None = None  # (length, state, conv) at mark()
         self._states: list[torch.Tensor] = []  # state after each token since the mark
-        self._inputs: list[tuple[torch.Tensor, ...]] = []  # conv inputs [B, T, H*K] x 3 per forward since it
+        self._inputs: list[torch.Tensor] = []  # conv inputs [B, T, 3*H*K] per forward since it
 
     @property
     def marked(self) -> bool:
@@ -71,7 +80,7 @@ class KdaLayerCache:
         self._mark = (self.length, self.state, self.conv)
         self._states, self._inputs = [], []
 
-    def record(self, states: list[torch.Tensor], inputs: tuple[torch.Tensor, ...]) -> None:
+    def record(self, states: list[torch.Tensor], inputs: torch.Tensor) -> None:
         self._states.extend(states)
         self._inputs.append(inputs)
 
@@ -82,14 +91,12 @@ class KdaLayerCache:
         length, state0, conv0 = self._mark
         self.length = length + keep
         self.state = state0 if keep == 0 else self._states[keep - 1]
-        seen = [torch.cat(parts, dim=1)[:, :keep] for parts in zip(*self._inputs)]  # [B, keep, H*K] x 3
-        self.conv = tuple(
-            torch.cat([c, x.transpose(1, 2).to(c.dtype)], dim=-1)[..., keep:] for c, x in zip(conv0, seen)
-        )
+        seen = torch.cat(self._inputs, dim=1)[:, :keep]  # [B, keep, 3*H*K]
+        self.conv = torch.cat([conv0, seen.to(conv0.dtype)], dim=1)[:, keep:]
         self._mark, self._states, self._inputs = None, [], []
 
     def nbytes(self) -> int:
-        tensors = ([self.state] if self.state is not None else []) + list(self.conv or ())
+        tensors = [t for t in (self.state, self.conv) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -112,12 +119,15 @@ class _PoolState:
 class MlaLayerCache:
     """One MLA layer: normed latent [B, S, Z], per-row first token / token count, the indexer's pool state."""
 
-    def __init__(self) -> None:
+    def __init__(self, latent_dtype: torch.dtype | None = None) -> None:
+        self.latent_dtype = latent_dtype  # None: the model's dtype (exact); else the latent is rounded to it
         self.length = 0  # cached positions S (the same for every row)
         self.latent: torch.Tensor | None = None  # [B, capacity, Z]
+        self.scale: torch.Tensor | None = None  # [B, capacity] fp32 per-row scales of an int8 latent
         self.first: torch.Tensor | None = None  # [B] position of each row's first token
         self.count: torch.Tensor | None = None  # [B] tokens per row
         self.max_count = 0  # max(count), kept on the host so the pool width needs no device sync
+        self.counts_host: list[int] = []  # count per row on the host (known since the prefill; steps add to it)
         self.pools: _PoolState | None = None
         self._mark: tuple | None = None
         self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (key, gate, valid) per token
@@ -132,13 +142,39 @@ class MlaLayerCache:
         B, T, Z = latent.shape
         start = self.length
         if self.latent is None:
-            self.latent = latent.new_zeros(B, T, Z)
+            self.latent = latent.new_zeros(B, T, Z, dtype=self.latent_dtype or latent.dtype)
+            if self.latent_dtype == torch.int8:
+                self.scale = latent.new_zeros(B, T, dtype=torch.float32)
         elif self.latent.shape[0] != B:
             raise CacheError(f"the cache holds a batch of {self.latent.shape[0]} rows, the input has {B}")
-        self.latent = _grow(self.latent, start + T)
-        self.latent[:, start : start + T] = latent
+        self.ensure(start + T)
+        self.write(start, latent)
         self.length = start + T
         return start
+
+    def ensure(self, positions: int, exact: bool = False) -> None:
+        """Room for `positions` cached positions in the latent buffers (`exact`: no more)."""
+        self.latent = _grow(self.latent, positions, exact=exact)
+        if self.scale is not None:
+            self.scale = _grow(self.scale, positions, exact=exact)
+
+    def write(self, start: int, latent: torch.Tensor) -> None:
+        """Store latent [B, T, Z] at positions start .. start+T-1 (rounded or quantised to the cache's dtype)."""
+        T = latent.shape[1]
+        if self.scale is None:
+            self.latent[:, start : start + T] = latent
+            return
+        absmax = latent.float().abs().amax(dim=-1)  # [B, T]
+        scale = torch.where(absmax > 0, absmax / INT8_MAX, torch.ones_like(absmax))
+        self.latent[:, start : start + T] = (latent.float() / scale[..., None]).round_().clamp_(-INT8_MAX, INT8_MAX)
+        self.scale[:, start : start + T] = scale
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Latent rows at flat indices (b * capacity + position) [n] -> [n, Z] (fp32 when quantised)."""
+        rows = self.latent.reshape(-1, self.latent.shape[-1]).index_select(0, index)
+        if self.scale is None:
+            return rows
+        return rows.float() * self.scale.reshape(-1).index_select(0, index)[:, None]
 
     def start_rows(self, valid: torch.Tensor) -> None:
         """First forward (prefill): each row's first token and token count from its padding mask [B, T]."""
@@ -149,7 +185,8 @@ class MlaLayerCache:
         if not bool((self.count == T - self.first).all()):  # NOTE: syncs (once, at prefill)
             raise CacheError("a cached prefill needs a left-padded attention_mask (0s then 1s in every row): decode "
                              "steps append after each row's last position")  # fmt: skip
-        self.max_count = int(self.count.max())
+        self.counts_host = self.count.tolist()
+        self.max_count = max(self.counts_host)
 
     def advance(self, valid: torch.Tensor) -> None:
         """Decode steps: every row gains T tokens (valid [B, T] must be all True)."""
@@ -158,6 +195,7 @@ class MlaLayerCache:
         T = valid.shape[1]
         self.count = self.count + T
         self.max_count += T
+        self.counts_host = [c + T for c in self.counts_host]
 
     def start_pools(self, keys, count, partial_keys, partial_gate, partial_count, ape: torch.Tensor) -> None:
         """Prefill: the pool state (see _PoolState) and the indexer's per-slot gate offset ape [L, K]."""
@@ -188,22 +226,32 @@ class MlaLayerCache:
 
     def mark(self) -> None:
         pools = self.pools.clone_small() if self.pools is not None else None
-        self._mark = (self.length, self.count, self.max_count, pools)
+        self._mark = (self.length, self.count, self.max_count, pools, self.counts_host)
         self._pending = []
 
     def rewind(self, keep: int) -> None:
         """Back to the mark, then re-apply the first `keep` positions appended since (their latent is still there)."""
         if self._mark is None:
             raise CacheError("rewind() needs an earlier mark()")
-        length, count, max_count, pools = self._mark
+        length, count, max_count, pools, counts_host = self._mark
         pending = self._pending[:keep]
         self._mark, self._pending = None, []
         self.length, self.count, self.max_count, self.pools = length + keep, count + keep, max_count + keep, pools
+        self.counts_host = [c + keep for c in counts_host]
         if pools is not None:
             self.max_count = max_count
             for step, (key, gate, valid) in enumerate(pending, start=1):
                 self.max_count = max_count + step
                 self.push_pool_token(key, gate, self._ape, valid)
+
+    def reserve(self, positions: int) -> None:
+        """Allocate the latent (and pooled-key) buffers for `positions` cached positions now, exactly: later appends
+        up to there copy nothing."""
+        if self.latent is not None:
+            self.ensure(positions, exact=True)
+        if self.pools is not None:
+            L = self.pools.partial_keys.shape[1]
+            self.pools.keys = _grow(self.pools.keys, positions // L + 1, exact=True)
 
     def nbytes(self) -> int:
         """Bytes of what is cached (the filled part of the buffers)."""
@@ -211,6 +259,8 @@ class MlaLayerCache:
             return 0
         S = self.length
         total = self.latent[:, :S].numel() * self.latent.element_size()
+        if self.scale is not None:
+            total += self.scale[:, :S].numel() * self.scale.element_size()
         total += sum(t.numel() * t.element_size() for t in (self.first, self.count))
         if self.pools is not None:
             ps = self.pools
@@ -225,10 +275,11 @@ class GenerationCache:
     """Every attention layer's cache for one model (`part="main"`: the decoder stack; `"mtp"`: its MTP layers).
 
     Pass it to `Glm53Model.forward(..., cache=cache)`: the first forward is the prefill (any padding mask, left
-    padding for generation), each later forward appends decode tokens (all valid) after it.
+    padding for generation), each later forward appends decode tokens (all valid) after it; or run decode steps with
+    `glm53.generation.decode.decode_step`. `latent_dtype`: see the module docstring (None: exact).
     """
 
-    def __init__(self, model: nn.Module, part: str = "main") -> None:
+    def __init__(self, model: nn.Module, part: str = "main", latent_dtype: torch.dtype | None = None) -> None:
         if part == "main":
             attention = [layer.self_attn for layer in model.model.layers]
         elif part == "mtp":
@@ -237,12 +288,18 @@ class GenerationCache:
             attention = [layer.self_attn for layer in model.mtp.layers]
         else:
             raise CacheError(f"part must be 'main' or 'mtp', got {part!r}")
+        if latent_dtype is not None and latent_dtype != torch.int8 and (
+                not isinstance(latent_dtype, torch.dtype) or not latent_dtype.is_floating_point
+                or latent_dtype.itemsize < 2):  # fmt: skip
+            raise CacheError(f"latent_dtype must be {LATENT_DTYPES}, got {latent_dtype!r}")
         self.part = part
         self.model_id = id(model)
+        self.decode_plan = None  # glm53/generation/decode.py: per-layer constants of the T = 1 step, made once
+        self.marked = False
         self._layers: dict[int, KdaLayerCache | MlaLayerCache] = {}
         for module in attention:
             is_kda = hasattr(module, "A_log")
-            self._layers[id(module)] = KdaLayerCache() if is_kda else MlaLayerCache()
+            self._layers[id(module)] = KdaLayerCache() if is_kda else MlaLayerCache(latent_dtype)
 
     def layer(self, module: nn.Module, kind: type) -> KdaLayerCache | MlaLayerCache:
         cache = self._layers.get(id(module))
@@ -265,11 +322,19 @@ class GenerationCache:
     def mark(self) -> None:
         for cache in self._layers.values():
             cache.mark()
+        self.marked = True
 
     def rewind(self, keep: int) -> None:
         """Back to the last `mark()`, keeping the first `keep` positions appended since."""
         for cache in self._layers.values():
             cache.rewind(keep)
+        self.marked = False
+
+    def reserve(self, positions: int) -> None:
+        """Size every MLA layer's buffers for `positions` cached positions (after the prefill; see MlaLayerCache)."""
+        for cache in self._layers.values():
+            if isinstance(cache, MlaLayerCache):
+                cache.reserve(positions)
 
     def nbytes(self) -> int:
         """Bytes held by every layer's cache."""

@@ -46,6 +46,7 @@ class Options:
     eos: torch.Tensor  # [n] EOS ids (possibly empty)
     pad_token_id: int
     generator: torch.Generator | None
+    latent_dtype: torch.dtype | None = None  # GenerationCache's: None keeps the exact (model-dtype) latent
 
 
 class Emitter:

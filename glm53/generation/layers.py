@@ -23,18 +23,22 @@ L2NORM_EPS = 1e-6  # KimiDeltaAttention's q/k l2norm epsilon (glm53/model/kda.py
 
 
 # --------------------------------------------------------------------------------------------------------- KDA
-def _short_convs(module, x: torch.Tensor, cache) -> tuple[list[torch.Tensor], tuple, tuple]:
-    """silu(conv(proj(x))) for q, k, v continuing the cached histories -> (outputs, new histories, conv inputs)."""
+def _short_convs(module, x: torch.Tensor, cache) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """silu(conv(proj(x))) for q, k, v continuing the cached histories -> (outputs, new histories [B, W-1, 3*H*K],
+    conv inputs [B, T, 3*H*K])."""
     raw = (module.q_proj(x), module.k_proj(x), module.v_proj(x))  # [B, T, H*K] each
     convs = (module.q_conv1d, module.k_conv1d, module.v_conv1d)
-    histories = cache.conv if cache.conv is not None else (None, None, None)
+    C = raw[0].shape[-1]
+    # the kernel takes each history as [B, H*K, W-1]: views of the cache's time-major [B, W-1, 3*H*K]
+    histories = (None,) * 3 if cache.conv is None else \
+        tuple(cache.conv[..., i * C : (i + 1) * C].transpose(1, 2) for i in range(3))  # fmt: skip
     outs, states = [], []
     for r, conv, history in zip(raw, convs, histories):
         y, state = kernel("causal_conv1d")(r, as_local(conv, "weight")[:, 0, :], initial_state=history,
                                            output_final_state=True)  # fmt: skip
         outs.append(F.silu(y).to(x.dtype))
-        states.append(state)
-    return outs, tuple(states), raw
+        states.append(state.transpose(1, 2))
+    return outs, torch.cat(states, dim=-1), torch.cat(raw, dim=-1)
 
 
 def kda_cached_forward(module, x: torch.Tensor, ctx, cache) -> torch.Tensor:
@@ -91,7 +95,7 @@ def mla_cached_forward(module, x: torch.Tensor, ctx, cache) -> tuple[torch.Tenso
     if prefill:
         o = _prefill_attention(module, q, latent, topk)
     else:
-        o = _cached_attention(module, q, cache.latent, topk)
+        o = _cached_attention(module, q, cache, topk)
     return module.o_proj(rearrange(o, "b t h f -> b t (h f)")), topk
 
 
@@ -113,13 +117,14 @@ def _prefill_attention(module, q: torch.Tensor, latent: torch.Tensor, topk: torc
     return kernel("sparse_attention")(q, k, v, topk, module.scale)
 
 
-def _gather_rows(buffer: torch.Tensor, topk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """buffer [B, capacity, Z], topk [B, T, J] -> (the selected rows [B, T, J, Z], slot is filled [B, T, J])."""
-    B, cap, Z = buffer.shape
+def _gather_rows(cache, topk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache's latent [B, capacity, Z], topk [B, T, J] -> (the selected rows [B, T, J, Z], slot is filled
+    [B, T, J])."""
+    B, cap, Z = cache.latent.shape
     filled = topk >= 0
     rows = (torch.arange(B, device=topk.device) * cap)[:, None, None] + topk.clamp(min=0)
     # index_select on the flattened rows: reads J rows per query straight from the buffer, whatever S is
-    return buffer.reshape(-1, Z).index_select(0, rows.flatten()).view(*topk.shape, Z), filled
+    return cache.rows(rows.flatten()).view(*topk.shape, Z), filled
 
 
 def _softmax_slots(scores: torch.Tensor, filled: torch.Tensor) -> torch.Tensor:
@@ -127,9 +132,10 @@ def _softmax_slots(scores: torch.Tensor, filled: torch.Tensor) -> torch.Tensor:
     return torch.softmax(scores.masked_fill(~filled[:, :, None], float("-inf")), dim=-1).nan_to_num(0.0)
 
 
-def _cached_attention(module, q: torch.Tensor, latent_buffer: torch.Tensor, topk: torch.Tensor) -> torch.Tensor:
-    """Decode attention: each query reads only its J selected latent rows, O(T * J) -> [B, T, H, V]."""
-    kv, filled = _gather_rows(latent_buffer, topk)  # [B, T, J, Z]
+def _cached_attention(module, q: torch.Tensor, cache, topk: torch.Tensor) -> torch.Tensor:
+    """Decode attention: each query reads only its J selected latent rows of the MlaLayerCache, O(T * J) ->
+    [B, T, H, V]."""
+    kv, filled = _gather_rows(cache, topk)  # [B, T, J, Z]
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     if module.absorb:
         w_uk, w_uv = _absorbed_weights(module, kv.shape[-1])
@@ -138,7 +144,7 @@ def _cached_attention(module, q: torch.Tensor, latent_buffer: torch.Tensor, topk
         o_latent = torch.einsum("bthj,btjc->bthc", _softmax_slots(scores, filled), kv.to(dtype)).to(q.dtype)
         return torch.einsum("bthc,hfc->bthf", o_latent, w_uv)
     B, T, J, Z = kv.shape
-    k, v = module._expand_kv(kv.view(B, T * J, Z))  # [B, T*J, H, K], [B, T*J, H, V]
+    k, v = module._expand_kv(kv.view(B, T * J, Z).to(q.dtype))  # [B, T*J, H, K], [B, T*J, H, V]
     k, v = k.view(B, T, J, *k.shape[2:]).to(dtype), v.view(B, T, J, *v.shape[2:]).to(dtype)
     scores = torch.einsum("bthe,btjhe->bthj", q.to(dtype), k) * module.scale
     return torch.einsum("bthj,btjhf->bthf", _softmax_slots(scores, filled), v).to(q.dtype)

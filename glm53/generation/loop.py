@@ -16,6 +16,7 @@ import time
 import torch
 
 from .cache import GenerationCache, GenerationError
+from .decode import decode_step
 from .emit import Emitter, GenerationStats, Options
 from .sampling import next_tokens
 from .speculative import speculative_decode
@@ -77,7 +78,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
              do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              eos_token_id: int | list[int] | None = None, generator: torch.Generator | None = None, streamer=None,
              pad_token_id: int | None = None, speculative: str | None = None, num_speculative_tokens: int = 1,
-             return_stats: bool = False):  # fmt: skip
+             return_stats: bool = False, latent_dtype: torch.dtype | None = None):  # fmt: skip
     """Continue each row of a left-padded batch -> [B, T + new] (and GenerationStats with `return_stats`).
 
     model: a Glm53ForCausalLM. eos_token_id None uses model.config.eos_token_id. do_sample False picks the
@@ -85,10 +86,13 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     (the prompt, then each step's [B] ids) and `end()`.
     speculative="mtp" drafts `num_speculative_tokens` tokens per step with the model's MTP layer and verifies
     them in one forward (greedy only; same output as plain greedy decoding).
+    latent_dtype (e.g. torch.bfloat16 for an fp32 model) stores the MLA latent cache rounded to that dtype: fewer
+    bytes per cached token, no longer exact (GenerationCache).
     """
     valid = left_padded_mask(input_ids, attention_mask)
     opts = check_options(model, input_ids, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id,
                          pad_token_id, generator)  # fmt: skip
+    opts.latent_dtype = latent_dtype
     stats = GenerationStats(prompt_tokens=input_ids.numel())
     emitter = Emitter(input_ids, opts, streamer)
     if speculative is not None:
@@ -105,17 +109,18 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
 
 
 def _decode(model, input_ids, valid, opts: Options, emitter: Emitter, stats: GenerationStats) -> GenerationCache:
-    """Plain decoding: one prefill forward, then one single-token forward per new token."""
-    cache = GenerationCache(model)
+    """Plain decoding: one prefill forward, then one decode step (decode.py) per new token."""
+    cache = GenerationCache(model, latent_dtype=opts.latent_dtype)
     start = time.perf_counter()
-    hidden = model.model(input_ids, valid, cache=cache)  # [B, T, D]
-    pick = lambda h: next_tokens(model.lm_head(h[:, -1]), opts.do_sample, opts.temperature, opts.top_k,  # noqa: E731
+    hidden = model.model(input_ids, valid, cache=cache)[:, -1]  # [B, D]
+    cache.reserve(input_ids.shape[1] + opts.max_new_tokens)  # the latent buffers, once
+    pick = lambda h: next_tokens(model.lm_head(h), opts.do_sample, opts.temperature, opts.top_k,  # noqa: E731
                                  opts.top_p, opts.generator)  # fmt: skip
     done = emitter.emit(pick(hidden))
     stats.prefill_seconds = time.perf_counter() - start
     start = time.perf_counter()
     while not done:
-        hidden = model.model(emitter.tokens[-1][:, None], cache=cache)  # [B, 1, D]
+        hidden = decode_step(model, cache, emitter.tokens[-1])  # [B, D]
         done = emitter.emit(pick(hidden))
     stats.decode_seconds = time.perf_counter() - start
     return cache

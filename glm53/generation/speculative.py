@@ -71,7 +71,7 @@ def speculative_decode(model, input_ids: torch.Tensor, valid: torch.Tensor, opts
     _check(model, opts, method, s)
     if opts.max_new_tokens == 0:
         return None
-    cache, drafter = GenerationCache(model), _Drafter(model)
+    cache, drafter = GenerationCache(model, latent_dtype=opts.latent_dtype), _Drafter(model)
     start = time.perf_counter()
     hidden = model.model(input_ids, valid, cache=cache)  # [B, T, D]
     token = model.lm_head(hidden[:, -1]).argmax(-1)  # [B]
