@@ -40,6 +40,15 @@ def machine() -> dict:
     }
 
 
+def vm_bytes(field: str) -> int:
+    """A /proc/self/status memory field of this process in bytes (VmRSS now, VmHWM the peak since reset)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
 def median(xs: list[float]) -> float:
     s = sorted(xs)
     n = len(s)

@@ -28,17 +28,9 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-from bench_config import bench_config, machine, median, table, write_json
+from bench_config import bench_config, machine, median, table, write_json, vm_bytes
 
 RETAIN_ENV = {"MALLOC_TRIM_THRESHOLD_": "4000000000", "MALLOC_MMAP_THRESHOLD_": "4000000000"}
-
-
-def _vm(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
 
 
 def _layer_timers(model) -> dict[str, float]:
@@ -80,11 +72,11 @@ def rank_main(rank: int, world: int, init_file: str, T: int, reps: int, out_dir:
         model.zero_grad(set_to_none=True)
         return time.perf_counter() - began
 
-    rss_before = _vm("VmRSS")
+    rss_before = vm_bytes("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     step()  # the first step in this fresh process: its peak growth is the step's (freed memory is kept)
-    peak = _vm("VmHWM") - rss_before
+    peak = vm_bytes("VmHWM") - rss_before
     times = []
     for _ in range(reps):
         spent.update(kda_s=0.0, mla_s=0.0)

@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-from bench_config import ROOT, bench_config, machine, median, table, timed, write_json
+from bench_config import ROOT, bench_config, machine, median, table, timed, write_json, vm_bytes
 
 from glm53 import Glm53ForCausalLM
 
@@ -38,25 +38,17 @@ def build_model() -> Glm53ForCausalLM:
     return Glm53ForCausalLM.from_config(bench_config())
 
 
-def _vm(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
 def memory_child(T: int) -> None:
     """One checkpointed training step in this fresh process; prints its peak RSS growth in bytes."""
     model = build_model().train()
     model.gradient_checkpointing_enable()
     ids = seeded_ids(model.config.vocab_size, T)
-    rss_before = _vm("VmRSS")
+    rss_before = vm_bytes("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     out = model(ids, labels=ids, **_no_logits(model))
     out.loss.backward()
-    print(json.dumps({"peak_bytes": _vm("VmHWM") - rss_before}))
+    print(json.dumps({"peak_bytes": vm_bytes("VmHWM") - rss_before}))
 
 
 def _no_logits(model) -> dict:

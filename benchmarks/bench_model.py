@@ -36,7 +36,8 @@ import tempfile
 import torch
 import torch.nn.functional as F
 
-from bench_config import ROOT, bench_config, gemm_peak_flops, machine, median, table, timed, write_json
+from bench_config import (ROOT, bench_config, gemm_peak_flops, machine, median, table, timed, vm_bytes,
+                          write_json)
 
 from glm53 import Glm53ForCausalLM
 from glm53.kernels import chosen_backend
@@ -155,14 +156,6 @@ def active_matmul_params(config) -> int:
     return total
 
 
-def _vm(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
 def memory_child(path: str, which: str, T: int) -> None:
     """Run one training step in this (fresh) process and print its peak RSS growth in bytes.
 
@@ -176,11 +169,11 @@ def memory_child(path: str, which: str, T: int) -> None:
     else:
         model, is_hf = Glm53ForCausalLM.from_pretrained(path), False
     ids = seeded_ids(bench_config(), T)
-    rss_before = _vm("VmRSS")
+    rss_before = vm_bytes("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     train_step(model, ids, is_hf)
-    print(json.dumps({"peak_bytes": _vm("VmHWM") - rss_before}))
+    print(json.dumps({"peak_bytes": vm_bytes("VmHWM") - rss_before}))
 
 
 def measure_memory(path: str, which: str, T: int, threads: int) -> float:

@@ -25,7 +25,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from bench_config import ROOT, median, timed
+from bench_config import ROOT, median, timed, vm_bytes
 
 from glm53.config import Glm53Config
 from glm53.kernels.dispatch import _REGISTRY
@@ -109,23 +109,15 @@ def measure(op: str, backend: str, T: int, reps: int) -> dict:
         with torch.no_grad():
             cot = torch.randn_like(call(*tensors))
         step = lambda: torch.autograd.grad(call(*leaves), leaves, cot, allow_unused=True)  # noqa: E731
-    rss = _vm("VmRSS")
+    rss = vm_bytes("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     step()
-    peak = _vm("VmHWM") - rss
+    peak = vm_bytes("VmHWM") - rss
     with torch.no_grad():
         t_fwd = median([timed(fwd) for _ in range(reps)])
     t_both = median([timed(step) for _ in range(reps)]) if step is not fwd else t_fwd
     return {"fwd_ms": round(1e3 * t_fwd, 1), "fwd_bwd_ms": round(1e3 * t_both, 1), "peak_mib": round(peak / 2**20)}
-
-
-def _vm(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
 
 
 def released_rows(seqlens: list[int], reps: int, threads: int, ops: list[str] | None) -> list[dict]:
