@@ -14,7 +14,7 @@ import torch
 from glm53.generation import CacheError, GenerationCache
 from glm53.generation.decode import decode_step
 from tests.generation.test_incremental import CASES, REL_TOL, REL_TOL_RANDOM
-from tests.helpers.generation import left_padded, tiny_model
+from tests.helpers.generation import assert_matches_full, case_inputs, left_padded, tiny_model
 
 
 def _prefilled(model, ids, mask, P):
@@ -26,20 +26,12 @@ def _prefilled(model, ids, mask, P):
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
 def test_decode_step_equals_full_forward(case):
     spec = CASES[case]
-    model = tiny_model(random_weights=spec.get("random", False), **spec["config"])
-    if "absorb" in spec:
-        model.set_numerics(mla_absorb=spec["absorb"])
-    P, N = spec["P"], spec["N"]
-    ids, mask = left_padded(model.config.vocab_size, [P + N, P + N - 5])
+    model, ids, mask, P, N = case_inputs(spec, shorter_by=5)
     with torch.inference_mode():
         full = model(ids, attention_mask=mask).logits
         cache, first = _prefilled(model, ids, mask, P)
         steps = [first] + [model.lm_head(decode_step(model, cache, ids[:, t]))[:, None] for t in range(P, P + N)]
-    got = torch.cat(steps, dim=1)
-    valid = mask.bool()
-    err = (got - full)[valid].abs().max().item()
-    tol = REL_TOL_RANDOM if spec.get("random") else REL_TOL
-    assert err <= tol * full[valid].abs().max().item(), f"max abs error {err:.3e}"
+    assert_matches_full(torch.cat(steps, dim=1), full, mask, REL_TOL_RANDOM if spec.get("random") else REL_TOL)
     assert cache.seq_len == P + N
 
 

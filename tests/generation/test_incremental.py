@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from glm53.generation import GenerationCache
-from tests.helpers.generation import greedy_by_full_forward, left_padded, tiny_model
+from tests.helpers.generation import assert_matches_full, case_inputs, greedy_by_full_forward, left_padded, tiny_model
 
 REL_TOL = 1e-5
 REL_TOL_RANDOM = 1e-4  # unit-gain random weights (see the module docstring)
@@ -39,22 +39,14 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
 def test_prefill_then_decode_equals_full_forward(case):
     spec = CASES[case]
-    model = tiny_model(random_weights=spec.get("random", False), **spec["config"])
-    if "absorb" in spec:
-        model.set_numerics(mla_absorb=spec["absorb"])
-    P, N = spec["P"], spec["N"]
-    ids, mask = left_padded(model.config.vocab_size, [P + N, P + N - 4])
+    model, ids, mask, P, N = case_inputs(spec, shorter_by=4)
     with torch.inference_mode():
         full = model(ids, attention_mask=mask).logits
         cache = GenerationCache(model)
         steps = [model.lm_head(model.model(ids[:, :P], mask[:, :P], cache=cache))]
         for t in range(P, P + N):
             steps.append(model.lm_head(model.model(ids[:, t : t + 1], cache=cache)))
-    got = torch.cat(steps, dim=1)
-    valid = mask.bool()
-    err = (got - full)[valid].abs().max().item()
-    tol = REL_TOL_RANDOM if spec.get("random") else REL_TOL
-    assert err <= tol * full[valid].abs().max().item(), f"max abs error {err:.3e}"
+    assert_matches_full(torch.cat(steps, dim=1), full, mask, REL_TOL_RANDOM if spec.get("random") else REL_TOL)
     assert cache.seq_len == P + N
 
 

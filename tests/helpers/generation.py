@@ -42,3 +42,21 @@ def greedy_by_full_forward(model, ids: torch.Tensor, mask: torch.Tensor, steps: 
         ids = torch.cat([ids, nxt[:, None]], dim=1)
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
     return ids
+
+
+def case_inputs(spec: dict, shorter_by: int):
+    """A test_incremental CASES entry -> (model, ids, mask, P, N): a left-padded batch of two rows, P + N tokens and
+    `shorter_by` fewer."""
+    model = tiny_model(random_weights=spec.get("random", False), **spec["config"])
+    if "absorb" in spec:
+        model.set_numerics(mla_absorb=spec["absorb"])
+    P, N = spec["P"], spec["N"]
+    ids, mask = left_padded(model.config.vocab_size, [P + N, P + N - shorter_by])
+    return model, ids, mask, P, N
+
+
+def assert_matches_full(got: torch.Tensor, full: torch.Tensor, mask: torch.Tensor, rel_tol: float) -> None:
+    """Logits at the real tokens agree to `rel_tol` of the full forward's largest logit."""
+    valid = mask.bool()
+    err = (got - full)[valid].abs().max().item()
+    assert err <= rel_tol * full[valid].abs().max().item(), f"max abs error {err:.3e}"
