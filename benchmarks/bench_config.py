@@ -40,6 +40,28 @@ def machine() -> dict:
     }
 
 
+def positive_int(text: str) -> int:
+    """argparse type for counts and lengths: a usage error (not a traceback later) unless an integer >= 1."""
+    return _int_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type for thresholds where 0 means "none": an integer >= 0."""
+    return _int_at_least(text, 0)
+
+
+def _int_at_least(text: str, low: int) -> int:
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+    return value
+
+
 def vm_bytes(field: str) -> int:
     """A /proc/self/status memory field of this process in bytes (VmRSS now, VmHWM the peak since reset)."""
     with open("/proc/self/status") as f:

@@ -28,7 +28,7 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-from bench_config import bench_config, machine, median, table, write_json, vm_bytes
+from bench_config import bench_config, machine, median, positive_int, table, vm_bytes, write_json
 
 RETAIN_ENV = {"MALLOC_TRIM_THRESHOLD_": "4000000000", "MALLOC_MMAP_THRESHOLD_": "4000000000"}
 
@@ -102,13 +102,11 @@ def run_world(cp: int, T: int, reps: int) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seq-len", type=int, default=16384, help="tokens of the sequence")
-    ap.add_argument("--cp", type=int, nargs="*", default=[1, 2, 4], help="context-parallel degrees to compare")
-    ap.add_argument("--reps", type=int, default=1, help="timed steps after the warm-up (median reported)")
+    ap.add_argument("--seq-len", type=positive_int, default=16384, help="tokens of the sequence")
+    ap.add_argument("--cp", type=positive_int, nargs="*", default=[1, 2, 4], help="context-parallel degrees to compare")
+    ap.add_argument("--reps", type=positive_int, default=1, help="timed steps after the warm-up (median reported)")
     ap.add_argument("--out", default="bench_cp.json", help="file name under benchmarks/results/")
     args = ap.parse_args()
-    if args.seq_len < 1 or args.reps < 1 or any(c < 1 for c in args.cp):
-        ap.error("--seq-len, --reps and every --cp must be positive")
     os.environ.update(RETAIN_ENV)  # inherited by the spawned ranks: the peak is the step's, not page-fault churn
     rows = []
     for cp in args.cp:

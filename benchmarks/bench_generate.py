@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from bench_config import bench_config, machine, median, table, write_json
+from bench_config import bench_config, machine, median, positive_int, table, write_json
 
 from glm53 import Glm53ForCausalLM
 from glm53.generation import GenerationCache, decode
@@ -242,13 +242,14 @@ def speculative(ours, ids, new: int, ks: list[int], reps: int, label: str) -> li
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompts", type=int, nargs="+", default=[512, 2048])
-    ap.add_argument("--glm53-only-prompts", type=int, nargs="*", default=[], help="decode split without transformers")
-    ap.add_argument("--new", type=int, default=8, help="decode tokens timed per run (after the first)")
-    ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--spec-k", type=int, nargs="*", default=[1, 3])
-    ap.add_argument("--spec-prompt", type=int, default=512)
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--prompts", type=positive_int, nargs="+", default=[512, 2048])
+    ap.add_argument("--glm53-only-prompts", type=positive_int, nargs="*", default=[],
+                    help="decode split without transformers")
+    ap.add_argument("--new", type=positive_int, default=8, help="decode tokens timed per run (after the first)")
+    ap.add_argument("--reps", type=positive_int, default=2)
+    ap.add_argument("--spec-k", type=positive_int, nargs="*", default=[1, 3])
+    ap.add_argument("--spec-prompt", type=positive_int, default=512)
+    ap.add_argument("--threads", type=positive_int, default=torch.get_num_threads())
     ap.add_argument("--out", default="bench_generate.json")
     ap.add_argument("--quick", action="store_true",
                     help="prompt 2048 (split also at 512, 4096), 4 new tokens, 1 rep, k = 1 at prompt 128")

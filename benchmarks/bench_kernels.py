@@ -20,7 +20,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from bench_config import machine, median, table, timed, write_json
+from bench_config import machine, median, non_negative_int, positive_int, table, timed, write_json
 
 from glm53.kernels import backends
 from glm53.kernels.dispatch import _REGISTRY
@@ -104,12 +104,12 @@ def run(op: str, backend: str, T: int, reps: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="T in {512, 2048}")
-    ap.add_argument("--seqlens", type=int, nargs="+")
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--seqlens", type=positive_int, nargs="+")
+    ap.add_argument("--reps", type=positive_int, default=3)
     ap.add_argument("--ops", nargs="+", help="default: every op (with --released: released_widths.OPS)")
-    ap.add_argument("--skip-recurrent-above", type=int, default=2048,
+    ap.add_argument("--skip-recurrent-above", type=non_negative_int, default=2048,
                     help="skip KDA's token-by-token reference above this T (it is a Python loop)")
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--threads", type=positive_int, default=torch.get_num_threads())
     ap.add_argument("--out", default=None, help="file name under benchmarks/results/")
     ap.add_argument("--released", action="store_true",
                     help="the released widths (released_widths.py) at T = 4096 (or --seqlens), with peak memory")

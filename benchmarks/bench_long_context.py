@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-from bench_config import ROOT, bench_config, machine, median, table, timed, write_json, vm_bytes
+from bench_config import ROOT, bench_config, machine, median, positive_int, table, timed, vm_bytes, write_json
 
 from glm53 import Glm53ForCausalLM
 
@@ -81,18 +81,13 @@ def forward_times(seqlens: list[int], reps: int) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--forward", type=int, nargs="*", default=[16384, 32768], help="T for the forward timings")
-    ap.add_argument("--memory", type=int, nargs="*", default=[4096, 8192, 16384, 32768], help="T for memory")
-    ap.add_argument("--reps", type=int, default=2, help="forward repetitions per T (median reported)")
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--forward", type=positive_int, nargs="*", default=[16384, 32768], help="T for the forward timings")
+    ap.add_argument("--memory", type=positive_int, nargs="*", default=[4096, 8192, 16384, 32768], help="T for memory")
+    ap.add_argument("--reps", type=positive_int, default=2, help="forward repetitions per T (median reported)")
+    ap.add_argument("--threads", type=positive_int, default=torch.get_num_threads())
     ap.add_argument("--out", default="bench_long_context.json", help="file name under benchmarks/results/")
-    ap.add_argument("--memory-child", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--memory-child", type=positive_int, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    for name in ("forward", "memory"):
-        if any(T < 1 for T in getattr(args, name)):
-            ap.error(f"--{name}: sequence lengths must be positive")
-    if args.reps < 1:
-        ap.error("--reps must be at least 1")
     torch.set_num_threads(args.threads)
     if args.memory_child:
         return memory_child(args.memory_child)

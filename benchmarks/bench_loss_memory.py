@@ -26,7 +26,7 @@ import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench_config import ROOT, positive_int
 CHILD = r"""
 import sys, torch
 sys.path.insert(0, {root!r})
@@ -70,9 +70,9 @@ def run(variant: str, args) -> tuple[int, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--vocab", type=int, default=154880)
+    p.add_argument("--tokens", type=positive_int, default=4096)
+    p.add_argument("--hidden", type=positive_int, default=4096)
+    p.add_argument("--vocab", type=positive_int, default=154880)
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     p.add_argument("--out", default="bench_loss_memory.json")
     args = p.parse_args()

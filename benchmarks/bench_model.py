@@ -36,8 +36,8 @@ import tempfile
 import torch
 import torch.nn.functional as F
 
-from bench_config import (ROOT, bench_config, gemm_peak_flops, machine, median, table, timed, vm_bytes,
-                          write_json)
+from bench_config import (ROOT, bench_config, gemm_peak_flops, machine, median, positive_int, table, timed,
+                          vm_bytes, write_json)
 
 from glm53 import Glm53ForCausalLM
 from glm53.kernels import chosen_backend
@@ -186,11 +186,11 @@ def measure_memory(path: str, which: str, T: int, threads: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="T in {512, 2048}, 3 reps, scaling 4096 -> 8192")
-    ap.add_argument("--seqlens", type=int, nargs="+", help="sequence lengths for the paired comparison")
-    ap.add_argument("--reps", type=int, default=3, help="paired repetitions per T (median reported)")
-    ap.add_argument("--memory-seqlens", type=int, nargs="*", default=[2048], help="T for the peak-memory runs")
-    ap.add_argument("--scaling-seqlens", type=int, nargs=2, default=[4096, 8192], help="glm53 forward T ratio")
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--seqlens", type=positive_int, nargs="+", help="sequence lengths for the paired comparison")
+    ap.add_argument("--reps", type=positive_int, default=3, help="paired repetitions per T (median reported)")
+    ap.add_argument("--memory-seqlens", type=positive_int, nargs="*", default=[2048], help="T for the peak-memory runs")
+    ap.add_argument("--scaling-seqlens", type=positive_int, nargs=2, default=[4096, 8192], help="glm53 forward T ratio")
+    ap.add_argument("--threads", type=positive_int, default=torch.get_num_threads())
     ap.add_argument("--out", default="bench_model.json", help="file name under benchmarks/results/")
     ap.add_argument("--allocator", choices=["retain", "default"], default="retain",
                     help="glibc keeps freed memory (fair, default) or glibc defaults")

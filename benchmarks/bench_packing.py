@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from bench_config import bench_config, machine, median, table, timed, write_json
+from bench_config import bench_config, machine, median, positive_int, table, timed, write_json
 
 from glm53 import Glm53ForCausalLM
 from glm53.training.data.pack import Packer
@@ -131,11 +131,11 @@ def step_rate(N: int, layers: int, reps: int) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--docs", type=int, default=4000)
+    p.add_argument("--docs", type=positive_int, default=4000)
     p.add_argument("--step", action="store_true", help="also time a packed training step of the bench model")
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--step-len", type=int, default=2048, help="tokens N of the timed step")
-    p.add_argument("--layers", type=int, default=4, help="layers of the bench model in the timed step")
+    p.add_argument("--reps", type=positive_int, default=3)
+    p.add_argument("--step-len", type=positive_int, default=2048, help="tokens N of the timed step")
+    p.add_argument("--layers", type=positive_int, default=4, help="layers of the bench model in the timed step")
     args = p.parse_args()
     torch.set_num_threads(1)  # CPU time per step is the measure: one thread keeps it the work done
     rows = padding_table(args.docs)

@@ -22,7 +22,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn as nn
 
-from bench_config import bench_config, machine, write_json
+from bench_config import bench_config, machine, positive_int, write_json
 
 from glm53 import Glm53Config
 from glm53.tools.plan import moe_comm_bytes
@@ -114,7 +114,7 @@ def _row(name: str, sent: dict, analytic: dict) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokens", type=int, default=1024, help="tokens per rank")
+    p.add_argument("--tokens", type=positive_int, default=1024, help="tokens per rank")
     args = p.parse_args()
     ranks = measure(args.tokens)
     config = bench_config()

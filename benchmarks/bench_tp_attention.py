@@ -18,7 +18,7 @@ import sys
 import torch
 import torch.multiprocessing as mp
 
-from bench_config import bench_config, machine, median, table, timed, write_json
+from bench_config import bench_config, machine, median, positive_int, table, timed, write_json
 
 from glm53 import Glm53ForCausalLM
 from glm53.model.context import ForwardContext
@@ -72,8 +72,8 @@ def run_tp(world: int, T: int, reps: int, absorb: bool, port: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seqlen", type=int, default=2048)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--seqlen", type=positive_int, default=2048)
+    ap.add_argument("--reps", type=positive_int, default=3)
     ap.add_argument("--out", default="bench_tp_attention.json")
     args = ap.parse_args()
     torch.set_num_threads(1)  # one thread per rank, and the same for the one-process runs
