@@ -107,3 +107,15 @@ def test_hybrid_model_with_graph_breaks_matches_eager():
     assert breaks > 0, "the MLA model compiles without graph breaks now: make this test fullgraph"
 
 
+
+
+def test_compile_blocks_rejects_an_unknown_backend_and_a_second_call():
+    from glm53.model.compile import compile_blocks
+
+    model = make_model(next(iter(CONFIGS)), torch.float32)
+    with pytest.raises(ValueError, match=r"compile backend must be one of .*got 'tensorrt'"):
+        compile_blocks(model, backend="tensorrt")
+    assert not any(getattr(b, "_glm53_compiled", False) for b in model.model.layers)  # nothing half-done
+    compile_blocks(model, backend="eager")
+    with pytest.raises(RuntimeError, match="already compiled"):
+        compile_blocks(model, backend="eager")
