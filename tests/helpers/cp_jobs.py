@@ -113,3 +113,30 @@ class OneRank:
         return x.detach()
 
 __all__ = ["OneRank", "cp_reference", "cp_step", "kda_sharded_job"]
+
+
+def cp_errors_job(config: dict) -> list[str]:
+    """The messages context-parallel setup gives for bad input on a cp2 world (each call must raise ValueError)."""
+    from torch.distributed.device_mesh import init_device_mesh as mesh_of
+
+    mesh = init_mesh(1, 1, cp=2)
+    plain = Glm53ForCausalLM(Glm53Config(**config))
+    ids = torch.randint(1, 100, (2, 12))
+    tp_cp = mesh_of("cpu", (1, 2), mesh_dim_names=("tp", "cp"))
+    calls = [
+        lambda: context_parallel_inputs(plain, ids),  # never parallelized, no mesh=
+        lambda: context_parallel_inputs(plain, ids[0], mesh=mesh),
+        lambda: context_parallel_inputs(plain, ids, labels=ids[:, :5], mesh=mesh),
+        lambda: context_parallel_inputs(plain, ids[:, :1], mesh=mesh),  # one token for two ranks
+        lambda: init_mesh(1, 2, cp=2),
+        lambda: parallelize(Glm53ForCausalLM(Glm53Config(**config)), tp_cp),
+    ]
+    messages = []
+    for call in calls:
+        try:
+            call()
+        except ValueError as e:
+            messages.append(str(e))
+        else:
+            messages.append("no error")
+    return messages

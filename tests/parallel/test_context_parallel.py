@@ -21,7 +21,7 @@ import torch
 from glm53 import Glm53Config, Glm53ForCausalLM
 from glm53.kernels.kda import kda_chunk, l2norm
 from glm53.model.packing import document_boundaries
-from tests.helpers.cp_jobs import OneRank, cp_reference, cp_step, kda_sharded_job
+from tests.helpers.cp_jobs import OneRank, cp_errors_job, cp_reference, cp_step, kda_sharded_job
 
 REL_TOL = 1e-4  # fp32, relative to the largest magnitude of each reference tensor
 BF16_REL = 5e-2  # bf16 parameters in compute: relative L2 error over all gradients / loss
@@ -184,3 +184,11 @@ def test_errors_name_the_problem():
         model(ids, labels=ids, cp=OneRank(12))
     with pytest.raises(ValueError, match="position_ids"):
         model(ids, cu_seqlens=torch.tensor([0, 5, 12]), cp=OneRank(12))
+
+
+def test_setup_errors_name_the_problem(pool2):
+    messages = pool2.run(cp_errors_job, config=Glm53Config.tiny(**KDA_ONLY).to_dict())[0]
+    expected = ["parallelized with a cp dimension", "input_ids must be [batch, seq]", "labels must have the shape",
+                "too short for 2 context-parallel ranks", "not combined with ep or tp", "not supported together"]
+    for message, part in zip(messages, expected, strict=True):
+        assert part in message, (part, message)
