@@ -109,24 +109,44 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def _head_major(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, T or S, H, K] -> [B, H, T or S, K] contiguous in the compute dtype: every chunk's rows and key span are
+    then one strided block per (batch, head), which the batched GEMMs read without a copy."""
+    return x.transpose(1, 2).to(dtype).contiguous()
+
+
+def _dense_unselected(idx_c: torch.Tensor, lo: int, span: int) -> torch.Tensor:
+    """idx_c [B, Tq, J] -> [B, 1, Tq, span] bool over keys [lo, lo + span), True where the key is NOT selected."""
+    return _mqa_dense_mask(idx_c, lo, span).transpose(1, 2)
+
+
 def _sparse_forward(q, k, v, topk_indices, scale):
-    """The gather form's forward: [B, T, H, V] in q's dtype, contiguous."""
-    q_h, k_h, v_h = (x.transpose(1, 2).to(_compute_dtype(q)) for x in (q, k, v))  # [B, H, T or S, K or V]
+    """The per-head form's forward: [B, T, H, V] in q's dtype, contiguous."""
+    dtype = _compute_dtype(q)
+    q_h, k_h, v_h = (_head_major(x, dtype) for x in (q, k, v))  # [B, H, T or S, K or V]
     B, H, T, _ = q_h.shape
-    J = topk_indices.shape[-1]
+    S, J = k_h.shape[2], topk_indices.shape[-1]
     step = _query_chunk(B, H, J, max(q.shape[-1], v.shape[-1]))
     o = q_h.new_empty(B, T, H, v.shape[-1])
-    for start in range(0, T, step):
+    for start, (lo, hi) in zip(range(0, T, step), _mqa_chunk_spans(topk_indices, S, step)):
         end = min(start + step, T)
-        p, safe, _ = _chunk_probs(q_h[:, :, start:end], k_h, topk_indices[:, start:end], scale)
+        idx_c, span = topk_indices[:, start:end], hi - lo
+        if span <= DENSE_SPAN_RATIO * J:
+            # masked-dense: [Tq, K] x [K, span] per (batch, head) over the chunk's key span, no gather
+            scores = (q_h[:, :, start:end] @ k_h[:, :, lo:hi].transpose(-1, -2)).mul_(scale)  # [B, H, Tq, span]
+            p = _mqa_dense_probs(scores, _dense_unselected(idx_c, lo, span))
+            o[:, start:end] = (p @ v_h[:, :, lo:hi]).transpose(1, 2)
+            continue
+        p, safe, _ = _chunk_probs(q_h[:, :, start:end], k_h, idx_c, scale)
         o[:, start:end] = (p[..., None, :] @ _gather(v_h, safe)).squeeze(-2).transpose(1, 2)
     return o.to(q.dtype)
 
 
 def _sparse_backward(q, k, v, topk_indices, do, scale):
-    """-> (dq, dk, dv) in the inputs' dtypes, contiguous: recompute each chunk's probabilities, scatter dk, dv."""
+    """-> (dq, dk, dv) in the inputs' dtypes, contiguous: recompute each chunk's probabilities; dense chunks add
+    their key/value gradients over the span with GEMMs, gather chunks scatter them with index_add_."""
     dtype = _compute_dtype(q)
-    q_h, k_h, v_h, do_h = (x.transpose(1, 2).to(dtype) for x in (q, k, v, do))
+    q_h, k_h, v_h, do_h = (_head_major(x, dtype) for x in (q, k, v, do))
     B, H, T, D = q_h.shape
     S, E = k_h.shape[2], v_h.shape[-1]
     J = topk_indices.shape[-1]
@@ -134,10 +154,13 @@ def _sparse_backward(q, k, v, topk_indices, do, scale):
     dk, dv = q_h.new_zeros(B, H, S, D), q_h.new_zeros(B, H, S, E)  # contiguous: rows of .view(B*H*S, *)
     rows = (torch.arange(B * H, device=q.device) * S).view(B, H, 1, 1)
     step = _query_chunk(B, H, J, max(D, E))
-    for start in range(0, T, step):
+    for start, (lo, hi) in zip(range(0, T, step), _mqa_chunk_spans(topk_indices, S, step)):
         end = min(start + step, T)
-        q_c, do_c = q_h[:, :, start:end], do_h[:, :, start:end]
-        p, safe, k_g = _chunk_probs(q_c, k_h, topk_indices[:, start:end], scale)
+        q_c, do_c, idx_c = q_h[:, :, start:end], do_h[:, :, start:end], topk_indices[:, start:end]
+        if hi - lo <= DENSE_SPAN_RATIO * J:
+            dq[:, start:end] = _dense_chunk_backward(q_c, k_h, v_h, do_c, idx_c, lo, hi, scale, dk, dv)
+            continue
+        p, safe, k_g = _chunk_probs(q_c, k_h, idx_c, scale)
         dp = (_gather(v_h, safe) @ do_c[..., None]).squeeze(-1)  # [B, H, Tq, J]
         ds = p * (dp - (p * dp).sum(-1, keepdim=True)) * scale
         dq[:, start:end] = (ds[..., None, :] @ k_g).squeeze(-2).transpose(1, 2)
@@ -146,6 +169,19 @@ def _sparse_backward(q, k, v, topk_indices, do, scale):
         dv.view(-1, E).index_add_(0, flat, (p[..., None] * do_c[..., None, :]).view(-1, E))
     dk, dv = (x.transpose(1, 2).to(y.dtype).contiguous() for x, y in ((dk, k), (dv, v)))
     return dq.to(q.dtype), dk, dv
+
+
+def _dense_chunk_backward(q_c, k_h, v_h, do_c, idx_c, lo, hi, scale, dk, dv):
+    """One masked-dense chunk: q_c, do_c [B, H, Tq, K or V] -> dq [B, Tq, H, K]; adds into dk, dv [B, H, S, *]
+    over the keys [lo, hi) with plain GEMMs (the unselected keys have p = ds = 0, so they add nothing)."""
+    k_s, v_s = k_h[:, :, lo:hi], v_h[:, :, lo:hi]  # [B, H, span, K or V]
+    scores = (q_c @ k_s.transpose(-1, -2)).mul_(scale)  # [B, H, Tq, span]
+    p = _mqa_dense_probs(scores, _dense_unselected(idx_c, lo, hi - lo))
+    dp = do_c @ v_s.transpose(-1, -2)
+    ds = p * (dp - (p * dp).sum(-1, keepdim=True)) * scale
+    dk[:, :, lo:hi] += ds.transpose(-1, -2) @ q_c
+    dv[:, :, lo:hi] += p.transpose(-1, -2) @ do_c
+    return (ds @ k_s).transpose(1, 2)
 
 
 def sparse_attention(

@@ -145,11 +145,13 @@ SPARSE_SHAPES = [(2, 37, 37, 3, 8, 5, 7), (1, 1, 1, 2, 4, 4, 3), (2, 20, 20, 2, 
 CHUNKINGS = {"min-chunk": (64, 16), "small-chunks": (64, 3), "one-chunk": (1 << 22, 16)}
 
 
+@pytest.mark.parametrize("span_ratio", [-1, 1 << 30], ids=["gather", "masked-dense"])
 @pytest.mark.parametrize("chunking", CHUNKINGS.values(), ids=CHUNKINGS.keys())
 @pytest.mark.parametrize("shape", SPARSE_SHAPES, ids=[f"B{s[0]}-T{s[1]}-S{s[2]}-H{s[3]}-J{s[6]}" for s in SPARSE_SHAPES])
-def test_sparse_attention_matches_dense_reference(shape, chunking, monkeypatch):
+def test_sparse_attention_matches_dense_reference(shape, chunking, span_ratio, monkeypatch):
     monkeypatch.setattr(sa_mod, "GATHER_BUDGET", chunking[0])
     monkeypatch.setattr(sa_mod, "MIN_QUERY_CHUNK", chunking[1])
+    monkeypatch.setattr(sa_mod, "DENSE_SPAN_RATIO", span_ratio)  # force one chunk path
     (q, k, v), idx = sparse_inputs(*shape)
     ref = sparse_attention_reference(q, k, v, idx, 0.3)
     got = sparse_attention(q, k, v, idx, 0.3)

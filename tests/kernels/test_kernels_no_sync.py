@@ -31,12 +31,55 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(idx_mod, "MIN_SCORE_CHUNK", 3)
 
 
-def test_per_head_loop_reads_no_device_value(small_chunks):
+def spans_asked_once(monkeypatch, idx, num_keys, step):
+    """Hand the per-call key spans (computed from the real indices) to a meta run; returns the list of requests."""
+    spans, asked = sa_mod._mqa_chunk_spans(idx, num_keys, step), []
+    monkeypatch.setattr(sa_mod, "_mqa_chunk_spans", lambda *a: asked.append(a[2]) or spans)
+    return asked
+
+
+@pytest.mark.parametrize("span_ratio", [-1, 1 << 30], ids=["gather", "masked-dense"])
+def test_per_head_loop_reads_no_device_value(small_chunks, span_ratio, monkeypatch):
+    monkeypatch.setattr(sa_mod, "DENSE_SPAN_RATIO", span_ratio)
     (q, k, v), idx = sparse_inputs(*SHAPE, dtype=torch.float32)
+    asked = spans_asked_once(monkeypatch, idx, k.shape[1], 3)
     q, k, v, idx = on_meta(q, k, v, idx)
     assert sa_mod._sparse_forward(q, k, v, idx, 0.3).shape == (*q.shape[:-1], v.shape[-1])
     dq, dk, dv = sa_mod._sparse_backward(q, k, v, idx, torch.empty_like(q[..., :1]).expand(*q.shape[:-1], 6), 0.3)
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    assert asked == [3, 3]  # one span transfer per forward and per backward, not one per chunk
+
+
+# One tensor-parallel rank's share of the released MLA (8 of 64 heads x 256, J = 2048 + a 3-token tail) over a
+# 4096-key causal prefix: one query's gathered keys alone exceed GATHER_BUDGET, the regime where a budget-only
+# chunk would hold a single query. Meta tensors: the shapes cost nothing.
+RELEASED_PER_HEAD = dict(B=1, T=40, S=4096, H=8, K=256, J=2051)
+
+
+@pytest.mark.parametrize("span_ratio", [-1, 4], ids=["gather", "default-ratio"])
+def test_per_head_released_widths_chunks_many_queries(span_ratio, monkeypatch):
+    """With the module's own budget and at the released widths, the loop runs ceil(T / MIN_QUERY_CHUNK) chunks
+    (not T), reads no device value, and asks for the key spans once per call."""
+    monkeypatch.setattr(sa_mod, "DENSE_SPAN_RATIO", span_ratio)
+    B, T, S, H, K, J = RELEASED_PER_HEAD.values()
+    g = torch.Generator().manual_seed(0)
+    pos = S - T + torch.arange(T)  # the last T queries of the sequence: each sees up to S keys, J of them selected
+    idx = (torch.rand(T, S, generator=g) * (torch.arange(S) <= pos[:, None])).topk(J, dim=-1).indices[None]
+    step = sa_mod._query_chunk(B, H, J, K)
+    assert step == sa_mod.MIN_QUERY_CHUNK
+    asked = spans_asked_once(monkeypatch, idx, S, step)
+    chunks = []  # (queries, keys or slots) of each chunk: either path computes its probabilities once per chunk
+    for name, arg in (("_chunk_probs", 2), ("_mqa_dense_probs", 0)):  # idx_c [B, Tq, J]; scores [B, H, Tq, span]
+        fn = getattr(sa_mod, name)
+        monkeypatch.setattr(sa_mod, name, lambda *a, fn=fn, i=arg: chunks.append(a[i].shape[-2:]) or fn(*a))
+    q, k, v = (torch.empty(B, n, H, K, device="meta") for n in (T, S, S))
+    o = sa_mod._sparse_forward(q, k, v, idx.to("meta"), 0.0625)
+    grads_ = sa_mod._sparse_backward(q, k, v, idx.to("meta"), torch.empty_like(o), 0.0625)
+    assert o.shape == q.shape and [x.shape for x in grads_] == [q.shape, k.shape, v.shape]
+    assert asked == [step, step]
+    assert [n for n, _ in chunks] == [16, 16, 8] * 2  # forward + backward: chunks of 16 queries, not 1
+    widths = {w for _, w in chunks}
+    assert (widths == {J}) if span_ratio < 0 else (J < min(widths) <= S)  # J gathered slots, or the dense key span
 
 
 @pytest.mark.parametrize("span_ratio", [-1, 1 << 30], ids=["gather", "masked-dense"])
@@ -44,9 +87,7 @@ def test_absorbed_loop_reads_no_device_value(small_chunks, span_ratio, monkeypat
     monkeypatch.setattr(sa_mod, "DENSE_SPAN_RATIO", span_ratio)
     (q, k, _), idx = sparse_inputs(*SHAPE, dtype=torch.float32)
     kv = k[:, :, 0]
-    spans = sa_mod._mqa_chunk_spans(idx, kv.shape[1], 3)
-    asked = []
-    monkeypatch.setattr(sa_mod, "_mqa_chunk_spans", lambda *a: asked.append(a[2]) or spans)
+    asked = spans_asked_once(monkeypatch, idx, kv.shape[1], 3)
     q, kv, idx = on_meta(q, kv, idx)
     assert sa_mod._mqa_forward(q, kv, idx, 0.3).shape == q.shape
     dq, dkv = sa_mod._mqa_backward(q, kv, idx, torch.empty_like(q), 0.3)

@@ -111,16 +111,18 @@ def random_topk(B: int, T: int, J: int, gen: torch.Generator) -> torch.Tensor:
 
 @pytest.mark.parametrize("layout", ["B1-short-docs", "B2-rows"])
 def test_sparse_attention_packed_matches_per_document_reference(layout):
+    """Both chunk kinds of the per-head form run, as in the absorbed form's test below."""
     B, T, lengths = LAYOUTS[layout]
     gen = torch.Generator().manual_seed(4)
     q, k = (torch.randn(B, T, 2, 8, generator=gen, requires_grad=True) for _ in range(2))
     v = torch.randn(B, T, 2, 6, generator=gen, requires_grad=True)
-    topk = random_topk(B, T, 9, gen)
     cu = cu_for(lengths)
-    ref = sparse_attention_reference(q, k, v, topk, 0.3, cu_seqlens=cu)
-    got = sparse_attention(q, k, v, topk, 0.3, cu_seqlens=cu)
-    assert_all_close((got,), (ref,), FP32_TOL, ["o"])
-    assert_all_close(grads(got, [q, k, v]), grads(ref, [q, k, v]), FP32_TOL, ["dq", "dk", "dv"])
+    for J in (3, 40):  # J = 3: late chunks span more than 4 J keys (gather); J = 40: every chunk dense
+        topk = random_topk(B, T, J, gen)
+        ref = sparse_attention_reference(q, k, v, topk, 0.3, cu_seqlens=cu)
+        got = sparse_attention(q, k, v, topk, 0.3, cu_seqlens=cu)
+        assert_all_close((got,), (ref,), FP32_TOL, [f"o J={J}"])
+        assert_all_close(grads(got, [q, k, v]), grads(ref, [q, k, v]), FP32_TOL, [f"d{n} J={J}" for n in "qkv"])
 
 
 @pytest.mark.parametrize("layout", ["B1-short-docs", "B2-rows"])
