@@ -120,6 +120,35 @@ def _dense_unselected(idx_c: torch.Tensor, lo: int, span: int) -> torch.Tensor:
     return _mqa_dense_mask(idx_c, lo, span).transpose(1, 2)
 
 
+# The per-head form's masked-dense chunks: a [Tq, K] x [K, span] GEMM per (batch, head) has only Tq rows, too few
+# at the gather chunk's MIN_QUERY_CHUNK queries for the GEMM to run near peak. Consecutive dense-eligible chunks
+# are therefore merged into one while the merged chunk still spans at most DENSE_SPAN_RATIO * J keys and its
+# [B, H, Tq, span] scores hold at most DENSE_BUDGET elements; a gather chunk is never merged (its memory is the
+# gather budget's). The merge reads only the spans already on the host: no further sync.
+DENSE_BUDGET = 1 << 21  # elements of one merged [B, H, Tq, span] score chunk (8 MiB in fp32)
+
+
+def _span_union(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
+    """The smallest key range [lo, hi) holding both; (0, 0) is an all-empty chunk's (no keys)."""
+    return b if a[1] == 0 else a if b[1] == 0 else (min(a[0], b[0]), max(a[1], b[1]))
+
+
+def _per_head_chunks(topk_indices, num_keys, step, heads) -> list[tuple[int, int, int, int, bool]]:
+    """(start, end, lo, hi, dense) per chunk of queries [start, end) with selected keys in [lo, hi)."""
+    B, T, J = topk_indices.shape
+    plan: list[tuple[int, int, int, int, bool]] = []
+    for start, span in zip(range(0, T, step), _mqa_chunk_spans(topk_indices, num_keys, step)):
+        end, dense = min(start + step, T), span[1] - span[0] <= DENSE_SPAN_RATIO * J
+        if dense and plan and plan[-1][4]:
+            first = plan[-1][0]
+            lo, hi = _span_union(plan[-1][2:4], span)
+            if hi - lo <= DENSE_SPAN_RATIO * J and B * heads * (end - first) * (hi - lo) <= DENSE_BUDGET:
+                plan[-1] = (first, end, lo, hi, True)
+                continue
+        plan.append((start, end, *span, dense))
+    return plan
+
+
 def _sparse_forward(q, k, v, topk_indices, scale):
     """The per-head form's forward: [B, T, H, V] in q's dtype, contiguous."""
     dtype = _compute_dtype(q)
@@ -128,10 +157,9 @@ def _sparse_forward(q, k, v, topk_indices, scale):
     S, J = k_h.shape[2], topk_indices.shape[-1]
     step = _query_chunk(B, H, J, max(q.shape[-1], v.shape[-1]))
     o = q_h.new_empty(B, T, H, v.shape[-1])
-    for start, (lo, hi) in zip(range(0, T, step), _mqa_chunk_spans(topk_indices, S, step)):
-        end = min(start + step, T)
+    for start, end, lo, hi, dense in _per_head_chunks(topk_indices, S, step, H):
         idx_c, span = topk_indices[:, start:end], hi - lo
-        if span <= DENSE_SPAN_RATIO * J:
+        if dense:
             # masked-dense: [Tq, K] x [K, span] per (batch, head) over the chunk's key span, no gather
             scores = (q_h[:, :, start:end] @ k_h[:, :, lo:hi].transpose(-1, -2)).mul_(scale)  # [B, H, Tq, span]
             p = _mqa_dense_probs(scores, _dense_unselected(idx_c, lo, span))
@@ -154,10 +182,9 @@ def _sparse_backward(q, k, v, topk_indices, do, scale):
     dk, dv = q_h.new_zeros(B, H, S, D), q_h.new_zeros(B, H, S, E)  # contiguous: rows of .view(B*H*S, *)
     rows = (torch.arange(B * H, device=q.device) * S).view(B, H, 1, 1)
     step = _query_chunk(B, H, J, max(D, E))
-    for start, (lo, hi) in zip(range(0, T, step), _mqa_chunk_spans(topk_indices, S, step)):
-        end = min(start + step, T)
+    for start, end, lo, hi, dense in _per_head_chunks(topk_indices, S, step, H):
         q_c, do_c, idx_c = q_h[:, :, start:end], do_h[:, :, start:end], topk_indices[:, start:end]
-        if hi - lo <= DENSE_SPAN_RATIO * J:
+        if dense:
             dq[:, start:end] = _dense_chunk_backward(q_c, k_h, v_h, do_c, idx_c, lo, hi, scale, dk, dv)
             continue
         p, safe, k_g = _chunk_probs(q_c, k_h, idx_c, scale)

@@ -77,9 +77,36 @@ def test_per_head_released_widths_chunks_many_queries(span_ratio, monkeypatch):
     grads_ = sa_mod._sparse_backward(q, k, v, idx.to("meta"), torch.empty_like(o), 0.0625)
     assert o.shape == q.shape and [x.shape for x in grads_] == [q.shape, k.shape, v.shape]
     assert asked == [step, step]
-    assert [n for n, _ in chunks] == [16, 16, 8] * 2  # forward + backward: chunks of 16 queries, not 1
-    widths = {w for _, w in chunks}
-    assert (widths == {J}) if span_ratio < 0 else (J < min(widths) <= S)  # J gathered slots, or the dense key span
+    queries, widths = [n for n, _ in chunks], {w for _, w in chunks}
+    if span_ratio < 0:  # forward + backward: gather chunks of 16 queries (not 1), each holding J slots
+        assert queries == [16, 16, 8] * 2 and widths == {J}
+    else:  # the dense chunks merge into one over the whole key span (40 x 4096 x 8 scores, within DENSE_BUDGET)
+        assert queries == [T, T] and J < min(widths) <= S
+
+
+def test_per_head_chunk_plan_merges_dense_chunks_within_budget(monkeypatch):
+    """The plan covers every query once, in order; merged dense chunks keep span <= DENSE_SPAN_RATIO * J and
+    B * H * queries * span <= DENSE_BUDGET; gather chunks stay one step long; every selected key lies in its span."""
+    B, T, S, H, J, step = 2, 200, 200, 2, 12, 8
+    monkeypatch.setattr(sa_mod, "DENSE_BUDGET", B * H * 40 * 48)
+    g = torch.Generator().manual_seed(3)
+    local = torch.arange(T)[:, None] - torch.randint(0, 3 * J, (B, T, J), generator=g)  # recent keys: dense early
+    far = torch.randint(0, T, (B, T, J), generator=g)  # anywhere: wide spans, gather
+    idx = torch.where(torch.arange(T)[:, None] < 120, local, far).clamp(min=-1)
+    idx[0, :30] = -1  # a run of all-empty rows
+    plan = sa_mod._per_head_chunks(idx, S, step, H)
+    assert [c[0] for c in plan] == [0] + [c[1] for c in plan[:-1]] and plan[-1][1] == T
+    kinds = {True: 0, False: 0}
+    for start, end, lo, hi, dense in plan:
+        kinds[dense] += 1
+        sel = idx[:, start:end]
+        assert ((sel < 0) | ((sel >= lo) & (sel < hi))).all()
+        if dense:
+            assert hi - lo <= sa_mod.DENSE_SPAN_RATIO * J
+            assert end - start == step or B * H * (end - start) * (hi - lo) <= sa_mod.DENSE_BUDGET
+        else:
+            assert end - start <= step
+    assert kinds[True] and kinds[False] and max(c[1] - c[0] for c in plan) > step  # both kinds, some merged
 
 
 @pytest.mark.parametrize("span_ratio", [-1, 1 << 30], ids=["gather", "masked-dense"])
