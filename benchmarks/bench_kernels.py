@@ -4,12 +4,14 @@
     python benchmarks/bench_kernels.py --quick         # T in {512, 2048}, 3 reps
     python benchmarks/bench_kernels.py --seqlens 1024 --ops kda sparse_mqa_attention
     python benchmarks/bench_kernels.py --released [--seqlens 1024]  # GLM-5.3 widths at T = 4096, + peak memory
+    python benchmarks/bench_kernels.py --released --seqlens 1024 4096 --threads 2  # + the references at 1024
 
 Shapes follow the bench model (issue 5): KDA 4 heads x 64, MLA 4 heads x 64 with kv_lora 64 and 271 slots
 (index_topk 256 + a 15-token tail), 16 experts top-4 of width 128 on hidden 256, indexer 4 heads x 32 over
 T/16 pools, 4 mHC streams. Times are medians; "fwd" under no_grad, "fwd+bwd" with a random cotangent.
 Results: benchmarks/results/bench_kernels.json (--released: bench_kernels_released.json; shapes, rows and the
-memory measurement in released_widths.py).
+memory measurement in released_widths.py). --released defaults to 1 repetition (each call takes seconds there)
+and runs the O(T^2) dense references only up to --skip-reference-above.
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="T in {512, 2048}")
     ap.add_argument("--seqlens", type=positive_int, nargs="+")
-    ap.add_argument("--reps", type=positive_int, default=3)
+    ap.add_argument("--reps", type=positive_int, default=None, help="default 3 (--released: 1)")
     ap.add_argument("--ops", nargs="+", help="default: every op (with --released: released_widths.OPS)")
     ap.add_argument("--skip-recurrent-above", type=non_negative_int, default=2048,
                     help="skip KDA's token-by-token reference above this T (it is a Python loop)")
@@ -113,7 +115,10 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="file name under benchmarks/results/")
     ap.add_argument("--released", action="store_true",
                     help="the released widths (released_widths.py) at T = 4096 (or --seqlens), with peak memory")
+    ap.add_argument("--skip-reference-above", type=non_negative_int, default=2048,
+                    help="--released: skip the dense references above this T (the absorbed one is O(T^2) memory)")
     args = ap.parse_args()
+    args.reps = args.reps or (1 if args.released else 3)
     torch.set_num_threads(args.threads)
     if args.released:
         return released(args)
@@ -144,7 +149,7 @@ def released(args) -> None:
     from released_widths import OPS, released_rows
 
     ops = None if args.ops is None else [op for op in args.ops if op in OPS]
-    rows = released_rows(args.seqlens or [4096], args.reps, args.threads, ops)
+    rows = released_rows(args.seqlens or [4096], args.reps, args.threads, ops, args.skip_reference_above)
     path = write_json(args.out or "bench_kernels_released.json", {"machine": machine(), "command": " ".join(sys.argv),
                                                                   "threads": args.threads, "rows": rows})  # fmt: skip
     print(table(rows, ["op", "T", "backend", "fwd_ms", "fwd_bwd_ms", "peak_mib"]))
