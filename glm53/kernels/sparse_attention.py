@@ -120,11 +120,15 @@ def _dense_unselected(idx_c: torch.Tensor, lo: int, span: int) -> torch.Tensor:
     return _mqa_dense_mask(idx_c, lo, span).transpose(1, 2)
 
 
-# The per-head form's masked-dense chunks: a [Tq, K] x [K, span] GEMM per (batch, head) has only Tq rows, too few
-# at the gather chunk's MIN_QUERY_CHUNK queries for the GEMM to run near peak. Consecutive dense-eligible chunks
-# are therefore merged into one while the merged chunk still spans at most DENSE_SPAN_RATIO * J keys and its
+# The per-head form's masked-dense chunks (the absorbed form's idea, below): a chunk whose selected keys lie within
+# PER_HEAD_DENSE_SPAN_RATIO * J positions runs [Tq, K] x [K, span] GEMMs per (batch, head) with unselected keys
+# masked. The ratio is larger than the absorbed form's: a per-head gather moves H * J * (K + V) values per query
+# (no head shares them), so at wide heads it is bound by memory traffic, and dense spans of many times J still win
+# (measured in benchmarks/RESULTS.md). A GEMM over MIN_QUERY_CHUNK queries has too few rows to run near peak, so
+# consecutive dense chunks are merged while the merged one still spans at most that many keys and its
 # [B, H, Tq, span] scores hold at most DENSE_BUDGET elements; a gather chunk is never merged (its memory is the
 # gather budget's). The merge reads only the spans already on the host: no further sync.
+PER_HEAD_DENSE_SPAN_RATIO = 12
 DENSE_BUDGET = 1 << 21  # elements of one merged [B, H, Tq, span] score chunk (8 MiB in fp32)
 
 
@@ -138,11 +142,11 @@ def _per_head_chunks(topk_indices, num_keys, step, heads) -> list[tuple[int, int
     B, T, J = topk_indices.shape
     plan: list[tuple[int, int, int, int, bool]] = []
     for start, span in zip(range(0, T, step), _mqa_chunk_spans(topk_indices, num_keys, step)):
-        end, dense = min(start + step, T), span[1] - span[0] <= DENSE_SPAN_RATIO * J
+        end, dense = min(start + step, T), span[1] - span[0] <= PER_HEAD_DENSE_SPAN_RATIO * J
         if dense and plan and plan[-1][4]:
             first = plan[-1][0]
             lo, hi = _span_union(plan[-1][2:4], span)
-            if hi - lo <= DENSE_SPAN_RATIO * J and B * heads * (end - first) * (hi - lo) <= DENSE_BUDGET:
+            if hi - lo <= PER_HEAD_DENSE_SPAN_RATIO * J and B * heads * (end - first) * (hi - lo) <= DENSE_BUDGET:
                 plan[-1] = (first, end, lo, hi, True)
                 continue
         plan.append((start, end, *span, dense))

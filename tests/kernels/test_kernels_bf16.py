@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from glm53.kernels import sparse_attention as sa_mod
 from glm53.kernels.sparse_attention import (
     sparse_attention,
     sparse_attention_reference,
@@ -64,8 +65,11 @@ def test_sparse_mqa_attention_bf16_within_rounding(case):
         assert_within_bf16_rounding(g, r, name)
 
 
+@pytest.mark.parametrize("span_ratio", [-1, None], ids=["gather", "default-ratio"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_sparse_attention_bf16_within_rounding(case):
+def test_sparse_attention_bf16_within_rounding(case, span_ratio, monkeypatch):
+    if span_ratio is not None:  # the default ratio sends every chunk of these short sequences dense
+        monkeypatch.setattr(sa_mod, "PER_HEAD_DENSE_SPAN_RATIO", span_ratio)
     B, T, S, H, D, E, J = CASES[case]
     (q, k, v), idx = sparse_inputs(B, T, S, H, D, E, J, dtype=torch.float32)
     (q16, k16, v16), (q32, k32, v32) = bf16_leaves(3 * q, k, v)

@@ -151,7 +151,7 @@ CHUNKINGS = {"min-chunk": (64, 16), "small-chunks": (64, 3), "one-chunk": (1 << 
 def test_sparse_attention_matches_dense_reference(shape, chunking, span_ratio, monkeypatch):
     monkeypatch.setattr(sa_mod, "GATHER_BUDGET", chunking[0])
     monkeypatch.setattr(sa_mod, "MIN_QUERY_CHUNK", chunking[1])
-    monkeypatch.setattr(sa_mod, "DENSE_SPAN_RATIO", span_ratio)  # force one chunk path
+    monkeypatch.setattr(sa_mod, "PER_HEAD_DENSE_SPAN_RATIO", span_ratio)  # force one chunk path
     monkeypatch.setattr(sa_mod, "DENSE_BUDGET", chunking[0])  # small: dense chunks mostly unmerged; large: merged
     (q, k, v), idx = sparse_inputs(*shape)
     ref = sparse_attention_reference(q, k, v, idx, 0.3)

@@ -40,7 +40,7 @@ def spans_asked_once(monkeypatch, idx, num_keys, step):
 
 @pytest.mark.parametrize("span_ratio", [-1, 1 << 30], ids=["gather", "masked-dense"])
 def test_per_head_loop_reads_no_device_value(small_chunks, span_ratio, monkeypatch):
-    monkeypatch.setattr(sa_mod, "DENSE_SPAN_RATIO", span_ratio)
+    monkeypatch.setattr(sa_mod, "PER_HEAD_DENSE_SPAN_RATIO", span_ratio)
     (q, k, v), idx = sparse_inputs(*SHAPE, dtype=torch.float32)
     asked = spans_asked_once(monkeypatch, idx, k.shape[1], 3)
     q, k, v, idx = on_meta(q, k, v, idx)
@@ -56,11 +56,11 @@ def test_per_head_loop_reads_no_device_value(small_chunks, span_ratio, monkeypat
 RELEASED_PER_HEAD = dict(B=1, T=40, S=4096, H=8, K=256, J=2051)
 
 
-@pytest.mark.parametrize("span_ratio", [-1, 4], ids=["gather", "default-ratio"])
+@pytest.mark.parametrize("span_ratio", [-1, sa_mod.PER_HEAD_DENSE_SPAN_RATIO], ids=["gather", "default-ratio"])
 def test_per_head_released_widths_chunks_many_queries(span_ratio, monkeypatch):
-    """With the module's own budget and at the released widths, the loop runs ceil(T / MIN_QUERY_CHUNK) chunks
-    (not T), reads no device value, and asks for the key spans once per call."""
-    monkeypatch.setattr(sa_mod, "DENSE_SPAN_RATIO", span_ratio)
+    """With the module's own budgets and at the released widths, the loop runs chunks of MIN_QUERY_CHUNK queries or
+    more (never one per query), reads no device value, and asks for the key spans once per call."""
+    monkeypatch.setattr(sa_mod, "PER_HEAD_DENSE_SPAN_RATIO", span_ratio)
     B, T, S, H, K, J = RELEASED_PER_HEAD.values()
     g = torch.Generator().manual_seed(0)
     pos = S - T + torch.arange(T)  # the last T queries of the sequence: each sees up to S keys, J of them selected
@@ -85,7 +85,7 @@ def test_per_head_released_widths_chunks_many_queries(span_ratio, monkeypatch):
 
 
 def test_per_head_chunk_plan_merges_dense_chunks_within_budget(monkeypatch):
-    """The plan covers every query once, in order; merged dense chunks keep span <= DENSE_SPAN_RATIO * J and
+    """The plan covers every query once, in order; merged dense chunks keep span <= PER_HEAD_DENSE_SPAN_RATIO * J,
     B * H * queries * span <= DENSE_BUDGET; gather chunks stay one step long; every selected key lies in its span."""
     B, T, S, H, J, step = 2, 200, 200, 2, 12, 8
     monkeypatch.setattr(sa_mod, "DENSE_BUDGET", B * H * 40 * 48)
@@ -102,7 +102,7 @@ def test_per_head_chunk_plan_merges_dense_chunks_within_budget(monkeypatch):
         sel = idx[:, start:end]
         assert ((sel < 0) | ((sel >= lo) & (sel < hi))).all()
         if dense:
-            assert hi - lo <= sa_mod.DENSE_SPAN_RATIO * J
+            assert hi - lo <= sa_mod.PER_HEAD_DENSE_SPAN_RATIO * J
             assert end - start == step or B * H * (end - start) * (hi - lo) <= sa_mod.DENSE_BUDGET
         else:
             assert end - start <= step

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from glm53.kernels import indexer_scores as idx_mod
+from glm53.kernels import sparse_attention as sa_mod
 from glm53.kernels.conv import causal_conv1d, causal_conv1d_reference
 from glm53.kernels.indexer_scores import indexer_scores, indexer_scores_reference
 from glm53.kernels.kda import chunk as kda_mod
@@ -110,14 +111,17 @@ def random_topk(B: int, T: int, J: int, gen: torch.Generator) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("layout", ["B1-short-docs", "B2-rows"])
-def test_sparse_attention_packed_matches_per_document_reference(layout):
-    """Both chunk kinds of the per-head form run, as in the absorbed form's test below."""
+def test_sparse_attention_packed_matches_per_document_reference(layout, monkeypatch):
+    """Both chunk kinds of the per-head form run, chunks of 5 queries crossing the document boundaries."""
+    monkeypatch.setattr(sa_mod, "GATHER_BUDGET", 1)
+    monkeypatch.setattr(sa_mod, "MIN_QUERY_CHUNK", 5)
+    monkeypatch.setattr(sa_mod, "PER_HEAD_DENSE_SPAN_RATIO", 4)  # J = 3: dense only within 12 keys
     B, T, lengths = LAYOUTS[layout]
     gen = torch.Generator().manual_seed(4)
     q, k = (torch.randn(B, T, 2, 8, generator=gen, requires_grad=True) for _ in range(2))
     v = torch.randn(B, T, 2, 6, generator=gen, requires_grad=True)
     cu = cu_for(lengths)
-    for J in (3, 40):  # J = 3: late chunks span more than 4 J keys (gather); J = 40: every chunk dense
+    for J in (3, 40):  # J = 3: early chunks dense (some merged), later ones gathered; J = 40: all dense
         topk = random_topk(B, T, J, gen)
         ref = sparse_attention_reference(q, k, v, topk, 0.3, cu_seqlens=cu)
         got = sparse_attention(q, k, v, topk, 0.3, cu_seqlens=cu)
