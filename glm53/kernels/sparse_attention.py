@@ -71,8 +71,9 @@ def sparse_attention_reference(
     return torch.einsum("bhts,bshe->bthe", probs, v.float()).to(q.dtype)
 
 
-# ------------------------------------------------------------------------------------------------- gather form
-# Each query reads only its J selected keys: O(T * J) work, queries processed a chunk at a time. The chunk holds
+# ----------------------------------------------------------------------------------------------- per-head form
+# Gather chunks: each query reads only its J selected keys, O(T * J) work (masked-dense chunks, further down, take
+# the chunks whose selected keys lie in a short span). Queries are processed a chunk at a time. The chunk holds
 # GATHER_BUDGET elements per gathered tensor when a query is small, and never fewer than MIN_QUERY_CHUNK queries
 # when it is large (at the released widths one query's gathered keys alone exceed the budget): memory per chunk is
 # then MIN_QUERY_CHUNK queries' worth whatever T is, and the number of Python iterations is T / MIN_QUERY_CHUNK at
