@@ -77,12 +77,32 @@ def _edges(cu_seqlens: torch.Tensor, total: int, W: int) -> tuple[torch.Tensor, 
     return tok, lag[None, :] <= pos[tok, None]
 
 
-class _CausalConv1d(torch.autograd.Function):
-    """W shifted multiply-adds in the [B, T, H*K] layout, forward and hand-written backward.
+def _depthwise(z: torch.Tensor, w: torch.Tensor, pad: int) -> torch.Tensor:
+    """out_t = sum_w w[:, w] * z_{t+w} over z [B, L, C] zero-padded by `pad` on both ends of time -> [B, L', C].
 
-    CPU autograd of a depthwise F.conv1d spends several times the forward in convolution_backward; here the
-    backward is W more shifted multiply-adds for the input (and the history) and W products reduced over (B, T)
-    for the weight. full = cat(history, x) along time [B, W-1+T, H*K] in fp32 is the one tensor kept.
+    One depthwise conv2d whose [B, C, 1, L] operand is a channels-last view of z itself: oneDNN's NHWC depthwise
+    kernel reads z once, where W shifted multiply-adds over [B, L, C] would take W passes (no copy, no transpose).
+    """
+    C, W = w.shape
+    if z.shape[1] == 0 or z.shape[1] + 2 * pad < W:  # empty input or no full window: shifted multiply-adds
+        zp = torch.nn.functional.pad(z, (0, 0, pad, pad))
+        L = max(zp.shape[1] - W + 1, 0)
+        out = zp.new_zeros(zp.shape[0], L, C)
+        for tap in range(W if L else 0):
+            out.addcmul_(zp[:, tap : tap + L], w[:, tap])
+        return out
+    nhwc = z.permute(0, 2, 1).unsqueeze(2)  # [B, C, 1, L], channels-last strides
+    out = torch.nn.functional.conv2d(nhwc, w[:, None, None, :], padding=(0, pad), groups=C)  # [B, C, 1, L']
+    return out.squeeze(2).permute(0, 2, 1)  # [B, L', C]
+
+
+class _CausalConv1d(torch.autograd.Function):
+    """Depthwise conv in the [B, T, H*K] layout, forward and hand-written backward.
+
+    CPU autograd of a depthwise F.conv1d spends several times the forward in convolution_backward (and runs on
+    [B, H*K, T] copies); here the forward and the input gradient are each one channels-last depthwise conv
+    (`_depthwise`, the input gradient with the taps flipped) and the weight gradient W products reduced over
+    (B, T). full = cat(history, x) along time [B, W-1+T, H*K] in fp32 is the one tensor kept.
     With `edges` (packed documents) the few tokens near a document start are recomputed with the taps that
     cross the boundary dropped (exactly: no subtraction), and excluded from the shifted form in backward.
     """
@@ -92,9 +112,7 @@ class _CausalConv1d(torch.autograd.Function):
         T, W = x.shape[1], weight.shape[-1]
         full = torch.cat([history.float(), x.float()], dim=1)  # [B, W-1+T, H*K]
         w = weight.float()
-        y = full[:, :T] * w[:, 0]
-        for tap in range(1, W):
-            y.addcmul_(full[:, tap : tap + T], w[:, tap])
+        y = _depthwise(full, w, 0)
         if edges is not None:
             tok, keep = edges
             taps = w.t()[None] * keep[..., None]  # [n_e, W, D] the edge tokens' taps, crossing ones zeroed
@@ -115,9 +133,7 @@ class _CausalConv1d(torch.autograd.Function):
             tok, keep, taps = ctx.edges
             dy_edge = dy[:, tok]  # [B, n_e, D]
             dy = dy.index_fill(1, tok, 0.0)  # the shifted form below must not see the edge tokens
-        d_full = full.new_zeros(full.shape)
-        for tap in range(W):
-            d_full[:, tap : tap + T].addcmul_(dy, w[:, tap])
+        d_full = _depthwise(dy, w.flip(-1), W - 1)  # d full_s = sum_tap dy_{s - tap} w_tap
         d_weight = torch.stack([(dy * full[:, tap : tap + T]).sum(dim=(0, 1)) for tap in range(W)], dim=-1)
         if ctx.edges is not None:
             idx = tok[:, None] + torch.arange(W, device=tok.device)  # [n_e, W] rows of full

@@ -1,0 +1,53 @@
+"""The fast causal_conv1d (channels-last depthwise conv2d forward and input gradient) equals the tap loop.
+
+Legend: B batch, T time, D channels (H*K), W kernel width.
+Covers what the conv2d path must handle besides the bench shapes: sequences shorter than the kernel, width 2,
+fp64 (no oneDNN kernel: ATen's own depthwise conv), an initial state, and an expanded (stride-0) output gradient
+as `y.sum().backward()` produces.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from glm53.kernels.conv import causal_conv1d, causal_conv1d_reference
+
+TOL = dict(rtol=1e-5, atol=1e-6)  # both compute in fp32 (also for fp64 inputs); the sums' order differs
+
+
+def _run(fn, x, weight, state, expanded: bool):
+    ins = [t.detach().clone().requires_grad_(True) for t in (x, weight) + (() if state is None else (state,))]
+    y, final = fn(ins[0], ins[1], initial_state=ins[2] if state is not None else None, output_final_state=True)
+    if expanded:
+        loss = y.sum()  # upstream gradient is a stride-0 expand of a scalar
+    else:
+        loss = (y * torch.randn(y.shape, generator=torch.Generator().manual_seed(3), dtype=y.dtype)).sum()
+    return y.detach(), final.detach(), torch.autograd.grad(loss, ins)
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 37])
+@pytest.mark.parametrize("W", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_fast_conv_equals_reference(T, W, dtype, with_state):
+    gen = torch.Generator().manual_seed(T * 10 + W)
+    B, D = 2, 6
+    x = torch.randn(B, T, D, generator=gen, dtype=dtype)
+    weight = torch.randn(D, W, generator=gen, dtype=dtype)
+    state = torch.randn(B, D, W - 1, generator=gen, dtype=dtype) if with_state else None
+    for expanded in (False, True):
+        y_ref, s_ref, g_ref = _run(causal_conv1d_reference, x, weight, state, expanded)
+        y, s, g = _run(causal_conv1d, x, weight, state, expanded)
+        assert y.shape == (B, T, D)
+        torch.testing.assert_close(y, y_ref.to(y.dtype), **TOL)
+        torch.testing.assert_close(s, s_ref)
+        for name, a, b in zip(("x", "weight", "state"), g, g_ref):
+            torch.testing.assert_close(a, b, **TOL, msg=lambda m, name=name: f"d{name}: {m}")
+
+
+def test_fast_conv_empty_sequence():
+    x, weight = torch.randn(2, 0, 5), torch.randn(5, 4)
+    y, final = causal_conv1d(x, weight, output_final_state=True)
+    assert y.shape == (2, 0, 5)
+    torch.testing.assert_close(final, torch.zeros(2, 5, 3))
