@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from ..boundary import as_local
 from ..kernels.moe import clamped_swiglu_packed
 from .cache import CacheError, GenerationCache, KdaLayerCache, MlaLayerCache, _grow
+from .decode_compiled import backend_name, compiled_site_input
 from .layers import L2NORM_EPS
 
 KDA_RECURRENT_DTYPE = torch.float32  # the kda kernels compute in fp32 (fp64 only for fp64 inputs)
@@ -117,6 +118,14 @@ def _mix(streams: torch.Tensor, comb: torch.Tensor, post: torch.Tensor, out: tor
     dtype = streams.dtype
     new = torch.bmm(_as(comb, dtype).transpose(1, 2), streams)
     return new.addcmul_(_as(post, dtype)[:, :, None], _as(out, dtype)[:, None, :])
+
+
+def _site_input(site: _Site, norm: tuple, streams: torch.Tensor, fused) -> tuple[torch.Tensor, ...]:
+    """A site's block input [B, D] (normalised collapse), post and comb; `fused`: decode_compiled's compiled form."""
+    if fused is None:
+        pre, post, comb = _coefficients(site, streams)
+        return _rms(_collapse(pre, streams), *norm), post, comb
+    return fused(streams, site.fn, site.scale, site.base, norm[0], site.n, site.eps, site.norm_eps, site.iters, norm[1])
 
 
 # ------------------------------------------------------------------------------------------------------------ KDA
@@ -419,14 +428,17 @@ class DecodePlan:
     norm: tuple  # the final RMSNorm (weight, eps)
     n: int
     batch: int
+    compile: str | None = None  # the backend of the compiled mHC sites (decode_compiled.py); None: eager
+    fused: object = None  # the compiled site_input
 
 
 def _norm(norm: nn.Module) -> tuple[torch.Tensor, float]:
     return as_local(norm, "weight"), norm.eps
 
 
-def build_plan(model: nn.Module, cache: GenerationCache) -> DecodePlan:
-    """Check that `cache` is a prefilled main-model cache of `model` and make the plan (once per cache)."""
+def build_plan(model: nn.Module, cache: GenerationCache, compile: str | None = None) -> DecodePlan:
+    """Check that `cache` is a prefilled main-model cache of `model` and make the plan (once per cache and
+    `compile` backend)."""
     if cache.part != "main" or cache.model_id != id(model):
         raise CacheError("this generation cache was built for another model (or its MTP part): decode_step needs "
                          "the main-model cache of the same model")  # fmt: skip
@@ -442,34 +454,36 @@ def build_plan(model: nn.Module, cache: GenerationCache) -> DecodePlan:
                              _norm(layer.post_attention_layernorm), attention, lc,
                              _moe(layer.mlp) if hasattr(layer.mlp, "experts") else layer.mlp))  # fmt: skip
     embed = as_local(model.model.embed_tokens, "weight")
-    return DecodePlan(blocks, embed, _norm(model.model.norm), model.config.hc_mult, batch)
+    fused = None if compile is None else compiled_site_input(compile)
+    return DecodePlan(blocks, embed, _norm(model.model.norm), model.config.hc_mult, batch, compile, fused)
 
 
-def _block_step(blk: _Block, streams: torch.Tensor, topk: torch.Tensor | None):
+def _block_step(blk: _Block, streams: torch.Tensor, topk: torch.Tensor | None, fused=None):
     """DecoderBlock.forward on one token: streams [B, N, D] -> (streams, this layer's top-k or the carried one)."""
-    pre, post, comb = _coefficients(blk.attn_site, streams)
-    x = _rms(_collapse(pre, streams), *blk.input_norm)
+    x, post, comb = _site_input(blk.attn_site, blk.input_norm, streams, fused)
     if isinstance(blk.attention, _Kda):
         out = _kda_step(blk.attention, x, blk.cache)
     else:
         out, topk = _mla_step(blk.attention, x, blk.cache, topk)
     streams = _mix(streams, comb, post, out)
-    pre, post, comb = _coefficients(blk.ffn_site, streams)
-    x = _rms(_collapse(pre, streams), *blk.post_norm)
+    x, post, comb = _site_input(blk.ffn_site, blk.post_norm, streams, fused)
     out = _moe_step(blk.mlp, x) if isinstance(blk.mlp, _Moe) else blk.mlp(x)
     return _mix(streams, comb, post, out), topk
 
 
 @torch.inference_mode()
-def decode_step(model: nn.Module, cache: GenerationCache, ids: torch.Tensor) -> torch.Tensor:
+def decode_step(model: nn.Module, cache: GenerationCache, ids: torch.Tensor,
+                compile: bool | str = False) -> torch.Tensor:  # fmt: skip
     """One new token per row, ids [B] -> the final hidden state [B, D] (after the final norm); `cache` advances.
 
     Equals `model.model(ids[:, None], cache=cache)[:, 0]` up to fp32 rounding. The cache must be a prefilled,
     unmarked main-model cache of `model` (a speculative verify forward uses the generic path).
+    compile: True (inductor) or a backend name of decode_compiled.BACKENDS runs each mHC site's ~90 small ops as
+    one compiled graph (the first step compiles it: seconds); False runs everything eagerly.
     """
-    plan = cache.decode_plan
-    if plan is None:
-        plan = cache.decode_plan = build_plan(model, cache)
+    plan, backend = cache.decode_plan, backend_name(compile)
+    if plan is None or plan.compile != backend:
+        plan = cache.decode_plan = build_plan(model, cache, backend)
     if cache.marked:
         raise CacheError("decode_step cannot run on a marked cache (rewind() it first)")
     if ids.shape != (plan.batch,):
@@ -478,7 +492,7 @@ def decode_step(model: nn.Module, cache: GenerationCache, ids: torch.Tensor) -> 
     streams = x[:, None, :].expand(-1, plan.n, -1).contiguous()  # [B, N, D]
     topk = None
     for blk in plan.blocks:
-        streams, topk = _block_step(blk, streams, topk)
+        streams, topk = _block_step(blk, streams, topk, plan.fused)
     return _rms(streams.mean(dim=1), *plan.norm)
 
 
