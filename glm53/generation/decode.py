@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from ..boundary import as_local
 from ..kernels.moe import clamped_swiglu_packed
 from .cache import CacheError, GenerationCache, KdaLayerCache, MlaLayerCache, _grow
-from .decode_compiled import backend_name, compiled_site_input
+from .decode_compiled import Compiled, backend_name, compiled
 from .layers import L2NORM_EPS
 
 KDA_RECURRENT_DTYPE = torch.float32  # the kda kernels compute in fp32 (fp64 only for fp64 inputs)
@@ -429,7 +429,7 @@ class DecodePlan:
     n: int
     batch: int
     compile: str | None = None  # the backend of the compiled mHC sites (decode_compiled.py); None: eager
-    fused: object = None  # the compiled site_input
+    fused: Compiled | None = None  # the compiled helpers (decode_compiled.py)
 
 
 def _norm(norm: nn.Module) -> tuple[torch.Tensor, float]:
@@ -454,7 +454,7 @@ def build_plan(model: nn.Module, cache: GenerationCache, compile: str | None = N
                              _norm(layer.post_attention_layernorm), attention, lc,
                              _moe(layer.mlp) if hasattr(layer.mlp, "experts") else layer.mlp))  # fmt: skip
     embed = as_local(model.model.embed_tokens, "weight")
-    fused = None if compile is None else compiled_site_input(compile)
+    fused = None if compile is None else compiled(compile)
     return DecodePlan(blocks, embed, _norm(model.model.norm), model.config.hc_mult, batch, compile, fused)
 
 
@@ -492,7 +492,7 @@ def decode_step(model: nn.Module, cache: GenerationCache, ids: torch.Tensor,
     streams = x[:, None, :].expand(-1, plan.n, -1).contiguous()  # [B, N, D]
     topk = None
     for blk in plan.blocks:
-        streams, topk = _block_step(blk, streams, topk, plan.fused)
+        streams, topk = _block_step(blk, streams, topk, None if plan.fused is None else plan.fused.site)
     return _rms(streams.mean(dim=1), *plan.norm)
 
 

@@ -7,20 +7,32 @@ normalisations of an N x N matrix, the collapse and the block's input norm); at 
 per-op dispatch, not arithmetic. Compiled, the site is one call into one generated kernel. Every site of every
 block has the same shapes, so one graph serves all of them (weights are inputs, not constants); a new batch size,
 model width or dtype compiles a new graph (static shapes).
-The formulas are decode.py's eager ones (HyperConnection.coefficients, kernels/hc_collapse.py, kernels/rms_norm.py;
-Sinkhorn is kernels/sinkhorn.py's reference loop), in the same dtypes; the generated code may reorder the fp32
-sums, so results agree up to fp32 rounding.
+The formulas are decode.py's eager ones (HyperConnection.coefficients, kernels/hc_collapse.py, kernels/rms_norm.py),
+in the same dtypes; Sinkhorn runs in its scaling form (kernels/sinkhorn.py sinkhorn_scaling: the same iterations on
+two length-N vectors). The generated code may reorder fp32 sums: results agree up to fp32 rounding.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from ..kernels.sinkhorn import sinkhorn_reference
+from ..kernels.sinkhorn import sinkhorn_scaling
 
 BACKENDS = ("inductor", "aot_eager", "eager")  # as model/compile.py: inductor generates kernels, the others trace
-_COMPILED: dict[str, object] = {}  # backend -> the compiled site_input (one torch.compile wrapper per backend)
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """The compiled helpers of one backend (site_input)."""
+
+    backend: str
+    site: object
+
+
+_COMPILED: dict[str, Compiled] = {}  # one torch.compile wrapper per function and backend, made once per process
 
 
 def site_input(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
@@ -37,19 +49,20 @@ def site_input(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, bas
     gates = torch.sigmoid(z[:, : 2 * n])
     pre = gates[:, :n] + eps
     post = 2 * gates[:, n:]
-    comb = sinkhorn_reference(torch.softmax(z[:, 2 * n :].view(B, n, n), dim=-1) + eps, iters, eps)
+    comb = sinkhorn_scaling(torch.softmax(z[:, 2 * n :].view(B, n, n), dim=-1) + eps, iters, eps)
     collapsed = torch.bmm(pre[:, None, :], streams.float()).view(B, -1).to(dtype)  # [B, D]
     normed = F.rms_norm(collapsed.float(), (collapsed.shape[-1],), None, block_eps).to(dtype)
     return norm_weight * normed, post, comb
 
 
-def compiled_site_input(backend: str):
-    """The torch.compile'd site_input for `backend` (made once per process and backend, then reused)."""
+def compiled(backend: str) -> Compiled:
+    """The torch.compile'd helpers for `backend` (made once per process and backend, then reused)."""
     if backend not in BACKENDS:
         raise ValueError(f"decode compile backend must be one of {BACKENDS} (or compile=True for inductor), "
                          f"got {backend!r}")  # fmt: skip
     if backend not in _COMPILED:
-        _COMPILED[backend] = torch.compile(site_input, backend=backend, fullgraph=True, dynamic=False)
+        make = lambda fn: torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)  # noqa: E731
+        _COMPILED[backend] = Compiled(backend, make(site_input))
     return _COMPILED[backend]
 
 
@@ -60,9 +73,9 @@ def backend_name(compile: bool | str) -> str | None:
     if compile is True:
         return "inductor"
     if isinstance(compile, str):
-        compiled_site_input(compile)  # validates the name
+        compiled(compile)  # validates the name
         return compile
     raise ValueError(f"compile must be a bool or one of {BACKENDS}, got {compile!r}")
 
 
-__all__ = ["BACKENDS", "backend_name", "compiled_site_input", "site_input"]
+__all__ = ["BACKENDS", "Compiled", "backend_name", "compiled", "site_input"]

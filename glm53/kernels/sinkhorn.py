@@ -21,6 +21,21 @@ def sinkhorn_reference(x: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     return x
 
 
+def sinkhorn_scaling(x: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """sinkhorn_reference's iterations kept as row and column scalings of x: y_ij = r_i x_ij c_j, the matrix
+    formed once at the end. Dividing y by its column sums plus eps is c_j <- c_j / (c_j (r^T x)_j + eps) (rows
+    alike), so each step reads x and updates a length-N vector. The same iterates up to fp32 rounding (products
+    regrouped). For the compiled decode step (generation/decode_compiled.py): its generated code keeps [..., N]
+    vectors between the steps instead of recomputing whole N x N iterates."""
+    x = x.float()
+    c = 1.0 / (x.sum(dim=-2) + eps)  # [..., N]: the first column normalisation (r = 1)
+    r = torch.ones_like(c)
+    for _ in range(iters - 1):
+        r = r / (r * (x * c[..., None, :]).sum(dim=-1) + eps)
+        c = c / (c * (x * r[..., :, None]).sum(dim=-2) + eps)
+    return r[..., :, None] * x * c[..., None, :]
+
+
 class _Sinkhorn(torch.autograd.Function):
     """Same iterations; backward runs the hand-derived reverse without autograd's per-op bookkeeping.
 
