@@ -10,14 +10,13 @@ blocks calling layers.py), formula by formula in the same dtypes; only the bookk
   tokens are all valid and come from the model's own picks;
 - what depends only on the weights is made once per cache (`DecodePlan`): local weight views, each mHC site's
   scale and bias vectors, KDA's exp(A_log) and its three conv kernels side by side, MLA's absorbed per-head maps;
-- Sinkhorn's row and column sums are one baddbmm each, with eps as the added input, into preallocated buffers; the
-  mHC projection and the RMS norms take their fewest-call forms (F.rms_norm; normalise-then-project, which is
-  kernels/hc_project.py's reference form);
+- Sinkhorn's row and column sums are one baddbmm each (eps the added input) into preallocated buffers, or for
+  B <= 2 (N = 4, CPU) host scalar arithmetic; the mHC projection and the RMS norms take their fewest-call forms;
 - the indexer's k-pool bookkeeping is steered by the per-row token counts the cache keeps on the host;
 - a MoE layer runs one GEMV pair per chosen expert (the chosen experts are read on the host).
-A step is ~2.5k small ops instead of the generic path's ~4.4k (bench config; half of them Sinkhorn's): its cost is
-per-op overhead and weight reads, not arithmetic. The results equal the generic path's up to fp32 rounding (GEMM
-and reduction order), not bit for bit (tests/generation/test_decode.py).
+A step is ~1.3k small ops (bench config): its cost is per-op overhead and weight reads, not arithmetic.
+`compile=True` runs each mHC site as one compiled graph (decode_compiled.py). The results equal the generic path's
+up to fp32 rounding, not bit for bit (tests/generation/test_decode.py, test_decode_compiled.py).
 """
 
 from __future__ import annotations
@@ -30,11 +29,13 @@ import torch.nn.functional as F
 
 from ..boundary import as_local
 from ..kernels.moe import clamped_swiglu_packed
+from ..kernels.sinkhorn import sinkhorn4_host
 from .cache import CacheError, GenerationCache, KdaLayerCache, MlaLayerCache, _grow
 from .decode_compiled import Compiled, backend_name, compiled
 from .layers import L2NORM_EPS
 
 KDA_RECURRENT_DTYPE = torch.float32  # the kda kernels compute in fp32 (fp64 only for fp64 inputs)
+HOST_SINKHORN_ROWS = 2  # the host Sinkhorn loops over rows: beyond ~3 the batched tensor ops cost less
 
 
 def _weight(linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -85,7 +86,10 @@ def _site(hc: nn.Module, B: int) -> _Site:
 
 
 def _sinkhorn(site: _Site, c: torch.Tensor) -> torch.Tensor:
-    """kernels/sinkhorn.py in place on c [B, N, N] fp32: columns, then (iters - 1) x (rows, columns), sums + eps."""
+    """kernels/sinkhorn.py in place on c [B, N, N] fp32: columns, then (iters - 1) x (rows, columns), sums + eps.
+    One or two 4 x 4 matrices on the CPU: as host scalars (sinkhorn4_host: a fraction of the ops' dispatch cost)."""
+    if site.n == 4 and c.shape[0] <= HOST_SINKHORN_ROWS and c.device.type == "cpu":
+        return sinkhorn4_host(c, site.iters, site.eps)
     rows, cols = site.rows, site.cols
     c.div_(torch.baddbmm(site.eps_row, site.ones_row, c, out=cols))
     for _ in range(site.iters - 1):
@@ -428,8 +432,7 @@ class DecodePlan:
     norm: tuple  # the final RMSNorm (weight, eps)
     n: int
     batch: int
-    compile: str | None = None  # the backend of the compiled mHC sites (decode_compiled.py); None: eager
-    fused: Compiled | None = None  # the compiled helpers (decode_compiled.py)
+    fused: Compiled | None = None  # the compiled helpers and their backend (decode_compiled.py); None: eager
 
 
 def _norm(norm: nn.Module) -> tuple[torch.Tensor, float]:
@@ -437,8 +440,7 @@ def _norm(norm: nn.Module) -> tuple[torch.Tensor, float]:
 
 
 def build_plan(model: nn.Module, cache: GenerationCache, compile: str | None = None) -> DecodePlan:
-    """Check that `cache` is a prefilled main-model cache of `model` and make the plan (once per cache and
-    `compile` backend)."""
+    """Check that `cache` is a prefilled main-model cache of `model` and make the plan (once per cache)."""
     if cache.part != "main" or cache.model_id != id(model):
         raise CacheError("this generation cache was built for another model (or its MTP part): decode_step needs "
                          "the main-model cache of the same model")  # fmt: skip
@@ -455,7 +457,7 @@ def build_plan(model: nn.Module, cache: GenerationCache, compile: str | None = N
                              _moe(layer.mlp) if hasattr(layer.mlp, "experts") else layer.mlp))  # fmt: skip
     embed = as_local(model.model.embed_tokens, "weight")
     fused = None if compile is None else compiled(compile)
-    return DecodePlan(blocks, embed, _norm(model.model.norm), model.config.hc_mult, batch, compile, fused)
+    return DecodePlan(blocks, embed, _norm(model.model.norm), model.config.hc_mult, batch, fused)
 
 
 def _block_step(blk: _Block, streams: torch.Tensor, topk: torch.Tensor | None, fused=None):
@@ -472,17 +474,15 @@ def _block_step(blk: _Block, streams: torch.Tensor, topk: torch.Tensor | None, f
 
 
 @torch.inference_mode()
-def decode_step(model: nn.Module, cache: GenerationCache, ids: torch.Tensor,
-                compile: bool | str = False) -> torch.Tensor:  # fmt: skip
+def decode_step(model: nn.Module, cache: GenerationCache, ids: torch.Tensor, compile=False) -> torch.Tensor:
     """One new token per row, ids [B] -> the final hidden state [B, D] (after the final norm); `cache` advances.
 
     Equals `model.model(ids[:, None], cache=cache)[:, 0]` up to fp32 rounding. The cache must be a prefilled,
     unmarked main-model cache of `model` (a speculative verify forward uses the generic path).
-    compile: True (inductor) or a backend name of decode_compiled.BACKENDS runs each mHC site's ~90 small ops as
-    one compiled graph (the first step compiles it: seconds); False runs everything eagerly.
+    compile: True (inductor) or a decode_compiled.BACKENDS name compiles each mHC site (the first step: seconds).
     """
     plan, backend = cache.decode_plan, backend_name(compile)
-    if plan is None or plan.compile != backend:
+    if plan is None or getattr(plan.fused, "backend", None) != backend:
         plan = cache.decode_plan = build_plan(model, cache, backend)
     if cache.marked:
         raise CacheError("decode_step cannot run on a marked cache (rewind() it first)")

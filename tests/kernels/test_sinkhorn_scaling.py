@@ -1,4 +1,5 @@
-"""sinkhorn_scaling (the row / column scaling form of Sinkhorn, kernels/sinkhorn.py) against sinkhorn_reference.
+"""sinkhorn_scaling (the row / column scaling form of Sinkhorn, kernels/sinkhorn.py) and sinkhorn4_host (the same
+iterations as Python scalars for 4 x 4 matrices) against sinkhorn_reference.
 
 Legend: N streams; x [..., N, N] positive (softmax + eps, as mHC feeds it).
 Peaked inputs (softmax of logits with std 6) are far from doubly stochastic, so every iteration still moves the
@@ -10,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from glm53.kernels.sinkhorn import sinkhorn_reference, sinkhorn_scaling
+from glm53.kernels.sinkhorn import sinkhorn4_host, sinkhorn_reference, sinkhorn_scaling
 
 EPS = 1e-6
 
@@ -46,3 +47,18 @@ def test_scaling_form_gradient_equals_reference():
     (g_ref,) = torch.autograd.grad((sinkhorn_reference(x.float(), 20, EPS).double() * w).sum(), x)
     (g_got,) = torch.autograd.grad((sinkhorn_scaling(x.float(), 20, EPS).double() * w).sum(), x)
     torch.testing.assert_close(g_got, g_ref, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("iters", [1, 2, 20])
+def test_host_form_equals_reference(iters):
+    """The unrolled scalar form: every element of every row (each matrix is its own row loop) at fp32 rounding, a
+    float32 tensor of the input's shape; one iteration more is visibly different."""
+    x = _peaked(3, 4, 4, seed=4)
+    want = sinkhorn_reference(x, iters, EPS)
+    got = sinkhorn4_host(x, iters, EPS)
+    assert got.shape == x.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-7)
+    assert (sinkhorn4_host(x, iters + 1, EPS) - want).abs().max() > 1e-4
+    torch.testing.assert_close(sinkhorn4_host(x, iters, 0.5), sinkhorn_reference(x, iters, 0.5), rtol=2e-6, atol=1e-7)
+    # not symmetric in rows and columns: the transposed input gives a different matrix (no index mix-up passes)
+    assert (sinkhorn4_host(x.transpose(-1, -2).contiguous(), iters, EPS).transpose(-1, -2) - want).abs().max() > 1e-4
