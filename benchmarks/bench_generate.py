@@ -3,7 +3,6 @@
     python benchmarks/bench_generate.py                        # prompts 512 and 2048, 8 new tokens, 2 reps
     python benchmarks/bench_generate.py --prompts 512 2048 8192 --new 16 --reps 3
     python benchmarks/bench_generate.py --quick                # prompt 2048 only, fewer tokens and reps (~1 min)
-    python benchmarks/bench_generate.py --quick --compile      # also glm53's decode_step(compile=True)
 
 Batch 1, greedy. Per prompt length P, both models run generate(max_new_tokens=1 + new) with a streamer that stamps
 each token: prefill = start to the first new token (the prompt forward and its pick), decode = the time per later
@@ -60,7 +59,7 @@ class TimingStreamer:
         pass
 
 
-def run_generate(model, ids, new: int, is_hf: bool, compile: bool = False) -> tuple[float, float]:
+def run_generate(model, ids, new: int, is_hf: bool) -> tuple[float, float]:
     """-> (prefill seconds: start to the first new token, decode seconds per later token)."""
     streamer = TimingStreamer()
     start = time.perf_counter()
@@ -69,15 +68,14 @@ def run_generate(model, ids, new: int, is_hf: bool, compile: bool = False) -> tu
             model.generate(input_ids=ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
                            streamer=streamer)  # fmt: skip
     else:
-        model.generate(ids, max_new_tokens=new, streamer=streamer, compile=compile)
+        model.generate(ids, max_new_tokens=new, streamer=streamer)
     first, last = streamer.times[1], streamer.times[-1]
     return first - start, (last - first) / max(1, len(streamer.times) - 2)
 
 
-def decode_steps(hf, ours, ids, steps: int, compile: bool = False) -> dict[str, list[float]]:
+def decode_steps(hf, ours, ids, steps: int) -> dict[str, list[float]]:
     """Seconds of one decode step after the same prefill, interleaved per round: transformers' cached forward,
-    glm53's decode_step and glm53's generic cached forward (each with its own cache, all at the same positions);
-    with `compile` also decode_step(compile=True) (its first step, which compiles, is not timed)."""
+    glm53's decode_step and glm53's generic cached forward (each with its own cache, all at the same positions)."""
     with torch.no_grad():
         pkv = hf(input_ids=ids, use_cache=True).past_key_values
     with torch.inference_mode():
@@ -85,11 +83,6 @@ def decode_steps(hf, ours, ids, steps: int, compile: bool = False) -> dict[str, 
         ours.model(ids, cache=generic)
         ours.model(ids, cache=fast)
         fast.reserve(ids.shape[1] + steps + 1)
-        if compile:
-            compiled = GenerationCache(ours)
-            ours.model(ids, cache=compiled)
-            compiled.reserve(ids.shape[1] + steps + 2)
-            decode_step(ours, compiled, ids[:, -1], compile=True)
     token = ids[:, -1:]
 
     def hf_step():
@@ -105,13 +98,7 @@ def decode_steps(hf, ours, ids, steps: int, compile: bool = False) -> dict[str, 
         with torch.inference_mode():
             ours.lm_head(ours.model(token, cache=generic)[:, -1])
 
-    def compiled_step():
-        with torch.inference_mode():
-            ours.lm_head(decode_step(ours, compiled, token[:, 0], compile=True))
-
     runs = {"transformers": hf_step, "glm53": fast_step, "glm53_generic": generic_step}
-    if compile:
-        runs["glm53_compiled"] = compiled_step
     times = {name: [] for name in runs}
     for _ in range(steps):
         for name, run in runs.items():
@@ -124,18 +111,12 @@ def decode_steps(hf, ours, ids, steps: int, compile: bool = False) -> dict[str, 
 def step_columns(times: dict[str, list[float]]) -> dict:
     ms = lambda xs: round(1e3 * xs, 2)  # noqa: E731
     hf, fast, generic = times["transformers"], times["glm53"], times["glm53_generic"]
-    row = {"glm53_step_ms_med": ms(median(fast)), "glm53_step_ms_min": ms(min(fast)),
-           "generic_step_ms_med": ms(median(generic)), "generic_step_ms_min": ms(min(generic)),
-           "hf_step_ms_med": ms(median(hf)), "hf_step_ms_min": ms(min(hf)),
-           "step_speedup": round(median([h / f for h, f in zip(hf, fast)]), 2),
-           "step_speedup_min": round(min(hf) / min(fast), 2),
-           "generic_speedup_min": round(min(hf) / min(generic), 2)}  # fmt: skip
-    if "glm53_compiled" in times:
-        comp = times["glm53_compiled"]
-        row.update({"compiled_step_ms_med": ms(median(comp)), "compiled_step_ms_min": ms(min(comp)),
-                    "compiled_step_speedup": round(median([h / c for h, c in zip(hf, comp)]), 2),
-                    "compiled_step_speedup_min": round(min(hf) / min(comp), 2)})  # fmt: skip
-    return row
+    return {"glm53_step_ms_med": ms(median(fast)), "glm53_step_ms_min": ms(min(fast)),
+            "generic_step_ms_med": ms(median(generic)), "generic_step_ms_min": ms(min(generic)),
+            "hf_step_ms_med": ms(median(hf)), "hf_step_ms_min": ms(min(hf)),
+            "step_speedup": round(median([h / f for h, f in zip(hf, fast)]), 2),
+            "step_speedup_min": round(min(hf) / min(fast), 2),
+            "generic_speedup_min": round(min(hf) / min(generic), 2)}  # fmt: skip
 
 
 def tensor_bytes(obj, seen=None) -> int:
@@ -270,8 +251,6 @@ def main() -> None:
     ap.add_argument("--spec-prompt", type=positive_int, default=512)
     ap.add_argument("--threads", type=positive_int, default=torch.get_num_threads())
     ap.add_argument("--out", default="bench_generate.json")
-    ap.add_argument("--compile", action="store_true",
-                    help="also time glm53 with the compiled decode step (decode_step / generate compile=True)")
     ap.add_argument("--quick", action="store_true",
                     help="prompt 2048 (split also at 512, 4096), 4 new tokens, 1 rep, k = 1 at prompt 128")
     args = ap.parse_args()
@@ -287,14 +266,9 @@ def main() -> None:
         for model, is_hf in ((ours, False), (hf, True)):  # warm-up
             run_generate(model, ids[:, :64], 2, is_hf)
         times = {"glm53": ([], []), "transformers": ([], [])}
-        runs = [("glm53", ours, False, False), ("transformers", hf, True, False)]
-        if args.compile:
-            times["glm53_compiled"] = ([], [])
-            runs.append(("glm53_compiled", ours, False, True))
-            run_generate(ours, ids[:, :64], 2, False, compile=True)  # compiles the site graph
         for _ in range(args.reps):
-            for name, model, is_hf, compile in runs:
-                prefill, decode = run_generate(model, ids, 1 + args.new, is_hf, compile)
+            for name, model, is_hf in (("glm53", ours, False), ("transformers", hf, True)):
+                prefill, decode = run_generate(model, ids, 1 + args.new, is_hf)
                 times[name][0].append(prefill)
                 times[name][1].append(decode)
         (gp, gd), (tp, td) = times["glm53"], times["transformers"]
@@ -303,11 +277,7 @@ def main() -> None:
                "prefill_speedup": round(median([b / a for a, b in zip(gp, tp)]), 2),
                "glm53_decode_tok_s": round(1 / median(gd), 1), "hf_decode_tok_s": round(1 / median(td), 1),
                "decode_speedup": round(median([b / a for a, b in zip(gd, td)]), 2)}  # fmt: skip
-        if args.compile:
-            cd = times["glm53_compiled"][1]
-            row.update({"compiled_decode_tok_s": round(1 / median(cd), 1),
-                        "compiled_decode_speedup": round(median([b / a for a, b in zip(cd, td)]), 2)})
-        row.update(step_columns(decode_steps(hf, ours, ids, 4 * args.new, args.compile)))
+        row.update(step_columns(decode_steps(hf, ours, ids, 4 * args.new)))
         row.update({k: round(v, 3) for k, v in cache_bytes(hf, ours, ids).items()})
         rows.append(row)
         print(table([row], list(row)), flush=True)

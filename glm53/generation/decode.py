@@ -10,13 +10,16 @@ blocks calling layers.py), formula by formula in the same dtypes; only the bookk
   tokens are all valid and come from the model's own picks;
 - what depends only on the weights is made once per cache (`DecodePlan`): local weight views, each mHC site's
   scale and bias vectors, KDA's exp(A_log) and its three conv kernels side by side, MLA's absorbed per-head maps;
-- Sinkhorn's row and column sums are one baddbmm each (eps the added input) into preallocated buffers, or for
-  B <= 2 (N = 4, CPU) host scalar arithmetic; the mHC projection and the RMS norms take their fewest-call forms;
+- for B <= 2 rows on the CPU (N = 4) the mHC gates, softmax and Sinkhorn are host scalar arithmetic on the 24
+  projected numbers per row (decode_host.py: one tolist and one tensor instead of ~90 dispatched ops); otherwise
+  Sinkhorn's row and column sums are one baddbmm each, with eps as the added input, into preallocated buffers; the
+  mHC projection and the RMS norms take their fewest-call forms (F.rms_norm; normalise-then-project, which is
+  kernels/hc_project.py's reference form);
 - the indexer's k-pool bookkeeping is steered by the per-row token counts the cache keeps on the host;
 - a MoE layer runs one GEMV pair per chosen expert (the chosen experts are read on the host).
-A step is ~1.3k small ops (bench config): its cost is per-op overhead and weight reads, not arithmetic.
-`compile=True` runs each mHC site as one compiled graph (decode_compiled.py). The results equal the generic path's
-up to fp32 rounding, not bit for bit (tests/generation/test_decode.py, test_decode_compiled.py).
+A step is ~1.3k small ops at B = 1 (~2.5k with the tensor Sinkhorn; bench config): its cost is per-op overhead and
+weight reads, not arithmetic. The results equal the generic path's up to fp32 rounding (GEMM and reduction order,
+fp64 host scalars), not bit for bit (tests/generation/test_decode.py).
 """
 
 from __future__ import annotations
@@ -29,13 +32,11 @@ import torch.nn.functional as F
 
 from ..boundary import as_local
 from ..kernels.moe import clamped_swiglu_packed
-from ..kernels.sinkhorn import sinkhorn4_host
 from .cache import CacheError, GenerationCache, KdaLayerCache, MlaLayerCache, _grow
-from .decode_compiled import Compiled, backend_name, compiled
+from .decode_host import host_coefficients, use_host
 from .layers import L2NORM_EPS
 
 KDA_RECURRENT_DTYPE = torch.float32  # the kda kernels compute in fp32 (fp64 only for fp64 inputs)
-HOST_SINKHORN_ROWS = 2  # the host Sinkhorn loops over rows: beyond ~3 the batched tensor ops cost less
 
 
 def _weight(linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -86,10 +87,7 @@ def _site(hc: nn.Module, B: int) -> _Site:
 
 
 def _sinkhorn(site: _Site, c: torch.Tensor) -> torch.Tensor:
-    """kernels/sinkhorn.py in place on c [B, N, N] fp32: columns, then (iters - 1) x (rows, columns), sums + eps.
-    One or two 4 x 4 matrices on the CPU: as host scalars (sinkhorn4_host: a fraction of the ops' dispatch cost)."""
-    if site.n == 4 and c.shape[0] <= HOST_SINKHORN_ROWS and c.device.type == "cpu":
-        return sinkhorn4_host(c, site.iters, site.eps)
+    """kernels/sinkhorn.py in place on c [B, N, N] fp32: columns, then (iters - 1) x (rows, columns), sums + eps."""
     rows, cols = site.rows, site.cols
     c.div_(torch.baddbmm(site.eps_row, site.ones_row, c, out=cols))
     for _ in range(site.iters - 1):
@@ -105,6 +103,8 @@ def _coefficients(site: _Site, streams: torch.Tensor) -> tuple[torch.Tensor, tor
     # normalise, then project (kernels/hc_project.py's reference form): two calls instead of the fast form's six
     mixed = F.linear(F.rms_norm(flat, (flat.shape[-1],), None, site.norm_eps), site.fn)  # [B, (2+N)*N]
     z = torch.addcmul(site.base, mixed, site.scale)  # scale * logits + base, per coefficient
+    if use_host(z, n):  # one or two rows on the CPU: the 24 numbers per row as host scalars (decode_host.py)
+        return host_coefficients(z, n, site.eps, site.iters)
     gates = torch.sigmoid(z[:, : 2 * n])
     pre = gates[:, :n] + site.eps
     post = 2 * gates[:, n:]
@@ -122,14 +122,6 @@ def _mix(streams: torch.Tensor, comb: torch.Tensor, post: torch.Tensor, out: tor
     dtype = streams.dtype
     new = torch.bmm(_as(comb, dtype).transpose(1, 2), streams)
     return new.addcmul_(_as(post, dtype)[:, :, None], _as(out, dtype)[:, None, :])
-
-
-def _site_input(site: _Site, norm: tuple, streams: torch.Tensor, fused) -> tuple[torch.Tensor, ...]:
-    """A site's block input [B, D] (normalised collapse), post and comb; `fused`: decode_compiled's compiled form."""
-    if fused is None:
-        pre, post, comb = _coefficients(site, streams)
-        return _rms(_collapse(pre, streams), *norm), post, comb
-    return fused(streams, site.fn, site.scale, site.base, norm[0], site.n, site.eps, site.norm_eps, site.iters, norm[1])
 
 
 # ------------------------------------------------------------------------------------------------------------ KDA
@@ -432,14 +424,13 @@ class DecodePlan:
     norm: tuple  # the final RMSNorm (weight, eps)
     n: int
     batch: int
-    fused: Compiled | None = None  # the compiled helpers and their backend (decode_compiled.py); None: eager
 
 
 def _norm(norm: nn.Module) -> tuple[torch.Tensor, float]:
     return as_local(norm, "weight"), norm.eps
 
 
-def build_plan(model: nn.Module, cache: GenerationCache, compile: str | None = None) -> DecodePlan:
+def build_plan(model: nn.Module, cache: GenerationCache) -> DecodePlan:
     """Check that `cache` is a prefilled main-model cache of `model` and make the plan (once per cache)."""
     if cache.part != "main" or cache.model_id != id(model):
         raise CacheError("this generation cache was built for another model (or its MTP part): decode_step needs "
@@ -456,34 +447,34 @@ def build_plan(model: nn.Module, cache: GenerationCache, compile: str | None = N
                              _norm(layer.post_attention_layernorm), attention, lc,
                              _moe(layer.mlp) if hasattr(layer.mlp, "experts") else layer.mlp))  # fmt: skip
     embed = as_local(model.model.embed_tokens, "weight")
-    fused = None if compile is None else compiled(compile)
-    return DecodePlan(blocks, embed, _norm(model.model.norm), model.config.hc_mult, batch, fused)
+    return DecodePlan(blocks, embed, _norm(model.model.norm), model.config.hc_mult, batch)
 
 
-def _block_step(blk: _Block, streams: torch.Tensor, topk: torch.Tensor | None, fused=None):
+def _block_step(blk: _Block, streams: torch.Tensor, topk: torch.Tensor | None):
     """DecoderBlock.forward on one token: streams [B, N, D] -> (streams, this layer's top-k or the carried one)."""
-    x, post, comb = _site_input(blk.attn_site, blk.input_norm, streams, fused)
+    pre, post, comb = _coefficients(blk.attn_site, streams)
+    x = _rms(_collapse(pre, streams), *blk.input_norm)
     if isinstance(blk.attention, _Kda):
         out = _kda_step(blk.attention, x, blk.cache)
     else:
         out, topk = _mla_step(blk.attention, x, blk.cache, topk)
     streams = _mix(streams, comb, post, out)
-    x, post, comb = _site_input(blk.ffn_site, blk.post_norm, streams, fused)
+    pre, post, comb = _coefficients(blk.ffn_site, streams)
+    x = _rms(_collapse(pre, streams), *blk.post_norm)
     out = _moe_step(blk.mlp, x) if isinstance(blk.mlp, _Moe) else blk.mlp(x)
     return _mix(streams, comb, post, out), topk
 
 
 @torch.inference_mode()
-def decode_step(model: nn.Module, cache: GenerationCache, ids: torch.Tensor, compile=False) -> torch.Tensor:
+def decode_step(model: nn.Module, cache: GenerationCache, ids: torch.Tensor) -> torch.Tensor:
     """One new token per row, ids [B] -> the final hidden state [B, D] (after the final norm); `cache` advances.
 
     Equals `model.model(ids[:, None], cache=cache)[:, 0]` up to fp32 rounding. The cache must be a prefilled,
     unmarked main-model cache of `model` (a speculative verify forward uses the generic path).
-    compile: True (inductor) or a decode_compiled.BACKENDS name compiles each mHC site (the first step: seconds).
     """
-    plan, backend = cache.decode_plan, backend_name(compile)
-    if plan is None or getattr(plan.fused, "backend", None) != backend:
-        plan = cache.decode_plan = build_plan(model, cache, backend)
+    plan = cache.decode_plan
+    if plan is None:
+        plan = cache.decode_plan = build_plan(model, cache)
     if cache.marked:
         raise CacheError("decode_step cannot run on a marked cache (rewind() it first)")
     if ids.shape != (plan.batch,):
@@ -492,7 +483,7 @@ def decode_step(model: nn.Module, cache: GenerationCache, ids: torch.Tensor, com
     streams = x[:, None, :].expand(-1, plan.n, -1).contiguous()  # [B, N, D]
     topk = None
     for blk in plan.blocks:
-        streams, topk = _block_step(blk, streams, topk, None if plan.fused is None else plan.fused.site)
+        streams, topk = _block_step(blk, streams, topk)
     return _rms(streams.mean(dim=1), *plan.norm)
 
 

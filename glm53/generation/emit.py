@@ -47,7 +47,6 @@ class Options:
     pad_token_id: int
     generator: torch.Generator | None
     latent_dtype: torch.dtype | None = None  # GenerationCache's: None keeps the exact (model-dtype) latent
-    compile: str | None = None  # the decode steps' compile backend (decode_compiled.py): None runs them eagerly
 
 
 class Emitter:

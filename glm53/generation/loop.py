@@ -17,7 +17,6 @@ import torch
 
 from .cache import GenerationCache, GenerationError
 from .decode import decode_step
-from .decode_compiled import backend_name
 from .emit import Emitter, GenerationStats, Options
 from .sampling import next_tokens
 from .speculative import speculative_decode
@@ -79,8 +78,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
              do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              eos_token_id: int | list[int] | None = None, generator: torch.Generator | None = None, streamer=None,
              pad_token_id: int | None = None, speculative: str | None = None, num_speculative_tokens: int = 1,
-             return_stats: bool = False, latent_dtype: torch.dtype | None = None,
-             compile: bool | str = False):  # fmt: skip
+             return_stats: bool = False, latent_dtype: torch.dtype | None = None):  # fmt: skip
     """Continue each row of a left-padded batch -> [B, T + new] (and GenerationStats with `return_stats`).
 
     model: a Glm53ForCausalLM. eos_token_id None uses model.config.eos_token_id. do_sample False picks the
@@ -90,14 +88,11 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     them in one forward (greedy only; same output as plain greedy decoding).
     latent_dtype (e.g. torch.bfloat16 for an fp32 model) stores the MLA latent cache rounded to that dtype: fewer
     bytes per cached token, no longer exact (GenerationCache).
-    compile: True (inductor) or a backend name compiles each mHC site of the decode steps (decode_step's `compile`;
-    the first step pays the compile); plain decoding only (the speculative verify runs the generic path).
     """
     valid = left_padded_mask(input_ids, attention_mask)
     opts = check_options(model, input_ids, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id,
                          pad_token_id, generator)  # fmt: skip
     opts.latent_dtype = latent_dtype
-    opts.compile = backend_name(compile)  # checked before any work
     stats = GenerationStats(prompt_tokens=input_ids.numel())
     emitter = Emitter(input_ids, opts, streamer)
     if speculative is not None:
@@ -125,7 +120,7 @@ def _decode(model, input_ids, valid, opts: Options, emitter: Emitter, stats: Gen
     stats.prefill_seconds = time.perf_counter() - start
     start = time.perf_counter()
     while not done:
-        hidden = decode_step(model, cache, emitter.tokens[-1], compile=opts.compile or False)  # [B, D]
+        hidden = decode_step(model, cache, emitter.tokens[-1])  # [B, D]
         done = emitter.emit(pick(hidden))
     stats.decode_seconds = time.perf_counter() - start
     return cache

@@ -3,6 +3,8 @@
 Legend: N streams, M tokens (the leading dims, flattened). x: [..., N, N] positive.
 Following transformers' Glm5NextTextHyperConnection: first divide by column sums, then (iters - 1) rounds of
 (rows, columns), each sum floored by `eps`. Computed in fp32.
+sinkhorn_scaling and sinkhorn4_host / sinkhorn4_values run the same iterations on row and column scaling vectors
+(the decode step's host arithmetic, generation/decode_host.py); they are not registered kernels.
 """
 
 from __future__ import annotations
@@ -25,8 +27,7 @@ def sinkhorn_scaling(x: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """sinkhorn_reference's iterations kept as row and column scalings of x: y_ij = r_i x_ij c_j, the matrix
     formed once at the end. Dividing y by its column sums plus eps is c_j <- c_j / (c_j (r^T x)_j + eps) (rows
     alike), so each step reads x and updates a length-N vector. The same iterates up to fp32 rounding (products
-    regrouped). For the compiled decode step (generation/decode_compiled.py): its generated code keeps [..., N]
-    vectors between the steps instead of recomputing whole N x N iterates."""
+    regrouped). The tensor form of sinkhorn4_values (the decode step's host arithmetic)."""
     x = x.float()
     c = 1.0 / (x.sum(dim=-2) + eps)  # [..., N]: the first column normalisation (r = 1)
     r = torch.ones_like(c)
@@ -40,14 +41,14 @@ def sinkhorn4_host(x: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """sinkhorn_scaling for a few 4 x 4 matrices on the CPU, x [B, 4, 4] -> fp32, computed in Python floats.
 
     A decode step's comb matrix is 16 numbers: tensor ops on it cost their dispatch (~2 per normalisation, 39
-    normalisations), while the unrolled scalar arithmetic of _sinkhorn4 costs a fraction of that. Python floats
+    normalisations), while the unrolled scalar arithmetic of sinkhorn4_values costs a fraction of that. Python floats
     are fp64, so the result is the fp32 reference's up to fp32 rounding (as sinkhorn_scaling). Rows loop on the
-    host: worth it for a batch of one or two (generation/decode.py)."""
-    rows = [_sinkhorn4(row, iters, eps) for row in x.float().reshape(-1, 16).tolist()]  # NOTE: syncs (host math)
+    host: worth it for a batch of one or two (generation/decode_host.py)."""
+    rows = [sinkhorn4_values(row, iters, eps) for row in x.float().reshape(-1, 16).tolist()]  # NOTE: syncs (host math)
     return torch.tensor(rows, dtype=torch.float32, device=x.device).view(x.shape)
 
 
-def _sinkhorn4(m: list[float], iters: int, eps: float) -> list[float]:
+def sinkhorn4_values(m: list[float], iters: int, eps: float) -> list[float]:
     """sinkhorn_scaling's iterations on one row-major 4 x 4 matrix m, unrolled (r_i, c_j: the scalings)."""
     a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, a30, a31, a32, a33 = m
     c0, c1 = 1.0 / (a00 + a10 + a20 + a30 + eps), 1.0 / (a01 + a11 + a21 + a31 + eps)
