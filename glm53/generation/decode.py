@@ -383,23 +383,31 @@ def _moe_step(p: _Moe, x: torch.Tensor) -> torch.Tensor:
     k = indices.shape[1]
     experts = indices.flatten().tolist()  # NOTE: syncs (the chosen experts steer the host loop)
     order = sorted(range(len(experts)), key=experts.__getitem__)
+    if x.shape[0] == 1:
+        return _moe_token(p, x, weights[0, order][:, None], [experts[i] for i in order])
     pair_weights = weights.flatten()[order][:, None]  # [B*k, 1] in visiting order
     ys, i = [], 0
     while i < len(order):
         e, j = experts[order[i]], i
         while j < len(order) and experts[order[j]] == e:
             j += 1
-        rows = x if x.shape[0] == 1 else x[[pair // k for pair in order[i:j]]]
-        act = clamped_swiglu_packed(F.linear(rows, p.gate_up[e]), p.limit) * pair_weights[i:j]
-        ys.append(F.linear(_as(act, x.dtype), p.down[e]))
+        act = clamped_swiglu_packed(F.linear(x[[pair // k for pair in order[i:j]]], p.gate_up[e]), p.limit)
+        ys.append(F.linear(_as(act * pair_weights[i:j], x.dtype), p.down[e]))
         i = j
-    if x.shape[0] == 1:
-        routed = ys[0]
-        for y in ys[1:]:
-            routed = routed + y
-    else:
-        token = torch.tensor([pair // k for pair in order], device=x.device)
-        routed = torch.zeros_like(x).index_add(0, token, torch.cat(ys).to(x.dtype))
+    token = torch.tensor([pair // k for pair in order], device=x.device)
+    routed = torch.zeros_like(x).index_add(0, token, torch.cat(ys).to(x.dtype))
+    return routed + p.shared(x)
+
+
+def _moe_token(p: _Moe, x: torch.Tensor, weights: torch.Tensor, chosen: list[int]) -> torch.Tensor:
+    """_moe_step for one token x [1, D] and its k distinct experts in visiting order (weights [k, 1] fp32): the
+    k gate/up GEMVs side by side so the SwiGLU and the routing weights are one op each, then the down GEMVs
+    accumulated in order (addmm: each adds its product to the running sum, as the sum of separate outputs)."""
+    h = torch.cat([F.linear(x, p.gate_up[e]) for e in chosen])  # [k, 2I]
+    act = _as(clamped_swiglu_packed(h, p.limit) * weights, x.dtype)  # [k, I]
+    routed = F.linear(act[:1], p.down[chosen[0]])
+    for i in range(1, len(chosen)):
+        routed = torch.addmm(routed, act[i : i + 1], p.down[chosen[i]].t())
     return routed + p.shared(x)
 
 
