@@ -17,7 +17,7 @@ blocks calling layers.py), formula by formula in the same dtypes; only the bookk
   kernels/hc_project.py's reference form);
 - the indexer's k-pool bookkeeping is steered by the per-row token counts the cache keeps on the host;
 - a MoE layer runs one GEMV pair per chosen expert (the chosen experts are read on the host).
-A step is ~1.3k small ops at B = 1 (~2.5k with the tensor Sinkhorn; bench config): its cost is per-op overhead and
+A step is ~1.0k small ops at B = 1 (~2.5k with the tensor Sinkhorn; bench config): its cost is per-op overhead and
 weight reads, not arithmetic. The results equal the generic path's up to fp32 rounding (GEMM and reduction order,
 fp64 host scalars), not bit for bit (tests/generation/test_decode.py).
 """
