@@ -2,7 +2,8 @@
 
 Legend: B batch, N streams (4). z [B, (2+N)*N]: scale * projected logits + base, as decode._coefficients has them.
 Peaked comb logits keep Sinkhorn moving at its last iteration; extreme logits (|z| = 1000) must not overflow the
-host exp; the host form is taken only for one or two CPU rows with N = 4.
+host exp; the host form is taken only for one or two CPU rows with N = 4, and decode._coefficients gives the same
+numbers on either path.
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from glm53.generation import decode as D
 from glm53.generation.decode_host import HOST_ROWS, host_coefficients, use_host
 from glm53.kernels.sinkhorn import sinkhorn_reference
+from tests.helpers.generation import tiny_model
 
 N, EPS, ITERS = 4, 1e-6, 20
 
@@ -52,3 +55,19 @@ def test_host_form_only_for_small_cpu_batches():
     assert not use_host(torch.zeros(HOST_ROWS + 1, (2 + N) * N), N)
     assert not use_host(torch.zeros(1, (2 + 3) * 3), 3)
     assert not use_host(torch.zeros(1, (2 + N) * N, device="meta"), N)
+
+
+def test_tensor_and_host_paths_agree():
+    """decode._coefficients on HOST_ROWS + 1 rows (the tensor path: baddbmm Sinkhorn in scratch buffers) and on
+    each row alone (the host path) give the same coefficients."""
+    model = tiny_model(random_weights=True)
+    B = HOST_ROWS + 1
+    site = D._site(model.model.layers[0].attn_hc, B)
+    assert use_host(torch.zeros(1, (2 + site.n) * site.n), site.n)  # one row alone takes the host path
+    site.base = site.base + 6 * torch.randn(site.base.shape, generator=torch.Generator().manual_seed(5))
+    streams = torch.randn(B, site.n, model.config.hidden_size, generator=torch.Generator().manual_seed(6))
+    with torch.inference_mode():
+        batched = D._coefficients(site, streams)
+        alone = [D._coefficients(site, streams[b : b + 1]) for b in range(B)]
+    for i, got in enumerate(batched):
+        torch.testing.assert_close(got, torch.cat([a[i] for a in alone]), rtol=2e-6, atol=1e-7)
