@@ -10,14 +10,16 @@ blocks calling layers.py), formula by formula in the same dtypes; only the bookk
   tokens are all valid and come from the model's own picks;
 - what depends only on the weights is made once per cache (`DecodePlan`): local weight views, each mHC site's
   scale and bias vectors, KDA's exp(A_log) and its three conv kernels side by side, MLA's absorbed per-head maps;
-- Sinkhorn's row and column sums are one baddbmm each, with eps as the added input, into preallocated buffers; the
+- for B <= 2 rows on the CPU (N = 4) the mHC gates, softmax and Sinkhorn are host scalar arithmetic on the 24
+  projected numbers per row (decode_host.py: one tolist and one tensor instead of ~90 dispatched ops); otherwise
+  Sinkhorn's row and column sums are one baddbmm each, with eps as the added input, into preallocated buffers; the
   mHC projection and the RMS norms take their fewest-call forms (F.rms_norm; normalise-then-project, which is
   kernels/hc_project.py's reference form);
 - the indexer's k-pool bookkeeping is steered by the per-row token counts the cache keeps on the host;
 - a MoE layer runs one GEMV pair per chosen expert (the chosen experts are read on the host).
-A step is ~2.5k small ops instead of the generic path's ~4.4k (bench config; half of them Sinkhorn's): its cost is
-per-op overhead and weight reads, not arithmetic. The results equal the generic path's up to fp32 rounding (GEMM
-and reduction order), not bit for bit (tests/generation/test_decode.py).
+A step is ~1.0k small ops at B = 1 (~2.5k with the tensor Sinkhorn; bench config): its cost is per-op overhead and
+weight reads, not arithmetic. The results equal the generic path's up to fp32 rounding (GEMM and reduction order,
+fp64 host scalars), not bit for bit (tests/generation/test_decode.py).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch.nn.functional as F
 from ..boundary import as_local
 from ..kernels.moe import clamped_swiglu_packed
 from .cache import CacheError, GenerationCache, KdaLayerCache, MlaLayerCache, _grow
+from .decode_host import host_coefficients, use_host
 from .layers import L2NORM_EPS
 
 KDA_RECURRENT_DTYPE = torch.float32  # the kda kernels compute in fp32 (fp64 only for fp64 inputs)
@@ -100,6 +103,8 @@ def _coefficients(site: _Site, streams: torch.Tensor) -> tuple[torch.Tensor, tor
     # normalise, then project (kernels/hc_project.py's reference form): two calls instead of the fast form's six
     mixed = F.linear(F.rms_norm(flat, (flat.shape[-1],), None, site.norm_eps), site.fn)  # [B, (2+N)*N]
     z = torch.addcmul(site.base, mixed, site.scale)  # scale * logits + base, per coefficient
+    if use_host(z, n):  # one or two rows on the CPU: the 24 numbers per row as host scalars (decode_host.py)
+        return host_coefficients(z, n, site.eps, site.iters)
     gates = torch.sigmoid(z[:, : 2 * n])
     pre = gates[:, :n] + site.eps
     post = 2 * gates[:, n:]
@@ -378,23 +383,31 @@ def _moe_step(p: _Moe, x: torch.Tensor) -> torch.Tensor:
     k = indices.shape[1]
     experts = indices.flatten().tolist()  # NOTE: syncs (the chosen experts steer the host loop)
     order = sorted(range(len(experts)), key=experts.__getitem__)
+    if x.shape[0] == 1:
+        return _moe_token(p, x, weights[0, order][:, None], [experts[i] for i in order])
     pair_weights = weights.flatten()[order][:, None]  # [B*k, 1] in visiting order
     ys, i = [], 0
     while i < len(order):
         e, j = experts[order[i]], i
         while j < len(order) and experts[order[j]] == e:
             j += 1
-        rows = x if x.shape[0] == 1 else x[[pair // k for pair in order[i:j]]]
-        act = clamped_swiglu_packed(F.linear(rows, p.gate_up[e]), p.limit) * pair_weights[i:j]
-        ys.append(F.linear(_as(act, x.dtype), p.down[e]))
+        act = clamped_swiglu_packed(F.linear(x[[pair // k for pair in order[i:j]]], p.gate_up[e]), p.limit)
+        ys.append(F.linear(_as(act * pair_weights[i:j], x.dtype), p.down[e]))
         i = j
-    if x.shape[0] == 1:
-        routed = ys[0]
-        for y in ys[1:]:
-            routed = routed + y
-    else:
-        token = torch.tensor([pair // k for pair in order], device=x.device)
-        routed = torch.zeros_like(x).index_add(0, token, torch.cat(ys).to(x.dtype))
+    token = torch.tensor([pair // k for pair in order], device=x.device)
+    routed = torch.zeros_like(x).index_add(0, token, torch.cat(ys).to(x.dtype))
+    return routed + p.shared(x)
+
+
+def _moe_token(p: _Moe, x: torch.Tensor, weights: torch.Tensor, chosen: list[int]) -> torch.Tensor:
+    """_moe_step for one token x [1, D] and its k distinct experts in visiting order (weights [k, 1] fp32): the
+    k gate/up GEMVs side by side so the SwiGLU and the routing weights are one op each, then the down GEMVs
+    accumulated in order (addmm: each adds its product to the running sum, as the sum of separate outputs)."""
+    h = torch.cat([F.linear(x, p.gate_up[e]) for e in chosen])  # [k, 2I]
+    act = _as(clamped_swiglu_packed(h, p.limit) * weights, x.dtype)  # [k, I]
+    routed = F.linear(act[:1], p.down[chosen[0]])
+    for i in range(1, len(chosen)):
+        routed = torch.addmm(routed, act[i : i + 1], p.down[chosen[i]].t())
     return routed + p.shared(x)
 
 

@@ -1,0 +1,59 @@
+"""The mHC coefficients of a decode step as host scalar arithmetic, for a batch of one or two rows on the CPU.
+
+Legend (glm53/model/__init__.py): B batch, N mHC streams (4 here).
+After the projection a site's coefficients are (2+N)*N = 24 numbers per row: sigmoid gates, a row softmax and
+Sinkhorn's 39 normalisations of a 4 x 4 matrix. As tensor ops they are ~90 dispatches of a few microseconds on
+a few numbers; as Python floats (one tolist in, one tensor out) they cost a fraction of that. The formulas are
+HyperConnection.coefficients' (decode.py's _coefficients); Python floats are fp64, so the results are the fp32
+tensor ops' up to fp32 rounding. The row loop runs on the host: for batches beyond two the tensor ops cost less.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..kernels.sinkhorn import sinkhorn4_values
+
+HOST_ROWS = 2  # the largest batch that takes the host form
+N_HOST = 4  # the stream count the unrolled Sinkhorn handles
+
+
+def use_host(z: torch.Tensor, n: int) -> bool:
+    """Whether coefficients for logits z [B, (2+N)*N] take the host form."""
+    return n == N_HOST and z.shape[0] <= HOST_ROWS and z.device.type == "cpu"
+
+
+def _sigmoid(v: float) -> float:
+    if v >= 0:
+        return 1.0 / (1.0 + math.exp(-v))
+    e = math.exp(v)  # exp(-v) would overflow for v below about -709
+    return e / (1.0 + e)
+
+
+def _softmax_rows(v: list[float], n: int, eps: float) -> list[float]:
+    """Row softmax of a row-major n x n matrix, plus eps."""
+    out = []
+    for i in range(0, n * n, n):
+        row = v[i : i + n]
+        top = max(row)
+        e = [math.exp(x - top) for x in row]
+        total = sum(e)
+        out += [x / total + eps for x in e]
+    return out
+
+
+def host_coefficients(z: torch.Tensor, n: int, eps: float, iters: int) -> tuple[torch.Tensor, ...]:
+    """z [B, (2+N)*N] (scale * logits + base) -> pre [B, N], post [B, N], comb [B, N, N], fp32 views of one tensor:
+    pre = sigmoid + eps, post = 2 sigmoid, comb = Sinkhorn(row softmax + eps)."""
+    rows = []
+    for v in z.tolist():  # NOTE: syncs (host math)
+        gates = [_sigmoid(x) for x in v[: 2 * n]]
+        comb = sinkhorn4_values(_softmax_rows(v[2 * n :], n, eps), iters, eps)
+        rows.append([g + eps for g in gates[:n]] + [2.0 * g for g in gates[n:]] + comb)
+    out = torch.tensor(rows, dtype=torch.float32, device=z.device)
+    return out[:, :n], out[:, n : 2 * n], out[:, 2 * n :].view(-1, n, n)
+
+
+__all__ = ["HOST_ROWS", "host_coefficients", "use_host"]
