@@ -295,6 +295,7 @@ class GenerationCache:
         self.part = part
         self.model_id = id(model)
         self.decode_plan = None  # glm53/generation/decode.py: per-layer constants of the T = 1 step, made once
+        self.verify_plan = None  # glm53/generation/verify.py: the T-token step's mHC sites, made once per T
         self.marked = False
         self._layers: dict[int, KdaLayerCache | MlaLayerCache] = {}
         for module in attention:

@@ -23,6 +23,7 @@ import torch
 from ..model.context import ForwardContext
 from .cache import GenerationCache, GenerationError
 from .emit import Emitter, GenerationStats, Options
+from .verify import build_mtp_plan, mtp_tokens, verify_step
 
 MAX_SPECULATIVE_TOKENS = 16  # a verify forward of s + 1 tokens runs KDA one token at a time (rewindable states)
 
@@ -45,11 +46,18 @@ class _Drafter:
         self.model = model
         self.layer = model.mtp.layer_for(1)
         self.cache = GenerationCache(model, part="mtp")
+        self.plan = None  # verify.MtpPlan, once the prompt is cached
 
     def run(self, hidden: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [B, T, D], next ids [B, T] -> (MTP output [B, T, D], greedy draft at the last position [B])."""
-        ctx = ForwardContext(valid=valid, cache=self.cache)
-        h = self.layer(hidden, self.model.model.embed_tokens(ids), ctx)
+        """hidden [B, T, D], next ids [B, T] -> (MTP output [B, T, D], greedy draft at the last position [B]).
+        The prompt (with its padding) takes the layer's own cached forward, later positions (all valid) the
+        T-token step."""
+        if self.plan is None:
+            ctx = ForwardContext(valid=valid, cache=self.cache)
+            h = self.layer(hidden, self.model.model.embed_tokens(ids), ctx)
+            self.plan = build_mtp_plan(self.model, self.layer, self.cache)
+        else:
+            h = mtp_tokens(self.plan, hidden, ids)
         return h, self.model.lm_head(self.layer.shared_head.norm(h[:, -1])).argmax(-1)
 
     def draft(self, hidden, ids, valid, s: int) -> torch.Tensor:
@@ -75,6 +83,7 @@ def speculative_decode(model, input_ids: torch.Tensor, valid: torch.Tensor, opts
     start = time.perf_counter()
     hidden = model.model(input_ids, valid, cache=cache)  # [B, T, D]
     token = model.lm_head(hidden[:, -1]).argmax(-1)  # [B]
+    cache.reserve(input_ids.shape[1] + opts.max_new_tokens + s)  # the latent buffers, once (a verify reads s ahead)
     done = emitter.emit(token)
     stats.prefill_seconds = time.perf_counter() - start
     start = time.perf_counter()
@@ -82,7 +91,7 @@ def speculative_decode(model, input_ids: torch.Tensor, valid: torch.Tensor, opts
     while not done:
         drafts = drafter.draft(mtp_hidden, mtp_ids, mtp_valid, s)  # [B, s]
         cache.mark()
-        verify = model.model(torch.cat([token[:, None], drafts], dim=1), cache=cache)  # [B, s+1, D]
+        verify = verify_step(model, cache, torch.cat([token[:, None], drafts], dim=1))  # [B, s+1, D]
         picks = model.lm_head(verify).argmax(-1)  # [B, s+1]
         leading = (drafts == picks[:, :s]).long().cumprod(dim=-1).sum(-1)  # [B]
         active = ~emitter.finished
