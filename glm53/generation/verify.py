@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..boundary import as_local
+from ..kernels import kernel
 from .cache import CacheError, GenerationCache, KdaLayerCache, MlaLayerCache
 from .decode import (KDA_RECURRENT_DTYPE, _as, _Block, _coefficients, _collapse, _Indexer, _Kda, _Mla, _mla, _Moe,
                      _moe, _moe_step, _mix, _push_pool_token, _rms, _site, build_plan)  # fmt: skip
@@ -41,7 +42,7 @@ def kda_tokens(p: _Kda, x: torch.Tensor, cache: KdaLayerCache) -> torch.Tensor:
     full = torch.cat([cache.conv, raw], dim=1)  # [B, W-1+T, 3*H*K]
     W = p.taps.shape[0]
     windows = _as(full, torch.float32).unfold(1, W, 1)  # [B, T, 3*H*K, W]: the W inputs each output reads
-    conv = torch.einsum("btcw,wc->btc", windows, p.taps)
+    conv = (windows * p.taps.t()).sum(-1)
     qkv = _as(F.silu(conv), x.dtype).view(B, T, 3, -1, 1, K)  # [B, T, 3, H, 1, K]
     qk = _as(qkv[:, :, :2], torch.float32)
     qk = qk / torch.sqrt((qk * qk).sum(dim=-1, keepdim=True) + L2NORM_EPS)  # l2norm
@@ -53,13 +54,14 @@ def kda_tokens(p: _Kda, x: torch.Tensor, cache: KdaLayerCache) -> torch.Tensor:
     dt = KDA_RECURRENT_DTYPE if x.dtype != torch.float64 else torch.float64
     q, k, v = _as(qk[:, :, 0], dt) * K**-0.5, _as(qk[:, :, 1], dt), _as(qkv[:, :, 2], dt)  # [B, T, H, 1, K]
     beta = _as(torch.sigmoid(b), dt).view(B, T, -1, 1, 1)
-    decay = _as(g, dt).exp()
     S, states, outs = cache.state, [], []
-    for t in range(T):  # out of place: every state stays valid for a rewind
-        S = S * decay[:, t]
-        u = beta[:, t] * (v[:, t] - torch.matmul(k[:, t], S))  # [B, H, 1, V]
-        S = S + k[:, t].transpose(-1, -2) * u
-        outs.append(torch.matmul(q[:, t], S))
+    steps = zip(q.unbind(1), k.unbind(1), k.transpose(-1, -2).unbind(1), v.unbind(1), beta.unbind(1),
+                _as(g, dt).exp().unbind(1))  # fmt: skip
+    for q_t, k_t, kT_t, v_t, beta_t, decay_t in steps:  # a new state per token: each stays valid for a rewind
+        S = S * decay_t
+        u = (v_t - torch.matmul(k_t, S)).mul_(beta_t)  # [B, H, 1, V]
+        S.addcmul_(kT_t, u)
+        outs.append(torch.matmul(q_t, S))
         states.append(S)
     o = _as(torch.stack(outs, dim=1), qkv.dtype)  # [B, T, H, 1, V]
     if cache.marked:
@@ -152,6 +154,16 @@ def mla_tokens(p: _Mla, x: torch.Tensor, cache: MlaLayerCache,
     return F.linear(o.reshape(B, T, -1), *p.o), topk
 
 
+# ------------------------------------------------------------------------------------------------------------ MoE
+def _moe_rows(p: _Moe, x: torch.Tensor) -> torch.Tensor:
+    """MoE.forward for R rows x [R, D]: decode.py's GEMV pairs for one row; for more, the experts kernel the
+    layer's own forward runs (rows share experts, and its one grouped product beats a GEMV pair per expert)."""
+    if x.shape[0] == 1:
+        return _moe_step(p, x)
+    _, weights, indices = p.router(x)  # [R, k] fp32, [R, k]
+    return kernel("moe_experts")(x, indices, weights, p.gate_up, p.down, p.limit) + p.shared(x)
+
+
 # ---------------------------------------------------------------------------------------------------- block loop
 @dataclass
 class VerifyPlan:
@@ -181,7 +193,7 @@ def block_tokens(blk: _Block, sites: tuple, streams: torch.Tensor, B: int, topk:
     streams = _mix(streams, comb, post, out.reshape(streams.shape[0], -1))
     pre, post, comb = _coefficients(sites[1], streams)
     x = _rms(_collapse(pre, streams), *blk.post_norm)  # [R, D]
-    out = _moe_step(blk.mlp, x) if isinstance(blk.mlp, _Moe) else blk.mlp(x)
+    out = _moe_rows(blk.mlp, x) if isinstance(blk.mlp, _Moe) else blk.mlp(x)
     return _mix(streams, comb, post, out), topk
 
 
@@ -243,7 +255,7 @@ def mtp_tokens(p: MtpPlan, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Ten
     attn, _ = mla_tokens(p.attention, _rms(x, *p.input_norm), p.cache, None)
     x = (x + attn).view(B * T, D)
     out = _rms(x, *p.post_norm)
-    out = _moe_step(p.mlp, out) if isinstance(p.mlp, _Moe) else p.mlp(out)
+    out = _moe_rows(p.mlp, out) if isinstance(p.mlp, _Moe) else p.mlp(out)
     return (x + out).view(B, T, D)
 
 
