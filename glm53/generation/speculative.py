@@ -49,9 +49,9 @@ class _Drafter:
         self.plan = None  # verify.MtpPlan, once the prompt is cached
 
     def run(self, hidden: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [B, T, D], next ids [B, T] -> (MTP output [B, T, D], greedy draft at the last position [B]).
-        The prompt (with its padding) takes the layer's own cached forward, later positions (all valid) the
-        T-token step."""
+        """hidden [B, T, D], next ids [B, T] -> (MTP output [B, T or 1, D], greedy draft at the last position
+        [B]). The prompt (with its padding) takes the layer's own cached forward, later positions (all valid) the
+        T-token step, which returns the last position's output only (the drafts read no other)."""
         if self.plan is None:
             ctx = ForwardContext(valid=valid, cache=self.cache)
             h = self.layer(hidden, self.model.model.embed_tokens(ids), ctx)

@@ -98,43 +98,46 @@ def _tail(seen: list[list[int]], start: int, L: int, device) -> torch.Tensor:
 
 def verify_topk(p: _Indexer, cache: MlaLayerCache, x: torch.Tensor, q_resid: torch.Tensor,
                 start: int) -> torch.Tensor:  # fmt: skip
-    """The indexer's selection for the T queries at positions start .. start+T-1 -> [B, T, J]; the pools take the
-    T tokens (the host counts still exclude them)."""
+    """The indexer's selection for the last Q of the T new tokens (at positions start .. start+T-1) -> [B, Q, J];
+    x [B, T, D] (every token's key joins the pools), q_resid [B, Q, R] (the queries'). The host counts still
+    exclude the T tokens afterwards."""
     B, T, _ = x.shape
-    L = p.L
+    Q, L = q_resid.shape[1], p.L
     keys = F.layer_norm(F.linear(x, p.wk), (p.head_dim,), *p.k_norm)  # [B, T, K]
     _push_tokens(p, cache, keys, F.linear(x, p.gate).float())
-    seen = [[c + t + 1 for t in range(T)] for c in cache.counts_host]  # [B][T] tokens up to each query
+    seen = [[c + t + 1 for t in range(T - Q, T)] for c in cache.counts_host]  # [B][Q] tokens up to each query
     P = (cache.max_count + T) // L  # pools some row has completed by the last query
-    q = F.linear(q_resid, p.wq_b).view(B, T, p.n_heads, p.head_dim)
-    w = F.linear(x, p.weights_proj).float() * p.n_heads**-0.5  # [B, T, H]
+    q = F.linear(q_resid, p.wq_b).view(B, Q, p.n_heads, p.head_dim)
+    w = F.linear(x[:, T - Q :], p.weights_proj).float() * p.n_heads**-0.5  # [B, Q, H]
     pooled = cache.pools.keys[:, None, :P].float().transpose(-1, -2)  # [B, 1, K, P]
-    logits = F.relu(torch.matmul(q.float(), pooled) * p.head_dim**-0.5)  # [B, T, H, P]
-    scores = torch.matmul(w[..., None, :], logits)[..., 0, :]  # [B, T, P] fp32
+    logits = F.relu(torch.matmul(q.float(), pooled) * p.head_dim**-0.5)  # [B, Q, H, P]
+    scores = torch.matmul(w[..., None, :], logits)[..., 0, :]  # [B, Q, P] fp32
     uniform = all(row[0] // L == P for row in seen)  # every query sees all P pools
     if not uniform:  # a pool is a candidate for the queries at or after its last token
-        complete = torch.tensor([[n // L for n in row] for row in seen], device=x.device)  # [B, T]
-        candidate = torch.arange(P, device=x.device) < complete[..., None]  # [B, T, P]
+        complete = torch.tensor([[n // L for n in row] for row in seen], device=x.device)  # [B, Q]
+        candidate = torch.arange(P, device=x.device) < complete[..., None]  # [B, Q, P]
         scores = scores.masked_fill(~candidate, torch.finfo(scores.dtype).min)
-    chosen = scores.topk(min(p.select, P), dim=-1).indices  # [B, T, select]
-    tokens = chosen[..., None] * L + p.token_offsets[:, None]  # [B, T, select, L]
+    chosen = scores.topk(min(p.select, P), dim=-1).indices  # [B, Q, select]
+    tokens = chosen[..., None] * L + p.token_offsets[:, None]  # [B, Q, select, L]
     if not uniform:
         tokens = tokens.masked_fill(~candidate.gather(-1, chosen)[..., None], -1)
     parts = [tokens.flatten(2)]
     if p.tail:
-        parts.append(_tail(seen, start, L, x.device))
+        parts.append(_tail(seen, start + T - Q, L, x.device))
     topk = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
     if topk.shape[-1] < p.num_slots:
         topk = F.pad(topk, (0, p.num_slots - topk.shape[-1]), value=-1)
     return topk
 
 
-def mla_tokens(p: _Mla, x: torch.Tensor, cache: MlaLayerCache,
-               shared: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """MultiHeadLatentAttention on T tokens: x [B, T, D] -> (out [B, T, D], top-k [B, T, J])."""
+def mla_tokens(p: _Mla, x: torch.Tensor, cache: MlaLayerCache, shared: torch.Tensor | None,
+               queries: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """MultiHeadLatentAttention on T tokens: x [B, T, D] -> (out [B, Q, D], top-k [B, Q, J]) for the last Q =
+    `queries` (default T) of them; all T join the cache (a draft needs only its last position's output)."""
     B, T, _ = x.shape
-    q_resid = _rms(F.linear(x, *p.q_a), *p.q_a_norm)  # [B, T, R]
-    q = F.linear(q_resid, p.q_b).view(B, T, -1, p.qk_head_dim)  # [B, T, H, K]
+    Q = T if queries is None else queries
+    q_resid = _rms(F.linear(x[:, T - Q :], *p.q_a), *p.q_a_norm)  # [B, Q, R]
+    q = F.linear(q_resid, p.q_b).view(B, Q, -1, p.qk_head_dim)  # [B, Q, H, K]
     latent = _rms(F.linear(x, *p.kv_a), *p.kv_norm)  # [B, T, Z]
     start = cache.length
     if cache.latent.shape[1] < start + T:
@@ -150,8 +153,8 @@ def mla_tokens(p: _Mla, x: torch.Tensor, cache: MlaLayerCache,
     cache.count = cache.count + T
     cache.max_count += T
     cache.counts_host = [c + T for c in cache.counts_host]
-    o = _cached_attention(p.module, q, cache, topk)  # [B, T, H, V]
-    return F.linear(o.reshape(B, T, -1), *p.o), topk
+    o = _cached_attention(p.module, q, cache, topk)  # [B, Q, H, V]
+    return F.linear(o.reshape(B, Q, -1), *p.o), topk
 
 
 # ------------------------------------------------------------------------------------------------------------ MoE
@@ -247,16 +250,17 @@ def build_mtp_plan(model: nn.Module, layer: nn.Module, cache: GenerationCache) -
 
 @torch.inference_mode()
 def mtp_tokens(p: MtpPlan, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """MTPLayer.forward on T valid positions per row: hidden [B, T, D], the next ids [B, T] -> h [B, T, D] (before
-    shared_head.norm); the MTP cache advances by T (recorded when marked)."""
-    B, T, D = hidden.shape
+    """MTPLayer.forward on T valid positions per row: hidden [B, T, D], the next ids [B, T] -> h [B, 1, D] (before
+    shared_head.norm) at the last position, the only one a draft reads; the MTP cache advances by T (recorded when
+    marked)."""
+    B = hidden.shape[0]
     embeds = F.embedding(ids, p.embed)  # [B, T, D]
-    x = F.linear(torch.cat([_rms(embeds, *p.enorm), _rms(hidden, *p.hnorm)], dim=-1), p.eh_proj)
-    attn, _ = mla_tokens(p.attention, _rms(x, *p.input_norm), p.cache, None)
-    x = (x + attn).view(B * T, D)
+    x = F.linear(torch.cat([_rms(embeds, *p.enorm), _rms(hidden, *p.hnorm)], dim=-1), p.eh_proj)  # [B, T, D]
+    attn, _ = mla_tokens(p.attention, _rms(x, *p.input_norm), p.cache, None, queries=1)
+    x = x[:, -1] + attn[:, 0]  # [B, D]
     out = _rms(x, *p.post_norm)
     out = _moe_rows(p.mlp, out) if isinstance(p.mlp, _Moe) else p.mlp(out)
-    return (x + out).view(B, T, D)
+    return (x + out)[:, None]
 
 
 __all__ = ["MtpPlan", "VerifyPlan", "block_tokens", "build_mtp_plan", "kda_tokens", "mla_tokens", "mtp_tokens",

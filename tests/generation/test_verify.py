@@ -78,8 +78,8 @@ def test_rewind_after_a_verify_with_wrong_tokens(config):
 
 
 def test_mtp_tokens_equal_the_layer_forward():
-    """The MTP layer's T-token step equals MTPLayer.forward on the same cache contents, for T = 1, 2, 3 in turn
-    (its own indexer past index_topk and across pool boundaries), marked and rewound like a draft."""
+    """The MTP layer's T-token step (the output at its last position) equals MTPLayer.forward there, for T = 1, 2, 3
+    in turn (its own indexer past index_topk and across pool boundaries), marked and rewound like a draft."""
     model = tiny_model(random_weights=False, num_nextn_predict_layers=1, index_topk=4)
     layer = model.mtp.layer_for(1)
     P, N = 10, 12
@@ -92,15 +92,17 @@ def test_mtp_tokens_equal_the_layer_forward():
         cache = GenerationCache(model, part="mtp")
         layer(hidden[:, :P], model.model.embed_tokens(ids[:, 1 : P + 1]), ForwardContext(valid=valid[:, :P], cache=cache))
         plan = build_mtp_plan(model, layer, cache)
-        got, t = [], P
+        got, want, t = [], [], P
         for T in (1, 2, 3, 1, 2, 3):
             cache.mark()
             got.append(mtp_tokens(plan, hidden[:, t : t + T], ids[:, t + 1 : t + T + 1]))
             cache.rewind(T)
             t += T
+            want.append(full[:, t - 1 : t])
     assert t == P + N
-    err = (torch.cat(got, dim=1) - full[:, P:]).abs().max().item()
-    assert err <= REL_TOL * full[:, P:].abs().max().item(), f"max abs error {err:.3e}"
+    got, want = torch.cat(got, dim=1), torch.cat(want, dim=1)
+    err = (got - want).abs().max().item()
+    assert err <= REL_TOL * want.abs().max().item(), f"max abs error {err:.3e}"
 
 
 def test_verify_step_bad_ids():
