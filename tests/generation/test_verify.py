@@ -58,16 +58,16 @@ def test_rewind_after_a_verify_with_wrong_tokens(config):
     model = tiny_model(random_weights=False, **config)
     P, N = 9, 14
     ids, mask = left_padded(model.config.vocab_size, [P + N, P + N - 3])
-    keeps = [1, 3, 2, 1, 4, 2]  # with 3 - keep % 3 wrong tokens after each: chunks of up to 5
+    keeps, wrongs = [1, 3, 2, 1, 4, 2], [2, 0, 1, 3, 0, 2]  # kept true tokens, then wrong ones (none: keep all)
     wrong = torch.randint(1, model.config.vocab_size, (2, 3), generator=torch.Generator().manual_seed(7))
     with torch.inference_mode():
         full = model(ids, attention_mask=mask).logits
         cache = GenerationCache(model)
         steps = [model.lm_head(model.model(ids[:, :P], mask[:, :P], cache=cache))]
         t = P
-        for keep in keeps:
+        for keep, n_wrong in zip(keeps, wrongs):
             cache.mark()
-            chunk = torch.cat([ids[:, t : t + keep], wrong[:, : 3 - keep % 3]], dim=1)
+            chunk = torch.cat([ids[:, t : t + keep], wrong[:, :n_wrong]], dim=1)
             steps.append(model.lm_head(verify_step(model, cache, chunk))[:, :keep])
             cache.rewind(keep)
             t += keep
