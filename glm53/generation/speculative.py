@@ -7,6 +7,8 @@ picked t_n, one step is:
     draft   d_{n+1} from MTP(h_{n-1}, t_n); d_{n+j} from MTP(its own previous output, d_{n+j-1}), j = 2 .. s
     verify  the main model reads [t_n, d_{n+1}, .., d_{n+s}] in one forward -> its greedy picks g_{n+1} .. g_{n+s+1}
     accept  a = the leading drafts equal to the picks; commit d_{n+1} .. d_{n+a}, g_{n+a+1}
+The verify forward is verify.py's T-token step (T = s + 1, decode.py's per-token machinery over the B*T rows), the
+drafts after the prompt the MTP layer's T-token step there (the last position's output only).
 Every committed token is the main model's own greedy choice, so the output equals plain greedy decoding. A batch
 commits the same number a for every row (the smallest over unfinished rows) so the rows stay on one time axis;
 `acceptance_rate` counts each row's own leading matches. Both caches rewind what was not committed

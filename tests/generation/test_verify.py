@@ -90,7 +90,8 @@ def test_mtp_tokens_equal_the_layer_forward():
     with torch.inference_mode():
         full = layer(hidden, model.model.embed_tokens(ids[:, 1:]), ForwardContext(valid=valid))
         cache = GenerationCache(model, part="mtp")
-        layer(hidden[:, :P], model.model.embed_tokens(ids[:, 1 : P + 1]), ForwardContext(valid=valid[:, :P], cache=cache))
+        prompt = ForwardContext(valid=valid[:, :P], cache=cache)
+        layer(hidden[:, :P], model.model.embed_tokens(ids[:, 1 : P + 1]), prompt)
         plan = build_mtp_plan(model, layer, cache)
         got, want, t = [], [], P
         for T in (1, 2, 3, 1, 2, 3):
