@@ -6,7 +6,7 @@ H heads (of MLA, KDA or the indexer), K query/key head width, V value head width
 L tokens per k-pool, P k-pools, J selected key slots.
 It computes what `Glm53Model.forward(ids, cache=cache)` computes (the generic cached path), in decode.py's form:
 - everything outside attention is per token, so the T tokens of every row are R independent rows through decode.py's
-  mHC, norm and MoE helpers (one pass over R rows costs about what one decode step costs over B);
+  mHC, norm and MoE helpers (as many ops as one decode step; only the arithmetic and the expert weights read grow);
 - KDA runs its recurrent form for the T tokens, keeping the state after each one (out of place) so a marked cache
   can rewind to any of them (KdaLayerCache.record); the T short-conv outputs are one unfolded product;
 - MLA appends the T latents, then each query reads its own selected rows (layers._cached_attention): causality
