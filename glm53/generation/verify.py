@@ -9,7 +9,7 @@ It computes what `Glm53Model.forward(ids, cache=cache)` computes (the generic ca
   mHC, norm and MoE helpers (as many ops as one decode step; only the arithmetic and the expert weights read grow);
 - KDA runs its recurrent form for the T tokens, keeping the state after each one (out of place) so a marked cache
   can rewind to any of them (KdaLayerCache.record); the T short-conv outputs are one unfolded product;
-- MLA appends the T latents, then each query reads its own selected rows (layers._cached_attention): causality
+- MLA appends the T latents, then each query reads its own selected rows (as layers._cached_attention): causality
   among the T new tokens lives in the top-k, which never names a position after its query;
 - the indexer pushes the T tokens' keys one by one (a k-pool can complete mid-verify: it is a candidate only for
   the queries at or after its last token, as in the full forward) and records them for a rewind; the candidate
@@ -29,7 +29,7 @@ from ..kernels import kernel
 from .cache import CacheError, GenerationCache, KdaLayerCache, MlaLayerCache
 from .decode import (KDA_RECURRENT_DTYPE, _as, _Block, _coefficients, _collapse, _Indexer, _Kda, _Mla, _mla, _Moe,
                      _moe, _moe_step, _mix, _push_pool_token, _rms, _site, build_plan)  # fmt: skip
-from .layers import L2NORM_EPS, _cached_attention
+from .layers import L2NORM_EPS, _cached_attention, _gather_rows
 
 
 # ------------------------------------------------------------------------------------------------------------ KDA
@@ -153,8 +153,23 @@ def mla_tokens(p: _Mla, x: torch.Tensor, cache: MlaLayerCache, shared: torch.Ten
     cache.count = cache.count + T
     cache.max_count += T
     cache.counts_host = [c + T for c in cache.counts_host]
-    o = _cached_attention(p.module, q, cache, topk)  # [B, Q, H, V]
+    o = _attention(p, q, cache, topk) if p.absorb else _cached_attention(p.module, q, cache, topk)  # [B, Q, H, V]
     return F.linear(o.reshape(B, Q, -1), *p.o), topk
+
+
+def _attention(p: _Mla, q: torch.Tensor, cache: MlaLayerCache, topk: torch.Tensor) -> torch.Tensor:
+    """layers._cached_attention's absorbed form for Q queries per row, as decode.py's batched products over the
+    B*Q queries: q [B, Q, H, K], topk [B, Q, J] -> [B, Q, H, V]."""
+    B, Q, H, _ = q.shape
+    kv, filled = _gather_rows(cache, topk)  # [B, Q, J, Z], [B, Q, J]
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    kv = kv.view(B * Q, -1, kv.shape[-1]).to(dtype)  # [B*Q, J, Z]
+    q_abs = torch.bmm(q.reshape(B * Q, H, -1).transpose(0, 1), p.w_uk).transpose(0, 1).to(dtype)  # [B*Q, H, Z]
+    scores = torch.bmm(q_abs, kv.transpose(1, 2)) * p.scale  # [B*Q, H, J]
+    mask = ~filled.view(B * Q, 1, -1)
+    probs = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1).nan_to_num(0.0)
+    o_latent = torch.bmm(probs, kv).to(q.dtype)  # [B*Q, H, Z]
+    return torch.bmm(o_latent.transpose(0, 1), p.w_uv_t).transpose(0, 1).reshape(B, Q, H, -1)
 
 
 # ------------------------------------------------------------------------------------------------------------ MoE
