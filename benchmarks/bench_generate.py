@@ -3,6 +3,7 @@
     python benchmarks/bench_generate.py                        # prompts 512 and 2048, 8 new tokens, 2 reps
     python benchmarks/bench_generate.py --prompts 512 2048 8192 --new 16 --reps 3
     python benchmarks/bench_generate.py --quick                # prompt 2048 only, fewer tokens and reps (~1 min)
+    python benchmarks/bench_generate.py --spec-only --spec-k 1 2 3 --reps 3   # only the speculative table
 
 Batch 1, greedy. Per prompt length P, both models run generate(max_new_tokens=1 + new) with a streamer that stamps
 each token: prefill = start to the first new token (the prompt forward and its pick), decode = the time per later
@@ -234,9 +235,11 @@ def speculative(ours, ids, new: int, ks: list[int], reps: int, label: str) -> li
             plain.append(s0.decode_seconds)
             fast.append(s1.decode_seconds)
             rate = s1.acceptance_rate
+        decoded = new - 1  # the first new token comes from the prefill
         rows.append({"draft": label, "P": ids.shape[1], "k": k, "new": new, "acceptance": round(rate, 3),
                      "plain_decode_s": round(median(plain), 3), "spec_decode_s": round(median(fast), 3),
-                     "speedup": round(median(plain) / median(fast), 2)})  # fmt: skip
+                     "plain_tok_s": round(decoded / median(plain), 1), "spec_tok_s": round(decoded / median(fast), 1),
+                     "speedup": round(median([a / b for a, b in zip(plain, fast)]), 2)})  # fmt: skip
     return rows
 
 
@@ -252,14 +255,18 @@ def main() -> None:
     ap.add_argument("--threads", type=positive_int, default=torch.get_num_threads())
     ap.add_argument("--out", default="bench_generate.json")
     ap.add_argument("--quick", action="store_true",
-                    help="prompt 2048 (split also at 512, 4096), 4 new tokens, 1 rep, k = 1 at prompt 128")
+                    help="prompt 2048 (split also at 512, 4096), 4 new tokens, 1 rep, k = 1, 2, 3 at prompt 128")
+    ap.add_argument("--spec-only", action="store_true",
+                    help="only the speculative table (--spec-k, --spec-prompt, 4 x --new tokens, --reps)")
     args = ap.parse_args()
     if args.quick:
-        args.prompts, args.new, args.reps, args.spec_k, args.spec_prompt = [2048], 4, 1, [1], 128
+        args.prompts, args.new, args.reps, args.spec_k, args.spec_prompt = [2048], 4, 1, [1, 2, 3], 128
         args.glm53_only_prompts = args.glm53_only_prompts or [512, 4096]
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     hf, ours, config = build_pair(tempfile.mkdtemp(prefix="glm53-bench-gen-"))
+    if args.spec_only:
+        args.prompts, args.glm53_only_prompts = [], []
     rows, split = [], []
     for P in args.prompts:
         ids = torch.randint(1, config.vocab_size, (1, P))
@@ -288,8 +295,9 @@ def main() -> None:
     spec = speculative(ours, spec_ids, 4 * args.new, args.spec_k, args.reps, "random MTP")
     exact_draft(ours)
     spec += speculative(ours, spec_ids, 4 * args.new, args.spec_k, args.reps, "exact draft")
-    print("\nglm53 vs transformers generate (batch 1, greedy)\n" + table(rows, list(rows[0])))
-    print("\nglm53 decode cost per token vs context\n" + table(split, list(split[0])))
+    if rows:
+        print("\nglm53 vs transformers generate (batch 1, greedy)\n" + table(rows, list(rows[0])))
+        print("\nglm53 decode cost per token vs context\n" + table(split, list(split[0])))
     print("\nMTP speculative decoding (glm53)\n" + table(spec, list(spec[0])))
     path = write_json(args.out, {"machine": machine(), "config": config.to_dict(), "args": vars(args),
                                  "generate": rows, "decode_split": split, "speculative": spec})  # fmt: skip

@@ -4,6 +4,7 @@ with greedy or sampled decoding, and MTP speculative decoding.
     cache.py        GenerationCache (rides on ForwardContext.cache), per-layer caches, mark / rewind, nbytes
     layers.py       cached forwards of the KDA and MLA layers (prefill with the chunked kernels, decode steps)
     decode.py       decode_step: one token per row through the whole model (what generate runs after the prompt)
+    verify.py       verify_step: T tokens per row the same way (speculative verification), the MTP layer's step
     sampling.py     temperature / top-k / top-p filters and the next-token choice
     emit.py         options, EOS / padding per row and the streamer, GenerationStats
     loop.py         generate(model, input_ids, ...): prefill then one token per step
@@ -18,6 +19,7 @@ from .decode import decode_step
 from .emit import GenerationStats
 from .loop import generate
 from .sampling import allowed_logits, next_tokens
+from .verify import verify_step
 
 __all__ = ["CacheError", "GenerationCache", "GenerationError", "GenerationStats", "allowed_logits", "decode_step",
-           "generate", "next_tokens"]  # fmt: skip
+           "generate", "next_tokens", "verify_step"]  # fmt: skip

@@ -89,6 +89,9 @@ class KdaLayerCache:
         if self._mark is None:
             raise CacheError("rewind() needs an earlier mark()")
         length, state0, conv0 = self._mark
+        if keep == self.length - length:  # every token since the mark stays: the cache already stands there
+            self._mark, self._states, self._inputs = None, [], []
+            return
         self.length = length + keep
         self.state = state0 if keep == 0 else self._states[keep - 1]
         seen = torch.cat(self._inputs, dim=1)[:, :keep]  # [B, keep, 3*H*K]
@@ -234,6 +237,9 @@ class MlaLayerCache:
         if self._mark is None:
             raise CacheError("rewind() needs an earlier mark()")
         length, count, max_count, pools, counts_host = self._mark
+        if keep == self.length - length:  # every position since the mark stays: the cache already stands there
+            self._mark, self._pending = None, []
+            return
         pending = self._pending[:keep]
         self._mark, self._pending = None, []
         self.length, self.count, self.max_count, self.pools = length + keep, count + keep, max_count + keep, pools
@@ -295,6 +301,7 @@ class GenerationCache:
         self.part = part
         self.model_id = id(model)
         self.decode_plan = None  # glm53/generation/decode.py: per-layer constants of the T = 1 step, made once
+        self.verify_plan = None  # glm53/generation/verify.py: the T-token step's mHC sites, made once per T
         self.marked = False
         self._layers: dict[int, KdaLayerCache | MlaLayerCache] = {}
         for module in attention:

@@ -478,7 +478,7 @@ def decode_step(model: nn.Module, cache: GenerationCache, ids: torch.Tensor) -> 
     """One new token per row, ids [B] -> the final hidden state [B, D] (after the final norm); `cache` advances.
 
     Equals `model.model(ids[:, None], cache=cache)[:, 0]` up to fp32 rounding. The cache must be a prefilled,
-    unmarked main-model cache of `model` (a speculative verify forward uses the generic path).
+    unmarked main-model cache of `model` (speculative verification: verify.py's T-token step).
     """
     plan = cache.decode_plan
     if plan is None:

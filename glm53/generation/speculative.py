@@ -7,6 +7,8 @@ picked t_n, one step is:
     draft   d_{n+1} from MTP(h_{n-1}, t_n); d_{n+j} from MTP(its own previous output, d_{n+j-1}), j = 2 .. s
     verify  the main model reads [t_n, d_{n+1}, .., d_{n+s}] in one forward -> its greedy picks g_{n+1} .. g_{n+s+1}
     accept  a = the leading drafts equal to the picks; commit d_{n+1} .. d_{n+a}, g_{n+a+1}
+The verify forward is verify.py's T-token step (T = s + 1, decode.py's per-token machinery over the B*T rows), the
+drafts after the prompt the MTP layer's T-token step there (the last position's output only).
 Every committed token is the main model's own greedy choice, so the output equals plain greedy decoding. A batch
 commits the same number a for every row (the smallest over unfinished rows) so the rows stay on one time axis;
 `acceptance_rate` counts each row's own leading matches. Both caches rewind what was not committed
@@ -23,6 +25,7 @@ import torch
 from ..model.context import ForwardContext
 from .cache import GenerationCache, GenerationError
 from .emit import Emitter, GenerationStats, Options
+from .verify import build_mtp_plan, mtp_tokens, verify_step
 
 MAX_SPECULATIVE_TOKENS = 16  # a verify forward of s + 1 tokens runs KDA one token at a time (rewindable states)
 
@@ -45,11 +48,18 @@ class _Drafter:
         self.model = model
         self.layer = model.mtp.layer_for(1)
         self.cache = GenerationCache(model, part="mtp")
+        self.plan = None  # verify.MtpPlan, once the prompt is cached
 
     def run(self, hidden: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [B, T, D], next ids [B, T] -> (MTP output [B, T, D], greedy draft at the last position [B])."""
-        ctx = ForwardContext(valid=valid, cache=self.cache)
-        h = self.layer(hidden, self.model.model.embed_tokens(ids), ctx)
+        """hidden [B, T, D], next ids [B, T] -> (MTP output [B, T or 1, D], greedy draft at the last position
+        [B]). The prompt (with its padding) takes the layer's own cached forward, later positions (all valid) the
+        T-token step, which returns the last position's output only (the drafts read no other)."""
+        if self.plan is None:
+            ctx = ForwardContext(valid=valid, cache=self.cache)
+            h = self.layer(hidden, self.model.model.embed_tokens(ids), ctx)
+            self.plan = build_mtp_plan(self.model, self.layer, self.cache)
+        else:
+            h = mtp_tokens(self.plan, hidden, ids)
         return h, self.model.lm_head(self.layer.shared_head.norm(h[:, -1])).argmax(-1)
 
     def draft(self, hidden, ids, valid, s: int) -> torch.Tensor:
@@ -75,6 +85,7 @@ def speculative_decode(model, input_ids: torch.Tensor, valid: torch.Tensor, opts
     start = time.perf_counter()
     hidden = model.model(input_ids, valid, cache=cache)  # [B, T, D]
     token = model.lm_head(hidden[:, -1]).argmax(-1)  # [B]
+    cache.reserve(input_ids.shape[1] + opts.max_new_tokens + s)  # the latent buffers, once (a verify reads s ahead)
     done = emitter.emit(token)
     stats.prefill_seconds = time.perf_counter() - start
     start = time.perf_counter()
@@ -82,7 +93,7 @@ def speculative_decode(model, input_ids: torch.Tensor, valid: torch.Tensor, opts
     while not done:
         drafts = drafter.draft(mtp_hidden, mtp_ids, mtp_valid, s)  # [B, s]
         cache.mark()
-        verify = model.model(torch.cat([token[:, None], drafts], dim=1), cache=cache)  # [B, s+1, D]
+        verify = verify_step(model, cache, torch.cat([token[:, None], drafts], dim=1))  # [B, s+1, D]
         picks = model.lm_head(verify).argmax(-1)  # [B, s+1]
         leading = (drafts == picks[:, :s]).long().cumprod(dim=-1).sum(-1)  # [B]
         active = ~emitter.finished

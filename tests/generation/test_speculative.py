@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.generation.test_incremental import GLM_SHARED, KDA_ONLY
 from tests.helpers.generation import left_padded, tiny_model
 
 NEW = 10
@@ -60,3 +61,15 @@ def test_acceptance_is_one_with_an_exact_draft_model(k):
     assert stats.acceptance_rate == 1.0
     # the first token comes from the prefill, then k + 1 per verify forward
     assert stats.verify_forwards == -(-(NEW - 1) // (k + 1))
+
+
+@pytest.mark.parametrize("config", [KDA_ONLY, GLM_SHARED], ids=["kda-only", "shared-across-kda"])
+def test_speculative_equals_greedy_other_stacks(config):
+    """A main model of KDA layers only, and a hybrid whose shared-indexer layer reuses a top-k across a KDA layer:
+    speculative output equals plain greedy for k = 1, 2, 3 (left-padded batch; rows cross pool boundaries)."""
+    model = tiny_model(num_nextn_predict_layers=1, **config)
+    ids, mask = left_padded(model.config.vocab_size, [9, 6], seed=5)
+    plain = model.generate(ids, mask, max_new_tokens=NEW)
+    for k in (1, 2, 3):
+        assert torch.equal(model.generate(ids, mask, max_new_tokens=NEW, speculative="mtp", num_speculative_tokens=k),
+                           plain)  # fmt: skip
