@@ -16,7 +16,7 @@ import torch
 
 from ..kernels.sinkhorn import sinkhorn4_values
 
-HOST_ROWS = 2  # the largest batch that takes the host form
+HOST_ROWS = 4  # the largest row count that takes the host form: a batch, or a k-token verify (k <= 3 at batch 1)
 N_HOST = 4  # the stream count the unrolled Sinkhorn handles
 
 
