@@ -87,7 +87,7 @@ def _topk_pools(q, weights, pool_keys, scale, pool_end, complete, query_offset, 
             chosen[:, t0:t1] = rows.topk(select, dim=-1).indices
             continue
         # indexer_scores' arithmetic on the visible columns only
-        rows_q = q[:, t0:t1].float().reshape(B, (t1 - t0) * H, -1)  # one GEMM: no per-query copy of the keys
+        rows_q = q[:, t0:t1].float().reshape(B, (t1 - t0) * H, q.shape[-1])  # one GEMM: no per-query copy of the keys
         logits = torch.bmm(rows_q, keys_t[..., :p1]).mul_(scale).relu_().view(B, t1 - t0, H, p1)
         scores = torch.matmul(weights[:, t0:t1].float()[..., None, :], logits).squeeze(-2)  # [B, Tq, p1]
         query_pos = torch.arange(query_offset + t0, query_offset + t1, device=q.device)
