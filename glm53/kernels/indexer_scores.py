@@ -94,23 +94,16 @@ def _score_chunk(B: int, H: int, P: int) -> int:
     return max(MIN_SCORE_CHUNK, SCORE_BUDGET // max(1, B * H * P))
 
 
-def _logits(q_c: torch.Tensor, keys_t: torch.Tensor, scale: float) -> torch.Tensor:
-    """q_c [B, Tq, H, K] fp32, keys_t [B, K, P] -> a = q . key * scale [B, Tq, H, P]: one GEMM over the chunk's
-    (query, head) rows (a broadcast matmul against [B, 1, K, P] would copy the keys once per query)."""
-    B, Tq, H, K = q_c.shape
-    return torch.bmm(q_c.reshape(B, Tq * H, K), keys_t).mul_(scale).view(B, Tq, H, keys_t.shape[-1])
-
-
 def _scores_forward(q, weights, pool_keys, scale):
     """[B, T, P] fp32, one chunk of queries at a time, contiguous."""
     B, T, H, _ = q.shape
     P = pool_keys.shape[1]
-    keys_t = pool_keys.float().transpose(-1, -2)  # [B, K, P]
+    keys_t = pool_keys.float().transpose(-1, -2)[:, None]  # [B, 1, K, P]
     out = q.new_empty(B, T, P, dtype=torch.float32)
     step = _score_chunk(B, H, P)
     for start in range(0, T, step):
         end = min(start + step, T)
-        logits = _logits(q[:, start:end].float(), keys_t, scale).relu_()  # [B, Tq, H, P]
+        logits = F.relu(torch.matmul(q[:, start:end].float(), keys_t) * scale)  # [B, Tq, H, P]
         out[:, start:end] = torch.matmul(weights[:, start:end].float()[..., None, :], logits).squeeze(-2)
     return out
 
@@ -121,16 +114,17 @@ def _scores_backward(q, weights, pool_keys, d_out, scale):
     B, T, H, K = q.shape
     P = pool_keys.shape[1]
     keys = pool_keys.float()  # [B, P, K]
-    keys_t = keys.transpose(-1, -2)  # [B, K, P]
+    keys_t = keys.transpose(-1, -2)[:, None]  # [B, 1, K, P]
     dq, dw = q.new_empty(B, T, H, K, dtype=torch.float32), q.new_empty(B, T, H, dtype=torch.float32)
     dkeys = keys.new_zeros(B, P, K)
     step = _score_chunk(B, H, P)
     for start in range(0, T, step):
         end = min(start + step, T)
         q_c, w_c, g_c = q[:, start:end].float(), weights[:, start:end].float(), d_out[:, start:end].float()
-        a = _logits(q_c, keys_t, scale)  # [B, Tq, H, P]
+        a = torch.matmul(q_c, keys_t) * scale  # [B, Tq, H, P]
         dw[:, start:end] = torch.matmul(F.relu(a), g_c[..., None]).squeeze(-1)
         da = (g_c[:, :, None, :] * w_c[..., None]).masked_fill_(a <= 0, 0.0).mul_(scale)  # [B, Tq, H, P]
+        # one GEMM over the chunk's (query, head) rows: a broadcast matmul would copy the keys once per query
         dq[:, start:end] = torch.bmm(da.view(B, (end - start) * H, P), keys).view(B, end - start, H, K)
         dkeys += torch.matmul(da.flatten(1, 2).transpose(-1, -2), q_c.flatten(1, 2))  # [B, P, K]
     return dq.to(q.dtype), dw.to(weights.dtype), dkeys.to(pool_keys.dtype)

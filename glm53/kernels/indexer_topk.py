@@ -9,9 +9,11 @@ kernels/indexer_scores.py; non-candidates score finfo.min and torch.topk over th
 `select`. Returns (chosen pools [B, T, select] int64, whether each is a candidate [B, T, select] bool).
 The reference materialises the [B, T, P] scores (what Indexer.select reads in training). The fast form takes a
 block of queries at a time: it scores only the leading pools some query of the block can see (on average half of
-them in a causal sequence) and fills the rest of the block's [B, Tq, P] rows with finfo.min, so every row topk sees
-equals the reference's row bit for bit and ties resolve the same way. Memory: O(T * select + Tq * H * P), never a
-[B, T, P] tensor. Packed documents are not handled here (Indexer keeps its stable-sort path for them).
+them in a causal sequence) and fills the rest of the block's [B, Tq, P] rows with finfo.min, so topk sees the
+reference's rows. The scores are the same sums; a GEMM over fewer columns may round a last bit differently (at
+some shapes, not at the tested ones), so the picks can differ only where two pools' scores at the selection
+boundary lie within that rounding, as between indexer_scores and its reference. Memory: O(T * select + Tq * H *
+P), never a [B, T, P] tensor. Packed documents are not handled here (Indexer keeps its stable-sort path for them).
 """
 
 from __future__ import annotations
@@ -104,7 +106,7 @@ def _topk_pools(q, weights, pool_keys, scale, pool_end, complete, query_offset, 
 def indexer_topk_pools(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor, scale: float,
                        pool_end: torch.Tensor, complete: torch.Tensor, query_offset: int,
                        select: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Blocked over queries, scoring only the pools each block can see; same signature and results."""
+    """Blocked over queries, scoring only the pools each block can see; same signature."""
     return _topk_pools(q, weights, pool_keys, scale, pool_end, complete, query_offset, select)
 
 

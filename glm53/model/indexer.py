@@ -149,7 +149,8 @@ class Indexer(nn.Module):
                 shards: SequenceShards | None = None) -> torch.Tensor:  # fmt: skip
         """x [B, T, D], q_resid [B, T, R], valid [B, T] bool -> top-k key positions [B, T, J] int64 (`shards`:
         as `score_and_select`). Unpacked, scoring and choosing run fused, a block of queries at a time
-        (kernels/indexer_topk.py): the same top-k as `score_and_select` without its [B, T, P] scores and masks."""
+        (kernels/indexer_topk.py): `score_and_select`'s top-k (up to rounding-level near-ties, see there) without its
+        [B, T, P] scores and masks."""
         if cu_seqlens is not None:
             return self.score_and_select(x, q_resid, valid, cu_seqlens=cu_seqlens, shards=shards)[0]
         offset = 0 if shards is None else shards.offset

@@ -1,5 +1,6 @@
-"""The fused indexer pool choice (kernels/indexer_topk.py): the blocked form equals the reference exactly (ties
-included), the Indexer's forward equals its `score_and_select` top-k, and no intermediate grows as [T, P].
+"""The fused indexer pool choice (kernels/indexer_topk.py): the blocked form equals the reference exactly at these
+shapes (exact ties included: their GEMMs round alike here), the Indexer's forward equals its `score_and_select`
+top-k, and no intermediate grows as [T, P].
 
 Legend (glm53/model/__init__.py): B batch, T queries, H indexer heads, K head width, P k-pools, Tq a block of
 queries; `select` pools picked per query. The kernel takes no gradient (the selection never does), so parity is
