@@ -4,7 +4,11 @@
     python benchmarks/bench_long_context.py --forward 8192 16384 --memory 2048 4096 8192
 
 Forward: glm53 alone (transformers' eager attention builds [T, T] masks per layer and cannot run 32K here), no
-grad, median of `--reps` after one warm-up; the target is T(32768) / T(16384) <= 2.1 (linear would be 2.0).
+grad, median of `--reps` after one warm-up; the target is T(32768) / T(16384) <= 2.1 (linear would be 2.0). Each
+allocator setting of `--allocators` times in its own fresh child: "retain" (RETAIN_ENV, the fair setting of
+bench_model.py) and "default" (glibc's defaults: every tensor over its 32 MiB mmap ceiling is mapped afresh and
+page-faulted on each allocation, and at 32K a [T, 256] fp32 activation crosses that line while at 16K it does not,
+so this ratio carries an allocator step on top of the model's own growth).
 Memory: one training step (the model's own loss with labels, activation checkpointing on, every loss part the
 config enables) in a fresh child process per T; peak RSS growth (VmHWM reset just before the step, minus the RSS
 before it) divided by T. The target is "flat from 4K to 32K": the 32K / 4K ratio of bytes per token near 1.
@@ -65,6 +69,16 @@ def measure_memory(T: int, threads: int) -> int:
     return json.loads(out.strip().splitlines()[-1])["peak_bytes"]
 
 
+def forward_in_child(seqlens: list[int], reps: int, threads: int, allocator: str) -> list[dict]:
+    """forward_times in a fresh process with the named allocator setting ("retain" or "default")."""
+    env = {k: v for k, v in os.environ.items() if k not in RETAIN_ENV}
+    env.update(OMP_NUM_THREADS=str(threads), **(RETAIN_ENV if allocator == "retain" else {}))
+    cmd = [sys.executable, os.path.abspath(__file__), "--forward-child", "--forward", *map(str, seqlens),
+           "--reps", str(reps), "--threads", str(threads)]  # fmt: skip
+    out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def forward_times(seqlens: list[int], reps: int) -> list[dict]:
     model = build_model().eval()
     rows = []
@@ -75,7 +89,7 @@ def forward_times(seqlens: list[int], reps: int) -> list[dict]:
             times = [timed(lambda: model(ids)) for _ in range(reps)]
         rows.append({"T": T, "fwd_s": round(median(times), 3), "tok_s": round(T / median(times), 1),
                      "times_s": [round(t, 3) for t in times]})  # fmt: skip
-        print(f"forward T={T}: {rows[-1]['fwd_s']} s", flush=True)
+        print(f"forward T={T}: {rows[-1]['fwd_s']} s", file=sys.stderr, flush=True)
     return rows
 
 
@@ -86,12 +100,21 @@ def main() -> None:
     ap.add_argument("--reps", type=positive_int, default=2, help="forward repetitions per T (median reported)")
     ap.add_argument("--threads", type=positive_int, default=torch.get_num_threads())
     ap.add_argument("--out", default="bench_long_context.json", help="file name under benchmarks/results/")
+    ap.add_argument("--allocators", nargs="*", choices=["retain", "default"], default=["retain", "default"],
+                    help="allocator settings to time the forward under, each in a fresh child (first: the headline)")
     ap.add_argument("--memory-child", type=positive_int, help=argparse.SUPPRESS)
+    ap.add_argument("--forward-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.memory_child:
         return memory_child(args.memory_child)
-    fwd = forward_times(args.forward, args.reps)
+    if args.forward_child:
+        return print(json.dumps(forward_times(args.forward, args.reps)))
+    by_allocator = {}
+    for allocator in args.allocators:
+        print(f"forward, {allocator} allocator:", flush=True)
+        by_allocator[allocator] = forward_in_child(args.forward, args.reps, args.threads, allocator)
+    fwd = by_allocator[args.allocators[0]] if args.allocators else []
     memory = []
     for T in args.memory:
         peak = measure_memory(T, args.threads)
@@ -99,13 +122,18 @@ def main() -> None:
         print(f"training step T={T}: {memory[-1]['peak_MiB']} MiB", flush=True)
     for row in memory:
         row["per_token_vs_first"] = round(row["bytes_per_token"] / memory[0]["bytes_per_token"], 3)
-    ratio = round(fwd[-1]["fwd_s"] / fwd[-2]["fwd_s"], 3) if len(fwd) >= 2 else None
+    ratios = {a: round(rows[-1]["fwd_s"] / rows[-2]["fwd_s"], 3) if len(rows) >= 2 else None
+              for a, rows in by_allocator.items()}  # fmt: skip
     payload = {"machine": machine(), "command": " ".join(sys.argv), "environment": RETAIN_ENV,
-               "forward": fwd, "forward_ratio_last_two": ratio, "memory": memory}  # fmt: skip
+               "forward_allocator": args.allocators[0] if args.allocators else None, "forward": fwd,
+               "forward_ratio_last_two": ratios.get(args.allocators[0]) if args.allocators else None,
+               "forward_by_allocator": by_allocator, "forward_ratio_by_allocator": ratios, "memory": memory}  # fmt: skip
     path = write_json(args.out, payload)
-    print(table(fwd, ["T", "fwd_s", "tok_s"]))
-    if ratio is not None:
-        print(f"forward T={fwd[-1]['T']} / T={fwd[-2]['T']}: {ratio}")
+    for allocator, rows in by_allocator.items():
+        print(f"forward, {allocator} allocator:")
+        print(table(rows, ["T", "fwd_s", "tok_s"]))
+        if ratios[allocator] is not None:
+            print(f"forward T={rows[-1]['T']} / T={rows[-2]['T']}: {ratios[allocator]}")
     print(table(memory, ["T", "peak_MiB", "bytes_per_token", "per_token_vs_first"]))
     print(f"wrote {path}")
 

@@ -10,6 +10,7 @@ from . import (  # noqa: F401  (registers the implementations)
     hc_mix,
     hc_project,
     indexer_scores,
+    indexer_topk,
     kda,
     linear_cross_entropy,
     moe,

@@ -137,8 +137,7 @@ class Indexer(nn.Module):
                pool_start: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """[B, T, P] fp32 index scores: sum_h w_h relu(q_h . key_p / sqrt(K)) (kernels/indexer_scores.py);
         packed: 0 for pools of other documents."""
-        q = self.wq_b(q_resid).view(*q_resid.shape[:2], self.n_heads, self.head_dim)  # [B, T, H, K]
-        w = self.weights_proj(x).float() * self.n_heads**-0.5  # [B, T, H]
+        q, w = self._queries(x, q_resid)
         if cu_seqlens is None:
             return kernel("indexer_scores")(q, w, pool_keys, self.head_dim**-0.5)
         return kernel("indexer_scores")(q, w, pool_keys, self.head_dim**-0.5, cu_seqlens=cu_seqlens,
@@ -149,8 +148,21 @@ class Indexer(nn.Module):
                 cu_seqlens: torch.Tensor | None = None,
                 shards: SequenceShards | None = None) -> torch.Tensor:  # fmt: skip
         """x [B, T, D], q_resid [B, T, R], valid [B, T] bool -> top-k key positions [B, T, J] int64 (`shards`:
-        as `score_and_select`)."""
-        return self.score_and_select(x, q_resid, valid, cu_seqlens=cu_seqlens, shards=shards)[0]
+        as `score_and_select`). Unpacked, scoring and choosing run fused, a block of queries at a time
+        (kernels/indexer_topk.py): `score_and_select`'s top-k (up to rounding-level near-ties, see there) without its
+        [B, T, P] scores and masks."""
+        if cu_seqlens is not None:
+            return self.score_and_select(x, q_resid, valid, cu_seqlens=cu_seqlens, shards=shards)[0]
+        offset = 0 if shards is None else shards.offset
+        keys, gate = self.token_keys(x)
+        if shards is not None:
+            keys, gate = shards.all_gather(keys, dim=1), shards.all_gather(gate, dim=1)
+        pool_keys, positions, complete = self.pool(keys, gate, valid)
+        q, w = self._queries(x, q_resid)
+        pool_end = positions[..., -1].clamp(0, valid.shape[1] - 1)  # [B, P] as `select` reads it
+        chosen, chosen_ok = kernel("indexer_topk_pools")(q, w, pool_keys, self.head_dim**-0.5, pool_end, complete,
+                                                         offset, self._pools_per_query(pool_keys.shape[1]))  # fmt: skip
+        return self._slots(chosen, chosen_ok, positions, valid, None, offset)
 
     def score_and_select(
         self, x: torch.Tensor, q_resid: torch.Tensor, valid: torch.Tensor, grad: bool = False,
@@ -205,19 +217,33 @@ class Indexer(nn.Module):
             doc_start = document_bounds(cu_seqlens, B, S)[0][:, rows]
             candidate &= pool_starts(positions, S)[:, None, :] >= doc_start[:, :, None]
         scores = scores.masked_fill(~candidate, torch.finfo(scores.dtype).min)
-        select = min(self.index_topk // self.kpool, scores.shape[-1])
+        select = self._pools_per_query(scores.shape[-1])
         if cu_seqlens is None:
             chosen = scores.topk(select, dim=-1).indices  # [B, T, select]
         else:  # ties to the lowest pool: a row's choice must not depend on how many pools the other rows have
             chosen = scores.sort(dim=-1, descending=True, stable=True).indices[..., :select]
         chosen_ok = candidate.gather(-1, chosen)
         selected = torch.zeros_like(candidate).scatter_(-1, chosen, chosen_ok)
-        tokens = positions[torch.arange(B, device=scores.device)[:, None, None], chosen]  # [B, T, select, L]
+        return self._slots(chosen, chosen_ok, positions, valid, cu_seqlens, query_offset), candidate, selected
+
+    def _pools_per_query(self, num_pools: int) -> int:
+        return min(self.index_topk // self.kpool, num_pools)
+
+    def _queries(self, x: torch.Tensor, q_resid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> per-head queries q [B, T, H, K] and head weights w [B, T, H] fp32 (scaled by H^-0.5)."""
+        q = self.wq_b(q_resid).view(*q_resid.shape[:2], self.n_heads, self.head_dim)
+        return q, self.weights_proj(x).float() * self.n_heads**-0.5
+
+    def _slots(self, chosen: torch.Tensor, chosen_ok: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
+               cu_seqlens: torch.Tensor | None, query_offset: int) -> torch.Tensor:  # fmt: skip
+        """Chosen pools [B, T, select] (chosen_ok: a candidate) -> their tokens, then the visible tail: [B, T, J]."""
+        B, T = chosen.shape[:2]
+        tokens = positions[torch.arange(B, device=chosen.device)[:, None, None], chosen]  # [B, T, select, L]
         topk = tokens.masked_fill(~chosen_ok[..., None], -1).flatten(-2)
         if self.select_tail:
             topk = torch.cat([topk, self.visible_tail(valid, cu_seqlens, query_offset, T)], dim=-1)
         topk = F.pad(topk, (0, self.num_slots - topk.shape[-1]), value=-1)[..., : self.num_slots]
-        return topk.masked_fill(~valid[:, rows, None], -1), candidate, selected
+        return topk.masked_fill(~valid[:, query_offset : query_offset + T, None], -1)
 
     def visible_tail(self, valid: torch.Tensor, cu_seqlens: torch.Tensor | None = None, query_offset: int = 0,
                      num_queries: int | None = None) -> torch.Tensor:  # fmt: skip

@@ -225,7 +225,7 @@ def test_indexer_selects_same_pools_on_both_backends(monkeypatch):
     valid = torch.ones(2, 45, dtype=torch.bool)
     valid[1, :9] = False
     fast = indexer(x, q_resid, valid)
-    with use_backend("reference", ["indexer_scores"]):
+    with use_backend("reference", ["indexer_scores", "indexer_topk_pools"]):
         ref = indexer(x, q_resid, valid)
     assert torch.equal(fast.sort(-1).values, ref.sort(-1).values)
     assert (fast[1, :9] == -1).all() and (fast >= 0).any()

@@ -10,8 +10,8 @@ from glm53.kernels import backends, chosen_backend, use_backend
 from tests.helpers.oracle import hf_model
 
 REL_TOL = 1e-4
-FAST_OPS = ("kda", "sparse_attention", "sparse_mqa_attention", "moe_experts", "indexer_scores", "hc_collapse",
-            "hc_mix", "hc_project", "sinkhorn", "causal_conv1d", "rms_norm", "gated_rms_norm")
+FAST_OPS = ("kda", "sparse_attention", "sparse_mqa_attention", "moe_experts", "indexer_scores", "indexer_topk_pools",
+            "hc_collapse", "hc_mix", "hc_project", "sinkhorn", "causal_conv1d", "rms_norm", "gated_rms_norm")
 
 CASES = {
     # T=70 > one KDA chunk (64), not a multiple of it or of the k-pool (4); sparse since T >> index_topk (8)

@@ -1,0 +1,120 @@
+"""The DSA indexer's pool choice fused with its scoring: each query's best `select` candidate pools.
+
+Legend: B batch, T queries, H indexer heads, K head width, P pools, Tq a block of queries; `select` (this file's
+extra) is how many pools a query picks, index_topk / L capped at P.
+q: [B, T, H, K]; weights: [B, T, H] (already scaled by H^-0.5); pool_keys: [B, P, K]; pool_end: [B, P] position of
+each pool's last token in the keys' sequence; complete: [B, P]. The queries sit at positions query_offset + [0, T).
+A pool is a candidate for a query when it is complete and pool_end <= the query's position. Scores are those of
+kernels/indexer_scores.py; non-candidates score finfo.min and torch.topk over the whole row of P pools picks
+`select`. Returns (chosen pools [B, T, select] int64, whether each is a candidate [B, T, select] bool).
+The reference materialises the [B, T, P] scores (what Indexer.select reads in training). The fast form takes a
+block of queries at a time: it scores only the leading pools some query of the block can see (on average half of
+them in a causal sequence) and fills the rest of the block's [B, Tq, P] rows with finfo.min, so topk sees the
+reference's rows. The scores are the same sums; a GEMM over fewer columns may round a last bit differently (at
+some shapes, not at the tested ones), so the picks can differ only where two pools' scores at the selection
+boundary lie within that rounding, as between indexer_scores and its reference. Memory: O(T * select + Tq * H *
+P), never a [B, T, P] tensor. Packed documents are not handled here (Indexer keeps its stable-sort path for them).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .dispatch import register
+from .indexer_scores import indexer_scores_reference
+
+TOPK_BUDGET = 1 << 20  # elements of one block's [B, Tq, H, P] logits (4 MiB in fp32: stays in cache)
+MIN_TOPK_CHUNK = 16  # queries per block at least (bounds the loop's length at long T)
+
+
+def _candidates(pool_end: torch.Tensor, complete: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
+    """pool_end, complete [B, P], query_pos [Tq] -> [B, Tq, P] bool: complete and causally visible."""
+    return (pool_end[:, None, :] <= query_pos[None, :, None]) & complete[:, None, :]
+
+
+def _check(q, pool_keys, pool_end, complete, select) -> None:
+    P = pool_keys.shape[1]
+    if pool_end.shape != pool_keys.shape[:2] or complete.shape != pool_keys.shape[:2]:
+        raise ValueError(f"indexer_topk_pools needs pool_end and complete of shape {tuple(pool_keys.shape[:2])}, got "
+                         f"{tuple(pool_end.shape)} and {tuple(complete.shape)}")  # fmt: skip
+    if not 0 <= select <= P:
+        raise ValueError(f"indexer_topk_pools: select must be in [0, P={P}], got {select}")
+
+
+def indexer_topk_pools_reference(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor, scale: float,
+                                 pool_end: torch.Tensor, complete: torch.Tensor, query_offset: int,
+                                 select: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """All queries at once: the [B, T, P] scores, masked to the candidates, then one topk."""
+    _check(q, pool_keys, pool_end, complete, select)
+    scores = indexer_scores_reference(q, weights, pool_keys, scale)
+    query_pos = torch.arange(query_offset, query_offset + q.shape[1], device=q.device)
+    candidate = _candidates(pool_end, complete, query_pos)
+    chosen = scores.masked_fill(~candidate, torch.finfo(scores.dtype).min).topk(select, dim=-1).indices
+    return chosen, candidate.gather(-1, chosen)
+
+
+def topk_chunk(B: int, H: int, P: int) -> int:
+    """Queries per block: TOPK_BUDGET logits, but at least MIN_TOPK_CHUNK queries."""
+    return max(MIN_TOPK_CHUNK, TOPK_BUDGET // max(1, B * H * P))
+
+
+def _horizons(pool_end: torch.Tensor, complete: torch.Tensor, last_pos: torch.Tensor) -> list[int]:
+    """Per block, the number of leading pools that holds every candidate of its queries (last_pos [n]: the
+    block's last query position), all blocks in one host transfer before the loop."""
+    B, P = pool_end.shape
+    reach = torch.where(complete, pool_end, torch.iinfo(pool_end.dtype).max)  # [B, P]
+    seen = reach[:, None, :] <= last_pos[None, :, None]  # [B, n, P]
+    count = torch.arange(1, P + 1, device=pool_end.device)
+    return torch.where(seen, count, 0).amax(-1).amax(0).tolist()  # NOTE: syncs (once per call, not per block)
+
+
+def _topk_pools(q, weights, pool_keys, scale, pool_end, complete, query_offset, select):
+    """The blocked form (see the module docstring)."""
+    _check(q, pool_keys, pool_end, complete, select)
+    B, T, H, _ = q.shape
+    P = pool_keys.shape[1]
+    chosen = q.new_zeros(B, T, select, dtype=torch.long)
+    chosen_ok = q.new_zeros(B, T, select, dtype=torch.bool)
+    if select == 0 or T == 0:
+        return chosen, chosen_ok
+    keys_t = pool_keys.float().transpose(-1, -2)  # [B, K, P]
+    lowest = torch.finfo(torch.float32).min
+    step = topk_chunk(B, H, P)
+    starts = range(0, T, step)
+    last_pos = torch.tensor([min(t0 + step, T) - 1 + query_offset for t0 in starts], device=q.device)
+    for t0, p1 in zip(starts, _horizons(pool_end.long(), complete, last_pos)):
+        t1 = min(t0 + step, T)
+        rows = torch.full((B, t1 - t0, P), lowest, device=q.device)  # [B, Tq, P]
+        if p1 == 0:  # no query of the block sees a complete pool
+            chosen[:, t0:t1] = rows.topk(select, dim=-1).indices
+            continue
+        # indexer_scores' arithmetic on the visible columns only
+        rows_q = q[:, t0:t1].float().reshape(B, (t1 - t0) * H, q.shape[-1])  # one GEMM: no per-query copy of the keys
+        logits = torch.bmm(rows_q, keys_t[..., :p1]).mul_(scale).relu_().view(B, t1 - t0, H, p1)
+        scores = torch.matmul(weights[:, t0:t1].float()[..., None, :], logits).squeeze(-2)  # [B, Tq, p1]
+        query_pos = torch.arange(query_offset + t0, query_offset + t1, device=q.device)
+        candidate = _candidates(pool_end[:, :p1], complete[:, :p1], query_pos)
+        rows[..., :p1] = scores.masked_fill_(~candidate, lowest)
+        picked = rows.topk(select, dim=-1).indices
+        chosen[:, t0:t1] = picked
+        chosen_ok[:, t0:t1] = (picked < p1) & candidate.gather(-1, picked.clamp(max=p1 - 1))
+    return chosen, chosen_ok
+
+
+# A custom op (kernels/opaque.py): torch.compile sees one call, not the block loop with its host sync.
+@torch.library.custom_op("glm53::indexer_topk_pools", mutates_args=())
+def indexer_topk_pools(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor, scale: float,
+                       pool_end: torch.Tensor, complete: torch.Tensor, query_offset: int,
+                       select: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Blocked over queries, scoring only the pools each block can see; same signature."""
+    return _topk_pools(q, weights, pool_keys, scale, pool_end, complete, query_offset, select)
+
+
+@indexer_topk_pools.register_fake
+def _(q, weights, pool_keys, scale, pool_end, complete, query_offset, select):
+    shape = (*q.shape[:2], select)
+    return q.new_empty(shape, dtype=torch.long), q.new_empty(shape, dtype=torch.bool)
+
+
+register("indexer_topk_pools", "reference", indexer_topk_pools_reference)
+register("indexer_topk_pools", "fast", indexer_topk_pools)
