@@ -49,3 +49,24 @@ def test_block_compiles_fullgraph_and_matches_eager(model, index):
     for g_c, g_e in zip(grads, ref_grads):
         if g_e is not None:
             torch.testing.assert_close(g_c, g_e, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_select_pools_custom_op_fake_and_schema(model, packed):
+    """The indexer's pool choice (glm53::select_pools): torch.library.opcheck runs the op against its fake
+    implementation (output shapes and dtypes), its schema and dispatch; the pool axis keeps pool 4, incomplete in
+    every row, which the op never picks."""
+    from glm53.model.indexer import kept_pools, select_pools
+
+    ind = model.model.layers[3].self_attn.indexer
+    valid = torch.ones(2, 19, dtype=torch.bool)
+    valid[1, :4] = False
+    cu = torch.tensor([0, 9, 19, 38]) if packed else None
+    positions, complete = kept_pools(valid, ind.kpool, cu)
+    scores = torch.randn(2, 19, positions.shape[1], generator=torch.Generator().manual_seed(0))
+    args = (scores, positions, complete, valid, cu, 0, ind.index_topk, ind.kpool, ind.select_tail)
+    torch.library.opcheck(select_pools, args, test_utils=("test_schema", "test_faketensor"))
+    topk, candidate, selected = select_pools(*args)
+    assert topk.shape == (2, 19, ind.num_slots) and candidate.shape == selected.shape == scores.shape
+    dropped = ~complete.any(0)
+    assert dropped.any() and not candidate[..., dropped].any() and not selected[..., dropped].any()
