@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .dispatch import register
+from .opaque import autograd_inside_op
 from .varlen import check_cu_seqlens, document_bounds, document_slices
 
 SCORE_BUDGET = 1 << 22  # elements of one [B, Tq, H, P] logits chunk (16 MiB in fp32)
@@ -134,8 +135,8 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tens
     """The same, one chunk of queries at a time, forward and (recomputing) backward: never more than one chunk's
     logits alive, in training too; same signature."""
     if cu_seqlens is not None:
-        return _packed_scores(q, weights, pool_keys, scale, _check_packed(q, pool_keys, cu_seqlens, pool_start),
-                              pool_start)  # fmt: skip
+        return _packed_op(q, weights, pool_keys, scale, _check_packed(q, pool_keys, cu_seqlens, pool_start),
+                          pool_start)  # fmt: skip
     return _scores_op(q, weights, pool_keys, scale)
 
 
@@ -172,6 +173,48 @@ def _scores_grad(ctx, d_out):
 
 
 _scores_op.register_autograd(_scores_grad, setup_context=_scores_setup)
+
+
+# The packed form too (its chunks' pool spans are read on the host); its backward differentiates a recomputed
+# forward, one chunk's logits at a time alive, as the plain form's does.
+@torch.library.custom_op("glm53::indexer_scores_packed", mutates_args=())
+def _packed_op(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor, scale: float,
+               cu_seqlens: torch.Tensor, pool_start: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    return _packed_scores(q, weights, pool_keys, scale, cu_seqlens, pool_start)
+
+
+@_packed_op.register_fake
+def _(q, weights, pool_keys, scale, cu_seqlens, pool_start):
+    return q.new_empty(*q.shape[:2], pool_keys.shape[1], dtype=torch.float32)
+
+
+@torch.library.custom_op("glm53::indexer_scores_packed_backward", mutates_args=())
+def _packed_backward_op(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor, d_out: torch.Tensor,
+                        scale: float, cu_seqlens: torch.Tensor,
+                        pool_start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    inputs = [x.detach().requires_grad_() for x in (q, weights, pool_keys)]
+    with autograd_inside_op():
+        out = _packed_scores(*inputs, scale, cu_seqlens, pool_start)
+        grads = torch.autograd.grad(out, inputs, d_out, allow_unused=True)
+    return tuple(torch.zeros_like(x) if d is None else d.contiguous() for x, d in zip(inputs, grads))
+
+
+@_packed_backward_op.register_fake
+def _(q, weights, pool_keys, d_out, scale, cu_seqlens, pool_start):
+    return q.new_empty(q.shape), weights.new_empty(weights.shape), pool_keys.new_empty(pool_keys.shape)
+
+
+def _packed_setup(ctx, inputs, output) -> None:
+    q, weights, pool_keys, ctx.scale, cu_seqlens, pool_start = inputs
+    ctx.save_for_backward(q, weights, pool_keys, cu_seqlens, pool_start)
+
+
+def _packed_grad(ctx, d_out):
+    q, weights, pool_keys, cu_seqlens, pool_start = ctx.saved_tensors
+    return (*_packed_backward_op(q, weights, pool_keys, d_out, ctx.scale, cu_seqlens, pool_start), None, None, None)
+
+
+_packed_op.register_autograd(_packed_grad, setup_context=_packed_setup)
 
 
 register("indexer_scores", "reference", indexer_scores_reference)
