@@ -14,11 +14,13 @@ Every block traces as one graph: the kernels with data-dependent control flow or
 KDA chunk kernel, the grouped expert matmul, the sparse attentions and indexer scores, glm53/kernels; the
 indexer's pool choice, glm53/model/indexer.py `select_pools`), and the indexer's pool axis has a shape-only
 size. GRAPH_BREAKING lists module types whose blocks would still break a graph (none now).
-Packed documents (`cu_seqlens`) still break every block's graph (fullgraph=True raises on a packed batch; with
-fullgraph=False the result equals eager): the kernels' cu_seqlens checks read values (kernels/varlen.py), the
-packed causal conv gathers the tokens near document starts with nonzero (kernels/conv.py), the packed indexer
-scores read chunk spans on the host (kernels/indexer_scores.py, not a custom op), and the packed pool layout's
-pool count is the data's (model/packing.py `document_pool_layout`). A block whose graph
+Packed documents (`cu_seqlens`) compile per block too: the packed causal conv and indexer scores are custom ops,
+the packed pool layout's pool count is a size from the shapes, and the kernels skip their cu_seqlens value checks
+while compiling (the model made the boundaries, eagerly). `cu_seqlens` [n + 1] is a block input: with static
+shapes each new document count compiles new graphs. The whole model on a packed batch still breaks outside the
+blocks: `document_boundaries` dedups the boundaries with torch.unique (model/packing.py) and the per-document
+balance loss counts documents on the host (training/losses.py `_document_balance_loss`).
+A block whose graph
 breaks is unsafe under activation checkpointing: the forward that compiles it runs part of it eagerly, the
 recomputation in backward runs the compiled frames, and the two save different tensors (torch.utils.checkpoint
 raises CheckpointError on the first step).
