@@ -20,10 +20,9 @@ while compiling (the model made the boundaries, eagerly). `cu_seqlens` [n + 1] i
 shapes each new document count compiles new graphs. The whole model on a packed batch still breaks outside the
 blocks: `document_boundaries` dedups the boundaries with torch.unique (model/packing.py) and the per-document
 balance loss counts documents on the host (training/losses.py `_document_balance_loss`).
-A block whose graph
-breaks is unsafe under activation checkpointing: the forward that compiles it runs part of it eagerly, the
-recomputation in backward runs the compiled frames, and the two save different tensors (torch.utils.checkpoint
-raises CheckpointError on the first step).
+A block whose graph breaks is unsafe under activation checkpointing: the forward that compiles it runs part of it
+eagerly, the recomputation in backward runs the compiled frames, and the two save different tensors
+(torch.utils.checkpoint raises CheckpointError on the first step).
 """
 
 from __future__ import annotations
