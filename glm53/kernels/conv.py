@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 
 from .dispatch import register
-from .opaque import autograd_inside_op
 from .varlen import check_cu_seqlens, document_slices, position_in_document
 
 
@@ -161,8 +160,16 @@ def _packed_conv(flat: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Ten
     return _CausalConv1d.apply(flat, weight, history, _edges(cu_seqlens, flat.shape[1], weight.shape[-1]))
 
 
+class _Saved:
+    """A stand-in for an autograd context: runs _CausalConv1d's forward and hand-written backward inside an op."""
+
+    def save_for_backward(self, *tensors: torch.Tensor) -> None:
+        self.saved_tensors = tensors
+
+
 # The packed form as a custom op (kernels/opaque.py): its edge tokens are found with nonzero (a data-dependent
-# size), which torch.compile would break the graph on. Backward differentiates a recomputed forward.
+# size), which torch.compile would break the graph on. Backward recomputes the forward (W multiply-adds) for the
+# hand-written backward's saved tensors.
 @torch.library.custom_op("glm53::causal_conv1d_packed", mutates_args=())
 def _packed_conv_op(flat: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     return _packed_conv(flat, weight, cu_seqlens)
@@ -176,10 +183,11 @@ def _(flat, weight, cu_seqlens):
 @torch.library.custom_op("glm53::causal_conv1d_packed_backward", mutates_args=())
 def _packed_conv_backward_op(flat: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor,
                              dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    inputs = [x.detach().requires_grad_() for x in (flat, weight)]
-    with autograd_inside_op():
-        grads = torch.autograd.grad(_packed_conv(*inputs, cu_seqlens), inputs, dy)
-    return tuple(d.contiguous() for d in grads)
+    ctx = _Saved()
+    history = _history(flat, weight, None).transpose(1, 2)
+    _CausalConv1d.forward(ctx, flat, weight, history, _edges(cu_seqlens, flat.shape[1], weight.shape[-1]))
+    dx, dw = _CausalConv1d.backward(ctx, dy)[:2]
+    return dx.contiguous(), dw.contiguous()
 
 
 @_packed_conv_backward_op.register_fake

@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 
 from .dispatch import register
-from .opaque import autograd_inside_op
 from .varlen import check_cu_seqlens, document_bounds, document_slices
 
 SCORE_BUDGET = 1 << 22  # elements of one [B, Tq, H, P] logits chunk (16 MiB in fp32)
@@ -175,8 +174,8 @@ def _scores_grad(ctx, d_out):
 _scores_op.register_autograd(_scores_grad, setup_context=_scores_setup)
 
 
-# The packed form too (its chunks' pool spans are read on the host); its backward differentiates a recomputed
-# forward, one chunk's logits at a time alive, as the plain form's does.
+# The packed form too (its chunks' pool spans are read on the host). The packed scores are the plain ones times
+# a constant mask (a pool of the query's own document), so the backward is the plain one on the masked gradient.
 @torch.library.custom_op("glm53::indexer_scores_packed", mutates_args=())
 def _packed_op(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor, scale: float,
                cu_seqlens: torch.Tensor, pool_start: torch.Tensor) -> torch.Tensor:  # fmt: skip
@@ -192,11 +191,10 @@ def _(q, weights, pool_keys, scale, cu_seqlens, pool_start):
 def _packed_backward_op(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor, d_out: torch.Tensor,
                         scale: float, cu_seqlens: torch.Tensor,
                         pool_start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    inputs = [x.detach().requires_grad_() for x in (q, weights, pool_keys)]
-    with autograd_inside_op():
-        out = _packed_scores(*inputs, scale, cu_seqlens, pool_start)
-        grads = torch.autograd.grad(out, inputs, d_out, allow_unused=True)
-    return tuple(torch.zeros_like(x) if d is None else d.contiguous() for x, d in zip(inputs, grads))
+    start, end = document_bounds(cu_seqlens, *q.shape[:2])
+    columns = pool_start[:, None, :]  # [B, 1, P]
+    own = (columns >= start[..., None]) & (columns < end[..., None])  # [B, T, P]
+    return _scores_backward(q, weights, pool_keys, d_out * own, scale)
 
 
 @_packed_backward_op.register_fake
