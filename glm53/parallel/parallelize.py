@@ -276,7 +276,7 @@ def parallelize(
     Every block kind (KDA, MLA, MTP) compiles as one graph. Under a low-precision `mp_policy` the
     fp32 units nested in each block (mHC, router, convs) split its graph, so every block compiles with graph
     breaks allowed, and activation checkpointing is refused (a split block recomputes differently).
-    Checked on dp meshes; not with expert parallelism (its all-to-all split sizes are read on the host).
+    Checked on dp, tp and dp x tp meshes; not with expert parallelism (its all-to-all split sizes are read on the host).
     """
     if not isinstance(model, Glm53ForCausalLM):
         raise TypeError(f"parallelize expects a Glm53ForCausalLM, got {type(model).__name__}")
