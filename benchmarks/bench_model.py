@@ -19,7 +19,7 @@ fp32 GEMM peak measured in the same run (attention/KDA score flops are not count
 `--compile`: a copy of glm53 with every block's forward compiled by inductor (glm53.model.compile.compile_blocks,
 static shapes: one compile per T and mode) joins the alternation; its first forward and first step at each T are
 timed on their own and reported as compile time (first call minus the steady-state median), and its logits must
-equal eager glm53's at every T before timing. MLA blocks still break their graph (see glm53/model/compile.py).
+equal eager glm53's at every T before timing. Every block kind compiles as one graph (glm53/model/compile.py).
 Results: benchmarks/results/bench_model.json and a table on stdout.
 """
 

@@ -159,11 +159,8 @@ def causal_conv1d(
     if cu_seqlens is not None:
         _no_states(initial_state, output_final_state)
         B, T, D = x.shape
-        W = weight.shape[-1]
-        cu = check_cu_seqlens(cu_seqlens, B, T)
-        flat = x.reshape(1, B * T, D)
-        history = _history(flat, weight, None).transpose(1, 2)
-        y = _CausalConv1d.apply(flat, weight, history, _edges(cu, B * T, W))
+        _history(x, weight, None)  # the weight's shape check
+        y = _packed_conv_op(x.reshape(1, B * T, D), weight, check_cu_seqlens(cu_seqlens, B, T))
         return y.view(B, T, D), None
     history = _history(x, weight, initial_state).transpose(1, 2)  # [B, W-1, H*K]
     y = _CausalConv1d.apply(x, weight, history)  # [B, T, H*K] fp32
@@ -171,6 +168,58 @@ def causal_conv1d(
         return y, None
     recent = torch.cat([history, x], dim=1)[:, x.shape[1] :]  # the last W-1 inputs [B, W-1, H*K]
     return y, recent.transpose(1, 2)
+
+
+def _packed_conv(flat: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """flat [1, B*T, H*K] as one sequence, the taps crossing a document start dropped -> [1, B*T, H*K] fp32."""
+    history = _history(flat, weight, None).transpose(1, 2)
+    return _CausalConv1d.apply(flat, weight, history, _edges(cu_seqlens, flat.shape[1], weight.shape[-1]))
+
+
+class _Saved:
+    """A stand-in for an autograd context: runs _CausalConv1d's forward and hand-written backward inside an op."""
+
+    def save_for_backward(self, *tensors: torch.Tensor) -> None:
+        self.saved_tensors = tensors
+
+
+# The packed form as a custom op (kernels/opaque.py): its edge tokens are found with nonzero (a data-dependent
+# size), which torch.compile would break the graph on. Backward recomputes the forward (W multiply-adds) for the
+# hand-written backward's saved tensors.
+@torch.library.custom_op("glm53::causal_conv1d_packed", mutates_args=())
+def _packed_conv_op(flat: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    return _packed_conv(flat, weight, cu_seqlens)
+
+
+@_packed_conv_op.register_fake
+def _(flat, weight, cu_seqlens):
+    return flat.new_empty(flat.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("glm53::causal_conv1d_packed_backward", mutates_args=())
+def _packed_conv_backward_op(flat: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor,
+                             dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    ctx = _Saved()
+    history = _history(flat, weight, None).transpose(1, 2)
+    _CausalConv1d.forward(ctx, flat, weight, history, _edges(cu_seqlens, flat.shape[1], weight.shape[-1]))
+    dx, dw = _CausalConv1d.backward(ctx, dy)[:2]
+    return dx.contiguous(), dw.contiguous()
+
+
+@_packed_conv_backward_op.register_fake
+def _(flat, weight, cu_seqlens, dy):
+    return flat.new_empty(flat.shape), weight.new_empty(weight.shape)
+
+
+def _packed_conv_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _packed_conv_grad(ctx, dy):
+    return (*_packed_conv_backward_op(*ctx.saved_tensors, dy), None)
+
+
+_packed_conv_op.register_autograd(_packed_conv_grad, setup_context=_packed_conv_setup)
 
 
 register("causal_conv1d", "reference", causal_conv1d_reference)

@@ -135,8 +135,8 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tens
     """The same, one chunk of queries at a time, forward and (recomputing) backward: never more than one chunk's
     logits alive, in training too; same signature."""
     if cu_seqlens is not None:
-        return _packed_scores(q, weights, pool_keys, scale, _check_packed(q, pool_keys, cu_seqlens, pool_start),
-                              pool_start)  # fmt: skip
+        return _packed_op(q, weights, pool_keys, scale, _check_packed(q, pool_keys, cu_seqlens, pool_start),
+                          pool_start)  # fmt: skip
     return _scores_op(q, weights, pool_keys, scale)
 
 
@@ -173,6 +173,47 @@ def _scores_grad(ctx, d_out):
 
 
 _scores_op.register_autograd(_scores_grad, setup_context=_scores_setup)
+
+
+# The packed form too (its chunks' pool spans are read on the host). The packed scores are the plain ones times
+# a constant mask (a pool of the query's own document), so the backward is the plain one on the masked gradient.
+@torch.library.custom_op("glm53::indexer_scores_packed", mutates_args=())
+def _packed_op(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor, scale: float,
+               cu_seqlens: torch.Tensor, pool_start: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    return _packed_scores(q, weights, pool_keys, scale, cu_seqlens, pool_start)
+
+
+@_packed_op.register_fake
+def _(q, weights, pool_keys, scale, cu_seqlens, pool_start):
+    return q.new_empty(*q.shape[:2], pool_keys.shape[1], dtype=torch.float32)
+
+
+@torch.library.custom_op("glm53::indexer_scores_packed_backward", mutates_args=())
+def _packed_backward_op(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor, d_out: torch.Tensor,
+                        scale: float, cu_seqlens: torch.Tensor,
+                        pool_start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    start, end = document_bounds(cu_seqlens, *q.shape[:2])
+    columns = pool_start[:, None, :]  # [B, 1, P]
+    own = (columns >= start[..., None]) & (columns < end[..., None])  # [B, T, P]
+    return _scores_backward(q, weights, pool_keys, d_out * own, scale)
+
+
+@_packed_backward_op.register_fake
+def _(q, weights, pool_keys, d_out, scale, cu_seqlens, pool_start):
+    return q.new_empty(q.shape), weights.new_empty(weights.shape), pool_keys.new_empty(pool_keys.shape)
+
+
+def _packed_setup(ctx, inputs, output) -> None:
+    q, weights, pool_keys, ctx.scale, cu_seqlens, pool_start = inputs
+    ctx.save_for_backward(q, weights, pool_keys, cu_seqlens, pool_start)
+
+
+def _packed_grad(ctx, d_out):
+    q, weights, pool_keys, cu_seqlens, pool_start = ctx.saved_tensors
+    return (*_packed_backward_op(q, weights, pool_keys, d_out, ctx.scale, cu_seqlens, pool_start), None, None, None)
+
+
+_packed_op.register_autograd(_packed_grad, setup_context=_packed_setup)
 
 
 register("indexer_scores", "reference", indexer_scores_reference)

@@ -17,6 +17,8 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, B: int, T: int) -> torch.Tensor:
     if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
         raise ValueError(f"cu_seqlens must be a 1-D integer tensor, got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
     cu = cu_seqlens.long()
+    if torch.compiler.is_compiling():  # the value checks read the data on the host (a graph break each); the model
+        return cu  # made these boundaries itself (model/packing.py document_boundaries), eagerly
     if cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != B * T:  # NOTE: syncs
         raise ValueError(f"cu_seqlens must start at 0 and end at {B * T} (batch {B} x seq {T}), got {cu.tolist()}")
     if bool((cu.diff() < 0).any()):  # NOTE: syncs

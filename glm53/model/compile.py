@@ -10,12 +10,19 @@ layout, the TP plan and the fp32 keep-list would not match). Module hooks (FSDP'
 activation checkpointing, the parallel layer's input casts) stay outside the compiled region and run eagerly;
 recomputation in backward calls the compiled forward again.
 
-KDA blocks trace as one graph (the KDA chunk kernel and the grouped expert matmul are custom ops,
-glm53/kernels/opaque.py). MLA blocks and MTP layers (MLA + MoE) still break the graph in the indexer's pool
-selection and the sparse attention's key span (data-dependent shapes) until those kernels become custom ops:
-by default they stay eager. A block whose graph breaks is unsafe under activation checkpointing: the forward
-that compiles it runs part of it eagerly, the recomputation in backward runs the compiled frames, and the two
-save different tensors (torch.utils.checkpoint raises CheckpointError on the first step).
+Every block traces as one graph: the kernels with data-dependent control flow or shapes are custom ops (the
+KDA chunk kernel, the grouped expert matmul, the sparse attentions and indexer scores, glm53/kernels; the
+indexer's pool choice, glm53/model/indexer.py `select_pools`), and the indexer's pool axis has a shape-only
+size. GRAPH_BREAKING lists module types whose blocks would still break a graph (none now).
+Packed documents (`cu_seqlens`) compile per block too: the packed causal conv and indexer scores are custom ops,
+the packed pool layout's pool count is a size from the shapes, and the kernels skip their cu_seqlens value checks
+while compiling (the model made the boundaries, eagerly). `cu_seqlens` [n + 1] is a block input: with static
+shapes each new document count compiles new graphs. The whole model on a packed batch still breaks outside the
+blocks: `document_boundaries` dedups the boundaries with torch.unique (model/packing.py) and the per-document
+balance loss counts documents on the host (training/losses.py `_document_balance_loss`).
+A block whose graph breaks is unsafe under activation checkpointing: the forward that compiles it runs part of it
+eagerly, the recomputation in backward runs the compiled frames, and the two save different tensors
+(torch.utils.checkpoint raises CheckpointError on the first step).
 """
 
 from __future__ import annotations
@@ -23,10 +30,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .mla import MultiHeadLatentAttention
-
-# Modules whose kernels still break a compiled graph: a block holding one stays eager under fullgraph=True.
-GRAPH_BREAKING: tuple[type[nn.Module], ...] = (MultiHeadLatentAttention,)
+# Modules whose kernels break a compiled graph: a block holding one stays eager under fullgraph=True.
+GRAPH_BREAKING: tuple[type[nn.Module], ...] = ()
 BACKENDS = ("inductor", "aot_eager", "eager")  # inductor generates kernels; the others only trace (tests)
 
 

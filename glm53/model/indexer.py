@@ -50,8 +50,8 @@ def pool_layout(valid: torch.Tensor, kpool: int,
                 cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Pools of `kpool` consecutive positions from each row's (packed: each document's) first valid token.
 
-    -> positions [B, P, L] (may run past T), which of them are valid tokens [B, P, L], and which pools to keep
-    [P]: pools incomplete in every row are dropped (transformers does the same; it changes how many are picked).
+    -> positions [B, P, L] (may run past T), which of them are valid tokens [B, P, L], and the pools complete in
+    some row [P] (transformers drops the others, which changes how many are picked: `select_pools`).
     """
     if cu_seqlens is not None:
         positions, token_valid = document_pool_layout(valid, cu_seqlens, kpool)
@@ -67,9 +67,13 @@ def pool_layout(valid: torch.Tensor, kpool: int,
 
 def kept_pools(valid: torch.Tensor, kpool: int,
                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The pools the indexer scores: token positions [B, P, L] (-1 where invalid) and completeness [B, P]."""
-    positions, token_valid, keep = pool_layout(valid, kpool, cu_seqlens)
-    return positions.masked_fill(~token_valid, -1)[:, keep], token_valid.all(-1)[:, keep]
+    """The pools the indexer scores: token positions [B, P, L] (-1 where invalid) and completeness [B, P].
+
+    Every pool of the layout, also those incomplete in every row, which transformers drops: P follows from the
+    shapes alone, so torch.compile traces it without a data-dependent size. Such pools are never candidates,
+    and `Indexer.select` picks among the others exactly as transformers does."""
+    positions, token_valid, _ = pool_layout(valid, kpool, cu_seqlens)
+    return positions.masked_fill(~token_valid, -1), token_valid.all(-1)
 
 
 def pool_starts(positions: torch.Tensor, T: int) -> torch.Tensor:
@@ -122,7 +126,7 @@ class Indexer(nn.Module):
              cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
         """`pools` from per-token keys and gate logits [B, T, K] (context parallelism gathers these, not x)."""
         T = valid.shape[1]
-        positions, token_valid, keep = pool_layout(valid, self.kpool, cu_seqlens)
+        positions, token_valid, _ = pool_layout(valid, self.kpool, cu_seqlens)  # every pool (kept_pools)
         safe = positions.clamp(0, T - 1)
         batch = torch.arange(valid.shape[0], device=keys.device)[:, None, None]
         complete = token_valid.all(-1)  # [B, P]
@@ -130,7 +134,7 @@ class Indexer(nn.Module):
         logits = logits.masked_fill(~token_valid[..., None], float("-inf"))
         weights = torch.nan_to_num(logits.softmax(dim=2)).to(keys.dtype)  # all-invalid pools -> 0
         pool_keys = (weights * keys[batch, safe]).sum(dim=2)
-        return pool_keys[:, keep], positions.masked_fill(~token_valid, -1)[:, keep], complete[:, keep]
+        return pool_keys, positions.masked_fill(~token_valid, -1), complete
 
     def scores(self, x: torch.Tensor, q_resid: torch.Tensor, pool_keys: torch.Tensor,
                cu_seqlens: torch.Tensor | None = None,
@@ -151,13 +155,15 @@ class Indexer(nn.Module):
         as `score_and_select`). Unpacked, scoring and choosing run fused, a block of queries at a time
         (kernels/indexer_topk.py): `score_and_select`'s top-k (up to rounding-level near-ties, see there) without its
         [B, T, P] scores and masks."""
-        if cu_seqlens is not None:
+        if cu_seqlens is not None or torch.compiler.is_compiling():  # the fused kernel is eager-only
             return self.score_and_select(x, q_resid, valid, cu_seqlens=cu_seqlens, shards=shards)[0]
         offset = 0 if shards is None else shards.offset
         keys, gate = self.token_keys(x)
         if shards is not None:
             keys, gate = shards.all_gather(keys, dim=1), shards.all_gather(gate, dim=1)
         pool_keys, positions, complete = self.pool(keys, gate, valid)
+        keep = complete.any(0)  # transformers' pool axis: without the pools incomplete in every row (select_pools)
+        pool_keys, positions, complete = pool_keys[:, keep], positions[:, keep], complete[:, keep]
         q, w = self._queries(x, q_resid)
         pool_end = positions[..., -1].clamp(0, valid.shape[1] - 1)  # [B, P] as `select` reads it
         chosen, chosen_ok = kernel("indexer_topk_pools")(q, w, pool_keys, self.head_dim**-0.5, pool_end, complete,
@@ -205,26 +211,11 @@ class Indexer(nn.Module):
 
         scores [B, T, P] are the queries at positions query_offset + [0, T) of the keys' sequence: `valid` [B, S]
         and `cu_seqlens` (over B * S) describe the keys (T == S with offset 0 when queries and keys coincide).
+        Pools incomplete in every row (kept_pools) are never candidates; the choice among the others is
+        transformers' over its pool axis without them (`select_pools`, a custom op for torch.compile).
         """
-        B, S = valid.shape
-        T = scores.shape[1]
-        rows = slice(query_offset, query_offset + T)
-        query_pos = torch.arange(query_offset, query_offset + T, device=scores.device)
-        # Causal visibility from positions (s <= t; a complete pool's tokens are all valid), no [B, T, S] mask.
-        pool_end = positions[..., -1].clamp(0, S - 1)  # [B, P]
-        candidate = (pool_end[:, None, :] <= query_pos[None, :, None]) & complete[:, None]  # [B, T, P]
-        if cu_seqlens is not None:  # ... and a pool of the query's own document (it starts at or after the doc)
-            doc_start = document_bounds(cu_seqlens, B, S)[0][:, rows]
-            candidate &= pool_starts(positions, S)[:, None, :] >= doc_start[:, :, None]
-        scores = scores.masked_fill(~candidate, torch.finfo(scores.dtype).min)
-        select = self._pools_per_query(scores.shape[-1])
-        if cu_seqlens is None:
-            chosen = scores.topk(select, dim=-1).indices  # [B, T, select]
-        else:  # ties to the lowest pool: a row's choice must not depend on how many pools the other rows have
-            chosen = scores.sort(dim=-1, descending=True, stable=True).indices[..., :select]
-        chosen_ok = candidate.gather(-1, chosen)
-        selected = torch.zeros_like(candidate).scatter_(-1, chosen, chosen_ok)
-        return self._slots(chosen, chosen_ok, positions, valid, cu_seqlens, query_offset), candidate, selected
+        return select_pools(scores, positions, complete, valid, cu_seqlens, query_offset, self.index_topk,
+                            self.kpool, self.select_tail)  # fmt: skip
 
     def _pools_per_query(self, num_pools: int) -> int:
         return min(self.index_topk // self.kpool, num_pools)
@@ -236,14 +227,8 @@ class Indexer(nn.Module):
 
     def _slots(self, chosen: torch.Tensor, chosen_ok: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
                cu_seqlens: torch.Tensor | None, query_offset: int) -> torch.Tensor:  # fmt: skip
-        """Chosen pools [B, T, select] (chosen_ok: a candidate) -> their tokens, then the visible tail: [B, T, J]."""
-        B, T = chosen.shape[:2]
-        tokens = positions[torch.arange(B, device=chosen.device)[:, None, None], chosen]  # [B, T, select, L]
-        topk = tokens.masked_fill(~chosen_ok[..., None], -1).flatten(-2)
-        if self.select_tail:
-            topk = torch.cat([topk, self.visible_tail(valid, cu_seqlens, query_offset, T)], dim=-1)
-        topk = F.pad(topk, (0, self.num_slots - topk.shape[-1]), value=-1)[..., : self.num_slots]
-        return topk.masked_fill(~valid[:, query_offset : query_offset + T, None], -1)
+        return pool_slots(chosen, chosen_ok, positions, valid, cu_seqlens, query_offset, self.kpool, self.select_tail,
+                          self.num_slots)  # fmt: skip
 
     def visible_tail(self, valid: torch.Tensor, cu_seqlens: torch.Tensor | None = None, query_offset: int = 0,
                      num_queries: int | None = None) -> torch.Tensor:  # fmt: skip
@@ -252,28 +237,7 @@ class Indexer(nn.Module):
         Queries are positions query_offset + [0, T) (T = num_queries, default all S) of the sequence `valid`
         [B, S] and `cu_seqlens` (over B * S) describe.
         """
-        B, S = valid.shape
-        T = S - query_offset if num_queries is None else num_queries
-        width = self.kpool - 1
-        if width == 0:
-            return valid.new_empty(B, T, 0, dtype=torch.long)
-        rows = slice(query_offset, query_offset + T)
-        count = valid.long().cumsum(-1)  # [B, S] visible (valid, causal) tokens per query
-        origin = first_valid_position(valid)[:, None]  # where the query's pools start
-        if cu_seqlens is not None:  # count only the query's own document
-            doc_start = document_bounds(cu_seqlens, B, S)[0]
-            count = count - torch.cat([count.new_zeros(B, 1), count], dim=1).gather(1, doc_start)
-            origin = first_valid_in_document(valid, cu_seqlens)[:, rows]
-        count = count[:, rows]  # [B, T]
-        tail = count.remainder(self.kpool)
-        offsets = torch.arange(width, device=valid.device)
-        start = origin + count - tail
-        idx = start[..., None] + offsets  # [B, T, L-1]
-        query_pos = torch.arange(query_offset, query_offset + T, device=valid.device)[None, :, None]
-        safe = idx.clamp(0, S - 1)
-        ok = (offsets < tail[..., None]) & (idx < S) & (idx <= query_pos)
-        ok = ok & valid.gather(-1, safe.flatten(1)).view_as(safe)
-        return idx.masked_fill(~ok, -1)
+        return visible_tail(valid, self.kpool, cu_seqlens, query_offset, num_queries)
 
     def init_weights(self) -> None:
         for linear in (self.wq_b, self.wk, self.weights_proj):
@@ -281,3 +245,99 @@ class Indexer(nn.Module):
         self.k_norm.init_weights()
         nn.init.zeros_(self.index_kpool_compress_ape)
         nn.init.ones_(self.index_kpool_compress_gate)
+
+
+def select_kept(scores: torch.Tensor, positions: torch.Tensor, complete: torch.Tensor, valid: torch.Tensor,
+                cu_seqlens: torch.Tensor | None, query_offset: int, index_topk: int, kpool: int,
+                select_tail: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`Indexer.select` over pools that are all complete in some row (transformers' pool axis)."""
+    num_slots = index_topk + (kpool - 1 if select_tail else 0)
+    B, S = valid.shape
+    T = scores.shape[1]
+    rows = slice(query_offset, query_offset + T)
+    query_pos = torch.arange(query_offset, query_offset + T, device=scores.device)
+    # Causal visibility from positions (s <= t; a complete pool's tokens are all valid), no [B, T, S] mask.
+    pool_end = positions[..., -1].clamp(0, S - 1)  # [B, P]
+    candidate = (pool_end[:, None, :] <= query_pos[None, :, None]) & complete[:, None]  # [B, T, P]
+    if cu_seqlens is not None:  # ... and a pool of the query's own document (it starts at or after the doc)
+        doc_start = document_bounds(cu_seqlens, B, S)[0][:, rows]
+        candidate &= pool_starts(positions, S)[:, None, :] >= doc_start[:, :, None]
+    scores = scores.masked_fill(~candidate, torch.finfo(scores.dtype).min)
+    select = min(index_topk // kpool, scores.shape[-1])
+    if cu_seqlens is None:
+        chosen = scores.topk(select, dim=-1).indices  # [B, T, select]
+    else:  # ties to the lowest pool: a row's choice must not depend on how many pools the other rows have
+        chosen = scores.sort(dim=-1, descending=True, stable=True).indices[..., :select]
+    chosen_ok = candidate.gather(-1, chosen)
+    selected = torch.zeros_like(candidate).scatter_(-1, chosen, chosen_ok)
+    topk = pool_slots(chosen, chosen_ok, positions, valid, cu_seqlens, query_offset, kpool, select_tail, num_slots)
+    return topk, candidate, selected
+
+
+def pool_slots(chosen: torch.Tensor, chosen_ok: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
+               cu_seqlens: torch.Tensor | None, query_offset: int, kpool: int, select_tail: bool,
+               num_slots: int) -> torch.Tensor:  # fmt: skip
+    """Chosen pools [B, T, select] (chosen_ok: a candidate) -> their tokens, then the visible tail: [B, T, J]."""
+    B, T = chosen.shape[:2]
+    tokens = positions[torch.arange(B, device=chosen.device)[:, None, None], chosen]  # [B, T, select, L]
+    topk = tokens.masked_fill(~chosen_ok[..., None], -1).flatten(-2)
+    if select_tail:
+        topk = torch.cat([topk, visible_tail(valid, kpool, cu_seqlens, query_offset, T)], dim=-1)
+    topk = F.pad(topk, (0, num_slots - topk.shape[-1]), value=-1)[..., :num_slots]
+    return topk.masked_fill(~valid[:, query_offset : query_offset + T, None], -1)
+
+
+def visible_tail(valid: torch.Tensor, kpool: int, cu_seqlens: torch.Tensor | None = None, query_offset: int = 0,
+                 num_queries: int | None = None) -> torch.Tensor:  # fmt: skip
+    """`Indexer.visible_tail` for pools of `kpool` tokens."""
+    B, S = valid.shape
+    T = S - query_offset if num_queries is None else num_queries
+    width = kpool - 1
+    if width == 0:
+        return valid.new_empty(B, T, 0, dtype=torch.long)
+    rows = slice(query_offset, query_offset + T)
+    count = valid.long().cumsum(-1)  # [B, S] visible (valid, causal) tokens per query
+    origin = first_valid_position(valid)[:, None]  # where the query's pools start
+    if cu_seqlens is not None:  # count only the query's own document
+        doc_start = document_bounds(cu_seqlens, B, S)[0]
+        count = count - torch.cat([count.new_zeros(B, 1), count], dim=1).gather(1, doc_start)
+        origin = first_valid_in_document(valid, cu_seqlens)[:, rows]
+    count = count[:, rows]  # [B, T]
+    tail = count.remainder(kpool)
+    offsets = torch.arange(width, device=valid.device)
+    start = origin + count - tail
+    idx = start[..., None] + offsets  # [B, T, L-1]
+    query_pos = torch.arange(query_offset, query_offset + T, device=valid.device)[None, :, None]
+    safe = idx.clamp(0, S - 1)
+    ok = (offsets < tail[..., None]) & (idx < S) & (idx <= query_pos)
+    ok = ok & valid.gather(-1, safe.flatten(1)).view_as(safe)
+    return idx.masked_fill(~ok, -1)
+
+
+# ---------------------------------------------------------------------------------------- torch.compile boundary
+# Which pools transformers ranks depends on the data (those complete in some row), and torch.topk's order among
+# tied scores (ReLU scores tie at 0 often) depends on how many it ranks: the choice runs as a custom op that
+# drops those pools eagerly, so compiled and eager models pick the same keys, with fixed-size outputs for
+# torch.compile. Nothing here has a gradient (the selection is made from detached scores).
+@torch.library.custom_op("glm53::select_pools", mutates_args=())
+def select_pools(scores: torch.Tensor, positions: torch.Tensor, complete: torch.Tensor, valid: torch.Tensor,
+                 cu_seqlens: torch.Tensor | None, query_offset: int, index_topk: int, kpool: int,
+                 select_tail: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """scores [B, T, P], positions [B, P, L], complete [B, P], valid [B, S] -> (top-k [B, T, J], candidate pools
+    [B, T, P], selected pools [B, T, P]); pools incomplete in every row are neither."""
+    keep = complete.any(0)  # [P]
+    topk, kept_candidate, kept_selected = select_kept(
+        scores[..., keep], positions[:, keep], complete[:, keep], valid, cu_seqlens, query_offset, index_topk,
+        kpool, select_tail)  # fmt: skip
+    candidate = kept_candidate.new_zeros(scores.shape)
+    selected = kept_selected.new_zeros(scores.shape)
+    candidate[..., keep] = kept_candidate
+    selected[..., keep] = kept_selected
+    return topk, candidate, selected
+
+
+@select_pools.register_fake
+def _(scores, positions, complete, valid, cu_seqlens, query_offset, index_topk, kpool, select_tail):
+    num_slots = index_topk + (kpool - 1 if select_tail else 0)
+    mask = scores.new_empty(scores.shape, dtype=torch.bool)
+    return scores.new_empty(*scores.shape[:2], num_slots, dtype=torch.long), mask, mask.clone()

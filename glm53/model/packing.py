@@ -83,7 +83,9 @@ def document_pool_layout(valid: torch.Tensor, cu_seqlens: torch.Tensor,
 
     -> positions [B, P, L] (row-local; an empty slot holds T.., past every token) and which of them are valid
     tokens of the pool's document [B, P, L]. A row's pools are its documents' pools in order, so each document
-    owns a contiguous run of slots; P is the most pools any row has. Loop-free over documents.
+    owns a contiguous run of slots. P = ceil(T / L) + n - B + 1 bounds every row's pool count (a row's m documents
+    of lengths l_i have at most sum(floor(l_i / L) + 1) <= T / L + m pools, and m <= n - B + 1): a size from the
+    shapes alone, so torch.compile traces it; the slots past a row's pools are empty. Loop-free over documents.
     """
     B, T = valid.shape
     flat_valid = valid.flatten()
@@ -94,22 +96,20 @@ def document_pool_layout(valid: torch.Tensor, cu_seqlens: torch.Tensor,
     first = torch.full((n,), B * T, device=valid.device, dtype=torch.long)
     first = torch.minimum(first.scatter_reduce(0, doc, torch.where(flat_valid, pos, B * T), "amin"), ends)
     counts = ceil_div(ends - first, kpool)  # pools per document
-    before = counts.cumsum(0) - counts  # pools of all earlier documents
+    past = counts.cumsum(0)  # pools of this and all earlier documents
+    before = past - counts
     row = (starts // T).clamp(max=B - 1)
-    row_first_doc = torch.searchsorted(starts, torch.arange(B, device=valid.device) * T)
-    offset = before - before[row_first_doc[row]]  # pools of earlier documents in the same row
-    per_row = torch.zeros(B, dtype=torch.long, device=valid.device).index_add_(0, row, counts)
-    P = max(1, int(per_row.max()))  # NOTE: syncs
-    pool_doc = torch.repeat_interleave(torch.arange(n, device=valid.device), counts)  # NOTE: syncs
-    j = torch.arange(pool_doc.numel(), device=valid.device) - before[pool_doc]
+    rows = torch.arange(B, device=valid.device)
+    row_first_doc = torch.searchsorted(starts, rows * T)
+    P = ceil_div(T, kpool) + n - B + 1
+    pool = before[row_first_doc, None] + torch.arange(P, device=valid.device)  # [B, P] global pool numbers
+    pool_doc = torch.searchsorted(past, pool, right=True).clamp(max=n - 1)  # [B, P] the document owning each
+    j = pool - before[pool_doc]  # the pool's number inside its document
+    used = (row[pool_doc] == rows[:, None]) & (j < counts[pool_doc])  # [B, P] slots holding one of the row's pools
     slots = torch.arange(kpool, device=valid.device)
-    tokens = first[pool_doc, None] + j[:, None] * kpool + slots  # [pools, L] flattened positions
-    token_ok = (tokens < ends[pool_doc, None]) & flat_valid[tokens.clamp(max=B * T - 1)]
-    positions = (T + slots).expand(B, P, kpool).clone()
-    token_valid = torch.zeros(B, P, kpool, dtype=torch.bool, device=valid.device)
-    r, s = row[pool_doc], offset[pool_doc] + j
-    positions[r, s] = tokens - r[:, None] * T
-    token_valid[r, s] = token_ok
+    tokens = first[pool_doc, None] + j[..., None] * kpool + slots  # [B, P, L] flattened positions
+    token_valid = used[..., None] & (tokens < ends[pool_doc, None]) & flat_valid[tokens.clamp(0, B * T - 1)]
+    positions = torch.where(used[..., None], tokens - rows[:, None, None] * T, T + slots)
     return positions, token_valid
 
 

@@ -273,10 +273,10 @@ def parallelize(
 
     `compile=True` compiles each block's forward with `compile_backend` (glm53.model.compile.compile_blocks) after
     TP and activation checkpointing and before FSDP, so FSDP's all-gathers run eagerly around the compiled block.
-    Blocks holding MLA stay eager until their kernels are compile-clean. Under a low-precision `mp_policy` the
+    Every block kind (KDA, MLA, MTP) compiles as one graph. Under a low-precision `mp_policy` the
     fp32 units nested in each block (mHC, router, convs) split its graph, so every block compiles with graph
     breaks allowed, and activation checkpointing is refused (a split block recomputes differently).
-    Checked on dp meshes; not with expert parallelism (its all-to-all split sizes are read on the host).
+    Checked on dp, tp and dp x tp meshes; not with expert parallelism (its all-to-all split sizes are read on the host).
     """
     if not isinstance(model, Glm53ForCausalLM):
         raise TypeError(f"parallelize expects a Glm53ForCausalLM, got {type(model).__name__}")

@@ -75,8 +75,11 @@ def vocab_parallel_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, we
     local = weight.to_local(grad_placements=(Shard(0),))  # [vocab/tp, D]
     # This rank's first row as a [1] tensor sliced like the weight (no communication): exact under LocalTensorMode
     # too, where one process plays every rank and a Python int from get_local_rank() would be rank 0's.
-    starts = torch.arange(mesh.size(), device=local.device) * local.shape[0]
-    first = distribute_tensor(starts, mesh, [Shard(0)], src_data_rank=None).to_local()
+    if torch.compiler.is_compiling():  # distribute_tensor does not trace; compiled code runs one rank a process
+        first = torch.full((1,), mesh.get_local_rank() * local.shape[0], dtype=torch.long, device=local.device)
+    else:
+        starts = torch.arange(mesh.size(), device=local.device) * local.shape[0]
+        first = distribute_tensor(starts, mesh, [Shard(0)], src_data_rank=None).to_local()
     chunk = chunk or lce.default_chunk(local.shape[0])
     return _VocabParallelCrossEntropy.apply(hidden, local, targets, first, chunk, mesh.get_group())
 

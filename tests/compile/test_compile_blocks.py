@@ -49,3 +49,65 @@ def test_block_compiles_fullgraph_and_matches_eager(model, index):
     for g_c, g_e in zip(grads, ref_grads):
         if g_e is not None:
             torch.testing.assert_close(g_c, g_e, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_select_pools_custom_op_fake_and_schema(model, packed):
+    """The indexer's pool choice (glm53::select_pools): torch.library.opcheck runs the op against its fake
+    implementation (output shapes and dtypes), its schema and dispatch; the pool axis keeps pool 4, incomplete in
+    every row, which the op never picks."""
+    from glm53.model.indexer import kept_pools, select_pools
+
+    ind = model.model.layers[3].self_attn.indexer
+    valid = torch.ones(2, 19, dtype=torch.bool)
+    valid[1, :4] = False
+    cu = torch.tensor([0, 9, 19, 38]) if packed else None
+    positions, complete = kept_pools(valid, ind.kpool, cu)
+    scores = torch.randn(2, 19, positions.shape[1], generator=torch.Generator().manual_seed(0))
+    args = (scores, positions, complete, valid, cu, 0, ind.index_topk, ind.kpool, ind.select_tail)
+    torch.library.opcheck(select_pools, args, test_utils=("test_schema", "test_faketensor"))
+    topk, candidate, selected = select_pools(*args)
+    assert topk.shape == (2, 19, ind.num_slots) and candidate.shape == selected.shape == scores.shape
+    dropped = ~complete.any(0)
+    assert dropped.any() and not candidate[..., dropped].any() and not selected[..., dropped].any()
+
+
+def test_compile_blocks_on_packed_documents_matches_eager():
+    """Packed documents (cu_seqlens) through every block kind compiled without a graph break (KDA + dense,
+    MLA + MoE, the MTP layer; the packed conv and indexer scores are custom ops, the packed pool count a size from
+    the shapes), with every loss part (MTP, indexer KL, balance, z-loss): loss parts and all gradients equal
+    eager."""
+
+    import copy
+
+    from torch._dynamo.utils import counters
+
+    from glm53.model.compile import compile_blocks
+
+    torch.manual_seed(0)
+    config = Glm53Config.tiny(num_hidden_layers=2, layer_types=["linear_attention", "indexed_attention"],
+                              mlp_layer_types=["dense", "sparse"], router_z_loss_coef=1e-2,
+                              num_nextn_predict_layers=1, indexer_loss_weight=0.5)  # fmt: skip
+    eager = Glm53ForCausalLM(config)
+    with torch.no_grad():
+        for p in eager.parameters():
+            p.normal_(std=0.2)
+    ids = torch.randint(1, config.vocab_size, (2, 19), generator=torch.Generator().manual_seed(1))
+    cu = torch.tensor([0, 7, 19, 30, 38])  # documents of 7 + 12 and 11 + 8 tokens: 12 > index_topk, sparse
+    torch._dynamo.reset()
+    counters.clear()
+    # fullgraph=False, breaks counted: under fullgraph=True dynamo would accept a data-dependent size silently
+    compiled = compile_blocks(copy.deepcopy(eager), backend="aot_eager", fullgraph=False)
+    runs = []
+    for m in (eager, compiled):
+        out = m(ids, labels=ids, cu_seqlens=cu)
+        parts = [out.loss, out.lm_loss, out.mtp_loss, out.aux_loss, out.indexer_loss]
+        runs.append((parts, torch.autograd.grad(out.loss, list(m.parameters()), allow_unused=True)))
+    assert counters["stats"]["unique_graphs"] == 3 and not counters["graph_break"]  # KDA, MLA, MTP
+    assert runs[0][0][4] > 0  # the indexer KL is on
+    for got, ref in zip(runs[1][0], runs[0][0]):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    for got, ref in zip(runs[1][1], runs[0][1], strict=True):
+        assert (got is None) == (ref is None)
+        if ref is not None:
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)

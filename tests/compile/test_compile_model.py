@@ -3,11 +3,11 @@ loss part) in fp32 and bf16, equal to the eager model, and no graph break where 
 
 Legend: B batch, T time.
 The "aot_eager" backend (dynamo + AOT autograd, no code generation) checks traceability in seconds; inductor
-compiles the same graphs (benchmarks/bench_model.py --compile). `fullgraph=True` makes any graph break fail.
-KDA + MoE configs compile as one graph. Configs with MLA layers (and MTP, whose layer is MLA) still break the
-graph in the indexer's pool selection and the sparse attention's key span (data-dependent shapes), until those
-become custom ops; they are checked for parity with breaks allowed (and the test fails once there are none, so
-that it becomes a fullgraph test).
+compiles the same graphs (benchmarks/bench_model.py --compile). The hybrid model (KDA and MLA layers, MoE, MTP,
+every loss part) compiles without a graph break: the test compiles with fullgraph=False and counts the breaks,
+since under fullgraph=True dynamo would also accept a data-dependent size (an unbacked symbol) silently, which
+breaks the graph everywhere else (per-block compile under a low-precision FSDP policy). Packed documents
+(`cu_seqlens`) still break the graph (see glm53/model/compile.py).
 """
 
 from __future__ import annotations
@@ -95,18 +95,9 @@ def check_parity(name: str, dtype: torch.dtype, fullgraph: bool, inference: bool
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_kda_moe_model_compiles_fullgraph_and_matches_eager(dtype):
-    check_parity("KDA-MoE", dtype, fullgraph=True)
-
-
-def test_hybrid_model_with_graph_breaks_matches_eager():
-    # each graph break is a separate compile: one dtype and the training step only keep this test short
-    breaks = check_parity("hybrid-MLA-MTP", torch.float32, fullgraph=False, inference=False)
-    # expected until the sparse-attention custom ops land; then compile this config with fullgraph=True here
-    # (test above) and drop MultiHeadLatentAttention from glm53.model.compile.GRAPH_BREAKING
-    assert breaks > 0, "the MLA model compiles without graph breaks now: make this test fullgraph"
-
-
+def test_hybrid_model_compiles_without_graph_breaks_and_matches_eager(dtype):
+    # T=19 > index_topk=8: sparse selection, and pool 4 (tokens 16-18) is incomplete in every row
+    assert check_parity("hybrid-MLA-MTP", dtype, fullgraph=False) == 0
 
 
 def test_compile_blocks_rejects_an_unknown_backend_and_a_second_call():

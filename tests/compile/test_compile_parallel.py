@@ -1,6 +1,7 @@
-"""Per-block torch.compile under `parallelize` (FSDP2 on a gloo dp2 mesh, torchtitan's order: TP -> activation
-checkpointing -> compile -> FSDP): the compiled run's loss parts and gradients equal the uncompiled parallel run's
-on the same rows, with no graph break in the (KDA + MoE) blocks; and `compile_blocks` on one process.
+"""Per-block torch.compile under `parallelize` (torchtitan's order: TP -> activation checkpointing -> compile ->
+FSDP), on gloo: FSDP2 dp2 (MLA and KDA blocks) against the uncompiled parallel run, tp2 and dp2 x tp2 (an MLA
+block, DTensors inside the graph) against one eager process, with no graph break; the vocab-parallel loss under
+torch.compile; and `compile_blocks` on one process.
 
 Legend: B batch, T time.
 Backend "aot_eager" (tracing and AOT autograd without code generation) keeps each case to seconds.
@@ -19,15 +20,19 @@ from glm53 import Glm53Config, Glm53ForCausalLM
 from glm53.model.compile import compile_blocks, model_blocks
 from glm53.training.cli import add_arguments
 from glm53.training.trainer import Trainer
-from tests.helpers.compile_jobs import refused, step
+from tests.helpers.compile_jobs import refused, step, vocab_loss_compiled
 
-# KDA layers 0-2 (dense, MoE, MoE) compiled, MLA layer 3 and the MTP layer eager; every loss part on
+# KDA layers 0-2 (dense, MoE, MoE), MLA layer 3 and the MTP layer (MLA + MoE) all compiled; every loss part on
 HYBRID = Glm53Config.tiny(num_nextn_predict_layers=1, indexer_loss_weight=0.5, router_z_loss_coef=1e-2)
 # under FSDP one KDA + MoE block: each compiled block kind costs seconds per rank
 ONE_BLOCK = Glm53Config.tiny(num_hidden_layers=1, layer_types=["linear_attention"], mlp_layer_types=["sparse"],
                              router_z_loss_coef=1e-2)  # fmt: skip
+# one MLA + MoE block (indexer, sparse attention, every loss part but MTP)
+ONE_MLA_BLOCK = Glm53Config.tiny(num_hidden_layers=1, layer_types=["indexed_attention"], mlp_layer_types=["sparse"],
+                                 router_z_loss_coef=1e-2, indexer_loss_weight=0.5)  # fmt: skip
 # fp32: whole block graphs. bf16 policy: the nested fp32 FSDP units (mHC, router, convs) split each block's graph.
-CASES = {"fp32-checkpointing": dict(checkpointing=True), "bf16-policy": dict(bf16=True)}
+CASES = {"fp32-checkpointing-MLA": dict(config=ONE_MLA_BLOCK, checkpointing=True),
+         "bf16-policy-KDA": dict(config=ONE_BLOCK, bf16=True)}  # fmt: skip
 
 
 def make_inputs(config: Glm53Config) -> dict:
@@ -46,7 +51,8 @@ def make_inputs(config: Glm53Config) -> dict:
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_compiled_blocks_under_fsdp_match_the_uncompiled_parallel_run(pool2, case):
-    inputs = make_inputs(ONE_BLOCK)
+    case = dict(case)
+    inputs = make_inputs(case.pop("config"))
     eager = pool2.run(step, **inputs, dp=2, compile=False, **case)
     compiled = pool2.run(step, **inputs, dp=2, compile=True, **case)
     tol = dict(rtol=2e-2, atol=2e-2) if case.get("bf16") else dict(rtol=1e-5, atol=1e-6)
@@ -60,13 +66,49 @@ def test_compiled_blocks_under_fsdp_match_the_uncompiled_parallel_run(pool2, cas
             torch.testing.assert_close(got["grads"][name], value, **tol, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("dp", [1, 2], ids=["tp2", "dp2xtp2"])
+def test_compiled_blocks_under_tp_match_one_eager_process(pool2, pool4, dp):
+    # the MLA + MoE block (column/row-parallel projections, DTensor ops inside the compiled graph; FSDP around it
+    # on the 2x2 mesh) and the vocab-sharded head's loss (glm53/parallel/vocab_loss.py), eager outside it
+    inputs = make_inputs(ONE_MLA_BLOCK)
+    model = Glm53ForCausalLM(ONE_MLA_BLOCK)
+    model.load_state_dict(inputs["state"])
+    per = inputs["ids"].shape[0] // dp
+    rows = [slice(i * per, (i + 1) * per) for i in range(dp)]
+    outs = [model(inputs["ids"][r], attention_mask=inputs["mask"][r], labels=inputs["labels"][r]) for r in rows]
+    (sum(out.loss for out in outs) / dp).backward()  # FSDP averages the dp ranks' gradients
+    results = (pool2 if dp == 1 else pool4).run(step, **inputs, dp=dp, tp=2, compile=True)
+    for rank, got in enumerate(results):
+        out = outs[rank // 2]  # mesh (dp, tp): ranks 2i and 2i + 1 hold dp slice i
+        assert got["graph_breaks"] == 0 and got["graphs"] == 1
+        assert set(got["parts"]) == {"loss", "lm_loss", "aux_loss", "indexer_loss"}
+        for name, value in got["parts"].items():
+            torch.testing.assert_close(value, getattr(out, name).detach(), rtol=1e-5, atol=1e-6)
+        assert got["grads"].keys() == {n for n, p in model.named_parameters() if p.grad is not None}
+        for name, p in model.named_parameters():
+            if p.grad is not None:
+                torch.testing.assert_close(got["grads"][name], p.grad, rtol=1e-4, atol=1e-6,
+                                           msg=lambda m: f"{name}: {m}")  # fmt: skip
+
+
+def test_vocab_parallel_loss_compiles_fullgraph_and_matches_eager(pool2):
+    g = torch.Generator().manual_seed(5)
+    hidden, weight = torch.randn(37, 12, generator=g), torch.randn(64, 12, generator=g)
+    targets = torch.randint(0, 64, (37,), generator=g)
+    targets[::5] = -100
+    for res in pool2.run(vocab_loss_compiled, hidden=hidden, weight=weight, targets=targets, chunk=8):
+        assert res["graph_breaks"] == 0 and res["graphs"] == 1  # the autograd.Function and its collectives traced
+        for key in ("loss", "hidden", "weight"):
+            torch.testing.assert_close(res["compiled"][key], res["eager"][key], rtol=1e-6, atol=1e-6)
+
+
 def test_compile_blocks_keeps_parameter_names_and_matches_eager_with_checkpointing():
     inputs = make_inputs(HYBRID)
     model = Glm53ForCausalLM(HYBRID)
     model.load_state_dict(inputs["state"])
     compiled = compile_blocks(copy.deepcopy(model), backend="aot_eager")
     assert list(compiled.state_dict()) == list(model.state_dict())
-    assert [hasattr(b.forward, "_torchdynamo_orig_callable") for b in model_blocks(compiled)] == [1, 1, 1, 0, 0]
+    assert [hasattr(b.forward, "_torchdynamo_orig_callable") for b in model_blocks(compiled)] == [1, 1, 1, 1, 1]
     compiled.gradient_checkpointing_enable()  # the compiled blocks run again inside torch.utils.checkpoint
     torch._dynamo.reset()
     counters.clear()
@@ -74,7 +116,8 @@ def test_compile_blocks_keeps_parameter_names_and_matches_eager_with_checkpointi
     for m in (model, compiled):
         out = m(inputs["ids"], attention_mask=inputs["mask"], labels=inputs["labels"])
         runs.append((out.loss, torch.autograd.grad(out.loss, list(m.parameters()), allow_unused=True)))
-    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 2  # KDA-dense, KDA-MoE reused
+    # KDA + dense, KDA + MoE (reused by layer 2), MLA + MoE, the MTP layer
+    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 4
     torch.testing.assert_close(runs[1][0], runs[0][0], rtol=1e-5, atol=1e-6)
     for got, ref in zip(runs[1][1], runs[0][1]):
         if ref is not None:
@@ -91,7 +134,7 @@ def test_train_cli_compile_flag_compiles_every_block():
     args = parser.parse_args(["--compile", "aot_eager", "--steps", "1"])
     model = Trainer(args, None).model
     compiled = [hasattr(b.forward, "_torchdynamo_orig_callable") for b in model_blocks(model)]
-    assert compiled == [1, 1, 1, 0, 0]  # KDA blocks; MLA block and MTP layer eager (glm53/model/compile.py)
+    assert compiled == [1, 1, 1, 1, 1]  # KDA blocks, the MLA block and the MTP layer
     assert parser.parse_args(["--compile"]).compile == "inductor" and parser.parse_args([]).compile is None
 
 

@@ -20,18 +20,19 @@ PARTS = ("loss", "lm_loss", "mtp_loss", "aux_loss", "indexer_loss")
 
 
 def step(config: dict, state: dict, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor, dp: int,
-         compile: bool, bf16: bool = False, checkpointing: bool = False) -> dict:  # fmt: skip
-    """This rank's dp share of the rows through a parallelized model -> loss parts, full gradients, graph breaks."""
+         compile: bool, bf16: bool = False, checkpointing: bool = False, tp: int = 1) -> dict:  # fmt: skip
+    """This rank's dp share of the rows through a parallelized model (a dp x tp mesh) -> loss parts, full
+    gradients, graph breaks."""
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
     torch._dynamo.reset()
     counters.clear()
-    mesh = build_mesh(dp, 1)
+    mesh = build_mesh(dp, tp)
     model = Glm53ForCausalLM(Glm53Config(**config))
     model.load_state_dict(state)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     parallelize(model, mesh, mp_policy=policy, activation_checkpointing=checkpointing, compile=compile,
                 compile_backend="aot_eager")  # fmt: skip
-    rows = slice(mesh.get_local_rank("dp") * (ids.shape[0] // dp), None)
+    rows = slice(mesh.get_local_rank("dp") * (ids.shape[0] // dp) if dp > 1 else 0, None)
     rows = slice(rows.start, rows.start + ids.shape[0] // dp)
     with loss_parallel_context(model):
         out = model(ids[rows], attention_mask=mask[rows], labels=labels[rows])
@@ -58,3 +59,25 @@ def refused(config: dict) -> list[str]:
             errors.append(str(e))
         assert not any(hasattr(b.forward, "_torchdynamo_orig_callable") for b in model.model.layers)
     return errors
+
+
+def vocab_loss_compiled(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int) -> dict:
+    """The vocab-parallel loss (W Shard(0) over the world) eager and under torch.compile(fullgraph=True) -> both
+    losses and gradients (hidden's and W's full), and the graph breaks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from glm53.parallel.vocab_loss import vocab_parallel_cross_entropy
+
+    torch._dynamo.reset()
+    counters.clear()
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),), mesh_dim_names=("tp",))
+    compiled = torch.compile(vocab_parallel_cross_entropy, backend="aot_eager", fullgraph=True)
+    runs = {}
+    for name, fn in (("eager", vocab_parallel_cross_entropy), ("compiled", compiled)):
+        w = distribute_tensor(weight.clone(), mesh, [Shard(0)], src_data_rank=None).requires_grad_()
+        h = hidden.clone().requires_grad_()
+        loss = fn(h, targets, w, chunk)
+        loss.backward()
+        runs[name] = dict(loss=loss.detach(), hidden=h.grad, weight=w.grad.full_tensor())
+    return dict(runs, graph_breaks=sum(counters["graph_break"].values()), graphs=counters["stats"]["unique_graphs"])

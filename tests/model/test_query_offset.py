@@ -103,7 +103,7 @@ def test_own_document_pools_is_the_packed_scores_mask(indexer):
         rows = slice(offset, offset + n)
         mask = own_document_pools(start, cu, S, offset, n)
         assert mask.any() and not mask.all()
-        torch.testing.assert_close(plain[:, rows] * mask, packed[:, rows], rtol=1e-6, atol=0)
+        torch.testing.assert_close(plain[:, rows] * mask, packed[:, rows], rtol=1e-5, atol=0)  # fp32 matmul blocking
 
 
 def test_segment_boundaries_match_the_models_boundaries():
