@@ -24,7 +24,7 @@ import torch
 from ..dispatch import register
 from ..opaque import autograd_inside_op
 from ..varlen import check_cu_seqlens
-from .fast import FAST_CHUNK_SIZE, kda_chunk_backward, kda_chunk_core, n_blocks  # noqa: F401  (FAST_CHUNK_SIZE: re-exported)
+from .fast import FAST_CHUNK_SIZE, kda_chunk_backward, kda_chunk_core, n_blocks  # noqa: F401 (re-export)
 from .varlen import no_states, per_document
 
 DEFAULT_CHUNK_SIZE = 64
