@@ -24,6 +24,7 @@ fp64 host scalars), not bit for bit (tests/generation/test_decode.py).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -140,45 +141,81 @@ class _Kda:
     head_dim: int
     norm_weight: torch.Tensor
     norm_eps: float
+    packed: tuple = ()  # (weight, bias, sizes): the six input projections as one linear (decode step only)
+    neg_rate: torch.Tensor | None = None  # -rate
+    qk_scale: torch.Tensor | None = None  # [2, 1, 1, 1]: l2norm's sqrt(K) correction, times q's K^-0.5
+
+
+_PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _packed_proj(module: nn.Module, proj: list) -> tuple:
+    """The six input projections of a KDA layer stacked into one (weight, bias, sizes), kept per module (not per
+    cache: one copy of the weights) and rebuilt when a weight changed in place (its version moved)."""
+    versions = tuple(w._version for w, _ in proj)
+    hit = _PACKED.get(module)
+    if hit is not None and hit[0] == versions:
+        return hit[1]
+    weight = torch.cat([w for w, _ in proj])
+    bias = None
+    if any(b is not None for _, b in proj):
+        bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in proj])
+    packed = (weight, bias, [w.shape[0] for w, _ in proj])
+    _PACKED[module] = (versions, packed)
+    return packed
 
 
 def _kda(module: nn.Module) -> _Kda:
     proj = [_weight(m) for m in (module.q_proj, module.k_proj, module.v_proj, module.f_a_proj, module.b_proj,
                                  module.g_a_proj)]  # fmt: skip
     taps = torch.cat([as_local(c, "weight")[:, 0, :] for c in (module.q_conv1d, module.k_conv1d, module.v_conv1d)])
+    rate = as_local(module, "A_log").float().exp()[:, None, None]
+    K = module.head_dim
+    # l2norm x / sqrt(sum x^2 + eps) is rms_norm(x, eps / K) / sqrt(K); q also takes the K^-0.5 score scale
+    qk_scale = torch.tensor([1.0 / K, K**-0.5], device=rate.device).view(2, 1, 1, 1)
     return _Kda(proj, as_local(module.f_b_proj, "weight"), as_local(module.g_b_proj, "weight"), _weight(module.o_proj),
-                taps.float().t().contiguous(), as_local(module, "dt_bias").float(),
-                as_local(module, "A_log").float().exp()[:, None, None], module.lower_bound, module.head_dim,
-                as_local(module.o_norm, "weight").float(), module.o_norm.eps)  # fmt: skip
+                taps.float().t().contiguous(), as_local(module, "dt_bias").float(), rate, module.lower_bound, K,
+                as_local(module.o_norm, "weight").float(), module.o_norm.eps, _packed_proj(module, proj), -rate,
+                qk_scale)  # fmt: skip
 
 
 def _kda_step(p: _Kda, x: torch.Tensor, cache: KdaLayerCache) -> torch.Tensor:
     """KimiDeltaAttention on one token: x [B, D] -> [B, D]; the state advances in place. Per head the token's
-    vectors are kept as [B, H, 1, K] rows, so the delta rule's products are plain matmuls on the state."""
+    vectors are kept as [B, H, 1, K] rows, so the delta rule's products are plain matmuls on the state. Each
+    formula takes its fewest-op form (one packed input projection, l2norm as one rms_norm, the dt bias inside
+    the f_b linear, fused in-place updates of the state)."""
     B, K = x.shape[0], p.head_dim
-    q_raw, k_raw, v_raw, f_a, b, g_a = (F.linear(x, w, bias) for w, bias in p.proj)
-    full = torch.cat([cache.conv, torch.cat([q_raw, k_raw, v_raw], dim=-1).view(B, 1, -1)], dim=1)  # [B, W, 3*H*K]
+    qkv_raw, f_a, b, g_a = F.linear(x, p.packed[0], p.packed[1]).split(_kda_sizes(p), dim=-1)
+    full = torch.cat([cache.conv, qkv_raw[:, None]], dim=1)  # [B, W, 3*H*K]
     qkv = _as(F.silu((_as(full, torch.float32) * p.taps).sum(1)), x.dtype).view(B, 3, -1, 1, K)  # [B, 3, H, 1, K]
-    qk = _as(qkv[:, :2], torch.float32)
-    qk = qk / torch.sqrt((qk * qk).sum(dim=-1, keepdim=True) + L2NORM_EPS)  # l2norm
-    raw = (_as(F.linear(f_a, p.f_b), torch.float32) + p.dt_bias).view(B, -1, K, 1)  # [B, H, K, 1]
+    qk = F.rms_norm(_as(qkv[:, :2], torch.float32), (K,), None, L2NORM_EPS / K) * p.qk_scale  # l2norm (q scaled)
+    if p.f_b.dtype == torch.float32:
+        raw = F.linear(f_a, p.f_b, p.dt_bias).view(B, -1, K, 1)  # [B, H, K, 1]
+    else:
+        raw = (_as(F.linear(f_a, p.f_b), torch.float32) + p.dt_bias).view(B, -1, K, 1)
     if p.lower_bound is not None:
         g = p.lower_bound * torch.sigmoid(p.rate * raw)
     else:
-        g = -p.rate * F.softplus(raw, threshold=20.0)
+        g = p.neg_rate * F.softplus(raw, threshold=20.0)
     dt = KDA_RECURRENT_DTYPE if x.dtype != torch.float64 else torch.float64
-    q, k, v = _as(qk[:, 0], dt) * K**-0.5, _as(qk[:, 1], dt), _as(qkv[:, 2], dt)  # [B, H, 1, K]
+    q, k, v = _as(qk[:, 0], dt), _as(qk[:, 1], dt), _as(qkv[:, 2], dt)  # [B, H, 1, K]
     beta = _as(torch.sigmoid(b), dt).view(B, -1, 1, 1)
     S = cache.state  # [B, H, K, V], owned by the cache (not marked: decode_step checks)
     S.mul_(_as(g, dt).exp())
-    u = beta * (v - torch.matmul(k, S))  # [B, H, 1, V]
-    S.add_(k.transpose(-1, -2) * u)
+    u = (v - torch.matmul(k, S)).mul_(beta)  # [B, H, 1, V]
+    S.addcmul_(k.transpose(-1, -2), u)
     o = _as(torch.matmul(q, S), qkv.dtype)  # [B, H, 1, V]
     cache.conv = full[:, 1:]
     cache.length += 1
     gate = _as(F.linear(g_a, p.g_b), torch.float32).view(B, -1, 1, K)
-    of = F.rms_norm(_as(o, torch.float32), (K,), None, p.norm_eps) * p.norm_weight * torch.sigmoid(gate)
-    return F.linear(_as(of, o.dtype).view(B, -1), *p.o)
+    of = F.rms_norm(_as(o, torch.float32), (K,), p.norm_weight, p.norm_eps).mul_(torch.sigmoid(gate))
+    return F.linear(_as(of, qkv.dtype).view(B, -1), *p.o)
+
+
+def _kda_sizes(p: _Kda) -> list[int]:
+    """The packed projection's split: q | k | v together (the conv input), then f_a, b, g_a."""
+    sizes = p.packed[2]
+    return [sizes[0] + sizes[1] + sizes[2], *sizes[3:]]
 
 
 # ------------------------------------------------------------------------------------------------------------ MLA
