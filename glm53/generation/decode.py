@@ -52,8 +52,26 @@ def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm as kernels/rms_norm.py: w * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), statistics in fp32."""
-    # F.rms_norm without a weight is the same x * rsqrt(mean(x^2) + eps), in one call
+    # F.rms_norm without a weight is the same x * rsqrt(mean(x^2) + eps), in one call; with it when all is fp32
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return weight * _as(F.rms_norm(_as(x, torch.float32), (x.shape[-1],), None, eps), x.dtype)
+
+
+_DERIVED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _derived(module: nn.Module, tag: str, sources: list[torch.Tensor], build) -> object:
+    """build(), kept per module (not per cache: one copy of derived weights however many caches) and rebuilt when
+    a source weight changed in place (its version moved)."""
+    versions = tuple((t.data_ptr(), t._version) for t in sources)
+    kept = _DERIVED.setdefault(module, {})
+    hit = kept.get(tag)
+    if hit is not None and hit[0] == versions:
+        return hit[1]
+    value = build()
+    kept[tag] = (versions, value)
+    return value
 
 
 # ------------------------------------------------------------------------------------------------------------ mHC
@@ -61,7 +79,7 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class _Site:
     """One mHC site (HyperConnection): its projection and the scale / bias of the (2+N)*N coefficients."""
 
-    fn: torch.Tensor  # [(2+N)*N, N*D] fp32
+    fn: torch.Tensor  # [(2+N)*N, N*D] fp32, each row times its coefficient's scale
     scale: torch.Tensor  # [(2+N)*N] fp32: scale[0] for pre, scale[1] for post, scale[2] for comb
     base: torch.Tensor  # [(2+N)*N] fp32
     n: int
@@ -81,7 +99,11 @@ def _site(hc: nn.Module, B: int) -> _Site:
     scale = as_local(hc, "scale").float()
     counts = torch.tensor([n, n, n * n], device=scale.device)
     fp32 = dict(dtype=torch.float32, device=scale.device)
-    return _Site(as_local(hc, "fn").float(), scale.repeat_interleave(counts), as_local(hc, "base").float(), n,
+    scale = scale.repeat_interleave(counts)
+    fn = as_local(hc, "fn")
+    # scale * (fn x) + base as one linear: the scale folded into fn's rows, base as the bias
+    scaled = _derived(hc, "fn", [fn, as_local(hc, "scale")], lambda: fn.float() * scale[:, None])
+    return _Site(scaled, scale, as_local(hc, "base").float(), n,
                  hc.eps, hc.norm_eps, hc.sinkhorn_iters, torch.ones(B, n, 1, **fp32), torch.ones(B, 1, n, **fp32),
                  torch.full((B, n, 1), hc.eps, **fp32), torch.full((B, 1, n), hc.eps, **fp32),
                  torch.empty(B, n, 1, **fp32), torch.empty(B, 1, n, **fp32))  # fmt: skip
@@ -102,8 +124,8 @@ def _coefficients(site: _Site, streams: torch.Tensor) -> tuple[torch.Tensor, tor
     B, n = streams.shape[0], site.n
     flat = _as(streams.reshape(B, -1), torch.float32)  # [B, N*D]
     # normalise, then project (kernels/hc_project.py's reference form): two calls instead of the fast form's six
-    mixed = F.linear(F.rms_norm(flat, (flat.shape[-1],), None, site.norm_eps), site.fn)  # [B, (2+N)*N]
-    z = torch.addcmul(site.base, mixed, site.scale)  # scale * logits + base, per coefficient
+    # scale * logits + base, per coefficient [B, (2+N)*N]
+    z = F.linear(F.rms_norm(flat, (flat.shape[-1],), None, site.norm_eps), site.fn, site.base)
     if use_host(z, n):  # one or two rows on the CPU: the 24 numbers per row as host scalars (decode_host.py)
         return host_coefficients(z, n, site.eps, site.iters)
     gates = torch.sigmoid(z[:, : 2 * n])
@@ -146,23 +168,16 @@ class _Kda:
     qk_scale: torch.Tensor | None = None  # [2, 1, 1, 1]: l2norm's sqrt(K) correction, times q's K^-0.5
 
 
-_PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def _packed_proj(module: nn.Module, proj: list) -> tuple:
-    """The six input projections of a KDA layer stacked into one (weight, bias, sizes), kept per module (not per
-    cache: one copy of the weights) and rebuilt when a weight changed in place (its version moved)."""
-    versions = tuple(w._version for w, _ in proj)
-    hit = _PACKED.get(module)
-    if hit is not None and hit[0] == versions:
-        return hit[1]
-    weight = torch.cat([w for w, _ in proj])
-    bias = None
-    if any(b is not None for _, b in proj):
-        bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in proj])
-    packed = (weight, bias, [w.shape[0] for w, _ in proj])
-    _PACKED[module] = (versions, packed)
-    return packed
+    """The six input projections of a KDA layer stacked into one (weight, bias, sizes)."""
+
+    def build() -> tuple:
+        bias = None
+        if any(b is not None for _, b in proj):
+            bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in proj])
+        return torch.cat([w for w, _ in proj]), bias, [w.shape[0] for w, _ in proj]
+
+    return _derived(module, "proj", [w for w, _ in proj], build)
 
 
 def _kda(module: nn.Module) -> _Kda:
