@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from ..boundary import as_local
 from ..kernels.moe import clamped_swiglu_packed
+from ..model.moe import NORM_EPS
 from .cache import CacheError, GenerationCache, KdaLayerCache, MlaLayerCache, _grow
 from .decode_host import host_coefficients, use_host
 from .layers import L2NORM_EPS
@@ -411,26 +412,72 @@ def _mla_step(p: _Mla, x: torch.Tensor, cache: MlaLayerCache,
 
 # ------------------------------------------------------------------------------------------------------------ MoE
 @dataclass
+class _Mlp:
+    """A (shared-expert or dense) MLP with its gate and up projections packed into one [2I, D] weight."""
+
+    gate_up: torch.Tensor  # [2I, D]
+    down: torch.Tensor  # [D, I]
+    limit: float
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(clamped_swiglu_packed(F.linear(x, self.gate_up), self.limit), self.down)
+
+
+def _mlp(mlp: nn.Module) -> _Mlp | nn.Module:
+    if not all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj", "swiglu_limit")):
+        return mlp  # not the plain MLP: called as is
+    gate, up = as_local(mlp.gate_proj, "weight"), as_local(mlp.up_proj, "weight")
+    packed = _derived(mlp, "gate_up", [gate, up], lambda: torch.cat([gate, up]))
+    return _Mlp(packed, as_local(mlp.down_proj, "weight"), mlp.swiglu_limit)
+
+
+@dataclass
 class _Moe:
     """MoE's router, expert weights and shared expert for a decode step."""
 
-    router: nn.Module  # Router, called as is
+    router: nn.Module  # Router, called as is (or inlined for one token: _route_token)
     gate_up: torch.Tensor  # [E, 2I, D]
     down: torch.Tensor  # [E, D, I]
     limit: float
-    shared: nn.Module  # the shared expert (MLP), called as is
+    shared: _Mlp | nn.Module  # the shared expert ([B, D] in and out)
+    gate_up_e: list  # E views [2I, D]: an expert's weight without a dispatched select per step
+    down_t_e: list  # E views [I, D]: down[e].t()
+    router_weight: torch.Tensor  # [E, D] fp32
+    router_bias: torch.Tensor  # [E] fp32 e_score_correction_bias
 
 
 def _moe(moe: nn.Module) -> _Moe:
-    experts = moe.experts
-    return _Moe(moe.gate, as_local(experts, "gate_up_proj"), as_local(experts, "down_proj"), experts.swiglu_limit,
-                moe.shared_experts)  # fmt: skip
+    experts, router = moe.experts, moe.gate
+    gate_up, down = as_local(experts, "gate_up_proj"), as_local(experts, "down_proj")
+    return _Moe(router, gate_up, down, experts.swiglu_limit, _mlp(moe.shared_experts), list(gate_up.unbind(0)),
+                [d.t() for d in down.unbind(0)], as_local(router, "weight").float(),
+                router.e_score_correction_bias.float())  # fmt: skip
+
+
+def _route_token(p: _Moe, x: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+    """Router.forward for one token x [1, D] without groups -> (the chosen experts in visiting order: sorted,
+    their routing weights [k, 1] fp32 in that order). The choice is the tensor top-k (as Router's); the k chosen
+    scores are renormalised on the host (fp64 scalars: equal up to fp32 rounding)."""
+    r = p.router
+    scores = torch.sigmoid(F.linear(_as(x, torch.float32), p.router_weight))  # [1, E]
+    chosen = (scores + p.router_bias).topk(r.top_k, dim=-1, sorted=False).indices
+    experts = chosen[0].tolist()  # NOTE: syncs (the chosen experts steer the host loop)
+    values = scores[0, experts].tolist()
+    if r.norm_topk_prob:
+        total = sum(values) + NORM_EPS
+        values = [v / total for v in values]
+    pairs = sorted(zip(experts, values), key=lambda pair: pair[0])
+    weights = torch.tensor([[v * r.routed_scaling_factor] for _, v in pairs], dtype=torch.float32, device=x.device)
+    return [e for e, _ in pairs], weights
 
 
 def _moe_step(p: _Moe, x: torch.Tensor) -> torch.Tensor:
     """MoE.forward for a few tokens x [B, D]: one GEMV pair per chosen expert instead of the grouped kernel's
     sort-and-scatter over all E experts. Pairs are visited and summed in moe_experts_grouped's order (sorted by
     expert, stable), so each token's expert outputs are added in the same order."""
+    if x.shape[0] == 1 and p.router.n_group <= 1:
+        chosen, weights = _route_token(p, x)
+        return _moe_token(p, x, weights, chosen)
     _, weights, indices = p.router(x)  # [B, k] fp32, [B, k]
     k = indices.shape[1]
     experts = indices.flatten().tolist()  # NOTE: syncs (the chosen experts steer the host loop)
@@ -455,11 +502,11 @@ def _moe_token(p: _Moe, x: torch.Tensor, weights: torch.Tensor, chosen: list[int
     """_moe_step for one token x [1, D] and its k distinct experts in visiting order (weights [k, 1] fp32): the
     k gate/up GEMVs side by side so the SwiGLU and the routing weights are one op each, then the down GEMVs
     accumulated in order (addmm: each adds its product to the running sum, as the sum of separate outputs)."""
-    h = torch.cat([F.linear(x, p.gate_up[e]) for e in chosen])  # [k, 2I]
-    act = _as(clamped_swiglu_packed(h, p.limit) * weights, x.dtype)  # [k, I]
-    routed = F.linear(act[:1], p.down[chosen[0]])
+    h = torch.cat([F.linear(x, p.gate_up_e[e]) for e in chosen])  # [k, 2I]
+    act = _as(clamped_swiglu_packed(h, p.limit) * weights, x.dtype).split(1)  # k x [1, I]
+    routed = torch.mm(act[0], p.down_t_e[chosen[0]])
     for i in range(1, len(chosen)):
-        routed = torch.addmm(routed, act[i : i + 1], p.down[chosen[i]].t())
+        routed = torch.addmm(routed, act[i], p.down_t_e[chosen[i]])
     return routed + p.shared(x)
 
 
@@ -472,7 +519,7 @@ class _Block:
     post_norm: tuple
     attention: _Kda | _Mla
     cache: KdaLayerCache | MlaLayerCache
-    mlp: _Moe | nn.Module  # an MLP is called as is ([B, D] in and out)
+    mlp: _Moe | _Mlp | nn.Module  # an MLP is called as is ([B, D] in and out)
 
 
 @dataclass
@@ -505,7 +552,7 @@ def build_plan(model: nn.Module, cache: GenerationCache) -> DecodePlan:
         attention = _kda(layer.self_attn) if is_kda else _mla(layer.self_attn, lc)
         blocks.append(_Block(_site(layer.attn_hc, batch), _site(layer.ffn_hc, batch), _norm(layer.input_layernorm),
                              _norm(layer.post_attention_layernorm), attention, lc,
-                             _moe(layer.mlp) if hasattr(layer.mlp, "experts") else layer.mlp))  # fmt: skip
+                             _moe(layer.mlp) if hasattr(layer.mlp, "experts") else _mlp(layer.mlp)))  # fmt: skip
     embed = as_local(model.model.embed_tokens, "weight")
     return DecodePlan(blocks, embed, _norm(model.model.norm), model.config.hc_mult, batch)
 
