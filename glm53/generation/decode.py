@@ -35,7 +35,7 @@ from ..boundary import as_local
 from ..kernels.moe import clamped_swiglu_packed
 from ..model.moe import NORM_EPS
 from .cache import CacheError, GenerationCache, KdaLayerCache, MlaLayerCache, _grow
-from .decode_host import host_coefficients, use_host
+from .decode_host import host_coefficients, host_mixers, use_host
 from .layers import L2NORM_EPS
 
 KDA_RECURRENT_DTYPE = torch.float32  # the kda kernels compute in fp32 (fp64 only for fp64 inputs)
@@ -120,13 +120,17 @@ def _sinkhorn(site: _Site, c: torch.Tensor) -> torch.Tensor:
     return c
 
 
+def _logits(site: _Site, streams: torch.Tensor) -> torch.Tensor:
+    """scale * (projected, normalised streams) + base: streams [B, N, D] -> z [B, (2+N)*N] fp32."""
+    flat = _as(streams.reshape(streams.shape[0], -1), torch.float32)  # [B, N*D]
+    # normalise, then project (kernels/hc_project.py's reference form); the scale is folded into fn, base the bias
+    return F.linear(F.rms_norm(flat, (flat.shape[-1],), None, site.norm_eps), site.fn, site.base)
+
+
 def _coefficients(site: _Site, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """HyperConnection.coefficients for streams [B, N, D] -> pre [B, N], post [B, N], comb [B, N, N] (fp32)."""
     B, n = streams.shape[0], site.n
-    flat = _as(streams.reshape(B, -1), torch.float32)  # [B, N*D]
-    # normalise, then project (kernels/hc_project.py's reference form): two calls instead of the fast form's six
-    # scale * logits + base, per coefficient [B, (2+N)*N]
-    z = F.linear(F.rms_norm(flat, (flat.shape[-1],), None, site.norm_eps), site.fn, site.base)
+    z = _logits(site, streams)
     if use_host(z, n):  # one or two rows on the CPU: the 24 numbers per row as host scalars (decode_host.py)
         return host_coefficients(z, n, site.eps, site.iters)
     gates = torch.sigmoid(z[:, : 2 * n])
@@ -136,9 +140,19 @@ def _coefficients(site: _Site, streams: torch.Tensor) -> tuple[torch.Tensor, tor
     return pre, post, _sinkhorn(site, comb)
 
 
+def _mixers(site: _Site, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """_coefficients in the decode step's layout: pre [B, 1, N] and the mixer [B, N, N+1] = [comb^T | post]."""
+    z = _logits(site, streams)
+    if use_host(z, site.n):
+        return host_mixers(z, site.n, site.eps, site.iters)
+    pre, post, comb = _coefficients(site, streams)
+    return pre[:, None], torch.cat([comb.transpose(1, 2), post[:, :, None]], dim=-1)
+
+
 def _collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
-    """sum_j pre_j x_j in fp32 -> [B, D] in streams' dtype (kernels/hc_collapse.py)."""
-    return _as(torch.bmm(pre[:, None, :], _as(streams, torch.float32)).view(streams.shape[0], -1), streams.dtype)
+    """sum_j pre_j x_j in fp32 -> [B, D] in streams' dtype (kernels/hc_collapse.py); pre [B, N] or [B, 1, N]."""
+    pre = pre if pre.dim() == 3 else pre[:, None, :]
+    return _as(torch.bmm(pre, _as(streams, torch.float32)).view(streams.shape[0], -1), streams.dtype)
 
 
 def _mix(streams: torch.Tensor, comb: torch.Tensor, post: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -146,6 +160,12 @@ def _mix(streams: torch.Tensor, comb: torch.Tensor, post: torch.Tensor, out: tor
     dtype = streams.dtype
     new = torch.bmm(_as(comb, dtype).transpose(1, 2), streams)
     return new.addcmul_(_as(post, dtype)[:, :, None], _as(out, dtype)[:, None, :])
+
+
+def _mix_step(streams: torch.Tensor, mixer: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """_mix as one product: [comb^T | post] @ [streams; out] -> [B, N, D] in streams' dtype."""
+    dtype = streams.dtype
+    return torch.bmm(_as(mixer, dtype), torch.cat([streams, _as(out, dtype)[:, None, :]], dim=1))
 
 
 # ------------------------------------------------------------------------------------------------------------ KDA
@@ -559,17 +579,17 @@ def build_plan(model: nn.Module, cache: GenerationCache) -> DecodePlan:
 
 def _block_step(blk: _Block, streams: torch.Tensor, topk: torch.Tensor | None):
     """DecoderBlock.forward on one token: streams [B, N, D] -> (streams, this layer's top-k or the carried one)."""
-    pre, post, comb = _coefficients(blk.attn_site, streams)
+    pre, mixer = _mixers(blk.attn_site, streams)
     x = _rms(_collapse(pre, streams), *blk.input_norm)
     if isinstance(blk.attention, _Kda):
         out = _kda_step(blk.attention, x, blk.cache)
     else:
         out, topk = _mla_step(blk.attention, x, blk.cache, topk)
-    streams = _mix(streams, comb, post, out)
-    pre, post, comb = _coefficients(blk.ffn_site, streams)
+    streams = _mix_step(streams, mixer, out)
+    pre, mixer = _mixers(blk.ffn_site, streams)
     x = _rms(_collapse(pre, streams), *blk.post_norm)
     out = _moe_step(blk.mlp, x) if isinstance(blk.mlp, _Moe) else blk.mlp(x)
-    return _mix(streams, comb, post, out), topk
+    return _mix_step(streams, mixer, out), topk
 
 
 @torch.inference_mode()
