@@ -53,10 +53,31 @@ def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm as kernels/rms_norm.py: w * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), statistics in fp32."""
-    # F.rms_norm without a weight is the same x * rsqrt(mean(x^2) + eps), in one call; with it when all is fp32
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+        scaled, root = _rms_constants(weight, eps)
+        return _unit_rms(x, root).mul_(scaled)
+    # F.rms_norm without a weight is the same x * rsqrt(mean(x^2) + eps), in one call
     return weight * _as(F.rms_norm(_as(x, torch.float32), (x.shape[-1],), None, eps), x.dtype)
+
+
+def _unit_rms(x: torch.Tensor, root: torch.Tensor) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + root^2) over the last dim (fp32): rms_norm(x, eps) / sqrt(D) for root = sqrt(D eps),
+    l2norm for root = sqrt(eps). A norm and a hypot are two cheap calls where F.rms_norm on the CPU is several."""
+    return x / torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True), root)
+
+
+_RMS: dict = {}  # id(weight) -> (weakref to it, (version, eps), constants): tensors compare by value, not identity
+
+
+def _rms_constants(weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight * sqrt(D), sqrt(D eps)) for _unit_rms, kept per weight tensor (rebuilt when it changed in place)."""
+    key = (weight._version, eps)
+    hit = _RMS.get(id(weight))
+    if hit is None or hit[0]() is not weight or hit[1] != key:
+        D = weight.shape[-1]
+        hit = (weakref.ref(weight), key, (weight * D**0.5, torch.tensor((D * eps) ** 0.5, device=weight.device)))
+        _RMS[id(weight)] = hit
+    return hit[2]
 
 
 _DERIVED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -93,6 +114,7 @@ class _Site:
     eps_row: torch.Tensor  # [B, 1, N]
     rows: torch.Tensor  # [B, N, 1] scratch for the row sums
     cols: torch.Tensor  # [B, 1, N] scratch for the column sums
+    root: torch.Tensor | None = None  # sqrt(N*D norm_eps): the normalisation as _unit_rms (fn carries sqrt(N*D))
 
 
 def _site(hc: nn.Module, B: int) -> _Site:
@@ -103,11 +125,13 @@ def _site(hc: nn.Module, B: int) -> _Site:
     scale = scale.repeat_interleave(counts)
     fn = as_local(hc, "fn")
     # scale * (fn x) + base as one linear: the scale folded into fn's rows, base as the bias
-    scaled = _derived(hc, "fn", [fn, as_local(hc, "scale")], lambda: fn.float() * scale[:, None])
+    root = fn.shape[-1] ** 0.5  # _unit_rms leaves out rms_norm's sqrt(N*D): folded into fn with the scale
+    scaled = _derived(hc, "fn", [fn, as_local(hc, "scale")], lambda: fn.float() * (scale[:, None] * root))
     return _Site(scaled, scale, as_local(hc, "base").float(), n,
                  hc.eps, hc.norm_eps, hc.sinkhorn_iters, torch.ones(B, n, 1, **fp32), torch.ones(B, 1, n, **fp32),
                  torch.full((B, n, 1), hc.eps, **fp32), torch.full((B, 1, n), hc.eps, **fp32),
-                 torch.empty(B, n, 1, **fp32), torch.empty(B, 1, n, **fp32))  # fmt: skip
+                 torch.empty(B, n, 1, **fp32), torch.empty(B, 1, n, **fp32),
+                 torch.tensor(root * hc.norm_eps**0.5, **fp32))  # fmt: skip
 
 
 def _sinkhorn(site: _Site, c: torch.Tensor) -> torch.Tensor:
@@ -124,7 +148,7 @@ def _logits(site: _Site, streams: torch.Tensor) -> torch.Tensor:
     """scale * (projected, normalised streams) + base: streams [B, N, D] -> z [B, (2+N)*N] fp32."""
     flat = _as(streams.reshape(streams.shape[0], -1), torch.float32)  # [B, N*D]
     # normalise, then project (kernels/hc_project.py's reference form); the scale is folded into fn, base the bias
-    return F.linear(F.rms_norm(flat, (flat.shape[-1],), None, site.norm_eps), site.fn, site.base)
+    return F.linear(_unit_rms(flat, site.root), site.fn, site.base)
 
 
 def _coefficients(site: _Site, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -186,7 +210,9 @@ class _Kda:
     norm_eps: float
     packed: tuple = ()  # (weight, bias, sizes): the six input projections as one linear (decode step only)
     neg_rate: torch.Tensor | None = None  # -rate
-    qk_scale: torch.Tensor | None = None  # [2, 1, 1, 1]: l2norm's sqrt(K) correction, times q's K^-0.5
+    qk_scale: torch.Tensor | None = None  # [2, 1, 1, 1]: q's K^-0.5 score scale (1 for k)
+    roots: tuple = ()  # (sqrt(l2norm eps), sqrt(K o_norm eps)) for _unit_rms
+    norm_scaled: torch.Tensor | None = None  # o_norm's weight * sqrt(K)
 
 
 def _packed_proj(module: nn.Module, proj: list) -> tuple:
@@ -207,12 +233,14 @@ def _kda(module: nn.Module) -> _Kda:
     taps = torch.cat([as_local(c, "weight")[:, 0, :] for c in (module.q_conv1d, module.k_conv1d, module.v_conv1d)])
     rate = as_local(module, "A_log").float().exp()[:, None, None]
     K = module.head_dim
-    # l2norm x / sqrt(sum x^2 + eps) is rms_norm(x, eps / K) / sqrt(K); q also takes the K^-0.5 score scale
-    qk_scale = torch.tensor([1.0 / K, K**-0.5], device=rate.device).view(2, 1, 1, 1)
+    fp32 = dict(dtype=torch.float32, device=rate.device)
+    qk_scale = torch.tensor([K**-0.5, 1.0], **fp32).view(2, 1, 1, 1)
+    roots = (torch.tensor(L2NORM_EPS**0.5, **fp32), torch.tensor((K * module.o_norm.eps) ** 0.5, **fp32))
+    norm_weight = as_local(module.o_norm, "weight").float()
     return _Kda(proj, as_local(module.f_b_proj, "weight"), as_local(module.g_b_proj, "weight"), _weight(module.o_proj),
                 taps.float().t().contiguous(), as_local(module, "dt_bias").float(), rate, module.lower_bound, K,
-                as_local(module.o_norm, "weight").float(), module.o_norm.eps, _packed_proj(module, proj), -rate,
-                qk_scale)  # fmt: skip
+                norm_weight, module.o_norm.eps, _packed_proj(module, proj), -rate, qk_scale, roots,
+                norm_weight * K**0.5)  # fmt: skip
 
 
 def _kda_step(p: _Kda, x: torch.Tensor, cache: KdaLayerCache) -> torch.Tensor:
@@ -224,7 +252,7 @@ def _kda_step(p: _Kda, x: torch.Tensor, cache: KdaLayerCache) -> torch.Tensor:
     qkv_raw, f_a, b, g_a = F.linear(x, p.packed[0], p.packed[1]).split(_kda_sizes(p), dim=-1)
     full = torch.cat([cache.conv, qkv_raw[:, None]], dim=1)  # [B, W, 3*H*K]
     qkv = _as(F.silu((_as(full, torch.float32) * p.taps).sum(1)), x.dtype).view(B, 3, -1, 1, K)  # [B, 3, H, 1, K]
-    qk = F.rms_norm(_as(qkv[:, :2], torch.float32), (K,), None, L2NORM_EPS / K) * p.qk_scale  # l2norm (q scaled)
+    qk = _unit_rms(_as(qkv[:, :2], torch.float32), p.roots[0]).mul_(p.qk_scale)  # l2norm (q scaled)
     if p.f_b.dtype == torch.float32:
         raw = F.linear(f_a, p.f_b, p.dt_bias).view(B, -1, K, 1)  # [B, H, K, 1]
     else:
@@ -244,7 +272,7 @@ def _kda_step(p: _Kda, x: torch.Tensor, cache: KdaLayerCache) -> torch.Tensor:
     cache.conv = full[:, 1:]
     cache.length += 1
     gate = _as(F.linear(g_a, p.g_b), torch.float32).view(B, -1, 1, K)
-    of = F.rms_norm(_as(o, torch.float32), (K,), p.norm_weight, p.norm_eps).mul_(torch.sigmoid(gate))
+    of = _unit_rms(_as(o, torch.float32), p.roots[1]).mul_(p.norm_scaled).mul_(torch.sigmoid(gate))
     return F.linear(_as(of, qkv.dtype).view(B, -1), *p.o)
 
 
