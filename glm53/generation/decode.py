@@ -215,8 +215,8 @@ class _Kda:
     norm_scaled: torch.Tensor | None = None  # o_norm's weight * sqrt(K)
 
 
-def _packed_proj(module: nn.Module, proj: list) -> tuple:
-    """The six input projections of a KDA layer stacked into one (weight, bias, sizes)."""
+def _packed_linears(module: nn.Module, tag: str, proj: list) -> tuple:
+    """Linears that read the same input, stacked into one (weight, bias, sizes) (kept per module: _derived)."""
 
     def build() -> tuple:
         bias = None
@@ -224,7 +224,7 @@ def _packed_proj(module: nn.Module, proj: list) -> tuple:
             bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in proj])
         return torch.cat([w for w, _ in proj]), bias, [w.shape[0] for w, _ in proj]
 
-    return _derived(module, "proj", [w for w, _ in proj], build)
+    return _derived(module, tag, [w for w, _ in proj] + [b for _, b in proj if b is not None], build)
 
 
 def _kda(module: nn.Module) -> _Kda:
@@ -239,7 +239,7 @@ def _kda(module: nn.Module) -> _Kda:
     norm_weight = as_local(module.o_norm, "weight").float()
     return _Kda(proj, as_local(module.f_b_proj, "weight"), as_local(module.g_b_proj, "weight"), _weight(module.o_proj),
                 taps.float().t().contiguous(), as_local(module, "dt_bias").float(), rate, module.lower_bound, K,
-                norm_weight, module.o_norm.eps, _packed_proj(module, proj), -rate, qk_scale, roots,
+                norm_weight, module.o_norm.eps, _packed_linears(module, "proj", proj), -rate, qk_scale, roots,
                 norm_weight * K**0.5)  # fmt: skip
 
 
@@ -319,6 +319,7 @@ class _Mla:
     scale: float
     absorb: bool
     indexer: _Indexer | None
+    packed: tuple = ()  # (weight, bias, sizes): q_a, kv_a (and the indexer's wk, gate, weights_proj) as one linear
 
 
 def _indexer(indexer: nn.Module | None, cache: MlaLayerCache) -> _Indexer | None:
@@ -341,7 +342,20 @@ def _mla(module: nn.Module, cache: MlaLayerCache) -> _Mla:
                 as_local(module.q_b_proj, "weight"), _weight(module.kv_a_proj_with_mqa),
                 (as_local(module.kv_a_layernorm, "weight"), module.kv_a_layernorm.eps), _weight(module.o_proj),
                 w_uk, w_uv.transpose(1, 2), module.qk_head_dim, module.scale, module.absorb,
-                _indexer(module.indexer, cache))  # fmt: skip
+                _indexer(module.indexer, cache), _packed_mla(module))  # fmt: skip
+
+
+def _packed_mla(module: nn.Module) -> tuple:
+    """The linears that read the block input x (q_a, kv_a; the indexer's wk, gate and weights_proj when the layer
+    has its own indexer) stacked into one (weight, bias, sizes): one GEMV per step instead of five."""
+    proj = [_weight(module.q_a_proj), _weight(module.kv_a_proj_with_mqa)]
+    if module.indexer is not None:
+        ix = module.indexer
+        proj += [(as_local(ix.wk, "weight"), None), (as_local(ix, "index_kpool_compress_gate"), None),
+                 (as_local(ix.weights_proj, "weight"), None)]  # fmt: skip
+    if len({w.dtype for w, _ in proj}) > 1:
+        return ()
+    return _packed_linears(module, "x_proj", proj)
 
 
 def _push_pool_token(p: _Indexer, cache: MlaLayerCache, key: torch.Tensor, gate: torch.Tensor) -> None:
@@ -350,11 +364,11 @@ def _push_pool_token(p: _Indexer, cache: MlaLayerCache, key: torch.Tensor, gate:
     B = key.shape[0]
     slots = [c % L for c in cache.counts_host]
     if len(set(slots)) == 1:
-        ps.partial_keys[:, slots[0]] = key.to(ps.partial_keys.dtype)
+        ps.partial_keys[:, slots[0]] = _as(key, ps.partial_keys.dtype)
         ps.partial_gate[:, slots[0]] = gate
     else:
         rows, at = torch.arange(B, device=key.device), torch.tensor(slots, device=key.device)
-        ps.partial_keys[rows, at] = key.to(ps.partial_keys.dtype)
+        ps.partial_keys[rows, at] = _as(key, ps.partial_keys.dtype)
         ps.partial_gate[rows, at] = gate
     ps.partial_count = ps.partial_count + 1
     done = [b for b, s in enumerate(slots) if s == L - 1]
@@ -372,18 +386,21 @@ def _push_pool_token(p: _Indexer, cache: MlaLayerCache, key: torch.Tensor, gate:
     ps.partial_count = ps.partial_count.masked_fill(finished, 0)
 
 
-def _decode_topk(p: _Indexer, cache: MlaLayerCache, x: torch.Tensor, q_resid: torch.Tensor,
-                 start: int) -> torch.Tensor:  # fmt: skip
-    """The indexer's selection for the token at position `start` against the cached pools -> [B, J]."""
+def _decode_topk(p: _Indexer, cache: MlaLayerCache, x: torch.Tensor, q_resid: torch.Tensor, start: int,
+                 x_proj: tuple | None = None) -> torch.Tensor:  # fmt: skip
+    """The indexer's selection for the token at position `start` against the cached pools -> [B, J]. x_proj: x's
+    wk, gate and weights_proj products when already made (the packed projection)."""
     B, L = x.shape[0], p.L
-    key = F.layer_norm(F.linear(x, p.wk), (p.head_dim,), *p.k_norm)  # [B, K]
-    _push_pool_token(p, cache, key, F.linear(x, p.gate).float())
+    if x_proj is None:
+        x_proj = (F.linear(x, p.wk), F.linear(x, p.gate), F.linear(x, p.weights_proj))
+    key = F.layer_norm(x_proj[0], (p.head_dim,), *p.k_norm)  # [B, K]
+    _push_pool_token(p, cache, key, _as(x_proj[1], torch.float32))
     counts = [c + 1 for c in cache.counts_host]  # tokens per row, this one included
     ps = cache.pools
     P = (cache.max_count + 1) // L
     q = F.linear(q_resid, p.wq_b).view(B, p.n_heads, p.head_dim)
-    w = F.linear(x, p.weights_proj).float() * p.n_heads**-0.5  # [B, H]
-    logits = F.relu(torch.matmul(q.float(), ps.keys[:, :P].float().transpose(-1, -2)) * p.head_dim**-0.5)
+    w = _as(x_proj[2], torch.float32) * p.n_heads**-0.5  # [B, H]
+    logits = F.relu(torch.matmul(_as(q, torch.float32), _as(ps.keys[:, :P], torch.float32).transpose(-1, -2)) * p.head_dim**-0.5)
     scores = torch.matmul(w[:, None, :], logits)[:, 0]  # [B, P] fp32
     uniform = all(c // L == P for c in counts)  # every row has all P pools: each is a candidate
     if not uniform:
@@ -424,11 +441,11 @@ def _attention(p: _Mla, q: torch.Tensor, cache: MlaLayerCache, topk: torch.Tenso
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     mask = ~filled[:, None, :]
     if p.absorb:
-        q_abs = torch.bmm(q.transpose(0, 1), p.w_uk).transpose(0, 1).to(dtype)  # [B, H, Z]
-        kv = kv.to(dtype)
+        q_abs = _as(torch.bmm(q.transpose(0, 1), p.w_uk).transpose(0, 1), dtype)  # [B, H, Z]
+        kv = _as(kv, dtype)
         scores = torch.bmm(q_abs, kv.transpose(1, 2)) * p.scale  # [B, H, J]
         probs = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1).nan_to_num(0.0)
-        o_latent = torch.bmm(probs, kv).to(q.dtype)  # [B, H, Z]
+        o_latent = _as(torch.bmm(probs, kv), q.dtype)  # [B, H, Z]
         return torch.bmm(o_latent.transpose(0, 1), p.w_uv_t).transpose(0, 1)
     k, v = p.module._expand_kv(kv.to(q.dtype))  # [B, J, H, K], [B, J, H, V]
     scores = torch.einsum("bhe,bjhe->bhj", q.to(dtype), k.to(dtype)) * p.scale
@@ -440,12 +457,16 @@ def _mla_step(p: _Mla, x: torch.Tensor, cache: MlaLayerCache,
               shared: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """MultiHeadLatentAttention on one token: x [B, D] -> (out [B, D], top-k [B, J])."""
     B = x.shape[0]
-    q_resid = _rms(F.linear(x, *p.q_a), *p.q_a_norm)  # [B, R]
+    if p.packed:
+        q_a, kv_a, *x_proj = F.linear(x, p.packed[0], p.packed[1]).split(p.packed[2], dim=-1)
+    else:
+        q_a, kv_a, x_proj = F.linear(x, *p.q_a), F.linear(x, *p.kv_a), None
+    q_resid = _rms(q_a, *p.q_a_norm)  # [B, R]
     q = F.linear(q_resid, p.q_b).view(B, -1, p.qk_head_dim)  # [B, H, K]
-    latent = _rms(F.linear(x, *p.kv_a), *p.kv_norm)  # [B, Z]
+    latent = _rms(kv_a, *p.kv_norm)  # [B, Z]
     start = _append(cache, latent)
     if p.indexer is not None:
-        topk = _decode_topk(p.indexer, cache, x, q_resid, start)
+        topk = _decode_topk(p.indexer, cache, x, q_resid, start, x_proj or None)
     elif shared is None:
         raise ValueError("a 'shared' indexer layer needs the top-k of an earlier 'full' layer (got none)")
     else:
