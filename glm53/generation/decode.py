@@ -10,21 +10,26 @@ blocks calling layers.py), formula by formula in the same dtypes; only the bookk
   tokens are all valid and come from the model's own picks;
 - what depends only on the weights is made once per cache (`DecodePlan`): local weight views, each mHC site's
   scale and bias vectors, KDA's exp(A_log) and its three conv kernels side by side, MLA's absorbed per-head maps;
-- for B <= 2 rows on the CPU (N = 4) the mHC gates, softmax and Sinkhorn are host scalar arithmetic on the 24
-  projected numbers per row (decode_host.py: one tolist and one tensor instead of ~90 dispatched ops); otherwise
-  Sinkhorn's row and column sums are one baddbmm each, with eps as the added input, into preallocated buffers; the
-  mHC projection and the RMS norms take their fewest-call forms (F.rms_norm; normalise-then-project, which is
-  kernels/hc_project.py's reference form);
+  derived weights (linears that read the same input stacked into one: KDA's six input projections, MLA's q_a, kv_a
+  and indexer projections, an MLP's gate | up; the mHC projection with its scale folded in) are kept once per
+  module (`_derived`: shared by every cache, rebuilt when a source weight changes in place);
+- for B <= 4 rows on the CPU (N = 4) the mHC gates, softmax and Sinkhorn are host scalar arithmetic on the 24
+  projected numbers per row (decode_host.py: one tolist and one tensor instead of ~90 dispatched ops), laid out as
+  pre [B, 1, N] and [comb^T | post] so the collapse and the mix are one bmm each; otherwise Sinkhorn's row and
+  column sums are one baddbmm each, with eps as the added input, into preallocated buffers;
+- RMS norms and l2norm are x / hypot(||x||, sqrt(eps')) (two cheap calls; F.rms_norm decomposes into several on
+  the CPU), the weight carrying sqrt(D); normalise-then-project for mHC (kernels/hc_project.py's reference form);
 - the indexer's k-pool bookkeeping is steered by the per-row token counts the cache keeps on the host;
-- a MoE layer runs one GEMV pair per chosen expert (the chosen experts are read on the host).
-A step is ~1.0k small ops at B = 1 (~2.5k with the tensor Sinkhorn; bench config): its cost is per-op overhead and
-weight reads, not arithmetic. The results equal the generic path's up to fp32 rounding (GEMM and reduction order,
-fp64 host scalars), not bit for bit (tests/generation/test_decode.py).
+- a MoE layer runs one GEMV pair per chosen expert (the chosen experts are read on the host; for one token the
+  router is inlined: the tensor top-k, the renormalisation of the k weights on the host).
+A step is ~0.9k small ops at B = 1 (bench config; tests/generation/test_decode_ops.py bounds the tiny config's):
+its cost is per-op overhead and weight reads (the GEMVs are about half of it), not arithmetic. The results equal
+the generic path's up to fp32 rounding (GEMM and reduction order, fp64 host scalars), not bit for bit
+(tests/generation/test_decode.py).
 """
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -32,68 +37,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..boundary import as_local
-from ..kernels.moe import clamped_swiglu_packed
-from ..model.moe import NORM_EPS
 from .cache import CacheError, GenerationCache, KdaLayerCache, MlaLayerCache, _grow
+from .decode_common import _as, _derived, _packed_linears, _rms, _unit_rms, _weight  # noqa: F401 (verify.py)
 from .decode_host import host_coefficients, host_mixers, use_host
+from .decode_moe import _Mlp, _mlp, _Moe, _moe, _moe_step  # noqa: F401 (verify.py, tests)
 from .layers import L2NORM_EPS
 
 KDA_RECURRENT_DTYPE = torch.float32  # the kda kernels compute in fp32 (fp64 only for fp64 inputs)
-
-
-def _weight(linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-    bias = None if linear.bias is None else as_local(linear, "bias")
-    return as_local(linear, "weight"), bias
-
-
-def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x.to(dtype) without the call when x already has it (a decode step is made of small ops: calls count)."""
-    return x if x.dtype == dtype else x.to(dtype)
-
-
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm as kernels/rms_norm.py: w * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), statistics in fp32."""
-    if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        scaled, root = _rms_constants(weight, eps)
-        return _unit_rms(x, root).mul_(scaled)
-    # F.rms_norm without a weight is the same x * rsqrt(mean(x^2) + eps), in one call
-    return weight * _as(F.rms_norm(_as(x, torch.float32), (x.shape[-1],), None, eps), x.dtype)
-
-
-def _unit_rms(x: torch.Tensor, root: torch.Tensor) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + root^2) over the last dim (fp32): rms_norm(x, eps) / sqrt(D) for root = sqrt(D eps),
-    l2norm for root = sqrt(eps). A norm and a hypot are two cheap calls where F.rms_norm on the CPU is several."""
-    return x / torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True), root)
-
-
-_RMS: dict = {}  # id(weight) -> (weakref to it, (version, eps), constants): tensors compare by value, not identity
-
-
-def _rms_constants(weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weight * sqrt(D), sqrt(D eps)) for _unit_rms, kept per weight tensor (rebuilt when it changed in place)."""
-    key = (weight._version, eps)
-    hit = _RMS.get(id(weight))
-    if hit is None or hit[0]() is not weight or hit[1] != key:
-        D = weight.shape[-1]
-        hit = (weakref.ref(weight), key, (weight * D**0.5, torch.tensor((D * eps) ** 0.5, device=weight.device)))
-        _RMS[id(weight)] = hit
-    return hit[2]
-
-
-_DERIVED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _derived(module: nn.Module, tag: str, sources: list[torch.Tensor], build) -> object:
-    """build(), kept per module (not per cache: one copy of derived weights however many caches) and rebuilt when
-    a source weight changed in place (its version moved)."""
-    versions = tuple((t.data_ptr(), t._version) for t in sources)
-    kept = _DERIVED.setdefault(module, {})
-    hit = kept.get(tag)
-    if hit is not None and hit[0] == versions:
-        return hit[1]
-    value = build()
-    kept[tag] = (versions, value)
-    return value
 
 
 # ------------------------------------------------------------------------------------------------------------ mHC
@@ -208,23 +158,11 @@ class _Kda:
     head_dim: int
     norm_weight: torch.Tensor
     norm_eps: float
-    packed: tuple = ()  # (weight, bias, sizes): the six input projections as one linear (decode step only)
+    packed: tuple = ()  # (weight, bias, sizes): the six input projections as one linear, split q|k|v, f_a, b, g_a
     neg_rate: torch.Tensor | None = None  # -rate
     qk_scale: torch.Tensor | None = None  # [2, 1, 1, 1]: q's K^-0.5 score scale (1 for k)
     roots: tuple = ()  # (sqrt(l2norm eps), sqrt(K o_norm eps)) for _unit_rms
     norm_scaled: torch.Tensor | None = None  # o_norm's weight * sqrt(K)
-
-
-def _packed_linears(module: nn.Module, tag: str, proj: list) -> tuple:
-    """Linears that read the same input, stacked into one (weight, bias, sizes) (kept per module: _derived)."""
-
-    def build() -> tuple:
-        bias = None
-        if any(b is not None for _, b in proj):
-            bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in proj])
-        return torch.cat([w for w, _ in proj]), bias, [w.shape[0] for w, _ in proj]
-
-    return _derived(module, tag, [w for w, _ in proj] + [b for _, b in proj if b is not None], build)
 
 
 def _kda(module: nn.Module) -> _Kda:
@@ -237,19 +175,20 @@ def _kda(module: nn.Module) -> _Kda:
     qk_scale = torch.tensor([K**-0.5, 1.0], **fp32).view(2, 1, 1, 1)
     roots = (torch.tensor(L2NORM_EPS**0.5, **fp32), torch.tensor((K * module.o_norm.eps) ** 0.5, **fp32))
     norm_weight = as_local(module.o_norm, "weight").float()
+    weight, bias, sizes = _packed_linears(module, "proj", proj)
     return _Kda(proj, as_local(module.f_b_proj, "weight"), as_local(module.g_b_proj, "weight"), _weight(module.o_proj),
                 taps.float().t().contiguous(), as_local(module, "dt_bias").float(), rate, module.lower_bound, K,
-                norm_weight, module.o_norm.eps, _packed_linears(module, "proj", proj), -rate, qk_scale, roots,
+                norm_weight, module.o_norm.eps, (weight, bias, [sum(sizes[:3]), *sizes[3:]]), -rate, qk_scale, roots,
                 norm_weight * K**0.5)  # fmt: skip
 
 
 def _kda_step(p: _Kda, x: torch.Tensor, cache: KdaLayerCache) -> torch.Tensor:
     """KimiDeltaAttention on one token: x [B, D] -> [B, D]; the state advances in place. Per head the token's
     vectors are kept as [B, H, 1, K] rows, so the delta rule's products are plain matmuls on the state. Each
-    formula takes its fewest-op form (one packed input projection, l2norm as one rms_norm, the dt bias inside
-    the f_b linear, fused in-place updates of the state)."""
+    formula takes its fewest-op form (one packed input projection, the dt bias inside the f_b linear, in-place
+    updates of the state)."""
     B, K = x.shape[0], p.head_dim
-    qkv_raw, f_a, b, g_a = F.linear(x, p.packed[0], p.packed[1]).split(_kda_sizes(p), dim=-1)
+    qkv_raw, f_a, b, g_a = F.linear(x, p.packed[0], p.packed[1]).split(p.packed[2], dim=-1)
     full = torch.cat([cache.conv, qkv_raw[:, None]], dim=1)  # [B, W, 3*H*K]
     qkv = _as(F.silu((_as(full, torch.float32) * p.taps).sum(1)), x.dtype).view(B, 3, -1, 1, K)  # [B, 3, H, 1, K]
     qk = _unit_rms(_as(qkv[:, :2], torch.float32), p.roots[0]).mul_(p.qk_scale)  # l2norm (q scaled)
@@ -274,12 +213,6 @@ def _kda_step(p: _Kda, x: torch.Tensor, cache: KdaLayerCache) -> torch.Tensor:
     gate = _as(F.linear(g_a, p.g_b), torch.float32).view(B, -1, 1, K)
     of = _unit_rms(_as(o, torch.float32), p.roots[1]).mul_(p.norm_scaled).mul_(torch.sigmoid(gate))
     return F.linear(_as(of, qkv.dtype).view(B, -1), *p.o)
-
-
-def _kda_sizes(p: _Kda) -> list[int]:
-    """The packed projection's split: q | k | v together (the conv input), then f_a, b, g_a."""
-    sizes = p.packed[2]
-    return [sizes[0] + sizes[1] + sizes[2], *sizes[3:]]
 
 
 # ------------------------------------------------------------------------------------------------------------ MLA
@@ -477,106 +410,6 @@ def _mla_step(p: _Mla, x: torch.Tensor, cache: MlaLayerCache,
     cache.counts_host = [c + 1 for c in cache.counts_host]
     o = _attention(p, q, cache, topk)
     return F.linear(o.reshape(B, -1), *p.o), topk
-
-
-# ------------------------------------------------------------------------------------------------------------ MoE
-@dataclass
-class _Mlp:
-    """A (shared-expert or dense) MLP with its gate and up projections packed into one [2I, D] weight."""
-
-    gate_up: torch.Tensor  # [2I, D]
-    down: torch.Tensor  # [D, I]
-    limit: float
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(clamped_swiglu_packed(F.linear(x, self.gate_up), self.limit), self.down)
-
-
-def _mlp(mlp: nn.Module) -> _Mlp | nn.Module:
-    if not all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj", "swiglu_limit")):
-        return mlp  # not the plain MLP: called as is
-    gate, up = as_local(mlp.gate_proj, "weight"), as_local(mlp.up_proj, "weight")
-    packed = _derived(mlp, "gate_up", [gate, up], lambda: torch.cat([gate, up]))
-    return _Mlp(packed, as_local(mlp.down_proj, "weight"), mlp.swiglu_limit)
-
-
-@dataclass
-class _Moe:
-    """MoE's router, expert weights and shared expert for a decode step."""
-
-    router: nn.Module  # Router, called as is (or inlined for one token: _route_token)
-    gate_up: torch.Tensor  # [E, 2I, D]
-    down: torch.Tensor  # [E, D, I]
-    limit: float
-    shared: _Mlp | nn.Module  # the shared expert ([B, D] in and out)
-    gate_up_e: list  # E views [2I, D]: an expert's weight without a dispatched select per step
-    down_t_e: list  # E views [I, D]: down[e].t()
-    router_weight: torch.Tensor  # [E, D] fp32
-    router_bias: torch.Tensor  # [E] fp32 e_score_correction_bias
-
-
-def _moe(moe: nn.Module) -> _Moe:
-    experts, router = moe.experts, moe.gate
-    gate_up, down = as_local(experts, "gate_up_proj"), as_local(experts, "down_proj")
-    return _Moe(router, gate_up, down, experts.swiglu_limit, _mlp(moe.shared_experts), list(gate_up.unbind(0)),
-                [d.t() for d in down.unbind(0)], as_local(router, "weight").float(),
-                router.e_score_correction_bias.float())  # fmt: skip
-
-
-def _route_token(p: _Moe, x: torch.Tensor) -> tuple[list[int], torch.Tensor]:
-    """Router.forward for one token x [1, D] without groups -> (the chosen experts in visiting order: sorted,
-    their routing weights [k, 1] fp32 in that order). The choice is the tensor top-k (as Router's); the k chosen
-    scores are renormalised on the host (fp64 scalars: equal up to fp32 rounding)."""
-    r = p.router
-    scores = torch.sigmoid(F.linear(_as(x, torch.float32), p.router_weight))  # [1, E]
-    chosen = (scores + p.router_bias).topk(r.top_k, dim=-1, sorted=False).indices
-    experts = chosen[0].tolist()  # NOTE: syncs (the chosen experts steer the host loop)
-    values = scores[0, experts].tolist()
-    if r.norm_topk_prob:
-        total = sum(values) + NORM_EPS
-        values = [v / total for v in values]
-    pairs = sorted(zip(experts, values), key=lambda pair: pair[0])
-    weights = torch.tensor([[v * r.routed_scaling_factor] for _, v in pairs], dtype=torch.float32, device=x.device)
-    return [e for e, _ in pairs], weights
-
-
-def _moe_step(p: _Moe, x: torch.Tensor) -> torch.Tensor:
-    """MoE.forward for a few tokens x [B, D]: one GEMV pair per chosen expert instead of the grouped kernel's
-    sort-and-scatter over all E experts. Pairs are visited and summed in moe_experts_grouped's order (sorted by
-    expert, stable), so each token's expert outputs are added in the same order."""
-    if x.shape[0] == 1 and p.router.n_group <= 1:
-        chosen, weights = _route_token(p, x)
-        return _moe_token(p, x, weights, chosen)
-    _, weights, indices = p.router(x)  # [B, k] fp32, [B, k]
-    k = indices.shape[1]
-    experts = indices.flatten().tolist()  # NOTE: syncs (the chosen experts steer the host loop)
-    order = sorted(range(len(experts)), key=experts.__getitem__)
-    if x.shape[0] == 1:
-        return _moe_token(p, x, weights[0, order][:, None], [experts[i] for i in order])
-    pair_weights = weights.flatten()[order][:, None]  # [B*k, 1] in visiting order
-    ys, i = [], 0
-    while i < len(order):
-        e, j = experts[order[i]], i
-        while j < len(order) and experts[order[j]] == e:
-            j += 1
-        act = clamped_swiglu_packed(F.linear(x[[pair // k for pair in order[i:j]]], p.gate_up[e]), p.limit)
-        ys.append(F.linear(_as(act * pair_weights[i:j], x.dtype), p.down[e]))
-        i = j
-    token = torch.tensor([pair // k for pair in order], device=x.device)
-    routed = torch.zeros_like(x).index_add(0, token, torch.cat(ys).to(x.dtype))
-    return routed + p.shared(x)
-
-
-def _moe_token(p: _Moe, x: torch.Tensor, weights: torch.Tensor, chosen: list[int]) -> torch.Tensor:
-    """_moe_step for one token x [1, D] and its k distinct experts in visiting order (weights [k, 1] fp32): the
-    k gate/up GEMVs side by side so the SwiGLU and the routing weights are one op each, then the down GEMVs
-    accumulated in order (addmm: each adds its product to the running sum, as the sum of separate outputs)."""
-    h = torch.cat([F.linear(x, p.gate_up_e[e]) for e in chosen])  # [k, 2I]
-    act = _as(clamped_swiglu_packed(h, p.limit) * weights, x.dtype).split(1)  # k x [1, I]
-    routed = torch.mm(act[0], p.down_t_e[chosen[0]])
-    for i in range(1, len(chosen)):
-        routed = torch.addmm(routed, act[i], p.down_t_e[chosen[i]])
-    return routed + p.shared(x)
 
 
 # ---------------------------------------------------------------------------------------------------- block loop
