@@ -50,7 +50,7 @@ def _rms_constants(weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torc
     if hit is None or hit[0]() is not weight or hit[1] != key:
         D = weight.shape[-1]
         drop = lambda _, k=id(weight): _RMS.pop(k, None)  # noqa: E731 (the entry goes with its weight)
-        hit = (weakref.ref(weight, drop), key, (weight * D**0.5, torch.tensor((D * eps) ** 0.5, device=weight.device)))
+        hit = (weakref.ref(weight, drop), key, (weight.detach() * D**0.5, torch.tensor((D * eps) ** 0.5, device=weight.device)))
         _RMS[id(weight)] = hit
     return hit[2]
 
@@ -66,7 +66,8 @@ def _derived(module: nn.Module, tag: str, sources: list[torch.Tensor], build) ->
     hit = kept.get(tag)
     if hit is not None and hit[0] == versions:
         return hit[1]
-    value = build()
+    with torch.no_grad():  # constants of the inference steps: no graph back to the weights
+        value = build()
     kept[tag] = (versions, value)
     return value
 
