@@ -286,9 +286,7 @@ def _packed_mla(module: nn.Module) -> tuple:
         ix = module.indexer
         proj += [(as_local(ix.wk, "weight"), None), (as_local(ix, "index_kpool_compress_gate"), None),
                  (as_local(ix.weights_proj, "weight"), None)]  # fmt: skip
-    if len({w.dtype for w, _ in proj}) > 1:
-        return ()
-    return _packed_linears(module, "x_proj", proj)
+    return _packed_linears(module, "x_proj", proj) if len({w.dtype for w, _ in proj}) == 1 else ()
 
 
 def _push_pool_token(p: _Indexer, cache: MlaLayerCache, key: torch.Tensor, gate: torch.Tensor) -> None:
@@ -333,7 +331,8 @@ def _decode_topk(p: _Indexer, cache: MlaLayerCache, x: torch.Tensor, q_resid: to
     P = (cache.max_count + 1) // L
     q = F.linear(q_resid, p.wq_b).view(B, p.n_heads, p.head_dim)
     w = _as(x_proj[2], torch.float32) * p.n_heads**-0.5  # [B, H]
-    logits = F.relu(torch.matmul(_as(q, torch.float32), _as(ps.keys[:, :P], torch.float32).transpose(-1, -2)) * p.head_dim**-0.5)
+    keys = _as(ps.keys[:, :P], torch.float32).transpose(-1, -2)  # [B, K, P]
+    logits = F.relu(torch.matmul(_as(q, torch.float32), keys) * p.head_dim**-0.5)
     scores = torch.matmul(w[:, None, :], logits)[:, 0]  # [B, P] fp32
     uniform = all(c // L == P for c in counts)  # every row has all P pools: each is a candidate
     if not uniform:

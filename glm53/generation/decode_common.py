@@ -50,7 +50,8 @@ def _rms_constants(weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torc
     if hit is None or hit[0]() is not weight or hit[1] != key:
         D = weight.shape[-1]
         drop = lambda _, k=id(weight): _RMS.pop(k, None)  # noqa: E731 (the entry goes with its weight)
-        hit = (weakref.ref(weight, drop), key, (weight.detach() * D**0.5, torch.tensor((D * eps) ** 0.5, device=weight.device)))
+        constants = (weight.detach() * D**0.5, torch.tensor((D * eps) ** 0.5, device=weight.device))
+        hit = (weakref.ref(weight, drop), key, constants)
         _RMS[id(weight)] = hit
     return hit[2]
 
