@@ -10,16 +10,22 @@ blocks calling layers.py), formula by formula in the same dtypes; only the bookk
   tokens are all valid and come from the model's own picks;
 - what depends only on the weights is made once per cache (`DecodePlan`): local weight views, each mHC site's
   scale and bias vectors, KDA's exp(A_log) and its three conv kernels side by side, MLA's absorbed per-head maps;
-- for B <= 2 rows on the CPU (N = 4) the mHC gates, softmax and Sinkhorn are host scalar arithmetic on the 24
-  projected numbers per row (decode_host.py: one tolist and one tensor instead of ~90 dispatched ops); otherwise
-  Sinkhorn's row and column sums are one baddbmm each, with eps as the added input, into preallocated buffers; the
-  mHC projection and the RMS norms take their fewest-call forms (F.rms_norm; normalise-then-project, which is
-  kernels/hc_project.py's reference form);
+  derived weights (linears that read the same input stacked into one: KDA's six input projections, MLA's q_a, kv_a
+  and indexer projections, an MLP's gate | up; the mHC projection with its scale folded in) are kept once per
+  module (`_derived`: shared by every cache, rebuilt when a source weight changes in place);
+- for B <= 4 rows on the CPU (N = 4) the mHC gates, softmax and Sinkhorn are host scalar arithmetic on the 24
+  projected numbers per row (decode_host.py: one tolist and one tensor instead of ~90 dispatched ops), laid out as
+  pre [B, 1, N] and [comb^T | post] so the collapse and the mix are one bmm each; otherwise Sinkhorn's row and
+  column sums are one baddbmm each, with eps as the added input, into preallocated buffers;
+- RMS norms and l2norm are x / hypot(||x||, sqrt(eps')) (two cheap calls; F.rms_norm decomposes into several on
+  the CPU), the weight carrying sqrt(D); normalise-then-project for mHC (kernels/hc_project.py's reference form);
 - the indexer's k-pool bookkeeping is steered by the per-row token counts the cache keeps on the host;
-- a MoE layer runs one GEMV pair per chosen expert (the chosen experts are read on the host).
-A step is ~1.0k small ops at B = 1 (~2.5k with the tensor Sinkhorn; bench config): its cost is per-op overhead and
-weight reads, not arithmetic. The results equal the generic path's up to fp32 rounding (GEMM and reduction order,
-fp64 host scalars), not bit for bit (tests/generation/test_decode.py).
+- a MoE layer runs one GEMV pair per chosen expert (the chosen experts are read on the host; for one token the
+  router is inlined: the tensor top-k, the renormalisation of the k weights on the host).
+A step is ~0.9k small ops at B = 1 (bench config; tests/generation/test_decode_ops.py bounds the tiny config's):
+its cost is per-op overhead and weight reads (the GEMVs are about half of it), not arithmetic. The results equal
+the generic path's up to fp32 rounding (GEMM and reduction order, fp64 host scalars), not bit for bit
+(tests/generation/test_decode.py).
 """
 
 from __future__ import annotations
@@ -31,28 +37,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..boundary import as_local
-from ..kernels.moe import clamped_swiglu_packed
 from .cache import CacheError, GenerationCache, KdaLayerCache, MlaLayerCache, _grow
-from .decode_host import host_coefficients, use_host
+from .decode_common import _as, _derived, _packed_linears, _rms, _unit_rms, _weight  # noqa: F401 (verify.py)
+from .decode_host import host_coefficients, host_mixers, use_host
+from .decode_moe import _Mlp, _mlp, _Moe, _moe, _moe_step  # noqa: F401 (verify.py, tests)
 from .layers import L2NORM_EPS
 
 KDA_RECURRENT_DTYPE = torch.float32  # the kda kernels compute in fp32 (fp64 only for fp64 inputs)
-
-
-def _weight(linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-    bias = None if linear.bias is None else as_local(linear, "bias")
-    return as_local(linear, "weight"), bias
-
-
-def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x.to(dtype) without the call when x already has it (a decode step is made of small ops: calls count)."""
-    return x if x.dtype == dtype else x.to(dtype)
-
-
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm as kernels/rms_norm.py: w * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), statistics in fp32."""
-    # F.rms_norm without a weight is the same x * rsqrt(mean(x^2) + eps), in one call
-    return weight * _as(F.rms_norm(_as(x, torch.float32), (x.shape[-1],), None, eps), x.dtype)
 
 
 # ------------------------------------------------------------------------------------------------------------ mHC
@@ -60,7 +51,7 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class _Site:
     """One mHC site (HyperConnection): its projection and the scale / bias of the (2+N)*N coefficients."""
 
-    fn: torch.Tensor  # [(2+N)*N, N*D] fp32
+    fn: torch.Tensor  # [(2+N)*N, N*D] fp32, each row times its coefficient's scale
     scale: torch.Tensor  # [(2+N)*N] fp32: scale[0] for pre, scale[1] for post, scale[2] for comb
     base: torch.Tensor  # [(2+N)*N] fp32
     n: int
@@ -73,6 +64,7 @@ class _Site:
     eps_row: torch.Tensor  # [B, 1, N]
     rows: torch.Tensor  # [B, N, 1] scratch for the row sums
     cols: torch.Tensor  # [B, 1, N] scratch for the column sums
+    root: torch.Tensor | None = None  # sqrt(N*D norm_eps): the normalisation as _unit_rms (fn carries sqrt(N*D))
 
 
 def _site(hc: nn.Module, B: int) -> _Site:
@@ -80,10 +72,16 @@ def _site(hc: nn.Module, B: int) -> _Site:
     scale = as_local(hc, "scale").float()
     counts = torch.tensor([n, n, n * n], device=scale.device)
     fp32 = dict(dtype=torch.float32, device=scale.device)
-    return _Site(as_local(hc, "fn").float(), scale.repeat_interleave(counts), as_local(hc, "base").float(), n,
+    scale = scale.repeat_interleave(counts)
+    fn = as_local(hc, "fn")
+    # scale * (fn x) + base as one linear: the scale folded into fn's rows, base as the bias
+    root = fn.shape[-1] ** 0.5  # _unit_rms leaves out rms_norm's sqrt(N*D): folded into fn with the scale
+    scaled = _derived(hc, "fn", [fn, as_local(hc, "scale")], lambda: fn.float() * (scale[:, None] * root))
+    return _Site(scaled, scale, as_local(hc, "base").float(), n,
                  hc.eps, hc.norm_eps, hc.sinkhorn_iters, torch.ones(B, n, 1, **fp32), torch.ones(B, 1, n, **fp32),
                  torch.full((B, n, 1), hc.eps, **fp32), torch.full((B, 1, n), hc.eps, **fp32),
-                 torch.empty(B, n, 1, **fp32), torch.empty(B, 1, n, **fp32))  # fmt: skip
+                 torch.empty(B, n, 1, **fp32), torch.empty(B, 1, n, **fp32),
+                 torch.tensor(root * hc.norm_eps**0.5, **fp32))  # fmt: skip
 
 
 def _sinkhorn(site: _Site, c: torch.Tensor) -> torch.Tensor:
@@ -96,13 +94,17 @@ def _sinkhorn(site: _Site, c: torch.Tensor) -> torch.Tensor:
     return c
 
 
+def _logits(site: _Site, streams: torch.Tensor) -> torch.Tensor:
+    """scale * (projected, normalised streams) + base: streams [B, N, D] -> z [B, (2+N)*N] fp32."""
+    flat = _as(streams.reshape(streams.shape[0], -1), torch.float32)  # [B, N*D]
+    # normalise, then project (kernels/hc_project.py's reference form); the scale is folded into fn, base the bias
+    return F.linear(_unit_rms(flat, site.root), site.fn, site.base)
+
+
 def _coefficients(site: _Site, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """HyperConnection.coefficients for streams [B, N, D] -> pre [B, N], post [B, N], comb [B, N, N] (fp32)."""
     B, n = streams.shape[0], site.n
-    flat = _as(streams.reshape(B, -1), torch.float32)  # [B, N*D]
-    # normalise, then project (kernels/hc_project.py's reference form): two calls instead of the fast form's six
-    mixed = F.linear(F.rms_norm(flat, (flat.shape[-1],), None, site.norm_eps), site.fn)  # [B, (2+N)*N]
-    z = torch.addcmul(site.base, mixed, site.scale)  # scale * logits + base, per coefficient
+    z = _logits(site, streams)
     if use_host(z, n):  # one or two rows on the CPU: the 24 numbers per row as host scalars (decode_host.py)
         return host_coefficients(z, n, site.eps, site.iters)
     gates = torch.sigmoid(z[:, : 2 * n])
@@ -112,9 +114,19 @@ def _coefficients(site: _Site, streams: torch.Tensor) -> tuple[torch.Tensor, tor
     return pre, post, _sinkhorn(site, comb)
 
 
+def _mixers(site: _Site, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """_coefficients in the decode step's layout: pre [B, 1, N] and the mixer [B, N, N+1] = [comb^T | post]."""
+    z = _logits(site, streams)
+    if use_host(z, site.n):
+        return host_mixers(z, site.n, site.eps, site.iters)
+    pre, post, comb = _coefficients(site, streams)
+    return pre[:, None], torch.cat([comb.transpose(1, 2), post[:, :, None]], dim=-1)
+
+
 def _collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
-    """sum_j pre_j x_j in fp32 -> [B, D] in streams' dtype (kernels/hc_collapse.py)."""
-    return _as(torch.bmm(pre[:, None, :], _as(streams, torch.float32)).view(streams.shape[0], -1), streams.dtype)
+    """sum_j pre_j x_j in fp32 -> [B, D] in streams' dtype (kernels/hc_collapse.py); pre [B, N] or [B, 1, N]."""
+    pre = pre if pre.dim() == 3 else pre[:, None, :]
+    return _as(torch.bmm(pre, _as(streams, torch.float32)).view(streams.shape[0], -1), streams.dtype)
 
 
 def _mix(streams: torch.Tensor, comb: torch.Tensor, post: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -122,6 +134,12 @@ def _mix(streams: torch.Tensor, comb: torch.Tensor, post: torch.Tensor, out: tor
     dtype = streams.dtype
     new = torch.bmm(_as(comb, dtype).transpose(1, 2), streams)
     return new.addcmul_(_as(post, dtype)[:, :, None], _as(out, dtype)[:, None, :])
+
+
+def _mix_step(streams: torch.Tensor, mixer: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """_mix as one product: [comb^T | post] @ [streams; out] -> [B, N, D] in streams' dtype."""
+    dtype = streams.dtype
+    return torch.bmm(_as(mixer, dtype), torch.cat([streams, _as(out, dtype)[:, None, :]], dim=1))
 
 
 # ------------------------------------------------------------------------------------------------------------ KDA
@@ -140,45 +158,61 @@ class _Kda:
     head_dim: int
     norm_weight: torch.Tensor
     norm_eps: float
+    packed: tuple = ()  # (weight, bias, sizes): the six input projections as one linear, split q|k|v, f_a, b, g_a
+    neg_rate: torch.Tensor | None = None  # -rate
+    qk_scale: torch.Tensor | None = None  # [2, 1, 1, 1]: q's K^-0.5 score scale (1 for k)
+    roots: tuple = ()  # (sqrt(l2norm eps), sqrt(K o_norm eps)) for _unit_rms
+    norm_scaled: torch.Tensor | None = None  # o_norm's weight * sqrt(K)
 
 
 def _kda(module: nn.Module) -> _Kda:
     proj = [_weight(m) for m in (module.q_proj, module.k_proj, module.v_proj, module.f_a_proj, module.b_proj,
                                  module.g_a_proj)]  # fmt: skip
     taps = torch.cat([as_local(c, "weight")[:, 0, :] for c in (module.q_conv1d, module.k_conv1d, module.v_conv1d)])
+    rate = as_local(module, "A_log").float().exp()[:, None, None]
+    K = module.head_dim
+    fp32 = dict(dtype=torch.float32, device=rate.device)
+    qk_scale = torch.tensor([K**-0.5, 1.0], **fp32).view(2, 1, 1, 1)
+    roots = (torch.tensor(L2NORM_EPS**0.5, **fp32), torch.tensor((K * module.o_norm.eps) ** 0.5, **fp32))
+    norm_weight = as_local(module.o_norm, "weight").float()
+    weight, bias, sizes = _packed_linears(module, "proj", proj)
     return _Kda(proj, as_local(module.f_b_proj, "weight"), as_local(module.g_b_proj, "weight"), _weight(module.o_proj),
-                taps.float().t().contiguous(), as_local(module, "dt_bias").float(),
-                as_local(module, "A_log").float().exp()[:, None, None], module.lower_bound, module.head_dim,
-                as_local(module.o_norm, "weight").float(), module.o_norm.eps)  # fmt: skip
+                taps.float().t().contiguous(), as_local(module, "dt_bias").float(), rate, module.lower_bound, K,
+                norm_weight, module.o_norm.eps, (weight, bias, [sum(sizes[:3]), *sizes[3:]]), -rate, qk_scale, roots,
+                norm_weight * K**0.5)  # fmt: skip
 
 
 def _kda_step(p: _Kda, x: torch.Tensor, cache: KdaLayerCache) -> torch.Tensor:
     """KimiDeltaAttention on one token: x [B, D] -> [B, D]; the state advances in place. Per head the token's
-    vectors are kept as [B, H, 1, K] rows, so the delta rule's products are plain matmuls on the state."""
+    vectors are kept as [B, H, 1, K] rows, so the delta rule's products are plain matmuls on the state. Each
+    formula takes its fewest-op form (one packed input projection, the dt bias inside the f_b linear, in-place
+    updates of the state)."""
     B, K = x.shape[0], p.head_dim
-    q_raw, k_raw, v_raw, f_a, b, g_a = (F.linear(x, w, bias) for w, bias in p.proj)
-    full = torch.cat([cache.conv, torch.cat([q_raw, k_raw, v_raw], dim=-1).view(B, 1, -1)], dim=1)  # [B, W, 3*H*K]
+    qkv_raw, f_a, b, g_a = F.linear(x, p.packed[0], p.packed[1]).split(p.packed[2], dim=-1)
+    full = torch.cat([cache.conv, qkv_raw[:, None]], dim=1)  # [B, W, 3*H*K]
     qkv = _as(F.silu((_as(full, torch.float32) * p.taps).sum(1)), x.dtype).view(B, 3, -1, 1, K)  # [B, 3, H, 1, K]
-    qk = _as(qkv[:, :2], torch.float32)
-    qk = qk / torch.sqrt((qk * qk).sum(dim=-1, keepdim=True) + L2NORM_EPS)  # l2norm
-    raw = (_as(F.linear(f_a, p.f_b), torch.float32) + p.dt_bias).view(B, -1, K, 1)  # [B, H, K, 1]
+    qk = _unit_rms(_as(qkv[:, :2], torch.float32), p.roots[0]).mul_(p.qk_scale)  # l2norm (q scaled)
+    if p.f_b.dtype == torch.float32:
+        raw = F.linear(f_a, p.f_b, p.dt_bias).view(B, -1, K, 1)  # [B, H, K, 1]
+    else:
+        raw = (_as(F.linear(f_a, p.f_b), torch.float32) + p.dt_bias).view(B, -1, K, 1)
     if p.lower_bound is not None:
         g = p.lower_bound * torch.sigmoid(p.rate * raw)
     else:
-        g = -p.rate * F.softplus(raw, threshold=20.0)
+        g = p.neg_rate * F.softplus(raw, threshold=20.0)
     dt = KDA_RECURRENT_DTYPE if x.dtype != torch.float64 else torch.float64
-    q, k, v = _as(qk[:, 0], dt) * K**-0.5, _as(qk[:, 1], dt), _as(qkv[:, 2], dt)  # [B, H, 1, K]
+    q, k, v = _as(qk[:, 0], dt), _as(qk[:, 1], dt), _as(qkv[:, 2], dt)  # [B, H, 1, K]
     beta = _as(torch.sigmoid(b), dt).view(B, -1, 1, 1)
     S = cache.state  # [B, H, K, V], owned by the cache (not marked: decode_step checks)
     S.mul_(_as(g, dt).exp())
-    u = beta * (v - torch.matmul(k, S))  # [B, H, 1, V]
-    S.add_(k.transpose(-1, -2) * u)
+    u = (v - torch.matmul(k, S)).mul_(beta)  # [B, H, 1, V]
+    S.addcmul_(k.transpose(-1, -2), u)
     o = _as(torch.matmul(q, S), qkv.dtype)  # [B, H, 1, V]
     cache.conv = full[:, 1:]
     cache.length += 1
     gate = _as(F.linear(g_a, p.g_b), torch.float32).view(B, -1, 1, K)
-    of = F.rms_norm(_as(o, torch.float32), (K,), None, p.norm_eps) * p.norm_weight * torch.sigmoid(gate)
-    return F.linear(_as(of, o.dtype).view(B, -1), *p.o)
+    of = _unit_rms(_as(o, torch.float32), p.roots[1]).mul_(p.norm_scaled).mul_(torch.sigmoid(gate))
+    return F.linear(_as(of, qkv.dtype).view(B, -1), *p.o)
 
 
 # ------------------------------------------------------------------------------------------------------------ MLA
@@ -218,6 +252,7 @@ class _Mla:
     scale: float
     absorb: bool
     indexer: _Indexer | None
+    packed: tuple = ()  # (weight, bias, sizes): q_a, kv_a (and the indexer's wk, gate, weights_proj) as one linear
 
 
 def _indexer(indexer: nn.Module | None, cache: MlaLayerCache) -> _Indexer | None:
@@ -240,7 +275,18 @@ def _mla(module: nn.Module, cache: MlaLayerCache) -> _Mla:
                 as_local(module.q_b_proj, "weight"), _weight(module.kv_a_proj_with_mqa),
                 (as_local(module.kv_a_layernorm, "weight"), module.kv_a_layernorm.eps), _weight(module.o_proj),
                 w_uk, w_uv.transpose(1, 2), module.qk_head_dim, module.scale, module.absorb,
-                _indexer(module.indexer, cache))  # fmt: skip
+                _indexer(module.indexer, cache), _packed_mla(module))  # fmt: skip
+
+
+def _packed_mla(module: nn.Module) -> tuple:
+    """The linears that read the block input x (q_a, kv_a; the indexer's wk, gate and weights_proj when the layer
+    has its own indexer) stacked into one (weight, bias, sizes): one GEMV per step instead of five."""
+    proj = [_weight(module.q_a_proj), _weight(module.kv_a_proj_with_mqa)]
+    if module.indexer is not None:
+        ix = module.indexer
+        proj += [(as_local(ix.wk, "weight"), None), (as_local(ix, "index_kpool_compress_gate"), None),
+                 (as_local(ix.weights_proj, "weight"), None)]  # fmt: skip
+    return _packed_linears(module, "x_proj", proj) if len({w.dtype for w, _ in proj}) == 1 else ()
 
 
 def _push_pool_token(p: _Indexer, cache: MlaLayerCache, key: torch.Tensor, gate: torch.Tensor) -> None:
@@ -249,11 +295,11 @@ def _push_pool_token(p: _Indexer, cache: MlaLayerCache, key: torch.Tensor, gate:
     B = key.shape[0]
     slots = [c % L for c in cache.counts_host]
     if len(set(slots)) == 1:
-        ps.partial_keys[:, slots[0]] = key.to(ps.partial_keys.dtype)
+        ps.partial_keys[:, slots[0]] = _as(key, ps.partial_keys.dtype)
         ps.partial_gate[:, slots[0]] = gate
     else:
         rows, at = torch.arange(B, device=key.device), torch.tensor(slots, device=key.device)
-        ps.partial_keys[rows, at] = key.to(ps.partial_keys.dtype)
+        ps.partial_keys[rows, at] = _as(key, ps.partial_keys.dtype)
         ps.partial_gate[rows, at] = gate
     ps.partial_count = ps.partial_count + 1
     done = [b for b, s in enumerate(slots) if s == L - 1]
@@ -271,18 +317,22 @@ def _push_pool_token(p: _Indexer, cache: MlaLayerCache, key: torch.Tensor, gate:
     ps.partial_count = ps.partial_count.masked_fill(finished, 0)
 
 
-def _decode_topk(p: _Indexer, cache: MlaLayerCache, x: torch.Tensor, q_resid: torch.Tensor,
-                 start: int) -> torch.Tensor:  # fmt: skip
-    """The indexer's selection for the token at position `start` against the cached pools -> [B, J]."""
+def _decode_topk(p: _Indexer, cache: MlaLayerCache, x: torch.Tensor, q_resid: torch.Tensor, start: int,
+                 x_proj: tuple | None = None) -> torch.Tensor:  # fmt: skip
+    """The indexer's selection for the token at position `start` against the cached pools -> [B, J]. x_proj: x's
+    wk, gate and weights_proj products when already made (the packed projection)."""
     B, L = x.shape[0], p.L
-    key = F.layer_norm(F.linear(x, p.wk), (p.head_dim,), *p.k_norm)  # [B, K]
-    _push_pool_token(p, cache, key, F.linear(x, p.gate).float())
+    if x_proj is None:
+        x_proj = (F.linear(x, p.wk), F.linear(x, p.gate), F.linear(x, p.weights_proj))
+    key = F.layer_norm(x_proj[0], (p.head_dim,), *p.k_norm)  # [B, K]
+    _push_pool_token(p, cache, key, _as(x_proj[1], torch.float32))
     counts = [c + 1 for c in cache.counts_host]  # tokens per row, this one included
     ps = cache.pools
     P = (cache.max_count + 1) // L
     q = F.linear(q_resid, p.wq_b).view(B, p.n_heads, p.head_dim)
-    w = F.linear(x, p.weights_proj).float() * p.n_heads**-0.5  # [B, H]
-    logits = F.relu(torch.matmul(q.float(), ps.keys[:, :P].float().transpose(-1, -2)) * p.head_dim**-0.5)
+    w = _as(x_proj[2], torch.float32) * p.n_heads**-0.5  # [B, H]
+    keys = _as(ps.keys[:, :P], torch.float32).transpose(-1, -2)  # [B, K, P]
+    logits = F.relu(torch.matmul(_as(q, torch.float32), keys) * p.head_dim**-0.5)
     scores = torch.matmul(w[:, None, :], logits)[:, 0]  # [B, P] fp32
     uniform = all(c // L == P for c in counts)  # every row has all P pools: each is a candidate
     if not uniform:
@@ -323,11 +373,11 @@ def _attention(p: _Mla, q: torch.Tensor, cache: MlaLayerCache, topk: torch.Tenso
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     mask = ~filled[:, None, :]
     if p.absorb:
-        q_abs = torch.bmm(q.transpose(0, 1), p.w_uk).transpose(0, 1).to(dtype)  # [B, H, Z]
-        kv = kv.to(dtype)
+        q_abs = _as(torch.bmm(q.transpose(0, 1), p.w_uk).transpose(0, 1), dtype)  # [B, H, Z]
+        kv = _as(kv, dtype)
         scores = torch.bmm(q_abs, kv.transpose(1, 2)) * p.scale  # [B, H, J]
         probs = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1).nan_to_num(0.0)
-        o_latent = torch.bmm(probs, kv).to(q.dtype)  # [B, H, Z]
+        o_latent = _as(torch.bmm(probs, kv), q.dtype)  # [B, H, Z]
         return torch.bmm(o_latent.transpose(0, 1), p.w_uv_t).transpose(0, 1)
     k, v = p.module._expand_kv(kv.to(q.dtype))  # [B, J, H, K], [B, J, H, V]
     scores = torch.einsum("bhe,bjhe->bhj", q.to(dtype), k.to(dtype)) * p.scale
@@ -339,12 +389,16 @@ def _mla_step(p: _Mla, x: torch.Tensor, cache: MlaLayerCache,
               shared: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """MultiHeadLatentAttention on one token: x [B, D] -> (out [B, D], top-k [B, J])."""
     B = x.shape[0]
-    q_resid = _rms(F.linear(x, *p.q_a), *p.q_a_norm)  # [B, R]
+    if p.packed:
+        q_a, kv_a, *x_proj = F.linear(x, p.packed[0], p.packed[1]).split(p.packed[2], dim=-1)
+    else:
+        q_a, kv_a, x_proj = F.linear(x, *p.q_a), F.linear(x, *p.kv_a), None
+    q_resid = _rms(q_a, *p.q_a_norm)  # [B, R]
     q = F.linear(q_resid, p.q_b).view(B, -1, p.qk_head_dim)  # [B, H, K]
-    latent = _rms(F.linear(x, *p.kv_a), *p.kv_norm)  # [B, Z]
+    latent = _rms(kv_a, *p.kv_norm)  # [B, Z]
     start = _append(cache, latent)
     if p.indexer is not None:
-        topk = _decode_topk(p.indexer, cache, x, q_resid, start)
+        topk = _decode_topk(p.indexer, cache, x, q_resid, start, x_proj or None)
     elif shared is None:
         raise ValueError("a 'shared' indexer layer needs the top-k of an earlier 'full' layer (got none)")
     else:
@@ -357,60 +411,6 @@ def _mla_step(p: _Mla, x: torch.Tensor, cache: MlaLayerCache,
     return F.linear(o.reshape(B, -1), *p.o), topk
 
 
-# ------------------------------------------------------------------------------------------------------------ MoE
-@dataclass
-class _Moe:
-    """MoE's router, expert weights and shared expert for a decode step."""
-
-    router: nn.Module  # Router, called as is
-    gate_up: torch.Tensor  # [E, 2I, D]
-    down: torch.Tensor  # [E, D, I]
-    limit: float
-    shared: nn.Module  # the shared expert (MLP), called as is
-
-
-def _moe(moe: nn.Module) -> _Moe:
-    experts = moe.experts
-    return _Moe(moe.gate, as_local(experts, "gate_up_proj"), as_local(experts, "down_proj"), experts.swiglu_limit,
-                moe.shared_experts)  # fmt: skip
-
-
-def _moe_step(p: _Moe, x: torch.Tensor) -> torch.Tensor:
-    """MoE.forward for a few tokens x [B, D]: one GEMV pair per chosen expert instead of the grouped kernel's
-    sort-and-scatter over all E experts. Pairs are visited and summed in moe_experts_grouped's order (sorted by
-    expert, stable), so each token's expert outputs are added in the same order."""
-    _, weights, indices = p.router(x)  # [B, k] fp32, [B, k]
-    k = indices.shape[1]
-    experts = indices.flatten().tolist()  # NOTE: syncs (the chosen experts steer the host loop)
-    order = sorted(range(len(experts)), key=experts.__getitem__)
-    if x.shape[0] == 1:
-        return _moe_token(p, x, weights[0, order][:, None], [experts[i] for i in order])
-    pair_weights = weights.flatten()[order][:, None]  # [B*k, 1] in visiting order
-    ys, i = [], 0
-    while i < len(order):
-        e, j = experts[order[i]], i
-        while j < len(order) and experts[order[j]] == e:
-            j += 1
-        act = clamped_swiglu_packed(F.linear(x[[pair // k for pair in order[i:j]]], p.gate_up[e]), p.limit)
-        ys.append(F.linear(_as(act * pair_weights[i:j], x.dtype), p.down[e]))
-        i = j
-    token = torch.tensor([pair // k for pair in order], device=x.device)
-    routed = torch.zeros_like(x).index_add(0, token, torch.cat(ys).to(x.dtype))
-    return routed + p.shared(x)
-
-
-def _moe_token(p: _Moe, x: torch.Tensor, weights: torch.Tensor, chosen: list[int]) -> torch.Tensor:
-    """_moe_step for one token x [1, D] and its k distinct experts in visiting order (weights [k, 1] fp32): the
-    k gate/up GEMVs side by side so the SwiGLU and the routing weights are one op each, then the down GEMVs
-    accumulated in order (addmm: each adds its product to the running sum, as the sum of separate outputs)."""
-    h = torch.cat([F.linear(x, p.gate_up[e]) for e in chosen])  # [k, 2I]
-    act = _as(clamped_swiglu_packed(h, p.limit) * weights, x.dtype)  # [k, I]
-    routed = F.linear(act[:1], p.down[chosen[0]])
-    for i in range(1, len(chosen)):
-        routed = torch.addmm(routed, act[i : i + 1], p.down[chosen[i]].t())
-    return routed + p.shared(x)
-
-
 # ---------------------------------------------------------------------------------------------------- block loop
 @dataclass
 class _Block:
@@ -420,7 +420,7 @@ class _Block:
     post_norm: tuple
     attention: _Kda | _Mla
     cache: KdaLayerCache | MlaLayerCache
-    mlp: _Moe | nn.Module  # an MLP is called as is ([B, D] in and out)
+    mlp: _Moe | _Mlp | nn.Module  # an MLP is called as is ([B, D] in and out)
 
 
 @dataclass
@@ -453,24 +453,24 @@ def build_plan(model: nn.Module, cache: GenerationCache) -> DecodePlan:
         attention = _kda(layer.self_attn) if is_kda else _mla(layer.self_attn, lc)
         blocks.append(_Block(_site(layer.attn_hc, batch), _site(layer.ffn_hc, batch), _norm(layer.input_layernorm),
                              _norm(layer.post_attention_layernorm), attention, lc,
-                             _moe(layer.mlp) if hasattr(layer.mlp, "experts") else layer.mlp))  # fmt: skip
+                             _moe(layer.mlp) if hasattr(layer.mlp, "experts") else _mlp(layer.mlp)))  # fmt: skip
     embed = as_local(model.model.embed_tokens, "weight")
     return DecodePlan(blocks, embed, _norm(model.model.norm), model.config.hc_mult, batch)
 
 
 def _block_step(blk: _Block, streams: torch.Tensor, topk: torch.Tensor | None):
     """DecoderBlock.forward on one token: streams [B, N, D] -> (streams, this layer's top-k or the carried one)."""
-    pre, post, comb = _coefficients(blk.attn_site, streams)
+    pre, mixer = _mixers(blk.attn_site, streams)
     x = _rms(_collapse(pre, streams), *blk.input_norm)
     if isinstance(blk.attention, _Kda):
         out = _kda_step(blk.attention, x, blk.cache)
     else:
         out, topk = _mla_step(blk.attention, x, blk.cache, topk)
-    streams = _mix(streams, comb, post, out)
-    pre, post, comb = _coefficients(blk.ffn_site, streams)
+    streams = _mix_step(streams, mixer, out)
+    pre, mixer = _mixers(blk.ffn_site, streams)
     x = _rms(_collapse(pre, streams), *blk.post_norm)
     out = _moe_step(blk.mlp, x) if isinstance(blk.mlp, _Moe) else blk.mlp(x)
-    return _mix(streams, comb, post, out), topk
+    return _mix_step(streams, mixer, out), topk
 
 
 @torch.inference_mode()

@@ -44,16 +44,34 @@ def _softmax_rows(v: list[float], n: int, eps: float) -> list[float]:
     return out
 
 
-def host_coefficients(z: torch.Tensor, n: int, eps: float, iters: int) -> tuple[torch.Tensor, ...]:
-    """z [B, (2+N)*N] (scale * logits + base) -> pre [B, N], post [B, N], comb [B, N, N], fp32 views of one tensor:
-    pre = sigmoid + eps, post = 2 sigmoid, comb = Sinkhorn(row softmax + eps)."""
+def _rows(z: torch.Tensor, n: int, eps: float, iters: int) -> list[tuple[list[float], list[float], list[float]]]:
+    """Per row of z: pre (sigmoid + eps), post (2 sigmoid), comb (Sinkhorn(row softmax + eps), row-major)."""
     rows = []
     for v in z.tolist():  # NOTE: syncs (host math)
         gates = [_sigmoid(x) for x in v[: 2 * n]]
         comb = sinkhorn4_values(_softmax_rows(v[2 * n :], n, eps), iters, eps)
-        rows.append([g + eps for g in gates[:n]] + [2.0 * g for g in gates[n:]] + comb)
+        rows.append(([g + eps for g in gates[:n]], [2.0 * g for g in gates[n:]], comb))
+    return rows
+
+
+def host_coefficients(z: torch.Tensor, n: int, eps: float, iters: int) -> tuple[torch.Tensor, ...]:
+    """z [B, (2+N)*N] (scale * logits + base) -> pre [B, N], post [B, N], comb [B, N, N], fp32 views of one tensor:
+    pre = sigmoid + eps, post = 2 sigmoid, comb = Sinkhorn(row softmax + eps)."""
+    rows = [pre + post + comb for pre, post, comb in _rows(z, n, eps, iters)]
     out = torch.tensor(rows, dtype=torch.float32, device=z.device)
     return out[:, :n], out[:, n : 2 * n], out[:, 2 * n :].view(-1, n, n)
 
 
-__all__ = ["HOST_ROWS", "host_coefficients", "use_host"]
+def host_mixers(z: torch.Tensor, n: int, eps: float, iters: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """host_coefficients laid out for the decode step's two products -> pre [B, 1, N] (collapse: pre @ streams) and
+    the mixer [B, N, N+1] = [comb^T | post] (mix: mixer @ [streams; out]), fp32 views of one [B, N+1, N+1] tensor
+    (row 0 holds pre, zero-padded)."""
+    rows = []
+    for pre, post, comb in _rows(z, n, eps, iters):
+        mixer = [[comb[j * n + i] for j in range(n)] + [post[i]] for i in range(n)]
+        rows.append([pre + [0.0]] + mixer)
+    out = torch.tensor(rows, dtype=torch.float32, device=z.device)
+    return out[:, :1, :n], out[:, 1:]
+
+
+__all__ = ["HOST_ROWS", "host_coefficients", "host_mixers", "use_host"]

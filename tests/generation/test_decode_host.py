@@ -71,3 +71,22 @@ def test_tensor_and_host_paths_agree():
         alone = [D._coefficients(site, streams[b : b + 1]) for b in range(B)]
     for i, got in enumerate(batched):
         torch.testing.assert_close(got, torch.cat([a[i] for a in alone]), rtol=2e-6, atol=1e-7)
+
+
+def test_mixers_layout_and_paths():
+    """decode._mixers (the decode step's layout: pre [B, 1, N], [comb^T | post] [B, N, N+1]) holds
+    decode._coefficients' numbers, on the host path (one row) and the tensor path (HOST_ROWS + 1 rows); the mix
+    as one product equals decode._mix."""
+    model = tiny_model(random_weights=True)
+    for B in (1, HOST_ROWS + 1):
+        site = D._site(model.model.layers[0].attn_hc, B)
+        streams = torch.randn(B, site.n, model.config.hidden_size, generator=torch.Generator().manual_seed(B))
+        out = torch.randn(B, model.config.hidden_size, generator=torch.Generator().manual_seed(9))
+        with torch.inference_mode():
+            pre, post, comb = D._coefficients(site, streams)
+            pre3, mixer = D._mixers(site, streams)
+            mixed, expected = D._mix_step(streams, mixer, out), D._mix(streams, comb, post, out)
+        assert pre3.shape == (B, 1, site.n) and mixer.shape == (B, site.n, site.n + 1)
+        torch.testing.assert_close(pre3[:, 0], pre, rtol=0, atol=0)
+        torch.testing.assert_close(mixer, torch.cat([comb.transpose(1, 2), post[:, :, None]], dim=-1), rtol=0, atol=0)
+        torch.testing.assert_close(mixed, expected, rtol=1e-6, atol=1e-6)
