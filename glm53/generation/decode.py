@@ -105,7 +105,7 @@ def _coefficients(site: _Site, streams: torch.Tensor) -> tuple[torch.Tensor, tor
     """HyperConnection.coefficients for streams [B, N, D] -> pre [B, N], post [B, N], comb [B, N, N] (fp32)."""
     B, n = streams.shape[0], site.n
     z = _logits(site, streams)
-    if use_host(z, n):  # one or two rows on the CPU: the 24 numbers per row as host scalars (decode_host.py)
+    if use_host(z, n):  # up to HOST_ROWS rows on the CPU: the 24 numbers per row as host scalars (decode_host.py)
         return host_coefficients(z, n, site.eps, site.iters)
     gates = torch.sigmoid(z[:, : 2 * n])
     pre = gates[:, :n] + site.eps

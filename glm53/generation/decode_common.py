@@ -45,7 +45,7 @@ _RMS: dict = {}  # id(weight) -> (weakref to it, (version, eps), constants): ten
 
 def _rms_constants(weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight * sqrt(D), sqrt(D eps)) for _unit_rms, kept per weight tensor (rebuilt when it changed in place)."""
-    key = (weight._version, eps)
+    key = (weight.data_ptr(), weight._version, eps)
     hit = _RMS.get(id(weight))
     if hit is None or hit[0]() is not weight or hit[1] != key:
         D = weight.shape[-1]

@@ -1,4 +1,4 @@
-"""The mHC coefficients of a decode step as host scalar arithmetic, for a batch of one or two rows on the CPU.
+"""The mHC coefficients of a decode step as host scalar arithmetic, for up to HOST_ROWS rows on the CPU.
 
 Legend (glm53/model/__init__.py): B batch, N mHC streams (4 here).
 After the projection a site's coefficients are (2+N)*N = 24 numbers per row: sigmoid gates, a row softmax and

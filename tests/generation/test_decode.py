@@ -119,3 +119,26 @@ def test_narrow_latent_cache(dtype):
 def test_bad_latent_dtype():
     with pytest.raises(CacheError, match="latent_dtype"):
         GenerationCache(tiny_model(), latent_dtype=torch.int16)
+
+
+def test_decode_after_weights_change_in_place_uses_the_new_weights():
+    """Derived decode constants (stacked projections, norm scales) are kept per module across caches: an optimizer
+    step or load_state_dict between two generations changes the weights in place, and the next decode must read
+    the new ones, not the stacked copies of the old."""
+    model = tiny_model(random_weights=False)
+    P, N = 9, 4
+    ids, mask = left_padded(model.config.vocab_size, [P + N, P + N - 3])
+    with torch.inference_mode():
+        cache, _ = _prefilled(model, ids, mask, P)
+        decode_step(model, cache, ids[:, P])  # builds the derived weights from the current parameters
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            if i % 2:
+                p.mul_(1.0 + 0.01 * (i % 7))
+            else:  # new storage, as `param.data = ...` or assigning loads do
+                p.data = p.data * (1.0 + 0.01 * (i % 5))
+    with torch.inference_mode():
+        full = model(ids, attention_mask=mask).logits
+        cache, first = _prefilled(model, ids, mask, P)
+        steps = [first] + [model.lm_head(decode_step(model, cache, ids[:, t]))[:, None] for t in range(P, P + N)]
+    assert_matches_full(torch.cat(steps, dim=1), full, mask, REL_TOL)
