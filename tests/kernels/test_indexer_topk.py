@@ -17,7 +17,7 @@ from glm53 import Glm53Config
 from glm53.kernels import indexer_topk as topk_mod
 from glm53.kernels import use_backend
 from glm53.kernels.indexer_topk import indexer_topk_pools, indexer_topk_pools_reference
-from glm53.model.indexer import Indexer
+from tests.helpers.modules import random_indexer
 
 B, H, K = 2, 4, 8
 
@@ -96,11 +96,7 @@ def test_indexer_forward_equals_score_and_select(padded, monkeypatch):
     monkeypatch.setattr(topk_mod, "TOPK_BUDGET", 1)
     monkeypatch.setattr(topk_mod, "MIN_TOPK_CHUNK", 5)
     config = Glm53Config.tiny(index_topk=8, index_kpool=4, index_n_heads=4)
-    indexer = Indexer(config)
-    g = torch.Generator().manual_seed(4)
-    with torch.no_grad():
-        for p in indexer.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    indexer, g = random_indexer(4, index_topk=8, index_kpool=4, index_n_heads=4), torch.Generator().manual_seed(5)
     T = 45
     x, q_resid = torch.randn(2, T, config.hidden_size, generator=g), torch.randn(2, T, config.q_lora_rank, generator=g)
     valid = torch.ones(2, T, dtype=torch.bool)

@@ -24,6 +24,7 @@ from glm53.model.key_sequence import KeySequence, same_document_slots, segment_b
 from glm53.model.mla import MultiHeadLatentAttention
 from glm53.model.packing import document_boundaries, segment_ids as segment_ids_of
 from glm53.training import losses
+from tests.helpers.modules import random_indexer
 
 B, S = 2, 37
 SLICES = [(0, 9), (9, 10), (19, 18)]  # (offset, length): uneven, covering [0, S)
@@ -47,13 +48,7 @@ def layout(name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 @pytest.fixture(scope="module")
 def indexer() -> Indexer:
-    config = Glm53Config.tiny(index_kpool=4, index_topk=8, index_n_heads=16)
-    module = Indexer(config)
-    g = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    return module
+    return random_indexer(2, index_kpool=4, index_topk=8, index_n_heads=16)
 
 
 @pytest.mark.parametrize("name", ["plain", "padded", "packed"])

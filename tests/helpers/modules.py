@@ -1,0 +1,22 @@
+"""Small glm53 modules with reproducible non-trivial weights, shared by kernel and model tests.
+
+Legend: none (modules only).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from glm53 import Glm53Config
+from glm53.model.indexer import Indexer
+
+
+def random_indexer(seed: int, **config) -> Indexer:
+    """A tiny-config DSA indexer (`config` overrides Glm53Config.tiny) with N(0, 0.25) weights from `seed`: unit
+    initialisation leaves most ReLU scores tied, which would hide a wrong pool choice."""
+    module = Indexer(Glm53Config.tiny(**config))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return module
