@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from ..boundary import as_local
 from .cache import CacheError, GenerationCache, KdaLayerCache, MlaLayerCache, _grow
-from .decode_common import _as, _derived, _packed_linears, _rms, _unit_rms, _weight  # noqa: F401 (verify.py)
+from .decode_common import _absorbed_attention, _as, _derived, _packed_linears, _rms, _unit_rms, _weight  # noqa: F401 (verify.py)
 from .decode_host import host_coefficients, host_mixers, use_host
 from .decode_moe import _Mlp, _mlp, _Moe, _moe, _moe_step  # noqa: F401 (verify.py, tests)
 from .layers import L2NORM_EPS
@@ -370,18 +370,12 @@ def _attention(p: _Mla, q: torch.Tensor, cache: MlaLayerCache, topk: torch.Tenso
     if B > 1:
         rows = rows + (torch.arange(B, device=topk.device) * cap)[:, None]
     kv = cache.rows(rows.flatten()).view(B, -1, Z)  # [B, J, Z]
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    mask = ~filled[:, None, :]
     if p.absorb:
-        q_abs = _as(torch.bmm(q.transpose(0, 1), p.w_uk).transpose(0, 1), dtype)  # [B, H, Z]
-        kv = _as(kv, dtype)
-        scores = torch.bmm(q_abs, kv.transpose(1, 2)) * p.scale  # [B, H, J]
-        probs = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1).nan_to_num(0.0)
-        o_latent = _as(torch.bmm(probs, kv), q.dtype)  # [B, H, Z]
-        return torch.bmm(o_latent.transpose(0, 1), p.w_uv_t).transpose(0, 1)
+        return _absorbed_attention(p, q, kv, filled)
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     k, v = p.module._expand_kv(kv.to(q.dtype))  # [B, J, H, K], [B, J, H, V]
     scores = torch.einsum("bhe,bjhe->bhj", q.to(dtype), k.to(dtype)) * p.scale
-    probs = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1).nan_to_num(0.0)
+    probs = torch.softmax(scores.masked_fill(~filled[:, None, :], float("-inf")), dim=-1).nan_to_num(0.0)
     return torch.einsum("bhj,bjhf->bhf", probs, v.to(dtype)).to(q.dtype)
 
 

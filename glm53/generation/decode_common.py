@@ -1,7 +1,9 @@
 """Helpers shared by the decode step (decode.py), its MoE part (decode_moe.py) and the verify step (verify.py):
-dtype casts without a call, RMS norms in their cheapest CPU form, and weights derived once per module.
+dtype casts without a call, RMS norms in their cheapest CPU form, weights derived once per module, and the absorbed
+attention of queries that each read their own selected latent rows.
 
-Legend (glm53/model/__init__.py): D model width (the normalised width of an RMS norm).
+Legend (glm53/model/__init__.py): D model width (the normalised width of an RMS norm); N queries (a decode step's
+rows, a verify step's B*T tokens), H heads, K/V head dims, J selected rows, Z kv_lora_rank.
 """
 
 from __future__ import annotations
@@ -23,6 +25,18 @@ def _weight(linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
 def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x.to(dtype) without the call when x already has it (a decode step is made of small ops: calls count)."""
     return x if x.dtype == dtype else x.to(dtype)
+
+
+def _absorbed_attention(p, q: torch.Tensor, kv: torch.Tensor, filled: torch.Tensor) -> torch.Tensor:
+    """MLA's absorbed form (p: decode.py's _Mla) for N queries, each over its own rows: q [N, H, K], latent rows
+    kv [N, J, Z], filled [N, J] -> [N, H, V]; scores and softmax in fp32 (fp64 inputs stay fp64)."""
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q_abs = _as(torch.bmm(q.transpose(0, 1), p.w_uk).transpose(0, 1), dtype)  # [N, H, Z]
+    kv = _as(kv, dtype)
+    scores = torch.bmm(q_abs, kv.transpose(1, 2)) * p.scale  # [N, H, J]
+    probs = torch.softmax(scores.masked_fill(~filled[:, None, :], float("-inf")), dim=-1).nan_to_num(0.0)
+    o_latent = _as(torch.bmm(probs, kv), q.dtype)  # [N, H, Z]
+    return torch.bmm(o_latent.transpose(0, 1), p.w_uv_t).transpose(0, 1)
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

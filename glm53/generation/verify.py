@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from ..boundary import as_local
 from ..kernels import kernel
 from .cache import CacheError, GenerationCache, KdaLayerCache, MlaLayerCache
+from .decode_common import _absorbed_attention
 from .decode import (KDA_RECURRENT_DTYPE, _as, _Block, _coefficients, _collapse, _Indexer, _Kda, _Mla, _mla, _Moe,
                      _moe, _moe_step, _mix, _push_pool_token, _rms, _site, build_plan)  # fmt: skip
 from .layers import L2NORM_EPS, _cached_attention, _gather_rows
@@ -162,14 +163,8 @@ def _attention(p: _Mla, q: torch.Tensor, cache: MlaLayerCache, topk: torch.Tenso
     B*Q queries: q [B, Q, H, K], topk [B, Q, J] -> [B, Q, H, V]."""
     B, Q, H, _ = q.shape
     kv, filled = _gather_rows(cache, topk)  # [B, Q, J, Z], [B, Q, J]
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    kv = kv.view(B * Q, -1, kv.shape[-1]).to(dtype)  # [B*Q, J, Z]
-    q_abs = torch.bmm(q.reshape(B * Q, H, -1).transpose(0, 1), p.w_uk).transpose(0, 1).to(dtype)  # [B*Q, H, Z]
-    scores = torch.bmm(q_abs, kv.transpose(1, 2)) * p.scale  # [B*Q, H, J]
-    mask = ~filled.view(B * Q, 1, -1)
-    probs = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1).nan_to_num(0.0)
-    o_latent = torch.bmm(probs, kv).to(q.dtype)  # [B*Q, H, Z]
-    return torch.bmm(o_latent.transpose(0, 1), p.w_uv_t).transpose(0, 1).reshape(B, Q, H, -1)
+    o = _absorbed_attention(p, q.reshape(B * Q, H, -1), kv.view(B * Q, -1, kv.shape[-1]), filled.view(B * Q, -1))
+    return o.reshape(B, Q, H, -1)
 
 
 # ------------------------------------------------------------------------------------------------------------ MoE
