@@ -170,10 +170,14 @@ def causal_conv1d(
     return y, recent.transpose(1, 2)
 
 
+def _packed_args(flat: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple:
+    """_CausalConv1d's (history, edges) for flat [1, B*T, H*K] as one sequence: zero history, document starts."""
+    return _history(flat, weight, None).transpose(1, 2), _edges(cu_seqlens, flat.shape[1], weight.shape[-1])
+
+
 def _packed_conv(flat: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """flat [1, B*T, H*K] as one sequence, the taps crossing a document start dropped -> [1, B*T, H*K] fp32."""
-    history = _history(flat, weight, None).transpose(1, 2)
-    return _CausalConv1d.apply(flat, weight, history, _edges(cu_seqlens, flat.shape[1], weight.shape[-1]))
+    return _CausalConv1d.apply(flat, weight, *_packed_args(flat, weight, cu_seqlens))
 
 
 class _Saved:
@@ -200,8 +204,7 @@ def _(flat, weight, cu_seqlens):
 def _packed_conv_backward_op(flat: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor,
                              dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     ctx = _Saved()
-    history = _history(flat, weight, None).transpose(1, 2)
-    _CausalConv1d.forward(ctx, flat, weight, history, _edges(cu_seqlens, flat.shape[1], weight.shape[-1]))
+    _CausalConv1d.forward(ctx, flat, weight, *_packed_args(flat, weight, cu_seqlens))
     dx, dw = _CausalConv1d.backward(ctx, dy)[:2]
     return dx.contiguous(), dw.contiguous()
 
