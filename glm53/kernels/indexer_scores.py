@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .dispatch import register
-from .varlen import check_cu_seqlens, document_bounds, document_slices
+from .varlen import check_cu_seqlens, document_bounds, document_slices, own_document_pools
 
 SCORE_BUDGET = 1 << 20  # elements of one [B, Tq, H, P] logits chunk (4 MiB in fp32: stays in cache)
 MIN_PACKED_CHUNK = 64  # queries per chunk at least when packed (short documents share a chunk)
@@ -192,9 +192,7 @@ def _(q, weights, pool_keys, scale, cu_seqlens, pool_start):
 def _packed_backward_op(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor, d_out: torch.Tensor,
                         scale: float, cu_seqlens: torch.Tensor,
                         pool_start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    start, end = document_bounds(cu_seqlens, *q.shape[:2])
-    columns = pool_start[:, None, :]  # [B, 1, P]
-    own = (columns >= start[..., None]) & (columns < end[..., None])  # [B, T, P]
+    own = own_document_pools(pool_start, cu_seqlens, q.shape[1], 0, q.shape[1])  # [B, T, P]
     return _scores_backward(q, weights, pool_keys, d_out * own, scale)
 
 

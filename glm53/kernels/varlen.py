@@ -1,6 +1,6 @@
 """Packed-document boundaries as the kernels take them (fla's `cu_seqlens` convention, over B * T tokens).
 
-Legend: B batch, T time, n documents.
+Legend: B batch, T time, n documents, P indexer k-pools.
 cu_seqlens: int [n + 1], cumulative document lengths over the row-major flattened [B, T] tokens: starts at 0,
 ends at B * T, non-decreasing, and holds every row start (b * T): a document never spans two rows. Every kernel
 that takes it treats each document as if it were alone (no state, tap, key or pool crosses a boundary).
@@ -55,4 +55,17 @@ def document_slices(cu_seqlens: torch.Tensor, T: int) -> list[tuple[int, int, in
     return [(s // T, s % T, s % T + (e - s)) for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
 
 
-__all__ = ["check_cu_seqlens", "document_bounds", "document_slices", "position_in_document", "token_documents"]
+def own_document_pools(pool_start: torch.Tensor, cu_seqlens: torch.Tensor, S: int, query_offset: int,
+                       T: int) -> torch.Tensor:  # fmt: skip
+    """[B, T, P] bool: the pool starts inside the document of query query_offset + t (pool_start [B, P] and the
+    boundaries `cu_seqlens` over B * S describe the keys' sequence): the packed `indexer_scores` column mask."""
+    start, end = document_bounds(cu_seqlens, pool_start.shape[0], S)
+    rows = slice(query_offset, query_offset + T)
+    columns = pool_start[:, None, :]
+    return (columns >= start[:, rows, None]) & (columns < end[:, rows, None])
+
+
+__all__ = [
+    "check_cu_seqlens", "document_bounds", "document_slices", "own_document_pools", "position_in_document",
+    "token_documents",
+]

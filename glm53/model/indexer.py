@@ -32,7 +32,7 @@ from ..boundary import as_local
 from ..config import Glm53Config
 from ..utils import ceil_div
 from ..kernels import kernel
-from ..kernels.varlen import document_bounds
+from ..kernels.varlen import document_bounds, own_document_pools
 from .context import SequenceShards
 from .norm import LayerNorm
 from .packing import document_pool_layout, first_valid_in_document
@@ -81,16 +81,6 @@ def pool_starts(positions: torch.Tensor, T: int) -> torch.Tensor:
     pool without a valid token (it belongs to no query's document)."""
     slot = torch.arange(positions.shape[-1], device=positions.device)
     return torch.where(positions >= 0, positions - slot, T).amin(-1)
-
-
-def own_document_pools(pool_start: torch.Tensor, cu_seqlens: torch.Tensor, S: int, query_offset: int,
-                       T: int) -> torch.Tensor:  # fmt: skip
-    """[B, T, P] bool: the pool starts inside the document of query query_offset + t (pool_start [B, P] and the
-    boundaries `cu_seqlens` over B * S describe the keys' sequence): the packed `indexer_scores` column mask."""
-    start, end = document_bounds(cu_seqlens, pool_start.shape[0], S)
-    rows = slice(query_offset, query_offset + T)
-    columns = pool_start[:, None, :]
-    return (columns >= start[:, rows, None]) & (columns < end[:, rows, None])
 
 
 class Indexer(nn.Module):
