@@ -43,13 +43,21 @@ def document_boundaries(B: int, T: int, device: torch.device, cu_seqlens: torch.
         cu = torch.cat([check_cu_seqlens(cu_seqlens.to(device), 1, B * T), row_starts])
     else:
         return None
+    if torch.compiler.is_compiling():
+        # torch.unique's size and the one-document-per-row test read the data (graph breaks): sorted with the
+        # duplicates kept as empty documents, [n + 1 + B + 1] from the shapes; every consumer skips empty documents
+        return torch.sort(cu).values
     cu = torch.unique(cu)  # sorted; duplicates (empty documents, row starts given twice) removed
     return None if cu.numel() - 1 == B else cu  # NOTE: syncs
 
 
 def segment_ids(cu_seqlens: torch.Tensor, B: int, T: int) -> torch.Tensor:
-    """[B, T] int64 document index of every token (increasing along the flattened tokens)."""
-    return token_documents(cu_seqlens, B * T).view(B, T)
+    """[B, T] int64 document index of every token, counting only non-empty documents (0, 1, ... along the
+    flattened tokens; without empty documents it is `token_documents`), so every id is below B * T and below
+    the document count n."""
+    starts = torch.zeros(B * T + 1, dtype=torch.long, device=cu_seqlens.device)
+    starts[cu_seqlens[:-1]] = 1  # an empty document starts where the next one does: one mark for both
+    return (starts[:-1].cumsum(0) - 1).view(B, T)
 
 
 def document_labels(labels: torch.Tensor, segment_ids: torch.Tensor, depth: int, ignore_index: int) -> torch.Tensor:
