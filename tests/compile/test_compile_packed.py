@@ -1,6 +1,7 @@
 """torch.compile of the whole Glm53ForCausalLM on a packed batch (`cu_seqlens`): no graph break in the forward
-(eval, and training with labels and every loss part: MTP, indexer KL, per-document balance, z-loss) nor in the
-backward, and logits, every loss part, every gradient and the expert loads equal to the eager model.
+(eval, and training with labels and every loss part: MTP, indexer KL, per-document balance, z-loss; the backward
+is AOT autograd's of that one graph), and logits, every loss part, every gradient and the expert loads equal to
+the eager model.
 
 Legend: B batch, T time, n documents.
 Eager drops duplicate boundaries and runs a batch of one document per row unpacked; compiled, the boundaries
