@@ -22,9 +22,10 @@ forward+backward, every loss part; tests/compile/test_compile_packed.py): under 
 keeps duplicate boundaries as empty documents instead of dropping them with torch.unique and always takes the
 packed path (one document per row included), the segment ids count non-empty documents, and the per-document
 balance loss sizes its sums by the document count from cu_seqlens' shape. `position_ids` still break the graph
-once (the document starts are torch.nonzero: their count is data, and a shape-only bound would make the
-indexer's pool axis ~T); pass `cu_seqlens = document_boundaries(B, T, device, position_ids=...)`, computed
-eagerly, instead.
+once: the document starts are torch.nonzero, whose count is data (a custom op with a dynamic output size breaks
+the same way unless torch._dynamo.config.capture_dynamic_output_shape_ops is set), and a bound from the shapes
+alone (every token a possible start) would make the indexer's pool axis about T long. Pass
+`cu_seqlens=document_boundaries(B, T, device, position_ids=...)`, computed eagerly, instead.
 A block whose graph breaks is unsafe under activation checkpointing: the forward that compiles it runs part of it
 eagerly, the recomputation in backward runs the compiled frames, and the two save different tensors
 (torch.utils.checkpoint raises CheckpointError on the first step).
