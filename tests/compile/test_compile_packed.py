@@ -18,6 +18,7 @@ import torch
 
 from glm53 import Glm53Config, Glm53ForCausalLM
 from glm53.model.packing import document_boundaries, segment_ids
+from glm53.training.losses import balance_loss
 
 LOSS_PARTS = ("loss", "lm_loss", "mtp_loss", "aux_loss", "indexer_loss")
 B, T = 2, 19
@@ -130,3 +131,24 @@ def test_compiled_boundaries_keep_duplicates_as_empty_documents():
     assert compiled.tolist() == [0, 0, 5, 5, 19, 19, 30, 38, 38, 38]
     assert torch.equal(segment_ids(compiled, B, T), segment_ids(eager, B, T))
     assert segment_ids(eager, B, T).flatten().tolist() == [0] * 5 + [1] * 14 + [2] * 11 + [3] * 8
+
+
+def test_document_balance_loss_with_slot_counts_from_shapes():
+    """The per-document balance loss with its slots sized by the document count from cu_seqlens' shape (exact,
+    or with duplicates: the compiled boundaries), or by M (the default): the mean over documents with a valid
+    token of each document's own balance loss (document 0 is all padding and drops out)."""
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(B * T, 8, generator=g)
+    indices = logits.topk(2, dim=-1).indices
+    valid = torch.ones(B, T, dtype=torch.bool)
+    valid[0, :5] = False
+    valid[1, 2] = False
+    docs = [(0, 5), (5, 19), (19, 30), (30, 38)]
+    flat = valid.flatten()
+    expected = torch.stack([balance_loss(logits[s:e], indices[s:e], flat[s:e].view(1, -1)) for s, e in docs[1:]])
+    cu = torch.tensor(PACKED)
+    eager = document_boundaries(B, T, cu.device, cu)
+    with_duplicates = torch.tensor([0, 0, 5, 5, 19, 19, 30, 38, 38, 38])  # what the compiled model makes
+    for bounds, n in ((eager, 4), (with_duplicates, 9), (eager, None)):
+        got = balance_loss(logits, indices, valid, segment_ids=segment_ids(bounds, B, T), num_documents=n)
+        torch.testing.assert_close(got, expected.mean(), rtol=1e-6, atol=0)
