@@ -1,0 +1,238 @@
+"""The decode step compiled: decode.py's step with its tensor work traced by torch.compile into a few graphs.
+
+Legend (glm53/model/__init__.py): B batch, N mHC streams, D model width, H heads, K/V head widths, Z kv_lora_rank,
+E routed experts, I expert width, k experts per token, J selected key slots.
+The layers run as segments: each MLA layer's cache bookkeeping (the latent append, the indexer's pools steered by
+host counts, the gather of the selected latent rows: decode.py's code, run eagerly) splits the step, and everything
+between two of them is one compiled graph: [embedding, KDA blocks, the next MLA block up to its projections],
+[the MLA output projection and mix, its feed-forward half, KDA blocks, the next MLA block's projections], ..., [the
+final norm]. A graph sees no host-side lengths, so its shapes never change from token to token (no recompiles):
+- the mHC coefficients are tensor ops (sigmoid gates, the row softmax, Sinkhorn unrolled over the 16 entries for
+  N = 4: one fused elementwise kernel) instead of decode_host.py's host scalars;
+- KDA updates its recurrent state in place and returns the new conv history;
+- MoE picks its experts with the tensor top-k and reads them by index (the expert GEMVs as products summed over D,
+  so the gathered weights are never copied), instead of the host loop over the chosen experts.
+Results equal decode_step's up to fp32 rounding (summation order), which equals the full forward at the same
+tolerances (tests/generation/test_decode_compiled.py). Compiling costs seconds once per (config, batch); a new
+cache of the same model and batch reuses the graphs.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels.moe import clamped_swiglu_packed
+from ..model.moe import NORM_EPS
+from .cache import CacheError, GenerationCache
+from .decode import (_Block, _Kda, _Mla, _Moe, _Site, _append, _as, _attention, _collapse, _decode_topk,
+                     _logits, _mix_step, _unit_rms, build_plan)  # fmt: skip
+from .decode import decode_step as eager_step
+
+RECOMPILE_LIMIT = 64  # graphs kept per compiled function: one per (segment layout, config, batch) in a process
+
+
+# ----------------------------------------------------------------------------------------------- graph pieces
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as kernels/rms_norm.py (statistics in fp32); the compiler fuses it into one kernel."""
+    return weight * _as(F.rms_norm(_as(x, torch.float32), (x.shape[-1],), None, eps), x.dtype)
+
+
+def _sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """kernels/sinkhorn.py on comb [B, N, N]: columns, then (iters - 1) x (rows, columns), each sum + eps."""
+    comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    return comb
+
+
+def _pre(site: _Site, norm: tuple, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An mHC site's coefficients, the collapse and the block norm: streams [B, N, D] -> (x [B, D], the mixer
+    [B, N, N+1] = [comb^T | post] for _mix_step)."""
+    z = _logits(site, streams)  # [B, (2+N)*N] fp32
+    B, n = z.shape[0], site.n
+    gates = torch.sigmoid(z[:, : 2 * n])
+    pre, post = gates[:, :n] + site.eps, 2 * gates[:, n:]
+    comb = _sinkhorn(torch.softmax(z[:, 2 * n :].view(B, n, n), dim=-1) + site.eps, site.iters, site.eps)
+    mixer = torch.cat([comb.transpose(1, 2), post[:, :, None]], dim=-1)
+    return _rms(_collapse(pre[:, None], streams), *norm), mixer
+
+
+def _kda(p: _Kda, x: torch.Tensor, state: torch.Tensor, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """decode._kda_step without the cache object: x [B, D] -> (out [B, D], the new conv history); state
+    [B, H, K, V] advances in place."""
+    B, K = x.shape[0], p.head_dim
+    qkv_raw, f_a, b, g_a = F.linear(x, p.packed[0], p.packed[1]).split(p.packed[2], dim=-1)
+    full = torch.cat([conv, qkv_raw[:, None]], dim=1)  # [B, W, 3*H*K]
+    qkv = _as(F.silu((_as(full, torch.float32) * p.taps).sum(1)), x.dtype).view(B, 3, -1, 1, K)
+    qk = _unit_rms(_as(qkv[:, :2], torch.float32), p.roots[0]) * p.qk_scale  # l2norm (q scaled)
+    raw = (_as(F.linear(f_a, p.f_b), torch.float32) + p.dt_bias).view(B, -1, K, 1)
+    if p.lower_bound is not None:
+        g = p.lower_bound * torch.sigmoid(p.rate * raw)
+    else:
+        g = p.neg_rate * F.softplus(raw, threshold=20.0)
+    dt = state.dtype
+    q, k, v = _as(qk[:, 0], dt), _as(qk[:, 1], dt), _as(qkv[:, 2], dt)  # [B, H, 1, K]
+    beta = _as(torch.sigmoid(b), dt).view(B, -1, 1, 1)
+    S = state * _as(g, dt).exp()
+    u = (v - torch.matmul(k, S)) * beta  # [B, H, 1, V]
+    S = S + k.transpose(-1, -2) * u
+    state.copy_(S)
+    o = _as(torch.matmul(q, S), qkv.dtype)  # [B, H, 1, V]
+    gate = _as(F.linear(g_a, p.g_b), torch.float32).view(B, -1, 1, K)
+    of = _unit_rms(_as(o, torch.float32), p.roots[1]) * p.norm_scaled * torch.sigmoid(gate)
+    return F.linear(_as(of, qkv.dtype).view(B, -1), *p.o), full[:, 1:].contiguous()
+
+
+def _moe(p: _Moe, x: torch.Tensor) -> torch.Tensor:
+    """MoE.forward for x [B, D]: the router's top-k as tensors, the chosen experts read by index."""
+    r = p.router
+    if r.n_group > 1:
+        _, weights, chosen = r(x)
+    else:
+        scores = torch.sigmoid(F.linear(_as(x, torch.float32), p.router_weight))  # [B, E]
+        chosen = (scores + p.router_bias).topk(r.top_k, dim=-1, sorted=False).indices  # [B, k]
+        weights = scores.gather(1, chosen)
+        if r.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + NORM_EPS)
+        weights = weights * r.routed_scaling_factor
+    h = (p.gate_up[chosen] * x[:, None, None, :]).sum(-1)  # [B, k, 2I]: products summed over D, no weight copy
+    act = _as(clamped_swiglu_packed(h, p.limit) * weights[..., None], x.dtype)  # [B, k, I]
+    routed = (p.down[chosen] * act[:, :, None, :]).sum(-1).sum(1)  # [B, D]
+    return _as(routed, x.dtype) + p.shared(x)
+
+
+def _ffn(blk: _Block, streams: torch.Tensor) -> torch.Tensor:
+    x, mixer = _pre(blk.ffn_site, blk.post_norm, streams)
+    out = _moe(blk.mlp, x) if isinstance(blk.mlp, _Moe) else blk.mlp(x)
+    return _mix_step(streams, mixer, out)
+
+
+def _mla_in(p: _Mla, x: torch.Tensor) -> tuple:
+    """decode._mla_step's projections: x [B, D] -> (q_resid [B, R], q [B, H, K], latent [B, Z], x_proj)."""
+    B = x.shape[0]
+    if p.packed:
+        q_a, kv_a, *x_proj = F.linear(x, p.packed[0], p.packed[1]).split(p.packed[2], dim=-1)
+    else:
+        q_a, kv_a, x_proj = F.linear(x, *p.q_a), F.linear(x, *p.kv_a), []
+    q_resid = _rms(q_a, *p.q_a_norm)
+    return q_resid, F.linear(q_resid, p.q_b).view(B, -1, p.qk_head_dim), _rms(kv_a, *p.kv_norm), tuple(x_proj)
+
+
+# ----------------------------------------------------------------------------------------------------- segments
+@dataclass
+class _Segment:
+    """What one graph runs: an MLA block's second half (`head`), whole KDA blocks, then an MLA block's first half
+    (`tail`) or the final norm (tail None). `embed` only in the first segment."""
+
+    head: _Block | None
+    kda: list
+    tail: _Block | None
+    embed: torch.Tensor | None
+    norm: tuple
+    n: int
+
+
+def _segment(seg: _Segment, streams: torch.Tensor, attn: torch.Tensor | None, mixer: torch.Tensor | None,
+             states: list, convs: list) -> tuple:  # fmt: skip
+    """streams [B, N, D] (ids [B] in the first segment) -> (streams, new conv histories, the tail's outputs)."""
+    if seg.embed is not None:
+        x = F.embedding(streams, seg.embed)  # streams: the ids [B]
+        streams = x[:, None, :].expand(-1, seg.n, -1).contiguous()
+    if seg.head is not None:
+        p = seg.head.attention
+        streams = _ffn(seg.head, _mix_step(streams, mixer, F.linear(attn.reshape(attn.shape[0], -1), *p.o)))
+    new_convs = []
+    for blk, state, conv in zip(seg.kda, states, convs):
+        x, mix = _pre(blk.attn_site, blk.input_norm, streams)
+        out, new_conv = _kda(blk.attention, x, state, conv)
+        new_convs.append(new_conv)
+        streams = _ffn(blk, _mix_step(streams, mix, out))
+    if seg.tail is None:
+        return streams, new_convs, _rms(streams.mean(dim=1), *seg.norm)
+    x, mix = _pre(seg.tail.attn_site, seg.tail.input_norm, streams)
+    return streams, new_convs, (x, mix, *_mla_in(seg.tail.attention, x))
+
+
+def _segments(plan) -> list[_Segment]:
+    """Split the blocks at each MLA block's attention core (decode.py's DecodePlan)."""
+    segs, head, kda = [], None, []
+    for blk in plan.blocks:
+        if isinstance(blk.attention, _Kda):
+            kda.append(blk)
+            continue
+        segs.append(_Segment(head, kda, blk, plan.embed if not segs else None, plan.norm, plan.n))
+        head, kda = blk, []
+    segs.append(_Segment(head, kda, None, plan.embed if not segs else None, plan.norm, plan.n))
+    return segs
+
+
+def _mla_core(blk: _Block, x, q_resid, q, latent, x_proj, shared):
+    """decode._mla_step after its projections (eager: the cache bookkeeping) -> (attention [B, H, V], top-k)."""
+    p, cache = blk.attention, blk.cache
+    start = _append(cache, latent)
+    if p.indexer is not None:
+        topk = _decode_topk(p.indexer, cache, x, q_resid, start, x_proj or None)
+    elif shared is None:
+        raise ValueError("a 'shared' indexer layer needs the top-k of an earlier 'full' layer (got none)")
+    else:
+        topk = shared
+    cache.length = start + 1
+    cache.count = cache.count + 1
+    cache.max_count += 1
+    cache.counts_host = [c + 1 for c in cache.counts_host]
+    return _attention(p, q, cache, topk), topk
+
+
+# -------------------------------------------------------------------------------------------------------- driver
+_COMPILED: dict = {}  # (backend, cpp_wrapper) -> the compiled _segment
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> (its DecodePlan, the segments)
+
+
+def compiled_segment(backend: str = "inductor", cpp_wrapper: bool = False):
+    """_segment compiled by `backend` (one function per setting; its graphs are shared by every plan)."""
+    key = (backend, cpp_wrapper)
+    if key not in _COMPILED:
+        limit = torch._dynamo.config.recompile_limit
+        torch._dynamo.config.recompile_limit = max(limit, RECOMPILE_LIMIT)
+        options = {"cpp_wrapper": cpp_wrapper} if backend == "inductor" else None
+        _COMPILED[key] = torch.compile(_segment, backend=backend, fullgraph=True, dynamic=False, options=options)
+    return _COMPILED[key]
+
+
+@torch.inference_mode()
+def compiled_decode_step(model, cache: GenerationCache, ids: torch.Tensor, backend: str = "inductor",
+                         cpp_wrapper: bool = False) -> torch.Tensor:  # fmt: skip
+    """decode_step (same arguments, result and cache effects) with the tensor work compiled by `backend`
+    ("inductor"; "aot_eager" traces without code generation). The first call per (config, batch) compiles."""
+    if cache.marked:
+        raise CacheError("decode_step cannot run on a marked cache (rewind() it first)")
+    plan = cache.decode_plan
+    if plan is None:
+        plan = cache.decode_plan = build_plan(model, cache)
+    if ids.shape != (plan.batch,):
+        raise CacheError(f"decode_step takes ids of shape ({plan.batch},), got {tuple(ids.shape)}")
+    kept = _PLANS.get(cache)
+    if kept is None or kept[0] is not plan:
+        kept = _PLANS[cache] = (plan, _segments(plan))
+    run = compiled_segment(backend, cpp_wrapper)
+    streams, attn, mixer, topk = ids, None, None, None
+    for seg in kept[1]:
+        states = [blk.cache.state for blk in seg.kda]
+        convs = [blk.cache.conv.contiguous() for blk in seg.kda]  # the graphs' conv inputs are contiguous
+        streams, convs, out = run(seg, streams, attn, mixer, states, convs)
+        for blk, conv in zip(seg.kda, convs):
+            blk.cache.conv = conv
+            blk.cache.length += 1
+        if seg.tail is None:
+            return out
+        x, mixer, q_resid, q, latent, x_proj = out
+        attn, topk = _mla_core(seg.tail, x, q_resid, q, latent, x_proj, topk)
+    raise AssertionError("the last segment ends with the final norm")
+
+
+__all__ = ["compiled_decode_step", "compiled_segment", "eager_step"]
