@@ -62,9 +62,9 @@ def _pre(site: _Site, norm: tuple, streams: torch.Tensor) -> tuple[torch.Tensor,
     return _rms(_collapse(pre[:, None], streams), *norm), mixer
 
 
-def _kda(p: _Kda, x: torch.Tensor, state: torch.Tensor, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """decode._kda_step without the cache object: x [B, D] -> (out [B, D], the new conv history); state
-    [B, H, K, V] advances in place."""
+def _kda(p: _Kda, x: torch.Tensor, state: torch.Tensor, conv: torch.Tensor) -> torch.Tensor:
+    """decode._kda_step without the cache object: x [B, D] -> out [B, D]; the state [B, H, K, V] and the conv
+    history [B, W-1, 3*H*K] advance in place."""
     B, K = x.shape[0], p.head_dim
     qkv_raw, f_a, b, g_a = F.linear(x, p.packed[0], p.packed[1]).split(p.packed[2], dim=-1)
     full = torch.cat([conv, qkv_raw[:, None]], dim=1)  # [B, W, 3*H*K]
@@ -85,7 +85,8 @@ def _kda(p: _Kda, x: torch.Tensor, state: torch.Tensor, conv: torch.Tensor) -> t
     o = _as(torch.matmul(q, S), qkv.dtype)  # [B, H, 1, V]
     gate = _as(F.linear(g_a, p.g_b), torch.float32).view(B, -1, 1, K)
     of = _unit_rms(_as(o, torch.float32), p.roots[1]) * p.norm_scaled * torch.sigmoid(gate)
-    return F.linear(_as(of, qkv.dtype).view(B, -1), *p.o), full[:, 1:].contiguous()
+    conv.copy_(full[:, 1:])
+    return F.linear(_as(of, qkv.dtype).view(B, -1), *p.o)
 
 
 def _moe(p: _Moe, x: torch.Tensor) -> torch.Tensor:
@@ -139,23 +140,22 @@ class _Segment:
 
 def _segment(seg: _Segment, streams: torch.Tensor, attn: torch.Tensor | None, mixer: torch.Tensor | None,
              states: list, convs: list) -> tuple:  # fmt: skip
-    """streams [B, N, D] (ids [B] in the first segment) -> (streams, new conv histories, the tail's outputs)."""
+    """streams [B, N, D] (ids [B] in the first segment) -> (streams, the tail's outputs); the KDA states and conv
+    histories advance in place."""
     if seg.embed is not None:
         x = F.embedding(streams, seg.embed)  # streams: the ids [B]
         streams = x[:, None, :].expand(-1, seg.n, -1).contiguous()
     if seg.head is not None:
         p = seg.head.attention
         streams = _ffn(seg.head, _mix_step(streams, mixer, F.linear(attn.reshape(attn.shape[0], -1), *p.o)))
-    new_convs = []
     for blk, state, conv in zip(seg.kda, states, convs):
         x, mix = _pre(blk.attn_site, blk.input_norm, streams)
-        out, new_conv = _kda(blk.attention, x, state, conv)
-        new_convs.append(new_conv)
+        out = _kda(blk.attention, x, state, conv)
         streams = _ffn(blk, _mix_step(streams, mix, out))
     if seg.tail is None:
-        return streams, new_convs, _rms(streams.mean(dim=1), *seg.norm)
+        return streams, _rms(streams.mean(dim=1), *seg.norm)
     x, mix = _pre(seg.tail.attn_site, seg.tail.input_norm, streams)
-    return streams, new_convs, (x, mix, *_mla_in(seg.tail.attention, x))
+    return streams, (x, mix, *_mla_in(seg.tail.attention, x))
 
 
 def _segments(plan) -> list[_Segment]:
@@ -189,6 +189,16 @@ def _mla_core(blk: _Block, x, q_resid, q, latent, x_proj, shared):
 
 
 # -------------------------------------------------------------------------------------------------------- driver
+_OWNED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> a conv history this module made
+
+
+def _own_conv(cache) -> torch.Tensor:
+    """The layer's conv history as a contiguous tensor of its own (the prefill's or an eager step's may be a view
+    of a wider tensor: written in place it would change that one; its strides would recompile the graph)."""
+    if _OWNED.get(id(cache.conv)) is not cache.conv:
+        cache.conv = cache.conv.clone(memory_format=torch.contiguous_format)
+        _OWNED[id(cache.conv)] = cache.conv
+    return cache.conv
 _COMPILED: dict = {}  # (backend, cpp_wrapper) -> the compiled _segment
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> (its DecodePlan, the segments)
 
@@ -223,10 +233,8 @@ def compiled_decode_step(model, cache: GenerationCache, ids: torch.Tensor, backe
     streams, attn, mixer, topk = ids, None, None, None
     for seg in kept[1]:
         states = [blk.cache.state for blk in seg.kda]
-        convs = [blk.cache.conv.contiguous() for blk in seg.kda]  # the graphs' conv inputs are contiguous
-        streams, convs, out = run(seg, streams, attn, mixer, states, convs)
-        for blk, conv in zip(seg.kda, convs):
-            blk.cache.conv = conv
+        streams, out = run(seg, streams, attn, mixer, states, [_own_conv(blk.cache) for blk in seg.kda])
+        for blk in seg.kda:
             blk.cache.length += 1
         if seg.tail is None:
             return out
