@@ -114,14 +114,14 @@ def _ffn(blk: _Block, streams: torch.Tensor) -> torch.Tensor:
 
 
 def _mla_in(p: _Mla, x: torch.Tensor) -> tuple:
-    """decode._mla_step's projections: x [B, D] -> (q_resid [B, R], q [B, H, K], latent [B, Z], x_proj)."""
+    """decode._mla_step's projections: x [B, D] -> (q_resid [B, R], q [B, H, K], latent [B, Z], *x_proj)."""
     B = x.shape[0]
     if p.packed:
         q_a, kv_a, *x_proj = F.linear(x, p.packed[0], p.packed[1]).split(p.packed[2], dim=-1)
     else:
         q_a, kv_a, x_proj = F.linear(x, *p.q_a), F.linear(x, *p.kv_a), []
     q_resid = _rms(q_a, *p.q_a_norm)
-    return q_resid, F.linear(q_resid, p.q_b).view(B, -1, p.qk_head_dim), _rms(kv_a, *p.kv_norm), tuple(x_proj)
+    return q_resid, F.linear(q_resid, p.q_b).view(B, -1, p.qk_head_dim), _rms(kv_a, *p.kv_norm), *x_proj
 
 
 # ----------------------------------------------------------------------------------------------------- segments
@@ -140,8 +140,8 @@ class _Segment:
 
 def _segment(seg: _Segment, streams: torch.Tensor, attn: torch.Tensor | None, mixer: torch.Tensor | None,
              states: list, convs: list) -> tuple:  # fmt: skip
-    """streams [B, N, D] (ids [B] in the first segment) -> (streams, the tail's outputs); the KDA states and conv
-    histories advance in place."""
+    """streams [B, N, D] (ids [B] in the first segment) -> (streams, *the tail's outputs: the MLA block's x, mixer
+    and projections, or the final hidden state); the KDA states and conv histories advance in place."""
     if seg.embed is not None:
         x = F.embedding(streams, seg.embed)  # streams: the ids [B]
         streams = x[:, None, :].expand(-1, seg.n, -1).contiguous()
@@ -155,7 +155,7 @@ def _segment(seg: _Segment, streams: torch.Tensor, attn: torch.Tensor | None, mi
     if seg.tail is None:
         return streams, _rms(streams.mean(dim=1), *seg.norm)
     x, mix = _pre(seg.tail.attn_site, seg.tail.input_norm, streams)
-    return streams, (x, mix, *_mla_in(seg.tail.attention, x))
+    return (streams, x, mix, *_mla_in(seg.tail.attention, x))
 
 
 def _segments(plan) -> list[_Segment]:
@@ -188,19 +188,34 @@ def _mla_core(blk: _Block, x, q_resid, q, latent, x_proj, shared):
     return _attention(p, q, cache, topk), topk
 
 
-# -------------------------------------------------------------------------------------------------------- driver
-_OWNED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> a conv history this module made
+# -------------------------------------------------------------------------------------------------------- runner
+class _Recorded:
+    """A backend's compiled graph that notes its last call (the flat graph inputs and outputs), so the driver can
+    bind a plan's segment to it and call it directly afterwards."""
+
+    last: tuple | None = None
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def __call__(self, *args):
+        out = self.fn(*args)
+        _Recorded.last = (self, args, out)
+        return out
 
 
-def _own_conv(cache) -> torch.Tensor:
-    """The layer's conv history as a contiguous tensor of its own (the prefill's or an eager step's may be a view
-    of a wider tensor: written in place it would change that one; its strides would recompile the graph)."""
-    if _OWNED.get(id(cache.conv)) is not cache.conv:
-        cache.conv = cache.conv.clone(memory_format=torch.contiguous_format)
-        _OWNED[id(cache.conv)] = cache.conv
-    return cache.conv
-_COMPILED: dict = {}  # (backend, cpp_wrapper) -> the compiled _segment
-_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> (its DecodePlan, the segments)
+def _recording(backend: str, cpp_wrapper: bool):
+    def compile_graph(gm: torch.fx.GraphModule, example_inputs: list):
+        if backend == "inductor":
+            from torch._inductor.compile_fx import compile_fx
+
+            return _Recorded(compile_fx(gm, example_inputs, config_patches={"cpp_wrapper": cpp_wrapper}))
+        return _Recorded(torch._dynamo.lookup_backend(backend)(gm, example_inputs))
+
+    return compile_graph
+
+
+_COMPILED: dict = {}  # (backend, cpp_wrapper) -> _segment compiled
 
 
 def compiled_segment(backend: str = "inductor", cpp_wrapper: bool = False):
@@ -209,9 +224,83 @@ def compiled_segment(backend: str = "inductor", cpp_wrapper: bool = False):
     if key not in _COMPILED:
         limit = torch._dynamo.config.recompile_limit
         torch._dynamo.config.recompile_limit = max(limit, RECOMPILE_LIMIT)
-        options = {"cpp_wrapper": cpp_wrapper} if backend == "inductor" else None
-        _COMPILED[key] = torch.compile(_segment, backend=backend, fullgraph=True, dynamic=False, options=options)
+        _COMPILED[key] = torch.compile(_segment, backend=_recording(backend, cpp_wrapper), fullgraph=True,
+                                       dynamic=False)  # fmt: skip
     return _COMPILED[key]
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return t.shape, t.stride(), t.dtype, t.device
+
+
+@dataclass
+class _Bound:
+    """One plan's segment bound to its compiled graph: call() runs the graph without dynamo's guards (the fixed
+    inputs are this plan's weights; the step inputs are checked against the layouts the graph was made for)."""
+
+    fn: _Recorded
+    args: list  # the graph inputs: weights as they are, step inputs as None
+    steps: list  # (graph input position, step input position)
+    layouts: list  # the step inputs' layouts at binding
+    outputs: list  # graph output position of each returned value
+
+    def call(self, inputs: list) -> tuple | None:
+        """-> the segment's outputs, or None where a step input's layout differs (then dynamo runs it)."""
+        args = self.args
+        for (at, i), layout in zip(self.steps, self.layouts):
+            if _layout(inputs[i]) != layout:
+                return None
+            args[at] = inputs[i]
+        out = self.fn(*args)
+        for at, _ in self.steps:
+            args[at] = None
+        return tuple(out[j] for j in self.outputs)
+
+
+def _bind(inputs: list, result: tuple) -> _Bound | None:
+    """Bind the graph dynamo just ran (_Recorded.last) from the step inputs and the result by identity; None when
+    an output is not one of the graph's (dynamo made it outside the graph)."""
+    if _Recorded.last is None:
+        return None
+    fn, args, out = _Recorded.last
+    _Recorded.last = None
+    where = {id(t): i for i, t in enumerate(inputs)}
+    steps = [(at, where[id(a)]) for at, a in enumerate(args) if id(a) in where]
+    fixed = [None if id(a) in where else a for a in args]
+    produced = {id(t): j for j, t in enumerate(out)}
+    if not all(isinstance(t, torch.Tensor) and id(t) in produced for t in result):
+        return None
+    return _Bound(fn, fixed, steps, [_layout(inputs[i]) for _, i in steps], [produced[id(t)] for t in result])
+
+
+# -------------------------------------------------------------------------------------------------------- driver
+_OWNED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> a state or conv buffer made here
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> (its DecodePlan, segments, bindings)
+
+
+def _owned(cache, name: str) -> torch.Tensor:
+    """The layer's state or conv history as a contiguous tensor of its own: the graphs write it in place (the
+    prefill's or an eager step's may be a view of a wider tensor, or one a mark() keeps)."""
+    t = getattr(cache, name)
+    if _OWNED.get(id(t)) is not t:
+        t = t.clone(memory_format=torch.contiguous_format)
+        setattr(cache, name, t)
+        _OWNED[id(t)] = t
+    return t
+
+
+def _run(kept: list, k: int, backend: str, cpp_wrapper: bool, seg: _Segment, inputs: list) -> tuple:
+    """Segment k of a plan: through its bound graph, else through dynamo (then bound for the next steps)."""
+    bound = kept[k]
+    if bound is not None:
+        out = bound.call(inputs)
+        if out is not None:
+            return out
+    streams, attn, mixer, n = inputs[0], inputs[1], inputs[2], len(seg.kda)
+    _Recorded.last = None
+    result = compiled_segment(backend, cpp_wrapper)(seg, streams, attn, mixer, inputs[3 : 3 + n], inputs[3 + n :])
+    kept[k] = _bind(inputs, result)
+    return result
 
 
 @torch.inference_mode()
@@ -228,19 +317,20 @@ def compiled_decode_step(model, cache: GenerationCache, ids: torch.Tensor, backe
         raise CacheError(f"decode_step takes ids of shape ({plan.batch},), got {tuple(ids.shape)}")
     kept = _PLANS.get(cache)
     if kept is None or kept[0] is not plan:
-        kept = _PLANS[cache] = (plan, _segments(plan))
-    run = compiled_segment(backend, cpp_wrapper)
-    streams, attn, mixer, topk = ids, None, None, None
-    for seg in kept[1]:
-        states = [blk.cache.state for blk in seg.kda]
-        streams, out = run(seg, streams, attn, mixer, states, [_own_conv(blk.cache) for blk in seg.kda])
-        for blk in seg.kda:
-            blk.cache.length += 1
+        segs = _segments(plan)
+        kept = _PLANS[cache] = (plan, segs, [None] * len(segs))
+    streams, attn, mixer, topk = ids.clone(memory_format=torch.contiguous_format), None, None, None
+    for k, seg in enumerate(kept[1]):
+        caches = [blk.cache for blk in seg.kda]
+        inputs = [streams, attn, mixer] + [_owned(c, "state") for c in caches] + [_owned(c, "conv") for c in caches]
+        streams, *out = _run(kept[2], k, backend, cpp_wrapper, seg, inputs)
+        for c in caches:
+            c.length += 1
         if seg.tail is None:
-            return out
-        x, mixer, q_resid, q, latent, x_proj = out
+            return out[0]
+        x, mixer, q_resid, q, latent, *x_proj = out
         attn, topk = _mla_core(seg.tail, x, q_resid, q, latent, x_proj, topk)
     raise AssertionError("the last segment ends with the final norm")
 
 
-__all__ = ["compiled_decode_step", "compiled_segment", "eager_step"]
+__all__ = ["compiled_decode_step", "compiled_segment"]
