@@ -19,6 +19,8 @@ cache of the same model and batch reuses the graphs.
 
 from __future__ import annotations
 
+import functools
+import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -27,10 +29,10 @@ import torch.nn.functional as F
 
 from ..kernels.moe import clamped_swiglu_packed
 from ..model.moe import NORM_EPS
-from .cache import CacheError, GenerationCache
+from .cache import CacheError, GenerationCache, GenerationError
 from .decode import (_Block, _Kda, _Mla, _Moe, _Site, _append, _as, _attention, _collapse, _decode_topk,
                      _logits, _mix_step, _unit_rms, build_plan)  # fmt: skip
-from .decode import decode_step as eager_step
+from .decode import decode_step
 
 RECOMPILE_LIMIT = 64  # graphs kept per compiled function: one per (segment layout, config, batch) in a process
 
@@ -333,4 +335,21 @@ def compiled_decode_step(model, cache: GenerationCache, ids: torch.Tensor, backe
     raise AssertionError("the last segment ends with the final norm")
 
 
-__all__ = ["compiled_decode_step", "compiled_segment"]
+def step_function(compile: bool | str):
+    """generate's `compile` option -> the decode step it runs: False decode_step; True compiled_decode_step with
+    inductor and its C++ wrapper (decode_step where torch.compile is unsupported, with a warning); a backend name
+    (e.g. "aot_eager") compiled_decode_step with that backend."""
+    if compile is False:
+        return decode_step
+    if compile is True:
+        if not torch._dynamo.is_dynamo_supported():
+            warnings.warn("generate(compile=True): torch.compile is not supported here; decoding eagerly")
+            return decode_step
+        return functools.partial(compiled_decode_step, backend="inductor", cpp_wrapper=True)
+    if not isinstance(compile, str) or compile not in torch._dynamo.list_backends(exclude_tags=()):
+        raise GenerationError(f"compile must be True, False or a torch.compile backend name "
+                              f"({', '.join(torch._dynamo.list_backends(exclude_tags=()))}), got {compile!r}")
+    return functools.partial(compiled_decode_step, backend=compile)
+
+
+__all__ = ["compiled_decode_step", "compiled_segment", "step_function"]
