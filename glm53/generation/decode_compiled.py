@@ -30,14 +30,53 @@ import torch.nn.functional as F
 from ..kernels.moe import clamped_swiglu_packed
 from ..model.moe import NORM_EPS
 from .cache import CacheError, GenerationCache, GenerationError
-from .decode import (_Block, _Kda, _Mla, _Moe, _Site, _append, _as, _attention, _collapse, _decode_topk,
-                     _logits, _mix_step, _unit_rms, build_plan)  # fmt: skip
+from .decode import (_Block, _Kda, _Mla, _Mlp, _Moe, _Site, _append, _as, _attention, _decode_topk, _unit_rms,
+                     build_plan)  # fmt: skip
 from .decode import decode_step
 
 RECOMPILE_LIMIT = 64  # graphs kept per compiled function: one per (segment layout, config, batch) in a process
+SMALL_ROWS = 4  # up to this many rows a product with a weight is written as products summed (see _linear)
 
 
 # ----------------------------------------------------------------------------------------------- graph pieces
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for a few rows x [..., D] -> [..., O], as products summed over D: the compiler makes it one
+    vectorised reduction fused with its neighbours, which for one to a few rows reads the weight faster than an
+    external GEMV call does (and never copies a gathered weight)."""
+    if x.numel() > SMALL_ROWS * x.shape[-1]:
+        return F.linear(x, weight, bias)
+    y = (weight * x[..., None, :]).sum(-1)
+    return y if bias is None else y + bias
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b for small batched factors a [..., M, K], b [..., K, V] as products summed over K (fused, no call)."""
+    return (a[..., :, :, None] * b[..., None, :, :]).sum(-2)
+
+
+def _logits(site: _Site, streams: torch.Tensor) -> torch.Tensor:
+    """decode._logits: streams [B, N, D] -> scale * (projected, normalised streams) + base [B, (2+N)*N] fp32."""
+    flat = _as(streams.reshape(streams.shape[0], -1), torch.float32)
+    return _linear(_unit_rms(flat, site.root), site.fn, site.base)
+
+
+def _collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """sum_j pre_j x_j in fp32: pre [B, N], streams [B, N, D] -> [B, D] in streams' dtype."""
+    return _as((pre[:, :, None] * _as(streams, torch.float32)).sum(1), streams.dtype)
+
+
+def _mix_step(streams: torch.Tensor, mixer: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """decode._mix_step: [comb^T | post] @ [streams; out] -> [B, N, D] in streams' dtype."""
+    return _mm(_as(mixer, streams.dtype), torch.cat([streams, _as(out, streams.dtype)[:, None, :]], dim=1))
+
+
+def _mlp(mlp, x: torch.Tensor) -> torch.Tensor:
+    """A dense or shared-expert MLP (decode_moe._Mlp with _linear; any other module as is)."""
+    if isinstance(mlp, _Mlp):
+        return _linear(clamped_swiglu_packed(_linear(x, mlp.gate_up), mlp.limit), mlp.down)
+    return mlp(x)
+
+
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm as kernels/rms_norm.py (statistics in fp32); the compiler fuses it into one kernel."""
     return weight * _as(F.rms_norm(_as(x, torch.float32), (x.shape[-1],), None, eps), x.dtype)
@@ -61,18 +100,18 @@ def _pre(site: _Site, norm: tuple, streams: torch.Tensor) -> tuple[torch.Tensor,
     pre, post = gates[:, :n] + site.eps, 2 * gates[:, n:]
     comb = _sinkhorn(torch.softmax(z[:, 2 * n :].view(B, n, n), dim=-1) + site.eps, site.iters, site.eps)
     mixer = torch.cat([comb.transpose(1, 2), post[:, :, None]], dim=-1)
-    return _rms(_collapse(pre[:, None], streams), *norm), mixer
+    return _rms(_collapse(pre, streams), *norm), mixer
 
 
 def _kda(p: _Kda, x: torch.Tensor, state: torch.Tensor, conv: torch.Tensor) -> torch.Tensor:
     """decode._kda_step without the cache object: x [B, D] -> out [B, D]; the state [B, H, K, V] and the conv
     history [B, W-1, 3*H*K] advance in place."""
     B, K = x.shape[0], p.head_dim
-    qkv_raw, f_a, b, g_a = F.linear(x, p.packed[0], p.packed[1]).split(p.packed[2], dim=-1)
+    qkv_raw, f_a, b, g_a = _linear(x, p.packed[0], p.packed[1]).split(p.packed[2], dim=-1)
     full = torch.cat([conv, qkv_raw[:, None]], dim=1)  # [B, W, 3*H*K]
     qkv = _as(F.silu((_as(full, torch.float32) * p.taps).sum(1)), x.dtype).view(B, 3, -1, 1, K)
     qk = _unit_rms(_as(qkv[:, :2], torch.float32), p.roots[0]) * p.qk_scale  # l2norm (q scaled)
-    raw = (_as(F.linear(f_a, p.f_b), torch.float32) + p.dt_bias).view(B, -1, K, 1)
+    raw = (_as(_linear(f_a, p.f_b), torch.float32) + p.dt_bias).view(B, -1, K, 1)
     if p.lower_bound is not None:
         g = p.lower_bound * torch.sigmoid(p.rate * raw)
     else:
@@ -81,14 +120,14 @@ def _kda(p: _Kda, x: torch.Tensor, state: torch.Tensor, conv: torch.Tensor) -> t
     q, k, v = _as(qk[:, 0], dt), _as(qk[:, 1], dt), _as(qkv[:, 2], dt)  # [B, H, 1, K]
     beta = _as(torch.sigmoid(b), dt).view(B, -1, 1, 1)
     S = state * _as(g, dt).exp()
-    u = (v - torch.matmul(k, S)) * beta  # [B, H, 1, V]
+    u = (v - _mm(k, S)) * beta  # [B, H, 1, V]
     S = S + k.transpose(-1, -2) * u
     state.copy_(S)
-    o = _as(torch.matmul(q, S), qkv.dtype)  # [B, H, 1, V]
-    gate = _as(F.linear(g_a, p.g_b), torch.float32).view(B, -1, 1, K)
+    o = _as(_mm(q, S), qkv.dtype)  # [B, H, 1, V]
+    gate = _as(_linear(g_a, p.g_b), torch.float32).view(B, -1, 1, K)
     of = _unit_rms(_as(o, torch.float32), p.roots[1]) * p.norm_scaled * torch.sigmoid(gate)
     conv.copy_(full[:, 1:])
-    return F.linear(_as(of, qkv.dtype).view(B, -1), *p.o)
+    return _linear(_as(of, qkv.dtype).view(B, -1), *p.o)
 
 
 def _moe(p: _Moe, x: torch.Tensor) -> torch.Tensor:
@@ -97,7 +136,7 @@ def _moe(p: _Moe, x: torch.Tensor) -> torch.Tensor:
     if r.n_group > 1:
         _, weights, chosen = r(x)
     else:
-        scores = torch.sigmoid(F.linear(_as(x, torch.float32), p.router_weight))  # [B, E]
+        scores = torch.sigmoid(_linear(_as(x, torch.float32), p.router_weight))  # [B, E]
         chosen = (scores + p.router_bias).topk(r.top_k, dim=-1, sorted=False).indices  # [B, k]
         weights = scores.gather(1, chosen)
         if r.norm_topk_prob:
@@ -106,12 +145,12 @@ def _moe(p: _Moe, x: torch.Tensor) -> torch.Tensor:
     h = (p.gate_up[chosen] * x[:, None, None, :]).sum(-1)  # [B, k, 2I]: products summed over D, no weight copy
     act = _as(clamped_swiglu_packed(h, p.limit) * weights[..., None], x.dtype)  # [B, k, I]
     routed = (p.down[chosen] * act[:, :, None, :]).sum(-1).sum(1)  # [B, D]
-    return _as(routed, x.dtype) + p.shared(x)
+    return _as(routed, x.dtype) + _mlp(p.shared, x)
 
 
 def _ffn(blk: _Block, streams: torch.Tensor) -> torch.Tensor:
     x, mixer = _pre(blk.ffn_site, blk.post_norm, streams)
-    out = _moe(blk.mlp, x) if isinstance(blk.mlp, _Moe) else blk.mlp(x)
+    out = _moe(blk.mlp, x) if isinstance(blk.mlp, _Moe) else _mlp(blk.mlp, x)
     return _mix_step(streams, mixer, out)
 
 
@@ -119,11 +158,11 @@ def _mla_in(p: _Mla, x: torch.Tensor) -> tuple:
     """decode._mla_step's projections: x [B, D] -> (q_resid [B, R], q [B, H, K], latent [B, Z], *x_proj)."""
     B = x.shape[0]
     if p.packed:
-        q_a, kv_a, *x_proj = F.linear(x, p.packed[0], p.packed[1]).split(p.packed[2], dim=-1)
+        q_a, kv_a, *x_proj = _linear(x, p.packed[0], p.packed[1]).split(p.packed[2], dim=-1)
     else:
-        q_a, kv_a, x_proj = F.linear(x, *p.q_a), F.linear(x, *p.kv_a), []
+        q_a, kv_a, x_proj = _linear(x, *p.q_a), _linear(x, *p.kv_a), []
     q_resid = _rms(q_a, *p.q_a_norm)
-    return q_resid, F.linear(q_resid, p.q_b).view(B, -1, p.qk_head_dim), _rms(kv_a, *p.kv_norm), *x_proj
+    return q_resid, _linear(q_resid, p.q_b).view(B, -1, p.qk_head_dim), _rms(kv_a, *p.kv_norm), *x_proj
 
 
 # ----------------------------------------------------------------------------------------------------- segments
@@ -149,7 +188,7 @@ def _segment(seg: _Segment, streams: torch.Tensor, attn: torch.Tensor | None, mi
         streams = x[:, None, :].expand(-1, seg.n, -1).contiguous()
     if seg.head is not None:
         p = seg.head.attention
-        streams = _ffn(seg.head, _mix_step(streams, mixer, F.linear(attn.reshape(attn.shape[0], -1), *p.o)))
+        streams = _ffn(seg.head, _mix_step(streams, mixer, _linear(attn.reshape(attn.shape[0], -1), *p.o)))
     for blk, state, conv in zip(seg.kda, states, convs):
         x, mix = _pre(blk.attn_site, blk.input_norm, streams)
         out = _kda(blk.attention, x, state, conv)
