@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from ..kernels.moe import clamped_swiglu_packed
 from ..model.moe import NORM_EPS
 from .cache import CacheError, GenerationCache, GenerationError
-from .decode import (_Block, _Kda, _Mla, _Mlp, _Moe, _Site, _append, _as, _attention, _decode_topk, _unit_rms,
-                     build_plan)  # fmt: skip
+from .decode import (_Block, _Kda, _Mla, _Mlp, _Moe, _Site, _absorbed_attention, _append, _as, _attention,
+                     _decode_topk, _unit_rms, build_plan)  # fmt: skip
 from .decode import decode_step
 
 RECOMPILE_LIMIT = 64  # graphs kept per compiled function: one per (segment layout, config, batch) in a process
@@ -179,15 +179,17 @@ class _Segment:
     n: int
 
 
-def _segment(seg: _Segment, streams: torch.Tensor, attn: torch.Tensor | None, mixer: torch.Tensor | None,
-             states: list, convs: list) -> tuple:  # fmt: skip
+def _segment(seg: _Segment, streams: torch.Tensor, head: tuple, mixer: torch.Tensor | None, states: list,
+             convs: list) -> tuple:  # fmt: skip
     """streams [B, N, D] (ids [B] in the first segment) -> (streams, *the tail's outputs: the MLA block's x, mixer
-    and projections, or the final hidden state); the KDA states and conv histories advance in place."""
+    and projections, or the final hidden state); the KDA states and conv histories advance in place. head: the
+    head MLA block's attention [B, H, V], or for the absorbed form its inputs (q, the selected latent rows, filled)."""
     if seg.embed is not None:
         x = F.embedding(streams, seg.embed)  # streams: the ids [B]
         streams = x[:, None, :].expand(-1, seg.n, -1).contiguous()
     if seg.head is not None:
         p = seg.head.attention
+        attn = _absorbed_attention(p, *head) if len(head) == 3 else head[0]  # [B, H, V]
         streams = _ffn(seg.head, _mix_step(streams, mixer, _linear(attn.reshape(attn.shape[0], -1), *p.o)))
     for blk, state, conv in zip(seg.kda, states, convs):
         x, mix = _pre(blk.attn_site, blk.input_norm, streams)
@@ -212,8 +214,9 @@ def _segments(plan) -> list[_Segment]:
     return segs
 
 
-def _mla_core(blk: _Block, x, q_resid, q, latent, x_proj, shared):
-    """decode._mla_step after its projections (eager: the cache bookkeeping) -> (attention [B, H, V], top-k)."""
+def _mla_core(blk: _Block, x, q_resid, q, latent, x_proj, shared) -> tuple[tuple, torch.Tensor]:
+    """decode._mla_step after its projections (eager: the cache bookkeeping) -> (the next segment's head: the
+    absorbed attention's inputs (q, latent rows [B, J, Z], filled [B, J]) or the per-head attention (out,), top-k)."""
     p, cache = blk.attention, blk.cache
     start = _append(cache, latent)
     if p.indexer is not None:
@@ -226,7 +229,13 @@ def _mla_core(blk: _Block, x, q_resid, q, latent, x_proj, shared):
     cache.count = cache.count + 1
     cache.max_count += 1
     cache.counts_host = [c + 1 for c in cache.counts_host]
-    return _attention(p, q, cache, topk), topk
+    if not p.absorb:
+        return (_attention(p, q, cache, topk),), topk
+    B, cap, Z = cache.latent.shape
+    rows = topk.clamp(min=0)  # decode._attention's gather
+    if B > 1:
+        rows = rows + (torch.arange(B, device=topk.device) * cap)[:, None]
+    return (q, cache.rows(rows.flatten()).view(B, -1, Z), topk >= 0), topk
 
 
 # -------------------------------------------------------------------------------------------------------- runner
@@ -330,16 +339,16 @@ def _owned(cache, name: str) -> torch.Tensor:
     return t
 
 
-def _run(kept: list, k: int, backend: str, cpp_wrapper: bool, seg: _Segment, inputs: list) -> tuple:
+def _run(kept: list, k: int, compiled, seg: _Segment, streams, head: tuple, mixer, states: list, convs: list):
     """Segment k of a plan: through its bound graph, else through dynamo (then bound for the next steps)."""
+    inputs = [streams, mixer, *head, *states, *convs]
     bound = kept[k]
     if bound is not None:
         out = bound.call(inputs)
         if out is not None:
             return out
-    streams, attn, mixer, n = inputs[0], inputs[1], inputs[2], len(seg.kda)
     _Recorded.last = None
-    result = compiled_segment(backend, cpp_wrapper)(seg, streams, attn, mixer, inputs[3 : 3 + n], inputs[3 + n :])
+    result = compiled(seg, streams, head, mixer, states, convs)
     kept[k] = _bind(inputs, result)
     return result
 
@@ -360,17 +369,18 @@ def compiled_decode_step(model, cache: GenerationCache, ids: torch.Tensor, backe
     if kept is None or kept[0] is not plan:
         segs = _segments(plan)
         kept = _PLANS[cache] = (plan, segs, [None] * len(segs))
-    streams, attn, mixer, topk = ids.clone(memory_format=torch.contiguous_format), None, None, None
+    streams, head, mixer, topk = ids.clone(memory_format=torch.contiguous_format), (), None, None
+    compiled = compiled_segment(backend, cpp_wrapper)
     for k, seg in enumerate(kept[1]):
         caches = [blk.cache for blk in seg.kda]
-        inputs = [streams, attn, mixer] + [_owned(c, "state") for c in caches] + [_owned(c, "conv") for c in caches]
-        streams, *out = _run(kept[2], k, backend, cpp_wrapper, seg, inputs)
+        states, convs = [_owned(c, "state") for c in caches], [_owned(c, "conv") for c in caches]
+        streams, *out = _run(kept[2], k, compiled, seg, streams, head, mixer, states, convs)
         for c in caches:
             c.length += 1
         if seg.tail is None:
             return out[0]
         x, mixer, q_resid, q, latent, *x_proj = out
-        attn, topk = _mla_core(seg.tail, x, q_resid, q, latent, x_proj, topk)
+        head, topk = _mla_core(seg.tail, x, q_resid, q, latent, x_proj, topk)
     raise AssertionError("the last segment ends with the final norm")
 
 
