@@ -19,10 +19,11 @@ from glm53.generation.decode_compiled import _PLANS, compiled_decode_step
 from tests.generation.test_incremental import CASES, REL_TOL
 from tests.helpers.generation import assert_matches_full, case_inputs, left_padded, tiny_model
 
-# the indexer's other settings (kpool 1, per-head attention) run decode.py's eager code, tested in test_decode.py
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:torch.jit")  # raised inside inductor's imports
 
-TRACED = ["sparse-P13-N12", "prompt-past-kda-chunk-P70", "shared-across-kda", "softplus-gate", "kda-only"]
+# kpool 1 without the tail changes only decode.py's eager indexer code (tested in test_decode.py)
+TRACED = ["sparse-P13-N12", "prompt-past-kda-chunk-P70", "per-head-attention", "shared-across-kda", "softplus-gate",
+          "kda-only"]  # fmt: skip
 
 
 def _prefilled(model, ids, mask, P):
