@@ -12,8 +12,8 @@ The decode step alone (one token after the same prefill, no generate loop) is ti
 cached forward, glm53's decode_step (what generate runs), glm53's generic cached forward (model.model(token,
 cache=cache): the path generate took before decode_step) and glm53's compiled step (decode_compiled.py, what
 generate(compile=True) runs; compile_s: its first call, the compile; --no-compile leaves it out), median and
-fastest of several steps each; the step speed-up is the median of per-round ratios (and the ratio of the fastest steps, the measure least disturbed by other
-load on a shared machine).
+fastest of several steps each; the step speed-up is the median of per-round ratios (and the ratio of the fastest
+steps, the measure least disturbed by other load on a shared machine).
 Also reported: glm53's decode_step time per token and its KDA / MLA attention parts at each context length (KDA
 should stay flat); cache bytes per cached token after the prefill (glm53's GenerationCache.nbytes vs every tensor in
 transformers' DynamicCache) and per extra token of context, beside the analytic per-token bytes (cache.py) and the

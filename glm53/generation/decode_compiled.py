@@ -1,20 +1,29 @@
-"""The decode step compiled: decode.py's step with its tensor work traced by torch.compile into a few graphs.
+"""The decode step compiled: decode.py's step with its tensor work traced by torch.compile into a few graphs
+(`generate(..., compile=True)`: inductor with its C++ wrapper).
 
 Legend (glm53/model/__init__.py): B batch, N mHC streams, D model width, H heads, K/V head widths, Z kv_lora_rank,
 E routed experts, I expert width, k experts per token, J selected key slots.
-The layers run as segments: each MLA layer's cache bookkeeping (the latent append, the indexer's pools steered by
-host counts, the gather of the selected latent rows: decode.py's code, run eagerly) splits the step, and everything
-between two of them is one compiled graph: [embedding, KDA blocks, the next MLA block up to its projections],
-[the MLA output projection and mix, its feed-forward half, KDA blocks, the next MLA block's projections], ..., [the
-final norm]. A graph sees no host-side lengths, so its shapes never change from token to token (no recompiles):
-- the mHC coefficients are tensor ops (sigmoid gates, the row softmax, Sinkhorn unrolled over the 16 entries for
-  N = 4: one fused elementwise kernel) instead of decode_host.py's host scalars;
-- KDA updates its recurrent state in place and returns the new conv history;
-- MoE picks its experts with the tensor top-k and reads them by index (the expert GEMVs as products summed over D,
-  so the gathered weights are never copied), instead of the host loop over the chosen experts.
-Results equal decode_step's up to fp32 rounding (summation order), which equals the full forward at the same
-tolerances (tests/generation/test_decode_compiled.py). Compiling costs seconds once per (config, batch); a new
-cache of the same model and batch reuses the graphs.
+The layers run as segments: each MLA layer's cache bookkeeping (the latent append, the indexer's pools and scores
+steered by host counts, the gather of the selected latent rows: decode.py's code, run eagerly) splits the step, and
+everything between two of them is one compiled graph: [embedding, KDA blocks, the next MLA block up to its
+projections], [that block's attention over the gathered rows, output projection and feed-forward half, KDA
+blocks, the next MLA block's projections], ..., [the final norm]. A graph sees no host-side length, so its shapes
+never change from token to token (one compile per segment layout, config and batch; a new cache reuses them):
+- the mHC coefficients are tensor ops (sigmoid gates, the row softmax, Sinkhorn's sums) instead of
+  decode_host.py's host scalars;
+- KDA updates its recurrent state and conv history in place (buffers of its own: `_owned`);
+- MoE picks its experts with the tensor top-k and reads their weights by index, instead of the host loop;
+- every product with a weight and the small batched products (mHC collapse and mix, the KDA state reads) are
+  written as products summed (`_linear`, `_mm`): inductor makes them vectorised reductions fused with the
+  elementwise work around them, faster at one to a few rows than external GEMV calls, and a gathered expert
+  weight is never copied.
+After a segment's first step its graph is called directly (`_Bound`), not through dynamo, whose guards over the
+few hundred weight tensors a segment reads cost more than the graph's elementwise work: the weights are the plan's
+(fixed per cache), the per-step inputs are checked against the layouts the graph was made for (dynamo runs the
+step otherwise).
+Results equal decode_step's up to fp32 rounding (summation order), and the full forward at the same tolerances
+(tests/generation/test_decode_compiled.py). The first step compiles: about a minute on 2 CPU cores for the bench
+config (seconds when inductor's on-disk cache already holds the graphs).
 """
 
 from __future__ import annotations
