@@ -29,6 +29,7 @@ config (seconds when inductor's on-disk cache already holds the graphs).
 from __future__ import annotations
 
 import functools
+import shutil
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -393,6 +394,19 @@ def compiled_decode_step(model, cache: GenerationCache, ids: torch.Tensor, backe
     raise AssertionError("the last segment ends with the final norm")
 
 
+def _inductor_missing() -> str | None:
+    """Why inductor cannot compile on this machine (no torch.compile support, no C++ compiler), or None."""
+    if not torch._dynamo.is_dynamo_supported():
+        return "torch.compile is not supported here"
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        compiler = get_cpp_compiler()
+    except Exception as err:  # the compiler search raises when none is found
+        return f"no C++ compiler for inductor ({err})"
+    return None if shutil.which(compiler) else f"no C++ compiler for inductor ({compiler} not found)"
+
+
 def step_function(compile: bool | str):
     """generate's `compile` option -> the decode step it runs: False decode_step; True compiled_decode_step with
     inductor and its C++ wrapper (decode_step where torch.compile is unsupported, with a warning); a backend name
@@ -400,8 +414,9 @@ def step_function(compile: bool | str):
     if compile is False:
         return decode_step
     if compile is True:
-        if not torch._dynamo.is_dynamo_supported():
-            warnings.warn("generate(compile=True): torch.compile is not supported here; decoding eagerly")
+        missing = _inductor_missing()
+        if missing:
+            warnings.warn(f"generate(compile=True): {missing}; decoding eagerly")
             return decode_step
         return functools.partial(compiled_decode_step, backend="inductor", cpp_wrapper=True)
     if not isinstance(compile, str) or compile not in torch._dynamo.list_backends(exclude_tags=()):

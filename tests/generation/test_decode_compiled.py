@@ -99,3 +99,15 @@ def test_compiled_step_bad_input():
         model.generate(ids, attention_mask=mask, max_new_tokens=2, compile="no-such-backend")
     with pytest.raises(GenerationError, match="compile applies to plain decoding"):
         model.generate(ids, attention_mask=mask, max_new_tokens=2, compile=True, speculative="mtp")
+
+
+def test_compile_without_a_cpp_compiler_decodes_eagerly(monkeypatch):
+    """generate(compile=True) where inductor finds no C++ compiler warns and decodes with the eager step."""
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config.cpp, "cxx", ("no-such-c++-compiler",))
+    model = tiny_model()
+    ids, mask = left_padded(model.config.vocab_size, [6, 4])
+    with pytest.warns(UserWarning, match="no C\\+\\+ compiler"):
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=3, compile=True)
+    assert torch.equal(out, model.generate(ids, attention_mask=mask, max_new_tokens=3))
