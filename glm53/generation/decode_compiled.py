@@ -298,7 +298,7 @@ class _Bound:
     """One plan's segment bound to its compiled graph: call() runs the graph without dynamo's guards (the fixed
     inputs are this plan's weights; the step inputs are checked against the layouts the graph was made for)."""
 
-    fn: _Recorded
+    fn: object  # the backend's compiled graph (unwrapped: a bound call records nothing)
     args: list  # the graph inputs: weights as they are, step inputs as None
     steps: list  # (graph input position, step input position)
     layouts: list  # the step inputs' layouts at binding
@@ -330,7 +330,7 @@ def _bind(inputs: list, result: tuple) -> _Bound | None:
     produced = {id(t): j for j, t in enumerate(out)}
     if not all(isinstance(t, torch.Tensor) and id(t) in produced for t in result):
         return None
-    return _Bound(fn, fixed, steps, [_layout(inputs[i]) for _, i in steps], [produced[id(t)] for t in result])
+    return _Bound(fn.fn, fixed, steps, [_layout(inputs[i]) for _, i in steps], [produced[id(t)] for t in result])
 
 
 # -------------------------------------------------------------------------------------------------------- driver
