@@ -96,8 +96,9 @@ def _depthwise(z: torch.Tensor, w: torch.Tensor, pad: int) -> torch.Tensor:
         zp = torch.nn.functional.pad(z, (0, 0, pad, pad))
         L = max(zp.shape[1] - W + 1, 0)
         out = zp.new_zeros(zp.shape[0], L, C)
+        taps = w.t().contiguous()  # [W, C]: a tap's weights contiguous (a strided read stays scalar in inductor's C++)
         for tap in range(W if L else 0):
-            out.addcmul_(zp[:, tap : tap + L], w[:, tap])
+            out.addcmul_(zp[:, tap : tap + L], taps[tap])
         return out
     nhwc = z.permute(0, 2, 1).unsqueeze(2)  # [B, C, 1, L], channels-last strides
     out = torch.nn.functional.conv2d(nhwc, w[:, None, None, :], padding=(0, pad), groups=C)  # [B, C, 1, L']
