@@ -81,6 +81,19 @@ def _edges(cu_seqlens: torch.Tensor, total: int, W: int) -> tuple[torch.Tensor, 
 SHIFTED_WHEN_COMPILING = True
 
 
+# A custom op only so that inductor keeps its output as a buffer: a plain w.t().contiguous() is inlined into the
+# consumers, whose stride-W reads of w[:, tap] inductor's C++ then leaves scalar (not vectorised along channels).
+@torch.library.custom_op("glm53::conv_taps_as_rows", mutates_args=())
+def _taps_as_rows(w: torch.Tensor) -> torch.Tensor:
+    """Conv weights w [C, W] -> their taps as rows [W, C], contiguous (no gradient: _CausalConv1d writes its own)."""
+    return w.t().contiguous()
+
+
+@_taps_as_rows.register_fake
+def _(w):
+    return w.new_empty(w.shape[1], w.shape[0])
+
+
 def _depthwise(z: torch.Tensor, w: torch.Tensor, pad: int) -> torch.Tensor:
     """out_t = sum_w w[:, w] * z_{t+w} over z [B, L, C] zero-padded by `pad` on both ends of time -> [B, L', C].
 
@@ -96,7 +109,7 @@ def _depthwise(z: torch.Tensor, w: torch.Tensor, pad: int) -> torch.Tensor:
         zp = torch.nn.functional.pad(z, (0, 0, pad, pad))
         L = max(zp.shape[1] - W + 1, 0)
         out = zp.new_zeros(zp.shape[0], L, C)
-        taps = w.t().contiguous()  # [W, C]: a tap's weights contiguous (a strided read stays scalar in inductor's C++)
+        taps = _taps_as_rows(w) if shifted else w.t()  # [W, C]
         for tap in range(W if L else 0):
             out.addcmul_(zp[:, tap : tap + L], taps[tap])
         return out
