@@ -83,3 +83,15 @@ def test_compiled_conv_equals_reference_and_traces_shifted_multiply_adds(shifted
         torch.testing.assert_close(a, b, **TOL, msg=lambda m, name=name: f"d{name}: {m}")
     convolutions = [op for op in ops if "convolution" in op]
     assert (not convolutions) if shifted else len(convolutions) == 2, ops  # forward and input gradient
+
+
+def test_conv_taps_custom_op_fake_and_schema():
+    """glm53::conv_taps_as_rows (the compiled shifted form's weight rows): opcheck runs it against its fake
+    implementation, schema and dispatch; the rows are the taps, contiguous."""
+    from glm53.kernels.conv import _taps_as_rows
+
+    w = torch.randn(6, 4)
+    torch.library.opcheck(_taps_as_rows, (w,), test_utils=("test_schema", "test_faketensor"))
+    rows = _taps_as_rows(w)
+    assert rows.is_contiguous()
+    torch.testing.assert_close(rows, w.t(), rtol=0, atol=0)
