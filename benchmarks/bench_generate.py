@@ -9,10 +9,11 @@ Batch 1, greedy. Per prompt length P, both models run generate(max_new_tokens=1 
 each token: prefill = start to the first new token (the prompt forward and its pick), decode = the time per later
 token. The two models alternate (glm53, transformers, glm53, ...) and ratios are medians of per-pair ratios.
 The decode step alone (one token after the same prefill, no generate loop) is timed interleaved for transformers'
-cached forward, glm53's decode_step (what generate runs) and glm53's generic cached forward (model.model(token,
-cache=cache): the path generate took before decode_step), median and fastest of several steps each; the step
-speed-up is the median of per-round ratios (and the ratio of the fastest steps, the measure least disturbed by other
-load on a shared machine).
+cached forward, glm53's decode_step (what generate runs), glm53's generic cached forward (model.model(token,
+cache=cache): the path generate took before decode_step) and glm53's compiled step (decode_compiled.py, what
+generate(compile=True) runs; compile_s: its first call, the compile; --no-compile leaves it out), median and
+fastest of several steps each; the step speed-up is the median of per-round ratios (and the ratio of the fastest
+steps, the measure least disturbed by other load on a shared machine).
 Also reported: glm53's decode_step time per token and its KDA / MLA attention parts at each context length (KDA
 should stay flat); cache bytes per cached token after the prefill (glm53's GenerationCache.nbytes vs every tensor in
 transformers' DynamicCache) and per extra token of context, beside the analytic per-token bytes (cache.py) and the
@@ -36,6 +37,7 @@ from bench_config import bench_config, machine, median, positive_int, table, wri
 from glm53 import Glm53ForCausalLM
 from glm53.generation import GenerationCache, decode
 from glm53.generation.decode import decode_step
+from glm53.generation.decode_compiled import compiled_decode_step
 
 
 def build_pair(path: str):
@@ -74,17 +76,29 @@ def run_generate(model, ids, new: int, is_hf: bool) -> tuple[float, float]:
     return first - start, (last - first) / max(1, len(streamer.times) - 2)
 
 
-def decode_steps(hf, ours, ids, steps: int) -> dict[str, list[float]]:
+def decode_steps(hf, ours, ids, steps: int, compile: bool = True) -> tuple[dict[str, list[float]], float | None]:
     """Seconds of one decode step after the same prefill, interleaved per round: transformers' cached forward,
-    glm53's decode_step and glm53's generic cached forward (each with its own cache, all at the same positions)."""
+    glm53's decode_step, glm53's generic cached forward and (`compile`) glm53's compiled step (inductor with its C++
+    wrapper: generate(compile=True)), each with its own cache, all at the same positions -> (times, the compiled
+    step's first call in seconds: its compile, paid once per process and config; None without `compile`)."""
     with torch.no_grad():
         pkv = hf(input_ids=ids, use_cache=True).past_key_values
     with torch.inference_mode():
-        generic, fast = GenerationCache(ours), GenerationCache(ours)
-        ours.model(ids, cache=generic)
-        ours.model(ids, cache=fast)
+        generic, fast, comp = GenerationCache(ours), GenerationCache(ours), GenerationCache(ours)
+        for cache in (generic, fast) + ((comp,) if compile else ()):
+            ours.model(ids, cache=cache)
         fast.reserve(ids.shape[1] + steps + 1)
+        comp.reserve(ids.shape[1] + steps + 2)
     token = ids[:, -1:]
+    compile_s = None
+    if compile:
+        start = time.perf_counter()
+        compiled_decode_step(ours, comp, token[:, 0], backend="inductor", cpp_wrapper=True)
+        compile_s = time.perf_counter() - start
+
+    def compiled_step():
+        with torch.inference_mode():
+            ours.lm_head(compiled_decode_step(ours, comp, token[:, 0], backend="inductor", cpp_wrapper=True))
 
     def hf_step():
         nonlocal pkv
@@ -100,24 +114,34 @@ def decode_steps(hf, ours, ids, steps: int) -> dict[str, list[float]]:
             ours.lm_head(ours.model(token, cache=generic)[:, -1])
 
     runs = {"transformers": hf_step, "glm53": fast_step, "glm53_generic": generic_step}
+    if compile:
+        runs["glm53_compiled"] = compiled_step
     times = {name: [] for name in runs}
     for _ in range(steps):
         for name, run in runs.items():
             start = time.perf_counter()
             run()
             times[name].append(time.perf_counter() - start)
-    return times
+    return times, compile_s
 
 
-def step_columns(times: dict[str, list[float]]) -> dict:
+def step_columns(times: dict[str, list[float]], compile_s: float | None) -> dict:
     ms = lambda xs: round(1e3 * xs, 2)  # noqa: E731
     hf, fast, generic = times["transformers"], times["glm53"], times["glm53_generic"]
-    return {"glm53_step_ms_med": ms(median(fast)), "glm53_step_ms_min": ms(min(fast)),
-            "generic_step_ms_med": ms(median(generic)), "generic_step_ms_min": ms(min(generic)),
-            "hf_step_ms_med": ms(median(hf)), "hf_step_ms_min": ms(min(hf)),
-            "step_speedup": round(median([h / f for h, f in zip(hf, fast)]), 2),
-            "step_speedup_min": round(min(hf) / min(fast), 2),
-            "generic_speedup_min": round(min(hf) / min(generic), 2)}  # fmt: skip
+    row = {"glm53_step_ms_med": ms(median(fast)), "glm53_step_ms_min": ms(min(fast)),
+           "generic_step_ms_med": ms(median(generic)), "generic_step_ms_min": ms(min(generic)),
+           "hf_step_ms_med": ms(median(hf)), "hf_step_ms_min": ms(min(hf)),
+           "step_speedup": round(median([h / f for h, f in zip(hf, fast)]), 2),
+           "step_speedup_min": round(min(hf) / min(fast), 2),
+           "generic_speedup_min": round(min(hf) / min(generic), 2)}  # fmt: skip
+    if "glm53_compiled" in times:
+        comp = times["glm53_compiled"]
+        row.update({"compiled_step_ms_med": ms(median(comp)), "compiled_step_ms_min": ms(min(comp)),
+                    "compiled_speedup": round(median([h / c for h, c in zip(hf, comp)]), 2),
+                    "compiled_speedup_min": round(min(hf) / min(comp), 2),
+                    "compiled_vs_eager": round(median([f / c for f, c in zip(fast, comp)]), 2),
+                    "compile_s": round(compile_s, 1)})  # fmt: skip
+    return row
 
 
 def tensor_bytes(obj, seen=None) -> int:
@@ -254,6 +278,7 @@ def main() -> None:
     ap.add_argument("--spec-prompt", type=positive_int, default=512)
     ap.add_argument("--threads", type=positive_int, default=torch.get_num_threads())
     ap.add_argument("--out", default="bench_generate.json")
+    ap.add_argument("--no-compile", action="store_true", help="leave out the compiled decode step (its compile)")
     ap.add_argument("--quick", action="store_true",
                     help="prompt 2048 (split also at 512, 4096), 4 new tokens, 1 rep, k = 1, 2, 3 at prompt 128")
     ap.add_argument("--spec-only", action="store_true",
@@ -284,7 +309,7 @@ def main() -> None:
                "prefill_speedup": round(median([b / a for a, b in zip(gp, tp)]), 2),
                "glm53_decode_tok_s": round(1 / median(gd), 1), "hf_decode_tok_s": round(1 / median(td), 1),
                "decode_speedup": round(median([b / a for a, b in zip(gd, td)]), 2)}  # fmt: skip
-        row.update(step_columns(decode_steps(hf, ours, ids, 4 * args.new)))
+        row.update(step_columns(*decode_steps(hf, ours, ids, 4 * args.new, not args.no_compile)))
         row.update({k: round(v, 3) for k, v in cache_bytes(hf, ours, ids).items()})
         rows.append(row)
         print(table([row], list(row)), flush=True)

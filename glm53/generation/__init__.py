@@ -4,6 +4,7 @@ with greedy or sampled decoding, and MTP speculative decoding.
     cache.py        GenerationCache (rides on ForwardContext.cache), per-layer caches, mark / rewind, nbytes
     layers.py       cached forwards of the KDA and MLA layers (prefill with the chunked kernels, decode steps)
     decode.py       decode_step: one token per row through the whole model (what generate runs after the prompt)
+    decode_compiled.py  the same step through torch.compile'd graphs (generate(..., compile=True))
     verify.py       verify_step: T tokens per row the same way (speculative verification), the MTP layer's step
     sampling.py     temperature / top-k / top-p filters and the next-token choice
     emit.py         options, EOS / padding per row and the streamer, GenerationStats

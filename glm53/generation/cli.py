@@ -61,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=_int_at_least(0), default=0)
     p.add_argument("--mtp", type=_int_at_least(1), default=None, metavar="K",
                    help="greedy MTP speculative decoding with K draft tokens per step")  # fmt: skip
+    p.add_argument("--compile", nargs="?", const="inductor", default=None, choices=("inductor", "aot_eager"),
+                   help="decode through torch.compile'd graphs (decode_compiled.py; the first step compiles, which "
+                        "counts in the decode time printed)")  # fmt: skip
 
 
 class _Codec:
@@ -115,6 +118,9 @@ class _TextStreamer:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.compile is not None and args.mtp is not None:
+        print("glm53 generate: error: --compile applies to plain decoding, not with --mtp", file=sys.stderr)
+        raise SystemExit(2)  # a usage error, as argparse exits
     torch.manual_seed(args.seed)
     model = Glm53ForCausalLM.from_pretrained(args.model).eval()
     codec = _Codec(args.model, args.tokenizer)
@@ -129,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
     elif sample:
         options.update(do_sample=True, temperature=args.temperature or 1.0, top_p=args.top_p, top_k=args.top_k,
                        generator=torch.Generator().manual_seed(args.seed))  # fmt: skip
+    if args.compile is not None:
+        options.update(compile=True if args.compile == "inductor" else args.compile)
     _, stats = generate(model, ids, None, **options)
     total = stats.prefill_seconds + stats.decode_seconds
     prefill_rate = ids.shape[1] / max(stats.prefill_seconds, 1e-9)

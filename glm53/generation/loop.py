@@ -16,7 +16,7 @@ import time
 import torch
 
 from .cache import GenerationCache, GenerationError
-from .decode import decode_step
+from .decode_compiled import step_function
 from .emit import Emitter, GenerationStats, Options
 from .sampling import next_tokens
 from .speculative import speculative_decode
@@ -78,7 +78,8 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
              do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              eos_token_id: int | list[int] | None = None, generator: torch.Generator | None = None, streamer=None,
              pad_token_id: int | None = None, speculative: str | None = None, num_speculative_tokens: int = 1,
-             return_stats: bool = False, latent_dtype: torch.dtype | None = None):  # fmt: skip
+             return_stats: bool = False, latent_dtype: torch.dtype | None = None,
+             compile: bool | str = False):  # fmt: skip
     """Continue each row of a left-padded batch -> [B, T + new] (and GenerationStats with `return_stats`).
 
     model: a Glm53ForCausalLM. eos_token_id None uses model.config.eos_token_id. do_sample False picks the
@@ -88,11 +89,16 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     them in one forward (greedy only; same output as plain greedy decoding).
     latent_dtype (e.g. torch.bfloat16 for an fp32 model) stores the MLA latent cache rounded to that dtype: fewer
     bytes per cached token, no longer exact (GenerationCache).
+    compile=True runs each decode step through torch.compile'd graphs (decode_compiled.py: the same results up to
+    fp32 rounding, faster per token after a one-off compile of tens of seconds); a backend name picks the backend.
     """
     valid = left_padded_mask(input_ids, attention_mask)
     opts = check_options(model, input_ids, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id,
                          pad_token_id, generator)  # fmt: skip
     opts.latent_dtype = latent_dtype
+    opts.step = step_function(compile)
+    if compile is not False and speculative is not None:
+        raise GenerationError("compile applies to plain decoding: pass compile=False with speculative='mtp'")
     stats = GenerationStats(prompt_tokens=input_ids.numel())
     emitter = Emitter(input_ids, opts, streamer)
     if speculative is not None:
@@ -120,7 +126,7 @@ def _decode(model, input_ids, valid, opts: Options, emitter: Emitter, stats: Gen
     stats.prefill_seconds = time.perf_counter() - start
     start = time.perf_counter()
     while not done:
-        hidden = decode_step(model, cache, emitter.tokens[-1])  # [B, D]
+        hidden = opts.step(model, cache, emitter.tokens[-1])  # [B, D]
         done = emitter.emit(pick(hidden))
     stats.decode_seconds = time.perf_counter() - start
     return cache

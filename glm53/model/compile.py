@@ -16,10 +16,16 @@ indexer's pool choice, glm53/model/indexer.py `select_pools`), and the indexer's
 size. GRAPH_BREAKING lists module types whose blocks would still break a graph (none now).
 Packed documents (`cu_seqlens`) compile per block too: the packed causal conv and indexer scores are custom ops,
 the packed pool layout's pool count is a size from the shapes, and the kernels skip their cu_seqlens value checks
-while compiling (the model made the boundaries, eagerly). `cu_seqlens` [n + 1] is a block input: with static
-shapes each new document count compiles new graphs. The whole model on a packed batch still breaks outside the
-blocks: `document_boundaries` dedups the boundaries with torch.unique (model/packing.py) and the per-document
-balance loss counts documents on the host (training/losses.py `_document_balance_loss`).
+while compiling. `cu_seqlens` [n + 1] is a block input: with static shapes each new document count compiles new
+graphs. The whole model on a packed `cu_seqlens` batch compiles without a graph break too (forward and
+forward+backward, every loss part; tests/compile/test_compile_packed.py): under compile `document_boundaries`
+keeps duplicate boundaries as empty documents instead of dropping them with torch.unique and always takes the
+packed path (one document per row included), the segment ids count non-empty documents, and the per-document
+balance loss sizes its sums by the document count from cu_seqlens' shape. `position_ids` still break the graph
+once: the document starts are torch.nonzero, whose count is data (a custom op with a dynamic output size breaks
+the same way unless torch._dynamo.config.capture_dynamic_output_shape_ops is set), and a bound from the shapes
+alone (every token a possible start) would make the indexer's pool axis about T long. Pass
+`cu_seqlens=document_boundaries(B, T, device, position_ids=...)`, computed eagerly, instead.
 A block whose graph breaks is unsafe under activation checkpointing: the forward that compiles it runs part of it
 eagerly, the recomputation in backward runs the compiled frames, and the two save different tensors
 (torch.utils.checkpoint raises CheckpointError on the first step).

@@ -239,7 +239,8 @@ class Glm53ForCausalLM(nn.Module):
         if self.training:  # evaluation forwards (labels, eval mode) leave the balancing counts alone
             self._count_expert_loads(stats, valid, mtp_runs)
         if labels is not None:
-            self._add_losses(out, labels, valid, stats, mtp_runs, loss_denominators, ctx.segment_ids, cp)
+            n_docs = None if ctx.cu_seqlens is None else ctx.cu_seqlens.shape[0] - 1  # a size from the shape
+            self._add_losses(out, labels, valid, stats, mtp_runs, loss_denominators, ctx.segment_ids, cp, n_docs)
         return out
 
     def _logits(self, hidden: torch.Tensor, return_logits: bool) -> torch.Tensor | None:
@@ -267,10 +268,11 @@ class Glm53ForCausalLM(nn.Module):
 
     def _add_losses(self, out: CausalLMOutput, labels: torch.Tensor, valid: torch.Tensor, stats: list[LayerStats],
                     mtp_runs: list, den: LossCounts | None, segments: torch.Tensor | None = None,
-                    cp: SequenceShards | None = None) -> None:  # fmt: skip
+                    cp: SequenceShards | None = None, num_documents: int | None = None) -> None:  # fmt: skip
         """Fill out.lm_loss, .mtp_loss, .aux_loss, .indexer_loss and their weighted sum out.loss.
 
-        `segments` [B, T] (packed documents): no label crosses a document boundary, balance loss per document.
+        `segments` [B, T] (packed documents): no label crosses a document boundary, balance loss per document
+        (`num_documents` bounds the ids: the document count from cu_seqlens' shape).
         `cp`: `labels` are next-token targets of this slice; each part is this rank's share, then `across_ranks`.
         """
         cfg = self.config
@@ -297,7 +299,8 @@ class Glm53ForCausalLM(nn.Module):
             out.mtp_loss = torch.stack(per_depth).mean()
             loss = loss + cfg.mtp_loss_weight * out.mtp_loss
         records = [(s, valid, 0) for s in stats] + [(s, v, d) for d, (_, v, s) in enumerate(mtp_runs, start=1)]
-        out.aux_loss = router_aux_loss(records, cfg.router_aux_loss_coef, cfg.router_z_loss_coef, den, segments, cp)
+        out.aux_loss = router_aux_loss(records, cfg.router_aux_loss_coef, cfg.router_z_loss_coef, den, segments, cp,
+                                       num_documents)
         if out.aux_loss is not None:
             loss = loss + out.aux_loss
         if cfg.indexer_loss_weight > 0:

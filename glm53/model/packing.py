@@ -9,7 +9,9 @@ Two ways in (Glm53ForCausalLM.forward / Glm53Model.forward):
   row start, the rule the loss counts use too (glm53/training/loss_counts.py, `document_spans`).
 Both become one `cu_seqlens` over the flattened tokens, with every row start in it (kernels/varlen.py), and
 `segment_ids` [B, T], the document index of every token; ForwardContext carries both. A batch whose rows each
-hold one document needs neither: `document_boundaries` returns None and the ordinary path runs.
+hold one document needs neither: `document_boundaries` returns None and the ordinary path runs. Under
+torch.compile the boundaries keep their duplicates (empty documents: a count from the shapes, no graph break)
+and the packed path always runs; every consumer skips empty documents.
 Padding (`attention_mask`) combines with packing: padded tokens stay invalid inside their document, and a
 document's k-pools start at its first valid token.
 """
@@ -25,7 +27,8 @@ from ..utils import ceil_div
 def document_boundaries(B: int, T: int, device: torch.device, cu_seqlens: torch.Tensor | None = None,
                         position_ids: torch.Tensor | None = None) -> torch.Tensor | None:  # fmt: skip
     """-> int64 cu_seqlens over the flattened B * T tokens (row starts included, empty documents dropped), or
-    None when there is nothing packed (no boundaries given, or one document per row)."""
+    None when there is nothing packed (no boundaries given, or one document per row). Under torch.compile with
+    `cu_seqlens`: the boundaries and row starts sorted, duplicates kept, never None (module docstring)."""
     if cu_seqlens is not None and position_ids is not None:
         raise ValueError("pass at most one of cu_seqlens and position_ids (both describe document boundaries)")
     row_starts = torch.arange(0, B * T + 1, T, device=device)
@@ -43,13 +46,21 @@ def document_boundaries(B: int, T: int, device: torch.device, cu_seqlens: torch.
         cu = torch.cat([check_cu_seqlens(cu_seqlens.to(device), 1, B * T), row_starts])
     else:
         return None
+    if torch.compiler.is_compiling():
+        # torch.unique's size and the one-document-per-row test read the data (graph breaks): sorted with the
+        # duplicates kept as empty documents, [n + 1 + B + 1] from the shapes; every consumer skips empty documents
+        return torch.sort(cu).values
     cu = torch.unique(cu)  # sorted; duplicates (empty documents, row starts given twice) removed
     return None if cu.numel() - 1 == B else cu  # NOTE: syncs
 
 
 def segment_ids(cu_seqlens: torch.Tensor, B: int, T: int) -> torch.Tensor:
-    """[B, T] int64 document index of every token (increasing along the flattened tokens)."""
-    return token_documents(cu_seqlens, B * T).view(B, T)
+    """[B, T] int64 document index of every token, counting only non-empty documents (0, 1, ... along the
+    flattened tokens; without empty documents it is `token_documents`), so every id is below B * T and below
+    the document count n."""
+    starts = torch.zeros(B * T + 1, dtype=torch.long, device=cu_seqlens.device)
+    starts[cu_seqlens[:-1]] = 1  # an empty document starts where the next one does: one mark for both
+    return (starts[:-1].cumsum(0) - 1).view(B, T)
 
 
 def document_labels(labels: torch.Tensor, segment_ids: torch.Tensor, depth: int, ignore_index: int) -> torch.Tensor:

@@ -7,6 +7,18 @@ losses.py) is a partial sum over heads. The "dense" KL reads the mass at every c
 tokens are among the layer's top-k slots: summing the mass gathered at the pools of those J slots, [B, T, J], is
 enough (a pool appears once per token it owns, so L times: each copy is summed alike and written back alike). The
 other entries stay partial sums, which the sparse target masks out.
+
+Why the dense KL needs every pool's full sum (no O(T * J) reduction exists for it). Per query, with per-head
+masses a_{h,c} and the candidate pools c (every complete pool of the query's document it can see, about T / L),
+the target is t_c = m_c / Z with m_c = sum_h a_{h,c} and Z = sum_c m_c, and
+KL(t || p) = sum_c t_c log t_c - sum_c t_c log p_c. Z and the cross-entropy term are linear in the a_{h,c}: each
+rank could sum its own heads' share and only [B, T] would be reduced. The entropy term is not: t log t of a
+head sum is no sum of per-head terms, so the loss value needs every m_c; and the student's gradient p_c - t_c
+needs t_c at every candidate pool as well (per-rank partial cross-entropies would give it only if the replicated
+indexer's gradients were summed over the TP ranks afterwards, and the reported KL would still lack the entropy).
+So the dense path all-reduces the whole [B, T, P]. Memory: the reduction runs in place on the recorded mass, which
+the loss holds in full anyway (it reads every candidate); reducing it in query chunks would split the message
+without lowering the bytes sent or the memory held, so it is one call.
 """
 
 from __future__ import annotations

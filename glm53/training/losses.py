@@ -109,18 +109,21 @@ def head_target_loss(hidden: torch.Tensor, lm_head: torch.nn.Module, targets: to
 # ----------------------------------------------------------------------------------------------- MoE balance
 def balance_loss(logits: torch.Tensor, indices: torch.Tensor, valid: torch.Tensor,
                  num_sequences: torch.Tensor | None = None,
-                 segment_ids: torch.Tensor | None = None, cp=None) -> torch.Tensor:  # fmt: skip
+                 segment_ids: torch.Tensor | None = None, cp=None,
+                 num_documents: int | None = None) -> torch.Tensor:  # fmt: skip
     """Sequence-wise balance loss sum_i f_i P_i, summed over sequences with a valid token / `num_sequences`
     (default: their mean).
 
     logits [M, E] router logits, indices [M, k] chosen experts, valid [B, T] bool (padding is not counted);
-    with `segment_ids` [B, T] (packed documents) every document is a sequence. `cp` (a SequenceShards, context
-    parallelism): this rank's share of the loss of the whole sequences (`sharded_balance_loss`).
+    with `segment_ids` [B, T] (packed documents) every document is a sequence, and `num_documents` is a bound
+    on their ids (ids < it: the document count n, from cu_seqlens' shape; default M). `cp` (a SequenceShards,
+    context parallelism): this rank's share of the loss of the whole sequences (`sharded_balance_loss`).
     """
     if cp is not None:
         return sharded_balance_loss(logits, indices, valid, num_sequences, segment_ids, cp)
     if segment_ids is not None:
-        return _document_balance_loss(logits, indices, valid, segment_ids, num_sequences)
+        n_docs = segment_ids.numel() if num_documents is None else num_documents
+        return _document_balance_loss(logits, indices, valid, segment_ids, num_sequences, n_docs)
     B, T = valid.shape
     E, K = logits.shape[-1], indices.shape[-1]
     scores = logits.float().sigmoid().view(B, T, E)
@@ -136,11 +139,12 @@ def balance_loss(logits: torch.Tensor, indices: torch.Tensor, valid: torch.Tenso
     return per_term((per_seq * has).sum(), has.sum(), num_sequences)
 
 
-def _document_balance_loss(logits, indices, valid, segment_ids, num_sequences):
-    """`balance_loss` with one sequence per document: f and P summed per document by index_add."""
+def _document_balance_loss(logits, indices, valid, segment_ids, num_sequences, n_docs: int):
+    """`balance_loss` with one sequence per document: f and P summed per document by index_add into `n_docs`
+    slots, a size from the shapes (a count read from the ids would sync and break a compiled graph); slots of no
+    token have no valid token and drop out like empty documents."""
     E, K = logits.shape[-1], indices.shape[-1]
     seg = segment_ids.flatten()
-    n_docs = int(seg.max()) + 1 if seg.numel() else 0  # NOTE: syncs
     scores = logits.float().sigmoid()
     probs = scores / scores.sum(-1, keepdim=True)  # [M, E]
     m = valid.flatten().float()
@@ -199,12 +203,12 @@ def expert_load(indices: torch.Tensor, valid: torch.Tensor, num_experts: int) ->
 
 def router_aux_loss(
     records: list[tuple[LayerStats, torch.Tensor, int]], balance_coef: float, z_coef: float, denominators=None,
-    segment_ids: torch.Tensor | None = None, cp=None,
+    segment_ids: torch.Tensor | None = None, cp=None, num_documents: int | None = None,
 ) -> torch.Tensor | None:
     """balance_coef * balance + z_coef * z, averaged over the MoE layers in `records` ((stats, valid, view)
     triples; view 0 is the main model, d the MTP depth d). `denominators` (a LossCounts) replaces each layer's
     own counts with its view's `sequences` and `tokens`; `segment_ids` [B, T]: packed documents, the balance
-    loss per document; `cp`: context parallelism (`sharded_balance_loss`)."""
+    loss per document (`num_documents`: see `balance_loss`); `cp`: context parallelism (`sharded_balance_loss`)."""
     terms = []
     for stats, valid, view in records:
         if stats.router_logits is None:
@@ -214,7 +218,7 @@ def router_aux_loss(
         term = stats.router_logits.new_zeros(())
         if balance_coef > 0:
             term = term + balance_coef * balance_loss(stats.router_logits, stats.router_indices, valid, seqs,
-                                                        segment_ids, cp)
+                                                        segment_ids, cp, num_documents)
         if z_coef > 0:
             term = term + z_coef * z_loss(stats.router_logits, valid, toks)
         terms.append(term)

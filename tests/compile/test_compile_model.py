@@ -7,7 +7,7 @@ compiles the same graphs (benchmarks/bench_model.py --compile). The hybrid model
 every loss part) compiles without a graph break: the test compiles with fullgraph=False and counts the breaks,
 since under fullgraph=True dynamo would also accept a data-dependent size (an unbacked symbol) silently, which
 breaks the graph everywhere else (per-block compile under a low-precision FSDP policy). Packed documents
-(`cu_seqlens`) still break the graph (see glm53/model/compile.py).
+(`cu_seqlens`): tests/compile/test_compile_packed.py.
 """
 
 from __future__ import annotations

@@ -35,3 +35,21 @@ def test_bad_numbers_are_usage_errors(checkpoint, capsys, flag, value):
         main(["generate", "--model", checkpoint, "--prompt", "Hi", flag, value])
     assert exit_info.value.code == 2
     assert flag in capsys.readouterr().err
+
+
+def test_compile_flag_decodes_the_same_tokens(checkpoint, capsys):
+    plain = ["generate", "--model", checkpoint, "--prompt", "Hello", "--max-new-tokens", "6"]
+    assert main(plain) == 0
+    out = capsys.readouterr().out
+    eager = out[: out.rindex("\n[")]  # the streamed text, without the speed line
+    assert main(plain + ["--compile", "aot_eager"]) == 0  # traced graphs, no C++ compile (the suite stays fast)
+    out = capsys.readouterr().out
+    assert out[: out.rindex("\n[")] == eager and len(eager) > len("Hello")
+
+
+@pytest.mark.parametrize("extra", [["--compile", "cuda-graphs"], ["--compile", "--mtp", "2"]])
+def test_bad_compile_options_are_usage_errors(checkpoint, capsys, extra):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--model", checkpoint, "--prompt", "Hi"] + extra)
+    assert exit_info.value.code == 2
+    assert "--compile" in capsys.readouterr().err

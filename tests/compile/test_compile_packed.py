@@ -1,0 +1,154 @@
+"""torch.compile of the whole Glm53ForCausalLM on a packed batch (`cu_seqlens`): no graph break in the forward
+(eval, and training with labels and every loss part: MTP, indexer KL, per-document balance, z-loss; the backward
+is AOT autograd's of that one graph), and logits, every loss part, every gradient and the expert loads equal to
+the eager model.
+
+Legend: B batch, T time, n documents.
+Eager drops duplicate boundaries and runs a batch of one document per row unpacked; compiled, the boundaries
+keep their duplicates as empty documents and the packed path always runs (model/packing.py), so the
+comparison also checks that every consumer skips empty documents and that packed equals unpacked.
+Graph breaks are counted under fullgraph=False (fullgraph=True would accept data-dependent sizes silently; see
+tests/compile/test_compile_model.py) and by torch._dynamo.explain, on backend "aot_eager" (no code generation).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from glm53 import Glm53Config, Glm53ForCausalLM
+from glm53.model.packing import document_boundaries, segment_ids
+from glm53.training.losses import balance_loss
+
+LOSS_PARTS = ("loss", "lm_loss", "mtp_loss", "aux_loss", "indexer_loss")
+B, T = 2, 19
+# An empty document (5, 5), row start 19 given by the caller too, the final boundary twice: every duplicate is an
+# empty document in the compiled graph. T = 19 > index_topk 8: sparse selection, incomplete pools.
+PACKED = [0, 5, 5, 19, 30, 38, 38]
+# One document per row, as many boundaries as PACKED (static shapes: the same compiled graphs run it): eager drops
+# the duplicates and runs unpacked, compiled runs packed.
+ROWS = [0, 0, 19, 19, 19, 38, 38]
+CASES = {"packed-with-empty-documents": PACKED, "one-document-per-row": ROWS}
+
+
+@pytest.fixture(scope="module")
+def model() -> Glm53ForCausalLM:
+    torch.manual_seed(0)
+    config = Glm53Config.tiny(num_hidden_layers=2, layer_types=["linear_attention", "indexed_attention"],
+                              mlp_layer_types=["dense", "sparse"], num_nextn_predict_layers=1,
+                              indexer_loss_weight=0.5, router_aux_loss_coef=0.1, router_z_loss_coef=1e-2)  # fmt: skip
+    m = Glm53ForCausalLM(config)
+    with torch.no_grad():
+        for p in m.parameters():  # random weights: default inits hide bugs
+            p.normal_(std=0.2)
+    return m
+
+
+@pytest.fixture(scope="module")
+def eager(model) -> dict[str, dict[str, object]]:
+    """The eager results of both cases, computed before anything compiles: an eager kernel logging its first use
+    changes a global the compiled graphs guard on (glm53/kernels/dispatch.py), which would recompile them."""
+    return {name: run(model, model, cu) for name, cu in CASES.items()}
+
+
+@pytest.fixture(scope="module")
+def compiled(model, eager):
+    torch._dynamo.reset()
+    return torch.compile(model, backend="aot_eager")
+
+
+def batch(vocab: int) -> dict[str, torch.Tensor]:
+    """ids [B, T], mask [B, T] (row 1 left-padded: packing and padding combined), labels [B, T] (some ignored)."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, vocab, (B, T), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[0, 7] = -100
+    return dict(input_ids=ids, attention_mask=mask, labels=labels)
+
+
+def run(model: Glm53ForCausalLM, fn, cu: list[int]) -> dict[str, object]:
+    """An eval forward without labels, then a training forward+backward with labels, through `fn`."""
+    inputs = batch(model.config.vocab_size)
+    labels = inputs.pop("labels")
+    cu_seqlens = torch.tensor(cu)
+    for router in model.routers():
+        router.counted_load = None
+    model.eval()
+    with torch.no_grad():
+        logits = fn(**inputs, cu_seqlens=cu_seqlens).logits
+    model.train()
+    out = fn(**inputs, labels=labels, cu_seqlens=cu_seqlens)
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(out.loss, params, allow_unused=True)
+    loads = [r.counted_load for r in model.routers() if r.counted_load is not None]
+    return dict(logits=logits, train_logits=out.logits, grads=grads, loads=loads,
+                **{k: getattr(out, k) for k in LOSS_PARTS})  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_whole_model_on_packed_batch_compiles_without_breaks_and_matches_eager(model, eager, compiled, case):
+    ref = eager[case]
+    torch._dynamo.utils.counters.clear()
+    got = run(model, compiled, CASES[case])
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0  # forward and backward
+    tol = dict(rtol=1e-5, atol=1e-6)
+    for key in ("logits", "train_logits", *LOSS_PARTS):
+        assert ref[key] is not None and ref[key].abs().sum() > 0, key  # every part is on and not trivially 0
+        torch.testing.assert_close(got[key], ref[key], **tol, msg=lambda m: f"{key}: {m}")
+    assert sum(g is not None for g in ref["grads"]) > 0
+    for g, r in zip(got["grads"], ref["grads"], strict=True):
+        assert (g is None) == (r is None)
+        if r is not None:
+            torch.testing.assert_close(g, r, **tol)
+    assert len(got["loads"]) == len(ref["loads"]) > 0
+    for g, r in zip(got["loads"], ref["loads"]):
+        torch.testing.assert_close(g, r, rtol=0, atol=0)  # expert counts: routing identical
+
+
+def test_explain_counts_no_graph_break_on_the_packed_training_forward(model):
+    """torch._dynamo.explain on the forward with labels and every loss part, then its backward (one graph)."""
+    inputs = batch(model.config.vocab_size)
+    model.train()
+
+    def loss(input_ids, attention_mask, labels, cu_seqlens):
+        return model(input_ids, attention_mask, labels, cu_seqlens=cu_seqlens).loss
+
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(loss)(**inputs, cu_seqlens=torch.tensor(PACKED))
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    assert explained.graph_count == 1
+
+
+def test_compiled_boundaries_keep_duplicates_as_empty_documents():
+    """document_boundaries under compile: sorted, duplicates kept ([n + 1 + B + 1] from the shapes); the segment
+    ids count non-empty documents only, equal to eager's on the deduplicated boundaries."""
+    cu = torch.tensor(PACKED)
+    eager = document_boundaries(B, T, cu.device, cu)
+    compiled = torch.compile(lambda c: document_boundaries(B, T, c.device, c), backend="eager", fullgraph=True)(cu)
+    assert eager.tolist() == [0, 5, 19, 30, 38]
+    assert compiled.tolist() == [0, 0, 5, 5, 19, 19, 30, 38, 38, 38]
+    assert torch.equal(segment_ids(compiled, B, T), segment_ids(eager, B, T))
+    assert segment_ids(eager, B, T).flatten().tolist() == [0] * 5 + [1] * 14 + [2] * 11 + [3] * 8
+
+
+def test_document_balance_loss_with_slot_counts_from_shapes():
+    """The per-document balance loss with its slots sized by the document count from cu_seqlens' shape (exact,
+    or with duplicates: the compiled boundaries), or by M (the default): the mean over documents with a valid
+    token of each document's own balance loss (document 0 is all padding and drops out)."""
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(B * T, 8, generator=g)
+    indices = logits.topk(2, dim=-1).indices
+    valid = torch.ones(B, T, dtype=torch.bool)
+    valid[0, :5] = False
+    valid[1, 2] = False
+    docs = [(0, 5), (5, 19), (19, 30), (30, 38)]
+    flat = valid.flatten()
+    expected = torch.stack([balance_loss(logits[s:e], indices[s:e], flat[s:e].view(1, -1)) for s, e in docs[1:]])
+    cu = torch.tensor(PACKED)
+    eager = document_boundaries(B, T, cu.device, cu)
+    with_duplicates = torch.tensor([0, 0, 5, 5, 19, 19, 30, 38, 38, 38])  # what the compiled model makes
+    for bounds, n in ((eager, 4), (with_duplicates, 9), (eager, None)):
+        got = balance_loss(logits, indices, valid, segment_ids=segment_ids(bounds, B, T), num_documents=n)
+        torch.testing.assert_close(got, expected.mean(), rtol=1e-6, atol=0)
