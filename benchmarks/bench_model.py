@@ -18,8 +18,10 @@ forward+backward is one training step's loss.backward() (CE on the logits). Peak
 fp32 GEMM peak measured in the same run (attention/KDA score flops are not counted: a lower bound).
 `--compile`: a copy of glm53 with every block's forward compiled by inductor (glm53.model.compile.compile_blocks,
 static shapes: one compile per T and mode) joins the alternation; its first forward and first step at each T are
-timed on their own and reported as compile time (first call minus the steady-state median), and its logits must
-equal eager glm53's at every T before timing. Every block kind compiles as one graph (glm53/model/compile.py).
+timed on their own and reported as compile time (first call minus the steady-state median) with inductor's cache
+in a fresh folder (cold: no kernel reused from an earlier run), and its logits must equal eager glm53's at every T
+before timing. A recompilation inside the timed steps aborts the run (it would hide in the medians). Every block
+kind compiles as one graph (glm53/model/compile.py).
 Results: benchmarks/results/bench_model.json and a table on stdout.
 """
 
@@ -97,9 +99,14 @@ def ensure_allocator(allocator: str) -> None:
         os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]], env)
 
 
-def compiled_copy(model):
-    """A copy of glm53 with every block compiled by inductor (static shapes, so every T compiles its own graphs)."""
+def compiled_copy(model, cache_dir: str):
+    """A copy of glm53 with every block compiled by inductor (static shapes, so every T compiles its own graphs).
+
+    Inductor's on-disk cache goes to `cache_dir` (fresh), so the reported compile time is a cold compile.
+    """
     from glm53.model.compile import compile_blocks
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
 
     # block kinds x {eval, train} x T, plus the frames MLA's graph breaks resume in, exceed dynamo's default of 8
     torch._dynamo.config.recompile_limit = 64
@@ -216,7 +223,7 @@ def main() -> None:
     hf, ours, config = build_pair(tmp)
     backends = {op: chosen_backend(op) for op in OPS}
     logits_rel = check_same_logits(hf, ours, config)
-    compiled = compiled_copy(ours) if args.compile else None
+    compiled = compiled_copy(ours, os.path.join(tmp, "inductor")) if args.compile else None
     peaks = []
     flops_per_token = 6 * active_matmul_params(config)
     rows = []
@@ -233,8 +240,9 @@ def main() -> None:
             times["glm53_step"].append(timed(lambda: train_step(ours, ids, False)))
             times["hf_step"].append(timed(lambda: train_step(hf, ids, True)))
             if compiled is not None:
-                times["compiled_fwd"].append(timed(lambda: forward(compiled, ids, False)))
-                times["compiled_step"].append(timed(lambda: train_step(compiled, ids, False)))
+                with torch.compiler.set_stance("fail_on_recompile"):
+                    times["compiled_fwd"].append(timed(lambda: forward(compiled, ids, False)))
+                    times["compiled_step"].append(timed(lambda: train_step(compiled, ids, False)))
         ratio = lambda a, b: median([x / y for x, y in zip(times[a], times[b])])  # noqa: E731
         step = median(times["glm53_step"])
         rows.append({

@@ -2,6 +2,7 @@
 
     python benchmarks/profile_step.py                     # bench config, T = 2048, 1 thread
     python benchmarks/profile_step.py --seqlen 512 --threads 2 --top 25
+    python benchmarks/profile_step.py --compile           # blocks compiled by inductor (glm53/model/compile.py)
 
 Legend: T time (tokens of the one sequence), P active matmul parameters (bench_model.active_matmul_params).
 The step is bench_model's (CE over the returned logits, backward). Timings use the thread's CPU time, which a
@@ -11,6 +12,9 @@ small matmuls" = bmm / baddbmm / triangular solves (KDA's intra-chunk work, spar
 N x N mixes), which MFU does not count. Regions: inclusive time of each kernel op ("K:"), module forward ("M:")
 and autograd backward node, forward and backward apart. Set the retaining allocator as bench_model does
 (MALLOC_TRIM_THRESHOLD_ / MALLOC_MMAP_THRESHOLD_), else page faults dominate.
+"By owner" splits the same self time by who ran it: the inside of each glm53 custom op (opaque to torch.compile:
+its elementwise work is never fused), inductor's generated kernels and graph wrappers, GEMMs and other ATen calls
+outside custom ops. With --compile the regions are not labelled (the labels would sit inside compiled graphs).
 """
 
 from __future__ import annotations
@@ -83,7 +87,39 @@ def category(name: str) -> str:
         return "batched small matmuls"
     if name in COPY_OPS:
         return "copies / fills / gathers"
+    if "cpp_fused" in name:
+        return "inductor generated kernels"
     return "elementwise / reductions / other aten" if name.startswith("aten::") else "autograd + Python overhead"
+
+
+def owner(event) -> str:
+    """Who ran a profiler event: the outermost glm53 custom op around it, inductor, or eager ATen outside both."""
+    op, parent = None, event
+    while parent is not None:
+        if parent.name.startswith("glm53::"):
+            op = parent.name
+        parent = parent.cpu_parent
+    if op is not None:
+        return "inside custom op " + op.removeprefix("glm53::").removesuffix("_backward") + " (fwd+bwd)"
+    if "cpp_fused" in event.name:
+        return "inductor generated kernels"
+    if "CompiledFxGraph" in event.name or "Compiled" in event.name or "Dynamo" in event.name:
+        return "inductor graph wrappers / dynamo guards"
+    if event.name in GEMM_OPS:
+        return "GEMMs outside custom ops"
+    if event.name in SMALL_MATMUL_OPS:
+        return "batched small matmuls outside custom ops"
+    return "other ATen outside custom ops" if event.name.startswith("aten::") else "autograd + Python overhead"
+
+
+def report_owners(events) -> None:
+    shares: dict[str, float] = {}
+    for e in events:
+        shares[owner(e)] = shares.get(owner(e), 0.0) + e.self_cpu_time_total
+    total = sum(shares.values())
+    print("\nby owner (self time):")
+    for name, t in sorted(shares.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:55s} {t / 1e3:8.1f} ms {t / total:6.1%}")
 
 
 def main() -> None:
@@ -91,6 +127,7 @@ def main() -> None:
     ap.add_argument("--seqlen", type=positive_int, default=2048)
     ap.add_argument("--threads", type=positive_int, default=1)
     ap.add_argument("--top", type=positive_int, default=15)
+    ap.add_argument("--compile", action="store_true", help="compile every block with inductor (static shapes)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -107,8 +144,16 @@ def main() -> None:
         with record_function("R:backward"):
             loss.backward()
 
-    label_regions()
+    if args.compile:
+        from glm53.model.compile import compile_blocks
+
+        torch._inductor.config.cpp.enable_kernel_profile = True  # each generated kernel a profiler event
+        compile_blocks(model)
+    else:
+        label_regions()
+    start = time.perf_counter()
     step()
+    print(f"first step (compilation included with --compile) {time.perf_counter() - start:.1f} s", flush=True)
     times = []
     for _ in range(3):
         start = time.thread_time()
@@ -121,6 +166,7 @@ def main() -> None:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step()
     report(prof.key_averages(), args.top, flops, peak, best)
+    report_owners(prof.events())
 
 
 def report(events, top: int, flops: float, peak: float, step_s: float) -> None:

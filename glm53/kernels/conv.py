@@ -77,19 +77,41 @@ def _edges(cu_seqlens: torch.Tensor, total: int, W: int) -> tuple[torch.Tensor, 
     return tok, lag[None, :] <= pos[tok, None]
 
 
+# Whether a compiled graph computes the depthwise conv as W shifted multiply-adds (`_depthwise`); read when tracing.
+SHIFTED_WHEN_COMPILING = True
+
+
+# A custom op only so that inductor keeps its output as a buffer: a plain w.t().contiguous() is inlined into the
+# consumers, whose stride-W reads of w[:, tap] inductor's C++ then leaves scalar (not vectorised along channels).
+@torch.library.custom_op("glm53::conv_taps_as_rows", mutates_args=())
+def _taps_as_rows(w: torch.Tensor) -> torch.Tensor:
+    """Conv weights w [C, W] -> their taps as rows [W, C], contiguous (no gradient: _CausalConv1d writes its own)."""
+    return w.t().contiguous()
+
+
+@_taps_as_rows.register_fake
+def _(w):
+    return w.new_empty(w.shape[1], w.shape[0])
+
+
 def _depthwise(z: torch.Tensor, w: torch.Tensor, pad: int) -> torch.Tensor:
     """out_t = sum_w w[:, w] * z_{t+w} over z [B, L, C] zero-padded by `pad` on both ends of time -> [B, L', C].
 
     One depthwise conv2d whose [B, C, 1, L] operand is a channels-last view of z itself: oneDNN's NHWC depthwise
     kernel reads z once, where W shifted multiply-adds over [B, L, C] would take W passes (no copy, no transpose).
+    While torch.compile traces (SHIFTED_WHEN_COMPILING), the shifted multiply-adds instead: inductor fuses them
+    with their neighbours into one pass over [B, L, C], where the conv2d is an extern call whose operand inductor
+    lays out as [B, C, 1, L] (a transposing copy, and transposed reads in the fused kernels around it).
     """
     C, W = w.shape
-    if z.shape[1] == 0 or z.shape[1] + 2 * pad < W:  # empty input or no full window: shifted multiply-adds
+    shifted = SHIFTED_WHEN_COMPILING and torch.compiler.is_compiling()
+    if shifted or z.shape[1] == 0 or z.shape[1] + 2 * pad < W:  # or empty input, or no full window
         zp = torch.nn.functional.pad(z, (0, 0, pad, pad))
         L = max(zp.shape[1] - W + 1, 0)
         out = zp.new_zeros(zp.shape[0], L, C)
+        taps = _taps_as_rows(w) if shifted else w.t()  # [W, C]
         for tap in range(W if L else 0):
-            out.addcmul_(zp[:, tap : tap + L], w[:, tap])
+            out.addcmul_(zp[:, tap : tap + L], taps[tap])
         return out
     nhwc = z.permute(0, 2, 1).unsqueeze(2)  # [B, C, 1, L], channels-last strides
     out = torch.nn.functional.conv2d(nhwc, w[:, None, None, :], padding=(0, pad), groups=C)  # [B, C, 1, L']

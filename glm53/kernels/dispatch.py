@@ -60,8 +60,10 @@ def chosen_backend(op: str) -> str:
 
 def kernel(op: str) -> Callable:
     name = chosen_backend(op)
-    # torch.compile traces this call: logging would break the graph, so the first eager call logs instead.
-    if (op, name) not in _LOGGED and not torch.compiler.is_compiling():
+    # torch.compile traces this call: logging would break the graph, so the first eager call logs instead. The
+    # compiling test comes first: reading _LOGGED while tracing would guard the graph on the set's contents, and
+    # the next eager call's add would recompile every block.
+    if not torch.compiler.is_compiling() and (op, name) not in _LOGGED:
         _LOGGED.add((op, name))
         logger.info("glm53 kernel %s: using the %s implementation", op, name)
     return _REGISTRY[op][name]

@@ -111,3 +111,22 @@ def test_compile_blocks_on_packed_documents_matches_eager():
         assert (got is None) == (ref is None)
         if ref is not None:
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_compiled_block_is_not_recompiled_when_an_eager_call_logs_a_kernel_choice(model):
+    """dispatch.kernel logs each backend choice once, on an eager call: the graph must not guard on that log (an
+    eager call between two compiled steps would recompile every block, inside a benchmark's timed steps)."""
+    from glm53.kernels import dispatch
+
+    torch._dynamo.reset()
+    block = model.model.layers[1]
+    streams = torch.randn(1, 9, model.config.hc_mult, model.config.hidden_size)
+    ctx = ForwardContext(valid=torch.ones(1, 9, dtype=torch.bool))
+    compiled = torch.compile(block, fullgraph=True, backend="eager")
+    dispatch._LOGGED.clear()
+    first, _ = compiled(streams, ctx)
+    dispatch.kernel("kda")  # an eager call logs its choice now
+    assert ("kda", dispatch.chosen_backend("kda")) in dispatch._LOGGED
+    with torch.compiler.set_stance("fail_on_recompile"):
+        again, _ = compiled(streams, ctx)
+    torch.testing.assert_close(again, first, rtol=0, atol=0)

@@ -51,3 +51,47 @@ def test_fast_conv_empty_sequence():
     y, final = causal_conv1d(x, weight, output_final_state=True)
     assert y.shape == (2, 0, 5)
     torch.testing.assert_close(final, torch.zeros(2, 5, 3))
+
+
+@pytest.mark.parametrize("shifted", [True, False], ids=["shifted", "conv2d"])
+def test_compiled_conv_equals_reference_and_traces_shifted_multiply_adds(shifted, monkeypatch):
+    """Under torch.compile the conv (and its input gradient) is W shifted multiply-adds, which inductor fuses, unless
+    SHIFTED_WHEN_COMPILING is off; both traced forms equal the tap loop, forward and every gradient."""
+    from glm53.kernels import conv
+
+    monkeypatch.setattr(conv, "SHIFTED_WHEN_COMPILING", shifted)
+    ops: list[str] = []
+
+    def backend(gm, example_inputs):  # records the ATen ops of the forward and backward graphs (AOT autograd)
+        def record(g, _):
+            ops.extend(str(n.target) for n in g.graph.nodes if n.op == "call_function")
+            return g
+
+        from torch._dynamo.backends.common import aot_autograd
+
+        return aot_autograd(fw_compiler=record, bw_compiler=record)(gm, example_inputs)
+
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(5)
+    x, weight, state = torch.randn(2, 19, 6, generator=gen), torch.randn(6, 4, generator=gen), torch.randn(2, 6, 3)
+    compiled = torch.compile(causal_conv1d, backend=backend, fullgraph=True)
+    y_ref, s_ref, g_ref = _run(causal_conv1d_reference, x, weight, state, False)
+    y, s, g = _run(compiled, x, weight, state, False)
+    torch.testing.assert_close(y, y_ref, **TOL)
+    torch.testing.assert_close(s, s_ref)
+    for name, a, b in zip(("x", "weight", "state"), g, g_ref):
+        torch.testing.assert_close(a, b, **TOL, msg=lambda m, name=name: f"d{name}: {m}")
+    convolutions = [op for op in ops if "convolution" in op]
+    assert (not convolutions) if shifted else len(convolutions) == 2, ops  # forward and input gradient
+
+
+def test_conv_taps_custom_op_fake_and_schema():
+    """glm53::conv_taps_as_rows (the compiled shifted form's weight rows): opcheck runs it against its fake
+    implementation, schema and dispatch; the rows are the taps, contiguous."""
+    from glm53.kernels.conv import _taps_as_rows
+
+    w = torch.randn(6, 4)
+    torch.library.opcheck(_taps_as_rows, (w,), test_utils=("test_schema", "test_faketensor"))
+    rows = _taps_as_rows(w)
+    assert rows.is_contiguous()
+    torch.testing.assert_close(rows, w.t(), rtol=0, atol=0)
