@@ -47,8 +47,11 @@ def test_own_document_pools_equal_loop(offset, n):
     assert mask.tolist() == want
 
 
-@pytest.mark.parametrize("cu,message", [([1, 6, 12], "start at 0"), ([0, 6, 11], "end at 12"),
-                                        ([0, 7, 5, 12], "non-decreasing"), ([0, 4, 12], "every row start")])  # fmt: skip
+BAD = [([1, 6, 12], "start at 0"), ([0, 6, 11], "end at 12"), ([0, 7, 5, 12], "non-decreasing"),
+       ([0, 4, 12], "every row start")]
+
+
+@pytest.mark.parametrize("cu,message", BAD)
 def test_bad_boundaries_name_the_problem(cu, message):
     with pytest.raises(ValueError, match=message):
         check_cu_seqlens(torch.tensor(cu), B, T)
