@@ -67,6 +67,41 @@ def test_blocked_keeps_no_query_by_pool_tensor(monkeypatch):
     assert largest.numel >= B * T * H * P  # the measure sees the reference's [B, T, H, P] logits
 
 
+class GemmColumns(TorchDispatchMode):
+    """The column count of every bmm over the K-wide pool keys inside the block (the blocked form's one scoring
+    GEMM per block; the head-weighted sum is a bmm over H rows)."""
+
+    def __enter__(self):
+        self.columns = []
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.bmm.default and args[1].shape[-2] == K:
+            self.columns.append(args[1].shape[-1])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("offset", [0, 13])
+def test_blocked_scores_only_the_pools_a_block_can_see(offset, monkeypatch):
+    """Blocks of 4 queries score the leading pools up to the last complete one their last query sees (pool ends
+    3p + 2 fall between block ends, so counting the next block's first query shows); an incomplete pool that ends
+    early (row 0's last) adds no column."""
+    T, P, step = 30, 12, 4
+    monkeypatch.setattr(topk_mod, "TOPK_BUDGET", step * B * H * P)
+    monkeypatch.setattr(topk_mod, "MIN_TOPK_CHUNK", step)
+    q, w, keys, pool_end, complete = inputs(T, P, kpool=3)
+    complete[0, -1] = False
+    gemms = GemmColumns()
+    with gemms:
+        topk_mod._topk_pools(q, w, keys, 0.35, pool_end, complete, offset, 3)
+    expected = []
+    for t0 in range(0, T, step):
+        last = min(t0 + step, T) - 1 + offset
+        seen = [p + 1 for b in range(B) for p in range(P) if complete[b, p] and pool_end[b, p] <= last]
+        expected += [max(seen)] if seen else []
+    assert gemms.columns == expected and expected[0] < expected[-1]  # early blocks see only a few pools
+
+
 class LargestOutput(TorchDispatchMode):
     """Records the largest element count of any tensor an op returns inside the block."""
 

@@ -52,6 +52,25 @@ def test_kda_many_blocks_packed_match_per_document_reference(monkeypatch):
     assert_all_close(grads(got, xs), grads(ref, xs), FP32_TOL, ["dq", "dk", "dv", "dg", "dbeta"])
 
 
+def test_kda_steep_decay_in_the_last_block_only_takes_the_recompute_path(monkeypatch):
+    """Bounded decays in the first blocks, softplus-large ones only in the last (partial) block: the backward must
+    check every block for the rebased factors' range, not only the first, and fall back (returns None)."""
+    B, T, H, K, V = 1, 150, 2, 8, 6
+    chunks_per_block(monkeypatch, 2, B, H, K, V)  # blocks of 64 tokens: [0, 64), [64, 128), [128, 150)
+    xs = kda_inputs(B, T, H, K, V, "bounded", dtype=torch.float32)
+    steep = kda_inputs(B, T, H, K, V, "softplus-large", dtype=torch.float32)[3]
+    g = torch.cat([xs[3][:, :128], steep[:, 128:]], dim=1).detach().requires_grad_()
+    xs[3] = g
+    q, k, v, _, beta, S0 = (x.detach() for x in xs)
+    do, dS = torch.randn(B, T, H, V, dtype=q.dtype), torch.randn(B, H, K, V, dtype=q.dtype)
+    _, _, boundaries = fast.kda_chunk_core(q * K**-0.5, k, v, g.detach(), beta, S0)
+    assert fast.kda_chunk_backward(q * K**-0.5, k, v, g.detach(), beta, do, dS, boundaries) is None
+    ref = kda_recurrent_reference(*xs[:5], initial_state=xs[5], output_final_state=True)
+    got = kda_chunk(*xs[:5], initial_state=xs[5], output_final_state=True)
+    assert_all_close(got, ref, FP32_TOL, ["o", "final_state"])
+    assert_all_close(grads(got, xs), grads(ref, xs), FP32_TOL, ["dq", "dk", "dv", "dg", "dbeta", "dS0"])
+
+
 class LiveBytes(TorchDispatchMode):
     """Bytes of the tensors ops create inside the block that are alive at once (peak), and the largest one. A
     storage counts until the last tensor on it is gone; tensors made outside (the inputs, `outside`) and their views

@@ -98,9 +98,15 @@ def _rebased_factors(k: torch.Tensor, q: torch.Tensor, G: torch.Tensor) -> _Reba
     ref = G_blocks[..., :1, :]  # [..., C/s, 1, K] first token of each row block
     row_decay = _decay(G_blocks - ref)
     col_decay = (ref - G[..., None, :, :]).clamp(-EXP_FLOOR, REBASE_MAX_EXP).exp()  # [..., C/s, C, K]
-    rows = G.new_empty(*G_blocks.shape[:-2], 2, s, K)
-    torch.mul(k.unflatten(-2, (-1, s)), row_decay, out=rows[..., 0, :, :])
-    torch.mul(q.unflatten(-2, (-1, s)), row_decay, out=rows[..., 1, :, :])
+    k_rows, q_rows = k.unflatten(-2, (-1, s)), q.unflatten(-2, (-1, s))
+    # Under autograd (the steep-decay fallback recomputes the forward, whose safe blocks still come here) out= is
+    # not differentiable: stack instead.
+    if any(x.requires_grad for x in (k, q, G)):
+        rows = torch.stack([k_rows * row_decay, q_rows * row_decay], dim=-3)
+    else:
+        rows = G.new_empty(*G_blocks.shape[:-2], 2, s, K)
+        torch.mul(k_rows, row_decay, out=rows[..., 0, :, :])
+        torch.mul(q_rows, row_decay, out=rows[..., 1, :, :])
     return _RebasedFactors(rows, k[..., None, :, :] * col_decay, row_decay, col_decay)
 
 
@@ -119,8 +125,11 @@ def _rebased_products(f: _RebasedFactors) -> tuple[torch.Tensor, torch.Tensor]:
     C = f.cols.shape[-2]
     M = (f.rows.flatten(-3, -2) @ f.cols.transpose(-1, -2)).view(*lead, nb, R, s, C)
     keep = _causal_keep(C, s, M.device).view(R, *([1] * len(lead)), nb, s, C)
-    out = M.new_empty(R, *lead, nb, s, C)
-    torch.where(keep, M.movedim(-3, 0), M.new_zeros(()), out=out)  # entries above the diagonal are finite (clamped)
+    if M.requires_grad:  # under autograd (the steep-decay fallback's recompute): out= has no autograd
+        out = torch.where(keep, M.movedim(-3, 0), M.new_zeros(()))
+    else:
+        out = M.new_empty(R, *lead, nb, s, C)
+        torch.where(keep, M.movedim(-3, 0), M.new_zeros(()), out=out)  # above the diagonal: finite (clamped)
     return out[0].view(*lead, C, C), out[1].view(*lead, C, C)
 
 
