@@ -7,7 +7,8 @@
 
 Batch 1, greedy. Per prompt length P, both models run generate(max_new_tokens=1 + new) with a streamer that stamps
 each token: prefill = start to the first new token (the prompt forward and its pick), decode = the time per later
-token. The two models alternate (glm53, transformers, glm53, ...) and ratios are medians of per-pair ratios.
+token. The two models alternate (glm53, transformers, glm53, ...) and ratios are medians of per-pair ratios;
+glm53's generate(compile=True) joins the rotation (compiled before timing; compiled_decode_* columns).
 The decode step alone (one token after the same prefill, no generate loop) is timed interleaved for transformers'
 cached forward, glm53's decode_step (what generate runs), glm53's generic cached forward (model.model(token,
 cache=cache): the path generate took before decode_step) and glm53's compiled step (decode_compiled.py, what
@@ -62,8 +63,9 @@ class TimingStreamer:
         pass
 
 
-def run_generate(model, ids, new: int, is_hf: bool) -> tuple[float, float]:
-    """-> (prefill seconds: start to the first new token, decode seconds per later token)."""
+def run_generate(model, ids, new: int, is_hf: bool, compile: bool = False) -> tuple[float, float]:
+    """-> (prefill seconds: start to the first new token, decode seconds per later token); `compile`: glm53's
+    generate(compile=True) (warm it up first: its first decode step compiles)."""
     streamer = TimingStreamer()
     start = time.perf_counter()
     if is_hf:
@@ -71,7 +73,7 @@ def run_generate(model, ids, new: int, is_hf: bool) -> tuple[float, float]:
             model.generate(input_ids=ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
                            streamer=streamer)  # fmt: skip
     else:
-        model.generate(ids, max_new_tokens=new, streamer=streamer)
+        model.generate(ids, max_new_tokens=new, streamer=streamer, compile=compile)
     first, last = streamer.times[1], streamer.times[-1]
     return first - start, (last - first) / max(1, len(streamer.times) - 2)
 
@@ -297,10 +299,14 @@ def main() -> None:
         ids = torch.randint(1, config.vocab_size, (1, P))
         for model, is_hf in ((ours, False), (hf, True)):  # warm-up
             run_generate(model, ids[:, :64], 2, is_hf)
-        times = {"glm53": ([], []), "transformers": ([], [])}
+        runs = [("glm53", ours, False, False), ("transformers", hf, True, False)]
+        if not args.no_compile:  # generate(compile=True): compiled once here, at this prompt's shapes
+            run_generate(ours, ids, 3, False, compile=True)
+            runs.append(("glm53_compiled", ours, False, True))
+        times = {name: ([], []) for name, *_ in runs}
         for _ in range(args.reps):
-            for name, model, is_hf in (("glm53", ours, False), ("transformers", hf, True)):
-                prefill, decode = run_generate(model, ids, 1 + args.new, is_hf)
+            for name, model, is_hf, comp in runs:
+                prefill, decode = run_generate(model, ids, 1 + args.new, is_hf, comp)
                 times[name][0].append(prefill)
                 times[name][1].append(decode)
         (gp, gd), (tp, td) = times["glm53"], times["transformers"]
@@ -309,6 +315,10 @@ def main() -> None:
                "prefill_speedup": round(median([b / a for a, b in zip(gp, tp)]), 2),
                "glm53_decode_tok_s": round(1 / median(gd), 1), "hf_decode_tok_s": round(1 / median(td), 1),
                "decode_speedup": round(median([b / a for a, b in zip(gd, td)]), 2)}  # fmt: skip
+        if "glm53_compiled" in times:
+            cd = times["glm53_compiled"][1]
+            row.update({"compiled_decode_tok_s": round(1 / median(cd), 1),
+                        "compiled_decode_speedup": round(median([b / a for a, b in zip(cd, td)]), 2)})  # fmt: skip
         row.update(step_columns(*decode_steps(hf, ours, ids, 4 * args.new, not args.no_compile)))
         row.update({k: round(v, 3) for k, v in cache_bytes(hf, ours, ids).items()})
         rows.append(row)
