@@ -379,17 +379,10 @@ def _attention(p: _Mla, q: torch.Tensor, cache: MlaLayerCache, topk: torch.Tenso
     return torch.einsum("bhj,bjhf->bhf", probs, v.to(dtype)).to(q.dtype)
 
 
-def _mla_step(p: _Mla, x: torch.Tensor, cache: MlaLayerCache,
-              shared: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """MultiHeadLatentAttention on one token: x [B, D] -> (out [B, D], top-k [B, J])."""
-    B = x.shape[0]
-    if p.packed:
-        q_a, kv_a, *x_proj = F.linear(x, p.packed[0], p.packed[1]).split(p.packed[2], dim=-1)
-    else:
-        q_a, kv_a, x_proj = F.linear(x, *p.q_a), F.linear(x, *p.kv_a), None
-    q_resid = _rms(q_a, *p.q_a_norm)  # [B, R]
-    q = F.linear(q_resid, p.q_b).view(B, -1, p.qk_head_dim)  # [B, H, K]
-    latent = _rms(kv_a, *p.kv_norm)  # [B, Z]
+def _cache_token(p: _Mla, cache: MlaLayerCache, latent: torch.Tensor, x: torch.Tensor, q_resid: torch.Tensor,
+                 x_proj: list | None, shared: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    """The MLA cache's bookkeeping for one token: append its latent [B, Z], pick its top-k [B, J] (its own indexer
+    or the shared one), advance the lengths and counts -> top-k."""
     start = _append(cache, latent)
     if p.indexer is not None:
         topk = _decode_topk(p.indexer, cache, x, q_resid, start, x_proj or None)
@@ -401,6 +394,21 @@ def _mla_step(p: _Mla, x: torch.Tensor, cache: MlaLayerCache,
     cache.count = cache.count + 1
     cache.max_count += 1
     cache.counts_host = [c + 1 for c in cache.counts_host]
+    return topk
+
+
+def _mla_step(p: _Mla, x: torch.Tensor, cache: MlaLayerCache,
+              shared: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """MultiHeadLatentAttention on one token: x [B, D] -> (out [B, D], top-k [B, J])."""
+    B = x.shape[0]
+    if p.packed:
+        q_a, kv_a, *x_proj = F.linear(x, p.packed[0], p.packed[1]).split(p.packed[2], dim=-1)
+    else:
+        q_a, kv_a, x_proj = F.linear(x, *p.q_a), F.linear(x, *p.kv_a), None
+    q_resid = _rms(q_a, *p.q_a_norm)  # [B, R]
+    q = F.linear(q_resid, p.q_b).view(B, -1, p.qk_head_dim)  # [B, H, K]
+    latent = _rms(kv_a, *p.kv_norm)  # [B, Z]
+    topk = _cache_token(p, cache, latent, x, q_resid, x_proj, shared)
     o = _attention(p, q, cache, topk)
     return F.linear(o.reshape(B, -1), *p.o), topk
 

@@ -40,8 +40,8 @@ import torch.nn.functional as F
 from ..kernels.moe import clamped_swiglu_packed
 from ..model.moe import NORM_EPS
 from .cache import CacheError, GenerationCache, GenerationError
-from .decode import (_Block, _Kda, _Mla, _Mlp, _Moe, _Site, _absorbed_attention, _append, _as, _attention,
-                     _decode_topk, _unit_rms, build_plan)  # fmt: skip
+from .decode import (_Block, _Kda, _Mla, _Mlp, _Moe, _Site, _absorbed_attention, _as, _attention, _cache_token,
+                     _unit_rms, build_plan)  # fmt: skip
 from .decode import decode_step
 
 RECOMPILE_LIMIT = 64  # graphs kept per compiled function: one per (segment layout, config, batch) in a process
@@ -228,17 +228,7 @@ def _mla_core(blk: _Block, x, q_resid, q, latent, x_proj, shared) -> tuple[tuple
     """decode._mla_step after its projections (eager: the cache bookkeeping) -> (the next segment's head: the
     absorbed attention's inputs (q, latent rows [B, J, Z], filled [B, J]) or the per-head attention (out,), top-k)."""
     p, cache = blk.attention, blk.cache
-    start = _append(cache, latent)
-    if p.indexer is not None:
-        topk = _decode_topk(p.indexer, cache, x, q_resid, start, x_proj or None)
-    elif shared is None:
-        raise ValueError("a 'shared' indexer layer needs the top-k of an earlier 'full' layer (got none)")
-    else:
-        topk = shared
-    cache.length = start + 1
-    cache.count = cache.count + 1
-    cache.max_count += 1
-    cache.counts_host = [c + 1 for c in cache.counts_host]
+    topk = _cache_token(p, cache, latent, x, q_resid, x_proj, shared)
     if not p.absorb:
         return (_attention(p, q, cache, topk),), topk
     B, cap, Z = cache.latent.shape

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from glm53 import Glm53Config, Glm53ForCausalLM
+from tests.helpers.modules import assert_same_grads_and_loads
 
 LOSS_PARTS = ("loss", "lm_loss", "mtp_loss", "aux_loss", "indexer_loss")
 COMMON = dict(num_hidden_layers=2, mlp_layer_types=["dense", "sparse"], router_z_loss_coef=1e-2)
@@ -82,13 +83,7 @@ def check_parity(name: str, dtype: torch.dtype, fullgraph: bool, inference: bool
             assert got[key] is None, key
         else:
             torch.testing.assert_close(got[key], ref[key], **tol, msg=lambda m: f"{key}: {m}")
-    for g, r in zip(got["grads"], ref["grads"], strict=True):
-        assert (g is None) == (r is None)
-        if r is not None:
-            torch.testing.assert_close(g, r, **tol)
-    assert len(got["loads"]) == len(ref["loads"]) > 0
-    for g, r in zip(got["loads"], ref["loads"]):
-        torch.testing.assert_close(g, r, rtol=0, atol=0)  # expert counts: routing identical
+    assert_same_grads_and_loads(got, ref, tol)
     breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
     assert not fullgraph or breaks == 0
     return breaks

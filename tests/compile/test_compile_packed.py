@@ -19,6 +19,7 @@ import torch
 from glm53 import Glm53Config, Glm53ForCausalLM
 from glm53.model.packing import document_boundaries, segment_ids
 from glm53.training.losses import balance_loss
+from tests.helpers.modules import assert_same_grads_and_loads
 
 LOSS_PARTS = ("loss", "lm_loss", "mtp_loss", "aux_loss", "indexer_loss")
 B, T = 2, 19
@@ -98,13 +99,7 @@ def test_whole_model_on_packed_batch_compiles_without_breaks_and_matches_eager(m
         assert ref[key] is not None and ref[key].abs().sum() > 0, key  # every part is on and not trivially 0
         torch.testing.assert_close(got[key], ref[key], **tol, msg=lambda m: f"{key}: {m}")
     assert sum(g is not None for g in ref["grads"]) > 0
-    for g, r in zip(got["grads"], ref["grads"], strict=True):
-        assert (g is None) == (r is None)
-        if r is not None:
-            torch.testing.assert_close(g, r, **tol)
-    assert len(got["loads"]) == len(ref["loads"]) > 0
-    for g, r in zip(got["loads"], ref["loads"]):
-        torch.testing.assert_close(g, r, rtol=0, atol=0)  # expert counts: routing identical
+    assert_same_grads_and_loads(got, ref, tol)
 
 
 def test_explain_counts_no_graph_break_on_the_packed_training_forward(model):

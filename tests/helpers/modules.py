@@ -20,3 +20,15 @@ def random_indexer(seed: int, **config) -> Indexer:
         for p in module.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.5)
     return module
+
+
+def assert_same_grads_and_loads(got: dict, ref: dict, tol: dict) -> None:
+    """Two training runs' parameter gradients (None where the other is None, else close) and expert loads (equal:
+    the same routing); `got` / `ref` hold "grads" and "loads" lists (tests/compile)."""
+    for g, r in zip(got["grads"], ref["grads"], strict=True):
+        assert (g is None) == (r is None)
+        if r is not None:
+            torch.testing.assert_close(g, r, **tol)
+    assert len(got["loads"]) == len(ref["loads"]) > 0
+    for g, r in zip(got["loads"], ref["loads"]):
+        torch.testing.assert_close(g, r, rtol=0, atol=0)  # expert counts: routing identical
