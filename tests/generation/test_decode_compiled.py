@@ -117,3 +117,28 @@ def test_compile_without_a_cpp_compiler_decodes_eagerly(monkeypatch):
     with pytest.warns(UserWarning, match="no C\\+\\+ compiler"):
         out = model.generate(ids, attention_mask=mask, max_new_tokens=3, compile=True)
     assert torch.equal(out, model.generate(ids, attention_mask=mask, max_new_tokens=3))
+
+
+def test_compiled_step_after_weights_change_uses_the_new_weights():
+    """The bound graphs read the plan's weights: after an in-place update or a replaced storage between two
+    generations (an optimizer step, load_state_dict, `param.data = ...`), a new cache decodes with the new weights."""
+    model = tiny_model(random_weights=False)
+    P, N = 9, 4
+    ids, mask = left_padded(model.config.vocab_size, [P + N, P + N - 3])
+
+    def check():
+        with torch.inference_mode():
+            full = model(ids, attention_mask=mask).logits
+            cache, first = _prefilled(model, ids, mask, P)
+            steps = [first] + [model.lm_head(compiled_decode_step(model, cache, ids[:, t], backend="aot_eager"))[:, None]
+                               for t in range(P, P + N)]  # fmt: skip
+        assert_matches_full(torch.cat(steps, dim=1), full, mask, REL_TOL)
+
+    check()
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            if i % 2:
+                p.mul_(1.0 + 0.01 * (i % 7))
+            else:
+                p.data = p.data * (1.0 + 0.01 * (i % 5))
+    check()
