@@ -107,6 +107,21 @@ def head_target_loss(hidden: torch.Tensor, lm_head: torch.nn.Module, targets: to
 
 
 # ----------------------------------------------------------------------------------------------- MoE balance
+def _document_slots(segment_ids: torch.Tensor, num_documents: int | None) -> int:
+    """The per-document sums' size: `num_documents`, checked eagerly against the ids (while compiling it is a size
+    from cu_seqlens' shape, which the model made), or every token's own slot."""
+    if num_documents is None:
+        return segment_ids.numel()
+    if torch.compiler.is_compiling():
+        return num_documents
+    if isinstance(num_documents, bool) or not isinstance(num_documents, int) or num_documents < 1:
+        raise ValueError(f"num_documents must be a positive int, got {num_documents!r}")
+    top = int(segment_ids.max()) if segment_ids.numel() else -1  # NOTE: syncs
+    if top >= num_documents:
+        raise ValueError(f"num_documents={num_documents} is too small: segment_ids go up to {top}")
+    return num_documents
+
+
 def balance_loss(logits: torch.Tensor, indices: torch.Tensor, valid: torch.Tensor,
                  num_sequences: torch.Tensor | None = None,
                  segment_ids: torch.Tensor | None = None, cp=None,
@@ -122,7 +137,7 @@ def balance_loss(logits: torch.Tensor, indices: torch.Tensor, valid: torch.Tenso
     if cp is not None:
         return sharded_balance_loss(logits, indices, valid, num_sequences, segment_ids, cp)
     if segment_ids is not None:
-        n_docs = segment_ids.numel() if num_documents is None else num_documents
+        n_docs = _document_slots(segment_ids, num_documents)
         return _document_balance_loss(logits, indices, valid, segment_ids, num_sequences, n_docs)
     B, T = valid.shape
     E, K = logits.shape[-1], indices.shape[-1]

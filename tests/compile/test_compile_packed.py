@@ -147,3 +147,13 @@ def test_document_balance_loss_with_slot_counts_from_shapes():
     for bounds, n in ((eager, 4), (with_duplicates, 9), (eager, None)):
         got = balance_loss(logits, indices, valid, segment_ids=segment_ids(bounds, B, T), num_documents=n)
         torch.testing.assert_close(got, expected.mean(), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("bad,match", [(0, "positive int"), (2.0, "positive int"), (True, "positive int"),
+                                       (3, "too small: segment_ids go up to 3")])  # fmt: skip
+def test_document_balance_loss_rejects_a_bad_document_count(bad, match):
+    logits = torch.randn(B * T, 8, generator=torch.Generator().manual_seed(3))
+    ids = segment_ids(document_boundaries(B, T, torch.device("cpu"), torch.tensor(PACKED)), B, T)
+    with pytest.raises(ValueError, match=f"num_documents.*{match}|{match}"):
+        balance_loss(logits, logits.topk(2, dim=-1).indices, torch.ones(B, T, dtype=torch.bool), segment_ids=ids,
+                     num_documents=bad)
