@@ -272,6 +272,7 @@ def compiled_segment(backend: str = "inductor", cpp_wrapper: bool = False):
     """_segment compiled by `backend` (one function per setting; its graphs are shared by every plan)."""
     key = (backend, cpp_wrapper)
     if key not in _COMPILED:
+        _check_backend(backend)
         limit = torch._dynamo.config.recompile_limit
         torch._dynamo.config.recompile_limit = max(limit, RECOMPILE_LIMIT)
         _COMPILED[key] = torch.compile(_segment, backend=_recording(backend, cpp_wrapper), fullgraph=True,
@@ -409,10 +410,15 @@ def step_function(compile: bool | str):
             warnings.warn(f"generate(compile=True): {missing}; decoding eagerly")
             return decode_step
         return functools.partial(compiled_decode_step, backend="inductor", cpp_wrapper=True)
-    if not isinstance(compile, str) or compile not in torch._dynamo.list_backends(exclude_tags=()):
-        raise GenerationError(f"compile must be True, False or a torch.compile backend name "
-                              f"({', '.join(torch._dynamo.list_backends(exclude_tags=()))}), got {compile!r}")
+    _check_backend(compile, "compile must be True, False or")
     return functools.partial(compiled_decode_step, backend=compile)
+
+
+def _check_backend(backend, what: str = "backend must be") -> None:
+    """A GenerationError naming the choices unless `backend` is a torch.compile backend name."""
+    names = torch._dynamo.list_backends(exclude_tags=())
+    if not isinstance(backend, str) or backend not in names:
+        raise GenerationError(f"{what} a torch.compile backend name ({', '.join(names)}), got {backend!r}")
 
 
 __all__ = ["compiled_decode_step", "compiled_segment", "step_function"]

@@ -103,6 +103,11 @@ def test_compiled_step_bad_input():
             compiled_decode_step(model, cache, ids[:, 0], backend="aot_eager")
     with pytest.raises(GenerationError, match="compile must be"):
         model.generate(ids, attention_mask=mask, max_new_tokens=2, compile="no-such-backend")
+    with torch.inference_mode():
+        cache = GenerationCache(model)
+        model.model(ids, mask, cache=cache)
+    with pytest.raises(GenerationError, match="backend must be a torch.compile backend name.*'nonsense'"):
+        compiled_decode_step(model, cache, ids[:, -1], backend="nonsense")
     with pytest.raises(GenerationError, match="compile applies to plain decoding"):
         model.generate(ids, attention_mask=mask, max_new_tokens=2, compile=True, speculative="mtp")
 
