@@ -11,7 +11,9 @@ Both become one `cu_seqlens` over the flattened tokens, with every row start in 
 `segment_ids` [B, T], the document index of every token; ForwardContext carries both. A batch whose rows each
 hold one document needs neither: `document_boundaries` returns None and the ordinary path runs. Under
 torch.compile the boundaries keep their duplicates (empty documents: a count from the shapes, no graph break)
-and the packed path always runs; every consumer skips empty documents.
+and the packed path always runs; every consumer skips empty documents. From `position_ids` the compiled
+boundaries are the starts then B * T repeated, B * T + 1 entries whatever the document count (`static_boundaries`):
+one graph serves every batch of that shape.
 Padding (`attention_mask`) combines with packing: padded tokens stay invalid inside their document, and a
 document's k-pools start at its first valid token.
 """
@@ -27,8 +29,9 @@ from ..utils import ceil_div
 def document_boundaries(B: int, T: int, device: torch.device, cu_seqlens: torch.Tensor | None = None,
                         position_ids: torch.Tensor | None = None) -> torch.Tensor | None:  # fmt: skip
     """-> int64 cu_seqlens over the flattened B * T tokens (row starts included, empty documents dropped), or
-    None when there is nothing packed (no boundaries given, or one document per row). Under torch.compile with
-    `cu_seqlens`: the boundaries and row starts sorted, duplicates kept, never None (module docstring)."""
+    None when there is nothing packed (no boundaries given, or one document per row). Under torch.compile, never
+    None: with `cu_seqlens` the boundaries and row starts sorted, duplicates kept; with `position_ids`
+    `static_boundaries` (module docstring). position_ids' values need no check: any integers give valid starts."""
     if cu_seqlens is not None and position_ids is not None:
         raise ValueError("pass at most one of cu_seqlens and position_ids (both describe document boundaries)")
     row_starts = torch.arange(0, B * T + 1, T, device=device)
@@ -37,8 +40,10 @@ def document_boundaries(B: int, T: int, device: torch.device, cu_seqlens: torch.
             raise ValueError(f"position_ids must be an integer tensor of shape {(B, T)} (restarting at 0 at each "
                              f"document), got {position_ids.dtype} {tuple(position_ids.shape)}")  # fmt: skip
         pos = position_ids.to(device)
-        breaks = torch.ones_like(pos, dtype=torch.bool)
+        breaks = torch.ones_like(pos, dtype=torch.bool)  # [B, T] document starts, every row start among them
         breaks[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+        if torch.compiler.is_compiling():
+            return static_boundaries(breaks)
         starts = torch.nonzero(breaks.flatten()).flatten()  # NOTE: syncs
         cu = torch.cat([starts, row_starts])
     elif cu_seqlens is not None:
@@ -52,6 +57,15 @@ def document_boundaries(B: int, T: int, device: torch.device, cu_seqlens: torch.
         return torch.sort(cu).values
     cu = torch.unique(cu)  # sorted; duplicates (empty documents, row starts given twice) removed
     return None if cu.numel() - 1 == B else cu  # NOTE: syncs
+
+
+def static_boundaries(starts: torch.Tensor) -> torch.Tensor:
+    """Document starts [B, T] bool (every row start set) -> int64 cu_seqlens [B * T + 1], a size from the shape:
+    the start positions in order, then B * T for every token that starts nothing (empty documents at the end).
+    torch.nonzero's size is the document count, which a compiled graph cannot hold without a break per count."""
+    total = starts.numel()
+    flat = torch.where(starts.flatten(), torch.arange(total, device=starts.device), total)
+    return torch.cat([torch.sort(flat).values, flat.new_full((1,), total)])
 
 
 def segment_ids(cu_seqlens: torch.Tensor, B: int, T: int) -> torch.Tensor:
@@ -94,9 +108,10 @@ def document_pool_layout(valid: torch.Tensor, cu_seqlens: torch.Tensor,
 
     -> positions [B, P, L] (row-local; an empty slot holds T.., past every token) and which of them are valid
     tokens of the pool's document [B, P, L]. A row's pools are its documents' pools in order, so each document
-    owns a contiguous run of slots. P = ceil(T / L) + n - B + 1 bounds every row's pool count (a row's m documents
-    of lengths l_i have at most sum(floor(l_i / L) + 1) <= T / L + m pools, and m <= n - B + 1): a size from the
-    shapes alone, so torch.compile traces it; the slots past a row's pools are empty. Loop-free over documents.
+    owns a contiguous run of slots. P = min(ceil(T / L) + n - B + 1, T) bounds every row's pool count (a row's m
+    documents of lengths l_i have at most sum(floor(l_i / L) + 1) <= T / L + m pools, m <= n - B + 1, and each pool
+    holds one of the row's T positions): a size from the shapes alone, so torch.compile traces it (T with the
+    B * T + 1 compiled boundaries of position_ids); the slots past a row's pools are empty. Loop-free over documents.
     """
     B, T = valid.shape
     flat_valid = valid.flatten()
@@ -112,7 +127,7 @@ def document_pool_layout(valid: torch.Tensor, cu_seqlens: torch.Tensor,
     row = (starts // T).clamp(max=B - 1)
     rows = torch.arange(B, device=valid.device)
     row_first_doc = torch.searchsorted(starts, rows * T)
-    P = ceil_div(T, kpool) + n - B + 1
+    P = min(ceil_div(T, kpool) + n - B + 1, T)  # a pool holds a token of its row: T at most (many empty documents)
     pool = before[row_first_doc, None] + torch.arange(P, device=valid.device)  # [B, P] global pool numbers
     pool_doc = torch.searchsorted(past, pool, right=True).clamp(max=n - 1)  # [B, P] the document owning each
     j = pool - before[pool_doc]  # the pool's number inside its document
@@ -125,4 +140,4 @@ def document_pool_layout(valid: torch.Tensor, cu_seqlens: torch.Tensor,
 
 
 __all__ = ["document_boundaries", "document_labels", "document_pool_layout", "first_valid_in_document",
-           "segment_ids"]  # fmt: skip
+           "segment_ids", "static_boundaries"]  # fmt: skip

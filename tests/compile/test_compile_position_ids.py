@@ -1,0 +1,193 @@
+"""torch.compile of the whole Glm53ForCausalLM on a batch packed as `position_ids` (restarting at 0 per document,
+transformers' DataCollatorWithFlattening layout): no graph break in the forward (eval, and training with every loss
+part), no recompile for another document count, and logits, every loss part, every gradient and the expert loads
+equal to the eager model given the same `position_ids` and given the equivalent `cu_seqlens`.
+
+Legend: B batch, T time, n documents.
+Compiled, the document starts become a cu_seqlens of B * T + 1 entries from the shape (model/packing.py
+`static_boundaries`: the starts, then empty documents), so one graph serves every document count; eager finds
+the starts with torch.nonzero and runs a batch of one document per row unpacked. Breaks are counted under
+fullgraph=False, as tests/compile/test_compile_packed.py does, on backend "aot_eager".
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from glm53 import Glm53Config, Glm53ForCausalLM
+from glm53.model.model import packing_fields
+from glm53.model.packing import document_boundaries, document_pool_layout, segment_ids, static_boundaries
+from glm53.training.losses import balance_loss
+from tests.helpers.modules import assert_same_grads_and_loads
+
+LOSS_PARTS = ("loss", "lm_loss", "mtp_loss", "aux_loss", "indexer_loss")
+B, T = 2, 19
+
+
+def positions(*rows: list[int]) -> torch.Tensor:
+    """[B, T] position_ids from each row's document lengths; a negative first length -l is a row that starts
+    l tokens before the end of a document which began in an earlier row (positions 7, 8, ... there)."""
+    out = []
+    for lens in rows:
+        row = [torch.arange(7, 7 - lens[0])] if lens[0] < 0 else []
+        row += [torch.arange(n) for n in lens[1 if lens[0] < 0 else 0 :]]
+        out.append(torch.cat(row))
+    return torch.stack(out)
+
+
+CASES = {
+    # row 0: a document of length 1 between two others; row 1 starts mid-document (positions 7..13)
+    "mid-document-and-length-1": positions([5, 1, 13], [-7, 8, 4]),
+    "eleven-documents": positions([2, 1, 1, 3, 4, 8], [4, 4, 4, 4, 3]),
+    # eager runs it unpacked (one document per row), compiled packed: the same graph as the others
+    "one-document-per-row": positions([19], [19]),
+}
+
+
+@pytest.fixture(scope="module")
+def model() -> Glm53ForCausalLM:
+    torch.manual_seed(0)
+    config = Glm53Config.tiny(num_hidden_layers=2, layer_types=["linear_attention", "indexed_attention"],
+                              mlp_layer_types=["dense", "sparse"], num_nextn_predict_layers=1,
+                              indexer_loss_weight=0.5, router_aux_loss_coef=0.1, router_z_loss_coef=1e-2)  # fmt: skip
+    m = Glm53ForCausalLM(config)
+    with torch.no_grad():
+        for p in m.parameters():  # random weights: default inits hide bugs
+            p.normal_(std=0.2)
+    return m
+
+
+def batch(vocab: int) -> dict[str, torch.Tensor]:
+    """ids [B, T], mask [B, T] (row 1 left-padded: packing and padding combined), labels [B, T] (some ignored)."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, vocab, (B, T), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[0, 7] = -100
+    return dict(input_ids=ids, attention_mask=mask, labels=labels)
+
+
+def run(model: Glm53ForCausalLM, fn, packing: dict[str, torch.Tensor]) -> dict[str, object]:
+    """An eval forward without labels, then a training forward+backward with labels, through `fn`."""
+    inputs = batch(model.config.vocab_size)
+    labels = inputs.pop("labels")
+    for router in model.routers():
+        router.counted_load = None
+    model.eval()
+    with torch.no_grad():
+        logits = fn(**inputs, **packing).logits
+    model.train()
+    out = fn(**inputs, labels=labels, **packing)
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(out.loss, params, allow_unused=True)
+    loads = [r.counted_load for r in model.routers() if r.counted_load is not None]
+    return dict(logits=logits, train_logits=out.logits, grads=grads, loads=loads,
+                **{k: getattr(out, k) for k in LOSS_PARTS})  # fmt: skip
+
+
+def as_cu_seqlens(pos: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The same packing as `cu_seqlens` (eager's boundaries; the row starts for one document per row)."""
+    cu = document_boundaries(B, T, pos.device, position_ids=pos)
+    return dict(cu_seqlens=torch.arange(0, B * T + 1, T) if cu is None else cu)
+
+
+@pytest.fixture(scope="module")
+def eager(model) -> dict[str, dict[str, dict[str, object]]]:
+    """Eager results (position_ids, and the equivalent cu_seqlens) of every case, before anything compiles: an eager
+    kernel logging its first use changes a global the compiled graphs guard on (glm53/kernels/dispatch.py)."""
+    return {name: dict(position_ids=run(model, model, dict(position_ids=pos)), cu_seqlens=run(model, model,
+                       as_cu_seqlens(pos))) for name, pos in CASES.items()}  # fmt: skip
+
+
+def assert_same_run(got: dict, ref: dict, what: str) -> None:
+    tol = dict(rtol=1e-5, atol=1e-6)
+    for key in ("logits", "train_logits", *LOSS_PARTS):
+        assert ref[key] is not None and ref[key].abs().sum() > 0, key  # every part is on and not trivially 0
+        torch.testing.assert_close(got[key], ref[key], **tol, msg=lambda m: f"{what} {key}: {m}")
+    assert sum(g is not None for g in ref["grads"]) > 0
+    assert_same_grads_and_loads(got, ref, tol)
+
+
+def test_whole_model_on_position_ids_compiles_once_without_breaks_and_matches_eager(model, eager):
+    """One compile (eval graph, training graph) serves three document counts (6, 11, 2 rows of one): the first
+    case compiles, the others run under error_on_recompile; no graph break in any forward or backward."""
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    torch._dynamo.utils.counters.clear()
+    for i, (name, pos) in enumerate(CASES.items()):
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            got = run(model, compiled, dict(position_ids=pos))
+        assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0, name
+        assert_same_run(got, eager[name]["position_ids"], f"{name} vs eager position_ids:")
+        assert_same_run(got, eager[name]["cu_seqlens"], f"{name} vs eager cu_seqlens:")
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2  # the eval and the training forward
+
+
+def test_explain_counts_no_graph_break_on_the_position_ids_training_forward(model):
+    """torch._dynamo.explain on the forward with labels and every loss part (its backward is this one graph's)."""
+    inputs = batch(model.config.vocab_size)
+    model.train()
+
+    def loss(input_ids, attention_mask, labels, position_ids):
+        return model(input_ids, attention_mask, labels, position_ids=position_ids).loss
+
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(loss)(**inputs, position_ids=CASES["mid-document-and-length-1"])
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    assert explained.graph_count == 1
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_static_boundaries_are_eager_ones_then_empty_documents(case):
+    """Compiled (inductor, fullgraph) packing fields from position_ids: the eager boundaries, then B * T repeated
+    up to B * T + 1 entries; segment ids equal eager's (empty documents take no id)."""
+    pos = CASES[case]
+    valid = torch.ones(B, T, dtype=torch.bool)
+    eager = packing_fields(valid, None, pos)
+    compiled = torch.compile(lambda v, p: packing_fields(v, None, p), backend="inductor", fullgraph=True)(valid, pos)
+    cu = as_cu_seqlens(pos)["cu_seqlens"]
+    assert compiled["cu_seqlens"].tolist() == cu.tolist() + [B * T] * (B * T + 1 - cu.numel())
+    assert torch.equal(compiled["segment_ids"], segment_ids(cu, B, T))
+    if eager["segment_ids"] is not None:
+        assert torch.equal(compiled["segment_ids"], eager["segment_ids"])
+    if case == "mid-document-and-length-1":
+        assert cu.tolist() == [0, 5, 6, 19, 26, 34, 38]
+
+
+def test_pool_layout_with_static_boundaries_is_eager_layout_and_at_most_T_pools():
+    """B * T documents (T - n empty ones) would give P = ceil(T / L) + n - B + 1 slots; a row has at most T pools
+    (each holds one of its tokens), so P stops at T, and the used slots equal eager's layout."""
+    pos = CASES["eleven-documents"]
+    valid = torch.ones(B, T, dtype=torch.bool)
+    valid[1, :3] = False
+    kpool = 4
+    eager_cu = document_boundaries(B, T, pos.device, position_ids=pos)
+    starts = torch.ones(B, T, dtype=torch.bool)
+    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    got_pos, got_valid = document_pool_layout(valid, static_boundaries(starts), kpool)
+    ref_pos, ref_valid = document_pool_layout(valid, eager_cu, kpool)
+    assert got_pos.shape == (B, T, kpool) and ref_pos.shape[1] == 5 + eager_cu.numel() - 1 - B + 1
+    P = ref_pos.shape[1]
+    assert torch.equal(got_pos[:, :P], ref_pos) and torch.equal(got_valid[:, :P], ref_valid)
+    assert not got_valid[:, P:].any()
+
+
+def test_document_balance_loss_with_B_times_T_document_slots():
+    """num_documents from the compiled cu_seqlens' shape (B * T, mostly empty documents) gives the loss of the exact
+    count: the mean over documents of each document's own balance loss."""
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(B * T, 8, generator=g)
+    indices = logits.topk(2, dim=-1).indices
+    valid = torch.ones(B, T, dtype=torch.bool)
+    valid[1, :3] = False
+    pos = CASES["eleven-documents"]
+    cu = document_boundaries(B, T, pos.device, position_ids=pos)
+    flat = valid.flatten()
+    docs = list(zip(cu[:-1].tolist(), cu[1:].tolist()))
+    expected = torch.stack([balance_loss(logits[s:e], indices[s:e], flat[s:e].view(1, -1)) for s, e in docs])
+    ids = segment_ids(cu, B, T)
+    got = balance_loss(logits, indices, valid, segment_ids=ids, num_documents=B * T)
+    torch.testing.assert_close(got, expected.mean(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(got, balance_loss(logits, indices, valid, segment_ids=ids, num_documents=11))
