@@ -108,10 +108,13 @@ def document_pool_layout(valid: torch.Tensor, cu_seqlens: torch.Tensor,
 
     -> positions [B, P, L] (row-local; an empty slot holds T.., past every token) and which of them are valid
     tokens of the pool's document [B, P, L]. A row's pools are its documents' pools in order, so each document
-    owns a contiguous run of slots. P = min(ceil(T / L) + n - B + 1, T) bounds every row's pool count (a row's m
-    documents of lengths l_i have at most sum(floor(l_i / L) + 1) <= T / L + m pools, m <= n - B + 1, and each pool
-    holds one of the row's T positions): a size from the shapes alone, so torch.compile traces it (T with the
-    B * T + 1 compiled boundaries of position_ids); the slots past a row's pools are empty. Loop-free over documents.
+    owns a contiguous run of slots. P = ceil(T / L) + n - B + 1 bounds every row's pool count (a row's m documents
+    of lengths l_i have at most sum(floor(l_i / L) + 1) <= T / L + m pools, and m <= n - B + 1). The slots past a
+    row's pools are empty. Loop-free over documents.
+    Under torch.compile only whole pools of L positions are laid out, P = max(T // L, 1) (they are disjoint runs of
+    a row's T positions): a size from the shapes that does not grow with n, which from position_ids is B * T
+    (`static_boundaries`). A document's short last pool is never complete, so never a candidate, and the indexer
+    KL masks its attention mass out: dropping it changes no output, only the width of the [B, T, P] scores.
     """
     B, T = valid.shape
     flat_valid = valid.flatten()
@@ -121,13 +124,14 @@ def document_pool_layout(valid: torch.Tensor, cu_seqlens: torch.Tensor,
     pos = torch.arange(B * T, device=valid.device)
     first = torch.full((n,), B * T, device=valid.device, dtype=torch.long)
     first = torch.minimum(first.scatter_reduce(0, doc, torch.where(flat_valid, pos, B * T), "amin"), ends)
-    counts = ceil_div(ends - first, kpool)  # pools per document
+    whole_only = torch.compiler.is_compiling()
+    counts = (ends - first) // kpool if whole_only else ceil_div(ends - first, kpool)  # pools per document
     past = counts.cumsum(0)  # pools of this and all earlier documents
     before = past - counts
     row = (starts // T).clamp(max=B - 1)
     rows = torch.arange(B, device=valid.device)
     row_first_doc = torch.searchsorted(starts, rows * T)
-    P = min(ceil_div(T, kpool) + n - B + 1, T)  # a pool holds a token of its row: T at most (many empty documents)
+    P = max(T // kpool, 1) if whole_only else ceil_div(T, kpool) + n - B + 1
     pool = before[row_first_doc, None] + torch.arange(P, device=valid.device)  # [B, P] global pool numbers
     pool_doc = torch.searchsorted(past, pool, right=True).clamp(max=n - 1)  # [B, P] the document owning each
     j = pool - before[pool_doc]  # the pool's number inside its document
