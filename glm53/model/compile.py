@@ -21,11 +21,11 @@ graphs. The whole model on a packed `cu_seqlens` batch compiles without a graph 
 forward+backward, every loss part; tests/compile/test_compile_packed.py): under compile `document_boundaries`
 keeps duplicate boundaries as empty documents instead of dropping them with torch.unique and always takes the
 packed path (one document per row included), the segment ids count non-empty documents, and the per-document
-balance loss sizes its sums by the document count from cu_seqlens' shape. `position_ids` still break the graph
-once: the document starts are torch.nonzero, whose count is data (a custom op with a dynamic output size breaks
-the same way unless torch._dynamo.config.capture_dynamic_output_shape_ops is set), and a bound from the shapes
-alone (every token a possible start) would make the indexer's pool axis about T long. Pass
-`cu_seqlens=document_boundaries(B, T, device, position_ids=...)`, computed eagerly, instead.
+balance loss sizes its sums by the document count from cu_seqlens' shape. `position_ids` compile without a break
+or a recompile per document count (tests/compile/test_compile_position_ids.py): instead of torch.nonzero (whose
+count is data) the starts become B * T + 1 boundaries, the starts then empty documents (model/packing.py
+`static_boundaries`), and the compiled pool layout holds whole pools only, T // L slots, so the indexer's pool
+axis does not grow to T with the B * T documents.
 A block whose graph breaks is unsafe under activation checkpointing: the forward that compiles it runs part of it
 eagerly, the recomputation in backward runs the compiled frames, and the two save different tensors
 (torch.utils.checkpoint raises CheckpointError on the first step).
