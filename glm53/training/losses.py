@@ -33,6 +33,7 @@ from ..kernels.dispatch import kernel
 from ..kernels.varlen import document_bounds
 from ..model.context import LayerStats
 from ..model.indexer import kept_pools
+from .cp_balance import owned_document_balance
 
 IGNORE_INDEX = -100  # label value that contributes no loss (transformers' convention)
 QUERY_CHUNK = 1024  # queries per block at most when computing the indexer loss's dense attention target
@@ -173,20 +174,20 @@ def _document_balance_loss(logits, indices, valid, segment_ids, num_sequences, n
 
 
 def sharded_balance_loss(logits, indices, valid, num_sequences, segment_ids, cp) -> torch.Tensor:
-    """`balance_loss` of whole sequences split over context-parallel ranks, divided by their number.
+    """`balance_loss` of whole sequences split over context-parallel ranks: this rank's share (the shares sum to it).
 
-    f and P are sums over a sequence's tokens, which several ranks hold: each rank sums its slice per sequence
-    (row, or document by its global `segment_ids`), the sums are stacked over the ranks (with gradient) and
-    every rank computes the whole loss; as its share it returns loss / cp.size, and the stack's backward sends
-    every rank's gradient to the tokens' ranks.
+    f and P are sums over a sequence's tokens, which several ranks hold: each rank sums its slice per row, the sums
+    are stacked over the ranks (with gradient) and every rank computes the whole loss; as its share it returns
+    loss / cp.size, and the stack's backward sends every rank's gradient to the tokens' ranks. Packed documents
+    (global `segment_ids`): only the pieces crossing slice edges are stacked, and a document counts on the rank
+    holding its first token (cp_balance.py; sizes from the shapes, no host read).
     """
+    if segment_ids is not None:
+        total, count = owned_document_balance(logits, indices, valid, segment_ids, cp)
+        return per_term(total, count, num_sequences)
     B, T = valid.shape
     E, K = logits.shape[-1], indices.shape[-1]
-    if segment_ids is None:
-        seq, n_seq = torch.arange(B, device=logits.device).repeat_interleave(T), B
-    else:
-        seq = segment_ids.flatten()
-        n_seq = int(cp.stack(seq.max()).max()) + 1  # NOTE: syncs
+    seq, n_seq = torch.arange(B, device=logits.device).repeat_interleave(T), B
     scores = logits.float().sigmoid()
     probs = scores / scores.sum(-1, keepdim=True)  # [M, E]
     m = valid.flatten().float()
