@@ -22,6 +22,7 @@ import torch
 
 from ..kernels.varlen import document_bounds
 from .context import ForwardContext
+from .packing import static_boundaries
 
 
 @dataclass
@@ -51,6 +52,8 @@ def segment_boundaries(segment_ids: torch.Tensor) -> torch.Tensor | None:
     B, S = segment_ids.shape
     breaks = torch.ones_like(segment_ids, dtype=torch.bool)
     breaks[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    if torch.compiler.is_compiling():  # B * S + 1 entries, empty documents last (never None): no data-dependent size
+        return static_boundaries(breaks)
     starts = torch.nonzero(breaks.flatten()).flatten()  # NOTE: syncs
     if starts.numel() == B:
         return None
