@@ -31,11 +31,16 @@ import torch.nn.functional as F
 from ..model.indexer import kept_pools
 
 
-def slot_pools(topk: torch.Tensor, valid: torch.Tensor, kpool: int,
-               cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """[B, T, J] key positions (-1 empty) -> [B, T, J] index of the indexer pool holding each (P where none)."""
+def slot_pools(topk: torch.Tensor, valid: torch.Tensor, kpool: int, cu_seqlens: torch.Tensor | None = None,
+               num_pools: int | None = None) -> torch.Tensor:  # fmt: skip
+    """[B, T, J] key positions (-1 empty) -> [B, T, J] index of the indexer pool holding each (P where none).
+    `num_pools`: the P of the mass this indexes; the layout rebuilt here must have the same width (a packed layout
+    is narrower while compiling: both must come from the same mode, or the indices point at other pools)."""
     positions, _ = kept_pools(valid, kpool, cu_seqlens)  # [B, P, L], -1 where invalid
     B, P, L = positions.shape
+    if num_pools is not None and P != num_pools:
+        raise RuntimeError(f"pool layout mismatch: the indexer's mass has {num_pools} pools per row, the layout "
+                           f"rebuilt for its reduction {P} (one traced, one eager?)")
     T = valid.shape[1]
     pool_of = torch.full((B, T + 1), P, dtype=torch.long, device=topk.device)  # column T: empty slots
     ids = torch.arange(P, device=topk.device).repeat_interleave(L).expand(B, -1)
@@ -51,7 +56,7 @@ def sum_selected_pool_mass(pool_mass: torch.Tensor, topk: torch.Tensor, valid: t
     """The mass [B, T, P] with its entries at the pools of `topk`'s slots summed by `all_reduce` (in place, on a
     [B, T, J] tensor); returns a new [B, T, P] tensor."""
     P = pool_mass.shape[-1]
-    pools = slot_pools(topk, valid, kpool, cu_seqlens)  # [B, T, J], P for an empty slot
+    pools = slot_pools(topk, valid, kpool, cu_seqlens, P)  # [B, T, J], P for an empty slot
     padded = F.pad(pool_mass, (0, 1))  # column P absorbs the empty slots
     compact = padded.gather(-1, pools)
     all_reduce(compact)

@@ -5,6 +5,7 @@ Legend: B batch, T queries, P k-pools, J selected key slots per query.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from glm53 import Glm53Config, Glm53ForCausalLM
@@ -58,3 +59,17 @@ def test_sparse_indexer_loss_tp2_matches_one_process(pool2):
     reference = reference_step(config, state, ids, dp=1)
     assert reference["parts"]["indexer_loss"] > 1e-2
     check_parity(results, reference)
+
+
+def test_reduction_over_a_layout_of_another_width_raises():
+    """The mass and the layout rebuilt for its reduction must agree on P (a compiled packed layout is narrower than
+    the eager one): a mismatch raises instead of scattering into other pools."""
+    config = Glm53Config.tiny(index_topk=8, index_kpool=4)
+    B, T = 1, 16
+    valid = torch.ones(B, T, dtype=torch.bool)
+    topk = torch.arange(8).expand(B, T, 8).contiguous()
+    mass = torch.rand(B, T, T // config.index_kpool + 1)  # one pool too many
+    with pytest.raises(RuntimeError, match="pool layout mismatch: the indexer's mass has 5 pools per row"):
+        sum_selected_pool_mass(mass, topk, valid, config.index_kpool, None, lambda t: None)
+    got = sum_selected_pool_mass(mass[..., :-1], topk, valid, config.index_kpool, None, lambda t: t.mul_(2))
+    assert got.shape == (B, T, 4) and torch.equal(got[..., :2], 2 * mass[..., :2])
