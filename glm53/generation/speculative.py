@@ -25,7 +25,8 @@ import torch
 from ..model.context import ForwardContext
 from .cache import GenerationCache, GenerationError
 from .emit import Emitter, GenerationStats, Options
-from .verify import build_mtp_plan, mtp_tokens, verify_step
+from .verify import build_mtp_plan, mtp_tokens
+from .verify_compiled import verify_function
 
 MAX_SPECULATIVE_TOKENS = 16  # a verify forward of s + 1 tokens runs KDA one token at a time (rewindable states)
 
@@ -76,9 +77,12 @@ class _Drafter:
 
 
 def speculative_decode(model, input_ids: torch.Tensor, valid: torch.Tensor, opts: Options, emitter: Emitter,
-                       stats: GenerationStats, method: str, s: int) -> GenerationCache | None:  # fmt: skip
-    """Greedy decoding with MTP drafts of s tokens, verified s + 1 at a time (see the module docstring)."""
+                       stats: GenerationStats, method: str, s: int,
+                       compile: bool | str = False) -> GenerationCache | None:  # fmt: skip
+    """Greedy decoding with MTP drafts of s tokens, verified s + 1 at a time (see the module docstring); `compile`
+    as generate's: the verify step through torch.compile'd graphs (verify_compiled.py)."""
     _check(model, opts, method, s)
+    run_verify = verify_function(compile)
     if opts.max_new_tokens == 0:
         return None
     cache, drafter = GenerationCache(model, latent_dtype=opts.latent_dtype), _Drafter(model)
@@ -93,7 +97,7 @@ def speculative_decode(model, input_ids: torch.Tensor, valid: torch.Tensor, opts
     while not done:
         drafts = drafter.draft(mtp_hidden, mtp_ids, mtp_valid, s)  # [B, s]
         cache.mark()
-        verify = verify_step(model, cache, torch.cat([token[:, None], drafts], dim=1))  # [B, s+1, D]
+        verify = run_verify(model, cache, torch.cat([token[:, None], drafts], dim=1))  # [B, s+1, D]
         picks = model.lm_head(verify).argmax(-1)  # [B, s+1]
         leading = (drafts == picks[:, :s]).long().cumprod(dim=-1).sum(-1)  # [B]
         active = ~emitter.finished
