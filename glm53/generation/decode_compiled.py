@@ -348,14 +348,20 @@ def _owned(cache, name: str) -> torch.Tensor:
 
 def _run(kept: list, k: int, compiled, seg: _Segment, streams, head: tuple, mixer, states: list, convs: list):
     """Segment k of a plan: through its bound graph, else through dynamo (then bound for the next steps)."""
-    inputs = [streams, mixer, *head, *states, *convs]
+    return _call(kept, k, compiled, (seg, streams, head, mixer, states, convs), [streams, mixer, *head, *states,
+                                                                                  *convs])  # fmt: skip
+
+
+def _call(kept: list, k: int, compiled, args: tuple, inputs: list) -> tuple:
+    """compiled(*args) through kept[k], its bound graph, when there is one, else through dynamo (then bound for the
+    next calls); inputs: the tensors among args that change from call to call (the rest are the plan's weights)."""
     bound = kept[k]
     if bound is not None:
         out = bound.call(inputs)
         if out is not None:
             return out
     _Recorded.last = None
-    result = compiled(seg, streams, head, mixer, states, convs)
+    result = compiled(*args)
     kept[k] = _bind(inputs, result)
     return result
 

@@ -18,6 +18,7 @@ draft-only positions (d_{n+2} ..), whose true inputs (h, t) the next step's firs
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -25,8 +26,10 @@ import torch
 from ..model.context import ForwardContext
 from .cache import GenerationCache, GenerationError
 from .emit import Emitter, GenerationStats, Options
-from .verify import build_mtp_plan, mtp_tokens
-from .verify_compiled import verify_function
+from .decode_compiled import compile_setting
+from .mtp_compiled import compiled_mtp_tokens
+from .verify import build_mtp_plan, mtp_tokens, verify_step
+from .verify_compiled import compiled_verify_step
 
 MAX_SPECULATIVE_TOKENS = 16  # a verify forward of s + 1 tokens runs KDA one token at a time (rewindable states)
 
@@ -45,11 +48,12 @@ def _check(model, opts: Options, method: str, s) -> None:
 class _Drafter:
     """The MTP layer (depth 1, reused for every draft) with its own cache."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, setting: dict | None = None) -> None:
         self.model = model
         self.layer = model.mtp.layer_for(1)
         self.cache = GenerationCache(model, part="mtp")
         self.plan = None  # verify.MtpPlan, once the prompt is cached
+        self.setting = setting  # the compiled steps' backend (decode_compiled.compile_setting), None: eager
 
     def run(self, hidden: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [B, T, D], next ids [B, T] -> (MTP output [B, T or 1, D], greedy draft at the last position
@@ -59,6 +63,8 @@ class _Drafter:
             ctx = ForwardContext(valid=valid, cache=self.cache)
             h = self.layer(hidden, self.model.model.embed_tokens(ids), ctx)
             self.plan = build_mtp_plan(self.model, self.layer, self.cache)
+        elif self.setting is not None:
+            return compiled_mtp_tokens(self.model, self.layer, self.plan, hidden, ids, **self.setting)
         else:
             h = mtp_tokens(self.plan, hidden, ids)
         return h, self.model.lm_head(self.layer.shared_head.norm(h[:, -1])).argmax(-1)
@@ -82,10 +88,11 @@ def speculative_decode(model, input_ids: torch.Tensor, valid: torch.Tensor, opts
     """Greedy decoding with MTP drafts of s tokens, verified s + 1 at a time (see the module docstring); `compile`
     as generate's: the verify step through torch.compile'd graphs (verify_compiled.py)."""
     _check(model, opts, method, s)
-    run_verify = verify_function(compile)
+    setting = compile_setting(compile)
+    run_verify = verify_step if setting is None else functools.partial(compiled_verify_step, **setting)
     if opts.max_new_tokens == 0:
         return None
-    cache, drafter = GenerationCache(model, latent_dtype=opts.latent_dtype), _Drafter(model)
+    cache, drafter = GenerationCache(model, latent_dtype=opts.latent_dtype), _Drafter(model, setting)
     start = time.perf_counter()
     hidden = model.model(input_ids, valid, cache=cache)  # [B, T, D]
     token = model.lm_head(hidden[:, -1]).argmax(-1)  # [B]

@@ -17,7 +17,6 @@ rounding (tests/generation/test_speculative_compiled.py).
 
 from __future__ import annotations
 
-import functools
 import weakref
 
 import torch
@@ -25,10 +24,9 @@ import torch.nn.functional as F
 
 from .cache import CacheError, GenerationCache
 from .decode import _Block, _Kda, build_plan
-from .decode_compiled import (_as, _blocks, _linear, _mm, _run, _Segment, _segments, _unit_rms, compile_setting,
-                              compiled_segment)  # fmt: skip
+from .decode_compiled import _as, _blocks, _linear, _mm, _run, _Segment, _segments, _unit_rms, compiled_segment
 from .layers import _cached_attention, _gather_rows
-from .verify import cache_tokens, verify_step
+from .verify import cache_tokens
 
 def _kda_tokens(p: _Kda, x: torch.Tensor, state: torch.Tensor, conv: torch.Tensor) -> tuple:
     """verify.kda_tokens in decode_compiled._kda's form: x [R, D] (row-major by batch) -> (out [R, D], the state
@@ -149,11 +147,4 @@ def compiled_verify_step(model, cache: GenerationCache, ids: torch.Tensor, backe
     raise AssertionError("the last segment ends with the final norm")
 
 
-def verify_function(compile: bool | str):
-    """generate's `compile` option -> the verify step speculative decoding runs: verify_step, or
-    compiled_verify_step with the backend of decode_compiled.compile_setting."""
-    setting = compile_setting(compile)
-    return verify_step if setting is None else functools.partial(compiled_verify_step, **setting)
-
-
-__all__ = ["compiled_verify_step", "verify_function"]
+__all__ = ["compiled_verify_step"]
