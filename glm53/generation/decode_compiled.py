@@ -24,6 +24,9 @@ step otherwise).
 Results equal decode_step's up to fp32 rounding (summation order), and the full forward at the same tolerances
 (tests/generation/test_decode_compiled.py). The first step compiles: about a minute on 2 CPU cores for the bench
 config (seconds when inductor's on-disk cache already holds the graphs).
+Speculative decoding reuses this machinery: the graph pieces run on any number of rows (`_blocks`), so
+verify_compiled.py's T-token segments differ only in their KDA blocks, and mtp_compiled.py makes the MTP draft step's
+two graphs with `compiled_segment` and `_call`.
 """
 
 from __future__ import annotations
@@ -344,6 +347,16 @@ def _owned(cache, name: str) -> torch.Tensor:
         setattr(cache, name, t)
         _OWNED[id(t)] = t
     return t
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """t, or a contiguous copy when its strides are not the contiguous ones (a rewind's conv history, a slice of
+    a wider tensor): the bound graphs take one layout per input."""
+    strides, size = [], 1
+    for n in reversed(t.shape):
+        strides.insert(0, size)
+        size *= n
+    return t if t.stride() == tuple(strides) else t.clone(memory_format=torch.contiguous_format)
 
 
 def _run(kept: list, k: int, compiled, seg: _Segment, streams, head: tuple, mixer, states: list, convs: list):

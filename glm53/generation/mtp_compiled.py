@@ -23,7 +23,8 @@ import torch.nn.functional as F
 
 from ..boundary import as_local
 from .decode_common import _weight
-from .decode_compiled import _absorbed_attention, _call, _linear, _mla_in, _mlp, _moe, _Moe, _rms, compiled_segment
+from .decode_compiled import (_absorbed_attention, _call, _dense, _linear, _mla_in, _mlp, _moe, _Moe, _rms,
+                              compiled_segment)  # fmt: skip
 from .layers import _cached_attention, _gather_rows
 from .verify import MtpPlan, cache_tokens
 
@@ -72,6 +73,7 @@ def compiled_mtp_tokens(model, layer, p: MtpPlan, hidden: torch.Tensor, ids: tor
         kept = _KEPT[p.cache] = (p, _Head((as_local(norm, "weight"), norm.eps), _weight(model.lm_head)), {}, [None])
     _, head, first, second = kept
     B, T, _ = hidden.shape
+    hidden, ids = _dense(hidden), _dense(ids)  # the committed positions: slices of the verify's [B, s+1, *]
     bound = first.setdefault(T, [None])
     fn = compiled_segment(backend, cpp_wrapper, _mtp_in)
     x, h, q_resid, q, latent, *x_proj = _call(bound, 0, fn, (p, hidden, ids), [hidden, ids])

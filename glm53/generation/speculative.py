@@ -8,7 +8,9 @@ picked t_n, one step is:
     verify  the main model reads [t_n, d_{n+1}, .., d_{n+s}] in one forward -> its greedy picks g_{n+1} .. g_{n+s+1}
     accept  a = the leading drafts equal to the picks; commit d_{n+1} .. d_{n+a}, g_{n+a+1}
 The verify forward is verify.py's T-token step (T = s + 1, decode.py's per-token machinery over the B*T rows), the
-drafts after the prompt the MTP layer's T-token step there (the last position's output only).
+drafts after the prompt the MTP layer's T-token step there (the last position's output only). With `compile` (as
+generate's) both run through torch.compile'd segment graphs: verify_compiled.py and mtp_compiled.py (the draft's
+lm_head pick inside the graph); the prompt's MTP forward stays the layer's own.
 Every committed token is the main model's own greedy choice, so the output equals plain greedy decoding. A batch
 commits the same number a for every row (the smallest over unfinished rows) so the rows stay on one time axis;
 `acceptance_rate` counts each row's own leading matches. Both caches rewind what was not committed

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 
 from .cache import CacheError, GenerationCache
 from .decode import _Block, _Kda, build_plan
-from .decode_compiled import _as, _blocks, _linear, _mm, _run, _Segment, _segments, _unit_rms, compiled_segment
+from .decode_compiled import (_as, _blocks, _dense, _linear, _mm, _run, _Segment, _segments, _unit_rms,
+                              compiled_segment)  # fmt: skip
 from .layers import _cached_attention, _gather_rows
 from .verify import cache_tokens
 
@@ -76,16 +77,6 @@ def _verify_segment(seg: _Segment, streams: torch.Tensor, head: tuple, mixer: to
         return out
 
     return (*_blocks(seg, streams, head, mixer, kda), *kept)
-
-
-def _dense(t: torch.Tensor) -> torch.Tensor:
-    """t, or a contiguous copy when its strides are not the contiguous ones (a rewind's conv history is a view of
-    a wider tensor): the bound graphs take one layout per input."""
-    strides, size = [], 1
-    for n in reversed(t.shape):
-        strides.insert(0, size)
-        size *= n
-    return t if t.stride() == tuple(strides) else t.clone(memory_format=torch.contiguous_format)
 
 
 def _mla_core(blk: _Block, B: int, x, q_resid, q, latent, x_proj, shared) -> tuple[tuple, torch.Tensor]:
