@@ -29,6 +29,7 @@ from .decode_compiled import (_as, _blocks, _dense, _linear, _mm, _run, _Segment
 from .layers import _cached_attention, _gather_rows
 from .verify import cache_tokens
 
+
 def _kda_tokens(p: _Kda, x: torch.Tensor, state: torch.Tensor, conv: torch.Tensor) -> tuple:
     """verify.kda_tokens in decode_compiled._kda's form: x [R, D] (row-major by batch) -> (out [R, D], the state
     after each token T x [B, H, K, V], the conv inputs [B, T, C], the new conv history [B, W-1, C])."""
@@ -80,9 +81,9 @@ def _verify_segment(seg: _Segment, streams: torch.Tensor, head: tuple, mixer: to
 
 
 def _mla_core(blk: _Block, B: int, x, q_resid, q, latent, x_proj, shared) -> tuple[tuple, torch.Tensor]:
-    """The MLA bookkeeping of T tokens between two graphs (eager) -> (the next segment's head: the absorbed
-    attention's inputs (q [R, H, K], latent rows [R, J, Z], filled [R, J]) or the per-head attention (out [R, H, V],)
-    , top-k [B, T, J])."""
+    """The MLA bookkeeping of T tokens between two graphs (eager) -> (the next segment's head, top-k [B, T, J]); the
+    head: the absorbed attention's inputs (q [R, H, K], latent rows [R, J, Z], filled [R, J]), or the per-head
+    attention's output (out [R, H, V],)."""
     p, cache = blk.attention, blk.cache
     rows = lambda t: t.view(B, -1, t.shape[-1])  # noqa: E731  [R, *] -> [B, T, *]
     x_proj = tuple(rows(t) for t in x_proj) or None
