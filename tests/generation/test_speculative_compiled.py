@@ -131,3 +131,15 @@ def test_compiled_speculative_bad_compile_option():
     ids, mask = left_padded(model.config.vocab_size, [6, 4])
     with pytest.raises(GenerationError, match="compile must be"):
         model.generate(ids, mask, max_new_tokens=2, speculative="mtp", compile="no-such-backend")
+
+
+def test_compile_without_a_cpp_compiler_speculates_eagerly(monkeypatch):
+    """speculative="mtp" with compile=True where inductor finds no C++ compiler warns and runs the eager steps."""
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config.cpp, "cxx", ("no-such-c++-compiler",))
+    model = tiny_model(num_nextn_predict_layers=1)
+    ids, mask = left_padded(model.config.vocab_size, [6, 4])
+    with pytest.warns(UserWarning, match="no C\\+\\+ compiler"):
+        out = model.generate(ids, mask, max_new_tokens=4, speculative="mtp", num_speculative_tokens=2, compile=True)
+    assert torch.equal(out, model.generate(ids, mask, max_new_tokens=4))
