@@ -3,8 +3,8 @@ MTP draft step (mtp_compiled.py): the same tokens as plain greedy decoding, acce
 cache rewound after a partial acceptance that continues as the full forward, the draft step equal to the MTP
 layer's own forward.
 
-Every case traces with backend="aot_eager" (the graphs run as traced, no code generation: seconds); inductor's code
-for the same graphs is what test_decode_compiled.py's inductor case checks for the segment pieces they share.
+The cases trace with backend="aot_eager" (the graphs run as traced, no code generation: seconds); one compiles the
+verify step with inductor and its C++ wrapper (what generate(compile=True) runs; two graphs, tens of seconds).
 """
 
 from __future__ import annotations
@@ -13,11 +13,13 @@ import pytest
 import torch
 
 from glm53.generation import GenerationCache, GenerationError
+from glm53.generation.decode import decode_step
 from glm53.generation.decode_compiled import compiled_decode_step
 from glm53.generation.mtp_compiled import _KEPT, compiled_mtp_tokens
 from glm53.generation.verify import build_mtp_plan
 from glm53.generation.verify_compiled import _PLANS, compiled_verify_step
 from glm53.model.context import ForwardContext
+from tests.generation.test_decode_compiled import INDUCTOR_CASE
 from tests.generation.test_incremental import REL_TOL
 from tests.generation.test_speculative import NEW, greedy_run, oracle_mtp_model  # noqa: F401 (greedy_run: fixture)
 from tests.helpers.generation import assert_matches_full, left_padded, tiny_model
@@ -62,14 +64,12 @@ def test_compiled_speculative_per_head_attention():
     assert torch.equal(fast, plain)
 
 
-def test_rewind_after_a_compiled_verify_with_wrong_tokens():
-    """mark, verify (compiled) the true next tokens followed by wrong ones, rewind to the true ones: the cache
-    continues as the full forward (KDA states and conv histories from the graphs' outputs, pools, host counts),
-    through later compiled verify and decode steps, across pool boundaries; every segment runs its bound graph."""
-    model = tiny_model(random_weights=False)
+def _verify_rewind_decode(model, decode, **backend) -> GenerationCache:
+    """mark, verify (compiled) the true next tokens followed by wrong ones, rewind to the true ones (T = 3: one set
+    of graphs), then `decode` the rest one token at a time: the logits equal the full forward's -> the cache."""
     P, N = 9, 14
     ids, mask = left_padded(model.config.vocab_size, [P + N, P + N - 3])
-    keeps, wrongs = [1, 3, 2, 1, 2], [2, 0, 1, 2, 1]  # kept true tokens, then wrong ones (T = 3: one graph set)
+    keeps, wrongs = [1, 3, 2, 1, 2], [2, 0, 1, 2, 1]
     wrong = torch.randint(1, model.config.vocab_size, (2, 3), generator=torch.Generator().manual_seed(7))
     with torch.inference_mode():
         full = model(ids, attention_mask=mask).logits
@@ -79,15 +79,30 @@ def test_rewind_after_a_compiled_verify_with_wrong_tokens():
         for keep, n_wrong in zip(keeps, wrongs):
             cache.mark()
             chunk = torch.cat([ids[:, t : t + keep], wrong[:, :n_wrong]], dim=1)
-            steps.append(model.lm_head(compiled_verify_step(model, cache, chunk, backend=BACKEND))[:, :keep])
+            steps.append(model.lm_head(compiled_verify_step(model, cache, chunk, **backend))[:, :keep])
             cache.rewind(keep)
             t += keep
-        steps += [model.lm_head(compiled_decode_step(model, cache, ids[:, s], backend=BACKEND))[:, None]
-                  for s in range(t, P + N)]  # fmt: skip
+        steps += [model.lm_head(decode(model, cache, ids[:, s]))[:, None] for s in range(t, P + N)]
     assert t < P + N
     assert_matches_full(torch.cat(steps, dim=1), full, mask, REL_TOL)
     assert cache.seq_len == P + N
+    return cache
+
+
+def test_rewind_after_a_compiled_verify_with_wrong_tokens():
+    """The cache after compiled verifies and partial rewinds continues as the full forward (KDA states and conv
+    histories from the graphs' outputs, pools, host counts), through compiled decode steps, across pool boundaries;
+    every segment runs its bound graph."""
+    model = tiny_model(random_weights=False)
+    cache = _verify_rewind_decode(model, lambda *a: compiled_decode_step(*a, backend=BACKEND), backend=BACKEND)
     assert all(b is not None for bound in _PLANS[cache][2].values() for b in bound)
+
+
+def test_inductor_verify_and_rewind():
+    """Inductor's code (C++ wrapper, what generate(compile=True) runs) for the verify step, one KDA and one MLA
+    layer (test_decode_compiled.py's inductor config), with partial rewinds, then eager decode steps."""
+    model = tiny_model(random_weights=False, **INDUCTOR_CASE["config"])
+    _verify_rewind_decode(model, decode_step, backend="inductor", cpp_wrapper=True)
 
 
 def test_compiled_mtp_step_equals_the_layer_forward():
