@@ -91,7 +91,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     bytes per cached token, no longer exact (GenerationCache).
     compile=True runs each decode step through torch.compile'd graphs (decode_compiled.py: the same results up to
     fp32 rounding, faster per token after a one-off compile of tens of seconds), with speculative="mtp" each verify
-    step (verify_compiled.py); a backend name picks the backend.
+    and draft step (verify_compiled.py, mtp_compiled.py); a backend name picks the backend.
     """
     valid = left_padded_mask(input_ids, attention_mask)
     opts = check_options(model, input_ids, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id,

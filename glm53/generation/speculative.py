@@ -27,8 +27,8 @@ import torch
 
 from ..model.context import ForwardContext
 from .cache import GenerationCache, GenerationError
-from .emit import Emitter, GenerationStats, Options
 from .decode_compiled import compile_setting
+from .emit import Emitter, GenerationStats, Options
 from .mtp_compiled import compiled_mtp_tokens
 from .verify import build_mtp_plan, mtp_tokens, verify_step
 from .verify_compiled import compiled_verify_step
@@ -88,7 +88,7 @@ def speculative_decode(model, input_ids: torch.Tensor, valid: torch.Tensor, opts
                        stats: GenerationStats, method: str, s: int,
                        compile: bool | str = False) -> GenerationCache | None:  # fmt: skip
     """Greedy decoding with MTP drafts of s tokens, verified s + 1 at a time (see the module docstring); `compile`
-    as generate's: the verify step through torch.compile'd graphs (verify_compiled.py)."""
+    as generate's: the verify and draft steps through torch.compile'd graphs (verify_compiled.py, mtp_compiled.py)."""
     _check(model, opts, method, s)
     setting = compile_setting(compile)
     run_verify = verify_step if setting is None else functools.partial(compiled_verify_step, **setting)
