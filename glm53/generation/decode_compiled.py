@@ -278,8 +278,8 @@ _COMPILED: dict = {}  # (segment function, backend, cpp_wrapper) -> it compiled
 
 
 def compiled_segment(backend: str = "inductor", cpp_wrapper: bool = False, fn=_segment):
-    """`fn` (_segment, or verify_compiled's T-token segment) compiled by `backend` (one function per setting; its
-    graphs are shared by every plan)."""
+    """`fn` (_segment; verify_compiled's T-token segment, mtp_compiled's two graphs) compiled by `backend` (one
+    function per setting; its graphs are shared by every plan)."""
     key = (fn, backend, cpp_wrapper)
     if key not in _COMPILED:
         _check_backend(backend)
@@ -361,8 +361,8 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
 
 def _run(kept: list, k: int, compiled, seg: _Segment, streams, head: tuple, mixer, states: list, convs: list):
     """Segment k of a plan: through its bound graph, else through dynamo (then bound for the next steps)."""
-    return _call(kept, k, compiled, (seg, streams, head, mixer, states, convs), [streams, mixer, *head, *states,
-                                                                                  *convs])  # fmt: skip
+    inputs = [streams, mixer, *head, *states, *convs]
+    return _call(kept, k, compiled, (seg, streams, head, mixer, states, convs), inputs)
 
 
 def _call(kept: list, k: int, compiled, args: tuple, inputs: list) -> tuple:
