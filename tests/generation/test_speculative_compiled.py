@@ -32,14 +32,12 @@ BACKEND = "aot_eager"
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_compiled_speculative_equals_greedy(greedy_run, k):  # noqa: F811
     """Sparse regime (prompt and continuation past index_topk 8, across k-pool boundaries), a left-padded batch, a
-    per-row EOS: the compiled speculative output equals plain greedy and the eager speculative run (same counts)."""
+    per-row EOS: the compiled speculative output equals plain greedy (as the eager one does: test_speculative.py)."""
     model, ids, mask, eos, plain = greedy_run
-    run = dict(max_new_tokens=NEW, eos_token_id=eos, speculative="mtp", num_speculative_tokens=k, return_stats=True)
-    fast, stats = model.generate(ids, mask, compile=BACKEND, **run)
-    eager, eager_stats = model.generate(ids, mask, **run)
-    assert torch.equal(fast, plain) and torch.equal(eager, plain)
-    assert stats.drafted > 0 and (stats.accepted, stats.verify_forwards) == (eager_stats.accepted,
-                                                                            eager_stats.verify_forwards)  # fmt: skip
+    fast, stats = model.generate(ids, mask, max_new_tokens=NEW, eos_token_id=eos, speculative="mtp",
+                                 num_speculative_tokens=k, return_stats=True, compile=BACKEND)  # fmt: skip
+    assert torch.equal(fast, plain)
+    assert stats.drafted > 0 and 0.0 <= stats.acceptance_rate <= 1.0
 
 
 @pytest.mark.parametrize("k", [1, 3])
@@ -147,14 +145,3 @@ def test_compiled_speculative_bad_compile_option():
     with pytest.raises(GenerationError, match="compile must be"):
         model.generate(ids, mask, max_new_tokens=2, speculative="mtp", compile="no-such-backend")
 
-
-def test_compile_without_a_cpp_compiler_speculates_eagerly(monkeypatch):
-    """speculative="mtp" with compile=True where inductor finds no C++ compiler warns and runs the eager steps."""
-    import torch._inductor.config as inductor_config
-
-    monkeypatch.setattr(inductor_config.cpp, "cxx", ("no-such-c++-compiler",))
-    model = tiny_model(num_nextn_predict_layers=1)
-    ids, mask = left_padded(model.config.vocab_size, [6, 4])
-    with pytest.warns(UserWarning, match="no C\\+\\+ compiler"):
-        out = model.generate(ids, mask, max_new_tokens=4, speculative="mtp", num_speculative_tokens=2, compile=True)
-    assert torch.equal(out, model.generate(ids, mask, max_new_tokens=4))
