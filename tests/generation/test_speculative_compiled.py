@@ -144,4 +144,3 @@ def test_compiled_speculative_bad_compile_option():
     ids, mask = left_padded(model.config.vocab_size, [6, 4])
     with pytest.raises(GenerationError, match="compile must be"):
         model.generate(ids, mask, max_new_tokens=2, speculative="mtp", compile="no-such-backend")
-
