@@ -15,7 +15,6 @@ mtp_tokens' up to fp32 rounding (tests/generation/test_speculative_compiled.py).
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -59,19 +58,15 @@ def _mtp_out(p: MtpPlan, head: _Head, x: torch.Tensor, attn: tuple) -> tuple:
     return h, _linear(_rms(h, *head.norm), *head.lm_head).argmax(-1)
 
 
-_KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer cache -> (plan, _Head, {T: [bound first
-# graph]}, [bound second graph])
-
-
 def compiled_mtp_tokens(model, layer, p: MtpPlan, hidden: torch.Tensor, ids: torch.Tensor, backend: str = "inductor",
                         cpp_wrapper: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """mtp_tokens (same cache effects) and the draft: hidden [B, T, D], the next ids [B, T] -> (h [B, 1, D] at the
     last position, before shared_head.norm; the greedy draft [B] there). `layer`: the MTP layer of plan `p`."""
-    kept = _KEPT.get(p.cache)
-    if kept is None or kept[0] is not p:
+    kept = p.compiled  # kept with the plan (its lifetime): _Head, {T: [bound first graph]}, [bound second graph]
+    if not kept:
         norm = layer.shared_head.norm
-        kept = _KEPT[p.cache] = (p, _Head((as_local(norm, "weight"), norm.eps), _weight(model.lm_head)), {}, [None])
-    _, head, first, second = kept
+        kept.update(head=_Head((as_local(norm, "weight"), norm.eps), _weight(model.lm_head)), first={}, second=[None])
+    head, first, second = kept["head"], kept["first"], kept["second"]
     B, T, _ = hidden.shape
     hidden, ids = _dense(hidden), _dense(ids)  # the committed positions: slices of the verify's [B, s+1, *]
     bound = first.setdefault(T, [None])

@@ -18,7 +18,7 @@ It computes what `Glm53Model.forward(ids, cache=cache)` computes (the generic ca
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -257,6 +257,7 @@ class MtpPlan:
     attention: _Mla
     cache: MlaLayerCache
     mlp: _Moe | nn.Module
+    compiled: dict = field(default_factory=dict)  # mtp_compiled.py's bound graphs for this plan
 
 
 def build_mtp_plan(model: nn.Module, layer: nn.Module, cache: GenerationCache) -> MtpPlan:

@@ -15,7 +15,7 @@ import torch
 from glm53.generation import GenerationCache, GenerationError
 from glm53.generation.decode import decode_step
 from glm53.generation.decode_compiled import compiled_decode_step
-from glm53.generation.mtp_compiled import _KEPT, compiled_mtp_tokens
+from glm53.generation.mtp_compiled import compiled_mtp_tokens
 from glm53.generation.verify import build_mtp_plan
 from glm53.generation.verify_compiled import _PLANS, compiled_verify_step
 from glm53.model.context import ForwardContext
@@ -135,7 +135,7 @@ def test_compiled_mtp_step_equals_the_layer_forward():
     err = (got - want).abs().max().item()
     assert err <= REL_TOL * want.abs().max().item(), f"max abs error {err:.3e}"
     assert torch.equal(torch.stack(drafts, dim=1), picks)
-    _, _, first, second = _KEPT[plan.cache]
+    first, second = plan.compiled["first"], plan.compiled["second"]
     assert sorted(first) == [1, 2, 3] and all(b[0] is not None for b in [*first.values(), second])
 
 
