@@ -21,7 +21,8 @@ transformers' DynamicCache) and per extra token of context, beside the analytic 
 bf16 / int8 latent caches (`latent_dtype=torch.bfloat16` / `torch.int8`, not exact); MTP speculative decoding (k
 draft tokens) against plain greedy decoding, with the random MTP layer (acceptance ~0: the cost of drafting) and with
 an exact draft (every block's output projection zeroed so the next token is a function of the current one, and the
-MTP layer built to predict it: acceptance 1.0, the ceiling).
+MTP layer built to predict it: acceptance 1.0, the ceiling), eager and (unless --no-compile) with compile=True on
+both sides (the compiled verify and draft steps against the compiled decode step; compiled=True rows).
 Results: benchmarks/results/bench_generate.json and a table on stdout.
 """
 
@@ -250,22 +251,30 @@ def exact_draft(model) -> None:
         layer.shared_head.norm.weight.copy_(model.model.norm.weight)
 
 
-def speculative(ours, ids, new: int, ks: list[int], reps: int, label: str) -> list[dict]:
+def speculative(ours, ids, new: int, ks: list[int], reps: int, label: str, compile: bool = False) -> list[dict]:
+    """Per k: plain greedy and MTP speculative generate alternating (same weights, prompt and settings), eager;
+    with `compile` also both with compile=True (inductor: the compiled decode step against the compiled verify and
+    draft steps, each compiled by a first untimed call)."""
     rows = []
     for k in ks:
-        plain, fast, rate = [], [], 0.0
-        for _ in range(reps):
-            _, s0 = ours.generate(ids, max_new_tokens=new, return_stats=True)
-            _, s1 = ours.generate(ids, max_new_tokens=new, speculative="mtp", num_speculative_tokens=k,
-                                  return_stats=True)  # fmt: skip
-            plain.append(s0.decode_seconds)
-            fast.append(s1.decode_seconds)
-            rate = s1.acceptance_rate
-        decoded = new - 1  # the first new token comes from the prefill
-        rows.append({"draft": label, "P": ids.shape[1], "k": k, "new": new, "acceptance": round(rate, 3),
-                     "plain_decode_s": round(median(plain), 3), "spec_decode_s": round(median(fast), 3),
-                     "plain_tok_s": round(decoded / median(plain), 1), "spec_tok_s": round(decoded / median(fast), 1),
-                     "speedup": round(median([a / b for a, b in zip(plain, fast)]), 2)})  # fmt: skip
+        for comp in (False, True) if compile else (False,):
+            if comp:
+                ours.generate(ids, max_new_tokens=3, compile=True)
+                ours.generate(ids, max_new_tokens=k + 3, speculative="mtp", num_speculative_tokens=k, compile=True)
+            plain, fast, rate = [], [], 0.0
+            for _ in range(reps):
+                _, s0 = ours.generate(ids, max_new_tokens=new, return_stats=True, compile=comp)
+                _, s1 = ours.generate(ids, max_new_tokens=new, speculative="mtp", num_speculative_tokens=k,
+                                      return_stats=True, compile=comp)  # fmt: skip
+                plain.append(s0.decode_seconds)
+                fast.append(s1.decode_seconds)
+                rate = s1.acceptance_rate
+            decoded = new - 1  # the first new token comes from the prefill
+            rows.append({"draft": label, "compiled": comp, "P": ids.shape[1], "k": k, "new": new,
+                         "acceptance": round(rate, 3), "plain_decode_s": round(median(plain), 3),
+                         "spec_decode_s": round(median(fast), 3), "plain_tok_s": round(decoded / median(plain), 1),
+                         "spec_tok_s": round(decoded / median(fast), 1),
+                         "speedup": round(median([a / b for a, b in zip(plain, fast)]), 2)})  # fmt: skip
     return rows
 
 
@@ -327,9 +336,10 @@ def main() -> None:
         ids = torch.randint(1, config.vocab_size, (1, P))
         split.append({"P": P, **{k: round(v, 2) for k, v in layer_split(ours, ids, args.new).items()}})
     spec_ids = torch.randint(1, config.vocab_size, (1, args.spec_prompt))
-    spec = speculative(ours, spec_ids, 4 * args.new, args.spec_k, args.reps, "random MTP")
+    comp = not args.no_compile
+    spec = speculative(ours, spec_ids, 4 * args.new, args.spec_k, args.reps, "random MTP", comp)
     exact_draft(ours)
-    spec += speculative(ours, spec_ids, 4 * args.new, args.spec_k, args.reps, "exact draft")
+    spec += speculative(ours, spec_ids, 4 * args.new, args.spec_k, args.reps, "exact draft", comp)
     if rows:
         print("\nglm53 vs transformers generate (batch 1, greedy)\n" + table(rows, list(rows[0])))
         print("\nglm53 decode cost per token vs context\n" + table(split, list(split[0])))

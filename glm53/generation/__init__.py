@@ -6,6 +6,7 @@ with greedy or sampled decoding, and MTP speculative decoding.
     decode.py       decode_step: one token per row through the whole model (what generate runs after the prompt)
     decode_compiled.py  the same step through torch.compile'd graphs (generate(..., compile=True))
     verify.py       verify_step: T tokens per row the same way (speculative verification), the MTP layer's step
+    verify_compiled.py, mtp_compiled.py  the verify and MTP draft steps through compiled graphs (compile=True)
     sampling.py     temperature / top-k / top-p filters and the next-token choice
     emit.py         options, EOS / padding per row and the streamer, GenerationStats
     loop.py         generate(model, input_ids, ...): prefill then one token per step

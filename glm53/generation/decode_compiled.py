@@ -24,6 +24,9 @@ step otherwise).
 Results equal decode_step's up to fp32 rounding (summation order), and the full forward at the same tolerances
 (tests/generation/test_decode_compiled.py). The first step compiles: about a minute on 2 CPU cores for the bench
 config (seconds when inductor's on-disk cache already holds the graphs).
+Speculative decoding reuses this machinery: the graph pieces run on any number of rows (`_blocks`), so
+verify_compiled.py's T-token segments differ only in their KDA blocks, and mtp_compiled.py makes the MTP draft step's
+two graphs with `compiled_segment` and `_call`.
 """
 
 from __future__ import annotations
@@ -194,6 +197,12 @@ def _segment(seg: _Segment, streams: torch.Tensor, head: tuple, mixer: torch.Ten
     """streams [B, N, D] (ids [B] in the first segment) -> (streams, *the tail's outputs: the MLA block's x, mixer
     and projections, or the final hidden state); the KDA states and conv histories advance in place. head: the
     head MLA block's attention [B, H, V], or for the absorbed form its inputs (q, the selected latent rows, filled)."""
+    return _blocks(seg, streams, head, mixer, lambda i, p, x: _kda(p, x, states[i], convs[i]))
+
+
+def _blocks(seg: _Segment, streams: torch.Tensor, head: tuple, mixer: torch.Tensor | None, kda) -> tuple:
+    """_segment's work on any number of rows (a decode step's B, a verify step's B*T tokens), every KDA block's
+    attention run by kda(position among the segment's KDA blocks, its _Kda, x [rows, D]) -> out [rows, D]."""
     if seg.embed is not None:
         x = F.embedding(streams, seg.embed)  # streams: the ids [B]
         streams = x[:, None, :].expand(-1, seg.n, -1).contiguous()
@@ -201,9 +210,9 @@ def _segment(seg: _Segment, streams: torch.Tensor, head: tuple, mixer: torch.Ten
         p = seg.head.attention
         attn = _absorbed_attention(p, *head) if len(head) == 3 else head[0]  # [B, H, V]
         streams = _ffn(seg.head, _mix_step(streams, mixer, _linear(attn.reshape(attn.shape[0], -1), *p.o)))
-    for blk, state, conv in zip(seg.kda, states, convs):
+    for i, blk in enumerate(seg.kda):
         x, mix = _pre(blk.attn_site, blk.input_norm, streams)
-        out = _kda(blk.attention, x, state, conv)
+        out = kda(i, blk.attention, x)
         streams = _ffn(blk, _mix_step(streams, mix, out))
     if seg.tail is None:
         return streams, _rms(streams.mean(dim=1), *seg.norm)
@@ -265,18 +274,18 @@ def _recording(backend: str, cpp_wrapper: bool):
     return compile_graph
 
 
-_COMPILED: dict = {}  # (backend, cpp_wrapper) -> _segment compiled
+_COMPILED: dict = {}  # (segment function, backend, cpp_wrapper) -> it compiled
 
 
-def compiled_segment(backend: str = "inductor", cpp_wrapper: bool = False):
-    """_segment compiled by `backend` (one function per setting; its graphs are shared by every plan)."""
-    key = (backend, cpp_wrapper)
+def compiled_segment(backend: str = "inductor", cpp_wrapper: bool = False, fn=_segment):
+    """`fn` (_segment; verify_compiled's T-token segment, mtp_compiled's two graphs) compiled by `backend` (one
+    function per setting; its graphs are shared by every plan)."""
+    key = (fn, backend, cpp_wrapper)
     if key not in _COMPILED:
         _check_backend(backend)
         limit = torch._dynamo.config.recompile_limit
         torch._dynamo.config.recompile_limit = max(limit, RECOMPILE_LIMIT)
-        _COMPILED[key] = torch.compile(_segment, backend=_recording(backend, cpp_wrapper), fullgraph=True,
-                                       dynamic=False)  # fmt: skip
+        _COMPILED[key] = torch.compile(fn, backend=_recording(backend, cpp_wrapper), fullgraph=True, dynamic=False)
     return _COMPILED[key]
 
 
@@ -340,16 +349,32 @@ def _owned(cache, name: str) -> torch.Tensor:
     return t
 
 
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """t, or a contiguous copy when its strides are not the contiguous ones (a rewind's conv history, a slice of
+    a wider tensor): the bound graphs take one layout per input."""
+    strides, size = [], 1
+    for n in reversed(t.shape):
+        strides.insert(0, size)
+        size *= n
+    return t if t.stride() == tuple(strides) else t.clone(memory_format=torch.contiguous_format)
+
+
 def _run(kept: list, k: int, compiled, seg: _Segment, streams, head: tuple, mixer, states: list, convs: list):
     """Segment k of a plan: through its bound graph, else through dynamo (then bound for the next steps)."""
     inputs = [streams, mixer, *head, *states, *convs]
+    return _call(kept, k, compiled, (seg, streams, head, mixer, states, convs), inputs)
+
+
+def _call(kept: list, k: int, compiled, args: tuple, inputs: list) -> tuple:
+    """compiled(*args) through kept[k], its bound graph, when there is one, else through dynamo (then bound for the
+    next calls); inputs: the tensors among args that change from call to call (the rest are the plan's weights)."""
     bound = kept[k]
     if bound is not None:
         out = bound.call(inputs)
         if out is not None:
             return out
     _Recorded.last = None
-    result = compiled(seg, streams, head, mixer, states, convs)
+    result = compiled(*args)
     kept[k] = _bind(inputs, result)
     return result
 
@@ -398,20 +423,27 @@ def _inductor_missing() -> str | None:
     return None if shutil.which(compiler) else f"no C++ compiler for inductor ({compiler} not found)"
 
 
-def step_function(compile: bool | str):
-    """generate's `compile` option -> the decode step it runs: False decode_step; True compiled_decode_step with
-    inductor and its C++ wrapper (decode_step where torch.compile is unsupported, with a warning); a backend name
-    (e.g. "aot_eager") compiled_decode_step with that backend."""
+def compile_setting(compile: bool | str) -> dict | None:
+    """generate's `compile` option -> the compiled steps' backend keywords, or None to run eagerly: False None;
+    True inductor with its C++ wrapper (None where torch.compile is unsupported, with a warning); a backend name
+    (e.g. "aot_eager") that backend."""
     if compile is False:
-        return decode_step
+        return None
     if compile is True:
         missing = _inductor_missing()
         if missing:
             warnings.warn(f"generate(compile=True): {missing}; decoding eagerly")
-            return decode_step
-        return functools.partial(compiled_decode_step, backend="inductor", cpp_wrapper=True)
+            return None
+        return dict(backend="inductor", cpp_wrapper=True)
     _check_backend(compile, "compile must be True, False or")
-    return functools.partial(compiled_decode_step, backend=compile)
+    return dict(backend=compile)
+
+
+def step_function(compile: bool | str):
+    """generate's `compile` option -> the decode step it runs: decode_step, or compiled_decode_step with the
+    backend of compile_setting."""
+    setting = compile_setting(compile)
+    return decode_step if setting is None else functools.partial(compiled_decode_step, **setting)
 
 
 def _check_backend(backend, what: str = "backend must be") -> None:
@@ -421,4 +453,4 @@ def _check_backend(backend, what: str = "backend must be") -> None:
         raise GenerationError(f"{what} a torch.compile backend name ({', '.join(names)}), got {backend!r}")
 
 
-__all__ = ["compiled_decode_step", "compiled_segment", "step_function"]
+__all__ = ["compile_setting", "compiled_decode_step", "compiled_segment", "step_function"]

@@ -90,19 +90,19 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     latent_dtype (e.g. torch.bfloat16 for an fp32 model) stores the MLA latent cache rounded to that dtype: fewer
     bytes per cached token, no longer exact (GenerationCache).
     compile=True runs each decode step through torch.compile'd graphs (decode_compiled.py: the same results up to
-    fp32 rounding, faster per token after a one-off compile of tens of seconds); a backend name picks the backend.
+    fp32 rounding, faster per token after a one-off compile of tens of seconds), with speculative="mtp" each verify
+    and draft step (verify_compiled.py, mtp_compiled.py); a backend name picks the backend.
     """
     valid = left_padded_mask(input_ids, attention_mask)
     opts = check_options(model, input_ids, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id,
                          pad_token_id, generator)  # fmt: skip
     opts.latent_dtype = latent_dtype
-    opts.step = step_function(compile)
-    if compile is not False and speculative is not None:
-        raise GenerationError("compile applies to plain decoding: pass compile=False with speculative='mtp'")
+    opts.step = step_function(compile) if speculative is None else None  # speculative: its verify step (compiled)
     stats = GenerationStats(prompt_tokens=input_ids.numel())
     emitter = Emitter(input_ids, opts, streamer)
     if speculative is not None:
-        cache = speculative_decode(model, input_ids, valid, opts, emitter, stats, speculative, num_speculative_tokens)
+        cache = speculative_decode(model, input_ids, valid, opts, emitter, stats, speculative, num_speculative_tokens,
+                                   compile)  # fmt: skip
     elif max_new_tokens > 0:
         cache = _decode(model, input_ids, valid, opts, emitter, stats)
     else:

@@ -8,7 +8,9 @@ picked t_n, one step is:
     verify  the main model reads [t_n, d_{n+1}, .., d_{n+s}] in one forward -> its greedy picks g_{n+1} .. g_{n+s+1}
     accept  a = the leading drafts equal to the picks; commit d_{n+1} .. d_{n+a}, g_{n+a+1}
 The verify forward is verify.py's T-token step (T = s + 1, decode.py's per-token machinery over the B*T rows), the
-drafts after the prompt the MTP layer's T-token step there (the last position's output only).
+drafts after the prompt the MTP layer's T-token step there (the last position's output only). With `compile` (as
+generate's) both run through torch.compile'd segment graphs: verify_compiled.py and mtp_compiled.py (the draft's
+lm_head pick inside the graph); the prompt's MTP forward stays the layer's own.
 Every committed token is the main model's own greedy choice, so the output equals plain greedy decoding. A batch
 commits the same number a for every row (the smallest over unfinished rows) so the rows stay on one time axis;
 `acceptance_rate` counts each row's own leading matches. Both caches rewind what was not committed
@@ -18,14 +20,18 @@ draft-only positions (d_{n+2} ..), whose true inputs (h, t) the next step's firs
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
 
 from ..model.context import ForwardContext
 from .cache import GenerationCache, GenerationError
+from .decode_compiled import compile_setting
 from .emit import Emitter, GenerationStats, Options
+from .mtp_compiled import compiled_mtp_tokens
 from .verify import build_mtp_plan, mtp_tokens, verify_step
+from .verify_compiled import compiled_verify_step
 
 MAX_SPECULATIVE_TOKENS = 16  # a verify forward of s + 1 tokens runs KDA one token at a time (rewindable states)
 
@@ -44,11 +50,12 @@ def _check(model, opts: Options, method: str, s) -> None:
 class _Drafter:
     """The MTP layer (depth 1, reused for every draft) with its own cache."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, setting: dict | None = None) -> None:
         self.model = model
         self.layer = model.mtp.layer_for(1)
         self.cache = GenerationCache(model, part="mtp")
         self.plan = None  # verify.MtpPlan, once the prompt is cached
+        self.setting = setting  # the compiled steps' backend (decode_compiled.compile_setting), None: eager
 
     def run(self, hidden: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [B, T, D], next ids [B, T] -> (MTP output [B, T or 1, D], greedy draft at the last position
@@ -58,6 +65,8 @@ class _Drafter:
             ctx = ForwardContext(valid=valid, cache=self.cache)
             h = self.layer(hidden, self.model.model.embed_tokens(ids), ctx)
             self.plan = build_mtp_plan(self.model, self.layer, self.cache)
+        elif self.setting is not None:
+            return compiled_mtp_tokens(self.model, self.layer, self.plan, hidden, ids, **self.setting)
         else:
             h = mtp_tokens(self.plan, hidden, ids)
         return h, self.model.lm_head(self.layer.shared_head.norm(h[:, -1])).argmax(-1)
@@ -76,12 +85,16 @@ class _Drafter:
 
 
 def speculative_decode(model, input_ids: torch.Tensor, valid: torch.Tensor, opts: Options, emitter: Emitter,
-                       stats: GenerationStats, method: str, s: int) -> GenerationCache | None:  # fmt: skip
-    """Greedy decoding with MTP drafts of s tokens, verified s + 1 at a time (see the module docstring)."""
+                       stats: GenerationStats, method: str, s: int,
+                       compile: bool | str = False) -> GenerationCache | None:  # fmt: skip
+    """Greedy decoding with MTP drafts of s tokens, verified s + 1 at a time (see the module docstring); `compile`
+    as generate's: the verify and draft steps through torch.compile'd graphs (verify_compiled.py, mtp_compiled.py)."""
     _check(model, opts, method, s)
+    setting = compile_setting(compile)
+    run_verify = verify_step if setting is None else functools.partial(compiled_verify_step, **setting)
     if opts.max_new_tokens == 0:
         return None
-    cache, drafter = GenerationCache(model, latent_dtype=opts.latent_dtype), _Drafter(model)
+    cache, drafter = GenerationCache(model, latent_dtype=opts.latent_dtype), _Drafter(model, setting)
     start = time.perf_counter()
     hidden = model.model(input_ids, valid, cache=cache)  # [B, T, D]
     token = model.lm_head(hidden[:, -1]).argmax(-1)  # [B]
@@ -93,7 +106,7 @@ def speculative_decode(model, input_ids: torch.Tensor, valid: torch.Tensor, opts
     while not done:
         drafts = drafter.draft(mtp_hidden, mtp_ids, mtp_valid, s)  # [B, s]
         cache.mark()
-        verify = verify_step(model, cache, torch.cat([token[:, None], drafts], dim=1))  # [B, s+1, D]
+        verify = run_verify(model, cache, torch.cat([token[:, None], drafts], dim=1))  # [B, s+1, D]
         picks = model.lm_head(verify).argmax(-1)  # [B, s+1]
         leading = (drafts == picks[:, :s]).long().cumprod(dim=-1).sum(-1)  # [B]
         active = ~emitter.finished

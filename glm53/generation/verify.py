@@ -18,7 +18,7 @@ It computes what `Glm53Model.forward(ids, cache=cache)` computes (the generic ca
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -97,19 +97,22 @@ def _tail(seen: list[list[int]], start: int, L: int, device) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.long, device=device)
 
 
-def verify_topk(p: _Indexer, cache: MlaLayerCache, x: torch.Tensor, q_resid: torch.Tensor,
-                start: int) -> torch.Tensor:  # fmt: skip
+def verify_topk(p: _Indexer, cache: MlaLayerCache, x: torch.Tensor, q_resid: torch.Tensor, start: int,
+                x_proj: tuple | None = None) -> torch.Tensor:  # fmt: skip
     """The indexer's selection for the last Q of the T new tokens (at positions start .. start+T-1) -> [B, Q, J];
-    x [B, T, D] (every token's key joins the pools), q_resid [B, Q, R] (the queries'). The host counts still
-    exclude the T tokens afterwards."""
+    x [B, T, D] (every token's key joins the pools), q_resid [B, Q, R] (the queries'). x_proj: x's wk, gate and
+    weights_proj products [B, T, *] when already made (the compiled step's packed projection). The host counts
+    still exclude the T tokens afterwards."""
     B, T, _ = x.shape
     Q, L = q_resid.shape[1], p.L
-    keys = F.layer_norm(F.linear(x, p.wk), (p.head_dim,), *p.k_norm)  # [B, T, K]
-    _push_tokens(p, cache, keys, F.linear(x, p.gate).float())
+    if x_proj is None:
+        x_proj = (F.linear(x, p.wk), F.linear(x, p.gate), F.linear(x[:, T - Q :], p.weights_proj))
+    keys = F.layer_norm(x_proj[0], (p.head_dim,), *p.k_norm)  # [B, T, K]
+    _push_tokens(p, cache, keys, x_proj[1].float())
     seen = [[c + t + 1 for t in range(T - Q, T)] for c in cache.counts_host]  # [B][Q] tokens up to each query
     P = (cache.max_count + T) // L  # pools some row has completed by the last query
     q = F.linear(q_resid, p.wq_b).view(B, Q, p.n_heads, p.head_dim)
-    w = F.linear(x[:, T - Q :], p.weights_proj).float() * p.n_heads**-0.5  # [B, Q, H]
+    w = x_proj[2][:, -Q:].float() * p.n_heads**-0.5  # [B, Q, H]
     pooled = cache.pools.keys[:, None, :P].float().transpose(-1, -2)  # [B, 1, K, P]
     logits = F.relu(torch.matmul(q.float(), pooled) * p.head_dim**-0.5)  # [B, Q, H, P]
     scores = torch.matmul(w[..., None, :], logits)[..., 0, :]  # [B, Q, P] fp32
@@ -140,12 +143,23 @@ def mla_tokens(p: _Mla, x: torch.Tensor, cache: MlaLayerCache, shared: torch.Ten
     q_resid = _rms(F.linear(x[:, T - Q :], *p.q_a), *p.q_a_norm)  # [B, Q, R]
     q = F.linear(q_resid, p.q_b).view(B, Q, -1, p.qk_head_dim)  # [B, Q, H, K]
     latent = _rms(F.linear(x, *p.kv_a), *p.kv_norm)  # [B, T, Z]
+    topk = cache_tokens(p, cache, latent, x, q_resid, shared)
+    o = _attention(p, q, cache, topk) if p.absorb else _cached_attention(p.module, q, cache, topk)  # [B, Q, H, V]
+    return F.linear(o.reshape(B, Q, -1), *p.o), topk
+
+
+def cache_tokens(p: _Mla, cache: MlaLayerCache, latent: torch.Tensor, x: torch.Tensor, q_resid: torch.Tensor,
+                 shared: torch.Tensor | None, x_proj: tuple | None = None) -> torch.Tensor:  # fmt: skip
+    """The MLA cache's bookkeeping for T tokens (decode._cache_token's): append their latents [B, T, Z], pick the
+    top-k [B, Q, J] of the last Q (q_resid [B, Q, R]; its own indexer or the shared one), advance the lengths and
+    counts -> top-k."""
+    T = latent.shape[1]
     start = cache.length
     if cache.latent.shape[1] < start + T:
         cache.ensure(start + T)
     cache.write(start, latent)
     if p.indexer is not None:
-        topk = verify_topk(p.indexer, cache, x, q_resid, start)
+        topk = verify_topk(p.indexer, cache, x, q_resid, start, x_proj)
     elif shared is None:
         raise ValueError("a 'shared' indexer layer needs the top-k of an earlier 'full' layer (got none)")
     else:
@@ -154,8 +168,7 @@ def mla_tokens(p: _Mla, x: torch.Tensor, cache: MlaLayerCache, shared: torch.Ten
     cache.count = cache.count + T
     cache.max_count += T
     cache.counts_host = [c + T for c in cache.counts_host]
-    o = _attention(p, q, cache, topk) if p.absorb else _cached_attention(p.module, q, cache, topk)  # [B, Q, H, V]
-    return F.linear(o.reshape(B, Q, -1), *p.o), topk
+    return topk
 
 
 def _attention(p: _Mla, q: torch.Tensor, cache: MlaLayerCache, topk: torch.Tensor) -> torch.Tensor:
@@ -244,6 +257,7 @@ class MtpPlan:
     attention: _Mla
     cache: MlaLayerCache
     mlp: _Moe | nn.Module
+    compiled: dict = field(default_factory=dict)  # mtp_compiled.py's bound graphs for this plan
 
 
 def build_mtp_plan(model: nn.Module, layer: nn.Module, cache: GenerationCache) -> MtpPlan:
@@ -273,5 +287,5 @@ def mtp_tokens(p: MtpPlan, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Ten
     return (x + out)[:, None]
 
 
-__all__ = ["MtpPlan", "VerifyPlan", "block_tokens", "build_mtp_plan", "kda_tokens", "mla_tokens", "mtp_tokens",
-           "verify_step", "verify_topk"]
+__all__ = ["MtpPlan", "VerifyPlan", "block_tokens", "build_mtp_plan", "cache_tokens", "kda_tokens", "mla_tokens",
+           "mtp_tokens", "verify_step", "verify_topk"]

@@ -47,7 +47,19 @@ def test_compile_flag_decodes_the_same_tokens(checkpoint, capsys):
     assert out[: out.rindex("\n[")] == eager and len(eager) > len("Hello")
 
 
-@pytest.mark.parametrize("extra", [["--compile", "cuda-graphs"], ["--compile", "--mtp", "2"]])
+def test_compile_flag_with_mtp_decodes_the_same_tokens(checkpoint, capsys):
+    """--compile with --mtp: the compiled verify and draft steps stream the plain greedy text."""
+    plain = ["generate", "--model", checkpoint, "--prompt", "Hello", "--max-new-tokens", "6"]
+    assert main(plain) == 0
+    out = capsys.readouterr().out
+    eager = out[: out.rindex("\n[")]
+    assert main(plain + ["--mtp", "2", "--compile", "aot_eager"]) == 0
+    out = capsys.readouterr().out
+    assert "acceptance rate" in out
+    assert out[: out.index("\n[")] == eager and len(eager) > len("Hello")
+
+
+@pytest.mark.parametrize("extra", [["--compile", "cuda-graphs"], ["--mtp", "2", "--compile", "nonsense"]])
 def test_bad_compile_options_are_usage_errors(checkpoint, capsys, extra):
     with pytest.raises(SystemExit) as exit_info:
         main(["generate", "--model", checkpoint, "--prompt", "Hi"] + extra)

@@ -108,8 +108,6 @@ def test_compiled_step_bad_input():
         model.model(ids, mask, cache=cache)
     with pytest.raises(GenerationError, match="backend must be a torch.compile backend name.*'nonsense'"):
         compiled_decode_step(model, cache, ids[:, -1], backend="nonsense")
-    with pytest.raises(GenerationError, match="compile applies to plain decoding"):
-        model.generate(ids, attention_mask=mask, max_new_tokens=2, compile=True, speculative="mtp")
 
 
 def test_compile_without_a_cpp_compiler_decodes_eagerly(monkeypatch):

@@ -32,12 +32,12 @@ def test_speculative_equals_greedy(greedy_run, k):
     assert stats.drafted > 0 and 0.0 <= stats.acceptance_rate <= 1.0
 
 
-def oracle_mtp_model():
+def oracle_mtp_model(index_topk: int = 4):
     """Main model whose blocks add nothing (every o_proj and down projection zero): its hidden state is
     norm(embed(t)), so its next token is a function f(t) of the current token. The MTP layer then reduces to
     shared_head.norm(enorm(embed(t_next))) = norm(embed(t_next)) (eh_proj keeps only the embedding half; its
     attention and MoE add nothing), which predicts f(t_next): the main model's pick after the draft's input."""
-    model = tiny_model(num_nextn_predict_layers=1, index_topk=4)
+    model = tiny_model(num_nextn_predict_layers=1, index_topk=index_topk)
     D = model.config.hidden_size
     with torch.no_grad():
         for name, p in model.named_parameters():
