@@ -129,6 +129,8 @@ def test_generate_reserves_the_buffers_once(run, monkeypatch):
 
 BAD = {
     "hole-in-mask": (dict(attention_mask=torch.tensor([[1, 0, 1, 1]])), "left-padded"),
+    "all-padding-row": (dict(input_ids=torch.ones(2, 4).long(),
+                             attention_mask=torch.tensor([[0, 0, 0, 0], [1, 1, 1, 1]])), "a token last"),
     "float-ids": (dict(input_ids=torch.ones(1, 4)), "non-empty integer"),
     "1d-ids": (dict(input_ids=torch.ones(4, dtype=torch.long)), "non-empty integer"),
     "mask-shape": (dict(attention_mask=torch.ones(1, 3)), r"attention_mask has shape \(1, 3\)"),
