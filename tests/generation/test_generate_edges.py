@@ -63,13 +63,12 @@ def test_pad_falls_back_to_the_first_eos_and_any_listed_eos_stops(run):
     pad = model.config.pad_token_id
     model.config.pad_token_id = None
     try:
-        out = model.generate(ids[:1], mask[:1], max_new_tokens=NEW, eos_token_id=[unused, eos])
-        alone = model.generate(ids[:1], mask[:1], max_new_tokens=NEW, eos_token_id=[eos, unused])
+        alone = model.generate(ids[:1], mask[:1], max_new_tokens=NEW, eos_token_id=[unused, eos])
+        both = model.generate(ids, mask, max_new_tokens=NEW, eos_token_id=[eos, unused])
     finally:
         model.config.pad_token_id = pad
-    assert out.tolist() == alone.tolist() == [free[0, : T + 2].tolist()]  # the only row finished: the loop ends
-    both = model.generate(ids, mask, max_new_tokens=NEW, eos_token_id=[unused, eos])
-    assert both[0, T + 2 :].tolist() == [pad] * (NEW - 2) and torch.equal(both[1], free[1])
+    assert alone.tolist() == [free[0, : T + 2].tolist()]  # the only row finished: the loop ends
+    assert both[0, T + 2 :].tolist() == [eos] * (NEW - 2) and torch.equal(both[1], free[1])
 
 
 def test_one_and_zero_new_tokens(run):
