@@ -145,3 +145,27 @@ def test_bad_cache_uses(model):
         GenerationCache(model, part="draft")
     with pytest.raises(CacheError, match="latent_dtype"):
         GenerationCache(model, latent_dtype=torch.float8_e4m3fn)
+
+
+def test_rewind_on_the_generic_path(model):
+    """mark, a generic cached forward of true then wrong tokens, rewind to the true ones, then generic steps: the
+    logits equal the full forward, and each MLA layer's per-row counts agree with its host counts after a rewind."""
+    P, N = 9, 10
+    ids, mask = left_padded(model.config.vocab_size, [P + N, P + N - 3])
+    wrong = torch.randint(1, model.config.vocab_size, (2, 2), generator=torch.Generator().manual_seed(7))
+    with torch.inference_mode():
+        full = model(ids, attention_mask=mask).logits
+        cache = GenerationCache(model)
+        steps = [model.lm_head(model.model(ids[:, :P], mask[:, :P], cache=cache))]
+        t = P
+        for keep, n_wrong in [(1, 2), (3, 1), (2, 0)]:
+            cache.mark()
+            chunk = torch.cat([ids[:, t : t + keep], wrong[:, :n_wrong]], dim=1)
+            steps.append(model.lm_head(model.model(chunk, cache=cache))[:, :keep])
+            cache.rewind(keep)
+            t += keep
+            mla = [c for c in cache._layers.values() if isinstance(c, MlaLayerCache)]
+            assert all(c.count.tolist() == c.counts_host and c.length == t for c in mla)
+        steps += [model.lm_head(model.model(ids[:, s : s + 1], cache=cache)) for s in range(t, P + N)]
+    got, valid = torch.cat(steps, dim=1), mask.bool()
+    assert (got - full)[valid].abs().max().item() <= 1e-5 * full[valid].abs().max().item()
