@@ -323,7 +323,7 @@ class GenerationCache:
 
     @property
     def seq_len(self) -> int:
-        """Positions cached (prompt padding included); 0 before the prefill or for a model without MLA layers."""
+        """Positions cached (prompt padding included; every layer holds as many, KDA ones too); 0 before the prefill."""
         return next(iter(self._layers.values())).length if self._layers else 0
 
     def mark(self) -> None:

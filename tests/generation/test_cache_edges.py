@@ -1,0 +1,171 @@
+"""Edges of GenerationCache (generation/cache.py): exact nbytes of KDA and MLA layers, the int8 latent's round trip,
+exact reservation and geometric growth of the buffers, a prefill with an all-padding row, and bad uses.
+
+Legend (glm53/model/__init__.py): B batch, T positions, H KDA heads, K head width (KDA; the indexer's for pools),
+V KDA value width, W conv width, Z kv_lora_rank, L index_kpool, P k-pools.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from glm53.generation import CacheError, GenerationCache
+from glm53.generation.cache import INT8_MAX, KdaLayerCache, MlaLayerCache
+from glm53.generation.decode import decode_step
+from tests.generation.test_incremental import KDA_ONLY
+from tests.helpers.generation import left_padded, tiny_model
+
+F32, I64 = 4, 8  # bytes per element
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(random_weights=False)
+
+
+def _prefill(model, lengths, **cache_kw):
+    ids, mask = left_padded(model.config.vocab_size, lengths)
+    cache = GenerationCache(model, **cache_kw)
+    with torch.inference_mode():
+        model.model(ids, mask, cache=cache)
+    return cache, ids
+
+
+def test_kda_layer_bytes_are_the_state_and_the_conv_histories():
+    model = tiny_model(random_weights=False, **KDA_ONLY)
+    cfg = model.config
+    cache, _ = _prefill(model, [9, 5])
+    H, K, W, B = cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel_dim, 2
+    per_layer = B * H * K * K * F32 + B * (W - 1) * 3 * H * K * F32
+    assert cache.nbytes() == cfg.num_hidden_layers * per_layer
+    assert cache.seq_len == 9 and cache.bytes_per_token() == cache.nbytes() / 9
+
+
+def test_mla_layer_bytes_count_the_filled_part_only(model):
+    """latent B*S*Z, first and count, the complete pools of the longest row, the filling pool's keys and gates and
+    its two counters; reserving more room adds nothing."""
+    cfg = model.config
+    B, S, Z, K, L = 2, 13, cfg.kv_lora_rank, cfg.index_head_dim, cfg.index_kpool
+    cache, ids = _prefill(model, [S, S - 6])
+    mla = [c for c in cache._layers.values() if isinstance(c, MlaLayerCache)]
+    kda = sum(c.nbytes() for c in cache._layers.values() if isinstance(c, KdaLayerCache))
+
+    def expected(S):
+        return len(mla) * (B * S * Z * F32 + 2 * B * I64 + B * (S // L) * K * F32 + 2 * B * L * K * F32 + 2 * B * I64)
+
+    assert cache.nbytes() - kda == expected(S)
+    cache.reserve(40)
+    assert all(c.latent.shape[1] == 40 for c in mla) and cache.nbytes() - kda == expected(S)
+    with torch.inference_mode():
+        for t in range(3):
+            decode_step(model, cache, ids[:, t])
+    assert cache.nbytes() - kda == expected(S + 3)
+    assert cache.bytes_per_token() == cache.nbytes() / (S + 3)
+
+
+def test_int8_latent_round_trip():
+    """Each row is stored as round(x / s) with s = absmax / 127: read back within s / 2 of the input, the absmax
+    entry exactly (up to fp32 rounding), and an all-zero row as zeros (not NaN)."""
+    g = torch.Generator().manual_seed(0)
+    latent = torch.randn(2, 3, 16, generator=g) * torch.tensor([1.0, 30.0, 0.01])[None, :, None]
+    latent[1, 2] = 0.0
+    cache = MlaLayerCache(torch.int8)
+    cache.append(latent[:, :2])
+    cache.append(latent[:, 2:])
+    assert cache.latent.dtype == torch.int8 and cache.length == 3
+    scale = latent.abs().amax(-1) / INT8_MAX  # [B, T]
+    scale[1, 2] = 1.0
+    torch.testing.assert_close(cache.scale[:, :3], scale)
+    flat = torch.arange(2)[:, None] * cache.latent.shape[1] + torch.arange(3)  # b * capacity + position
+    back = cache.rows(flat.flatten()).view(2, 3, 16)
+    assert ((back - latent).abs() <= scale[..., None] / 2 * (1 + 1e-5)).all()
+    peak = latent.abs().argmax(-1, keepdim=True)
+    torch.testing.assert_close(back.gather(-1, peak), latent.gather(-1, peak), rtol=1e-6, atol=0)
+    assert torch.equal(back[1, 2], torch.zeros(16))
+
+
+def test_reserve_is_exact_and_appends_up_to_it_copy_nothing(model):
+    cache, ids = _prefill(model, [9, 6])
+    L = model.config.index_kpool
+    cache.reserve(20)
+    mla = [c for c in cache._layers.values() if isinstance(c, MlaLayerCache)]
+    assert all(c.latent.shape[1] == 20 and c.pools.keys.shape[1] == 20 // L + 1 for c in mla)
+    buffers = [(c.latent.data_ptr(), c.pools.keys.data_ptr()) for c in mla]
+    with torch.inference_mode():
+        for t in range(11):  # the generic cached path: up to position 19, the last reserved slot
+            model.model(ids[:, t % 6 : t % 6 + 1], cache=cache)
+    assert cache.seq_len == 20 and [(c.latent.data_ptr(), c.pools.keys.data_ptr()) for c in mla] == buffers
+
+
+def test_buffers_grow_geometrically(model):
+    """Without a reservation, 28 one-token appends after a 4-token prefill reallocate the latent 3 times (4, 8, 16,
+    32 slots), not once per token."""
+    cache, ids = _prefill(model, [4])
+    mla = next(c for c in cache._layers.values() if isinstance(c, MlaLayerCache))
+    sizes = [mla.latent.shape[1]]
+    with torch.inference_mode():
+        for t in range(28):
+            model.model(ids[:, t % 4 : t % 4 + 1], cache=cache)
+            if mla.latent.shape[1] != sizes[-1]:
+                sizes.append(mla.latent.shape[1])
+    assert sizes == [4, 8, 16, 32]
+
+
+def test_prefill_with_an_all_padding_row(model):
+    """A row without tokens (all padding) starts at the next position: the prefill and a decode step equal full
+    forwards, for both rows."""
+    ids, mask = left_padded(model.config.vocab_size, [6, 4])
+    mask[1] = 0
+    step = torch.tensor([17, 23])
+    with torch.inference_mode():
+        cache = GenerationCache(model)
+        got = model.model(ids, mask, cache=cache)
+        got_step = decode_step(model, cache, step)
+        want = model.model(ids, mask)
+        want_step = model.model(torch.cat([ids, step[:, None]], 1), torch.cat([mask, torch.ones(2, 1).long()], 1))
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(got_step, want_step[:, -1], rtol=0, atol=1e-5)
+
+
+def test_bad_cache_uses(model):
+    ids, mask = left_padded(model.config.vocab_size, [6, 4])
+    with torch.inference_mode():
+        with pytest.raises(CacheError, match="left-padded"):
+            model.model(ids, torch.tensor([[1, 1, 0, 1, 1, 1], [0, 0, 1, 1, 1, 1]]), cache=GenerationCache(model))
+        cache = GenerationCache(model)
+        model.model(ids, mask, cache=cache)
+        with pytest.raises(CacheError, match="tokens only"):
+            model.model(ids[:, :2], torch.tensor([[1, 1], [0, 1]]), cache=cache)
+    mla = MlaLayerCache()
+    mla.append(torch.zeros(2, 3, 4))
+    with pytest.raises(CacheError, match="batch of 2 rows, the input has 1"):
+        mla.append(torch.zeros(1, 1, 4))
+    with pytest.raises(CacheError, match="part must be 'main' or 'mtp', got 'draft'"):
+        GenerationCache(model, part="draft")
+    with pytest.raises(CacheError, match="latent_dtype"):
+        GenerationCache(model, latent_dtype=torch.float8_e4m3fn)
+
+
+def test_rewind_on_the_generic_path(model):
+    """mark, a generic cached forward of true then wrong tokens, rewind to the true ones, then generic steps: the
+    logits equal the full forward, and each MLA layer's per-row counts agree with its host counts after a rewind."""
+    P, N = 9, 10
+    ids, mask = left_padded(model.config.vocab_size, [P + N, P + N - 3])
+    wrong = torch.randint(1, model.config.vocab_size, (2, 2), generator=torch.Generator().manual_seed(7))
+    with torch.inference_mode():
+        full = model(ids, attention_mask=mask).logits
+        cache = GenerationCache(model)
+        steps = [model.lm_head(model.model(ids[:, :P], mask[:, :P], cache=cache))]
+        t = P
+        for keep, n_wrong in [(1, 2), (3, 1), (2, 0)]:
+            cache.mark()
+            chunk = torch.cat([ids[:, t : t + keep], wrong[:, :n_wrong]], dim=1)
+            steps.append(model.lm_head(model.model(chunk, cache=cache))[:, :keep])
+            cache.rewind(keep)
+            t += keep
+            mla = [c for c in cache._layers.values() if isinstance(c, MlaLayerCache)]
+            assert all(c.count.tolist() == c.counts_host and c.length == t for c in mla)
+        steps += [model.lm_head(model.model(ids[:, s : s + 1], cache=cache)) for s in range(t, P + N)]
+    got, valid = torch.cat(steps, dim=1), mask.bool()
+    assert (got - full)[valid].abs().max().item() <= 1e-5 * full[valid].abs().max().item()
