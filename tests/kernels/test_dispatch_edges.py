@@ -46,3 +46,11 @@ def test_use_backend_without_ops_forces_only_the_ops_that_have_it():
     with use_backend("chunk_reference"):
         assert chosen_backend("kda") == "chunk_reference" and chosen_backend("sinkhorn") == "fast"
     assert chosen_backend("kda") == "fast"
+
+
+def test_use_backend_without_ops_rejects_a_backend_no_op_has():
+    """A misspelt backend name forced nothing before (every kernel stayed "fast"): it raises, naming it."""
+    with pytest.raises(ValueError, match=r"unknown backend 'refernce'.*'chunk_reference'.*'reference'"):
+        with use_backend("refernce"):
+            pass
+    assert all(chosen_backend(op) == "fast" for op in dispatch.ops())
