@@ -103,5 +103,7 @@ def test_shape_errors_name_both_shapes():
     hidden, weight, targets = inputs()
     with pytest.raises(ValueError, match=r"hidden \[M, D\] and targets \[M\], got \(1, 11, 6\) and \(11,\)"):
         linear_cross_entropy(hidden[None], weight, targets)
+    with pytest.raises(ValueError, match=r"got \(11, 1, 6\) and \(11,\)"):  # [M, ...]: only the rank is wrong
+        linear_cross_entropy(hidden[:, None], weight, targets)
     with pytest.raises(ValueError, match=r"got \(11, 6\) and \(10,\)"):
         linear_cross_entropy(hidden, weight, targets[:10])
