@@ -107,3 +107,16 @@ def test_shape_errors_name_both_shapes():
         linear_cross_entropy(hidden[:, None], weight, targets)
     with pytest.raises(ValueError, match=r"got \(11, 6\) and \(10,\)"):
         linear_cross_entropy(hidden, weight, targets[:10])
+
+
+def test_default_kernel_is_the_chunked_form(monkeypatch):
+    """kernel("linear_cross_entropy") without a forced backend walks logits blocks (never the full-logits form)."""
+    from glm53.kernels.dispatch import kernel
+
+    rows = []
+    original = lce._chunk_logits
+    monkeypatch.setattr(lce, "_chunk_logits", lambda h, w: rows.append(h.shape[0]) or original(h, w))
+    hidden, weight, targets = inputs(5)
+    loss = kernel("linear_cross_entropy")(hidden, weight, targets)
+    assert rows == [M]  # one block: the default chunk of this vocabulary holds every token
+    torch.testing.assert_close(loss, by_hand(hidden, weight, targets), rtol=1e-12, atol=1e-12)
