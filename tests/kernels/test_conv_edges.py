@@ -9,6 +9,7 @@ implementations give the real ops' dtypes (fp32 output, gradients in the inputs'
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from glm53.kernels import conv
@@ -90,3 +91,14 @@ def test_packed_custom_ops_fake_dtypes_match_real_for_bf16_inputs():
     torch.library.opcheck(conv._packed_conv_backward_op, (flat, w, cu, dy), test_utils=utils)
     dx, dw = conv._packed_conv_backward_op(flat, w, cu, dy)
     assert dx.dtype == torch.bfloat16 and dw.dtype == torch.float32
+
+
+def test_packed_documents_refuse_states():
+    """Every packed document starts from an empty history: a state (in or out) with cu_seqlens raises."""
+    x, w, state = inputs(5)
+    cu = torch.tensor([0, 4, 9, 18])
+    for fn in (causal_conv1d_reference, causal_conv1d):
+        with pytest.raises(ValueError, match="initial_state / output_final_state are not supported with cu_seqlens"):
+            fn(x, w, initial_state=state, cu_seqlens=cu)
+        with pytest.raises(ValueError, match="not supported with cu_seqlens"):
+            fn(x, w, output_final_state=True, cu_seqlens=cu)
