@@ -120,3 +120,9 @@ def test_default_kernel_is_the_chunked_form(monkeypatch):
     loss = kernel("linear_cross_entropy")(hidden, weight, targets)
     assert rows == [M]  # one block: the default chunk of this vocabulary holds every token
     torch.testing.assert_close(loss, by_hand(hidden, weight, targets), rtol=1e-12, atol=1e-12)
+
+
+def test_a_negative_chunk_raises_instead_of_returning_uninitialised_statistics():
+    hidden, weight, targets = inputs()
+    with pytest.raises(ValueError, match="chunk must be a positive number of tokens, got -4"):
+        linear_cross_entropy(hidden, weight, targets, -4)
