@@ -54,3 +54,8 @@ def test_use_backend_without_ops_rejects_a_backend_no_op_has():
         with use_backend("refernce"):
             pass
     assert all(chosen_backend(op) == "fast" for op in dispatch.ops())
+
+
+def test_unknown_op_error_lists_the_known_ops():
+    with pytest.raises(KeyError, match=r"unknown kernel op 'no_such_op'; known: \[.*'sinkhorn'"):
+        dispatch.backends("no_such_op")

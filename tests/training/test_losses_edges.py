@@ -95,3 +95,15 @@ def test_head_losses_check_their_inputs():
     with pytest.raises(ValueError, match="lm_head.bias"):
         head_target_loss(hidden, torch.nn.Linear(4, 9), labels)
     assert IGNORE_INDEX == -100
+
+
+def test_causal_lm_loss_is_the_mean_over_kept_next_tokens():
+    """Written out: position t predicts labels[t + 1]; ignored labels and the last position count nowhere."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(B, T, 9, generator=g)
+    labels = torch.randint(0, 9, (B, T), generator=g)
+    labels[0, 2] = labels[1, 4] = IGNORE_INDEX
+    terms = [torch.logsumexp(logits[b, t], 0) - logits[b, t, labels[b, t + 1]]
+             for b in range(B) for t in range(T - 1) if labels[b, t + 1] != IGNORE_INDEX]  # fmt: skip
+    assert len(terms) == B * (T - 1) - 2
+    torch.testing.assert_close(causal_lm_loss(logits, labels), torch.stack(terms).mean())
