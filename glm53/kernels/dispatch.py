@@ -73,9 +73,13 @@ def kernel(op: str) -> Callable:
 def use_backend(backend: str, ops: list[str] | None = None) -> Iterator[None]:
     """Force `backend` for `ops` inside the block, restoring the previous choices on exit.
 
-    With `ops` None every registered op that has `backend` is forced; a named op without it raises.
+    With `ops` None every registered op that has `backend` is forced (a backend no op has raises: a misspelt
+    name would otherwise force nothing); a named op without it raises.
     """
     names = [op for op in _REGISTRY if backend in _REGISTRY[op]] if ops is None else list(ops)
+    if not names and ops is None:
+        known = sorted({name for impls in _REGISTRY.values() for name in impls})
+        raise ValueError(f"unknown backend {backend!r}: no kernel op registers it; registered: {known}")
     saved = {op: _FORCED.get(op) for op in names}
     try:
         for op in names:

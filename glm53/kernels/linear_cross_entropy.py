@@ -50,6 +50,8 @@ def chunk_statistics(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
     -> lse [M] (log-sum-exp over these rows), picked [M] (the target's logit, 0 where the target is ignored or not
     in these rows), safe [M] (the target's row, 0 where not in these rows), hit [M] bool (target in these rows).
     """
+    if chunk < 1:  # a step below 1 would skip every block and leave the statistics uninitialised
+        raise ValueError(f"linear_cross_entropy: chunk must be a positive number of tokens, got {chunk}")
     M, rows = hidden.shape[0], weight.shape[0]
     local = targets.long() - first
     hit = (local >= 0) & (local < rows)  # IGNORE_INDEX is negative: never a hit

@@ -1,0 +1,61 @@
+"""The kernel dispatch (glm53/kernels/dispatch.py): logged once per choice at INFO, never while compiling, and
+`use_backend` without ops forcing only the ops that have the backend.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from glm53.kernels import dispatch
+from glm53.kernels.dispatch import chosen_backend, kernel, use_backend
+
+
+@pytest.fixture
+def fresh_log(monkeypatch):
+    monkeypatch.setattr(dispatch, "_LOGGED", set())
+
+
+def test_each_choice_is_logged_once_at_info(fresh_log, caplog):
+    with caplog.at_level(logging.INFO, logger="glm53.kernels"):
+        for _ in range(3):
+            kernel("sinkhorn")
+        with use_backend("reference", ["sinkhorn"]):
+            kernel("sinkhorn")
+            kernel("sinkhorn")
+        kernel("sinkhorn")
+    messages = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "glm53.kernels"]
+    assert messages == [(logging.INFO, "glm53 kernel sinkhorn: using the fast implementation"),
+                        (logging.INFO, "glm53 kernel sinkhorn: using the reference implementation")]  # fmt: skip
+
+
+def test_compiled_call_neither_logs_nor_records(fresh_log, caplog):
+    def f(x):
+        return kernel("sinkhorn") is dispatch._REGISTRY["sinkhorn"]["fast"] and x + 1
+
+    torch._dynamo.reset()
+    with caplog.at_level(logging.INFO, logger="glm53.kernels"):
+        out = torch.compile(f, backend="eager", fullgraph=True)(torch.zeros(2))
+    assert torch.equal(out, torch.ones(2))
+    assert dispatch._LOGGED == set() and not [r for r in caplog.records if r.name == "glm53.kernels"]
+
+
+def test_use_backend_without_ops_forces_only_the_ops_that_have_it():
+    with use_backend("chunk_reference"):
+        assert chosen_backend("kda") == "chunk_reference" and chosen_backend("sinkhorn") == "fast"
+    assert chosen_backend("kda") == "fast"
+
+
+def test_use_backend_without_ops_rejects_a_backend_no_op_has():
+    """A misspelt backend name forced nothing before (every kernel stayed "fast"): it raises, naming it."""
+    with pytest.raises(ValueError, match=r"unknown backend 'refernce'.*'chunk_reference'.*'reference'"):
+        with use_backend("refernce"):
+            pass
+    assert all(chosen_backend(op) == "fast" for op in dispatch.ops())
+
+
+def test_unknown_op_error_lists_the_known_ops():
+    with pytest.raises(KeyError, match=r"unknown kernel op 'no_such_op'; known: \[.*'sinkhorn'"):
+        dispatch.backends("no_such_op")
