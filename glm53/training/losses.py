@@ -33,6 +33,7 @@ from ..kernels.dispatch import kernel
 from ..kernels.varlen import document_bounds
 from ..model.context import LayerStats
 from ..model.indexer import kept_pools
+from ..model.inputs import check_token_ids
 from .cp_balance import owned_document_balance
 
 IGNORE_INDEX = -100  # label value that contributes no loss (transformers' convention)
@@ -60,13 +61,15 @@ def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_targets: torch.Tensor | None = None) -> torch.Tensor:
     """Next-token cross-entropy in fp32, summed over targets / `num_targets` (default: the mean); labels are
-    aligned with input_ids and shifted here.
+    aligned with input_ids and shifted here, each in [0, vocab) or IGNORE_INDEX (else an InputError naming the value
+    and where it is; a value check reads the labels on the host, skipped while compiling).
 
     With no target token (T = 1, or every label IGNORE_INDEX) the loss is 0 with zero gradients rather than
     0 / 0 = NaN, so such a micro-batch adds nothing to an accumulated gradient instead of poisoning it.
     """
     if labels.shape != logits.shape[:2]:
         raise ValueError(f"labels must have shape {tuple(logits.shape[:2])} like input_ids, got {tuple(labels.shape)}")
+    check_token_ids("labels", labels, logits.shape[-1], logits.device, ignore=IGNORE_INDEX)
     shifted = next_token_targets(labels)
     # Under tensor parallelism the logits are vocab-sharded and the loss a replicated DTensor: as_plain hands it
     # back as a plain tensor so it adds to the losses computed from plain activations.
@@ -76,7 +79,7 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_targets: torc
 
 
 def causal_lm_head_loss(hidden: torch.Tensor, lm_head: torch.nn.Module, labels: torch.Tensor,
-                        num_targets: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                        num_targets: torch.Tensor | None = None, *, check: bool = True) -> torch.Tensor:  # fmt: skip
     """`causal_lm_loss(lm_head(hidden), labels, num_targets)` without ever holding [B, T, vocab] logits.
 
     hidden [B, T, D] (what the head reads), lm_head an nn.Linear without bias, labels [B, T] aligned with
@@ -84,19 +87,25 @@ def causal_lm_head_loss(hidden: torch.Tensor, lm_head: torch.nn.Module, labels: 
     tokens in chunks keeping only per-token softmax statistics, "reference" is the plain full-logits form); the
     logits are computed in the head's dtype and the softmax in fp32, as `causal_lm_loss` does after `lm_head`.
     Under tensor parallelism the head is vocab-sharded and `glm53.boundary.vocab_parallel_loss` combines the ranks'
-    statistics instead.
+    statistics instead. Labels as `causal_lm_loss`'s; `check=False` skips their value check (one host read) for
+    labels already checked, as Glm53ForCausalLM.forward does on entry.
     """
     if labels.shape != hidden.shape[:2]:
         raise ValueError(f"labels must have shape {tuple(hidden.shape[:2])} like input_ids, got {tuple(labels.shape)}")
-    return head_target_loss(hidden, lm_head, next_token_targets(labels), num_targets)
+    if check:
+        check_token_ids("labels", labels, lm_head.weight.shape[0], hidden.device, ignore=IGNORE_INDEX)
+    return head_target_loss(hidden, lm_head, next_token_targets(labels), num_targets, check=False)
 
 
 def head_target_loss(hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Tensor,
-                     num_targets: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                     num_targets: torch.Tensor | None = None, *, check: bool = True) -> torch.Tensor:  # fmt: skip
     """`causal_lm_head_loss` from targets [B, T] already aligned with hidden (position i predicts targets[i]; the
-    labels context parallelism hands each rank)."""
+    labels context parallelism hands each rank). A target outside [0, vocab) and not IGNORE_INDEX is an InputError
+    (unless `check=False`): the chunked and the vocab-parallel kernels would each mis-count it silently."""
     if getattr(lm_head, "bias", None) is not None:
         raise ValueError("causal_lm_head_loss takes a head without bias (lm_head.bias is set)")
+    if check:
+        check_token_ids("targets", targets, lm_head.weight.shape[0], hidden.device, ignore=IGNORE_INDEX)
     shifted = targets.flatten()
     flat = hidden.flatten(0, 1)  # [M, D]
     sharded = vocab_parallel_loss(lm_head)

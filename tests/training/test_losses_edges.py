@@ -107,3 +107,29 @@ def test_causal_lm_loss_is_the_mean_over_kept_next_tokens():
              for b in range(B) for t in range(T - 1) if labels[b, t + 1] != IGNORE_INDEX]  # fmt: skip
     assert len(terms) == B * (T - 1) - 2
     torch.testing.assert_close(causal_lm_loss(logits, labels), torch.stack(terms).mean())
+
+
+@pytest.mark.parametrize("bad", [-1, -5, 7, 1000])
+def test_every_head_loss_rejects_a_label_outside_the_vocabulary(bad):
+    """A target outside [0, vocab) that is not IGNORE_INDEX is an error naming the value and where it is, in all
+    three public losses (the chunked kernel would drop it from the sum but count it; the vocab-parallel one add its
+    log-sum-exp); IGNORE_INDEX and the vocabulary's edges pass."""
+    from glm53.errors import InputError
+    from glm53.training.losses import IGNORE_INDEX, causal_lm_head_loss, causal_lm_loss, head_target_loss
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(4, 7, bias=False)
+    hidden = torch.randn(2, 5, 4)
+    labels = torch.tensor([[0, 6, IGNORE_INDEX, 3, 1], [2, 2, 5, IGNORE_INDEX, 6]])
+    good = [causal_lm_loss(head(hidden), labels), causal_lm_head_loss(hidden, head, labels),
+            head_target_loss(hidden, head, labels)]
+    assert all(torch.isfinite(x) and x > 0 for x in good)
+    labels[1, 2] = bad
+    match = rf"labels holds {bad}, outside \[0, vocab_size=7\) or -100 \(at index \(1, 2\)\)"
+    with pytest.raises(InputError, match=match):
+        causal_lm_loss(head(hidden), labels)
+    with pytest.raises(InputError, match=match):
+        causal_lm_head_loss(hidden, head, labels)
+    with pytest.raises(InputError, match=match.replace("labels", "targets")):
+        head_target_loss(hidden, head, labels)
+    assert torch.isfinite(causal_lm_head_loss(hidden, head, labels.clamp(0, 6), check=False))
