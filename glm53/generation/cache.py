@@ -80,6 +80,11 @@ class KdaLayerCache:
         self._mark = (self.length, self.state, self.conv)
         self._states, self._inputs = [], []
 
+    def check_batch(self, B: int) -> None:
+        """An input of B rows continues this cache only if it holds B rows (or nothing yet)."""
+        if self.state is not None and self.state.shape[0] != B:
+            raise CacheError(f"the cache holds a batch of {self.state.shape[0]} rows, the input has {B}")
+
     def record(self, states: list[torch.Tensor], inputs: torch.Tensor) -> None:
         self._states.extend(states)
         self._inputs.append(inputs)

@@ -47,6 +47,7 @@ def kda_cached_forward(module, x: torch.Tensor, ctx, cache) -> torch.Tensor:
     The chunked kernel runs a prefill; decode steps (T = 1) take the kernel's recurrent form. While the cache is
     marked (speculative verification) tokens run one at a time and each state is kept for `rewind`.
     """
+    cache.check_batch(x.shape[0])
     x = (x * ctx.valid[:, :, None]).to(x.dtype)
     split = lambda t: rearrange(t, "b t (h k) -> b t h k", k=module.head_dim)  # noqa: E731
     (q, k, v), conv_states, raw = _short_convs(module, x, cache)

@@ -137,6 +137,8 @@ def test_bad_cache_uses(model):
         model.model(ids, mask, cache=cache)
         with pytest.raises(CacheError, match="tokens only"):
             model.model(ids[:, :2], torch.tensor([[1, 1], [0, 1]]), cache=cache)
+        with pytest.raises(CacheError, match="batch of 2 rows, the input has 1"):  # the first layer is KDA
+            model.model(ids[:1, :1], torch.ones(1, 1).long(), cache=cache)
     mla = MlaLayerCache()
     mla.append(torch.zeros(2, 3, 4))
     with pytest.raises(CacheError, match="batch of 2 rows, the input has 1"):
