@@ -223,16 +223,22 @@ def block_tokens(blk: _Block, sites: tuple, streams: torch.Tensor, B: int, topk:
     return _mix(streams, comb, post, out), topk
 
 
-@torch.inference_mode()
-def verify_step(model: nn.Module, cache: GenerationCache, ids: torch.Tensor) -> torch.Tensor:
-    """T new tokens per row, ids [B, T] -> the final hidden states [B, T, D] (after the final norm); `cache`
-    advances by T. Equals `model.model(ids, cache=cache)` up to fp32 rounding. The cache must be a prefilled
-    main-model cache of `model`; when it is marked, what a rewind needs is recorded (speculative decoding)."""
+def checked_plan(model: nn.Module, cache: GenerationCache, ids: torch.Tensor):
+    """The cache's decode plan (built on first use) for a verify of ids [B, T] (T >= 1, the cache's batch)."""
     plan = cache.decode_plan
     if plan is None:
         plan = cache.decode_plan = build_plan(model, cache)
     if ids.dim() != 2 or ids.shape[0] != plan.batch or ids.shape[1] == 0:
         raise CacheError(f"verify_step takes ids of shape ({plan.batch}, T) with T >= 1, got {tuple(ids.shape)}")
+    return plan
+
+
+@torch.inference_mode()
+def verify_step(model: nn.Module, cache: GenerationCache, ids: torch.Tensor) -> torch.Tensor:
+    """T new tokens per row, ids [B, T] -> the final hidden states [B, T, D] (after the final norm); `cache`
+    advances by T. Equals `model.model(ids, cache=cache)` up to fp32 rounding. The cache must be a prefilled
+    main-model cache of `model`; when it is marked, what a rewind needs is recorded (speculative decoding)."""
+    plan = checked_plan(model, cache, ids)
     B, T = ids.shape
     sites = _sites(model, cache, B * T)
     x = F.embedding(ids.reshape(-1), plan.embed)  # [R, D]
@@ -287,5 +293,5 @@ def mtp_tokens(p: MtpPlan, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Ten
     return (x + out)[:, None]
 
 
-__all__ = ["MtpPlan", "VerifyPlan", "block_tokens", "build_mtp_plan", "cache_tokens", "kda_tokens", "mla_tokens",
-           "mtp_tokens", "verify_step", "verify_topk"]
+__all__ = ["MtpPlan", "VerifyPlan", "block_tokens", "build_mtp_plan", "cache_tokens", "checked_plan", "kda_tokens",
+           "mla_tokens", "mtp_tokens", "verify_step", "verify_topk"]

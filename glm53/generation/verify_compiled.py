@@ -22,12 +22,12 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from .cache import CacheError, GenerationCache
-from .decode import _Block, _Kda, build_plan
+from .cache import GenerationCache
+from .decode import _Block, _Kda
 from .decode_compiled import (_as, _blocks, _dense, _linear, _mm, _run, _Segment, _segments, _unit_rms,
                               compiled_segment)  # fmt: skip
 from .layers import _cached_attention, _gather_rows
-from .verify import cache_tokens
+from .verify import cache_tokens, checked_plan
 
 
 def _kda_tokens(p: _Kda, x: torch.Tensor, state: torch.Tensor, conv: torch.Tensor) -> tuple:
@@ -115,11 +115,7 @@ def compiled_verify_step(model, cache: GenerationCache, ids: torch.Tensor, backe
     """verify_step (same arguments, result and cache effects, marked caches included) with the tensor work compiled
     by `backend` ("inductor"; "aot_eager" traces without code generation). The first call per (config, batch, T)
     compiles."""
-    plan = cache.decode_plan
-    if plan is None:
-        plan = cache.decode_plan = build_plan(model, cache)
-    if ids.dim() != 2 or ids.shape[0] != plan.batch or ids.shape[1] == 0:
-        raise CacheError(f"verify_step takes ids of shape ({plan.batch}, T) with T >= 1, got {tuple(ids.shape)}")
+    plan = checked_plan(model, cache, ids)
     B, T = ids.shape
     kept = _PLANS.get(cache)
     if kept is None or kept[0] is not plan:

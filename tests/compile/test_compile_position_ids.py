@@ -15,11 +15,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from glm53 import Glm53Config, Glm53ForCausalLM
+from glm53 import Glm53ForCausalLM
 from glm53.model.model import packing_fields
 from glm53.model.packing import document_boundaries, document_pool_layout, segment_ids, static_boundaries
 from glm53.training.losses import balance_loss
-from tests.helpers.modules import assert_same_grads_and_loads
+from tests.helpers.modules import assert_same_grads_and_loads, packed_loss_model
 
 LOSS_PARTS = ("loss", "lm_loss", "mtp_loss", "aux_loss", "indexer_loss")
 B, T = 2, 19
@@ -47,15 +47,7 @@ MANY = positions([2, 1, 1, 3, 4, 8], [4, 4, 4, 4, 3])  # eleven documents, short
 
 @pytest.fixture(scope="module")
 def model() -> Glm53ForCausalLM:
-    torch.manual_seed(0)
-    config = Glm53Config.tiny(num_hidden_layers=2, layer_types=["linear_attention", "indexed_attention"],
-                              mlp_layer_types=["dense", "sparse"], num_nextn_predict_layers=1,
-                              indexer_loss_weight=0.5, router_aux_loss_coef=0.1, router_z_loss_coef=1e-2)  # fmt: skip
-    m = Glm53ForCausalLM(config)
-    with torch.no_grad():
-        for p in m.parameters():  # random weights: default inits hide bugs
-            p.normal_(std=0.2)
-    return m
+    return packed_loss_model()
 
 
 def batch(vocab: int) -> dict[str, torch.Tensor]:

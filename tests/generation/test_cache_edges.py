@@ -14,7 +14,7 @@ from glm53.generation import CacheError, GenerationCache
 from glm53.generation.cache import INT8_MAX, KdaLayerCache, MlaLayerCache
 from glm53.generation.decode import decode_step
 from tests.generation.test_incremental import KDA_ONLY
-from tests.helpers.generation import left_padded, tiny_model
+from tests.helpers.generation import assert_matches_full, left_padded, tiny_model, verify_rewind_decode
 
 F32, I64 = 4, 8  # bytes per element
 
@@ -152,22 +152,11 @@ def test_bad_cache_uses(model):
 def test_rewind_on_the_generic_path(model):
     """mark, a generic cached forward of true then wrong tokens, rewind to the true ones, then generic steps: the
     logits equal the full forward, and each MLA layer's per-row counts agree with its host counts after a rewind."""
-    P, N = 9, 10
-    ids, mask = left_padded(model.config.vocab_size, [P + N, P + N - 3])
-    wrong = torch.randint(1, model.config.vocab_size, (2, 2), generator=torch.Generator().manual_seed(7))
-    with torch.inference_mode():
-        full = model(ids, attention_mask=mask).logits
-        cache = GenerationCache(model)
-        steps = [model.lm_head(model.model(ids[:, :P], mask[:, :P], cache=cache))]
-        t = P
-        for keep, n_wrong in [(1, 2), (3, 1), (2, 0)]:
-            cache.mark()
-            chunk = torch.cat([ids[:, t : t + keep], wrong[:, :n_wrong]], dim=1)
-            steps.append(model.lm_head(model.model(chunk, cache=cache))[:, :keep])
-            cache.rewind(keep)
-            t += keep
-            mla = [c for c in cache._layers.values() if isinstance(c, MlaLayerCache)]
-            assert all(c.count.tolist() == c.counts_host and c.length == t for c in mla)
-        steps += [model.lm_head(model.model(ids[:, s : s + 1], cache=cache)) for s in range(t, P + N)]
-    got, valid = torch.cat(steps, dim=1), mask.bool()
-    assert (got - full)[valid].abs().max().item() <= 1e-5 * full[valid].abs().max().item()
+    def counts_agree(cache, t):
+        mla = [c for c in cache._layers.values() if isinstance(c, MlaLayerCache)]
+        assert mla and all(c.count.tolist() == c.counts_host and c.length == t for c in mla)
+
+    _, got, full, mask = verify_rewind_decode(model, lambda c, chunk: model.model(chunk, cache=c),
+                                              lambda c, ids: model.model(ids[:, None], cache=c),
+                                              [(1, 2), (3, 1), (2, 0)], P=9, N=10, after=counts_agree)
+    assert_matches_full(got, full, mask, 1e-5)

@@ -22,7 +22,7 @@ from glm53.model.context import ForwardContext
 from tests.generation.test_decode_compiled import INDUCTOR_CASE
 from tests.generation.test_incremental import REL_TOL
 from tests.generation.test_speculative import NEW, greedy_run, oracle_mtp_model  # noqa: F401 (greedy_run: fixture)
-from tests.helpers.generation import assert_matches_full, left_padded, tiny_model
+from tests.helpers.generation import assert_matches_full, left_padded, tiny_model, verify_rewind_decode
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:torch.jit")
 
@@ -65,25 +65,11 @@ def test_compiled_speculative_per_head_attention():
 def _verify_rewind_decode(model, decode, **backend) -> GenerationCache:
     """mark, verify (compiled) the true next tokens followed by wrong ones, rewind to the true ones (T = 3: one set
     of graphs), then `decode` the rest one token at a time: the logits equal the full forward's -> the cache."""
-    P, N = 9, 14
-    ids, mask = left_padded(model.config.vocab_size, [P + N, P + N - 3])
-    keeps, wrongs = [1, 3, 2, 1, 2], [2, 0, 1, 2, 1]
-    wrong = torch.randint(1, model.config.vocab_size, (2, 3), generator=torch.Generator().manual_seed(7))
-    with torch.inference_mode():
-        full = model(ids, attention_mask=mask).logits
-        cache = GenerationCache(model)
-        steps = [model.lm_head(model.model(ids[:, :P], mask[:, :P], cache=cache))]
-        t = P
-        for keep, n_wrong in zip(keeps, wrongs):
-            cache.mark()
-            chunk = torch.cat([ids[:, t : t + keep], wrong[:, :n_wrong]], dim=1)
-            steps.append(model.lm_head(compiled_verify_step(model, cache, chunk, **backend))[:, :keep])
-            cache.rewind(keep)
-            t += keep
-        steps += [model.lm_head(decode(model, cache, ids[:, s]))[:, None] for s in range(t, P + N)]
-    assert t < P + N
-    assert_matches_full(torch.cat(steps, dim=1), full, mask, REL_TOL)
-    assert cache.seq_len == P + N
+    plan = [(1, 2), (3, 0), (2, 1), (1, 2), (2, 1)]  # T = 3 throughout: one set of graphs
+    verify = lambda c, chunk: compiled_verify_step(model, c, chunk, **backend)  # noqa: E731
+    cache, got, full, mask = verify_rewind_decode(model, verify, lambda c, ids: decode(model, c, ids), plan, P=9, N=14)
+    assert_matches_full(got, full, mask, REL_TOL)
+    assert cache.seq_len == 9 + 14
     return cache
 
 

@@ -18,7 +18,7 @@ from glm53.generation.decode import decode_step
 from glm53.generation.verify import build_mtp_plan, mtp_tokens, verify_step
 from glm53.model.context import ForwardContext
 from tests.generation.test_incremental import CASES, GLM_SHARED, KDA_ONLY, REL_TOL, REL_TOL_RANDOM
-from tests.helpers.generation import assert_matches_full, case_inputs, left_padded, tiny_model
+from tests.helpers.generation import assert_matches_full, case_inputs, left_padded, tiny_model, verify_rewind_decode
 
 VERIFY_CASES = {f"{case}-T{T}": (case, T) for case in CASES for T in (2, 3)}
 VERIFY_CASES["sparse-P13-N12-T4"] = ("sparse-P13-N12", 4)
@@ -56,25 +56,11 @@ def test_rewind_after_a_verify_with_wrong_tokens(config):
     the wrong tokens were never seen (KDA states, conv history, pools and host counts), through later verify and
     decode steps, across pool boundaries; the logits of the kept tokens equal the full forward."""
     model = tiny_model(random_weights=False, **config)
-    P, N = 9, 14
-    ids, mask = left_padded(model.config.vocab_size, [P + N, P + N - 3])
-    keeps, wrongs = [1, 3, 2, 1, 4, 2], [2, 0, 1, 3, 0, 2]  # kept true tokens, then wrong ones (none: keep all)
-    wrong = torch.randint(1, model.config.vocab_size, (2, 3), generator=torch.Generator().manual_seed(7))
-    with torch.inference_mode():
-        full = model(ids, attention_mask=mask).logits
-        cache = GenerationCache(model)
-        steps = [model.lm_head(model.model(ids[:, :P], mask[:, :P], cache=cache))]
-        t = P
-        for keep, n_wrong in zip(keeps, wrongs):
-            cache.mark()
-            chunk = torch.cat([ids[:, t : t + keep], wrong[:, :n_wrong]], dim=1)
-            steps.append(model.lm_head(verify_step(model, cache, chunk))[:, :keep])
-            cache.rewind(keep)
-            t += keep
-        steps += [model.lm_head(decode_step(model, cache, ids[:, s]))[:, None] for s in range(t, P + N)]
-    assert t < P + N
-    assert_matches_full(torch.cat(steps, dim=1), full, mask, REL_TOL)
-    assert cache.seq_len == P + N
+    plan = [(1, 2), (3, 0), (2, 1), (1, 3), (4, 0), (2, 2)]  # kept true tokens, then wrong ones (none: keep all)
+    cache, got, full, mask = verify_rewind_decode(model, lambda c, chunk: verify_step(model, c, chunk),
+                                                  lambda c, ids: decode_step(model, c, ids), plan, P=9, N=14)
+    assert_matches_full(got, full, mask, REL_TOL)
+    assert cache.seq_len == 9 + 14
 
 
 def test_mtp_tokens_equal_the_layer_forward():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from glm53 import Glm53Config, Glm53ForCausalLM
+from glm53.generation import GenerationCache
 from tests.helpers.oracle import randomize
 
 # Enough indexer heads that no two pools score exactly 0 (a sum of ReLUs): ties would make the top-k depend on the
@@ -60,3 +61,28 @@ def assert_matches_full(got: torch.Tensor, full: torch.Tensor, mask: torch.Tenso
     valid = mask.bool()
     err = (got - full)[valid].abs().max().item()
     assert err <= rel_tol * full[valid].abs().max().item(), f"max abs error {err:.3e}"
+
+
+def verify_rewind_decode(model, verify, decode, plan: list[tuple[int, int]], P: int, N: int, after=None):
+    """From a P-token prefill of a left-padded batch of two (P + N and P + N - 3 tokens), for each (keep, wrong) of
+    `plan`: mark, `verify(cache, chunk)` the next `keep` true tokens then `wrong` wrong ones, rewind to the true ones,
+    `after(cache, t)`; then `decode(cache, ids[:, t])` one token at a time to P + N.
+    -> (cache, logits of every real position [B, P + N, V], the full forward's, mask)."""
+    ids, mask = left_padded(model.config.vocab_size, [P + N, P + N - 3])
+    wrong = torch.randint(1, model.config.vocab_size, (2, 3), generator=torch.Generator().manual_seed(7))
+    with torch.inference_mode():
+        full = model(ids, attention_mask=mask).logits
+        cache = GenerationCache(model)
+        steps = [model.lm_head(model.model(ids[:, :P], mask[:, :P], cache=cache))]
+        t = P
+        for keep, n_wrong in plan:
+            cache.mark()
+            chunk = torch.cat([ids[:, t : t + keep], wrong[:, :n_wrong]], dim=1)
+            steps.append(model.lm_head(verify(cache, chunk))[:, :keep])
+            cache.rewind(keep)
+            t += keep
+            if after is not None:
+                after(cache, t)
+        assert t < P + N
+        steps += [model.lm_head(decode(cache, ids[:, s]).reshape(2, 1, -1)) for s in range(t, P + N)]
+    return cache, torch.cat(steps, dim=1), full, mask
