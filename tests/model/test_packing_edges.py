@@ -1,15 +1,15 @@
 """Edges of model/packing.py's boundaries: positions that jump without restarting at 0, boundaries given without
-the row starts, duplicate boundaries (empty documents) in segment ids, the one-document-per-row case, and the
-compile form (duplicates kept, sorted) against the eager one.
+the row starts, duplicate boundaries (empty documents) in segment ids, the one-document-per-row case, the
+compile form (duplicates kept, sorted) against the eager one, and the k-pool layout written out by hand.
 
-Legend (glm53/model/__init__.py): B batch, T time, n documents.
+Legend (glm53/model/__init__.py): B batch, T time, n documents, P pools, L tokens per pool.
 """
 
 from __future__ import annotations
 
 import torch
 
-from glm53.model.packing import document_boundaries, segment_ids
+from glm53.model.packing import document_boundaries, document_pool_layout, segment_ids
 
 CPU = torch.device("cpu")
 
@@ -60,3 +60,33 @@ def test_compile_form_keeps_duplicates_and_gives_the_same_segments(monkeypatch):
     assert compiled.tolist() == [0, 0, 4, 5, 5, 8, 8, 11, 12, 12]
     assert eager.tolist() == sorted(set(compiled.tolist()))
     assert torch.equal(segment_ids(compiled, 3, 4), segment_ids(eager, 3, 4))
+
+
+# row 0: documents of 5 and 3 tokens; row 1: one of 3 padded tokens only, then one of 5 (its last pool short)
+POOL_CU, POOL_KPOOL = torch.tensor([0, 5, 8, 11, 16]), 3
+
+
+def pool_case() -> torch.Tensor:
+    valid = torch.ones(2, 8, dtype=torch.bool)
+    valid[1, :3] = False
+    return valid
+
+
+def test_document_pool_layout_written_out():
+    """Eager: every pool from each document's first valid token, short last pools kept (their tokens past the end
+    invalid), no pool for an all-padding document, the slots past a row's pools empty (T + slot, invalid)."""
+    positions, token_valid = document_pool_layout(pool_case(), POOL_CU, POOL_KPOOL)
+    empty = [8, 9, 10]
+    assert positions.tolist() == [[[0, 1, 2], [3, 4, 5], [5, 6, 7], empty, empty, empty],
+                                  [[3, 4, 5], [6, 7, 8], empty, empty, empty, empty]]  # fmt: skip
+    full, none = [True] * 3, [False] * 3
+    assert token_valid.tolist() == [[full, [True, True, False], full, none, none, none],
+                                    [full, [True, True, False], none, none, none, none]]  # fmt: skip
+
+
+def test_document_pool_layout_compile_form_written_out(monkeypatch):
+    """Compile form (is_compiling faked): whole pools only, P = T // L slots, the rest empty."""
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    positions, token_valid = document_pool_layout(pool_case(), POOL_CU, POOL_KPOOL)
+    assert positions.tolist() == [[[0, 1, 2], [5, 6, 7]], [[3, 4, 5], [8, 9, 10]]]
+    assert token_valid.tolist() == [[[True] * 3] * 2, [[True] * 3, [False] * 3]]

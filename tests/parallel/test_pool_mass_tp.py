@@ -73,3 +73,14 @@ def test_reduction_over_a_layout_of_another_width_raises():
         sum_selected_pool_mass(mass, topk, valid, config.index_kpool, None, lambda t: None)
     got = sum_selected_pool_mass(mass[..., :-1], topk, valid, config.index_kpool, None, lambda t: t.mul_(2))
     assert got.shape == (B, T, 4) and torch.equal(got[..., :2], 2 * mass[..., :2])
+
+
+def test_reduction_of_a_narrower_mass_than_its_layout_raises():
+    """The other way round: a mass narrower than the rebuilt layout (a compiled packed mass, an eager layout with
+    every short last pool) raises too, rather than leaving the layout's last pools unreduced."""
+    B, T, kpool = 1, 16, 4
+    valid = torch.ones(B, T, dtype=torch.bool)
+    topk = torch.arange(8).expand(B, T, 8).contiguous()
+    mass = torch.rand(B, T, T // kpool - 1)
+    with pytest.raises(RuntimeError, match="mass has 3 pools per row, the layout rebuilt for its reduction 4"):
+        sum_selected_pool_mass(mass, topk, valid, kpool, None, lambda t: None)
