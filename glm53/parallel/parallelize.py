@@ -239,6 +239,30 @@ def expert_load_sum(mesh: DeviceMesh, dp_dim: str, tp_dim: str, ep_dim: str = "e
     return reduce
 
 
+def _check_options(mesh: DeviceMesh, names: tuple[str, str, str, str], has_dp: bool, has_tp: bool, compile: bool,
+                   activation_checkpointing: bool, mp_policy: MixedPrecisionPolicy | None) -> None:  # noqa: A002
+    """The combinations `parallelize` refuses, each with the reason (before anything is changed)."""
+    dp_dim, tp_dim, ep_dim, cp_dim = names
+    has_ep = ep_dim in mesh.mesh_dim_names
+    has_cp = cp_dim in mesh.mesh_dim_names
+    if has_cp and (has_tp or has_ep):
+        raise ValueError(f"context parallelism ({cp_dim!r}) is not supported together with {tp_dim!r} or {ep_dim!r} "
+                         f"yet; the mesh has {list(mesh.mesh_dim_names)}")  # fmt: skip
+    if has_ep and has_tp and mesh[tp_dim].size() > 1:
+        raise ValueError(f"expert parallelism ({ep_dim}={mesh[ep_dim].size()}) together with tensor parallelism "
+                         f"({tp_dim}={mesh[tp_dim].size()}) is not supported: use a ({dp_dim!r}, {ep_dim!r}) mesh, "
+                         f"or ({dp_dim!r}, {tp_dim!r}) without EP")  # fmt: skip
+    if compile and has_ep:
+        raise ValueError(f"compile=True with expert parallelism ({ep_dim}={mesh[ep_dim].size()}) is not supported: "
+                         "the all-to-all dispatch reads its split sizes on the host (a graph break per MoE block)")
+    if compile and activation_checkpointing and _needs_fp32_units(mp_policy):
+        raise ValueError("compile=True with activation checkpointing needs whole block graphs, but under a "
+                         "low-precision mp_policy the nested fp32 FSDP units split them (glm53/model/compile.py)")
+    if mp_policy is not None and not has_dp and cp_dim not in mesh.mesh_dim_names:
+        raise ValueError(f"mp_policy is FSDP2's MixedPrecisionPolicy and needs a {dp_dim!r} or {cp_dim!r} mesh "
+                         f"dimension; the mesh has {list(mesh.mesh_dim_names)}")  # fmt: skip
+
+
 def parallelize(
     model: Glm53ForCausalLM,
     mesh: DeviceMesh,
@@ -285,24 +309,9 @@ def parallelize(
         raise RuntimeError("parallelize was already applied to this model (or it already holds DTensor parameters); "
                            "build a fresh model and call parallelize once")  # fmt: skip
     has_dp, has_tp = _check_mesh(mesh, dp_dim, tp_dim, ep_dim, cp_dim)
+    _check_options(mesh, (dp_dim, tp_dim, ep_dim, cp_dim), has_dp, has_tp, compile, activation_checkpointing, mp_policy)
     has_ep = ep_dim in mesh.mesh_dim_names
     has_cp = cp_dim in mesh.mesh_dim_names
-    if has_cp and (has_tp or has_ep):
-        raise ValueError(f"context parallelism ({cp_dim!r}) is not supported together with {tp_dim!r} or {ep_dim!r} "
-                         f"yet; the mesh has {list(mesh.mesh_dim_names)}")  # fmt: skip
-    if has_ep and has_tp and mesh[tp_dim].size() > 1:
-        raise ValueError(f"expert parallelism ({ep_dim}={mesh[ep_dim].size()}) together with tensor parallelism "
-                         f"({tp_dim}={mesh[tp_dim].size()}) is not supported: use a ({dp_dim!r}, {ep_dim!r}) mesh, "
-                         f"or ({dp_dim!r}, {tp_dim!r}) without EP")  # fmt: skip
-    if compile and has_ep:
-        raise ValueError(f"compile=True with expert parallelism ({ep_dim}={mesh[ep_dim].size()}) is not supported: "
-                         "the all-to-all dispatch reads its split sizes on the host (a graph break per MoE block)")
-    if compile and activation_checkpointing and _needs_fp32_units(mp_policy):
-        raise ValueError("compile=True with activation checkpointing needs whole block graphs, but under a "
-                         "low-precision mp_policy the nested fp32 FSDP units split them (glm53/model/compile.py)")
-    if mp_policy is not None and not has_dp and cp_dim not in mesh.mesh_dim_names:
-        raise ValueError(f"mp_policy is FSDP2's MixedPrecisionPolicy and needs a {dp_dim!r} or {cp_dim!r} mesh "
-                         f"dimension; the mesh has {list(mesh.mesh_dim_names)}")  # fmt: skip
     if has_tp:
         apply_tensor_parallel(model, mesh[tp_dim])
     if has_ep:
