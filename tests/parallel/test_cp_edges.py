@@ -1,0 +1,51 @@
+"""Context-parallel helpers (glm53/model/cp.py) written out on one rank (a SequenceShards of size 1): document
+fields of packed rows numbered as one process numbers them, halo starts, boundaries, and `ahead` at the depth edge.
+
+Legend: B batch, T time (the rank's slice, here the whole sequence), W the causal-conv halo width.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from glm53.model.cp import ahead, boundaries, halo_starts, sharded_packing_fields
+from tests.helpers.cp_jobs import OneRank
+
+
+def test_packed_rows_get_local_boundaries_and_one_process_document_numbers():
+    position_ids = torch.tensor([[0, 1, 2, 0, 1], [0, 1, 0, 1, 2]])
+    fields = sharded_packing_fields(position_ids, OneRank(5))
+    assert fields["cu_seqlens"].tolist() == [0, 3, 5, 7, 10]
+    assert fields["segment_ids"].tolist() == [[0, 0, 0, 1, 1], [2, 2, 3, 3, 3]]  # row 1 continues row 0's count
+
+
+def test_a_row_whose_positions_do_not_start_at_zero_still_starts_a_document():
+    fields = sharded_packing_fields(torch.tensor([[1, 2, 0, 1]]), OneRank(4))  # starts at 1, nothing before it
+    assert fields["cu_seqlens"].tolist() == [0, 2, 4]
+    assert fields["segment_ids"].tolist() == [[0, 0, 1, 1]]
+
+
+def test_boundaries_add_row_starts_and_the_end():
+    starts = torch.tensor([[False, False, True, False], [False, True, False, False]])
+    assert boundaries(starts).tolist() == [0, 2, 4, 5, 8]
+
+
+@pytest.mark.parametrize("width", [0, 1, 3])
+def test_halo_starts_on_the_first_rank_start_at_its_first_position(width):
+    segments = torch.tensor([[0, 0, 1, 1]])
+    starts = halo_starts(segments, OneRank(4), width)
+    assert starts.shape == (1, width + 4)
+    # No tokens before the sequence: the halo is its own document, the slice's first token starts a new one.
+    expected = [True] + [False] * (width - 1) + [True, False, True, False] if width else [True, False, True, False]
+    assert starts[0].tolist() == expected
+
+
+def test_ahead_reaches_the_depth_edge_and_refuses_past_it():
+    x = torch.arange(1.0, 7.0).view(1, 6, 1)
+    torch.testing.assert_close(ahead(x, 2, -1.0, OneRank(6)), torch.tensor([3.0, 4, 5, 6, -1, -1]).view(1, 6, 1))
+    torch.testing.assert_close(ahead(x, 6, -1.0, OneRank(6)), torch.full((1, 6, 1), -1.0))  # d = T: all past the end
+    mask = torch.tensor([[True, False, True]])
+    assert ahead(mask, 1, False, OneRank(3)).tolist() == [[False, True, False]]
+    with pytest.raises(ValueError, match="MTP depth 7 exceeds this rank's 6 positions"):
+        ahead(x, 7, -1.0, OneRank(6))
