@@ -1,0 +1,68 @@
+"""The DCP training state in one process (no process group): a resume restores the weights, the AdamW moments and
+the caller's extras, returns a default for an extra the checkpoint lacks, and refuses a checkpoint of another
+model by naming the keys it lacks.
+
+Legend: a training state is `model.<fqn>`, `optim.<fqn>.<exp_avg|exp_avg_sq|step>`, `optim.param_groups`,
+`extra.<name>` (glm53/parallel/train_state.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from glm53 import Glm53Config, Glm53ForCausalLM
+from glm53.parallel.train_state import read_training_state, write_training_state
+
+
+def _stepped(config: Glm53Config, seed: int, lr: float = 1e-2, steps: int = 1):
+    """(model, AdamW) after `steps` steps on random ids."""
+    torch.manual_seed(seed)
+    model = Glm53ForCausalLM(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    if steps == 0:
+        return model, optimizer
+    ids = torch.randint(1, config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(seed))
+    model(ids, labels=ids).loss.backward()
+    optimizer.step()
+    return model, optimizer
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("state") / "train_state")
+    model, optimizer = _stepped(Glm53Config.tiny(), seed=0)
+    write_training_state(directory, model, optimizer, {"step": 7, "rng": torch.arange(5, dtype=torch.uint8)})
+    return dict(directory=directory, model=model, optimizer=optimizer)
+
+
+@pytest.mark.parametrize("steps", [0, 1], ids=["fresh", "stepped"])
+def test_resume_restores_weights_moments_lr_and_extras(saved, steps):
+    """Into a fresh optimizer (no state yet) or one with other moments; with 3x the saved lr."""
+    model, optimizer = _stepped(Glm53Config.tiny(), seed=1, lr=3e-2, steps=steps)
+    extra = read_training_state(saved["directory"], model, optimizer,
+                                {"step": 0, "rng": torch.zeros(5, dtype=torch.uint8), "absent": "default"})  # fmt: skip
+    assert extra["step"] == 7 and extra["absent"] == "default"
+    assert torch.equal(extra["rng"], torch.arange(5, dtype=torch.uint8))
+    for (name, p), q in zip(model.named_parameters(), saved["model"].parameters()):
+        assert torch.equal(p, q), name
+    with_state = 0
+    for p, q in zip(model.parameters(), saved["model"].parameters()):
+        mine, theirs = optimizer.state[p], saved["optimizer"].state[q]  # {} for parameters that had no gradient
+        assert set(mine) == set(theirs)
+        for key, value in theirs.items():
+            assert torch.equal(mine[key], value), key
+        with_state += bool(theirs)
+    assert with_state > 0
+    assert [g["lr"] for g in optimizer.param_groups] == [1e-2]
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_its_missing_keys(saved):
+    model = Glm53ForCausalLM(Glm53Config.tiny(num_nextn_predict_layers=1))  # has MTP tensors the save lacks
+    with pytest.raises(KeyError, match=r"lacks training-state keys \['model\.mtp\.layers\.0\."):
+        read_training_state(saved["directory"], model, None)
+
+
+def test_a_directory_without_metadata_is_not_a_training_state(tmp_path):
+    with pytest.raises(FileNotFoundError, match="holds no DCP training state"):
+        read_training_state(str(tmp_path), Glm53ForCausalLM(Glm53Config.tiny()), None)
