@@ -1,6 +1,7 @@
 """The exporter's bookkeeping written out (one process): writer ranks largest key first to the least-loaded rank,
 and an export equals `save_pretrained` of the same model: the same tensors and dtypes (bf16 with the fp32
-keep-list), the index's total_size, config.json's dtype, files cut at the shard size.
+keep-list), the index's total_size, config.json's dtype, files cut at the shard size. On gloo, one rank failing
+inside the shared directory fails every rank and leaves nothing behind.
 
 Legend: sizes are bytes per official key; a writer is the rank that writes a key.
 """
@@ -8,6 +9,7 @@ Legend: sizes are bytes per official key; a writer is the rank that writes a key
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ import torch
 from glm53 import Glm53Config, Glm53ForCausalLM
 from glm53.parallel.export import assign_writers, export_pretrained
 from tests.helpers.checkpoints import read_all
+from tests.helpers.export_edges_jobs import failing_write
 
 
 def test_writers_take_the_largest_keys_first_each_to_the_least_loaded_rank():
@@ -45,3 +48,12 @@ def test_export_equals_save_pretrained(tmp_path, dtype):
     expected = json.loads((tmp_path / "saved" / "config.json").read_text())
     assert config["dtype"] == config["text_config"]["dtype"] == expected["dtype"]
     assert config["dtype"] == ("bfloat16" if dtype else "float32")
+
+
+def test_one_failing_rank_fails_every_rank_and_leaves_nothing(pool2, tmp_path):
+    """The ranks agree before rank 0 renames: a directory missing one rank's files never appears."""
+    path = tmp_path / "run"
+    seen = pool2.run(failing_write, path=str(path), failing_rank=1)
+    assert seen[1] == "ValueError: rank 1 failed"
+    assert seen[0].startswith("RuntimeError: another rank failed while writing"), seen
+    assert not path.exists() and os.listdir(tmp_path) == []
