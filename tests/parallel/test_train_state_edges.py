@@ -1,6 +1,7 @@
 """The DCP training state in one process (no process group): a resume restores the weights, the AdamW moments and
 the caller's extras, returns a default for an extra the checkpoint lacks, and refuses a checkpoint of another
-model by naming the keys it lacks.
+model by naming the keys it lacks; glm53 train's torchrun resume (as one rank) restores the step, the --data
+cursor and both RNG states.
 
 Legend: a training state is `model.<fqn>`, `optim.<fqn>.<exp_avg|exp_avg_sq|step>`, `optim.param_groups`,
 `extra.<name>` (glm53/parallel/train_state.py).
@@ -8,11 +9,14 @@ Legend: a training state is `model.<fqn>`, `optim.<fqn>.<exp_avg|exp_avg_sq|step
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from glm53 import Glm53Config, Glm53ForCausalLM
 from glm53.parallel.train_state import read_training_state, write_training_state
+from glm53.training.state import resume_distributed, save_distributed, trainer_state
 
 
 def _stepped(config: Glm53Config, seed: int, lr: float = 1e-2, steps: int = 1):
@@ -66,3 +70,25 @@ def test_a_checkpoint_of_another_model_is_refused_naming_its_missing_keys(saved)
 def test_a_directory_without_metadata_is_not_a_training_state(tmp_path):
     with pytest.raises(FileNotFoundError, match="holds no DCP training state"):
         read_training_state(str(tmp_path), Glm53ForCausalLM(Glm53Config.tiny()), None)
+
+
+def test_distributed_resume_restores_step_data_cursor_and_both_rng_states(tmp_path):
+    """glm53 train's torchrun save and resume, as rank 0 of a one-rank run: the step, the --data cursor, the data
+    generator and the global torch RNG come back as saved (nothing in a step may draw from an unrestored RNG)."""
+    model, optimizer = _stepped(Glm53Config.tiny(), seed=2)
+    par = SimpleNamespace(rank=lambda: 0)
+    generator = torch.Generator().manual_seed(11)
+    torch.rand(3, generator=generator)  # a state that is not a fresh seed's
+    torch.manual_seed(12)
+    state = trainer_state(5, optimizer, generator, par, (1, 1), data={"file": "a.jsonl", "offset": 42})
+    saved_torch, saved_data = torch.get_rng_state(), generator.get_state()
+    save_distributed(model, str(tmp_path / "run"), {**state, "dp_rank": 0}, par, export=True)
+
+    torch.manual_seed(99)
+    other = torch.Generator().manual_seed(98)
+    fresh, fresh_optimizer = _stepped(Glm53Config.tiny(), seed=3, steps=0)
+    step, data = resume_distributed(str(tmp_path / "run"), fresh, fresh_optimizer, None, (1, 1), 0, other)
+    assert step == 5 and data == {"file": "a.jsonl", "offset": 42}
+    assert torch.equal(other.get_state(), saved_data)
+    assert torch.equal(torch.get_rng_state(), saved_torch)
+    assert torch.equal(fresh.lm_head.weight, model.lm_head.weight)
