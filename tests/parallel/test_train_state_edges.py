@@ -1,7 +1,7 @@
 """The DCP training state in one process (no process group): a resume restores the weights, the AdamW moments and
 the caller's extras, returns a default for an extra the checkpoint lacks, and refuses a checkpoint of another
 model by naming the keys it lacks; glm53 train's torchrun resume (as one rank) restores the step, the --data
-cursor and both RNG states.
+cursor and both RNG states, on gloo every rank its own.
 
 Legend: a training state is `model.<fqn>`, `optim.<fqn>.<exp_avg|exp_avg_sq|step>`, `optim.param_groups`,
 `extra.<name>` (glm53/parallel/train_state.py).
@@ -17,6 +17,7 @@ import torch
 from glm53 import Glm53Config, Glm53ForCausalLM
 from glm53.parallel.train_state import read_training_state, write_training_state
 from glm53.training.state import resume_distributed, save_distributed, trainer_state
+from tests.helpers.train_state_edges_jobs import rng_round_trip
 
 
 def _stepped(config: Glm53Config, seed: int, lr: float = 1e-2, steps: int = 1):
@@ -92,3 +93,7 @@ def test_distributed_resume_restores_step_data_cursor_and_both_rng_states(tmp_pa
     assert torch.equal(other.get_state(), saved_data)
     assert torch.equal(torch.get_rng_state(), saved_torch)
     assert torch.equal(fresh.lm_head.weight, model.lm_head.weight)
+
+
+def test_every_rank_resumes_its_own_rng_states(pool2, tmp_path):
+    assert pool2.run(rng_round_trip, path=str(tmp_path / "run")) == [{"data": True, "torch": True, "step": 3}] * 2
