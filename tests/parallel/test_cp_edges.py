@@ -1,5 +1,6 @@
 """Context-parallel helpers (glm53/model/cp.py) written out on one rank (a SequenceShards of size 1): document
-fields of packed rows numbered as one process numbers them, halo starts, boundaries, and `ahead` at the depth edge.
+fields of packed rows numbered as one process numbers them, halo starts, boundaries, and `ahead` at the depth edge;
+on gloo, `context_parallel_inputs` of a packed row that 2 ranks do not divide, written out.
 
 Legend: B batch, T time (the rank's slice, here the whole sequence), W the causal-conv halo width.
 """
@@ -9,7 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from glm53 import Glm53Config
 from glm53.model.cp import ahead, boundaries, halo_starts, sharded_packing_fields
+from tests.helpers.cp_inputs_edges_jobs import cp_inputs_job
 from tests.helpers.cp_jobs import OneRank
 
 
@@ -49,3 +52,18 @@ def test_ahead_reaches_the_depth_edge_and_refuses_past_it():
     assert ahead(mask, 1, False, OneRank(3)).tolist() == [[False, True, False]]
     with pytest.raises(ValueError, match="MTP depth 7 exceeds this rank's 6 positions"):
         ahead(x, 7, -1.0, OneRank(6))
+
+
+def test_context_parallel_inputs_written_out(pool2):
+    """T = 5 over 2 ranks (3 positions each, one padding token): the last rank gets the padding masked, its
+    position continuing the last document and its target ignored; targets cross the rank edge; the loss
+    denominators are the whole batch's."""
+    ids = torch.tensor([[11, 12, 13, 14, 15]])
+    config = Glm53Config.tiny(pad_token_id=0).to_dict()
+    first, last = pool2.run(cp_inputs_job, config=config, ids=ids, position_ids=torch.tensor([[0, 1, 2, 0, 1]]))
+    assert first["cp"] == (0, 2, 0, 6) and last["cp"] == (1, 2, 3, 6)
+    assert first["input_ids"].tolist() == [[11, 12, 13]] and last["input_ids"].tolist() == [[14, 15, 0]]
+    assert first["attention_mask"].tolist() == [[1, 1, 1]] and last["attention_mask"].tolist() == [[1, 1, 0]]
+    assert first["position_ids"].tolist() == [[0, 1, 2]] and last["position_ids"].tolist() == [[0, 1, 2]]
+    assert first["labels"].tolist() == [[12, 13, 14]] and last["labels"].tolist() == [[15, -100, -100]]
+    assert first["counts_match"] and last["counts_match"]
