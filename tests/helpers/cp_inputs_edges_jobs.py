@@ -20,7 +20,8 @@ def cp_inputs_job(config: dict, ids: torch.Tensor, position_ids: torch.Tensor | 
     cp = kwargs.pop("cp")
     counts = kwargs.pop("loss_denominators")
     expected = model.loss_counts(ids, None, position_ids)
-    return {**kwargs, "cp": (cp.rank, cp.size, cp.offset, cp.total), "counts_match": torch.equal(counts.stacked(), expected.stacked())}
+    same = torch.equal(counts.stacked(), expected.stacked())
+    return {**kwargs, "cp": (cp.rank, cp.size, cp.offset, cp.total), "counts_match": same}
 
 
 __all__ = ["cp_inputs_job"]

@@ -30,8 +30,8 @@ def rng_round_trip(path: str) -> dict:
     torch.manual_seed(999)
     other = torch.Generator().manual_seed(998)
     step, _ = resume_distributed(path, model, optimizer, par, (world, 1), rank, other)
-    return {"data": torch.equal(other.get_state(), saved_data), "torch": torch.equal(torch.get_rng_state(), saved_torch),
-            "step": step}  # fmt: skip
+    restored_torch = torch.equal(torch.get_rng_state(), saved_torch)
+    return {"data": torch.equal(other.get_state(), saved_data), "torch": restored_torch, "step": step}
 
 
 __all__ = ["rng_round_trip"]
