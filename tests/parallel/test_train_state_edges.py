@@ -1,0 +1,99 @@
+"""The DCP training state in one process (no process group): a resume restores the weights, the AdamW moments and
+the caller's extras, returns a default for an extra the checkpoint lacks, and refuses a checkpoint of another
+model by naming the keys it lacks; glm53 train's torchrun resume (as one rank) restores the step, the --data
+cursor and both RNG states, on gloo every rank its own.
+
+Legend: a training state is `model.<fqn>`, `optim.<fqn>.<exp_avg|exp_avg_sq|step>`, `optim.param_groups`,
+`extra.<name>` (glm53/parallel/train_state.py).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from glm53 import Glm53Config, Glm53ForCausalLM
+from glm53.parallel.train_state import read_training_state, write_training_state
+from glm53.training.state import resume_distributed, save_distributed, trainer_state
+from tests.helpers.train_state_edges_jobs import rng_round_trip
+
+
+def _stepped(config: Glm53Config, seed: int, lr: float = 1e-2, steps: int = 1):
+    """(model, AdamW) after `steps` steps on random ids."""
+    torch.manual_seed(seed)
+    model = Glm53ForCausalLM(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    if steps == 0:
+        return model, optimizer
+    ids = torch.randint(1, config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(seed))
+    model(ids, labels=ids).loss.backward()
+    optimizer.step()
+    return model, optimizer
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("state") / "train_state")
+    model, optimizer = _stepped(Glm53Config.tiny(), seed=0)
+    write_training_state(directory, model, optimizer, {"step": 7, "rng": torch.arange(5, dtype=torch.uint8)})
+    return dict(directory=directory, model=model, optimizer=optimizer)
+
+
+@pytest.mark.parametrize("steps", [0, 1], ids=["fresh", "stepped"])
+def test_resume_restores_weights_moments_lr_and_extras(saved, steps):
+    """Into a fresh optimizer (no state yet) or one with other moments; with 3x the saved lr."""
+    model, optimizer = _stepped(Glm53Config.tiny(), seed=1, lr=3e-2, steps=steps)
+    extra = read_training_state(saved["directory"], model, optimizer,
+                                {"step": 0, "rng": torch.zeros(5, dtype=torch.uint8), "absent": "default"})  # fmt: skip
+    assert extra["step"] == 7 and extra["absent"] == "default"
+    assert torch.equal(extra["rng"], torch.arange(5, dtype=torch.uint8))
+    for (name, p), q in zip(model.named_parameters(), saved["model"].parameters()):
+        assert torch.equal(p, q), name
+    with_state = 0
+    for p, q in zip(model.parameters(), saved["model"].parameters()):
+        mine, theirs = optimizer.state[p], saved["optimizer"].state[q]  # {} for parameters that had no gradient
+        assert set(mine) == set(theirs)
+        for key, value in theirs.items():
+            assert torch.equal(mine[key], value), key
+        with_state += bool(theirs)
+    assert with_state > 0
+    assert [g["lr"] for g in optimizer.param_groups] == [1e-2]
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_its_missing_keys(saved):
+    model = Glm53ForCausalLM(Glm53Config.tiny(num_nextn_predict_layers=1))  # has MTP tensors the save lacks
+    with pytest.raises(KeyError, match=r"lacks training-state keys \['model\.mtp\.layers\.0\."):
+        read_training_state(saved["directory"], model, None)
+
+
+def test_a_directory_without_metadata_is_not_a_training_state(tmp_path):
+    with pytest.raises(FileNotFoundError, match="holds no DCP training state"):
+        read_training_state(str(tmp_path), Glm53ForCausalLM(Glm53Config.tiny()), None)
+
+
+def test_distributed_resume_restores_step_data_cursor_and_both_rng_states(tmp_path):
+    """glm53 train's torchrun save and resume, as rank 0 of a one-rank run: the step, the --data cursor, the data
+    generator and the global torch RNG come back as saved (nothing in a step may draw from an unrestored RNG)."""
+    model, optimizer = _stepped(Glm53Config.tiny(), seed=2)
+    par = SimpleNamespace(rank=lambda: 0)
+    generator = torch.Generator().manual_seed(11)
+    torch.rand(3, generator=generator)  # a state that is not a fresh seed's
+    torch.manual_seed(12)
+    state = trainer_state(5, optimizer, generator, par, (1, 1), data={"file": "a.jsonl", "offset": 42})
+    saved_torch, saved_data = torch.get_rng_state(), generator.get_state()
+    save_distributed(model, str(tmp_path / "run"), {**state, "dp_rank": 0}, par, export=True)
+
+    torch.manual_seed(99)
+    other = torch.Generator().manual_seed(98)
+    fresh, fresh_optimizer = _stepped(Glm53Config.tiny(), seed=3, steps=0)
+    step, data = resume_distributed(str(tmp_path / "run"), fresh, fresh_optimizer, None, (1, 1), 0, other)
+    assert step == 5 and data == {"file": "a.jsonl", "offset": 42}
+    assert torch.equal(other.get_state(), saved_data)
+    assert torch.equal(torch.get_rng_state(), saved_torch)
+    assert torch.equal(fresh.lm_head.weight, model.lm_head.weight)
+
+
+def test_every_rank_resumes_its_own_rng_states(pool2, tmp_path):
+    assert pool2.run(rng_round_trip, path=str(tmp_path / "run")) == [{"data": True, "torch": True, "step": 3}] * 2
