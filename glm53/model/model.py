@@ -45,7 +45,7 @@ from .block import DecoderBlock, run_block
 from .context import ForwardContext, LayerStats, SequenceShards
 from .cp import across_ranks, sharded_packing_fields, sharded_targets
 from .hyper_connection import HyperConnection, collapse_streams, expand_streams
-from .inputs import check_device, check_inputs_embeds, check_token_ids
+from .inputs import check_device, check_inputs_embeds, check_optional_tensor, check_token_ids
 from .mla import MultiHeadLatentAttention
 from .moe import MoE, Router
 from .mtp import MultiTokenPrediction, mtp_labels
@@ -140,6 +140,8 @@ def packing_fields(valid: torch.Tensor, cu_seqlens: torch.Tensor | None, positio
     Under context parallelism (`cp`) documents come as this slice's `position_ids` (model/cp.py): every rank
     then has both fields, its own slice holding a document start or not."""
     B, T = valid.shape
+    check_optional_tensor("cu_seqlens", cu_seqlens, valid.device, "int [n_docs + 1] over the flattened tokens")
+    check_optional_tensor("position_ids", position_ids, valid.device, "[batch, seq] restarting at 0 per document")
     if cp is not None:
         if cu_seqlens is not None:
             raise ValueError("under context parallelism pass packed documents as position_ids (this slice's, "
@@ -217,6 +219,9 @@ class Glm53ForCausalLM(nn.Module):
         glm53.parallel.context_parallel_inputs makes all of them. Every loss part is then the whole batch's."""
         if labels is not None:  # before the forward: a bad label would otherwise fail only in the loss
             check_token_ids("labels", labels, self.config.vocab_size, self.lm_head.weight.device, ignore=IGNORE_INDEX)
+        if loss_denominators is not None and not isinstance(loss_denominators, LossCounts):
+            raise TypeError(f"loss_denominators must be a LossCounts (model.loss_counts, summed over micro-batches "
+                            f"and ranks) or None, got {type(loss_denominators).__name__}")  # fmt: skip
         collect = labels is not None or self.training
         if cp is not None and labels is not None and loss_denominators is None:
             raise ValueError("under context parallelism (cp) pass loss_denominators: the counts of the whole "
