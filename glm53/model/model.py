@@ -37,7 +37,7 @@ from ..checkpoint.convert import from_transformers
 from ..checkpoint.load import load_checkpoint
 from ..checkpoint.save import save_checkpoint
 from ..config import Glm53Config
-from ..precision import cast_model, resolve_dtype
+from ..precision import cast_model, resolve_device, resolve_dtype
 from ..training.loss_counts import LossCounts, count_loss_terms
 from ..training.losses import IGNORE_INDEX, causal_lm_head_loss, expert_load, head_target_loss, indexer_kl_terms
 from ..training.losses import router_aux_loss
@@ -257,6 +257,8 @@ class Glm53ForCausalLM(nn.Module):
                     position_ids: torch.Tensor | None = None) -> LossCounts:  # fmt: skip
         """How many terms each loss part of a forward on the same inputs averages over (no forward needed);
         with position_ids, each packed document counts as if it were alone."""
+        device = labels.device if isinstance(labels, torch.Tensor) else torch.device("cpu")  # counts need no model
+        check_token_ids("labels", labels, self.config.vocab_size, device, ignore=IGNORE_INDEX)
         valid = padding_mask(attention_mask, labels.shape, labels.device)
         return count_loss_terms(self.config, labels, valid, position_ids)
 
@@ -410,7 +412,7 @@ class Glm53ForCausalLM(nn.Module):
     def from_pretrained(cls, path: str | os.PathLike, dtype: torch.dtype | str | None = None,
                         device: str | torch.device = "cpu") -> "Glm53ForCausalLM":  # fmt: skip
         """Load an official-layout checkpoint directory (see glm53.checkpoint.load_checkpoint)."""
-        return load_checkpoint(cls, path, dtype=dtype, device=device)
+        return load_checkpoint(cls, path, dtype=dtype, device=resolve_device(device))
 
     @classmethod
     def from_transformers(cls, hf_model: nn.Module) -> "Glm53ForCausalLM":
