@@ -67,6 +67,10 @@ class CausalLMOutput:
 class Glm53Model(nn.Module):
     def __init__(self, config: Glm53Config) -> None:
         super().__init__()
+        if not isinstance(config, Glm53Config):
+            raise TypeError(f"config must be a Glm53Config (Glm53Config.from_dict for a dict), got "
+                            f"{type(config).__name__}")  # fmt: skip
+        config.validate()  # a field changed after construction is checked here, before any module uses it
         self.config = config
         # padding_idx as transformers' Glm5NextTextModel: the pad row never receives a gradient (a left-padded
         # row's last pad position predicts the first real token, which would otherwise train it); forward unchanged
@@ -106,6 +110,8 @@ class Glm53Model(nn.Module):
         state to every block; with `ctx.collect_stats` each layer's LayerStats is appended to `stats`. `cache` (a
         glm53.generation.GenerationCache, when ctx is absent): the first forward fills it, later ones continue it.
         """
+        if ctx is not None and not isinstance(ctx, ForwardContext):
+            raise TypeError(f"ctx must be a ForwardContext or None, got {type(ctx).__name__}")
         inputs_embeds = self.embed(input_ids, inputs_embeds)
         if ctx is None:
             valid = padding_mask(attention_mask, inputs_embeds.shape[:2], inputs_embeds.device)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from glm53.config import Glm53Config
-from glm53.errors import InputError
+from glm53.errors import ConfigError, InputError
 from glm53.model import Glm53ForCausalLM
 from glm53.precision import cast_model, resolve_device
 
@@ -73,3 +73,26 @@ def test_cast_model_dtype(dtype, match):
 def test_loss_counts_labels(saved, labels, error, match):
     with pytest.raises(error, match=match):
         saved[0].loss_counts(labels)
+
+
+@pytest.mark.parametrize("config", [None, {"vocab_size": 320}, "config.json"])
+def test_model_needs_a_config(config):
+    with pytest.raises(TypeError, match="config must be a Glm53Config"):
+        Glm53ForCausalLM(config)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("hidden_size", "32", "hidden_size must be a positive int, got '32'"),
+    ("num_experts_per_tok", 100, r"num_experts_per_tok \(100\) must not exceed n_routed_experts"),
+    ("layer_types", ["linear_attention"], "layer_types has 1 entries but num_hidden_layers is 4"),
+])  # fmt: skip
+def test_config_changed_after_construction_is_checked_by_the_model(field, value, match):
+    config = Glm53Config.tiny()
+    setattr(config, field, value)
+    with pytest.raises(ConfigError, match=match):
+        Glm53ForCausalLM(config)
+
+
+def test_forward_context_of_another_type(saved):
+    with pytest.raises(TypeError, match="ctx must be a ForwardContext or None, got dict"):
+        saved[0].model(torch.ones(1, 4, dtype=torch.long), ctx={})
