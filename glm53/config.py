@@ -292,6 +292,8 @@ class Glm53Config:
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> "Glm53Config":
         """Read a checkpoint directory's config.json, or a config.json path."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path must be a checkpoint directory or config.json path, got {type(path).__name__}")
         path = os.fspath(path)
         file = os.path.join(path, "config.json") if os.path.isdir(path) else path
         if not os.path.isfile(file):

@@ -418,6 +418,8 @@ class Glm53ForCausalLM(nn.Module):
     def from_pretrained(cls, path: str | os.PathLike, dtype: torch.dtype | str | None = None,
                         device: str | torch.device = "cpu") -> "Glm53ForCausalLM":  # fmt: skip
         """Load an official-layout checkpoint directory (see glm53.checkpoint.load_checkpoint)."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path must be a checkpoint directory, got {type(path).__name__}")
         return load_checkpoint(cls, path, dtype=dtype, device=resolve_device(device))
 
     @classmethod
@@ -429,5 +431,7 @@ class Glm53ForCausalLM(nn.Module):
                         dtype: torch.dtype | str | None = None, overwrite: bool = False,
                         allow_non_finite: bool = False) -> str:  # fmt: skip
         """Write the official layout atomically (see glm53.checkpoint.save_checkpoint) -> the directory."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path must be a directory to write, got {type(path).__name__}")
         return save_checkpoint(self, path, max_shard_size=max_shard_size, dtype=dtype, overwrite=overwrite,
                                allow_non_finite=allow_non_finite)  # fmt: skip

@@ -96,3 +96,10 @@ def test_config_changed_after_construction_is_checked_by_the_model(field, value,
 def test_forward_context_of_another_type(saved):
     with pytest.raises(TypeError, match="ctx must be a ForwardContext or None, got dict"):
         saved[0].model(torch.ones(1, 4, dtype=torch.long), ctx={})
+
+
+@pytest.mark.parametrize("path", [None, 3, ["dir"]])
+def test_paths_of_another_type(saved, path):
+    for call in (Glm53Config.from_pretrained, Glm53ForCausalLM.from_pretrained, saved[0].save_pretrained):
+        with pytest.raises(TypeError, match=f"path must be a .*, got {type(path).__name__}"):
+            call(path)
