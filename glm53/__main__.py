@@ -10,9 +10,11 @@ import time
 import torch
 
 from .config import Glm53Config
+from .errors import Glm53Error
 from .generation import cli as generate_cli
 from .model import Glm53ForCausalLM
 from .training import cli as train_cli
+from .training.args import positive_float, positive_int, seed_int, sequence_length
 from .training.data import VOCAB_SIZE, batches, corpus_text, encode
 
 
@@ -43,11 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m glm53")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="forward + a few optimizer steps of the tiny preset on the built-in corpus")
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--steps", type=positive_int, default=5)
+    p.add_argument("--seed", type=seed_int, default=0)
+    p.add_argument("--batch-size", type=positive_int, default=4)
+    p.add_argument("--seq-len", type=sequence_length, default=64)
+    p.add_argument("--lr", type=positive_float, default=3e-3)
     p.set_defaults(func=demo)
     p = sub.add_parser("train", help="train a preset on the built-in corpus; save/resume official checkpoints")
     train_cli.add_arguments(p)
@@ -56,6 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     generate_cli.add_arguments(p)
     p.set_defaults(func=generate_cli.run)
     args = parser.parse_args(argv)
+    if args.command == "demo":
+        try:
+            return demo(args)
+        except Glm53Error as e:  # a --seq-len longer than the corpus: one line, no traceback
+            print(f"glm53 demo: error: {e}", file=sys.stderr, flush=True)
+            return 1
     return args.func(args)
 
 

@@ -237,6 +237,9 @@ class Glm53Config:
         kwargs: dict[str, Any] = {}
         extra: dict[str, Any] = {}
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        layers = text.get("num_hidden_layers", 45)
+        if not is_int(layers) or layers < 1:  # before the schedules below are built from it
+            raise ConfigError(f"num_hidden_layers must be a positive int, got {layers!r}")
         schedule = {k: text.pop(k) for k in ("index_topk_pattern", "index_topk_freq", "index_skip_topk_offset")
                     if k in text}  # fmt: skip
         linear = text.pop("linear_attn_config", None)
@@ -289,6 +292,8 @@ class Glm53Config:
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> "Glm53Config":
         """Read a checkpoint directory's config.json, or a config.json path."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path must be a checkpoint directory or config.json path, got {type(path).__name__}")
         path = os.fspath(path)
         file = os.path.join(path, "config.json") if os.path.isdir(path) else path
         if not os.path.isfile(file):
@@ -344,6 +349,13 @@ def _apply_linear_attn_config(kwargs: dict[str, Any], linear: dict[str, Any]) ->
         listed = linear.get(name, [])
         if not isinstance(listed, list) or not all(is_int(i) for i in listed):
             raise ConfigError(f"linear_attn_config[{name!r}] must be a list of 1-based layer numbers, got {listed!r}")
+        outside = [i for i in listed if not 1 <= i <= kwargs.get("num_hidden_layers", 45)]
+        if outside:
+            raise ConfigError(f"linear_attn_config[{name!r}] names layers {outside} outside 1.."
+                              f"{kwargs.get('num_hidden_layers', 45)} (num_hidden_layers)")  # fmt: skip
+    both = sorted(set(linear.get("kda_layers", [])) & set(linear.get("full_attn_layers", [])))
+    if both:
+        raise ConfigError(f"linear_attn_config lists layers {both} in both kda_layers and full_attn_layers")
     # transformers: a "safe gate" (the dict's default) always has a bound; with none given it is -5.
     if linear.get("safe_gate", True) and kwargs.get("linear_lower_bound", -5.0) is None:
         kwargs["linear_lower_bound"] = SAFE_GATE_LOWER_BOUND

@@ -130,8 +130,13 @@ def check_token_ids(cfg: Any) -> None:
     eos_ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
     if not all(is_int(i) and i >= 0 for i in eos_ids):
         raise ConfigError(f"eos_token_id must be a non-negative int, a list of them or None, got {eos!r}")
-    if cfg.pad_token_id is not None and not cfg.pad_token_id < cfg.vocab_size:
-        raise ConfigError(f"pad_token_id ({cfg.pad_token_id!r}) must lie in [0, vocab_size={cfg.vocab_size})")
+    # Every special id indexes the embedding and the head: one past the vocabulary is never produced (EOS would
+    # never stop generation) or fails deep in nn.Embedding.
+    for name in (*_OPTIONAL_TOKEN_ID, "eos_token_id"):
+        value = getattr(cfg, name)
+        for i in value if isinstance(value, list) else [] if value is None else [value]:
+            if not i < cfg.vocab_size:
+                raise ConfigError(f"{name} ({value!r}) must lie in [0, vocab_size={cfg.vocab_size})")
 
 
 def check_list_fields(cfg: Any) -> None:

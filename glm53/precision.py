@@ -24,7 +24,9 @@ def keeps_fp32(name: str) -> bool:
 
 
 def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """Cast floating parameters and buffers to `dtype`, keeping the FP32_KEEP ones in fp32."""
+    """Cast floating parameters and buffers to `dtype` (a floating dtype or its name), keeping the FP32_KEEP ones
+    in fp32."""
+    dtype = resolve_dtype(dtype)
     with torch.no_grad():
         for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
             if tensor.is_floating_point():
@@ -49,4 +51,15 @@ def resolve_dtype(dtype: torch.dtype | str, what: str = "dtype") -> torch.dtype:
     return dtype
 
 
-__all__ = ["FP32_KEEP", "keeps_fp32", "cast_model", "resolve_dtype"]
+def resolve_device(device: torch.device | str | int, what: str = "device") -> torch.device:
+    """A torch.device from a device, its name ("cpu", "cuda:1") or a CUDA index; else TypeError naming `what`."""
+    if isinstance(device, bool) or not isinstance(device, (torch.device, str, int)):
+        raise TypeError(f"{what} must be a torch.device, a device name or an index, got {device!r} "
+                        f"({type(device).__name__})")  # fmt: skip
+    try:
+        return torch.device(device)
+    except RuntimeError as e:
+        raise TypeError(f"{what}={device!r} is not a device ({e})") from None
+
+
+__all__ = ["FP32_KEEP", "keeps_fp32", "cast_model", "resolve_device", "resolve_dtype"]

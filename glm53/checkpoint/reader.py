@@ -65,6 +65,10 @@ def checkpoint_files(path: str) -> dict[str, str]:
     Every file must resolve inside `path` (paths.py); an entry naming anything else raises CheckpointError.
     """
     index = os.path.join(path, INDEX_FILE)
+    if os.path.isfile(index) and os.path.lexists(os.path.join(path, SINGLE_FILE)):
+        # Either could be stale (a copy over another checkpoint): reading one silently would pick at random.
+        raise CheckpointError(f"{path} holds both {SINGLE_FILE} and {INDEX_FILE}: which weights are meant is "
+                              f"ambiguous; remove the stale one")  # fmt: skip
     if os.path.isfile(index):
         confined(path, INDEX_FILE, path)
         weight_map = _weight_map(index)

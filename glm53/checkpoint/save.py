@@ -80,6 +80,9 @@ def save_checkpoint(model: torch.nn.Module, path: str | os.PathLike, *, max_shar
     replaces the checkpoint's own files (config, weights, index, old shards) and keeps every other file of the
     directory; a regular file at `path` is always refused.
     """
+    for name, flag in (("overwrite", overwrite), ("allow_non_finite", allow_non_finite)):
+        if not isinstance(flag, bool):  # overwrite="no" is truthy: it would replace a checkpoint
+            raise TypeError(f"{name} must be True or False, got {flag!r}")
     dtype = check_savable(model, dtype, allow_non_finite)
     with atomic_directory(path, overwrite=overwrite, own=checkpoint_owns) as tmp:
         write_checkpoint_files(model, tmp, max_shard_size=max_shard_size, dtype=dtype)

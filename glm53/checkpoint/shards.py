@@ -31,6 +31,8 @@ def parse_size(size: int | str) -> int:
     """Bytes from an int or a string such as "5GB", "500MB", "2GiB" (decimal units as in transformers)."""
     if isinstance(size, int) and not isinstance(size, bool):
         value = size
+    elif not isinstance(size, str):  # a float 1.5 would read as "1.5" bytes
+        raise ValueError(f"max_shard_size must be an int or a size like '5GB', got {size!r}")
     else:
         m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", str(size).upper())
         if not m or m[2] not in _UNITS:

@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import Glm53Error
+from ..model.inputs import check_device
 from . import layers
 
 GROWTH = 2  # latent / pool buffers grow geometrically, so appends are amortised O(1)
@@ -357,4 +358,17 @@ class GenerationCache:
         return self.nbytes() / max(1, self.seq_len)
 
 
-__all__ = ["CacheError", "GenerationError", "GenerationCache", "KdaLayerCache", "MlaLayerCache"]
+def check_step_inputs(step: str, model, cache: object, ids: object) -> None:
+    """decode_step / verify_step: a GenerationCache and integer ids on the model's device (a meta id tensor
+    decoded NaNs, a float one failed in F.embedding). Host-free: the ids' values are not read here, as each step
+    of `generate` feeds ids the model chose itself."""
+    if not isinstance(cache, GenerationCache):
+        raise CacheError(f"{step} takes a GenerationCache, got {type(cache).__name__}")
+    if not isinstance(ids, torch.Tensor):
+        raise CacheError(f"{step} takes ids as a torch.Tensor, got {type(ids).__name__}")
+    if ids.dtype not in (torch.long, torch.int):
+        raise CacheError(f"{step} takes integer ids (torch.long or torch.int32), got {ids.dtype}")
+    check_device("ids", ids, model.lm_head.weight.device)
+
+
+__all__ = ["CacheError", "GenerationError", "GenerationCache", "KdaLayerCache", "MlaLayerCache", "check_step_inputs"]

@@ -10,13 +10,16 @@ directory has no tokenizer files). Greedy by default; `--temperature T` > 0 or `
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
 import torch
 
+from ..errors import Glm53Error
 from ..model.model import Glm53ForCausalLM
 from ..training import data as byte_codec
+from ..training.args import existing_dir, seed_int
 from .loop import generate
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -41,24 +44,28 @@ def _float_in(low: float, high: float, low_open: bool):
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not (value > low if low_open else value >= low) or not value <= high:
+        if not math.isfinite(value) or not (value > low if low_open else value >= low) or not value <= high:
             raise argparse.ArgumentTypeError(f"must lie in {'(' if low_open else '['}{low}, {high}], got {value}")
         return value
 
     return parse
 
 
+def _tokenizer(text: str) -> str:
+    return text if text == "bytes" else existing_dir(text)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="an official-layout checkpoint directory")
-    p.add_argument("--tokenizer", default=None, help="a transformers tokenizer directory or 'bytes' (default: the "
-                   "model directory if it holds a tokenizer, else the built-in byte codec)")  # fmt: skip
+    p.add_argument("--model", required=True, type=existing_dir, help="an official-layout checkpoint directory")
+    p.add_argument("--tokenizer", default=None, type=_tokenizer, help="a transformers tokenizer directory or 'bytes' "
+                   "(default: the model directory if it holds a tokenizer, else the built-in byte codec)")  # fmt: skip
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=_int_at_least(0), default=64)
-    p.add_argument("--temperature", type=_float_in(0.0, float("inf"), False), default=0.0,
+    p.add_argument("--temperature", type=_float_in(0.0, math.inf, False), default=0.0,
                    help="0 = greedy (default); > 0 samples")  # fmt: skip
     p.add_argument("--top-p", type=_float_in(0.0, 1.0, True), default=None)
     p.add_argument("--top-k", type=_int_at_least(1), default=None)
-    p.add_argument("--seed", type=_int_at_least(0), default=0)
+    p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--mtp", type=_int_at_least(1), default=None, metavar="K",
                    help="greedy MTP speculative decoding with K draft tokens per step")  # fmt: skip
     p.add_argument("--compile", nargs="?", const="inductor", default=None, choices=("inductor", "aot_eager"),
@@ -75,10 +82,15 @@ class _Codec:
             has = any(os.path.exists(os.path.join(model_dir, f)) for f in TOKENIZER_FILES)
             tokenizer = model_dir if has else "bytes"
         self.hf = None
+        if tokenizer != "bytes" and not any(os.path.exists(os.path.join(tokenizer, f)) for f in TOKENIZER_FILES):
+            raise OSError(f"--tokenizer {tokenizer}: no tokenizer there (none of {', '.join(TOKENIZER_FILES)})")
         if tokenizer != "bytes":
             from transformers import AutoTokenizer
 
-            self.hf = AutoTokenizer.from_pretrained(tokenizer)
+            try:
+                self.hf = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
+            except (OSError, ValueError) as e:  # transformers' own errors, re-raised naming the flag
+                raise OSError(f"--tokenizer {tokenizer}: cannot load a tokenizer there ({e})") from e
 
     def encode(self, text: str) -> torch.Tensor:
         if self.hf is None:
@@ -119,6 +131,15 @@ class _TextStreamer:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except (Glm53Error, OSError) as e:
+        # A checkpoint or tokenizer that cannot be read, a prompt too long for the model: one line, no traceback.
+        print(f"glm53 generate: error: {e}", file=sys.stderr, flush=True)
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     model = Glm53ForCausalLM.from_pretrained(args.model).eval()
     codec = _Codec(args.model, args.tokenizer)

@@ -6,8 +6,7 @@ K query/key head width, V value head width, Z kv_lora_rank, W conv width, L toke
 J selected key slots.
 It computes what `Glm53Model.forward(ids[:, None], cache=cache)` computes (the generic cached path: the model's
 blocks calling layers.py), formula by formula in the same dtypes; only the bookkeeping around the arithmetic differs:
-- no time axis (every [B, 1, ...] tensor is [B, ...]), no padding mask and no input validation per step: decode
-  tokens are all valid and come from the model's own picks;
+- no time axis (every [B, 1, ...] tensor is [B, ...]), no padding mask, no host read of the ids (model picks);
 - what depends only on the weights is made once per cache (`DecodePlan`): local weight views, each mHC site's
   scale and bias vectors, KDA's exp(A_log) and its three conv kernels side by side, MLA's absorbed per-head maps;
   derived weights (linears that read the same input stacked into one: KDA's six input projections, MLA's q_a, kv_a
@@ -37,7 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..boundary import as_local
-from .cache import CacheError, GenerationCache, KdaLayerCache, MlaLayerCache, _grow
+from .cache import CacheError, GenerationCache, KdaLayerCache, MlaLayerCache, _grow, check_step_inputs
 from .decode_common import _absorbed_attention, _as, _derived, _packed_linears, _rms, _unit_rms, _weight  # noqa: F401 (verify.py)
 from .decode_host import host_coefficients, host_mixers, use_host
 from .decode_moe import _Mlp, _mlp, _Moe, _moe, _moe_step  # noqa: F401 (verify.py, tests)
@@ -482,6 +481,7 @@ def decode_step(model: nn.Module, cache: GenerationCache, ids: torch.Tensor) -> 
     Equals `model.model(ids[:, None], cache=cache)[:, 0]` up to fp32 rounding. The cache must be a prefilled,
     unmarked main-model cache of `model` (speculative verification: verify.py's T-token step).
     """
+    check_step_inputs("decode_step", model, cache, ids)
     plan = cache.decode_plan
     if plan is None:
         plan = cache.decode_plan = build_plan(model, cache)

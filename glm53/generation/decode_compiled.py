@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from ..kernels.moe import clamped_swiglu_packed
 from ..model.moe import NORM_EPS
-from .cache import CacheError, GenerationCache, GenerationError
+from .cache import CacheError, GenerationCache, GenerationError, check_step_inputs
 from .decode import (_Block, _Kda, _Mla, _Mlp, _Moe, _Site, _absorbed_attention, _as, _attention, _cache_token,
                      _unit_rms, build_plan)  # fmt: skip
 from .decode import decode_step
@@ -384,6 +384,7 @@ def compiled_decode_step(model, cache: GenerationCache, ids: torch.Tensor, backe
                          cpp_wrapper: bool = False) -> torch.Tensor:  # fmt: skip
     """decode_step (same arguments, result and cache effects) with the tensor work compiled by `backend`
     ("inductor"; "aot_eager" traces without code generation). The first call per (config, batch) compiles."""
+    check_step_inputs("decode_step", model, cache, ids)
     if cache.marked:
         raise CacheError("decode_step cannot run on a marked cache (rewind() it first)")
     plan = cache.decode_plan

@@ -16,6 +16,7 @@ import time
 import torch
 
 from .cache import GenerationCache, GenerationError
+from .checks import check_call
 from .decode_compiled import step_function
 from .emit import Emitter, GenerationStats, Options
 from .sampling import next_tokens
@@ -33,6 +34,8 @@ def left_padded_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | Non
     if tuple(attention_mask.shape) != tuple(input_ids.shape):
         raise GenerationError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids "
                               f"{tuple(input_ids.shape)}")  # fmt: skip
+    if bool(((attention_mask != 0) & (attention_mask != 1)).any()):  # NOTE: syncs
+        raise GenerationError("attention_mask must hold only 0 (padding) and 1 (token)")
     valid = attention_mask != 0
     if not bool(valid[:, -1].all()) or bool((valid[:, 1:].long() < valid[:, :-1].long()).any()):  # NOTE: syncs
         raise GenerationError("attention_mask must be left-padded (0s then 1s in every row, a token last): "
@@ -93,6 +96,8 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     fp32 rounding, faster per token after a one-off compile of tens of seconds), with speculative="mtp" each verify
     and draft step (verify_compiled.py, mtp_compiled.py); a backend name picks the backend.
     """
+    check_call(model, input_ids, attention_mask, do_sample, temperature, top_k, top_p, pad_token_id, generator,
+               streamer, return_stats)  # fmt: skip
     valid = left_padded_mask(input_ids, attention_mask)
     opts = check_options(model, input_ids, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id,
                          pad_token_id, generator)  # fmt: skip

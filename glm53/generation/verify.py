@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from ..boundary import as_local
 from ..kernels import kernel
-from .cache import CacheError, GenerationCache, KdaLayerCache, MlaLayerCache
+from .cache import CacheError, GenerationCache, KdaLayerCache, MlaLayerCache, check_step_inputs
 from .decode_common import _absorbed_attention
 from .decode import (KDA_RECURRENT_DTYPE, _as, _Block, _coefficients, _collapse, _Indexer, _Kda, _Mla, _mla, _Moe,
                      _moe, _moe_step, _mix, _push_pool_token, _rms, _site, build_plan)  # fmt: skip
@@ -225,6 +225,7 @@ def block_tokens(blk: _Block, sites: tuple, streams: torch.Tensor, B: int, topk:
 
 def checked_plan(model: nn.Module, cache: GenerationCache, ids: torch.Tensor):
     """The cache's decode plan (built on first use) for a verify of ids [B, T] (T >= 1, the cache's batch)."""
+    check_step_inputs("verify_step", model, cache, ids)
     plan = cache.decode_plan
     if plan is None:
         plan = cache.decode_plan = build_plan(model, cache)

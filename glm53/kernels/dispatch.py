@@ -76,6 +76,8 @@ def use_backend(backend: str, ops: list[str] | None = None) -> Iterator[None]:
     With `ops` None every registered op that has `backend` is forced (a backend no op has raises: a misspelt
     name would otherwise force nothing); a named op without it raises.
     """
+    if isinstance(ops, str):  # list("kda") would name the ops 'k', 'd', 'a'
+        raise TypeError(f"ops must be a list of op names or None, got the string {ops!r}; pass [{ops!r}]")
     names = [op for op in _REGISTRY if backend in _REGISTRY[op]] if ops is None else list(ops)
     if not names and ops is None:
         known = sorted({name for impls in _REGISTRY.values() for name in impls})

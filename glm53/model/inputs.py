@@ -54,6 +54,18 @@ def check_token_ids(name: str, ids: object, vocab_size: int, device: torch.devic
         raise InputError(f"{name} holds {value}, outside {allowed} (at index {tuple(bad.nonzero()[0].tolist())})")
 
 
+def check_optional_tensor(name: str, value: object, device: torch.device, what: str) -> None:
+    """`value` None or a tensor with data (position_ids, cu_seqlens: a meta one fails in a host read, a list in an
+    attribute lookup, neither naming the argument). Another real device is fine: the model moves these small
+    integer tensors to its own."""
+    if value is None:
+        return
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor ({what}) or None, got {type(value).__name__}")
+    if value.device.type == "meta":
+        check_device(name, value, device)
+
+
 def check_inputs_embeds(embeds: object, weight: torch.Tensor, hidden_size: int) -> None:
     """`embeds` [B, T, D] in the embedding's dtype and on its device."""
     if not isinstance(embeds, torch.Tensor):
@@ -70,4 +82,4 @@ def check_inputs_embeds(embeds: object, weight: torch.Tensor, hidden_size: int) 
     check_device("inputs_embeds", embeds, weight.device)
 
 
-__all__ = ["check_device", "check_token_ids", "check_inputs_embeds"]
+__all__ = ["check_device", "check_optional_tensor", "check_token_ids", "check_inputs_embeds"]

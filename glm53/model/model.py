@@ -37,7 +37,7 @@ from ..checkpoint.convert import from_transformers
 from ..checkpoint.load import load_checkpoint
 from ..checkpoint.save import save_checkpoint
 from ..config import Glm53Config
-from ..precision import cast_model, resolve_dtype
+from ..precision import cast_model, resolve_device, resolve_dtype
 from ..training.loss_counts import LossCounts, count_loss_terms
 from ..training.losses import IGNORE_INDEX, causal_lm_head_loss, expert_load, head_target_loss, indexer_kl_terms
 from ..training.losses import router_aux_loss
@@ -45,7 +45,7 @@ from .block import DecoderBlock, run_block
 from .context import ForwardContext, LayerStats, SequenceShards
 from .cp import across_ranks, sharded_packing_fields, sharded_targets
 from .hyper_connection import HyperConnection, collapse_streams, expand_streams
-from .inputs import check_device, check_inputs_embeds, check_token_ids
+from .inputs import check_device, check_inputs_embeds, check_optional_tensor, check_token_ids
 from .mla import MultiHeadLatentAttention
 from .moe import MoE, Router
 from .mtp import MultiTokenPrediction, mtp_labels
@@ -67,6 +67,10 @@ class CausalLMOutput:
 class Glm53Model(nn.Module):
     def __init__(self, config: Glm53Config) -> None:
         super().__init__()
+        if not isinstance(config, Glm53Config):
+            raise TypeError(f"config must be a Glm53Config (Glm53Config.from_dict for a dict), got "
+                            f"{type(config).__name__}")  # fmt: skip
+        config.validate()  # a field changed after construction is checked here, before any module uses it
         self.config = config
         # padding_idx as transformers' Glm5NextTextModel: the pad row never receives a gradient (a left-padded
         # row's last pad position predicts the first real token, which would otherwise train it); forward unchanged
@@ -106,6 +110,8 @@ class Glm53Model(nn.Module):
         state to every block; with `ctx.collect_stats` each layer's LayerStats is appended to `stats`. `cache` (a
         glm53.generation.GenerationCache, when ctx is absent): the first forward fills it, later ones continue it.
         """
+        if ctx is not None and not isinstance(ctx, ForwardContext):
+            raise TypeError(f"ctx must be a ForwardContext or None, got {type(ctx).__name__}")
         inputs_embeds = self.embed(input_ids, inputs_embeds)
         if ctx is None:
             valid = padding_mask(attention_mask, inputs_embeds.shape[:2], inputs_embeds.device)
@@ -140,6 +146,8 @@ def packing_fields(valid: torch.Tensor, cu_seqlens: torch.Tensor | None, positio
     Under context parallelism (`cp`) documents come as this slice's `position_ids` (model/cp.py): every rank
     then has both fields, its own slice holding a document start or not."""
     B, T = valid.shape
+    check_optional_tensor("cu_seqlens", cu_seqlens, valid.device, "int [n_docs + 1] over the flattened tokens")
+    check_optional_tensor("position_ids", position_ids, valid.device, "[batch, seq] restarting at 0 per document")
     if cp is not None:
         if cu_seqlens is not None:
             raise ValueError("under context parallelism pass packed documents as position_ids (this slice's, "
@@ -217,6 +225,9 @@ class Glm53ForCausalLM(nn.Module):
         glm53.parallel.context_parallel_inputs makes all of them. Every loss part is then the whole batch's."""
         if labels is not None:  # before the forward: a bad label would otherwise fail only in the loss
             check_token_ids("labels", labels, self.config.vocab_size, self.lm_head.weight.device, ignore=IGNORE_INDEX)
+        if loss_denominators is not None and not isinstance(loss_denominators, LossCounts):
+            raise TypeError(f"loss_denominators must be a LossCounts (model.loss_counts, summed over micro-batches "
+                            f"and ranks) or None, got {type(loss_denominators).__name__}")  # fmt: skip
         collect = labels is not None or self.training
         if cp is not None and labels is not None and loss_denominators is None:
             raise ValueError("under context parallelism (cp) pass loss_denominators: the counts of the whole "
@@ -252,6 +263,8 @@ class Glm53ForCausalLM(nn.Module):
                     position_ids: torch.Tensor | None = None) -> LossCounts:  # fmt: skip
         """How many terms each loss part of a forward on the same inputs averages over (no forward needed);
         with position_ids, each packed document counts as if it were alone."""
+        device = labels.device if isinstance(labels, torch.Tensor) else torch.device("cpu")  # counts need no model
+        check_token_ids("labels", labels, self.config.vocab_size, device, ignore=IGNORE_INDEX)
         valid = padding_mask(attention_mask, labels.shape, labels.device)
         return count_loss_terms(self.config, labels, valid, position_ids)
 
@@ -405,7 +418,9 @@ class Glm53ForCausalLM(nn.Module):
     def from_pretrained(cls, path: str | os.PathLike, dtype: torch.dtype | str | None = None,
                         device: str | torch.device = "cpu") -> "Glm53ForCausalLM":  # fmt: skip
         """Load an official-layout checkpoint directory (see glm53.checkpoint.load_checkpoint)."""
-        return load_checkpoint(cls, path, dtype=dtype, device=device)
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path must be a checkpoint directory, got {type(path).__name__}")
+        return load_checkpoint(cls, path, dtype=dtype, device=resolve_device(device))
 
     @classmethod
     def from_transformers(cls, hf_model: nn.Module) -> "Glm53ForCausalLM":
@@ -416,5 +431,7 @@ class Glm53ForCausalLM(nn.Module):
                         dtype: torch.dtype | str | None = None, overwrite: bool = False,
                         allow_non_finite: bool = False) -> str:  # fmt: skip
         """Write the official layout atomically (see glm53.checkpoint.save_checkpoint) -> the directory."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path must be a directory to write, got {type(path).__name__}")
         return save_checkpoint(self, path, max_shard_size=max_shard_size, dtype=dtype, overwrite=overwrite,
                                allow_non_finite=allow_non_finite)  # fmt: skip

@@ -19,8 +19,10 @@ import torch
 
 from ..checkpoint.shards import parse_size
 from ..config import Glm53Config
+from ..errors import Glm53Error
 from ..model.model import Glm53ForCausalLM
 from ..parallel.ckpt_plan import plan_rank
+from ..training.args import positive_int
 
 GB = 1e9
 
@@ -28,20 +30,27 @@ GB = 1e9
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m glm53.tools.ckpt_plan", description=__doc__.split("\n")[0])
     p.add_argument("--config", help="a config.json (default: the released config, glm53's defaults)")
-    p.add_argument("--dp", type=int, default=8)
-    p.add_argument("--tp", type=int, default=8)
-    p.add_argument("--ranks", default="0,-1", help="comma-separated ranks to plan (-1: the last)")
-    p.add_argument("--num-layers", type=int, help="override num_hidden_layers (a quicker, smaller plan)")
-    p.add_argument("--max-shard-size", default="5GB", help="export file size (the writer's buffer)")
+    p.add_argument("--dp", type=positive_int, default=8)
+    p.add_argument("--tp", type=positive_int, default=8)
+    p.add_argument("--ranks", type=_rank_list, default="0,-1", help="comma-separated ranks to plan (-1: the last)")
+    p.add_argument("--num-layers", type=positive_int, help="override num_hidden_layers (a quicker, smaller plan)")
+    p.add_argument("--max-shard-size", type=_size, default="5GB", help="export file size (the writer's buffer)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    config = Glm53Config.from_pretrained(args.config) if args.config else Glm53Config()
-    if args.num_layers:
-        config = Glm53Config(**{**_fields(config), "num_hidden_layers": args.num_layers,
-                                "layer_types": None, "mlp_layer_types": None, "indexer_types": None})  # fmt: skip
     world = args.dp * args.tp
-    ranks = [world + r if r < 0 else r for r in (int(x) for x in args.ranks.split(","))]
-    file_bytes = parse_size(args.max_shard_size)
+    outside = [r for r in args.ranks if not -world <= r < world]
+    if outside:
+        p.error(f"argument --ranks: {outside} outside the {world} ranks of --dp {args.dp} x --tp {args.tp}")
+    ranks = [world + r if r < 0 else r for r in args.ranks]
+    try:
+        config = Glm53Config.from_pretrained(args.config) if args.config else Glm53Config()
+        if args.num_layers:
+            config = Glm53Config(**{**_fields(config), "num_hidden_layers": args.num_layers,
+                                    "layer_types": None, "mlp_layer_types": None, "indexer_types": None})  # fmt: skip
+    except (Glm53Error, OSError) as e:
+        print(f"{p.prog}: error: --config {args.config}: {e}", file=sys.stderr)
+        return 1
+    file_bytes = args.max_shard_size
     print(f"{config.num_hidden_layers} layers, {config.n_routed_experts} experts, dp {args.dp} x tp {args.tp} "
           f"= {world} ranks (meta device, fake process group)")  # fmt: skip
     print(f"{'rank':>5} {'load reads GB':>14} {'of ckpt':>8} {'replicated GB':>14} {'shard GB':>9} "
@@ -59,6 +68,20 @@ def main(argv: list[str] | None = None) -> int:
               f"{params.largest_key_bytes / GB:.2f} GB in fp32; {n / 1e9:.1f}B parameters: gathering the fp32 model "
               f"and AdamW state on a rank would take {12 * n / GB:,.0f} GB")  # fmt: skip
     return 0
+
+
+def _rank_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integer ranks, got {text!r}") from None
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _fields(config: Glm53Config) -> dict:

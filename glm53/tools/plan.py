@@ -34,6 +34,7 @@ from ..model.model import Glm53ForCausalLM
 from ..parallel import parallelize
 from ..parallel.memory import fake_world, largest_gather, layout_mesh, local_numel
 from ..precision import keeps_fp32
+from ..training.args import positive_float, positive_int
 
 GIB = 1024**3
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -43,15 +44,15 @@ INDEX_BYTES = 8  # int64 top-k slot indices
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m glm53.tools.plan", description=__doc__.split("\n\n")[0])
-    p.add_argument("--dp", type=int, default=1, help="data-parallel (FSDP) degree")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (must divide n_routed_experts)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
-    p.add_argument("--cp", type=int, default=1, help="context-parallel degree (ranks sharing each sequence)")
-    p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
-    p.add_argument("--batch", type=int, default=1, help="sequences per data rank (each dp x ep rank)")
+    p.add_argument("--dp", type=positive_int, default=1, help="data-parallel (FSDP) degree")
+    p.add_argument("--ep", type=positive_int, default=1, help="expert-parallel degree (must divide n_routed_experts)")
+    p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree")
+    p.add_argument("--cp", type=positive_int, default=1, help="context-parallel degree (ranks sharing each sequence)")
+    p.add_argument("--seq-len", type=positive_int, default=4096, help="tokens per sequence")
+    p.add_argument("--batch", type=positive_int, default=1, help="sequences per data rank (each dp x ep rank)")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="parameter / gradient / compute dtype")
-    p.add_argument("--device-gib", type=float, default=80.0, help="device memory to compare with (GiB)")
+    p.add_argument("--device-gib", type=positive_float, default=80.0, help="device memory to compare with (GiB)")
     return p.parse_args(argv)
 
 

@@ -18,7 +18,8 @@ from .. import parallel
 from ..errors import Glm53Error
 from ..model.compile import BACKENDS
 from . import finetune
-from .args import non_negative_float, non_negative_int, positive_float, positive_int, seed_int
+from .args import (non_negative_float, non_negative_int, positive_float, positive_int, seed_int, sequence_length,
+                   thread_count, writable_target)
 from .trainer import PRESETS, Trainer
 
 
@@ -31,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=positive_int, default=120, help="train until this step (counting resumed steps)")
     p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--batch-size", type=positive_int, default=4, help="sequences per step and data-parallel rank")
-    p.add_argument("--seq-len", type=positive_int, default=64)
+    p.add_argument("--seq-len", type=sequence_length, default=64, help="tokens per row (>= 2: one next-token target)")
     p.add_argument("--lr", type=positive_float, default=3e-3)
     p.add_argument("--bias-rate", type=non_negative_float, default=1e-3, help="aux-loss-free router bias update rate")
     p.add_argument("--log-every", type=positive_int, default=10)
@@ -43,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", nargs="?", const="inductor", choices=BACKENDS, metavar="BACKEND",
                    help="torch.compile every block (glm53.model.compile.compile_blocks; parallel runs too); "
                         "BACKEND defaults to inductor, aot_eager only traces")  # fmt: skip
-    p.add_argument("--threads", type=positive_int, default=1,
+    p.add_argument("--threads", type=thread_count, default=1,
                    help="CPU intra-op threads (tiny models run fastest on 1: thread hand-offs cost more than the ops)")
     p.add_argument("--dp", type=positive_int, default=1, help="data-parallel degree (torchrun)")
     p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree (torchrun)")
@@ -77,6 +78,8 @@ def train(args: argparse.Namespace) -> int:
     if args.save and os.path.lexists(args.save) and not os.path.isdir(args.save):
         # Checked before training: the save at the end would refuse to replace a file anyway.
         raise SystemExit(f"glm53 train: error: --save {args.save} exists and is not a directory")
+    if args.save and (why := writable_target("--save", args.save)):
+        raise SystemExit(f"glm53 train: error: {why}")
     finetune.check_args(args)
     if (args.bf16 or args.device != "cpu" or args.no_export) and _check_world(args) == 1:
         raise SystemExit("--bf16, --device and --no-export are torchrun options (run with --dp/--tp under torchrun)")

@@ -149,7 +149,10 @@ class FileData:
         if state.get("file_sha256") != self.digest or state.get("documents") != len(self.docs):
             raise SystemExit(f"--resume {where} was trained on a different --data file than {self.path} (its "
                              f"sha256 or document count differs); resume with the same file")  # fmt: skip
-        self.packer.load_state_dict(state)
+        try:
+            self.packer.load_state_dict(state)
+        except ValueError as e:  # a corrupt trainer state: one line naming it
+            raise SystemExit(f"glm53 train: error: --resume {where}: {e}") from None
 
 
 __all__ = ["FileData", "add_arguments", "check_args", "heldout_loss", "init_model", "model_inputs"]

@@ -11,7 +11,7 @@ SMALL = ["train", "--preset", "tiny", "--batch-size", "2", "--seq-len", "16", "-
 
 
 @pytest.mark.parametrize("flag,value,message", [
-    ("--batch-size", "0", "must be >= 1, got 0"), ("--seq-len", "0", "must be >= 1, got 0"),
+    ("--batch-size", "0", "must be >= 1, got 0"), ("--seq-len", "0", "must be >= 2, got 0"),
     ("--log-every", "0", "must be >= 1, got 0"), ("--steps", "-5", "must be >= 1, got -5"),
     ("--save-every", "-1", "must be >= 0, got -1"), ("--lr", "-1e-3", "must be > 0, got -1e-3"),
     ("--lr", "nan", "expected a finite number, got 'nan'"), ("--bias-rate", "nan", "expected a finite number"),

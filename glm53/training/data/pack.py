@@ -14,6 +14,7 @@ continues at exactly the next token of the same document.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +49,14 @@ class Packer:
     def __init__(self, docs: list[TokenDoc], seq_len: int, seed: int, pad_id: int) -> None:
         if not docs:
             raise ValueError("nothing to pack: no documents")
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+            raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
+        if isinstance(pad_id, bool) or not isinstance(pad_id, int) or pad_id < 0:
+            raise ValueError(f"pad_id must be a token id (an int >= 0), got {pad_id!r}")
+        for doc in docs:  # an empty document would never fill a row: row() would loop forever
+            if not doc.ids or len(doc.ids) != len(doc.targets):
+                raise ValueError(f"{doc.where}: a packed document needs tokens and one target flag per token, got "
+                                 f"{len(doc.ids)} ids and {len(doc.targets)} flags")  # fmt: skip
         self.docs, self.seq_len, self.seed, self.pad_id = docs, seq_len, seed, pad_id
         self.epoch, self.index, self.offset = 0, 0, 0
         self.order = self._order(0)
@@ -62,8 +71,23 @@ class Packer:
         return {"epoch": self.epoch, "index": self.index, "offset": self.offset}
 
     def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.index, self.offset = int(state["epoch"]), int(state["index"]), int(state["offset"])
-        self.order = self._order(self.epoch)
+        """Restore the cursor; a state that does not fit these documents (a corrupt or foreign trainer state) is a
+        ValueError naming the key, never a resume at a wrong token."""
+        state = dict(state)
+        for key in ("epoch", "index", "offset"):
+            try:  # a python int, or a 0-d integer tensor / numpy int
+                state[key] = operator.index(state[key])
+            except (KeyError, TypeError):
+                state[key] = None
+            if state[key] is None or state[key] < 0:
+                raise ValueError(f"data position: {key!r} must be an int >= 0 in the saved state")
+        if state["index"] >= len(self.docs):
+            raise ValueError(f"data position: 'index' {state['index']} is past the {len(self.docs)} documents")
+        order = self._order(state["epoch"])
+        if state["offset"] >= len(self.docs[order[state["index"]]].ids):
+            raise ValueError(f"data position: 'offset' {state['offset']} is past the end of document "
+                             f"{state['index']} ({len(self.docs[order[state['index']]].ids)} tokens)")  # fmt: skip
+        self.epoch, self.index, self.offset, self.order = state["epoch"], state["index"], state["offset"], order
 
     def _advance(self) -> None:
         self.index, self.offset = self.index + 1, 0

@@ -44,7 +44,10 @@ class TextTokenizer:
         elif os.path.isfile(os.path.join(path, TOKENIZER_JSON)):
             from tokenizers import Tokenizer
 
-            self.hf, self.raw = None, Tokenizer.from_file(os.path.join(path, TOKENIZER_JSON))
+            try:
+                self.hf, self.raw = None, Tokenizer.from_file(os.path.join(path, TOKENIZER_JSON))
+            except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
+                raise DataError(f"--tokenizer {path}: {TOKENIZER_JSON} cannot be read ({e})") from e
             self.eos_id = self.pad_id = None
             self.vocab_size = self.raw.get_vocab_size(with_added_tokens=True)
             self.chat_template = None
