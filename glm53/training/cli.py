@@ -40,6 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-every", type=non_negative_int, default=0,
                    help="also save every N steps to DIR/step-N (needs --save)")
     p.add_argument("--resume", help="checkpoint directory to continue from (model, optimizer, step)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="let --save replace a checkpoint already in DIR (not needed when DIR is also --resume)")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute blocks in backward")
     p.add_argument("--compile", nargs="?", const="inductor", choices=BACKENDS, metavar="BACKEND",
                    help="torch.compile every block (glm53.model.compile.compile_blocks; parallel runs too); "
@@ -71,6 +73,21 @@ def _check_world(args: argparse.Namespace) -> int:
     return world
 
 
+CHECKPOINT_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "trainer_state.pt",
+                    "train_state")  # fmt: skip
+
+
+def _checkpoint_in(path: str) -> str | None:
+    """The first file of a checkpoint (official layout, trainer state or DCP state) found directly in `path`."""
+    if not os.path.isdir(path):
+        return None
+    return next((name for name in CHECKPOINT_FILES if os.path.lexists(os.path.join(path, name))), None)
+
+
+def _same_dir(a: str, b: str | None) -> bool:
+    return b is not None and os.path.realpath(a) == os.path.realpath(b)
+
+
 def train(args: argparse.Namespace) -> int:
     """Run `glm53 train` with parsed `args`: one process, or one rank of a torchrun (dp, tp) grid."""
     if args.save_every and not args.save:
@@ -80,6 +97,11 @@ def train(args: argparse.Namespace) -> int:
         raise SystemExit(f"glm53 train: error: --save {args.save} exists and is not a directory")
     if args.save and (why := writable_target("--save", args.save)):
         raise SystemExit(f"glm53 train: error: {why}")
+    found = _checkpoint_in(args.save) if args.save and not args.overwrite else None
+    if found and not _same_dir(args.save, args.resume):
+        # A fresh run must not silently replace another run's trained weights.
+        raise SystemExit(f"glm53 train: error: --save {args.save} already holds a checkpoint ({found}): continue it "
+                         "with --resume on the same directory, or pass --overwrite to replace it")  # fmt: skip
     finetune.check_args(args)
     if (args.bf16 or args.device != "cpu" or args.no_export) and _check_world(args) == 1:
         raise SystemExit("--bf16, --device and --no-export are torchrun options (run with --dp/--tp under torchrun)")
