@@ -83,3 +83,19 @@ def test_grouped_mm_op_with_an_expanded_gradient_and_empty_groups():
     torch.testing.assert_close(da, ref_da, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(db, ref_db, rtol=1e-5, atol=1e-5)
     assert db[1].abs().max() == 0 and db[3].abs().max() == 0
+
+
+@pytest.mark.parametrize("fast", list(FAST))
+def test_busiest_expert_last_and_first_idle(fast):
+    """The padded form's capacity is the busiest expert's load: here the last expert's (every token), with
+    expert 0 idle, so a capacity or offset that skips either end of the expert axis shows."""
+    x, _, w, gate_up, down = _inputs(3)
+    leaves = [t.requires_grad_() for t in (x, w, gate_up, down)]
+    idx = torch.stack([torch.tensor([E - 1, 1 + m % (E - 2)]) for m in range(M)])  # [M, k]
+    got = FAST[fast](x, idx, w, gate_up, down, 1.0)
+    ref = moe_experts_reference(x, idx, w, gate_up, down, 1.0)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    cot = torch.randn(M, D, generator=torch.Generator().manual_seed(4))
+    for name, a, b in zip(["dx", "dweight", "dgate_up", "ddown"], torch.autograd.grad(got, leaves, cot),
+                          torch.autograd.grad(ref, leaves, cot)):  # fmt: skip
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
