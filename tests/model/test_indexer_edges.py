@@ -52,3 +52,20 @@ def test_scores_with_gradient_equal_transformers_and_train_the_indexer_only(pad)
     assert x.grad is None and q_resid.grad is None
     for name, p in ours.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_packed_selection_breaks_ties_to_the_lowest_pool():
+    """All scores tied (ReLU scores are 0 often): a packed query picks its document's lowest candidate pools, so
+    its choice does not depend on the other rows' pool counts (torch.topk's order among ties does)."""
+    from glm53.model.indexer import kept_pools, select_pools
+
+    kpool, topk, T = 2, 4, 24  # 2 pools per query
+    valid = torch.ones(2, T, dtype=torch.bool)
+    cu = torch.tensor([0, 13, 24, 48])  # row 0: documents of 13 and 11 tokens; row 1: one document of 24
+    positions, complete = kept_pools(valid, kpool, cu)
+    scores = torch.zeros(2, T, positions.shape[1])
+    chosen, candidate, _ = select_pools(scores, positions, complete, valid, cu, 0, topk, kpool, False)
+    for b, t in [(0, 12), (0, 23), (1, 23), (1, 9)]:
+        doc_start = 13 if (b, t) == (0, 23) else 0
+        first = sorted(i for i in chosen[b, t].tolist() if i >= 0)
+        assert first == list(range(doc_start, doc_start + topk)), (b, t, first)
