@@ -30,3 +30,32 @@ def test_depth_beyond_the_sequence_adds_nothing_and_runs_backward():
     counts = model.loss_counts(ids)  # views: the main head, then depths 1..4
     assert counts.targets.tolist() == [4, 2, 0, 0, 0]
     assert counts.tokens.tolist() == [6, 4, 2, 0, 0]  # valid tokens whose token d ahead exists
+
+
+def test_mtp_norms_are_not_interchangeable():
+    """enorm normalises the embeddings and hnorm the hidden states (the release's order in eh_proj's input), and
+    each sub-block reads its own norm: with distinct norm weights (all init to ones, which hides a swap) the
+    depth-1 loss is the hand-written one."""
+    import torch.nn.functional as F
+
+    from glm53.model.context import ForwardContext
+
+    torch.manual_seed(1)
+    model = Glm53ForCausalLM(Glm53Config.tiny(num_nextn_predict_layers=1, mtp_depth=1, router_aux_loss_coef=0.0))
+    layer = model.mtp.layers[0]
+    with torch.no_grad():
+        for norm in (layer.enorm, layer.hnorm, layer.input_layernorm, layer.post_attention_layernorm,
+                     layer.shared_head.norm):  # fmt: skip
+            norm.weight.uniform_(0.5, 1.5)
+    B, T = 2, 9
+    ids = torch.randint(1, 320, (B, T))
+    out = model(ids, labels=ids)
+    e = torch.cat([model.model.embed_tokens(ids)[:, 1:], torch.zeros(B, 1, model.config.hidden_size)], dim=1)
+    valid = torch.ones(B, T, dtype=torch.bool)
+    valid[:, -1] = False
+    x = layer.eh_proj(torch.cat([layer.enorm(e), layer.hnorm(out.last_hidden_state)], dim=-1))
+    x = x + layer.self_attn(layer.input_layernorm(x), ForwardContext(valid=valid))[0]
+    h = x + layer.mlp(layer.post_attention_layernorm(x))
+    logits = model.lm_head(layer.shared_head.norm(h))
+    expected = F.cross_entropy(logits[:, : T - 2].flatten(0, 1), ids[:, 2:].flatten())
+    torch.testing.assert_close(out.mtp_loss, expected, rtol=1e-5, atol=1e-6)
