@@ -59,3 +59,19 @@ def test_mtp_norms_are_not_interchangeable():
     logits = model.lm_head(layer.shared_head.norm(h))
     expected = F.cross_entropy(logits[:, : T - 2].flatten(0, 1), ids[:, 2:].flatten())
     torch.testing.assert_close(out.mtp_loss, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_each_depth_reads_its_own_layers_shared_head_norm():
+    """Two MTP layers: depth 2's logits come through layer 1's shared_head.norm. Zeroing that norm's weight makes
+    depth 2's logits 0, so its loss is exactly log(vocab) and depth 1's is unchanged."""
+    torch.manual_seed(2)
+    config = Glm53Config.tiny(num_nextn_predict_layers=2, mtp_depth=2, router_aux_loss_coef=0.0)
+    model = Glm53ForCausalLM(config)
+    with torch.no_grad():
+        model.mtp.layers[1].shared_head.norm.weight.zero_()
+    ids = torch.randint(1, 320, (2, 9))
+    model.mtp.depth = 1
+    first = model(ids, labels=ids).mtp_loss
+    model.mtp.depth = 2
+    both = model(ids, labels=ids).mtp_loss
+    torch.testing.assert_close(2 * both - first, torch.tensor(float(config.vocab_size)).log(), rtol=1e-5, atol=1e-5)
