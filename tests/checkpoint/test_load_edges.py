@@ -142,3 +142,22 @@ def test_stored_dtype_that_is_not_a_floating_dtype(ckpt, stored):
     (ckpt / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match=rf"config.json: dtype(={stored!r} is not a torch dtype| must be a floating)"):
         Glm53ForCausalLM.from_pretrained(ckpt)
+
+
+def test_mtp_copies_of_the_shared_embedding_and_head_are_set_aside(saved, ckpt):
+    """Some releases store the embedding / head inside the MTP layer (DeepSeek-V3): glm53 shares the main
+    model's, so those keys are set aside and listed, not loaded or refused."""
+    copies = [f"{P}layers.4.embed_tokens.weight", f"{P}layers.4.shared_head.head.weight"]
+    rewrite(ckpt, lambda t: t.update({k: torch.zeros(320, 32) for k in copies}))
+    model = Glm53ForCausalLM.from_pretrained(ckpt)
+    assert model.mtp_checkpoint_keys == sorted(copies)
+    assert torch.equal(model.lm_head.weight, saved[1].lm_head.weight)
+
+
+@pytest.mark.parametrize("key", [f"{P}layers.0.hc_attn_fn", f"{P}layers.1.mlp.experts.3.up_proj.weight"])
+def test_a_renamed_key_is_not_taken_for_the_original(ckpt, key):
+    """`<key>_old` (a stray backup name) is unexpected and `<key>` missing; it never fills the original's place."""
+    rewrite(ckpt, lambda t: t.__setitem__(key + "_old", t.pop(key)))
+    message = load_error(ckpt)
+    assert re.search(r"(?s)missing keys \(expected shape\):.*" + re.escape(key) + " ", message)
+    assert re.search(r"(?s)unexpected keys:.*" + re.escape(key + "_old"), message)
