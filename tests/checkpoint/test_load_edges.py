@@ -116,7 +116,8 @@ def test_stored_dtype_is_read_at_either_level(ckpt, level):
 def test_expert_of_an_integer_dtype_is_refused(ckpt):
     key = f"{P}layers.1.mlp.experts.2.up_proj.weight"
     rewrite(ckpt, lambda t: t.__setitem__(key, (t[key] * 100).to(torch.int32)))
-    assert re.search(rf"{re.escape(key)}: I32, but model.layers.1.mlp.experts.gate_up_proj is float32", load_error(ckpt))
+    message = load_error(ckpt)
+    assert re.search(rf"{re.escape(key)}: I32, but model.layers.1.mlp.experts.gate_up_proj is float32", message)
 
 
 def test_checkpoint_without_mtp_tensors_initialises_the_mtp_module(tmp_path, caplog):

@@ -1,0 +1,49 @@
+"""The crop tool at its edges: DST may not contain SRC, quantization_config is read at the text level too, and a
+scale without its weight is copied as stored (crop never drops a tensor it does not understand)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from glm53.checkpoint import fp8
+from glm53.checkpoint.crop import CropError, crop
+from tests.helpers.checkpoints import BLOCK, TEXT, fp8_source, read_all
+
+
+def test_dst_containing_src_is_refused(tmp_path):
+    src = shutil.copytree(fp8_source()[0], tmp_path / "inner" / "src")
+    with pytest.raises(CropError, match=r"must not be SRC or lie inside it \(or contain it\)"):
+        crop(src, tmp_path / "inner", 1, overwrite=True)
+    assert sorted(os.listdir(tmp_path / "inner")) == ["src"] and sorted(os.listdir(src)) == sorted(
+        os.listdir(fp8_source()[0])
+    )
+
+
+def test_text_level_quantization_config_gives_the_block_size(tmp_path):
+    src = shutil.copytree(fp8_source()[0], tmp_path / "src")
+    config = json.loads((src / "config.json").read_text())
+    config["text_config"]["quantization_config"] = config.pop("quantization_config")
+    (src / "config.json").write_text(json.dumps(config))
+    crop(src, tmp_path / "out", 1, dtype=torch.float32, log=io.StringIO())
+    key, stored = f"{TEXT}layers.0.self_attn.q_proj.weight", read_all(src)
+    want = fp8.dequantize_reference(stored[key], stored[key + "_scale_inv"], BLOCK)
+    assert torch.equal(read_all(tmp_path / "out")[key], want)
+    assert "quantization_config" not in json.loads((tmp_path / "out" / "config.json").read_text())["text_config"]
+
+
+def test_a_scale_without_its_weight_is_copied_as_stored(tmp_path):
+    src = shutil.copytree(fp8_source()[0], tmp_path / "src")
+    orphan = f"{TEXT}extra_proj.weight_scale_inv"  # no extra_proj.weight anywhere
+    save_file({orphan: torch.tensor([[2.5]])}, src / "extra.safetensors")
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    index["weight_map"][orphan] = "extra.safetensors"
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    crop(src, tmp_path / "out", 1, log=io.StringIO())
+    assert torch.equal(read_all(tmp_path / "out")[orphan], torch.tensor([[2.5]]))
