@@ -86,3 +86,29 @@ def test_temporaries_of_another_host_or_a_live_process_are_kept(tmp_path):
         path.mkdir()
     assert atomic.clean_stale(str(tmp_path / "ckpt")) == [str(dead)]
     assert other_host.exists() and live.exists() and not dead.exists()
+
+
+def test_a_symlinked_subdirectory_is_carried_as_a_link(tmp_path):
+    """A foreign symlink to a directory stays a link to it: its target is not copied into the checkpoint."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    write(elsewhere, {"big.bin": b"x"})
+    target = tmp_path / "ckpt"
+    target.mkdir()
+    os.symlink(elsewhere, target / "data")
+    with atomic.atomic_directory(target, overwrite=True, own=lambda name: name.endswith(".bin")) as tmp:
+        write(tmp, {"new.bin": b"new"})
+    assert os.path.islink(target / "data") and os.readlink(target / "data") == str(elsewhere)
+
+
+def test_a_parked_old_directory_never_replaces_a_target_made_since(tmp_path, caplog):
+    gone = 2**22 + 12345  # above the default pid_max: no such process
+    holder = tmp_path / f".ckpt.old-{atomic._host_tag()}-{gone}-0123abcd"
+    (holder / "ckpt").mkdir(parents=True)
+    write(holder / "ckpt", {"old.bin": b"old"})
+    (tmp_path / "ckpt").mkdir()
+    write(tmp_path / "ckpt", {"new.bin": b"new"})
+    with caplog.at_level("WARNING", logger="glm53.checkpoint"):
+        assert atomic.clean_stale(str(tmp_path / "ckpt")) == []
+    assert os.listdir(tmp_path / "ckpt") == ["new.bin"] and os.listdir(holder / "ckpt") == ["old.bin"]
+    assert "left in place" in caplog.text

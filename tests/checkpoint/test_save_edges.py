@@ -102,7 +102,15 @@ def test_parse_size(size, expected):
     assert shards.parse_size(size) == expected
 
 
-@pytest.mark.parametrize("size", [0, "0", "0.4B", -5, True, "5XB", "lots", "1e3"], ids=repr)
+@pytest.mark.parametrize("size", [0, "0", "0.4B", -5, True, "5XB", "3KI", "2IB", "lots", "1e3"], ids=repr)
 def test_parse_size_refuses(size):
     with pytest.raises(ValueError, match=r"max_shard_size must be"):
         shards.parse_size(size)
+
+
+def test_checkpoint_owns_only_its_own_names():
+    """Overwriting replaces these; anything else in the directory (a user's adapter or export) is kept."""
+    own = ["config.json", "model.safetensors", "model.safetensors.index.json", "model-00002-of-00017.safetensors"]
+    kept = ["adapter_model.safetensors", "model-final.safetensors", "model-1-of-2.safetensors", "tokenizer.json",
+            "model.safetensors.bak", "generation_config.json"]  # fmt: skip
+    assert [shards.checkpoint_owns(n) for n in own + kept] == [True] * len(own) + [False] * len(kept)
