@@ -77,28 +77,38 @@ def test_fallback_swap_restores_the_old_directory_when_the_second_rename_fails(t
     assert os.listdir(target) == ["old.bin"] and sorted(os.listdir(tmp_path)) == ["ckpt"]
 
 
-def test_temporaries_of_another_host_or_a_live_process_are_kept(tmp_path):
+def test_temporaries_of_another_host_or_a_live_process_are_kept(tmp_path, monkeypatch):
     gone = 2**22 + 12345  # above the default pid_max: no such process
+    other_user = gone + 1  # reported alive but not ours to signal (EPERM)
+    real_kill = os.kill
+    monkeypatch.setattr(os, "kill", lambda pid, sig: (_ for _ in ()).throw(PermissionError(1, "Operation not "
+                        "permitted")) if pid == other_user else real_kill(pid, sig))  # fmt: skip
     other_host = tmp_path / f".ckpt.tmp-{'0' * 8 if atomic._host_tag() != '0' * 8 else '1' * 8}-{gone}-0123abcd"
     live = tmp_path / f".ckpt.tmp-{atomic._host_tag()}-{os.getpid()}-0123abcd"
+    foreign_owner = tmp_path / f".ckpt.tmp-{atomic._host_tag()}-{other_user}-0123abcd"
     dead = tmp_path / f".ckpt.tmp-{atomic._host_tag()}-{gone}-0123abcd"
-    for path in (other_host, live, dead):
+    for path in (other_host, live, foreign_owner, dead):
         path.mkdir()
     assert atomic.clean_stale(str(tmp_path / "ckpt")) == [str(dead)]
-    assert other_host.exists() and live.exists() and not dead.exists()
+    assert other_host.exists() and live.exists() and foreign_owner.exists() and not dead.exists()
 
 
 def test_a_symlinked_subdirectory_is_carried_as_a_link(tmp_path):
-    """A foreign symlink to a directory stays a link to it: its target is not copied into the checkpoint."""
+    """Foreign symlinks (to a directory, or inside a subdirectory) stay links: their targets are not copied."""
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     write(elsewhere, {"big.bin": b"x"})
     target = tmp_path / "ckpt"
     target.mkdir()
     os.symlink(elsewhere, target / "data")
+    (target / "notes").mkdir()
+    os.symlink(elsewhere / "big.bin", target / "notes" / "big.link")  # inside a carried subdirectory
+    os.symlink(elsewhere, target / "notes" / "dir.link")
     with atomic.atomic_directory(target, overwrite=True, own=lambda name: name.endswith(".bin")) as tmp:
         write(tmp, {"new.bin": b"new"})
     assert os.path.islink(target / "data") and os.readlink(target / "data") == str(elsewhere)
+    assert os.readlink(target / "notes" / "big.link") == str(elsewhere / "big.bin")
+    assert os.readlink(target / "notes" / "dir.link") == str(elsewhere)
 
 
 def test_a_parked_old_directory_never_replaces_a_target_made_since(tmp_path, caplog):
