@@ -1,13 +1,17 @@
 """from_transformers_state_dict on keys outside the text model: vision keys are dropped, anything else is refused
-with every offending key named; the conv split and the gate rename go to the right glm53 names."""
+with every offending key named; the conv split and the gate rename go to the right glm53 names. from_transformers
+keeps the transformers model's dtype and refuses an incomplete state."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from glm53 import Glm53ForCausalLM
 from glm53.checkpoint import from_transformers_state_dict
 from glm53.errors import CheckpointError
+from tests.helpers.checkpoints import tiny_config
+from tests.helpers.oracle import hf_model
 
 T = "model.language_model."
 
@@ -31,3 +35,23 @@ def test_conv_thirds_and_gate_names():
     for i, part in enumerate("qkv"):
         assert torch.equal(out[f"model.layers.0.self_attn.{part}_conv1d.weight"], conv[2 * i : 2 * i + 2])
     assert out["model.layers.0.self_attn.dt_bias"] is dt_bias
+
+
+@pytest.fixture(scope="module")
+def hf_bf16():
+    return hf_model(tiny_config(), seed=5).to(torch.bfloat16)
+
+
+def test_from_transformers_takes_the_dtype_of_the_transformers_model(hf_bf16):
+    model = Glm53ForCausalLM.from_transformers(hf_bf16)
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert model.model.layers[0].self_attn.A_log.dtype == torch.float32  # the fp32 keep-list (precision.py)
+    assert torch.equal(model.lm_head.weight, hf_bf16.lm_head.weight)
+
+
+def test_from_transformers_refuses_an_incomplete_state(hf_bf16, monkeypatch):
+    full = hf_bf16.state_dict()
+    partial = {k: v for k, v in full.items() if k != "model.language_model.norm.weight"}
+    monkeypatch.setattr(hf_bf16, "state_dict", lambda: partial)
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: \"model\.norm\.weight\""):
+        Glm53ForCausalLM.from_transformers(hf_bf16)
