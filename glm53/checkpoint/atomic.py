@@ -8,7 +8,7 @@ error leaves the old `target` or none, never a half-written one. Rules (tests/re
   index, old shards): everything else in the old directory (adapters, READMEs, tokenizer files, symlinks,
   subdirectories) is hard-linked (same file, byte for byte, nothing copied) into the new one before the swap,
   and the directory keeps its mode. A new directory gets the umask's mode.
-- Every file and the temporary directory are fsynced before the swap, and the parent directory after it, so a
+- Every file and directory of the temporary tree is fsynced before the swap, and the parent directory after it, so a
   power cut cannot leave a complete-looking target with empty files or lose the swap once it returned.
 - The swap is one atomic exchange of the two directories where Linux offers it (renameat2), so a kill at any
   point leaves the complete old or the complete new directory at `target`.
@@ -121,13 +121,15 @@ def carry_foreign(old: str, new: str, own: Callable[[str], bool]) -> list[str]:
 
 
 def fsync_tree(directory: str) -> None:
-    """fsync every regular file of `directory`, then the directory itself (the names it holds)."""
-    for name in os.listdir(directory):
-        file = os.path.join(directory, name)
-        if os.path.isfile(file) and not os.path.islink(file):
-            with open(file, "rb") as f:
-                os.fsync(f.fileno())
-    fsync_dir(directory)
+    """fsync every regular file under `directory` (subdirectories too: a distributed checkpoint's shards), then
+    each directory after its contents (the names it holds)."""
+    for root, _, names in os.walk(directory, topdown=False):
+        for name in names:
+            file = os.path.join(root, name)
+            if os.path.isfile(file) and not os.path.islink(file):
+                with open(file, "rb") as f:
+                    os.fsync(f.fileno())
+        fsync_dir(root)
 
 
 def fsync_dir(directory: str) -> None:

@@ -31,8 +31,11 @@ def test_files_and_directories_are_synced_before_and_after_the_rename(tmp_path, 
     monkeypatch.setattr(os, "fsync", record)
     with atomic.atomic_directory(target) as tmp:
         write(tmp, {"a.bin": b"a", "b.bin": b"b"})
-    before = {os.path.basename(p) for p, exists in synced if not exists}
-    assert {"a.bin", "b.bin", os.path.basename(tmp)} <= before
+        os.mkdir(os.path.join(tmp, "sub"))
+        write(os.path.join(tmp, "sub"), {"c.bin": b"c"})
+    before = [os.path.relpath(p, tmp) for p, exists in synced if not exists]
+    assert sorted(before) == [".", "a.bin", "b.bin", "sub", "sub/c.bin"]
+    assert before.index("sub/c.bin") < before.index("sub") < before.index(".")  # contents before their directory
     assert (str(tmp_path), True) in synced
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
 
