@@ -47,3 +47,20 @@ def test_a_scale_without_its_weight_is_copied_as_stored(tmp_path):
     (src / "model.safetensors.index.json").write_text(json.dumps(index))
     crop(src, tmp_path / "out", 1, log=io.StringIO())
     assert torch.equal(read_all(tmp_path / "out")[orphan], torch.tensor([[2.5]]))
+
+
+def test_dry_run_into_an_existing_dst_prints_and_touches_nothing(tmp_path, capsys):
+    dst = tmp_path / "exists"
+    dst.mkdir()
+    (dst / "mine.txt").write_text("kept")
+    plan = crop(fp8_source()[0], dst, 1, dry_run=True)
+    assert f"output: {len(plan.entries)} tensors" in capsys.readouterr().out
+    assert os.listdir(dst) == ["mine.txt"] and sorted(os.listdir(tmp_path)) == ["exists"]
+
+
+def test_keeping_every_layer_dequantises_the_whole_checkpoint(tmp_path):
+    src = fp8_source()[0]
+    crop(src, tmp_path / "all", 4, log=io.StringIO())  # num_layers == the source's: allowed
+    stored, out = read_all(src), read_all(tmp_path / "all")
+    assert set(out) == {k for k in stored if not k.endswith(fp8.SCALE_SUFFIX)}
+    assert {t.dtype for k, t in out.items() if stored[k].dtype == fp8.FP8_DTYPE} == {torch.bfloat16}
