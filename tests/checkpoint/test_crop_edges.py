@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from glm53.checkpoint import fp8
-from glm53.checkpoint.crop import CropError, crop
+from glm53.checkpoint.crop import CropError, _human, crop
 from tests.helpers.checkpoints import BLOCK, TEXT, fp8_source, read_all
 
 
@@ -64,3 +64,9 @@ def test_keeping_every_layer_dequantises_the_whole_checkpoint(tmp_path):
     stored, out = read_all(src), read_all(tmp_path / "all")
     assert set(out) == {k for k in stored if not k.endswith(fp8.SCALE_SUFFIX)}
     assert {t.dtype for k, t in out.items() if stored[k].dtype == fp8.FP8_DTYPE} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize("nbytes,shown", [(999, "999 B"), (1000, "1.0 KB"), (1023, "1.0 KB"), (1_500_000, "1.5 MB"),
+                                          (2 * 10**15, "2000.0 TB")])  # fmt: skip
+def test_progress_sizes_use_decimal_units(nbytes, shown):
+    assert _human(nbytes) == shown
