@@ -8,6 +8,8 @@ error leaves the old `target` or none, never a half-written one. Rules (tests/re
   index, old shards): everything else in the old directory (adapters, READMEs, tokenizer files, symlinks,
   subdirectories) is hard-linked (same file, byte for byte, nothing copied) into the new one before the swap,
   and the directory keeps its mode. A new directory gets the umask's mode.
+- Every file and directory of the temporary tree is fsynced before the swap, and the parent directory after it, so a
+  power cut cannot leave a complete-looking target with empty files or lose the swap once it returned.
 - The swap is one atomic exchange of the two directories where Linux offers it (renameat2), so a kill at any
   point leaves the complete old or the complete new directory at `target`.
 - Temporary directories are named `.NAME.tmp-<host>-<pid>-<random>` and the fallback swap's holder of the old
@@ -119,11 +121,27 @@ def carry_foreign(old: str, new: str, own: Callable[[str], bool]) -> list[str]:
 
 
 def fsync_tree(directory: str) -> None:
-    for name in os.listdir(directory):
-        file = os.path.join(directory, name)
-        if os.path.isfile(file) and not os.path.islink(file):
-            with open(file, "rb") as f:
-                os.fsync(f.fileno())
+    """fsync every regular file under `directory` (subdirectories too: a distributed checkpoint's shards), then
+    each directory after its contents (the names it holds)."""
+    for root, _, names in os.walk(directory, topdown=False):
+        for name in names:
+            file = os.path.join(root, name)
+            if os.path.isfile(file) and not os.path.islink(file):
+                with open(file, "rb") as f:
+                    os.fsync(f.fileno())
+        fsync_dir(root)
+
+
+def fsync_dir(directory: str) -> None:
+    """Make a directory's entries (a rename into it) durable: fsync on the directory itself (POSIX)."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno != errno.EINVAL:  # a file system that cannot sync a directory says EINVAL: nothing to do
+            raise
+    finally:
+        os.close(fd)
 
 
 def _exchange(a: str, b: str) -> bool:
@@ -191,6 +209,7 @@ def atomic_directory(target: str | os.PathLike, overwrite: bool = False,
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    fsync_dir(parent)  # the rename itself
 
 
-__all__ = ["atomic_directory", "carry_foreign", "clean_stale", "fsync_tree"]
+__all__ = ["atomic_directory", "carry_foreign", "clean_stale", "fsync_dir", "fsync_tree"]

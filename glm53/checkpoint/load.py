@@ -77,6 +77,10 @@ def _match_keys(targets: dict, files: dict[str, str], reader: TensorReader, num_
             plan.direct[name] = key
         else:
             plan.unexpected.append(key)
+    for name in [n for n in plan.experts if n in plan.direct]:
+        # Fused and per-expert forms of one tensor: the per-expert keys are the official layout, and loading
+        # both would let one silently overwrite the other.
+        plan.unexpected.append(plan.direct.pop(name))
     return plan
 
 

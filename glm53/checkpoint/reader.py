@@ -48,11 +48,25 @@ def reason(e: BaseException) -> str:
 
 
 def _weight_map(index: str) -> dict:
+    repeated: list[str] = []
+
+    def unique(pairs: list[tuple[str, object]]) -> dict:
+        # json keeps the last of two equal keys: which shard a tensor is read from must not hinge on that.
+        out: dict = {}
+        for key, value in pairs:
+            if key in out:
+                repeated.append(key)
+            out[key] = value
+        return out
+
     try:
         with open(index, encoding="utf-8") as f:
-            data = json.load(f)
+            data = json.load(f, object_pairs_hook=unique)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{index} cannot be read as JSON: {reason(e)}") from e
+    if repeated:
+        shown = ", ".join(repr(k) for k in sorted(set(repeated)))
+        raise CheckpointError(f"{index} names {shown} more than once; each key may map to one file")
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict):
         raise CheckpointError(f"{index} has no 'weight_map' object")
