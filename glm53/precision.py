@@ -18,6 +18,9 @@ FP32_KEEP = (
 )  # fmt: skip
 
 
+MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
 def keeps_fp32(name: str) -> bool:
     """Whether the parameter or buffer `name` (a module path) stays fp32."""
     return name.endswith(FP32_KEEP)
@@ -48,6 +51,11 @@ def resolve_dtype(dtype: torch.dtype | str, what: str = "dtype") -> torch.dtype:
         raise TypeError(f"{what} must be a torch.dtype or its name, got {dtype!r} ({type(dtype).__name__})")
     if not dtype.is_floating_point:
         raise TypeError(f"{what} must be a floating dtype (weights are real numbers), got {dtype}")
+    if dtype not in MODEL_DTYPES:
+        # FP8 (and narrower) weights need per-block scales: checkpoints holding them are dequantised on load
+        # (glm53.checkpoint.fp8); a plain cast to them would give a model that neither trains nor loads back.
+        raise TypeError(f"{what} must be one of {[str(d).removeprefix('torch.') for d in MODEL_DTYPES]} "
+                        f"(the dtypes a glm53 model holds its weights in), got {dtype}")  # fmt: skip
     return dtype
 
 
@@ -62,4 +70,4 @@ def resolve_device(device: torch.device | str | int, what: str = "device") -> to
         raise TypeError(f"{what}={device!r} is not a device ({e})") from None
 
 
-__all__ = ["FP32_KEEP", "keeps_fp32", "cast_model", "resolve_device", "resolve_dtype"]
+__all__ = ["FP32_KEEP", "MODEL_DTYPES", "keeps_fp32", "cast_model", "resolve_device", "resolve_dtype"]
