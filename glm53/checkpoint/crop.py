@@ -164,6 +164,9 @@ def plan_crop(src: str, n: int, dtype: torch.dtype = torch.bfloat16) -> Plan:
         info = _slice(handles, file, key)
         shape, src_dtype = tuple(info.get_shape()), info.get_dtype()
         dequantize = fp8.is_fp8(src_dtype)
+        if not dequantize and key + fp8.SCALE_SUFFIX in files:
+            # the loader refuses such a checkpoint (an unexpected key); dropping the scale would hide that
+            raise CropError(f"{key + fp8.SCALE_SUFFIX} is the block scale of {key}, which is {src_dtype}, not FP8")
         if dequantize:
             scale = key + fp8.SCALE_SUFFIX
             scale_shape = None
@@ -216,7 +219,8 @@ def crop(src: str | os.PathLike, dst: str | os.PathLike, num_layers: int, *, dty
     log = log or sys.stderr
     src, dst = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))
     if not os.path.isdir(src):
-        raise CropError(f"source checkpoint directory {src} does not exist")
+        what = "is not a directory" if os.path.lexists(src) else "does not exist"
+        raise CropError(f"source checkpoint directory {src} {what}")
     # Resolved paths: a symlink to (or inside) SRC must not slip past the check.
     real_src, real_dst = os.path.realpath(src), os.path.realpath(dst)
     if is_inside(real_dst, real_src) or is_inside(real_src, real_dst):

@@ -70,3 +70,24 @@ def test_keeping_every_layer_dequantises_the_whole_checkpoint(tmp_path):
                                           (2 * 10**15, "2000.0 TB")])  # fmt: skip
 def test_progress_sizes_use_decimal_units(nbytes, shown):
     assert _human(nbytes) == shown
+
+
+def test_a_scale_beside_a_weight_that_is_not_fp8_is_refused(tmp_path):
+    # the loader refuses such a checkpoint (an unexpected key): crop must not drop the scale and hide it
+    src = shutil.copytree(fp8_source()[0], tmp_path / "src")
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    weight = next(k for k in index["weight_map"] if k.endswith("input_layernorm.weight"))
+    save_file({weight + "_scale_inv": torch.tensor([[2.5]])}, src / "extra.safetensors")
+    index["weight_map"][weight + "_scale_inv"] = "extra.safetensors"
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CropError, match=rf"{weight}_scale_inv is the block scale of {weight}, which is .*, not FP8"):
+        crop(src, tmp_path / "out", 1, log=io.StringIO())
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_source_that_is_a_file_is_named_as_such(tmp_path):
+    (tmp_path / "file").write_text("not a checkpoint")
+    with pytest.raises(CropError, match="source checkpoint directory .*file is not a directory"):
+        crop(tmp_path / "file", tmp_path / "out", 1)
+    with pytest.raises(CropError, match="source checkpoint directory .*missing does not exist"):
+        crop(tmp_path / "missing", tmp_path / "out", 1)
