@@ -19,7 +19,7 @@ from glm53 import Glm53ForCausalLM
 from glm53.model.model import packing_fields
 from glm53.model.packing import document_boundaries, document_pool_layout, segment_ids, static_boundaries
 from glm53.training.losses import balance_loss
-from tests.helpers.modules import assert_same_grads_and_loads, packed_loss_model
+from tests.helpers.modules import assert_same_grads_and_loads, packed_loss_batch, packed_loss_model
 
 LOSS_PARTS = ("loss", "lm_loss", "mtp_loss", "aux_loss", "indexer_loss")
 B, T = 2, 19
@@ -51,14 +51,7 @@ def model() -> Glm53ForCausalLM:
 
 
 def batch(vocab: int) -> dict[str, torch.Tensor]:
-    """ids [B, T], mask [B, T] (row 1 left-padded: packing and padding combined), labels [B, T] (some ignored)."""
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, vocab, (B, T), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0
-    labels = ids.masked_fill(mask == 0, -100)
-    labels[0, 7] = -100
-    return dict(input_ids=ids, attention_mask=mask, labels=labels)
+    return packed_loss_batch(vocab, B, T)
 
 
 def run(model: Glm53ForCausalLM, fn, packing: dict[str, torch.Tensor]) -> dict[str, object]:

@@ -22,6 +22,18 @@ def random_indexer(seed: int, **config) -> Indexer:
     return module
 
 
+def packed_loss_batch(vocab: int, B: int = 2, T: int = 19) -> dict[str, torch.Tensor]:
+    """ids [B, T], mask [B, T] (row 1 left-padded: packing and padding combined), labels [B, T] (some ignored):
+    the batch the packed-batch compile tests run."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, vocab, (B, T), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[0, 7] = -100
+    return dict(input_ids=ids, attention_mask=mask, labels=labels)
+
+
 def packed_loss_model() -> Glm53ForCausalLM:
     """One KDA + one MLA layer (dense, then sparse MLP), MTP, every loss part on, random weights (default inits
     hide bugs): the model the packed-batch compile tests run."""

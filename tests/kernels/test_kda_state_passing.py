@@ -10,15 +10,34 @@ from glm53.kernels.kda.state_passing import kda_pieces, kda_transition
 T = 4 * 32 + 7  # four fast-kernel chunks and an odd remainder
 
 
-def _inputs(seed: int, B: int = 2, H: int = 2, K: int = 8, V: int = 6, dtype=torch.float64):
+def _inputs(seed: int, B: int = 2, H: int = 2, K: int = 8, V: int = 6, dtype=torch.float64, length: int = T,
+            max_decay: float = 2.0):
     g = torch.Generator().manual_seed(seed)
-    q = l2norm(torch.randn(B, T, H, K, generator=g, dtype=dtype))
-    k = l2norm(torch.randn(B, T, H, K, generator=g, dtype=dtype))
-    v = torch.randn(B, T, H, V, generator=g, dtype=dtype)
-    gate = -torch.rand(B, T, H, K, generator=g, dtype=dtype) * 2
-    beta = torch.rand(B, T, H, generator=g, dtype=dtype)
+    q = l2norm(torch.randn(B, length, H, K, generator=g, dtype=dtype))
+    k = l2norm(torch.randn(B, length, H, K, generator=g, dtype=dtype))
+    v = torch.randn(B, length, H, V, generator=g, dtype=dtype)
+    gate = -torch.rand(B, length, H, K, generator=g, dtype=dtype) * max_decay
+    beta = torch.rand(B, length, H, generator=g, dtype=dtype)
     S0 = torch.randn(B, H, K, V, generator=g, dtype=dtype)
     return [x.requires_grad_() for x in (q, k, v, gate, beta, S0)]
+
+
+def assert_pieces_equal_whole(leaves: list[torch.Tensor], pieces: int, cot_seed: int | None = None) -> None:
+    """kda_pieces over `pieces` pieces equals kda_chunk on the whole sequence: output, final state and the
+    gradients of q, k, v, gate, beta and the initial state (fp64, random cotangents)."""
+    q, k, v, gate, beta, S0 = leaves
+    gen = None if cot_seed is None else torch.Generator().manual_seed(cot_seed)
+    cot = torch.randn(*v.shape, generator=gen, dtype=torch.float64)
+    cot_S = torch.randn(*S0.shape, generator=gen, dtype=torch.float64)
+
+    def grads(fn):
+        o, S = fn()
+        return (o, S, *torch.autograd.grad((o * cot).sum() + (S * cot_S).sum(), leaves))
+
+    whole = grads(lambda: kda_chunk(q, k, v, gate, beta, initial_state=S0, output_final_state=True))
+    split = grads(lambda: kda_pieces(q, k, v, gate, beta, pieces=pieces, initial_state=S0))
+    for name, a, b in zip(["o", "S", "dq", "dk", "dv", "dg", "dbeta", "dS0"], split, whole):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10, msg=name)
 
 
 def test_transition_is_affine_in_the_initial_state():
@@ -31,16 +50,4 @@ def test_transition_is_affine_in_the_initial_state():
 
 @pytest.mark.parametrize("pieces", [2, 3, 4], ids=lambda n: f"cp{n}")
 def test_pieces_equal_whole_sequence_forward_and_gradients(pieces):
-    leaves = _inputs(pieces)
-    q, k, v, gate, beta, S0 = leaves
-    cot = torch.randn(2, T, 2, 6, dtype=torch.float64)
-    cot_S = torch.randn(2, 2, 8, 6, dtype=torch.float64)
-
-    def grads(fn):
-        o, S = fn()
-        return (o, S, *torch.autograd.grad((o * cot).sum() + (S * cot_S).sum(), leaves))
-
-    whole = grads(lambda: kda_chunk(q, k, v, gate, beta, initial_state=S0, output_final_state=True))
-    split = grads(lambda: kda_pieces(q, k, v, gate, beta, pieces=pieces, initial_state=S0))
-    for name, a, b in zip(["o", "S", "dq", "dk", "dv", "dg", "dbeta", "dS0"], split, whole):
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10, msg=name)
+    assert_pieces_equal_whole(_inputs(pieces), pieces)

@@ -10,38 +10,18 @@ and pieces inside one chunk.
 from __future__ import annotations
 
 import pytest
-import torch
 
-from glm53.kernels.kda import kda_chunk, l2norm
-from glm53.kernels.kda.state_passing import kda_pieces, kda_transition
+from glm53.kernels.kda.state_passing import kda_transition
+from tests.kernels.test_kda_state_passing import _inputs, assert_pieces_equal_whole
 
 
-def _weak_inputs(T: int, B: int = 2, H: int = 2, K: int = 8, V: int = 6):
-    g = torch.Generator().manual_seed(T)
-    q = l2norm(torch.randn(B, T, H, K, generator=g, dtype=torch.float64))
-    k = l2norm(torch.randn(B, T, H, K, generator=g, dtype=torch.float64))
-    v = torch.randn(B, T, H, V, generator=g, dtype=torch.float64)
-    gate = -torch.rand(B, T, H, K, generator=g, dtype=torch.float64) * 0.02
-    beta = torch.rand(B, T, H, generator=g, dtype=torch.float64)
-    S0 = torch.randn(B, H, K, V, generator=g, dtype=torch.float64)
-    return [x.requires_grad_() for x in (q, k, v, gate, beta, S0)]
+def _weak_inputs(T: int):
+    return _inputs(T, length=T, max_decay=0.02)
 
 
 @pytest.mark.parametrize("T,pieces", [(5, 5), (37, 4), (70, 3)], ids=["one-token-pieces", "in-one-chunk", "T70-cp3"])
 def test_pieces_with_weak_decay_equal_whole_sequence(T, pieces):
     leaves = _weak_inputs(T)
-    q, k, v, gate, beta, S0 = leaves
-    A, _ = kda_transition(*(x[:, : T // pieces] for x in (q, k, v, gate, beta)))
+    A, _ = kda_transition(*(x[:, : T // pieces] for x in leaves[:5]))
     assert A.detach().abs().amax() > 0.1  # the initial state survives a piece
-    gen = torch.Generator().manual_seed(0)
-    cot = torch.randn(2, T, 2, 6, generator=gen, dtype=torch.float64)
-    cot_S = torch.randn(2, 2, 8, 6, generator=gen, dtype=torch.float64)
-
-    def run(fn):
-        o, S = fn()
-        return (o, S, *torch.autograd.grad((o * cot).sum() + (S * cot_S).sum(), leaves))
-
-    whole = run(lambda: kda_chunk(q, k, v, gate, beta, initial_state=S0, output_final_state=True))
-    split = run(lambda: kda_pieces(q, k, v, gate, beta, pieces=pieces, initial_state=S0))
-    for name, a, b in zip(["o", "S", "dq", "dk", "dv", "dg", "dbeta", "dS0"], split, whole):
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10, msg=name)
+    assert_pieces_equal_whole(leaves, pieces, cot_seed=0)
