@@ -116,6 +116,14 @@ def _pre(site: _Site, norm: tuple, streams: torch.Tensor) -> tuple[torch.Tensor,
     return _rms(_collapse(pre, streams), *norm), mixer
 
 
+def _forget_gate(p: _Kda, f_a: torch.Tensor, rows: int) -> torch.Tensor:
+    """KDA's per-channel log decay g [rows, H, K, 1] (fp32) from the gate's low-rank input f_a [rows, r]."""
+    raw = (_as(_linear(f_a, p.f_b), torch.float32) + p.dt_bias).view(rows, -1, p.head_dim, 1)
+    if p.lower_bound is not None:
+        return p.lower_bound * torch.sigmoid(p.rate * raw)
+    return p.neg_rate * F.softplus(raw, threshold=20.0)
+
+
 def _kda(p: _Kda, x: torch.Tensor, state: torch.Tensor, conv: torch.Tensor) -> torch.Tensor:
     """decode._kda_step without the cache object: x [B, D] -> out [B, D]; the state [B, H, K, V] and the conv
     history [B, W-1, 3*H*K] advance in place."""
@@ -124,11 +132,7 @@ def _kda(p: _Kda, x: torch.Tensor, state: torch.Tensor, conv: torch.Tensor) -> t
     full = torch.cat([conv, qkv_raw[:, None]], dim=1)  # [B, W, 3*H*K]
     qkv = _as(F.silu((_as(full, torch.float32) * p.taps).sum(1)), x.dtype).view(B, 3, -1, 1, K)
     qk = _unit_rms(_as(qkv[:, :2], torch.float32), p.roots[0]) * p.qk_scale  # l2norm (q scaled)
-    raw = (_as(_linear(f_a, p.f_b), torch.float32) + p.dt_bias).view(B, -1, K, 1)
-    if p.lower_bound is not None:
-        g = p.lower_bound * torch.sigmoid(p.rate * raw)
-    else:
-        g = p.neg_rate * F.softplus(raw, threshold=20.0)
+    g = _forget_gate(p, f_a, B)
     dt = state.dtype
     q, k, v = _as(qk[:, 0], dt), _as(qk[:, 1], dt), _as(qkv[:, 2], dt)  # [B, H, 1, K]
     beta = _as(torch.sigmoid(b), dt).view(B, -1, 1, 1)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from .cache import GenerationCache
 from .decode import _Block, _Kda
-from .decode_compiled import (_as, _blocks, _dense, _linear, _mm, _run, _Segment, _segments, _unit_rms,
+from .decode_compiled import (_as, _blocks, _dense, _forget_gate, _linear, _mm, _run, _Segment, _segments, _unit_rms,
                               compiled_segment)  # fmt: skip
 from .layers import _cached_attention, _gather_rows
 from .verify import cache_tokens, checked_plan
@@ -42,11 +42,7 @@ def _kda_tokens(p: _Kda, x: torch.Tensor, state: torch.Tensor, conv: torch.Tenso
     windows = _as(full, torch.float32).unfold(1, p.taps.shape[0], 1)  # [B, T, C, W]: the inputs each output reads
     qkv = _as(F.silu((windows * p.taps.t()).sum(-1)), x.dtype).view(R, 3, -1, 1, K)  # [R, 3, H, 1, K]
     qk = _unit_rms(_as(qkv[:, :2], torch.float32), p.roots[0]) * p.qk_scale  # l2norm (q scaled)
-    graw = (_as(_linear(f_a, p.f_b), torch.float32) + p.dt_bias).view(R, -1, K, 1)
-    if p.lower_bound is not None:
-        g = p.lower_bound * torch.sigmoid(p.rate * graw)
-    else:
-        g = p.neg_rate * F.softplus(graw, threshold=20.0)
+    g = _forget_gate(p, f_a, R)
     dt = state.dtype
     by_token = lambda t: t.reshape(B, T, *t.shape[1:]).unbind(1)  # noqa: E731  [R, ...] -> T x [B, ...]
     q, k, v = by_token(_as(qk[:, 0], dt)), by_token(_as(qk[:, 1], dt)), by_token(_as(qkv[:, 2], dt))
