@@ -14,8 +14,8 @@ from glm53.errors import InputError
 from glm53.training.data import batches, decode, encode
 from glm53.training.data.documents import DataError, Document, read_documents
 from glm53.training.data.pack import Batch, Packer
-from glm53.training.data.tokenize import TokenDoc, encode_document
-from glm53.training.finetune import FileData, model_inputs
+from glm53.training.data.tokenize import TextTokenizer, TokenDoc, encode_document
+from glm53.training.finetune import FileData, heldout_loss, model_inputs
 from glm53.training.losses import IGNORE_INDEX
 
 
@@ -155,3 +155,25 @@ def test_targets_without_a_chat_template_but_with_an_eos():
     assert (pair.ids, pair.targets) == ([ord("q"), ord("c"), 99], [False, True, True])
     text = encode_document(Document("f:3", text="ab"), tok)
     assert (text.ids, text.targets) == ([97, 98, 99], [True] * 3)
+
+
+def test_transformers_tokenizer_without_a_pad_token_pads_with_eos(tmp_path, word_tokenizer):
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer.from_file(f"{word_tokenizer}/tokenizer.json")
+    raw.add_special_tokens(["<eos>"])
+    PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<eos>").save_pretrained(str(tmp_path))
+    tok = TextTokenizer(str(tmp_path))
+    assert tok.hf.pad_token_id is None and tok.eos_id == 9 and tok.pad_id == 9
+
+
+def test_heldout_loss_covers_every_row_whatever_the_batch_size(tmp_path, word_tokenizer):
+    from glm53 import Glm53Config, Glm53ForCausalLM
+
+    torch.manual_seed(0)
+    model = Glm53ForCausalLM(Glm53Config.tiny(vocab_size=64))
+    data = write(tmp_path / "h.jsonl", "".join(f'{{"text": "{t}"}}\n' for t in ["a b c", "d e", "f g h a", "b"]))
+    per_row = heldout_loss(model, data, word_tokenizer, 4, batch_size=1)
+    assert heldout_loss(model, data, word_tokenizer, 4, batch_size=8) == pytest.approx(per_row, rel=1e-5)
+    assert heldout_loss(model, data, word_tokenizer, 4, batch_size=2) == pytest.approx(per_row, rel=1e-5)
+    assert model.training  # restored
