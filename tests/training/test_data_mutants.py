@@ -165,6 +165,9 @@ def test_transformers_tokenizer_without_a_pad_token_pads_with_eos(tmp_path, word
     PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<eos>").save_pretrained(str(tmp_path))
     tok = TextTokenizer(str(tmp_path))
     assert tok.hf.pad_token_id is None and tok.eos_id == 9 and tok.pad_id == 9
+    args = argparse.Namespace(data=write(tmp_path / "d.jsonl", '{"text": "a b"}\n'), batch_size=1, grad_accum=1,
+                              seq_len=4, seed=0)  # fmt: skip
+    assert FileData(args, str(tmp_path), 16, 0, 1, 0).packer.pad_id == 9  # the tokenizer's, not the config's 0
 
 
 def test_heldout_loss_covers_every_row_whatever_the_batch_size(tmp_path, word_tokenizer):
