@@ -56,3 +56,10 @@ def test_corpus_micro_batches_are_grad_accum_draws():
     micro = Trainer.next_micro_batches(SimpleNamespace(data=None, args=argparse.Namespace(grad_accum=3)), draws)
     assert [m["input_ids"].tolist() for m in micro] == [[[0, 1, 2]], [[3, 4, 5]], [[6, 7, 8]]]
     assert all(m["labels"] is m["input_ids"] for m in micro)
+
+
+def test_an_infinite_loss_stops_the_run(monkeypatch):
+    inf = {"loss": torch.tensor(float("inf")), "lm_loss": torch.tensor(1.0)}
+    monkeypatch.setattr(Trainer, "step", lambda self, step, micro: dict(inf))
+    with pytest.raises(SystemExit, match="step 1: loss is inf; stopping"):
+        main(SMALL + ["--steps", "2"])
