@@ -69,3 +69,9 @@ def test_layer_norm_uses_its_eps():
     ln = LayerNorm(8, eps=1e-6)
     torch.testing.assert_close(ln(x), F.layer_norm(x, (8,), eps=1e-6))
     assert "eps=1e-06" in repr(ln)
+
+
+def test_rms_norm_repr_names_width_and_eps():
+    from glm53.model.norm import RMSNorm
+
+    assert repr(RMSNorm(6, 1e-5)) == "RMSNorm(6, eps=1e-05)"
