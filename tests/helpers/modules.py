@@ -48,6 +48,20 @@ def packed_loss_model() -> Glm53ForCausalLM:
     return m
 
 
+PACKED_LOSS_PARTS = ("loss", "lm_loss", "mtp_loss", "aux_loss", "indexer_loss")
+
+
+def assert_same_packed_run(got: dict, ref: dict, what: str = "") -> None:
+    """Two runs of packed_loss_model (tests/compile): logits, every loss part (each on and not trivially 0),
+    parameter gradients and expert loads agree at fp32 compile tolerances."""
+    tol = dict(rtol=1e-5, atol=1e-6)
+    for key in ("logits", "train_logits", *PACKED_LOSS_PARTS):
+        assert ref[key] is not None and ref[key].abs().sum() > 0, key
+        torch.testing.assert_close(got[key], ref[key], **tol, msg=lambda m: f"{what} {key}: {m}")
+    assert sum(g is not None for g in ref["grads"]) > 0
+    assert_same_grads_and_loads(got, ref, tol)
+
+
 def assert_same_grads_and_loads(got: dict, ref: dict, tol: dict) -> None:
     """Two training runs' parameter gradients (None where the other is None, else close) and expert loads (equal:
     the same routing); `got` / `ref` hold "grads" and "loads" lists (tests/compile)."""
