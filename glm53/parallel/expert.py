@@ -23,7 +23,6 @@ from __future__ import annotations
 import weakref
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
@@ -32,6 +31,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from ..boundary import set_expert_dispatcher
 from ..kernels import kernel
 from ..model.moe import Experts
+from . import comm
 from .boundary import LocalShard, set_boundary_rule
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")  # [E, 2I, D], [E, D, I]
@@ -53,8 +53,11 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-def _destination_splits(counts_E: torch.Tensor, ep: int) -> list[int]:
-    return counts_E.view(ep, -1).sum(1).tolist()  # NOTE: syncs (all_to_all split sizes are host ints)
+def _split_sizes(sent_E: torch.Tensor, arriving_E: torch.Tensor, ep: int) -> tuple[list[int], list[int]]:
+    """(send, receive) split sizes per rank, read from the device in one transfer: all_to_all_single takes its
+    splits as host ints (torch has no device-side split sizes), so this is the layer's one host sync."""
+    both = torch.stack([sent_E, arriving_E]).view(2, ep, -1).sum(-1).tolist()  # NOTE: one sync per call
+    return both[0], both[1]
 
 
 class ExpertParallelDispatch:
@@ -74,8 +77,8 @@ class ExpertParallelDispatch:
         token = order // k
         counts_E = torch.bincount(expert_of, minlength=El * self.ep)  # [E] pairs this rank sends to each expert
         arriving_E = torch.empty_like(counts_E)  # [ep * El]: from source rank s, for local expert e
-        dist.all_to_all_single(arriving_E, counts_E, group=self.group)
-        send, receive = _destination_splits(counts_E, self.ep), _destination_splits(arriving_E, self.ep)
+        comm.all_to_all_single(arriving_E, counts_E, group=self.group)
+        send, receive = _split_sizes(counts_E, arriving_E, self.ep)
         rows = all_to_all_single_autograd(x.index_select(0, token), receive, send, self.group)  # [M, D]
         # Rows from each source arrive sorted by local expert: label each with its local expert.
         local_expert = torch.arange(El, device=x.device).repeat(self.ep).repeat_interleave(arriving_E)  # [M]

@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 from ..checkpoint.layout import TEXT_PREFIX, internal_to_official, named_state
 from ..checkpoint.shards import INDEX_FILE, SINGLE_FILE, atomic_directory, checkpoint_owns, parse_size, write_json
 from ..precision import keeps_fp32
+from . import comm
 from .pieces import box_slices, intersect, is_primary, local_boxes, local_tensor
 
 Region = tuple[slice, ...]
@@ -81,7 +82,7 @@ def _gather_key(tensor: torch.Tensor, region: Region, shape: tuple[int, ...], dt
             inside = tuple(slice(g.start - r.start, g.stop - r.start) for g, r in zip(global_idx, region))
             buffer[inside] = local[local_idx]
     if not _is_plain(tensor):
-        dist.reduce(buffer, dst=writer)
+        comm.reduce_(buffer, dst=writer)
     return buffer.reshape(shape).to(dtype).cpu() if rank == writer else None
 
 
@@ -212,23 +213,21 @@ def shared_atomic_directory(path: str | os.PathLike, overwrite: bool = False,
     dist.broadcast_object_list(box, src=0)
     if isinstance(box[0], Exception):
         raise box[0]
-    ok = torch.tensor([1])
     with stack:
         try:
             yield box[0]
         except BaseException:
-            ok[0] = 0
-            _agree(ok)
+            _agree(False)
             raise
-        _agree(ok)
-        if int(ok[0]) == 0:
+        if not _agree(True):
             raise RuntimeError(f"another rank failed while writing {path}; nothing was written")
     dist.barrier()  # the rename is done before anyone reads the directory
 
 
-def _agree(ok: torch.Tensor) -> None:
-    """Every rank learns whether all ranks succeeded (MIN over ranks)."""
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+def _agree(ok: bool) -> bool:
+    """Every rank learns whether all ranks succeeded (MIN over ranks, on the default group's device: a CPU flag
+    on an nccl group fails after every shard was written, discarding the checkpoint)."""
+    return comm.all_ranks_agree(ok)
 
 
 def export_pretrained(model: torch.nn.Module, path: str | os.PathLike, *, dtype: torch.dtype | None = None,

@@ -15,7 +15,6 @@ import dataclasses
 import weakref
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
@@ -30,6 +29,7 @@ from ..model.mla import MultiHeadLatentAttention
 from ..model.model import Glm53ForCausalLM
 from ..model.mtp import MTPLayer
 from ..precision import keeps_fp32
+from . import comm
 from .boundary import name_modules
 from .expert import EXPERT_PARAMS, apply_expert_parallel, expert_modules, expert_shard_placement, flat_data_mesh
 from .plan import check_tp_size, tp_plan
@@ -82,9 +82,9 @@ def _sum_pool_mass_over_heads(tp_mesh: DeviceMesh, model: Glm53ForCausalLM):
         group = tp_mesh.get_group()
         if model.config.indexer_loss_mode == "sparse":  # no gradient either way: a target
             stats.pool_mass = sum_selected_pool_mass(stats.pool_mass, output[1], ctx.valid, module.kpool,
-                                                     ctx.cu_seqlens, lambda t: dist.all_reduce(t, group=group))
+                                                     ctx.cu_seqlens, comm.in_place_all_reduce(group))
         else:
-            dist.all_reduce(stats.pool_mass, group=group)
+            comm.all_reduce_(stats.pool_mass, group=group)
 
     return hook
 
@@ -230,9 +230,9 @@ def expert_load_sum(mesh: DeviceMesh, dp_dim: str, tp_dim: str, ep_dim: str = "e
     def reduce(loads: torch.Tensor) -> torch.Tensor:
         loads = loads.clone()
         for dim in data_dims:
-            dist.all_reduce(loads, group=mesh[dim].get_group())
+            comm.all_reduce_(loads, group=mesh[dim].get_group())
         if has_tp:
-            dist.all_reduce(loads, group=mesh[tp_dim].get_group())
+            comm.all_reduce_(loads, group=mesh[tp_dim].get_group())
             loads /= mesh[tp_dim].size()
         return loads
 

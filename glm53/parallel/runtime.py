@@ -7,6 +7,9 @@ rank = dp_rank * tp + tp_rank (init_device_mesh's row-major order).
 
 from __future__ import annotations
 
+import datetime
+import os
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -19,19 +22,36 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from ..training.loss_counts import LossCounts
+from . import comm
 
 
-def init_mesh(dp: int, tp: int, device_type: str = "cpu", ep: int = 1, cp: int = 1) -> DeviceMesh:
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)  # a collective waits this long for its peers before failing
+
+
+def _start_process_group(device_type: str, timeout: datetime.timedelta) -> None:
+    """gloo on CPU; on an accelerator its backend bound to this rank's device (torchrun's LOCAL_RANK), so that
+    nccl knows its device up front (eager communicator, no device guess at the first barrier)."""
+    if device_type == "cpu":
+        dist.init_process_group("gloo", timeout=timeout)
+        return
+    device = torch.device(device_type, int(os.environ.get("LOCAL_RANK", "0")))
+    torch.accelerator.set_device_index(device.index)
+    dist.init_process_group("nccl" if device_type == "cuda" else None, timeout=timeout, device_id=device)
+
+
+def init_mesh(dp: int, tp: int, device_type: str = "cpu", ep: int = 1, cp: int = 1,
+              timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> DeviceMesh:  # fmt: skip
     """Start the process group (gloo on CPU, nccl on CUDA; torchrun's environment) and return the mesh that
     `parallelize` expects: ("dp", "tp") when both exceed 1, else 1-D named after the dimension in use; with
     ep > 1, ("dp", "ep") (dp may be 1), plus "tp" when tp > 1 (which parallelize rejects with EP); with cp > 1
-    (context parallelism, not combined with ep or tp), ("dp", "cp"), or ("cp",) when dp is 1."""
+    (context parallelism, not combined with ep or tp), ("dp", "cp"), or ("cp",) when dp is 1. `timeout`: how long
+    a collective waits for the other ranks (the process group's timeout)."""
     if dp < 1 or tp < 1 or ep < 1 or cp < 1:
         raise ValueError(f"dp, ep, tp and cp must be >= 1, got dp={dp}, ep={ep}, tp={tp}, cp={cp}")
     if cp > 1 and (ep > 1 or tp > 1):
         raise ValueError(f"context parallelism (cp={cp}) is not combined with ep or tp yet, got ep={ep}, tp={tp}")
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+        _start_process_group(device_type, timeout)
     if dp * ep * tp * cp != dist.get_world_size():
         raise ValueError(f"dp={dp} x ep={ep} x tp={tp} x cp={cp} = {dp * ep * tp * cp} ranks, but the world has "
                          f"{dist.get_world_size()}")  # fmt: skip
@@ -68,7 +88,7 @@ def mean_over(value: torch.Tensor, mesh: DeviceMesh, dim: str = "dp") -> torch.T
     """A plain tensor averaged over mesh dimension `dim` (itself when the mesh has no such dimension)."""
     value = value.detach().clone()
     if dim in (mesh.mesh_dim_names or ()):
-        dist.all_reduce(value, group=mesh[dim].get_group())  # gloo has no AVG
+        value = comm.all_reduce(value, group=mesh[dim].get_group())  # gloo has no AVG
         value /= mesh[dim].size()
     return value
 
@@ -77,7 +97,7 @@ def sum_over(value: torch.Tensor, mesh: DeviceMesh, dim: str = "dp") -> torch.Te
     """A plain tensor summed over mesh dimension `dim` (itself when the mesh has no such dimension)."""
     value = value.detach().clone()
     if dim in (mesh.mesh_dim_names or ()):
-        dist.all_reduce(value, group=mesh[dim].get_group())
+        value = comm.all_reduce(value, group=mesh[dim].get_group())
     return value
 
 
