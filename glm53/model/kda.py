@@ -15,6 +15,7 @@ state enters from the ranks before through their transitions (kernels/kda/state_
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -107,7 +108,7 @@ class KimiDeltaAttention(nn.Module):
         g = self.forget_gate(x)
         beta = torch.sigmoid(self.b_proj(x))
         q, k = l2norm(q.float(), L2NORM_EPS), l2norm(k.float(), L2NORM_EPS)
-        o, _ = kernel("kda")(q, k, v, g, beta, **packed)  # q, k stay fp32 (fla l2-normalises inside its fp32 kernel)
+        o, _ = kernel("kda")(q, k, v, g, beta, gate_floor=self.lower_bound, **packed)  # q, k stay fp32 (fla l2-normalises inside its fp32 kernel)
         return self._output(x, o.to(v.dtype), split)
 
     def _output(self, x: torch.Tensor, o: torch.Tensor, split) -> torch.Tensor:
@@ -136,7 +137,8 @@ class KimiDeltaAttention(nn.Module):
         if ctx.segment_ids is not None:
             starts = halo_starts(ctx.segment_ids, ctx.cp, 0)  # [B, T]
             packed = dict(starts=starts, cu_seqlens=boundaries(starts))
-        o = kda_sharded(q, k, v, g, beta, ctx.cp, kernel=kernel("kda"), **packed)
+        bounded = functools.partial(kernel("kda"), gate_floor=self.lower_bound)  # g >= lower_bound: no host sync
+        o = kda_sharded(q, k, v, g, beta, ctx.cp, kernel=bounded, **packed)
         return self._output(x, o.to(v.dtype), split)
 
     def init_weights(self) -> None:

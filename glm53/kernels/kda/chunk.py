@@ -24,6 +24,7 @@ import torch
 from ..dispatch import register
 from ..opaque import autograd_inside_op
 from ..varlen import check_cu_seqlens
+from .decay import rebase_is_static
 from .fast import FAST_CHUNK_SIZE, kda_chunk_backward, kda_chunk_core, n_blocks  # noqa: F401 (re-export)
 from .varlen import no_states, per_document
 
@@ -61,6 +62,7 @@ def kda_recurrent_reference(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
+    gate_floor: float | None = None,  # a hint for the fast kernel (kda_chunk); the references ignore it
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The delta rule one token at a time: the definition every other form is tested against."""
     if cu_seqlens is not None:
@@ -90,6 +92,7 @@ def kda_chunk_reference(
     output_final_state: bool = False,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     cu_seqlens: torch.Tensor | None = None,
+    gate_floor: float | None = None,  # a hint for the fast kernel (kda_chunk); the references ignore it
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The chunked (WY / UT-transform) form, written for clarity: one chunk at a time.
 
@@ -147,13 +150,13 @@ def _kda_recurrent_core(q, k, v, g, beta, S):
     return torch.stack(outputs, dim=1), S
 
 
-def _kda_core(q, k, v, g, beta, S0, cu_seqlens=None):
+def _kda_core(q, k, v, g, beta, S0, cu_seqlens=None, static_rebase: bool = False):
     """-> (o, S_T, boundaries: the state at each block start, none for single-token steps). With `cu_seqlens` S0
     is zero (kda_chunk checks it), so a single token needs no reset."""
     if q.shape[1] <= RECURRENT_MAX_T:
         o, S = _kda_recurrent_core(q, k, v, g, beta, S0)
         return o, S, S0.new_empty(*S0.shape[:2], 0, *S0.shape[2:])
-    return kda_chunk_core(q, k, v, g, beta, S0, cu_seqlens)
+    return kda_chunk_core(q, k, v, g, beta, S0, cu_seqlens, static_rebase)
 
 
 # The fast kernel as a custom op (opaque to torch.compile: `_kda_core` branches on the data). Backward
@@ -164,14 +167,14 @@ def _kda_core(q, k, v, g, beta, S0, cu_seqlens=None):
 # q is saved unscaled (the caller's tensor, usually already kept by autograd) and scaled inside.
 @torch.library.custom_op("glm53::kda_chunk", mutates_args=())
 def _kda_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-            S0: torch.Tensor, scale: float, cu_seqlens: torch.Tensor | None = None
+            S0: torch.Tensor, scale: float, cu_seqlens: torch.Tensor | None = None, static_rebase: bool = False
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    o, S, boundaries = _kda_core(q * scale, k, v, g, beta, S0, cu_seqlens)
+    o, S, boundaries = _kda_core(q * scale, k, v, g, beta, S0, cu_seqlens, static_rebase)
     return o.contiguous(), S.contiguous(), boundaries  # the strides the fake implementation promises
 
 
 @_kda_op.register_fake
-def _(q, k, v, g, beta, S0, scale, cu_seqlens=None):
+def _(q, k, v, g, beta, S0, scale, cu_seqlens=None, static_rebase=False):
     B, T, H, K = q.shape
     blocks = n_blocks(B, T, H, K, v.shape[-1]) if T > RECURRENT_MAX_T else 0
     return v.new_empty(v.shape), S0.new_empty(S0.shape), S0.new_empty(*S0.shape[:2], blocks, *S0.shape[2:])
@@ -180,10 +183,10 @@ def _(q, k, v, g, beta, S0, scale, cu_seqlens=None):
 @torch.library.custom_op("glm53::kda_chunk_backward", mutates_args=())
 def _kda_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      S0: torch.Tensor, boundaries: torch.Tensor, do: torch.Tensor, dS: torch.Tensor, scale: float,
-                     cu_seqlens: torch.Tensor | None = None
+                     cu_seqlens: torch.Tensor | None = None, static_rebase: bool = False
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     if q.shape[1] > RECURRENT_MAX_T:
-        grads = kda_chunk_backward(q * scale, k, v, g, beta, do, dS, boundaries, cu_seqlens)
+        grads = kda_chunk_backward(q * scale, k, v, g, beta, do, dS, boundaries, cu_seqlens, static_rebase)
         if grads is not None:  # None: decays too steep for the rebased factors
             dq, dk, dv, dg, dbeta, dS0 = grads
             return tuple(d.contiguous() for d in (dq.mul_(scale), dk, dv, dg, dbeta, dS0))
@@ -196,12 +199,12 @@ def _kda_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 
 
 @_kda_backward_op.register_fake
-def _(q, k, v, g, beta, S0, boundaries, do, dS, scale, cu_seqlens=None):
+def _(q, k, v, g, beta, S0, boundaries, do, dS, scale, cu_seqlens=None, static_rebase=False):
     return tuple(x.new_empty(x.shape) for x in (q, k, v, g, beta, S0))
 
 
 def _kda_setup(ctx, inputs, output) -> None:
-    *tensors, ctx.scale, ctx.cu_seqlens = inputs
+    *tensors, ctx.scale, ctx.cu_seqlens, ctx.static_rebase = inputs
     ctx.save_for_backward(*tensors, output[2])
 
 
@@ -209,7 +212,8 @@ def _kda_backward(ctx, do, dS, _dboundaries):
     q, k, v, g, beta, S0, boundaries = ctx.saved_tensors
     do = torch.zeros_like(v) if do is None else do.to(q.dtype)
     dS = torch.zeros_like(S0) if dS is None else dS
-    return *_kda_backward_op(q, k, v, g, beta, S0, boundaries, do, dS, ctx.scale, ctx.cu_seqlens), None, None
+    grads = _kda_backward_op(q, k, v, g, beta, S0, boundaries, do, dS, ctx.scale, ctx.cu_seqlens, ctx.static_rebase)
+    return *grads, None, None, None
 
 
 _kda_op.register_autograd(_kda_backward, setup_context=_kda_setup)
@@ -226,11 +230,15 @@ def kda_chunk(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
+    gate_floor: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The fast eager form: blocks of chunks at once, two batched matmuls per chunk for the state; same signature.
 
     Computes in fp32 (fp64 when q is fp64, for tight gradient tests); backward by recompute (`_kda_op`).
     With `cu_seqlens` every row is chunked as without it and the documents are masked per chunk.
+    `gate_floor`: a lower bound the caller guarantees on g (the bounded gate's lower_bound). When it proves the
+    sub-chunk rebasing safe (decay.rebase_is_static) no value of g is read; otherwise one reduction per call
+    decides (a host sync per forward and per backward).
     """
     B, T, H, K = k.shape
     if cu_seqlens is not None:
@@ -248,7 +256,7 @@ def kda_chunk(
     args = (q.to(dtype), k.to(dtype), v.to(dtype), g.to(dtype), beta.to(dtype), S0)
     if T == 0:
         return v.new_zeros(v.shape, dtype=q.dtype), (S0 if output_final_state else None)
-    o, S, _ = _kda_op(*args, float(scale), cu_seqlens)
+    o, S, _ = _kda_op(*args, float(scale), cu_seqlens, rebase_is_static(gate_floor))
     return o.to(q.dtype), (S if output_final_state else None)
 
 

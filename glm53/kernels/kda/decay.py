@@ -133,8 +133,16 @@ def _rebased_products(f: _RebasedFactors) -> tuple[torch.Tensor, torch.Tensor]:
     return out[0].view(*lead, C, C), out[1].view(*lead, C, C)
 
 
+def rebase_is_static(gate_floor: float | None) -> bool:
+    """True when a gate bounded below by `gate_floor` (g >= gate_floor, the bounded gate's lower_bound) makes every
+    row block's span at most (SUB_CHUNK - 1) * |gate_floor| <= REBASE_MAX_EXP: the rebased path is then safe
+    without reading the data (no host sync). The released -5 gate: 15 * 5 = 75 <= 80."""
+    return gate_floor is not None and (SUB_CHUNK - 1) * max(-gate_floor, 0.0) <= REBASE_MAX_EXP
+
+
 def _rebase_is_safe(G: torch.Tensor) -> bool:
-    """True when every row block's own decay span is <= REBASE_MAX_EXP (always so for the -5 bounded gate)."""
+    """True when every row block's own decay span is <= REBASE_MAX_EXP (always so for the -5 bounded gate).
+    One reduction and one host read: the kernels call it once per call over every chunk, never per block."""
     C = G.shape[-2]
     s = min(SUB_CHUNK, C)
     blocks = G.unflatten(-2, (-1, s))

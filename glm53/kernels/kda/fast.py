@@ -118,14 +118,15 @@ class _WyChunks(NamedTuple):
     Kd: torch.Tensor  # [C, K] k e^{G_C - G}
 
 
-def _wy_chunks(q, k, v, beta, G, masks: DocMasks | None = None) -> _WyChunks:
-    """Chunked q, k [B, H, n, C, K], v [.., C, V], beta [.., C, 1], cumulative decay G [.., C, K].
+def _wy_chunks(q, k, v, beta, G, masks: DocMasks | None = None, rebase: bool = True) -> _WyChunks:
+    """Chunked q, k [B, H, n, C, K], v [.., C, V], beta [.., C, 1], cumulative decay G [.., C, K]; `rebase`: the
+    call's decision (`rebase_decision`) to use the rebased products (else the hierarchical ones).
 
     Per chunk (see kda_chunk_reference): W = L^-1 diag(beta) (K e^G), Ub = L^-1 diag(beta) V with
     L = I + diag(beta) A, all chunks at once; the states then follow `_scan`.
     """
     G_end = G[..., -1:, :]  # [B, H, n, 1, K]
-    factors = _rebased_factors(k, q, G) if _rebase_is_safe(G) else None
+    factors = _rebased_factors(k, q, G) if rebase else None
     if factors is not None:
         A, QK = _rebased_products(factors)  # [B, H, n, C, C] each
     else:
@@ -161,7 +162,15 @@ def _scan(ch: _WyChunks, S0: torch.Tensor):
     return starts.view(B, H, n, K, V), U.view(B, H, n, C, V), S.view(B, H, K, V)
 
 
-def kda_chunk_core(q, k, v, g, beta, S0, cu_seqlens=None):
+def rebase_decision(g: torch.Tensor, C: int, static: bool) -> bool:
+    """Whether this call takes the rebased products: `static` (the gate's bound proves it, decay.rebase_is_static)
+    or one reduction over every chunk of g [B, T, H, K] (one host read per call, not one per block)."""
+    if static:
+        return True
+    return _rebase_is_safe(_to_chunks(C, g)[0].cumsum(dim=-2))
+
+
+def kda_chunk_core(q, k, v, g, beta, S0, cu_seqlens=None, static_rebase: bool = False):
     """Scaled fp32/fp64 q, k [B, T, H, K], v [B, T, H, V], g, beta [B, T, H], S0 [B, H, K, V]
     -> (o [B, T, H, V], S_T [B, H, K, V], boundaries [B, H, blocks, K, V]: the state at each block start).
 
@@ -172,12 +181,13 @@ def kda_chunk_core(q, k, v, g, beta, S0, cu_seqlens=None):
     C = _chunk_size(T)
     N = ceil_div(T, C)
     masks = None if cu_seqlens is None else doc_masks(cu_seqlens, B, T, C, q.dtype)
+    rebase = rebase_decision(g, C, static_rebase)
     o = q.new_empty(B, N, C, H, V)
     S, boundaries = S0, []
     for n0, t0, t1 in _blocks(B, T, H, K, V, C):
         # padding: k = beta = 0, g = 0 (no write, no decay)
         qc, kc, vc, gc, bc = _block_inputs(C, t0, t1, q, k, v, g, beta)  # [B, H, n, C, *]
-        ch = _wy_chunks(qc, kc, vc, bc, gc.cumsum(dim=-2), _block_masks(masks, n0, qc.shape[2]))
+        ch = _wy_chunks(qc, kc, vc, bc, gc.cumsum(dim=-2), _block_masks(masks, n0, qc.shape[2]), rebase)
         boundaries.append(S)
         starts, U, S = _scan(ch, S)
         _write(o, n0, _baddbmm(_bmm(ch.QK, U), qc * ch.E, starts))
@@ -254,7 +264,7 @@ def _block_backward(q, k, beta, do, ch: _WyChunks, starts, U, dS, masks) -> tupl
     return _BlockGrads(dq, dk, dv, dg, dbeta), dS
 
 
-def kda_chunk_backward(q, k, v, g, beta, do, dS, boundaries, cu_seqlens=None):
+def kda_chunk_backward(q, k, v, g, beta, do, dS, boundaries, cu_seqlens=None, static_rebase: bool = False):
     """Hand-derived backward of `kda_chunk_core` on the rebased path (`_rebase_is_safe`); q already scaled.
 
     Blocks last to first: recompute the block's chunk quantities (`_wy_chunks`) and states (`_scan`, from its
@@ -266,9 +276,8 @@ def kda_chunk_backward(q, k, v, g, beta, do, dS, boundaries, cu_seqlens=None):
     C = _chunk_size(T)
     N = ceil_div(T, C)
     blocks = _blocks(B, T, H, K, V, C)
-    for _, t0, t1 in blocks:
-        if not _rebase_is_safe(_block_inputs(C, t0, t1, g)[0].cumsum(dim=-2)):
-            return None
+    if not rebase_decision(g, C, static_rebase):
+        return None
     masks = None if cu_seqlens is None else doc_masks(cu_seqlens, B, T, C, q.dtype)
     outs = _BlockGrads(*(q.new_empty(B, N, C, H, width) for width in (K, K, V, K, 1)))
     dS = dS.to(q.dtype)
