@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .budgets import budget
 from .dispatch import register
 from .varlen import check_cu_seqlens, document_bounds, document_slices, own_document_pools
 
@@ -56,7 +57,7 @@ def _packed_scores(q, weights, pool_keys, scale, cu, pool_start):
     P = pool_keys.shape[1]
     start, end = document_bounds(cu, B, T)
     longest = int((end - start).max())  # NOTE: syncs
-    step = max(1, min(SCORE_BUDGET // max(1, B * H * P), max(MIN_PACKED_CHUNK, longest)))
+    step = max(1, min(budget("score", q.device, SCORE_BUDGET) // max(1, B * H * P), max(MIN_PACKED_CHUNK, longest)))
     keys_t = pool_keys.float().transpose(-1, -2)[:, None]  # [B, 1, E, P]
     out = q.new_zeros(B, T, P, dtype=torch.float32)
     for t0, (p0, p1) in zip(range(0, T, step), _owned_pools(start, end, pool_start, step)):
@@ -88,10 +89,11 @@ def _owned_pools(start, end, pool_start, step) -> list[tuple[int, int]]:
     return torch.stack([p0, p1], dim=-1).tolist()  # NOTE: syncs (once per call, not per chunk)
 
 
-def _score_chunk(B: int, H: int, P: int) -> int:
+def _score_chunk(B: int, H: int, P: int, device: torch.device | str = "cpu") -> int:
     """Queries per chunk: SCORE_BUDGET logits, but at least MIN_SCORE_CHUNK queries (at long T one query's [H, P]
     logits alone approach the budget; MIN_SCORE_CHUNK of them stay below the [T, P] output's own size)."""
-    return max(MIN_SCORE_CHUNK, SCORE_BUDGET // max(1, B * H * P))
+    low, size = budget("min_score_chunk", device, MIN_SCORE_CHUNK), budget("score", device, SCORE_BUDGET)
+    return max(low, size // max(1, B * H * P))
 
 
 def _scores_forward(q, weights, pool_keys, scale):
@@ -100,7 +102,7 @@ def _scores_forward(q, weights, pool_keys, scale):
     P = pool_keys.shape[1]
     keys_t = pool_keys.float().transpose(-1, -2)[:, None]  # [B, 1, K, P]
     out = q.new_empty(B, T, P, dtype=torch.float32)
-    step = _score_chunk(B, H, P)
+    step = _score_chunk(B, H, P, q.device)
     for start in range(0, T, step):
         end = min(start + step, T)
         logits = F.relu(torch.matmul(q[:, start:end].float(), keys_t) * scale)  # [B, Tq, H, P]
@@ -117,7 +119,7 @@ def _scores_backward(q, weights, pool_keys, d_out, scale):
     keys_t = keys.transpose(-1, -2)[:, None]  # [B, 1, K, P]
     dq, dw = q.new_empty(B, T, H, K, dtype=torch.float32), q.new_empty(B, T, H, dtype=torch.float32)
     dkeys = keys.new_zeros(B, P, K)
-    step = _score_chunk(B, H, P)
+    step = _score_chunk(B, H, P, q.device)
     for start in range(0, T, step):
         end = min(start + step, T)
         q_c, w_c, g_c = q[:, start:end].float(), weights[:, start:end].float(), d_out[:, start:end].float()

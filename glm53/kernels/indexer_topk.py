@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from .budgets import budget
 from .dispatch import register
 from .indexer_scores import indexer_scores_reference
 
@@ -53,9 +54,10 @@ def indexer_topk_pools_reference(q: torch.Tensor, weights: torch.Tensor, pool_ke
     return chosen, candidate.gather(-1, chosen)
 
 
-def topk_chunk(B: int, H: int, P: int) -> int:
-    """Queries per block: TOPK_BUDGET logits, but at least MIN_TOPK_CHUNK queries."""
-    return max(MIN_TOPK_CHUNK, TOPK_BUDGET // max(1, B * H * P))
+def topk_chunk(B: int, H: int, P: int, device: torch.device | str = "cpu") -> int:
+    """Queries per block: TOPK_BUDGET logits, but at least MIN_TOPK_CHUNK queries (GPU-sized on CUDA, budgets.py)."""
+    low, size = budget("min_topk_chunk", device, MIN_TOPK_CHUNK), budget("topk", device, TOPK_BUDGET)
+    return max(low, size // max(1, B * H * P))
 
 
 def _horizons(pool_end: torch.Tensor, complete: torch.Tensor, last_pos: torch.Tensor) -> list[int]:
@@ -79,7 +81,7 @@ def _topk_pools(q, weights, pool_keys, scale, pool_end, complete, query_offset, 
         return chosen, chosen_ok
     keys_t = pool_keys.float().transpose(-1, -2)  # [B, K, P]
     lowest = torch.finfo(torch.float32).min
-    step = topk_chunk(B, H, P)
+    step = topk_chunk(B, H, P, q.device)
     starts = range(0, T, step)
     last_pos = torch.tensor([min(t0 + step, T) - 1 + query_offset for t0 in starts], device=q.device)
     for t0, p1 in zip(starts, _horizons(pool_end.long(), complete, last_pos)):

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .dispatch import register
+from .budgets import budget
 from .varlen import check_cu_seqlens, document_bounds, document_slices
 
 
@@ -83,8 +84,10 @@ GATHER_BUDGET = 1 << 20  # elements of one gathered [B, H, Tq, J, K] chunk (4 Mi
 MIN_QUERY_CHUNK = 16  # queries per chunk at least (bounds the loop's length at wide shapes)
 
 
-def _query_chunk(B: int, H: int, J: int, width: int) -> int:
-    return max(MIN_QUERY_CHUNK, GATHER_BUDGET // max(1, B * H * J * width))
+def _query_chunk(B: int, H: int, J: int, width: int, device: torch.device | str = "cpu") -> int:
+    """Queries per chunk on `device` (kernels/budgets.py: the constants above on the CPU, GPU-sized on CUDA)."""
+    low, size = budget("min_query_chunk", device, MIN_QUERY_CHUNK), budget("gather", device, GATHER_BUDGET)
+    return max(low, size // max(1, B * H * J * width))
 
 
 def _gather(x: torch.Tensor, safe: torch.Tensor) -> torch.Tensor:
@@ -141,13 +144,14 @@ def _span_union(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
 def _per_head_chunks(topk_indices, num_keys, step, heads) -> list[tuple[int, int, int, int, bool]]:
     """(start, end, lo, hi, dense) per chunk of queries [start, end) with selected keys in [lo, hi)."""
     B, T, J = topk_indices.shape
+    dense_budget = budget("dense", topk_indices.device, DENSE_BUDGET)
     plan: list[tuple[int, int, int, int, bool]] = []
     for start, span in zip(range(0, T, step), _mqa_chunk_spans(topk_indices, num_keys, step)):
         end, dense = min(start + step, T), span[1] - span[0] <= PER_HEAD_DENSE_SPAN_RATIO * J
         if dense and plan and plan[-1][4]:
             first = plan[-1][0]
             lo, hi = _span_union(plan[-1][2:4], span)
-            if hi - lo <= PER_HEAD_DENSE_SPAN_RATIO * J and B * heads * (end - first) * (hi - lo) <= DENSE_BUDGET:
+            if hi - lo <= PER_HEAD_DENSE_SPAN_RATIO * J and B * heads * (end - first) * (hi - lo) <= dense_budget:
                 plan[-1] = (first, end, lo, hi, True)
                 continue
         plan.append((start, end, *span, dense))
@@ -160,7 +164,7 @@ def _sparse_forward(q, k, v, topk_indices, scale):
     q_h, k_h, v_h = (_head_major(x, dtype) for x in (q, k, v))  # [B, H, T or S, K or V]
     B, H, T, _ = q_h.shape
     S, J = k_h.shape[2], topk_indices.shape[-1]
-    step = _query_chunk(B, H, J, max(q.shape[-1], v.shape[-1]))
+    step = _query_chunk(B, H, J, max(q.shape[-1], v.shape[-1]), q.device)
     o = q_h.new_empty(B, T, H, v.shape[-1])
     for start, end, lo, hi, dense in _per_head_chunks(topk_indices, S, step, H):
         idx_c, span = topk_indices[:, start:end], hi - lo
@@ -186,7 +190,7 @@ def _sparse_backward(q, k, v, topk_indices, do, scale):
     dq = q_h.new_empty(B, T, H, D)
     dk, dv = q_h.new_zeros(B, H, S, D), q_h.new_zeros(B, H, S, E)  # contiguous: rows of .view(B*H*S, *)
     rows = (torch.arange(B * H, device=q.device) * S).view(B, H, 1, 1)
-    step = _query_chunk(B, H, J, max(D, E))
+    step = _query_chunk(B, H, J, max(D, E), q.device)
     for start, end, lo, hi, dense in _per_head_chunks(topk_indices, S, step, H):
         q_c, do_c, idx_c = q_h[:, :, start:end], do_h[:, :, start:end], topk_indices[:, start:end]
         if dense:
@@ -324,7 +328,7 @@ def _mqa_forward(q, kv, topk_indices, scale):
     q32, kv32 = q.to(dtype).contiguous(), kv.to(dtype).contiguous()
     B, T, H, C = q.shape
     S, J = kv.shape[1], topk_indices.shape[-1]
-    step = _query_chunk(B, 1, J, C + H)
+    step = _query_chunk(B, 1, J, C + H, q.device)
     o = q32.new_empty(B, T, H, C)
     for start, (lo, hi) in zip(range(0, T, step), _mqa_chunk_spans(topk_indices, S, step)):
         end = min(start + step, T)
@@ -352,7 +356,7 @@ def _mqa_backward(q, kv, topk_indices, do, scale):
     S, J = kv.shape[1], topk_indices.shape[-1]
     dq, dkv = q32.new_empty(B, T, H, C), q32.new_zeros(B * S, C)
     rows = (torch.arange(B, device=q.device) * S)[:, None, None]
-    step = _query_chunk(B, 1, J, C + H)
+    step = _query_chunk(B, 1, J, C + H, q.device)
     for start, (lo, hi) in zip(range(0, T, step), _mqa_chunk_spans(topk_indices, S, step)):
         end = min(start + step, T)
         q_c, do_c, idx_c = q32[:, start:end], do32[:, start:end], topk_indices[:, start:end]

@@ -10,6 +10,12 @@ The helpers here turn it into per-token forms; each is O(B * T) and loop-free.
 from __future__ import annotations
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+# Boundaries already validated, with the (B, T) and tensor version they were checked for: the model makes one
+# cu_seqlens per forward and hands the same tensor to every layer's kernels, so its values are read once (three
+# host syncs) where it is first checked, not again in each kernel call (an in-place change bumps the version).
+_VALIDATED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, B: int, T: int) -> torch.Tensor:
@@ -19,13 +25,20 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, B: int, T: int) -> torch.Tensor:
     cu = cu_seqlens.long()
     if torch.compiler.is_compiling():  # the value checks read the data on the host (a graph break each); the model
         return cu  # made these boundaries itself (model/packing.py document_boundaries), eagerly
+    if _VALIDATED.get(cu) == (B, T, cu._version):
+        return cu
+    _check_values(cu, B, T)
+    _VALIDATED[cu] = (B, T, cu._version)
+    return cu
+
+
+def _check_values(cu: torch.Tensor, B: int, T: int) -> None:
     if cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != B * T:  # NOTE: syncs
         raise ValueError(f"cu_seqlens must start at 0 and end at {B * T} (batch {B} x seq {T}), got {cu.tolist()}")
     if bool((cu.diff() < 0).any()):  # NOTE: syncs
         raise ValueError(f"cu_seqlens must be non-decreasing, got {cu.tolist()}")
     if B > 1 and not bool(torch.isin(torch.arange(0, B * T, T, device=cu.device), cu).all()):
         raise ValueError(f"cu_seqlens must hold every row start (multiples of {T}): documents cannot span rows")
-    return cu
 
 
 def token_documents(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:

@@ -176,7 +176,7 @@ def _kda_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
 @_kda_op.register_fake
 def _(q, k, v, g, beta, S0, scale, cu_seqlens=None, static_rebase=False):
     B, T, H, K = q.shape
-    blocks = n_blocks(B, T, H, K, v.shape[-1]) if T > RECURRENT_MAX_T else 0
+    blocks = n_blocks(B, T, H, K, v.shape[-1], q.device) if T > RECURRENT_MAX_T else 0
     return v.new_empty(v.shape), S0.new_empty(S0.shape), S0.new_empty(*S0.shape[:2], blocks, *S0.shape[2:])
 
 

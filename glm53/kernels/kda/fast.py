@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 
 from ...utils import ceil_div
+from ..budgets import budget
 from .decay import (
     BASE_BLOCK,
     _decay,
@@ -40,17 +41,18 @@ FAST_CHUNK_SIZE = 32
 STATE_BUDGET = 1 << 22
 
 
-def _chunk_size(T: int) -> int:
-    return max(BASE_BLOCK, min(FAST_CHUNK_SIZE, 1 << max(T - 1, 0).bit_length()))
+def _chunk_size(T: int, device: torch.device | str = "cpu") -> int:
+    longest = budget("kda_chunk", device, FAST_CHUNK_SIZE)  # kernels/budgets.py: 64 on CUDA
+    return max(BASE_BLOCK, min(longest, 1 << max(T - 1, 0).bit_length()))
 
 
-def _chunks_per_block(B: int, H: int, K: int, V: int) -> int:
-    return max(1, STATE_BUDGET // (B * H * K * V))
+def _chunks_per_block(B: int, H: int, K: int, V: int, device: torch.device | str = "cpu") -> int:
+    return max(1, budget("state", device, STATE_BUDGET) // (B * H * K * V))
 
 
-def n_blocks(B: int, T: int, H: int, K: int, V: int) -> int:
-    """Number of blocks of a [B, T, H] sequence (the boundary states the forward keeps)."""
-    return ceil_div(ceil_div(T, _chunk_size(T)), _chunks_per_block(B, H, K, V))
+def n_blocks(B: int, T: int, H: int, K: int, V: int, device: torch.device | str = "cpu") -> int:
+    """Number of blocks of a [B, T, H] sequence (the boundary states the forward keeps) on `device`."""
+    return ceil_div(ceil_div(T, _chunk_size(T, device)), _chunks_per_block(B, H, K, V, device))
 
 
 def _unit_lower_inverse(A: torch.Tensor) -> torch.Tensor:
@@ -68,9 +70,9 @@ def _to_chunks(C, *xs):
     return [pad_to(x).unflatten(1, (N, C)).permute(0, 3, 1, 2, 4).contiguous() for x in xs]
 
 
-def _blocks(B: int, T: int, H: int, K: int, V: int, C: int):
+def _blocks(B: int, T: int, H: int, K: int, V: int, C: int, device: torch.device | str = "cpu"):
     """(first chunk, first token, end token) of every block of `_chunks_per_block` chunks."""
-    step = _chunks_per_block(B, H, K, V) * C
+    step = _chunks_per_block(B, H, K, V, device) * C
     return [(t0 // C, t0, min(t0 + step, T)) for t0 in range(0, T, step)]
 
 
@@ -178,13 +180,13 @@ def kda_chunk_core(q, k, v, g, beta, S0, cu_seqlens=None, static_rebase: bool = 
     """
     B, T, H, K = k.shape
     V = v.shape[-1]
-    C = _chunk_size(T)
+    C = _chunk_size(T, q.device)
     N = ceil_div(T, C)
     masks = None if cu_seqlens is None else doc_masks(cu_seqlens, B, T, C, q.dtype)
     rebase = rebase_decision(g, C, static_rebase)
     o = q.new_empty(B, N, C, H, V)
     S, boundaries = S0, []
-    for n0, t0, t1 in _blocks(B, T, H, K, V, C):
+    for n0, t0, t1 in _blocks(B, T, H, K, V, C, q.device):
         # padding: k = beta = 0, g = 0 (no write, no decay)
         qc, kc, vc, gc, bc = _block_inputs(C, t0, t1, q, k, v, g, beta)  # [B, H, n, C, *]
         ch = _wy_chunks(qc, kc, vc, bc, gc.cumsum(dim=-2), _block_masks(masks, n0, qc.shape[2]), rebase)
@@ -273,9 +275,9 @@ def kda_chunk_backward(q, k, v, g, beta, do, dS, boundaries, cu_seqlens=None, st
     """
     B, T, H, K = k.shape
     V = v.shape[-1]
-    C = _chunk_size(T)
+    C = _chunk_size(T, q.device)
     N = ceil_div(T, C)
-    blocks = _blocks(B, T, H, K, V, C)
+    blocks = _blocks(B, T, H, K, V, C, q.device)
     if not rebase_decision(g, C, static_rebase):
         return None
     masks = None if cu_seqlens is None else doc_masks(cu_seqlens, B, T, C, q.dtype)
