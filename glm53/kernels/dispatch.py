@@ -7,6 +7,15 @@ batched matmul). `kernel(op)` returns the chosen callable: "fast" unless a backe
 logged once per (op, backend), and an unknown op or backend raises. Tests force a backend with the scoped
 `use_backend(...)` context (it restores the previous choice on exit); `set_backend` is the global form.
 The choice of kernel never changes numerics settings of a module (those are explicit module attributes).
+
+Device backends: a backend that runs on one device type only (a Triton/CUDA kernel: "fla", flash-linear-
+attention's chunk_kda for "kda", registered by kernels/kda/fla_backend.py when that package is installed; the
+same slot takes a sparse-latent attention kernel for "sparse_mqa_attention") is chosen explicitly per (op, device
+type) with `set_device_backend` / `use_device_backend`, never picked up by default. `resolve(op, device_type)`
+names the backend a call on that device runs: a process-wide `use_backend` choice first, then the per-device
+choice, then the default. With a per-device choice in place `kernel(op)` returns a callable that resolves on each
+call from its first tensor argument's device (so a module that resolved its kernels once still follows the
+device its inputs are on); each (op, device type, backend) is logged the first time it runs.
 """
 
 from __future__ import annotations
@@ -59,6 +68,8 @@ def chosen_backend(op: str) -> str:
 
 
 def kernel(op: str) -> Callable:
+    if op not in _FORCED and any(key[0] == op for key in _DEVICE_CHOICE):
+        return _device_kernel(op)
     name = chosen_backend(op)
     # torch.compile traces this call: logging would break the graph, so the first eager call logs instead. The
     # compiling test comes first: reading _LOGGED while tracing would guard the graph on the set's contents, and
@@ -67,6 +78,65 @@ def kernel(op: str) -> Callable:
         _LOGGED.add((op, name))
         logger.info("glm53 kernel %s: using the %s implementation", op, name)
     return _REGISTRY[op][name]
+
+
+# (op, device type) -> backend chosen for calls on that device (set_device_backend)
+_DEVICE_CHOICE: dict[tuple[str, str], str] = {}
+_DEVICE_KERNELS: dict[str, Callable] = {}
+
+
+def set_device_backend(op: str, device_type: str, backend: str | None) -> None:
+    """Run `backend` for `op` on tensors of `device_type` ("cuda", ...); None removes the choice."""
+    if backend is None:
+        _DEVICE_CHOICE.pop((op, device_type), None)
+        return
+    if backend not in backends(op):
+        raise ValueError(f"unknown backend {backend!r} for kernel op {op!r}; registered: {backends(op)} (a device "
+                         f"backend registers only where its package is installed)")  # fmt: skip
+    torch.device(device_type)  # raises on an unknown device type
+    _DEVICE_CHOICE[(op, device_type)] = backend
+
+
+@contextlib.contextmanager
+def use_device_backend(op: str, device_type: str, backend: str) -> Iterator[None]:
+    """`set_device_backend` inside the block, restoring the previous choice on exit."""
+    saved = _DEVICE_CHOICE.get((op, device_type))
+    set_device_backend(op, device_type, backend)
+    try:
+        yield
+    finally:
+        set_device_backend(op, device_type, saved)
+
+
+def resolve(op: str, device_type: str) -> str:
+    """The backend a call of `op` on `device_type` tensors runs (see the module docstring for the order)."""
+    if op in _FORCED:
+        return _FORCED[op]
+    return _DEVICE_CHOICE.get((op, device_type)) or chosen_backend(op)
+
+
+def _first_device_type(args, kwargs) -> str:
+    for x in (*args, *kwargs.values()):
+        if isinstance(x, torch.Tensor):
+            return x.device.type
+    return "cpu"
+
+
+def _device_kernel(op: str) -> Callable:
+    """The callable `kernel(op)` returns while `op` has a per-device choice: resolves on every call."""
+    if op not in _DEVICE_KERNELS:
+
+        def call(*args, **kwargs):
+            device_type = _first_device_type(args, kwargs)
+            name = resolve(op, device_type)
+            if not torch.compiler.is_compiling() and (op, device_type, name) not in _LOGGED:
+                _LOGGED.add((op, device_type, name))
+                logger.info("glm53 kernel %s on %s: using the %s implementation", op, device_type, name)
+            return _REGISTRY[op][name](*args, **kwargs)
+
+        call.__name__ = f"{op}_by_device"
+        _DEVICE_KERNELS[op] = call
+    return _DEVICE_KERNELS[op]
 
 
 @contextlib.contextmanager

@@ -1,6 +1,7 @@
 """KDA (the gated delta rule with a per-channel forget gate): chunk.py holds the recurrent reference, the chunked
 reference and the fast chunk kernel; decay.py the intra-chunk decayed products they share."""
 
+from . import fla_backend  # noqa: F401  (registers "fla" when flash-linear-attention is installed)
 from .chunk import DEFAULT_CHUNK_SIZE, kda_chunk, kda_chunk_reference, kda_recurrent_reference, l2norm
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "kda_chunk", "kda_chunk_reference", "kda_recurrent_reference", "l2norm"]
