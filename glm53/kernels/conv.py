@@ -12,6 +12,7 @@ zero instead, so every document starts from an empty history (no initial or fina
 from __future__ import annotations
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .dispatch import register
 from .varlen import check_cu_seqlens, document_slices, position_in_document
@@ -69,8 +70,22 @@ def _no_states(initial_state, output_final_state):
                          "(every packed document starts from an empty history)")  # fmt: skip
 
 
+# (cu_seqlens tensor) -> (total, W, version, edges): the model hands one boundary tensor to every conv of a
+# forward (and its backward), so the edge tokens are found once per tensor, not once per conv call
+_EDGES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
 def _edges(cu_seqlens: torch.Tensor, total: int, W: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The tokens closer than W-1 to their document's start [n_e] and which of their taps stay inside it [n_e, W]."""
+    cached = _EDGES.get(cu_seqlens)
+    if cached is not None and cached[:3] == (total, W, cu_seqlens._version):
+        return cached[3]
+    edges = _find_edges(cu_seqlens, total, W)
+    _EDGES[cu_seqlens] = (total, W, cu_seqlens._version, edges)
+    return edges
+
+
+def _find_edges(cu_seqlens: torch.Tensor, total: int, W: int) -> tuple[torch.Tensor, torch.Tensor]:
     pos = position_in_document(cu_seqlens, total)
     tok = torch.nonzero(pos < W - 1).flatten()  # NOTE: syncs; at most W-1 tokens per document
     lag = W - 1 - torch.arange(W, device=pos.device)  # tap w reads the token `lag[w]` steps back

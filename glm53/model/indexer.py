@@ -315,14 +315,12 @@ def select_pools(scores: torch.Tensor, positions: torch.Tensor, complete: torch.
                  select_tail: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """scores [B, T, P], positions [B, P, L], complete [B, P], valid [B, S] -> (top-k [B, T, J], candidate pools
     [B, T, P], selected pools [B, T, P]); pools incomplete in every row are neither."""
-    keep = complete.any(0)  # [P]
+    kept = torch.nonzero(complete.any(0)).squeeze(1)  # [P'] pool indices; NOTE: syncs (once per call)
     topk, kept_candidate, kept_selected = select_kept(
-        scores[..., keep], positions[:, keep], complete[:, keep], valid, cu_seqlens, query_offset, index_topk,
-        kpool, select_tail)  # fmt: skip
-    candidate = kept_candidate.new_zeros(scores.shape)
-    selected = kept_selected.new_zeros(scores.shape)
-    candidate[..., keep] = kept_candidate
-    selected[..., keep] = kept_selected
+        scores.index_select(-1, kept), positions.index_select(1, kept), complete.index_select(1, kept), valid,
+        cu_seqlens, query_offset, index_topk, kpool, select_tail)  # fmt: skip
+    candidate = kept_candidate.new_zeros(scores.shape).index_copy_(-1, kept, kept_candidate)
+    selected = kept_selected.new_zeros(scores.shape).index_copy_(-1, kept, kept_selected)
     return topk, candidate, selected
 
 

@@ -1,0 +1,60 @@
+"""Host syncs per training step stay bounded and independent of T (glm53.profiling.HostSyncs counts them).
+
+Legend: T tokens per row, L layers. What remains per step: the input and label id checks (2, once per step), and
+per full-indexer MLA layer one nonzero (the pools complete in some row) and the sparse attention's key spans (one
+transfer in forward, one in backward). KDA reads nothing: the bounded gate decides its path statically, and
+packed boundaries are validated once per tensor. At the released schedule (45 layers, 11 MLA) that is
+2 + 11 * 3 = 35 per step whatever T is (benchmarks/bench_host_syncs.py measures it at the released widths).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from glm53 import Glm53Config, Glm53ForCausalLM
+from glm53.kernels.kda import fast
+from glm53.model.kda import KimiDeltaAttention
+from glm53.profiling import HostSyncs
+
+
+def _step(model, ids, **kwargs) -> HostSyncs:
+    with HostSyncs() as syncs:
+        model(ids, labels=ids, return_logits=False, **kwargs).loss.backward()
+    return syncs
+
+
+@pytest.mark.parametrize("T", [64, 200])
+def test_training_step_syncs_do_not_grow_with_T(T, monkeypatch):
+    monkeypatch.setattr(fast, "STATE_BUDGET", 1)  # one 32-token chunk per KDA block: many blocks per row
+    config = Glm53Config.tiny(indexer_loss_weight=0.01)
+    assert config.layer_types.count("indexed_attention") == 1
+    model = Glm53ForCausalLM(config)
+    ids = torch.randint(1, config.vocab_size, (2, T), generator=torch.Generator().manual_seed(0))
+    syncs = _step(model, ids)
+    assert dict(syncs.counts) == {"item": 2, "nonzero": 1, "tolist": 2}
+
+
+def test_packed_step_validates_the_boundaries_once(monkeypatch):
+    monkeypatch.setattr(fast, "STATE_BUDGET", 1)
+    config = Glm53Config.tiny(indexer_loss_weight=0.01)
+    model = Glm53ForCausalLM(config)
+    ids = torch.randint(1, config.vocab_size, (1, 96), generator=torch.Generator().manual_seed(0))
+    position_ids = torch.cat([torch.arange(40), torch.arange(56)])[None]  # two documents
+    unpacked = _step(model, ids).total
+    packed = _step(model, ids, position_ids=position_ids)
+    # packing adds its own once-per-step reads (the boundaries made from position_ids and checked once, the conv
+    # edge tokens found once, the document count of the losses); nothing per layer or per kernel call (the 9
+    # convs' edge search alone, forward and backward, was 18 nonzero)
+    assert unpacked == 5 and packed.counts["nonzero"] == 3 and packed.total <= 16, packed.counts
+
+
+def test_released_width_kda_layer_reads_nothing():
+    """One KDA layer at the released widths (64 heads x 128, the -5 gate), 2 blocks of 128 tokens: no sync."""
+    config = Glm53Config(hidden_size=64, num_hidden_layers=1, vocab_size=256, pad_token_id=0)
+    layer = KimiDeltaAttention(config)
+    x = torch.randn(1, 256, 64, requires_grad=True)
+    assert fast.n_blocks(1, 256, 64, 128, 128) == 2
+    with HostSyncs() as syncs:
+        layer(x).square().sum().backward()
+    assert syncs.total == 0, syncs.counts
