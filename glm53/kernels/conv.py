@@ -15,6 +15,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .dispatch import register
+from .opaque import HOST_READING
 from .varlen import check_cu_seqlens, document_slices, position_in_document
 
 
@@ -227,7 +228,7 @@ class _Saved:
 # The packed form as a custom op (kernels/opaque.py): its edge tokens are found with nonzero (a data-dependent
 # size), which torch.compile would break the graph on. Backward recomputes the forward (W multiply-adds) for the
 # hand-written backward's saved tensors.
-@torch.library.custom_op("glm53::causal_conv1d_packed", mutates_args=())
+@torch.library.custom_op("glm53::causal_conv1d_packed", mutates_args=(), tags=HOST_READING)
 def _packed_conv_op(flat: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     return _packed_conv(flat, weight, cu_seqlens)
 
@@ -237,7 +238,7 @@ def _(flat, weight, cu_seqlens):
     return flat.new_empty(flat.shape, dtype=torch.float32)
 
 
-@torch.library.custom_op("glm53::causal_conv1d_packed_backward", mutates_args=())
+@torch.library.custom_op("glm53::causal_conv1d_packed_backward", mutates_args=(), tags=HOST_READING)
 def _packed_conv_backward_op(flat: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor,
                              dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     ctx = _Saved()

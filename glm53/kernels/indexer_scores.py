@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from .budgets import budget
 from .dispatch import register
+from .opaque import HOST_READING
 from .varlen import check_cu_seqlens, document_bounds, document_slices, own_document_pools
 
 SCORE_BUDGET = 1 << 20  # elements of one [B, Tq, H, P] logits chunk (4 MiB in fp32: stays in cache)
@@ -179,7 +180,7 @@ _scores_op.register_autograd(_scores_grad, setup_context=_scores_setup)
 
 # The packed form too (its chunks' pool spans are read on the host). The packed scores are the plain ones times
 # a constant mask (a pool of the query's own document), so the backward is the plain one on the masked gradient.
-@torch.library.custom_op("glm53::indexer_scores_packed", mutates_args=())
+@torch.library.custom_op("glm53::indexer_scores_packed", mutates_args=(), tags=HOST_READING)
 def _packed_op(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor, scale: float,
                cu_seqlens: torch.Tensor, pool_start: torch.Tensor) -> torch.Tensor:  # fmt: skip
     return _packed_scores(q, weights, pool_keys, scale, cu_seqlens, pool_start)
@@ -190,7 +191,7 @@ def _(q, weights, pool_keys, scale, cu_seqlens, pool_start):
     return q.new_empty(*q.shape[:2], pool_keys.shape[1], dtype=torch.float32)
 
 
-@torch.library.custom_op("glm53::indexer_scores_packed_backward", mutates_args=())
+@torch.library.custom_op("glm53::indexer_scores_packed_backward", mutates_args=(), tags=HOST_READING)
 def _packed_backward_op(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor, d_out: torch.Tensor,
                         scale: float, cu_seqlens: torch.Tensor,
                         pool_start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip

@@ -22,6 +22,7 @@ import torch
 
 from .budgets import budget
 from .dispatch import register
+from .opaque import HOST_READING
 from .indexer_scores import indexer_scores_reference
 
 TOPK_BUDGET = 1 << 20  # elements of one block's [B, Tq, H, P] logits (4 MiB in fp32: stays in cache)
@@ -104,7 +105,7 @@ def _topk_pools(q, weights, pool_keys, scale, pool_end, complete, query_offset, 
 
 
 # A custom op (kernels/opaque.py): torch.compile sees one call, not the block loop with its host sync.
-@torch.library.custom_op("glm53::indexer_topk_pools", mutates_args=())
+@torch.library.custom_op("glm53::indexer_topk_pools", mutates_args=(), tags=HOST_READING)
 def indexer_topk_pools(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor, scale: float,
                        pool_end: torch.Tensor, complete: torch.Tensor, query_offset: int,
                        select: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip

@@ -113,8 +113,26 @@ GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 GROUPED_MM_ALIGN_BYTES = 16
 
 
+# On CUDA, torch's grouped GEMM has its fast kernels (CUTLASS) for bf16 on SM 9.0 (Hopper) and 10.0 (Blackwell)
+# only; elsewhere it loops over the experts with a host sync, slower than the padded bmm. The CPU build's loop is
+# in C++ without a sync (kept, as before, for every dtype in GROUPED_MM_DTYPES).
+GROUPED_MM_CUDA_CAPABILITIES = ((9, 0), (10, 0))
+
+
+def grouped_mm_supported(device_type: str, dtype: torch.dtype, capability: tuple[int, int] | None) -> bool:
+    """Whether torch._grouped_mm is the fast path for `dtype` on a device of `device_type` (and CUDA `capability`)."""
+    if device_type == "cpu":
+        return dtype in GROUPED_MM_DTYPES
+    if device_type == "cuda":
+        return dtype == torch.bfloat16 and capability in GROUPED_MM_CUDA_CAPABILITIES
+    return False
+
+
 def _grouped_mm_usable(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    if not hasattr(torch, "_grouped_mm") or x.dtype not in GROUPED_MM_DTYPES:
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    capability = torch.cuda.get_device_capability(x.device) if x.device.type == "cuda" else None
+    if not grouped_mm_supported(x.device.type, x.dtype, capability):
         return False
     if any(w.dtype != x.dtype for w in weights):
         return False

@@ -4,6 +4,14 @@ Fast kernels whose Python control flow depends on the data (KDA's rebasing check
 span) run as `torch.library` custom ops: opaque to torch.compile, with a fake implementation giving the output
 shapes, and their hand-written backward registered as the op's autograd formula (itself a custom op, so the
 compiled backward graph stays whole too). Eager behaviour and numerics are unchanged.
+
+CUDA graphs: a custom op whose implementation reads device values on the host (a `.tolist()` of key spans, a
+`nonzero` of document edges, the KDA path check when the gate is unbounded) cannot be captured in a CUDA graph
+(the read would be frozen at capture time, or fail). Those ops carry `HOST_READING` (torch.Tag.cudagraph_unsafe).
+Under torch.compile(mode="reduce-overhead") inductor's CUDA-graph trees then skip graphs holding such an op, or,
+with inductor's graph partitioning turned on (the inductor config option `graph_partition`; set by the user, never
+by glm53), split the graph around each tagged op and capture the partitions between them, running the tagged ops
+eagerly. Ops without host reads (grouped_mm, indexer_scores, conv_taps_as_rows) stay capturable.
 """
 
 from __future__ import annotations
@@ -12,6 +20,8 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+
+HOST_READING = (torch.Tag.cudagraph_unsafe,)  # tags of the custom ops that read device values on the host
 
 
 @contextlib.contextmanager
@@ -27,4 +37,4 @@ def autograd_inside_op() -> Iterator[None]:
         yield
 
 
-__all__ = ["autograd_inside_op"]
+__all__ = ["HOST_READING", "autograd_inside_op"]

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .dispatch import register
+from .opaque import HOST_READING
 from .budgets import budget
 from .varlen import check_cu_seqlens, document_bounds, document_slices
 
@@ -408,7 +409,7 @@ register("sparse_mqa_attention", "fast", sparse_mqa_attention)
 # Both fast forms run as custom ops (kernels/opaque.py): torch.compile sees one opaque call with a fake
 # implementation for the shapes, instead of a Python loop over chunks and the absorbed form's span sync; the
 # hand-written backward is the op's autograd formula, itself a custom op. Outputs are contiguous, as the fakes say.
-@torch.library.custom_op("glm53::sparse_attention", mutates_args=())
+@torch.library.custom_op("glm53::sparse_attention", mutates_args=(), tags=HOST_READING)
 def _sparse_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk_indices: torch.Tensor,
                scale: float) -> torch.Tensor:  # fmt: skip
     return _sparse_forward(q, k, v, topk_indices, scale)
@@ -419,7 +420,7 @@ def _(q, k, v, topk_indices, scale):
     return q.new_empty(*q.shape[:-1], v.shape[-1])
 
 
-@torch.library.custom_op("glm53::sparse_attention_backward", mutates_args=())
+@torch.library.custom_op("glm53::sparse_attention_backward", mutates_args=(), tags=HOST_READING)
 def _sparse_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk_indices: torch.Tensor,
                         do: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     return _sparse_backward(q, k, v, topk_indices, do, scale)
@@ -442,7 +443,7 @@ def _sparse_grad(ctx, do):
 _sparse_op.register_autograd(_sparse_grad, setup_context=_sparse_setup)
 
 
-@torch.library.custom_op("glm53::sparse_mqa_attention", mutates_args=())
+@torch.library.custom_op("glm53::sparse_mqa_attention", mutates_args=(), tags=HOST_READING)
 def _mqa_op(q: torch.Tensor, kv: torch.Tensor, topk_indices: torch.Tensor, scale: float) -> torch.Tensor:
     return _mqa_forward(q, kv, topk_indices, scale)
 
@@ -452,7 +453,7 @@ def _(q, kv, topk_indices, scale):
     return q.new_empty(q.shape)
 
 
-@torch.library.custom_op("glm53::sparse_mqa_attention_backward", mutates_args=())
+@torch.library.custom_op("glm53::sparse_mqa_attention_backward", mutates_args=(), tags=HOST_READING)
 def _mqa_backward_op(q: torch.Tensor, kv: torch.Tensor, topk_indices: torch.Tensor, do: torch.Tensor,
                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     return _mqa_backward(q, kv, topk_indices, do, scale)

@@ -32,6 +32,7 @@ from ..boundary import as_local
 from ..config import Glm53Config
 from ..utils import ceil_div
 from ..kernels import kernel
+from ..kernels.opaque import HOST_READING
 from ..kernels.varlen import document_bounds, own_document_pools
 from .context import SequenceShards
 from .norm import LayerNorm
@@ -309,7 +310,7 @@ def visible_tail(valid: torch.Tensor, kpool: int, cu_seqlens: torch.Tensor | Non
 # tied scores (ReLU scores tie at 0 often) depends on how many it ranks: the choice runs as a custom op that
 # drops those pools eagerly, so compiled and eager models pick the same keys, with fixed-size outputs for
 # torch.compile. Nothing here has a gradient (the selection is made from detached scores).
-@torch.library.custom_op("glm53::select_pools", mutates_args=())
+@torch.library.custom_op("glm53::select_pools", mutates_args=(), tags=HOST_READING)
 def select_pools(scores: torch.Tensor, positions: torch.Tensor, complete: torch.Tensor, valid: torch.Tensor,
                  cu_seqlens: torch.Tensor | None, query_offset: int, index_topk: int, kpool: int,
                  select_tail: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip

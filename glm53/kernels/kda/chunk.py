@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..dispatch import register
-from ..opaque import autograd_inside_op
+from ..opaque import HOST_READING, autograd_inside_op
 from ..varlen import check_cu_seqlens
 from .decay import rebase_is_static
 from .fast import FAST_CHUNK_SIZE, kda_chunk_backward, kda_chunk_core, n_blocks  # noqa: F401 (re-export)
@@ -165,7 +165,7 @@ def _kda_core(q, k, v, g, beta, S0, cu_seqlens=None, static_rebase: bool = False
 # backward does not apply (single-token steps, decays too steep for sub-chunk rebasing) the chunked forward is
 # recomputed under autograd and differentiated.
 # q is saved unscaled (the caller's tensor, usually already kept by autograd) and scaled inside.
-@torch.library.custom_op("glm53::kda_chunk", mutates_args=())
+@torch.library.custom_op("glm53::kda_chunk", mutates_args=(), tags=HOST_READING)
 def _kda_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
             S0: torch.Tensor, scale: float, cu_seqlens: torch.Tensor | None = None, static_rebase: bool = False
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -180,7 +180,7 @@ def _(q, k, v, g, beta, S0, scale, cu_seqlens=None, static_rebase=False):
     return v.new_empty(v.shape), S0.new_empty(S0.shape), S0.new_empty(*S0.shape[:2], blocks, *S0.shape[2:])
 
 
-@torch.library.custom_op("glm53::kda_chunk_backward", mutates_args=())
+@torch.library.custom_op("glm53::kda_chunk_backward", mutates_args=(), tags=HOST_READING)
 def _kda_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      S0: torch.Tensor, boundaries: torch.Tensor, do: torch.Tensor, dS: torch.Tensor, scale: float,
                      cu_seqlens: torch.Tensor | None = None, static_rebase: bool = False
