@@ -8,6 +8,9 @@ mixed-precision plan (glm53/parallel/parallelize.py gives exactly these tensors 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.nn as nn
 
@@ -71,3 +74,40 @@ def resolve_device(device: torch.device | str | int, what: str = "device") -> to
 
 
 __all__ = ["FP32_KEEP", "MODEL_DTYPES", "keeps_fp32", "cast_model", "resolve_device", "resolve_dtype"]
+
+
+# ---------------------------------------------------------------------------------- fp32 islands on a GPU
+# The fp32 islands (the router, the mHC projection, the KDA and sparse-attention kernels, which compute in fp32
+# whatever the model dtype) run their matmuls in full fp32 by default ("ieee"): exact, but 8-16x slower than the
+# tensor cores on a GPU. Opt in to faster operands, process-wide (torch.set_float32_matmul_precision):
+#   "tf32": the operands rounded to TF32 (10-bit mantissa, relative error 2^-11 each), products accumulated in
+#           fp32: a K-long dot product's relative error grows to about 2^-11 * sqrt(K) (1.6e-2 of |q||k| at
+#           K = 256), far below bf16 activations' own 2^-8 rounding, but no longer bit-comparable with the CPU;
+#   "bf16": operands rounded to bf16 (8-bit mantissa, 2^-9), fp32 accumulation; what a bf16 model's GEMMs do.
+# Elementwise work, reductions, softmax and the triangular solves stay fp32 either way. The parity tests run in
+# "ieee" (their tolerances assume it); the choice never changes a module's formulas.
+FP32_MATMUL_MODES = {"ieee": "highest", "tf32": "high", "bf16": "medium"}
+
+
+def set_fp32_matmul_mode(mode: str) -> None:
+    """Operand precision of fp32 matmuls, process-wide: "ieee" (default), "tf32" or "bf16" (see above)."""
+    if mode not in FP32_MATMUL_MODES:
+        raise ValueError(f"fp32 matmul mode must be one of {sorted(FP32_MATMUL_MODES)}, got {mode!r}")
+    torch.set_float32_matmul_precision(FP32_MATMUL_MODES[mode])
+
+
+def fp32_matmul_mode() -> str:
+    """The current mode's name ("ieee", "tf32" or "bf16")."""
+    current = torch.get_float32_matmul_precision()
+    return next(name for name, value in FP32_MATMUL_MODES.items() if value == current)
+
+
+@contextlib.contextmanager
+def using_fp32_matmul_mode(mode: str) -> Iterator[None]:
+    """`set_fp32_matmul_mode` inside the block, restoring the previous mode on exit."""
+    saved = fp32_matmul_mode()
+    set_fp32_matmul_mode(mode)
+    try:
+        yield
+    finally:
+        set_fp32_matmul_mode(saved)

@@ -35,3 +35,17 @@ CAPTURABLE_OPS = {"conv_taps_as_rows", "grouped_mm", "grouped_mm_weight_grad", "
 def test_host_reading_ops_are_cudagraph_unsafe(name):
     tagged = torch.Tag.cudagraph_unsafe in getattr(torch.ops.glm53, name).default.tags
     assert tagged == (name in HOST_READING_OPS)
+
+
+def test_fp32_matmul_mode_is_opt_in_and_scoped():
+    from glm53 import precision
+
+    assert precision.fp32_matmul_mode() == "ieee"  # the default: exact fp32 GEMMs
+    with precision.using_fp32_matmul_mode("tf32"):
+        assert torch.get_float32_matmul_precision() == "high"
+        with precision.using_fp32_matmul_mode("bf16"):
+            assert torch.get_float32_matmul_precision() == "medium"
+        assert precision.fp32_matmul_mode() == "tf32"
+    assert torch.get_float32_matmul_precision() == "highest"
+    with pytest.raises(ValueError, match=r"must be one of \['bf16', 'ieee', 'tf32'\], got 'fp16'"):
+        precision.set_fp32_matmul_mode("fp16")
