@@ -73,7 +73,8 @@ def resolve_device(device: torch.device | str | int, what: str = "device") -> to
         raise TypeError(f"{what}={device!r} is not a device ({e})") from None
 
 
-__all__ = ["FP32_KEEP", "MODEL_DTYPES", "keeps_fp32", "cast_model", "resolve_device", "resolve_dtype"]
+__all__ = ["FP32_KEEP", "FP32_MATMUL_MODES", "MODEL_DTYPES", "keeps_fp32", "cast_model", "resolve_device", "resolve_dtype",
+           "set_fp32_matmul_mode", "fp32_matmul_mode", "using_fp32_matmul_mode"]  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------- fp32 islands on a GPU
