@@ -63,7 +63,7 @@ def _mode(scoped: _Scoped):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             counted = _count(func, args)
             if counted is not None:
-                fsdp = func.__name__.split(".")[0] in FSDP_OPS and scoped.scope is None
+                fsdp = func.__name__.split(".")[0] in FSDP_OPS
                 scoped.bytes["fsdp" if fsdp else (scoped.scope or "other")][counted[0]] += counted[1]
             return func(*args, **(kwargs or {}))
 

@@ -129,7 +129,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, ep_tp_mesh: Dev
                 local = param.data.to_local()
                 El = local.shape[0] // ep
                 placements = (Shard(0), *param.placements)
-                shard = DTensor.from_local(local[rank * El : (rank + 1) * El].clone(), ep_tp_mesh, placements,
+                shard = DTensor.from_local(local[0:El].clone(), ep_tp_mesh, placements,
                                            run_check=False, shape=param.shape, stride=param.stride())  # fmt: skip
             else:
                 placements = (Shard(0),)

@@ -18,9 +18,10 @@ routed experts under EP (F without it).
   backward, of the input gradient of each colwise layer fed by replicated activations; MLA's absorbed latent
   (whole on every tp rank, its gradient a partial sum over heads) and, with the indexer KL, the attention mass
   over the selected slots (fp32, [N, J]) are all-reduced too.
-- CP: MLA all-gathers the latent and the indexer's keys and gate logits of every position (their gradients come
-  back as a reduce-scatter of S rows), plus the mask and document ids (int64, small); KDA passes its conv halos
-  and a K x V state per head between ranks (summaries, independent of N).
+- CP: MLA all-gathers the latent and the indexer's keys and gate logits of every position (the gradients come
+  back as a reduce-scatter of S rows: the latent's, and the indexer's with its KL loss), plus the uint8 mask
+  (packed documents add their int64 ids); KDA passes its conv halos and a K x K transition and K x V state per
+  head between ranks (summaries, independent of N).
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def mla_params(c: Glm53Config, tp: int, indexer: bool) -> int:
 
 def kda_params(c: Glm53Config, tp: int) -> int:
     """Elements of one KDA layer's parameters on a tp rank."""
-    D, H, K, W = c.hidden_size, c.linear_num_heads, c.linear_head_dim, c.linear_conv_kernel_size
+    D, H, K, W = c.hidden_size, c.linear_num_heads, c.linear_head_dim, c.linear_conv_kernel_dim
     HK = HV = H * K
     r = c.linear_head_dim  # the low-rank gate width (f_a / g_a)
     split = (2 * HK * D + HV * D + r * HK + H * D + r * HV + D * HV + (2 * HK + HV) * W + 2 * H) // tp
@@ -106,10 +107,11 @@ def mla_layer_bytes(c: Glm53Config, dp: int, ep: int, batch: int, seq_len: int, 
         slots = N * min(c.index_topk, seq_len) * FP32 if indexer and indexer_kl else 0
         parts.append({"all_reduce": _ar(N * D * b, tp) + _ar(N * R * b, tp) + _ar(latent_rows * C * b, tp)
                       + _ar(slots, tp)})  # fmt: skip
-    if cp > 1:
+    if cp > 1:  # the latent and the indexer's keys and gate (+ the uint8 mask); gradients: the latent's, and
+        # the indexer's with its KL loss (the indexer runs without gradient otherwise)
         width = C + (2 * Ki if indexer else 0)
-        masks = 2 * N * INDEX_BYTES
-        parts.append({"all_gather": _ag(N * width * b + masks, cp), "reduce_scatter": _rs(S * width * b, cp)})
+        grad_width = C + (2 * Ki if indexer and indexer_kl else 0)
+        parts.append({"all_gather": _ag(N * width * b + N, cp), "reduce_scatter": _rs(S * grad_width * b, cp)})
     return _add(*parts)
 
 
@@ -121,10 +123,10 @@ def kda_layer_bytes(c: Glm53Config, dp: int, ep: int, batch: int, seq_len: int, 
     parts = [_fsdp(kda_params(c, tp) * b, dp * cp * ep)] if fsdp else []
     if tp > 1:  # forward o_proj; backward the input of q/k/v/b and of the low-rank f_b/g_b
         parts.append({"all_reduce": _ar(N * D * b, tp) * 5 + _ar(N * K * b, tp) * 2})
-    if cp > 1:  # conv halos and the K x V state of each local head, forward and backward
-        halo = batch * (c.linear_conv_kernel_size - 1) * 3 * H * K * b // tp
-        state = batch * H * K * K * b // tp
-        parts.append({"all_gather": 2 * _ag(halo + state, cp)})
+    if cp > 1:  # the convs' halos and each local head's K x K transition and K x V state; back as reduce-scatters
+        halo = batch * (c.linear_conv_kernel_dim - 1) * 3 * H * K * b // tp
+        state = batch * 2 * H * K * K * b // tp
+        parts.append({"all_gather": _ag(halo + state, cp), "reduce_scatter": _ag(halo + state, cp)})
     return _add(*parts)
 
 
