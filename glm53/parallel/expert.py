@@ -2,9 +2,11 @@
 
 Legend: N tokens on this rank, D model width, k experts per token, E routed experts, ep ranks on the ep mesh,
 El = E / ep experts per rank, M token-expert pairs arriving on this rank (dropless: every pair is computed).
-Mesh: ("dp", "ep") (or ("ep",)); non-expert parameters are FSDP-sharded over the flattened dp x ep ranks and every
-one of those ranks reads its own batches. Routed experts are Shard(0) over ep (rank r holds experts
-[r El, (r + 1) El)) and FSDP-sharded over dp on a dimension that splits evenly (`expert_shard_placement`).
+Mesh (mesh.py): ep is a dimension of ("dp", "cp", "ep", "tp"); non-expert parameters are FSDP-sharded over the
+flattened dp x cp x ep ranks and every dp x ep rank reads its own batches. Routed experts are Shard(0) over ep
+(rank r holds experts [r El, (r + 1) El)), split on their inner width over tp when there is one (2-D on
+("ep", "tp"), `apply_expert_parallel`) and FSDP-sharded over dp x cp on a dimension that splits evenly and that
+no other placement splits (`expert_shard_placement`).
 
 Dispatch on each rank (`ExpertParallelDispatch`), for the [N, k] routing choices:
 1. sort the N*k pairs by expert; since experts are contiguous per rank this also groups them by destination;
@@ -14,8 +16,8 @@ Dispatch on each rank (`ExpertParallelDispatch`), for the [N, k] routing choices
    `moe_experts` with one "choice" per arrived row (its local expert, weight 1);
 4. send the results back (the reverse all_to_all), scale them by the routing weights and add them to their tokens.
 The gradient reaching a local expert is the sum over the ep ranks' tokens of their own losses; FSDP averages over
-dp only (the experts' FSDP mesh), so the local expert parameters' gradient is scaled by 1/ep to make it the
-average over all dp x ep ranks, like every other parameter's.
+dp x cp only (the experts' FSDP mesh), so the local expert parameters' gradient is scaled by 1/ep to make it the
+average over all dp x cp x ep ranks, like every other parameter's.
 """
 
 from __future__ import annotations
@@ -129,7 +131,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, ep_tp_mesh: Dev
                 local = param.data.to_local()
                 El = local.shape[0] // ep
                 placements = (Shard(0), *param.placements)
-                shard = DTensor.from_local(local[0:El].clone(), ep_tp_mesh, placements,
+                shard = DTensor.from_local(local[rank * El : (rank + 1) * El].clone(), ep_tp_mesh, placements,
                                            run_check=False, shape=param.shape, stride=param.stride())  # fmt: skip
             else:
                 placements = (Shard(0),)
@@ -162,13 +164,6 @@ def expert_shard_placement(dp_size: int, ep_sharded: bool):
     return placement
 
 
-def flat_data_mesh(mesh: DeviceMesh, dp_dim: str | None, ep_dim: str) -> DeviceMesh:
-    """The mesh non-expert parameters are FSDP-sharded over: dp x ep flattened (ep alone without dp)."""
-    if dp_dim is None:
-        return mesh[ep_dim]
-    return mesh[(dp_dim, ep_dim)]._flatten(f"{dp_dim}_{ep_dim}")
-
-
 @torch.no_grad()
 def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     """`torch.nn.utils.clip_grad_norm_` for parameters whose gradients live on different meshes (experts on
@@ -194,4 +189,4 @@ def install() -> None:
 
 
 __all__ = ["ExpertParallelDispatch", "apply_expert_parallel", "check_ep_size", "expert_shard_placement",
-           "flat_data_mesh", "clip_grad_norm_", "expert_modules"]  # fmt: skip
+           "clip_grad_norm_", "expert_modules"]  # fmt: skip

@@ -18,10 +18,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from glm53 import Glm53Config, Glm53ForCausalLM
+from glm53 import Glm53Config
 from glm53.boundary import as_local, expert_dispatcher
 from glm53.model.moe import Experts
-from glm53.parallel import PlacementError, apply_expert_parallel, check_ep_size, parallelize
+from glm53.parallel import PlacementError, apply_expert_parallel, check_ep_size
 from glm53.parallel.boundary import set_boundary_rule, LocalShard
 from glm53.parallel.expert import expert_shard_placement
 from tests.parallel.test_parallel_boundary import SETTINGS, per_rank
