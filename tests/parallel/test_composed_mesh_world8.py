@@ -13,9 +13,12 @@ from tests.parallel.test_composed_mesh import make_case
 from tests.parallel.test_parallel_gloo import check_parity
 
 
+WORLD8_JOB_TIMEOUT_S = 600.0  # 8 ranks on the CI's 2 cores: one step can outlast the harness's default wait
+
+
 @pytest.fixture(scope="module")
 def pool8():
-    pool = WorkerPool(8)
+    pool = WorkerPool(8, job_timeout_s=WORLD8_JOB_TIMEOUT_S)
     yield pool
     pool.close()
 
