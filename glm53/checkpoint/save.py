@@ -10,7 +10,7 @@ import os
 import torch
 
 from ..errors import CheckpointError
-from ..precision import keeps_fp32, resolve_dtype
+from ..precision import beyond_range, keeps_fp32, range_error, resolve_dtype
 from .atomic import atomic_directory
 from .layout import named_state, official_items
 from .shards import ShardedWriter, checkpoint_owns, write_json
@@ -32,6 +32,11 @@ def check_savable(model: torch.nn.Module, dtype: torch.dtype | str | None,
     if dtype is not None and dtype not in SAVE_DTYPES:
         # FP8 needs per-block scales (glm53.checkpoint.fp8); a plain cast would write weights nobody can load.
         raise TypeError(f"dtype must be one of {[str(d) for d in SAVE_DTYPES]} to save, got {dtype}")
+    if dtype is not None:
+        state = named_state(model)
+        overflows = {n: p for n, t in state if not keeps_fp32(n) and (p := beyond_range(t, dtype)) is not None}
+        if overflows:  # the checkpoint would hold inf, which from_pretrained refuses
+            raise CheckpointError(range_error(overflows, dtype, "saving as"))
     if not allow_non_finite and (bad := non_finite_tensors(model)):
         shown = bad if len(bad) <= 10 else [*bad[:10], f"... ({len(bad)} in all)"]
         raise CheckpointError(f"refusing to save a model holding NaN or inf in {shown} (pass allow_non_finite=True "
