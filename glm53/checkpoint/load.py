@@ -232,4 +232,9 @@ def load_checkpoint(cls, path: str | os.PathLike, *, dtype: torch.dtype | None =
                            path, config.num_hidden_layers)  # fmt: skip
             model.mtp.init_weights()
     model.mtp_checkpoint_keys = sorted(plan.mtp_set_aside)
+    if model.mtp is None and plan.mtp_set_aside:
+        logger.warning("%s holds %d MTP tensors (layers.%d.*) but its config has num_nextn_predict_layers=0: they "
+                       "are not loaded, and a save_pretrained of this model will not write them (set "
+                       "num_nextn_predict_layers to keep them)", path, len(plan.mtp_set_aside),
+                       config.num_hidden_layers)  # fmt: skip
     return model

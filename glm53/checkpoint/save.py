@@ -5,6 +5,7 @@ Legend: tensors keep their own shapes; only dtypes change here.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -14,6 +15,8 @@ from ..precision import beyond_range, keeps_fp32, range_error, resolve_dtype
 from .atomic import atomic_directory
 from .layout import named_state, official_items
 from .shards import ShardedWriter, checkpoint_owns, write_json
+
+logger = logging.getLogger("glm53.checkpoint")
 
 SAVE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -89,6 +92,9 @@ def save_checkpoint(model: torch.nn.Module, path: str | os.PathLike, *, max_shar
         if not isinstance(flag, bool):  # overwrite="no" is truthy: it would replace a checkpoint
             raise TypeError(f"{name} must be True or False, got {flag!r}")
     dtype = check_savable(model, dtype, allow_non_finite)
+    if model.mtp is None and (dropped := getattr(model, "mtp_checkpoint_keys", [])):
+        logger.warning("not writing the %d MTP tensors the source checkpoint held (the model has "
+                       "num_nextn_predict_layers=0): %s will have no MTP layer", len(dropped), path)  # fmt: skip
     with atomic_directory(path, overwrite=overwrite, own=checkpoint_owns) as tmp:
         write_checkpoint_files(model, tmp, max_shard_size=max_shard_size, dtype=dtype)
     return os.path.abspath(os.fspath(path))
