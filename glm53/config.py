@@ -298,6 +298,10 @@ class Glm53Config:
         file = os.path.join(path, "config.json") if os.path.isdir(path) else path
         if not os.path.isfile(file):
             raise FileNotFoundError(f"no config.json at {file}")
+        if os.path.isdir(path):  # a checkpoint's config.json symlinked out of it would read any file on the machine
+            from .checkpoint.paths import confined
+
+            confined(path, "config.json", path)
         try:
             with open(file, encoding="utf-8") as f:
                 d = json.load(f)
