@@ -308,6 +308,10 @@ def main(argv: list[str] | None = None) -> int:
     except (CropError, FileExistsError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # the machine said no (permissions, a full disk, a read-only file system): nothing written
+        where = f" ({e.filename})" if e.filename else ""
+        print(f"error: cannot write {args.dst}: {e.strerror or e}{where}; nothing was written", file=sys.stderr)
+        return 1
     return 0
 
 
