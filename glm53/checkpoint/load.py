@@ -237,4 +237,4 @@ def load_checkpoint(cls, path: str | os.PathLike, *, dtype: torch.dtype | None =
                        "are not loaded, and a save_pretrained of this model will not write them (set "
                        "num_nextn_predict_layers to keep them)", path, len(plan.mtp_set_aside),
                        config.num_hidden_layers)  # fmt: skip
-    return model
+    return model.eval()  # as transformers' from_pretrained: dropout off, no expert loads counted; .train() to train
