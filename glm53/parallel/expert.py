@@ -66,7 +66,7 @@ class ExpertParallelDispatch:
         self.ep = ep_mesh.size()
 
     def __call__(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                 down: torch.Tensor, limit: float) -> torch.Tensor:  # fmt: skip
+                 down: torch.Tensor, limit: float, lora=None) -> torch.Tensor:  # fmt: skip
         N, k = indices.shape
         El = gate_up.shape[0]
         expert_of = indices.flatten()  # [N*k]
@@ -80,8 +80,12 @@ class ExpertParallelDispatch:
         # Rows from each source arrive sorted by local expert: label each with its local expert.
         local_expert = torch.arange(El, device=x.device).repeat(self.ep).repeat_interleave(arriving_E)  # [M]
         scale = 1.0 / self.ep
+        # LoRA terms (glm53.peft) shard with their experts: their factors are this rank's experts' too
+        local_lora = {} if lora is None else {"lora": tuple(None if lr is None else lr._replace(
+            A=_ScaleGrad.apply(lr.A, scale), B=_ScaleGrad.apply(lr.B, scale)) for lr in lora)}  # fmt: skip
         y = kernel("moe_experts")(rows, local_expert[:, None], rows.new_ones(rows.shape[0], 1, dtype=weights.dtype),
-                                  _ScaleGrad.apply(gate_up, scale), _ScaleGrad.apply(down, scale), limit)  # fmt: skip
+                                  _ScaleGrad.apply(gate_up, scale), _ScaleGrad.apply(down, scale), limit,
+                                  **local_lora)  # fmt: skip
         back = all_to_all_single_autograd(y, send, receive, self.group)  # [N*k, D] in `order`
         contrib = back * weights.flatten()[order, None]
         return torch.zeros_like(x).index_add(0, token, contrib.to(x.dtype))
