@@ -65,7 +65,13 @@ def as_local(module: nn.Module, name: str) -> torch.Tensor:
     base, low_rank = local_parts(module, name)
     if low_rank is None:
         return base
-    return (base.float() + low_rank.delta().float()).to(base.dtype)
+    return add_low_rank(base, low_rank)
+
+
+def add_low_rank(base: torch.Tensor, low_rank: LowRank) -> torch.Tensor:
+    """base + scale * B @ A, summed in fp32 (fp64 for an fp64 base) and returned in base's dtype."""
+    acc = torch.promote_types(base.dtype, torch.float32)
+    return (base.to(acc) + low_rank.delta().to(acc)).to(base.dtype)
 
 
 def set_param_resolver(resolver: ParamResolver | None) -> ParamResolver | None:
@@ -144,6 +150,6 @@ def set_value_resolver(resolver: ValueResolver | None) -> ValueResolver | None:
     return previous
 
 
-__all__ = ["as_local", "local_parts", "LowRank", "WEIGHT_VIEWS", "as_plain", "into_head_parallel", "set_input_resolver", "set_param_resolver",
+__all__ = ["as_local", "local_parts", "add_low_rank", "LowRank", "WEIGHT_VIEWS", "as_plain", "into_head_parallel", "set_input_resolver", "set_param_resolver",
            "set_value_resolver", "expert_dispatcher", "set_expert_dispatcher", "vocab_parallel_loss",
            "set_vocab_parallel_loss"]

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..boundary import WEIGHT_VIEWS, LowRank, as_local
+from ..boundary import WEIGHT_VIEWS, LowRank, add_low_rank, as_local
 from ..errors import ConfigError
 from ..model.moe import Experts
 from ..precision import MODEL_DTYPES
@@ -66,7 +66,25 @@ def base_weight(module: nn.Module, name: str, local: torch.Tensor) -> torch.Tens
     return dequantized(module, name, local) if is_fp8_base(module, name) else local
 
 
-def _linear_view(module: nn.Module, local: torch.Tensor) -> tuple[torch.Tensor, LowRank | None]:
+def _inference_view(module: nn.Module, name: str, sources: list[torch.Tensor], parts) -> torch.Tensor:
+    """Under torch.inference_mode (generation), the effective weight as ONE kept tensor per (module, name), updated
+    in place when a source changed: generation's decode plans key their derived weights on a weight's storage and
+    version (glm53/generation/decode_common.py `_derived`), which a fresh tensor per call would defeat."""
+    key = tuple((id(t), t._version) for t in sources)
+    kept = module.__dict__.setdefault("_glm53_inference_weights", {})
+    hit = kept.get(name)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    with torch.inference_mode(False), torch.no_grad():
+        base, low_rank = parts()
+        value = base if low_rank is None else add_low_rank(base, low_rank)
+        if hit is not None and hit[1].shape == value.shape and hit[1].dtype == value.dtype:
+            value = hit[1].copy_(value)  # same storage, version moves: derived plans rebuild
+    kept[name] = (key, value)
+    return value
+
+
+def _linear_parts(module: nn.Module, local: torch.Tensor) -> tuple[torch.Tensor, LowRank | None]:
     base = base_weight(module, "weight", local)
     if not hasattr(module, "lora_A"):
         return base, None
@@ -74,14 +92,28 @@ def _linear_view(module: nn.Module, local: torch.Tensor) -> tuple[torch.Tensor, 
     return base, LowRank(A, B, module.lora_scale, module.lora_dropout if module.training else 0.0)
 
 
+def _linear_view(module: nn.Module, local: torch.Tensor) -> tuple[torch.Tensor, LowRank | None]:
+    if not torch.is_inference_mode_enabled():
+        return _linear_parts(module, local)
+    sources = [local] + ([module.lora_A.weight, module.lora_B.weight] if hasattr(module, "lora_A") else [])
+    return _inference_view(module, "weight", sources, lambda: _linear_parts(module, local)), None
+
+
 def _expert_view(name: str):
-    def view(module: nn.Module, local: torch.Tensor) -> tuple[torch.Tensor, LowRank | None]:
+    def parts(module: nn.Module, local: torch.Tensor) -> tuple[torch.Tensor, LowRank | None]:
         base = base_weight(module, name, local)
         if not hasattr(module, f"{name}_lora_A"):
             return base, None
         A, B = as_local(module, f"{name}_lora_A"), as_local(module, f"{name}_lora_B")
         return base, LowRank(A, B, module.lora_scale, module.lora_dropout if module.training else 0.0)
 
+    def view(module: nn.Module, local: torch.Tensor) -> tuple[torch.Tensor, LowRank | None]:
+        if not torch.is_inference_mode_enabled():
+            return parts(module, local)
+        adapters = [getattr(module, f"{name}_lora_{x}") for x in "AB" if hasattr(module, f"{name}_lora_{x}")]
+        return _inference_view(module, name, [local, *adapters], lambda: parts(module, local)), None
+
+    view.parts = parts
     return view
 
 
@@ -207,8 +239,10 @@ def merge_lora(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> list[st
             weight = getattr(module, name)
             target = dtype if is_fp8_base(module, name) else weight.dtype
             with torch.no_grad():
-                base, lr = views[name](module, weight)
-                effective = base.float() if lr is None else base.float() + lr.delta().float()
+                parts = getattr(views[name], "parts", _linear_parts)
+                base, lr = parts(module, weight)
+                acc = torch.promote_types(base.dtype, torch.float32)
+                effective = base.to(acc) if lr is None else base.to(acc) + lr.delta().to(acc)
             if isinstance(module, Experts):
                 for suffix in ("_lora_A", "_lora_B"):
                     if hasattr(module, name + suffix):
@@ -222,6 +256,7 @@ def merge_lora(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> list[st
             module.register_parameter(name, nn.Parameter(effective.to(target), requires_grad=not frozen))
             del views[name]
         del module.__dict__[WEIGHT_VIEWS]
+        module.__dict__.pop("_glm53_inference_weights", None)
         if type(module) is LoraLinear:
             module.__class__ = nn.Linear
         for attr in ("lora_scale", "lora_dropout", "lora_rank"):

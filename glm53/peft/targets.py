@@ -149,9 +149,9 @@ def lora_modules(model: nn.Module, targets: Iterable[str] | str | None) -> dict[
 
 
 def frozen_parameters(model: nn.Module, groups: Iterable[str] | str) -> list[str]:
-    """Names of the parameters the freeze groups (or module-name patterns) hold. An unknown group name that
-    matches no module raises ConfigError naming it."""
-    params = dict(model.named_parameters())
+    """Names of the base parameters the freeze groups (or module-name patterns) hold (adapters are never in a
+    group). An unknown group name that matches no module raises ConfigError naming it."""
+    params = {n: p for n, p in model.named_parameters() if "lora_" not in n}
     out: set[str] = set()
     unknown = []
     for group in _as_names(groups, "freeze groups"):
