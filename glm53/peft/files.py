@@ -188,7 +188,8 @@ def load_lora(model: nn.Module, path: str | os.PathLike) -> list[str]:
         _check_same(model, placed, rank, file)
     else:
         try:
-            apply_lora(model, rank, alpha, config.get("lora_dropout", 0.0), targets=sorted({m for m, _ in placed}))
+            targets = sorted({m if p is None else f"{m}.{p}" for m, p in placed})
+            apply_lora(model, rank, alpha, config.get("lora_dropout", 0.0), targets=targets)
         except ConfigError as e:
             raise CheckpointError(f"{file}: {e}") from e
     with torch.no_grad():

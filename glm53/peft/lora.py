@@ -154,7 +154,8 @@ def _add_linear_adapter(module: nn.Linear, rank: int, dtype: torch.dtype | None)
 
 
 def _add_expert_adapters(module: Experts, rank: int, dtype: torch.dtype | None) -> None:
-    for name in EXPERT_WEIGHTS:
+    chosen = module.__dict__.pop("_lora_params", set(EXPERT_WEIGHTS))
+    for name in [n for n in EXPERT_WEIGHTS if n in chosen]:
         weight = getattr(module, name)
         E, O, I = weight.shape
         kw = dict(device=weight.device, dtype=_adapter_dtype(weight, dtype))

@@ -25,6 +25,7 @@ from ..model.mlp import MLP
 from ..model.moe import Experts, MoE, Router
 from ..model.norm import GatedRMSNorm, LayerNorm, RMSNorm
 
+EXPERT_PARAMS = ("gate_up_proj", "down_proj")  # the fused expert parameters an adapter can target one by one
 _PROJECTOR = re.compile(r"(^|\.)visual\.(merger|downsample)(\.|$)")
 _VISION = re.compile(r"(^|\.)visual(\.|$)")
 
@@ -119,11 +120,14 @@ def lora_modules(model: nn.Module, targets: Iterable[str] | str | None) -> dict[
     """{module name: module} for every nn.Linear or routed-experts module the targets select (in model order);
     None: DEFAULT_LORA_TARGETS, where a group this model lacks (the projector of a text model) is skipped.
 
-    A target that selects nothing raises ConfigError naming it (and the groups); a pattern that matches a module
+    A routed-experts module is adapted on both fused parameters, or on the ones named as `<module>.<param>`
+    (recorded in its `_lora_params`). A target that selects nothing raises ConfigError naming it (and the groups); a pattern that matches a module
     that cannot carry an adapter raises naming the module."""
     chosen: dict[str, nn.Module] = {}
     empty = []
     defaults = targets is None
+    for module in model.modules():
+        module.__dict__.pop("_lora_params", None)
     for target in _as_names(DEFAULT_LORA_TARGETS if defaults else targets, "targets"):
         groups = LORA_ALIASES.get(target, (target,))
         found = 0
@@ -135,6 +139,13 @@ def lora_modules(model: nn.Module, targets: Iterable[str] | str | None) -> dict[
                 if hit and not isinstance(module, (nn.Linear, Experts)):
                     raise ConfigError(f"LoRA target {target!r} matches {name!r}, a {type(module).__name__}: adapters "
                                       "go on nn.Linear modules and routed experts only")  # fmt: skip
+            if not hit and isinstance(module, Experts) and "." in target:  # one fused parameter: `<experts>.down_proj`
+                prefix, param = target.rsplit(".", 1)
+                if param in EXPERT_PARAMS and matches_pattern(name, prefix):
+                    module.__dict__.setdefault("_lora_params", set()).add(param)
+                    hit = True
+            elif hit and isinstance(module, Experts):
+                module.__dict__.setdefault("_lora_params", set()).update(EXPERT_PARAMS)
             if hit:
                 chosen[name] = module
                 found += 1
