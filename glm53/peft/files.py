@@ -103,7 +103,7 @@ def save_lora(model: nn.Module, path: str | os.PathLike) -> str:
     params = sorted(f"{hf_module_name(k, n)}.{p}" for k, m in adapted.items() if isinstance(m, Experts)
                     for p in EXPERT_WEIGHTS if hasattr(m, f"{p}_lora_A"))  # fmt: skip
     config = {
-        "peft_type": "LORA", "task_type": None, "base_model_name_or_path": None, "r": settings["rank"],
+        "peft_type": "LORA", "task_type": None, "base_model_name_or_path": settings.get("base"), "r": settings["rank"],
         "lora_alpha": settings["alpha"], "lora_dropout": settings["dropout"], "target_modules": modules or None,
         "target_parameters": params or None, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
         "use_dora": False, "init_lora_weights": True, "rank_pattern": {}, "alpha_pattern": {},
