@@ -36,6 +36,14 @@ from .boundary import LocalShard, set_boundary_rule
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")  # [E, 2I, D], [E, D, I]
 
+
+def expert_param_names(module: nn.Module) -> list[str]:
+    """The fused expert parameters of `module` and their LoRA factors when glm53.peft added them
+    (`<param>_lora_A` [E, r, in], `<param>_lora_B` [E, out, r]): all shard with their experts on dim 0."""
+    names = list(EXPERT_PARAMS)
+    names += [f"{p}_lora_{x}" for p in EXPERT_PARAMS for x in "AB" if f"{p}_lora_{x}" in module._parameters]
+    return names
+
 # Experts module -> its dispatcher; weak keys: dispatch dies with the model.
 _DISPATCH: "weakref.WeakKeyDictionary[nn.Module, ExpertParallelDispatch]" = weakref.WeakKeyDictionary()
 
@@ -117,7 +125,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
     `ExpertParallelDispatch` (installed as glm53.boundary's expert dispatcher)."""
     check_ep_size(model, ep_mesh.size())
     for module in expert_modules(model):
-        for name in EXPERT_PARAMS:
+        for name in expert_param_names(module):
             param = getattr(module, name)
             shard = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
             module.register_parameter(name, nn.Parameter(shard, requires_grad=param.requires_grad))
@@ -177,4 +185,5 @@ def install() -> None:
 
 
 __all__ = ["ExpertParallelDispatch", "apply_expert_parallel", "check_ep_size", "expert_shard_placement",
+           "expert_param_names",
            "flat_data_mesh", "clip_grad_norm_", "expert_modules"]  # fmt: skip

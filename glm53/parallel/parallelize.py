@@ -31,7 +31,7 @@ from ..model.model import Glm53ForCausalLM
 from ..model.mtp import MTPLayer
 from ..precision import keeps_fp32
 from .boundary import name_modules
-from .expert import EXPERT_PARAMS, apply_expert_parallel, expert_modules, expert_shard_placement, flat_data_mesh
+from .expert import apply_expert_parallel, expert_modules, expert_param_names, expert_shard_placement, flat_data_mesh
 from .plan import check_tp_size, tp_plan
 from .pool_mass import sum_selected_pool_mass
 
@@ -143,7 +143,7 @@ def apply_fsdp(model: Glm53ForCausalLM, dp_mesh: DeviceMesh, mp_policy: MixedPre
 
 
 def _expert_params(model: nn.Module) -> list[nn.Parameter]:
-    return [m.get_parameter(n) for m in expert_modules(model) for n in EXPERT_PARAMS]
+    return [m.get_parameter(n) for m in expert_modules(model) for n in expert_param_names(m)]
 
 
 def _expert_placement_fn(model: nn.Module, dp_size: int):

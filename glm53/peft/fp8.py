@@ -47,6 +47,10 @@ def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, in
 
 def dequantized(module: nn.Module, name: str, local: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """`module.<name>` (FP8, given as `local`) dequantised in the module's compute dtype (or `dtype`)."""
+    scale = getattr(module, name + SCALE)
+    if local.shape[:-2] != scale.shape[:-2]:
+        raise ValueError(f"FP8 base {name} {tuple(local.shape)} with scales {tuple(scale.shape)}: its scales were "
+                         "not sharded with it (an FP8 base under expert parallelism is not supported yet)")
     return dequantize_blocks(local, getattr(module, name + SCALE), module.fp8_block,
                              dtype or module.fp8_compute_dtype, module.fp8_parts.get(name, 1))  # fmt: skip
 
