@@ -312,6 +312,9 @@ def parallelize(
     _check_options(mesh, (dp_dim, tp_dim, ep_dim, cp_dim), has_dp, has_tp, compile, activation_checkpointing, mp_policy)
     has_ep = ep_dim in mesh.mesh_dim_names
     has_cp = cp_dim in mesh.mesh_dim_names
+    if has_tp and any("lora_" in n for n, _ in model.named_parameters()):
+        raise ValueError("LoRA adapters (glm53.peft) under tensor parallelism are not supported yet: train them on "
+                         "dp / dp x ep meshes")  # fmt: skip
     if has_tp:
         apply_tensor_parallel(model, mesh[tp_dim])
     if has_ep:
