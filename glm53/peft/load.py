@@ -21,7 +21,8 @@ from ..config import Glm53Config
 from ..errors import CheckpointError, ConfigError
 from ..model.moe import Experts
 from ..precision import cast_model, resolve_dtype
-from .fp8 import SCALE, fp8_modules, quantize_blocks, set_fp8
+from .fp8 import SCALE
+from .fp8_storage import fp8_modules, quantize_blocks, set_fp8
 
 BASE_DTYPES = ("bf16", "fp8")
 

@@ -23,9 +23,9 @@ import torch.nn as nn
 from ..checkpoint import fp8 as fp8_format
 from ..model.moe import Experts
 from ..precision import keeps_fp32
+from .fp8_storage import fp8_modules
 from .load import BASE_DTYPES, _meta_fp8
 from .lora import apply_lora, freeze
-from .fp8 import fp8_modules
 
 FP32 = 4
 

@@ -17,9 +17,9 @@ from collections.abc import Callable, Iterable
 import torch.nn as nn
 
 from ..errors import ConfigError
-from ..model.kda import KimiDeltaAttention
 from ..model.hyper_connection import HyperConnection
 from ..model.indexer import Indexer
+from ..model.kda import KimiDeltaAttention
 from ..model.mla import MultiHeadLatentAttention
 from ..model.mlp import MLP
 from ..model.moe import Experts, MoE, Router

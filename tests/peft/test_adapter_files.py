@@ -15,7 +15,9 @@ from glm53.errors import CheckpointError, ConfigError
 from glm53.peft.files import CONFIG_FILE, WEIGHTS_FILE
 from tests.helpers.checkpoints import tiny_config
 from tests.helpers.oracle import hf_model
-from tests.model.test_model_parity import REL_TOL  # the whole-model transformers parity tolerance
+from tests.model.test_model_parity import (
+    REL_TOL,  # the whole-model transformers parity tolerance
+)
 from tests.peft.helpers import ids, randomize_adapters, rel_err
 
 peft = pytest.importorskip("peft")

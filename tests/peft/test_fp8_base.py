@@ -14,8 +14,16 @@ from glm53.checkpoint import fp8 as fp8_format
 from glm53.errors import ConfigError
 from glm53.model.moe import Experts
 from glm53.peft import fp8_bytes, load_base, quantize_model
-from glm53.peft.fp8 import SCALE, dequantize_blocks, fp8_modules
-from tests.helpers.checkpoints import BLOCK, fp8_error_bound, fp8_source, random_model, read_all, tiny_config
+from glm53.peft.fp8 import SCALE, dequantize_blocks
+from glm53.peft.fp8_storage import fp8_modules
+from tests.helpers.checkpoints import (
+    BLOCK,
+    fp8_error_bound,
+    fp8_source,
+    random_model,
+    read_all,
+    tiny_config,
+)
 from tests.peft.helpers import EPS32, ids, randomize_adapters, rel_err
 
 

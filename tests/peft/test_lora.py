@@ -10,10 +10,21 @@ import glm53
 from glm53.boundary import as_local, local_parts
 from glm53.errors import ConfigError
 from glm53.kernels import dispatch
-from glm53.kernels.moe import moe_experts_grouped, moe_experts_padded, moe_experts_reference
+from glm53.kernels.moe import (
+    moe_experts_grouped,
+    moe_experts_padded,
+    moe_experts_reference,
+)
 from glm53.model.moe import Experts
 from glm53.peft import LoraLinear, trainable_parameters
-from tests.peft.helpers import EPS32, EPS64, ids, randomize_adapters, rel_err, tiny_model
+from tests.peft.helpers import (
+    EPS32,
+    EPS64,
+    ids,
+    randomize_adapters,
+    rel_err,
+    tiny_model,
+)
 
 RANK, ALPHA = 4, 8
 
