@@ -31,12 +31,13 @@ sys.path.insert(0, {root!r})
 sys.path.insert(0, {root!r} + "/benchmarks")
 import glm53
 from bench_config import bench_config
-from glm53 import Glm53ForCausalLM
+from glm53 import Glm53Config, Glm53ForCausalLM
 from glm53.peft import quantize_model, trainable_parameters
 torch.manual_seed(0)
 torch.set_num_threads(1)
 variant, steps, seq = {variant!r}, {steps}, {seq}
-model = Glm53ForCausalLM.from_config(bench_config())
+config = bench_config() if {preset!r} == "bench" else Glm53Config.tiny(vocab_size=4096)
+model = Glm53ForCausalLM.from_config(config)
 compute = torch.float32
 if variant != "full":
     if variant in ("lora-bf16", "lora-fp8"):
@@ -77,7 +78,7 @@ PAIRS = (("full", "lora"), ("lora-bf16", "lora-fp8"))  # (before, after)
 
 
 def run(variant: str, args) -> tuple[float, int, int, int]:
-    code = CHILD.format(root=ROOT, variant=variant, steps=args.steps, seq=args.seq)
+    code = CHILD.format(root=ROOT, variant=variant, steps=args.steps, seq=args.seq, preset=args.preset)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     return float(out[0]), int(out[1]), int(out[2]), int(out[3])
 
@@ -87,6 +88,7 @@ def main() -> None:
     p.add_argument("--reps", type=positive_int, default=2, help="interleaved rounds over the variants")
     p.add_argument("--steps", type=positive_int, default=3, help="timed steps per child")
     p.add_argument("--seq", type=positive_int, default=256, help="tokens per step")
+    p.add_argument("--preset", choices=("bench", "tiny"), default="bench", help="tiny: the smoke test's model")
     p.add_argument("--out", default="bench_lora.json")
     args = p.parse_args()
     runs: dict[str, list] = {v: [] for v in VARIANTS}
