@@ -66,7 +66,7 @@ def load_base(cls, path: str | os.PathLike, base_dtype: str = "bf16", *, dtype: 
     if model.mtp is not None and not plan.mtp_found:
         model.mtp.init_weights()
     model.mtp_checkpoint_keys = sorted(plan.mtp_set_aside)
-    return model
+    return model.eval()  # as from_pretrained: .train() to train
 
 
 def _module_keys(model: nn.Module, plan) -> dict[str, list[str]]:
