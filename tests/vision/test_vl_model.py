@@ -194,7 +194,7 @@ BAD = {
         (b["input_ids"] == 300).cumsum(-1) == 1, 9)), InputError,
         "input_ids hold 6 image placeholder tokens but pixel_values give 7 image feature rows"),  # row 0 lost one
     "grid-without-pixels": (lambda b: dict(b, pixel_values=None), InputError,
-                            "image_grid_thw was given without its pixels"),
+                            "image_grid_thw was given without its pixels (pixel_values)"),
     "pixels-without-grid": (lambda b: dict(b, image_grid_thw=None), InputError,
                             "pixel_values was given without image_grid_thw"),
     "placeholders-without-pixels": (lambda b: dict(b, pixel_values=None, image_grid_thw=None), InputError,
