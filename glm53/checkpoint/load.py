@@ -18,8 +18,16 @@ from ..config import Glm53Config
 from ..errors import CheckpointError, ConfigError
 from ..precision import cast_model, resolve_dtype
 from . import fp8
-from .layout import EXPERT_KEY, LAYER_KEY, TEXT_PREFIX, VISION_MODULE, VISION_PREFIX, mtp_internal, official_key
-from .layout import official_to_internal
+from .layout import (
+    EXPERT_KEY,
+    LAYER_KEY,
+    TEXT_PREFIX,
+    VISION_MODULE,
+    VISION_PREFIX,
+    mtp_internal,
+    official_key,
+    official_to_internal,
+)
 from .reader import FLOAT_DTYPES, TensorReader, checkpoint_files
 
 logger = logging.getLogger("glm53.checkpoint")

@@ -7,10 +7,14 @@
     block.py        vision block and the clamped SwiGLU with biases
     merger.py       downsample (Conv2d m x m) and the merger (the projector)
     tower.py        VisionTower: the whole tower, input checks
+    splice.py       placeholder masks (the begin/end-of-video rule) and the feature splice
+    model.py        Glm53ForConditionalGeneration (exported from glm53)
+    groups.py       parameter groups by name ("vision_tower", "projector") for freezing
 """
 
 from .config import Glm53VisionConfig, MultimodalTokenIds, has_vision, vision_parts, with_vision, without_vision
+from .groups import FREEZE_GROUPS, group_parameter_names
 from .tower import VisionOutput, VisionTower
 
-__all__ = ["Glm53VisionConfig", "MultimodalTokenIds", "VisionOutput", "VisionTower", "has_vision", "vision_parts",
-           "with_vision", "without_vision"]  # fmt: skip
+__all__ = ["FREEZE_GROUPS", "Glm53VisionConfig", "MultimodalTokenIds", "VisionOutput", "VisionTower",
+           "group_parameter_names", "has_vision", "vision_parts", "with_vision", "without_vision"]  # fmt: skip

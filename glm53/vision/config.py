@@ -23,7 +23,8 @@ VISION_MODEL_TYPE = "glm5_next_vision"
 DEFAULT_ROPE = {"rope_theta": 10000.0, "rope_type": "axial"}
 ALIASES = {"num_attention_heads": "num_heads", "num_hidden_layers": "depth"}
 _POSITIVE_INTS = ("depth", "hidden_size", "num_heads", "in_channels", "patch_size", "spatial_merge_size",
-                  "temporal_patch_size", "out_hidden_size", "intermediate_size", "projection_intermediate_size")  # fmt: skip
+                  "temporal_patch_size", "out_hidden_size", "intermediate_size",
+                  "projection_intermediate_size")  # fmt: skip
 
 
 @dataclass

@@ -16,7 +16,7 @@ import torch
 from ..config import Glm53Config
 from ..errors import InputError
 from ..model.model import CausalLMOutput, Glm53ForCausalLM
-from .config import vision_parts
+from .config import has_vision, vision_parts
 from .splice import placeholder_masks, splice
 from .tower import VisionTower, check_vision_inputs
 
@@ -129,4 +129,9 @@ class Glm53ForConditionalGeneration(Glm53ForCausalLM):
         return super().forward(None, attention_mask, labels, embeds, **kwargs)
 
 
-__all__ = ["Glm53ForConditionalGeneration"]
+def model_class_for(config: Glm53Config) -> type[Glm53ForCausalLM]:
+    """The class a config builds: the VL model when it declares a vision tower, else the text model."""
+    return Glm53ForConditionalGeneration if has_vision(config) else Glm53ForCausalLM
+
+
+__all__ = ["Glm53ForConditionalGeneration", "model_class_for"]

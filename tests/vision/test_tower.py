@@ -78,7 +78,8 @@ def test_clamps_bite_and_norms_are_not_trivial(towers):
         return lambda mod, inp, out: seen.__setitem__(name, (out.abs() > TOWER["swiglu_limit"]).float().mean().item())
 
     handles = [m.gate_proj.register_forward_hook(hook(n)) for n, m in ours.named_modules() if hasattr(m, "gate_proj")]
-    handles += [m.up_proj.register_forward_hook(hook(n + ".up")) for n, m in ours.named_modules() if hasattr(m, "up_proj")]
+    handles += [m.up_proj.register_forward_hook(hook(n + ".up")) for n, m in ours.named_modules()
+                if hasattr(m, "up_proj")]  # fmt: skip
     x, g = pixels(GRIDS["mixed-sizes"])
     with torch.no_grad():
         ours(x, g)

@@ -49,8 +49,8 @@ def test_sharded_vl_load_and_step_equal_one_process(pool2, vl_ckpt, dp, tp):
 
 
 def test_vision_tp_plan_covers_every_tower_parameter():
-    from tests.helpers.vision import TOKENS, TOWER
     from glm53.vision import with_vision
+    from tests.helpers.vision import TOKENS, TOWER
 
     model = Glm53ForConditionalGeneration(with_vision(text_config(), TOWER, TOKENS))
     plan = vision_tp_plan(model)
