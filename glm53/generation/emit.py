@@ -47,7 +47,7 @@ class Options:
     pad_token_id: int
     generator: torch.Generator | None
     latent_dtype: torch.dtype | None = None  # GenerationCache's: None keeps the exact (model-dtype) latent
-    step: object = None  # the decode step (decode_compiled.step_function: eager or compiled)
+    step: object = None  # the generation step (step.Stepper: eager or compiled)
 
 
 class Emitter:
