@@ -22,6 +22,8 @@ class GenerationStats:
     drafted: int = 0  # speculative: draft tokens proposed to unfinished rows
     accepted: int = 0  # ... of which the main model agreed with (per row, leading matches)
     verify_forwards: int = 0  # speculative: main-model forwards after the prefill
+    draft_seconds: float = 0.0  # speculative: of decode_seconds, in the MTP layer's steps
+    verify_seconds: float = 0.0  # ... in the main model's verify steps (the rest: picks, emits, rewinds)
     cache_bytes: int = 0  # GenerationCache.nbytes() at the end (main model)
     cache_positions: int = 0  # positions cached at the end
 

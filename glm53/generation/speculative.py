@@ -82,10 +82,14 @@ def speculative_decode(model, input_ids: torch.Tensor, valid: torch.Tensor, opts
     start = time.perf_counter()
     mtp_hidden, mtp_ids, mtp_valid = hidden, torch.cat([input_ids[:, 1:], token[:, None]], dim=1), valid
     while not done:
+        t0 = time.perf_counter()
         drafts = drafter.draft(mtp_hidden, mtp_ids, mtp_valid, s)  # [B, s]
+        t1 = time.perf_counter()
         cache.mark()
         verify = opts.step(model, cache, torch.cat([token[:, None], drafts], dim=1))  # [B, s+1, D]
         picks = model.lm_head(verify).argmax(-1)  # [B, s+1]
+        stats.draft_seconds += t1 - t0
+        stats.verify_seconds += time.perf_counter() - t1  # (timed on the host: on a GPU, without a sync)
         leading = (drafts == picks[:, :s]).long().cumprod(dim=-1).sum(-1)  # [B]
         active = ~emitter.finished
         stats.drafted += s * int(active.sum())

@@ -55,7 +55,7 @@ def check_step(model, cache: object, ids: object, hidden: object = None) -> None
 class Stepper:
     """Runs steps of one model: eager, or (`compile`) the same forward through torch.compile after the prefill."""
 
-    def __init__(self, compile: bool | str = False) -> None:
+    def __init__(self, compile: bool | str | Callable = False) -> None:
         self.compiled = None
         if compile:
             self.compiled = torch.compile(forward, **compile_options(compile))
@@ -70,17 +70,19 @@ class Stepper:
             cache.check_tokens(valid)
         cache.begin(valid)
         run: Callable = forward if self.compiled is None or not cache.started else self.compiled
-        out = run(model, cache, ids, valid, hidden)
+        # contiguous inputs: a compiled step is specialised on strides (a sliced prompt would recompile it)
+        out = run(model, cache, ids.contiguous(), valid, None if hidden is None else hidden.contiguous())
         cache.end(ids.shape[1])
         return out
 
 
-def compile_options(compile: bool | str) -> dict:
-    """torch.compile's options for `compile`: True (inductor; CUDA graphs on a GPU) or a backend name."""
+def compile_options(compile: bool | str | Callable) -> dict:
+    """torch.compile's options for `compile`: True (inductor; CUDA graphs on a GPU), a backend name or a backend
+    callable (torch.compile's own `backend` argument)."""
     if compile is True:
         mode = "reduce-overhead" if torch.cuda.is_available() else None
         return dict(fullgraph=True, dynamic=False, mode=mode)
-    if isinstance(compile, str) and compile in torch.compiler.list_backends(exclude_tags=()):
+    if callable(compile) or (isinstance(compile, str) and compile in torch.compiler.list_backends(exclude_tags=())):
         return dict(fullgraph=True, dynamic=False, backend=compile)
     raise GenerationError(f"compile must be True, False or a torch.compile backend name "
                           f"({', '.join(torch.compiler.list_backends(exclude_tags=()))}), got {compile!r}")  # fmt: skip
