@@ -57,8 +57,11 @@ class Stepper:
 
     def __init__(self, compile: bool | str | Callable = False) -> None:
         self.compiled = None
+        self.graphs = False  # CUDA graphs: a replay overwrites the previous output, so outputs are copied out
         if compile:
-            self.compiled = torch.compile(forward, **compile_options(compile))
+            options = compile_options(compile)
+            self.graphs = options.get("mode") == "reduce-overhead"
+            self.compiled = torch.compile(forward, **options)
 
     def __call__(self, model, cache: GenerationCache, ids: torch.Tensor, valid: torch.Tensor | None = None,
                  hidden: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
@@ -72,6 +75,8 @@ class Stepper:
         run: Callable = forward if self.compiled is None or not cache.started else self.compiled
         # contiguous inputs: a compiled step is specialised on strides (a sliced prompt would recompile it)
         out = run(model, cache, ids.contiguous(), valid, None if hidden is None else hidden.contiguous())
+        if self.graphs and run is self.compiled:
+            out = out.clone()
         cache.end(ids.shape[1])
         return out
 

@@ -175,7 +175,7 @@ class GenerationCache:
         B, T = valid.shape
         if not self.started:
             self._start(valid)
-        elif self.length.shape != () or self.first.shape[0] != B:
+        elif self.first.shape[0] != B:
             raise CacheError(f"the cache holds a batch of {self.first.shape[0]} rows, the input has {B}")
         if self.marked and self.positions + T - self._mark_positions > self.max_step_tokens:
             raise CacheError(f"a marked cache takes at most max_step_tokens={self.max_step_tokens} tokens before "
