@@ -91,13 +91,13 @@ def test_prompts_file_is_one_left_padded_batch(checkpoint, capsys, tmp_path):
 
 
 BAD_PROMPTS = {"p.txt": ("\n\n", "holds no prompt"), "p.jsonl": ("{bad\n", "line 1: not JSON"),
-               "q.jsonl": ('"ok"\n{"text": "x"}\n', "line 2: expected a JSON string")}  # fmt: skip
+               "q.jsonl": ('"ok"\n{"text": "x"}\n', "line 2: expected a JSON string"), "ok.txt": ("Hi\n", "")}  # fmt: skip
 
 
 @pytest.mark.parametrize("argv,error", [
     (["--prompts", "p.txt"], BAD_PROMPTS["p.txt"][1]), (["--prompts", "p.jsonl"], BAD_PROMPTS["p.jsonl"][1]),
     (["--prompts", "q.jsonl"], BAD_PROMPTS["q.jsonl"][1]), (["--prompts", "missing.txt"], "cannot read"),
-    (["--prompt", "Hi", "--prompts", "p.txt"], "not allowed with"), (["--prompt", "Hi", "--device", "tpu:0"], "tpu"),
+    (["--prompt", "Hi", "--prompts", "ok.txt"], "not allowed with"), (["--prompt", "Hi", "--device", "tpu:0"], "tpu"),
     (["--prompt", "Hi", "--device", "cuda:7" if not torch.cuda.is_available() else "meta"], "not available"),
 ])  # fmt: skip
 def test_bad_batch_and_device_flags_are_usage_errors(checkpoint, capsys, tmp_path, argv, error):
