@@ -5,7 +5,7 @@ extra) is how many pools a query picks, index_topk / L capped at P.
 q: [B, T, H, K]; weights: [B, T, H] (already scaled by H^-0.5); pool_keys: [B, P, K]; pool_end: [B, P] position of
 each pool's last token in the keys' sequence; complete: [B, P]. The queries sit at positions query_offset + [0, T).
 A pool is a candidate for a query when it is complete and pool_end <= the query's position. Scores are those of
-kernels/indexer_scores.py; non-candidates score finfo.min and torch.topk over the whole row of P pools picks
+kernels/indexer_scores.py; non-candidates score finfo.min and rank_pools (ties to the earliest pool) over the whole row of P pools picks
 `select`. Returns (chosen pools [B, T, select] int64, whether each is a candidate [B, T, select] bool).
 The reference materialises the [B, T, P] scores (what Indexer.select reads in training). The fast form takes a
 block of queries at a time: it scores only the leading pools some query of the block can see (on average half of
