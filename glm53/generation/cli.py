@@ -23,6 +23,7 @@ import torch
 
 from ..errors import Glm53Error
 from ..model.model import Glm53ForCausalLM
+from ..peft import cli as peft_cli
 from ..training import data as byte_codec
 from ..training.args import existing_dir, seed_int
 from .loop import generate
@@ -99,6 +100,7 @@ def _device(text: str) -> torch.device:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, type=existing_dir, help="an official-layout checkpoint directory")
+    peft_cli.add_generate_arguments(p)  # --adapter DIR
     p.add_argument("--tokenizer", default=None, type=_tokenizer, help="a transformers tokenizer directory or 'bytes' "
                    "(default: the model directory if it holds a tokenizer, else the built-in byte codec)")  # fmt: skip
     source = p.add_mutually_exclusive_group(required=True)
@@ -213,7 +215,8 @@ def _batch(codec: _Codec, prompts: list[str], pad: int) -> tuple[torch.Tensor, t
 
 def _run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
-    model = Glm53ForCausalLM.from_pretrained(args.model, device=args.device).eval()
+    # the adapter is applied on the host, then the model moves to --device (parameters move in place: ties hold)
+    model = peft_cli.with_adapter(args, Glm53ForCausalLM.from_pretrained(args.model)).to(args.device).eval()
     codec = _Codec(args.model, args.tokenizer)
     batch = args.prompts is not None
     prompts = args.prompts if batch else [args.prompt]

@@ -27,10 +27,11 @@ class GenerationError(Glm53Error):
 
 
 def forward(model, cache: GenerationCache, ids: torch.Tensor, valid: torch.Tensor,
-            hidden: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+            hidden: torch.Tensor | None = None, embeds: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """The blocks on the cache: ids [B, T], valid [B, T] -> the last hidden state [B, T, D] (main: after the final
-    norm; mtp: the MTP layer's output h, before shared_head.norm; `hidden` [B, T, D] is what it reads)."""
-    embeds = model.model.embed_tokens(ids)
+    norm; mtp: the MTP layer's output h, before shared_head.norm; `hidden` [B, T, D] is what it reads). `embeds`
+    [B, T, D]: the inputs' embeddings instead of embedding `ids` (a VL prompt's spliced image features)."""
+    embeds = model.model.embed_tokens(ids) if embeds is None else embeds
     ctx = ForwardContext(valid=valid, cache=cache)
     if cache.part == "main":
         return model.model(inputs_embeds=embeds, ctx=ctx)
@@ -64,7 +65,7 @@ class Stepper:
             self.compiled = torch.compile(forward, **options)
 
     def __call__(self, model, cache: GenerationCache, ids: torch.Tensor, valid: torch.Tensor | None = None,
-                 hidden: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                 hidden: torch.Tensor | None = None, embeds: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """ids [B, T] (valid: the prefill's padding mask; later steps are tokens) -> hidden [B, T, D]."""
         check_step(model, cache, ids, hidden)
         if valid is None:
@@ -74,7 +75,9 @@ class Stepper:
         cache.begin(valid)
         run: Callable = forward if self.compiled is None or not cache.started else self.compiled
         # contiguous inputs: a compiled step is specialised on strides (a sliced prompt would recompile it)
-        out = run(model, cache, ids.contiguous(), valid, None if hidden is None else hidden.contiguous())
+        if embeds is not None:  # (the prefill of a VL prompt: never the compiled path)
+            run = forward
+        out = run(model, cache, ids.contiguous(), valid, None if hidden is None else hidden.contiguous(), embeds)
         if self.graphs and run is self.compiled:
             out = out.clone()
         cache.end(ids.shape[1])

@@ -21,8 +21,8 @@ from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..model.compile import compile_blocks
 from ..model.context import ForwardContext
@@ -31,8 +31,9 @@ from ..model.model import Glm53ForCausalLM
 from ..model.mtp import MTPLayer
 from ..precision import keeps_fp32
 from .boundary import name_modules
-from .expert import EXPERT_PARAMS, apply_expert_parallel, expert_modules, expert_shard_placement, flat_data_mesh
-from .plan import check_tp_size, tp_plan
+from .expert import apply_expert_parallel, expert_modules, expert_param_names, expert_shard_placement
+from .mesh import EXPERT_REPLICA_DIMS, REPLICA_DIMS, flat_mesh
+from .plan import ReplicateModule, ReplicateParams, check_tp_size, tp_plan
 from .pool_mass import sum_selected_pool_mass
 
 _PARALLELIZED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
@@ -54,10 +55,11 @@ def _check_mesh(mesh: DeviceMesh, dp_dim: str, tp_dim: str, ep_dim: str = "ep",
 
 
 def apply_tensor_parallel(model: Glm53ForCausalLM, tp_mesh: DeviceMesh) -> None:
-    """Apply `tp_plan(model)` on `tp_mesh` and check that every parameter became a DTensor on it."""
+    """Apply `tp_plan(model)` (and the tower's `vision_tp_plan`) on `tp_mesh` and check that every parameter
+    became a DTensor on it."""
     check_tp_size(model, tp_mesh.size())
     name_modules(model)
-    parallelize_module(model, tp_mesh, tp_plan(model))
+    parallelize_module(model, tp_mesh, {**tp_plan(model), **vision_tp_plan(model)})
     missed = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
     if missed:
         raise RuntimeError(f"the TP plan does not cover parameters {missed}; add their modules to "
@@ -120,6 +122,9 @@ def apply_fsdp(model: Glm53ForCausalLM, dp_mesh: DeviceMesh, mp_policy: MixedPre
         shard["ignored_params"] = ignored
     elif not expert_parallel:
         shard["shard_placement_fn"] = _expert_placement_fn(model, dp_mesh.size())
+    for block in _vision_blocks(model):
+        # the rope's fp32 cos / sin are block inputs: FSDP must not cast them to the low-precision dtype
+        fully_shard(block, **shard, mp_policy=dataclasses.replace(policy, cast_forward_inputs=False))
     for block in _blocks(model):
         if isinstance(block, MTPLayer):
             # MultiTokenPrediction calls shared_head.norm after the layer's forward, when the layer's unit is
@@ -143,7 +148,7 @@ def apply_fsdp(model: Glm53ForCausalLM, dp_mesh: DeviceMesh, mp_policy: MixedPre
 
 
 def _expert_params(model: nn.Module) -> list[nn.Parameter]:
-    return [m.get_parameter(n) for m in expert_modules(model) for n in EXPERT_PARAMS]
+    return [m.get_parameter(n) for m in expert_modules(model) for n in expert_param_names(m)]
 
 
 def _expert_placement_fn(model: nn.Module, dp_size: int):
@@ -217,6 +222,28 @@ def _blocks(model: Glm53ForCausalLM) -> list[nn.Module]:
     return [*model.model.layers, *(model.mtp.layers if model.mtp is not None else [])]
 
 
+def _vision_blocks(model: nn.Module) -> list[nn.Module]:
+    """The vision tower's blocks (Glm53ForConditionalGeneration), FSDP units and activation-checkpointing units
+    of their own; the rest of the tower (patch embed, post norm, projector) belongs to the root unit."""
+    visual = getattr(model, "visual", None)
+    return list(visual.blocks) if visual is not None else []
+
+
+def vision_tp_plan(model: nn.Module) -> dict:
+    """The tower replicated on every TP rank: its nn.Linear modules as `ReplicateModule`, the modules that read
+    their parameters through `as_local` (norms, the patch-embed and downsample convolutions) as `ReplicateParams`.
+    Each rank computes the whole tower on the same pixels, so its gradients are identical everywhere."""
+    visual = getattr(model, "visual", None)
+    if visual is None:
+        return {}
+    plan = {}
+    for name, module in visual.named_modules():
+        if not any(True for _ in module.parameters(recurse=False)):
+            continue
+        plan[f"visual.{name}"] = ReplicateModule() if type(module) is nn.Linear else ReplicateParams()
+    return plan
+
+
 def expert_load_sum(mesh: DeviceMesh, dp_dim: str, tp_dim: str, ep_dim: str = "ep", cp_dim: str = "cp"):
     """`model.expert_load_reduce` for `mesh`: the expert loads summed over the data-parallel ranks (dp, and ep,
     whose ranks read their own batches too) and the context-parallel ones (cp: each holds other tokens).
@@ -245,22 +272,15 @@ def _check_options(mesh: DeviceMesh, names: tuple[str, str, str, str], has_dp: b
     dp_dim, tp_dim, ep_dim, cp_dim = names
     has_ep = ep_dim in mesh.mesh_dim_names
     has_cp = cp_dim in mesh.mesh_dim_names
-    if has_cp and (has_tp or has_ep):
-        raise ValueError(f"context parallelism ({cp_dim!r}) is not supported together with {tp_dim!r} or {ep_dim!r} "
-                         f"yet; the mesh has {list(mesh.mesh_dim_names)}")  # fmt: skip
-    if has_ep and has_tp and mesh[tp_dim].size() > 1:
-        raise ValueError(f"expert parallelism ({ep_dim}={mesh[ep_dim].size()}) together with tensor parallelism "
-                         f"({tp_dim}={mesh[tp_dim].size()}) is not supported: use a ({dp_dim!r}, {ep_dim!r}) mesh, "
-                         f"or ({dp_dim!r}, {tp_dim!r}) without EP")  # fmt: skip
     if compile and has_ep:
         raise ValueError(f"compile=True with expert parallelism ({ep_dim}={mesh[ep_dim].size()}) is not supported: "
                          "the all-to-all dispatch reads its split sizes on the host (a graph break per MoE block)")
     if compile and activation_checkpointing and _needs_fp32_units(mp_policy):
         raise ValueError("compile=True with activation checkpointing needs whole block graphs, but under a "
                          "low-precision mp_policy the nested fp32 FSDP units split them (glm53/model/compile.py)")
-    if mp_policy is not None and not has_dp and cp_dim not in mesh.mesh_dim_names:
-        raise ValueError(f"mp_policy is FSDP2's MixedPrecisionPolicy and needs a {dp_dim!r} or {cp_dim!r} mesh "
-                         f"dimension; the mesh has {list(mesh.mesh_dim_names)}")  # fmt: skip
+    if mp_policy is not None and not (has_dp or has_cp or has_ep):
+        raise ValueError(f"mp_policy is FSDP2's MixedPrecisionPolicy and needs a {dp_dim!r}, {cp_dim!r} or {ep_dim!r} "
+                         f"mesh dimension (FSDP's ranks); the mesh has {list(mesh.mesh_dim_names)}")  # fmt: skip
 
 
 def parallelize(
@@ -281,6 +301,9 @@ def parallelize(
     then FSDP2 on mesh[dp_dim] if present (per block, then the root). Returns the model (changed in place).
     MTP layers are blocks like the decoder's. Sets `model.expert_load_reduce` to the sum of the expert loads over
     the data-parallel ranks (`expert_load_sum`), so `update_router_bias` moves every rank's biases alike.
+A vision tower (Glm53ForConditionalGeneration) is replicated over tp (`vision_tp_plan`), FSDP-sharded per vision
+block over the data ranks like the text parameters, and run on every forward once sharded (a zero-weighted
+dummy image on a batch without one: `always_run_tower`), so FSDP's collectives match on every rank.
 
     With TP the head is vocab-sharded: the model's own losses combine the ranks' softmax statistics
     (vocab_loss.py) and need no context; `out.logits` is a vocab-sharded DTensor, so a loss of your own over it
@@ -312,28 +335,32 @@ def parallelize(
     _check_options(mesh, (dp_dim, tp_dim, ep_dim, cp_dim), has_dp, has_tp, compile, activation_checkpointing, mp_policy)
     has_ep = ep_dim in mesh.mesh_dim_names
     has_cp = cp_dim in mesh.mesh_dim_names
+    if has_tp and any("lora_" in n for n, _ in model.named_parameters()):
+        raise ValueError("LoRA adapters (glm53.peft) under tensor parallelism are not supported yet: train them on "
+                         "dp / dp x ep meshes")  # fmt: skip
+    roles = dict(dp=dp_dim, cp=cp_dim, ep=ep_dim, tp=tp_dim)
     if has_tp:
         apply_tensor_parallel(model, mesh[tp_dim])
     if has_ep:
         name_modules(model)
-        apply_expert_parallel(model, mesh[ep_dim])
+        apply_expert_parallel(model, mesh[ep_dim], mesh[(ep_dim, tp_dim)] if has_tp else None)
     if activation_checkpointing:
-        for block in _blocks(model):
+        for block in [*_vision_blocks(model), *_blocks(model)]:
             checkpoint(block)
     if compile:
         # fp32 units nested in a block (low-precision policy) run FSDP hooks, which dynamo never traces: the
         # block's graph splits around them
         compile_blocks(model, backend=compile_backend, fullgraph=not _needs_fp32_units(mp_policy))
-    if has_ep:
-        apply_fsdp(model, flat_data_mesh(mesh, dp_dim if has_dp else None, ep_dim), mp_policy,
-                   reshard_after_forward, expert_parallel=True, expert_dp_mesh=mesh[dp_dim] if has_dp else None)
-    elif has_cp:
-        flat = mesh[(dp_dim, cp_dim)]._flatten(f"{dp_dim}_{cp_dim}") if has_dp else mesh[cp_dim]
-        apply_fsdp(model, flat, mp_policy, reshard_after_forward)
+    replicas = flat_mesh(mesh, [roles[d] for d in REPLICA_DIMS])  # dp x cp x ep: non-expert replicas
+    if replicas is not None:
+        expert_replicas = flat_mesh(mesh, [roles[d] for d in EXPERT_REPLICA_DIMS]) if has_ep else None
+        apply_fsdp(model, replicas, mp_policy, reshard_after_forward, expert_parallel=has_ep,
+                   expert_dp_mesh=expert_replicas)  # fmt: skip
+    if has_cp:
         _CP_MESH[model] = (mesh[cp_dim], mesh)
-    elif has_dp:
-        apply_fsdp(model, mesh[dp_dim], mp_policy, reshard_after_forward)
     model.expert_load_reduce = expert_load_sum(mesh, dp_dim, tp_dim, ep_dim, cp_dim)
+    if hasattr(model, "always_run_tower") and (has_dp or has_ep or has_cp):
+        model.always_run_tower = True  # FSDP's tower collectives must run on every rank, with or without images
     _PARALLELIZED.add(model)
     return model
 
@@ -391,4 +418,4 @@ def loss_parallel_context(model: nn.Module) -> contextlib.AbstractContextManager
 
 
 __all__ = ["parallelize", "apply_tensor_parallel", "apply_fsdp", "fp32_units", "loss_parallel_context",
-           "init_weights", "zero_rows", "expert_load_sum", "context_parallel_mesh"]
+           "init_weights", "zero_rows", "expert_load_sum", "context_parallel_mesh", "vision_tp_plan"]

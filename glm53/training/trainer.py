@@ -30,10 +30,11 @@ from ..model.model import Glm53ForCausalLM
 from ..parallel import clip_grad_norm_ as parallel_clip_grad_norm_
 from ..parallel import loss_parallel_context, parallelize
 from ..parallel.run_checkpoint import device_type, has_run_state
+from ..peft import cli as peft_cli
 from ..utils import ceil_div
 from .data import VOCAB_SIZE, batches, corpus_text, encode
 from .data.documents import DataError
-from .distributed import init_parallel_model
+from .distributed import forward_inputs, init_parallel_model
 from .finetune import FileData, init_model, model_inputs
 from .state import TRAINER_STATE, load_trainer_state, restore_optimizer, resume_distributed, save_run, trainer_state
 
@@ -85,7 +86,7 @@ class Trainer:
 
     def __init__(self, args: argparse.Namespace, par=None) -> None:
         self.args, self.par = args, par
-        self.mesh = par.init_mesh(args.dp, args.tp, device_type(args.device), ep=args.ep) if par is not None else None
+        self.mesh = par.init_mesh(args.dp, args.tp, device_type(args.device), ep=args.ep, cp=args.cp) if par is not None else None
         self.device = self.mesh.device_type if par is not None else "cpu"
         self.rank = par.rank() if par is not None else 0
         self.log_rank = self.rank == 0
@@ -107,6 +108,8 @@ class Trainer:
         args = self.args
         if not args.resume:
             return None
+        if (lora := peft_cli.resume_state(args)) is not None:  # a LoRA run: adapter + trainer state
+            return lora
         if has_run_state(args.resume):
             return {"dcp": args.resume}  # a torchrun run, any layout (one process too): state.resume_distributed
         state = load_trainer_state(args.resume)
@@ -120,7 +123,9 @@ class Trainer:
         args = self.args
         if self.par is not None:
             return init_parallel_model(args, self.mesh, PRESETS[args.preset])
-        if args.resume and has_run_state(args.resume):  # a torchrun run: DCP fills the weights in _resume
+        if (lora := peft_cli.build_model(args, PRESETS[args.preset])) is not None:  # LoRA / frozen / FP8 base
+            model = lora
+        elif args.resume and has_run_state(args.resume):  # a torchrun run: DCP fills the weights in _resume
             model = Glm53ForCausalLM(Glm53Config.from_pretrained(args.resume))
         elif args.resume:
             model = Glm53ForCausalLM.from_pretrained(args.resume)
@@ -203,7 +208,7 @@ class Trainer:
         parts: dict[str, torch.Tensor] = {}
         for inputs in micro:
             with self._loss_context():
-                out = self.model(**inputs, loss_denominators=den, return_logits=False)
+                out = self.model(**forward_inputs(self.model, inputs, den, self.args.cp), return_logits=False)
                 out.loss.backward()
             for name in LOSS_PARTS:
                 if getattr(out, name) is not None:
@@ -223,6 +228,7 @@ class Trainer:
         how = f"resuming {args.resume} at step {self.start}" if self.state else f"preset {args.preset}, seed {args.seed}"
         how = f"fine-tuning {args.init}, seed {args.seed}" if args.init else how
         ep = f" x ep {args.ep}" if args.ep > 1 else ""
+        ep += f" x cp {args.cp}" if args.cp > 1 else ""
         layout = f", dp {args.dp} x tp {args.tp}{ep}" if self.par is not None else ""
         accum = f"{args.grad_accum}x" if args.grad_accum > 1 else ""
         print(f"glm53 train: {how}, {params:,} parameters{layout}, {args.steps} steps of {accum}{args.batch_size}x"
@@ -250,7 +256,8 @@ class Trainer:
         state = trainer_state(step, self.optimizer, self.generator, self.par, tuple(_layout(self.args)), data)
         if self.par is not None:
             state["dp_rank"] = self.dp_rank
-        save_run(self.model, path, state, self.par, export=not self.args.no_export)
+        if not peft_cli.save_run(self.model, path, state):  # a LoRA run saves its adapter, not the base
+            save_run(self.model, path, state, self.par, export=not self.args.no_export)
         if self.data is not None and self.rank == 0:
             self.data.tokenizer.save(path)  # a resumed or downstream run finds the tokenizer beside the weights
 
@@ -285,6 +292,7 @@ class Trainer:
                 print(f"saved {args.save} ({what})", flush=True)
         if self.data is not None and self.log_rank:
             print(self.data.summary(), flush=True)
+        peft_cli.export_merged(args, self.model)  # --export-merged DIR
         return 0
 
 
