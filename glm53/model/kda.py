@@ -24,12 +24,15 @@ from einops import rearrange
 
 from ..boundary import as_local
 from ..config import Glm53Config
-from ..kernels import kernel
+from ..kernels import kernel_op
 from ..kernels.kda import l2norm
 from ..kernels.kda.state_passing import kda_sharded
 from .context import ForwardContext
 from .cp import boundaries, halo_starts
 from .norm import GatedRMSNorm
+
+# kernels resolved once; use_backend keeps them current (kernels/dispatch.py)
+causal_conv1d, kda = kernel_op("causal_conv1d"), kernel_op("kda")
 
 L2NORM_EPS = 1e-6  # fla's l2norm epsilon
 SOFTPLUS_THRESHOLD = 20.0  # softplus(x) == x above this (transformers' overflow guard)
@@ -50,7 +53,7 @@ class CausalConv1d(nn.Module):
                 cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """x [B, T, C] -> silu(conv(x)) [B, T, C], computed in fp32 and cast back to x's dtype."""
         packed = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}  # kernel keyword, only when packed
-        y, _ = kernel("causal_conv1d")(x, as_local(self, "weight")[:, 0, :], initial_state=state, **packed)
+        y, _ = causal_conv1d(x, as_local(self, "weight")[:, 0, :], initial_state=state, **packed)
         return F.silu(y).to(x.dtype)
 
 
@@ -107,7 +110,7 @@ class KimiDeltaAttention(nn.Module):
         g = self.forget_gate(x)
         beta = torch.sigmoid(self.b_proj(x))
         q, k = l2norm(q.float(), L2NORM_EPS), l2norm(k.float(), L2NORM_EPS)
-        o, _ = kernel("kda")(q, k, v, g, beta, **packed)  # q, k stay fp32 (fla l2-normalises inside its fp32 kernel)
+        o, _ = kda(q, k, v, g, beta, **packed)  # q, k stay fp32 (fla l2-normalises inside its fp32 kernel)
         return self._output(x, o.to(v.dtype), split)
 
     def _output(self, x: torch.Tensor, o: torch.Tensor, split) -> torch.Tensor:
@@ -136,7 +139,7 @@ class KimiDeltaAttention(nn.Module):
         if ctx.segment_ids is not None:
             starts = halo_starts(ctx.segment_ids, ctx.cp, 0)  # [B, T]
             packed = dict(starts=starts, cu_seqlens=boundaries(starts))
-        o = kda_sharded(q, k, v, g, beta, ctx.cp, kernel=kernel("kda"), **packed)
+        o = kda_sharded(q, k, v, g, beta, ctx.cp, kernel=kda, **packed)
         return self._output(x, o.to(v.dtype), split)
 
     def init_weights(self) -> None:

@@ -6,7 +6,7 @@ Two ways in (Glm53ForCausalLM.forward / Glm53Model.forward):
   usual form is input_ids [1, total]). With B > 1, every row start is added as a boundary.
 - `position_ids` [B, T]: restarting at 0 at each document (transformers' DataCollatorWithFlattening); a document
   starts wherever the position does not continue the previous one (at every 0 in that convention) and at every
-  row start, the rule the loss counts use too (glm53/training/loss_counts.py, `document_spans`).
+  row start, the rule the loss counts use too (glm53/losses/counts.py, `document_spans`).
 Both become one `cu_seqlens` over the flattened tokens, with every row start in it (kernels/varlen.py), and
 `segment_ids` [B, T], the document index of every token; ForwardContext carries both. A batch whose rows each
 hold one document needs neither: `document_boundaries` returns None and the ordinary path runs. Under

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from ..training.loss_counts import LossCounts
+from ..losses.counts import LossCounts
 
 
 def init_mesh(dp: int, tp: int, device_type: str = "cpu", ep: int = 1, cp: int = 1) -> DeviceMesh:

@@ -30,7 +30,7 @@ from collections import Counter
 import torch
 
 from ..config import Glm53Config
-from ..model.model import Glm53ForCausalLM
+from ..losses import Glm53ForCausalLM
 from ..parallel import parallelize
 from ..parallel.memory import fake_world, largest_gather, layout_mesh, local_numel
 from ..precision import keeps_fp32

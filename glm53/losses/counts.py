@@ -20,7 +20,7 @@ import torch
 from ..config import Glm53Config
 from ..model.indexer import pool_layout
 from ..model.mtp import mtp_labels, shift_left
-from .losses import IGNORE_INDEX, next_token_targets
+from .parts import IGNORE_INDEX, next_token_targets
 
 
 @dataclass
