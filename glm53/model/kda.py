@@ -28,8 +28,9 @@ from ..kernels import kernel_op
 from ..kernels.kda import l2norm
 from ..kernels.kda.state_passing import kda_sharded
 from .context import ForwardContext
-from .cp import boundaries, halo_starts
+from .cp import halo_starts
 from .norm import GatedRMSNorm
+from .packing import starts_to_cu_seqlens
 
 # kernels resolved once; use_backend keeps them current (kernels/dispatch.py)
 causal_conv1d, kda = kernel_op("causal_conv1d"), kernel_op("kda")
@@ -125,7 +126,7 @@ class KimiDeltaAttention(nn.Module):
         width = self.q_conv1d.weight.shape[-1] - 1
         halo = ctx.cp.from_previous(torch.cat(projected, dim=-1), width)  # [B, W - 1, 3 * H * K] (zeros on rank 0)
         halos = halo.split([t.shape[-1] for t in projected], dim=-1)
-        cu = None if ctx.segment_ids is None else boundaries(halo_starts(ctx.segment_ids, ctx.cp, width))
+        cu = None if ctx.segment_ids is None else starts_to_cu_seqlens(halo_starts(ctx.segment_ids, ctx.cp, width))
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
         return [conv(torch.cat([h, t], dim=1), cu_seqlens=cu)[:, width:] for conv, h, t in zip(convs, halos, projected)]
 
@@ -138,7 +139,7 @@ class KimiDeltaAttention(nn.Module):
         packed = {}
         if ctx.segment_ids is not None:
             starts = halo_starts(ctx.segment_ids, ctx.cp, 0)  # [B, T]
-            packed = dict(starts=starts, cu_seqlens=boundaries(starts))
+            packed = dict(starts=starts, cu_seqlens=starts_to_cu_seqlens(starts))
         o = kda_sharded(q, k, v, g, beta, ctx.cp, kernel=kda, **packed)
         return self._output(x, o.to(v.dtype), split)
 
