@@ -48,6 +48,7 @@ from .moe import MoE, Router
 from .mtp import MultiTokenPrediction
 from .norm import RMSNorm
 
+
 @dataclass
 class LMOutput:
     """What one forward of the model computed (no losses: glm53.losses scores it)."""
