@@ -8,7 +8,7 @@ pre (N), post (N) and comb (N x N):
     comb = sinkhorn(softmax(scale_2 * comb_logits + base_comb) + eps) (mixes the residual streams)
 and the site computes  out_i = post_i * block(sum_j pre_j x_j) + sum_j comb_ji x_j
 (transformers' Glm5NextTextHyperConnection and decoder layer), in two explicit halves around the block:
-    x, mix = site.enter(streams)            # x = sum_j pre_j x_j [B, T, D]; mix = (post, comb)
+    x, mix = site.enter(streams)            # the module call (hooks run): x = sum_j pre_j x_j [B, T, D], mix = (post, comb)
     streams = site.exit(streams, block(x), mix)
 """
 
@@ -72,7 +72,12 @@ class HyperConnection(nn.Module):
 
     def enter(self, streams: torch.Tensor) -> tuple[torch.Tensor, Mix]:
         """The site's first half: streams [B, T, N, D] -> (the block input sum_j pre_j x_j [B, T, D], the mix
-        coefficients `exit` needs). The coefficients are recomputed in backward when `recompute` says so."""
+        coefficients `exit` needs). It is this module's forward, called through the module so that hooks on it
+        run (FSDP gathers the site's fp32 parameters there; `exit` reads no parameter)."""
+        return self(streams)
+
+    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, Mix]:
+        """`enter`: the coefficients, recomputed in backward when `recompute` says so, and the collapsed input."""
         recompute = streams.dtype != torch.float32 if self.recompute is None else self.recompute
         if torch.is_grad_enabled() and streams.requires_grad and recompute:
             pre, post, comb = checkpoint(self.coefficients, streams, use_reentrant=False)
@@ -83,11 +88,6 @@ class HyperConnection(nn.Module):
     def exit(self, streams: torch.Tensor, output: torch.Tensor, mix: Mix) -> torch.Tensor:
         """The site's second half: out_i = post_i * output + sum_j comb_ji x_j -> new streams [B, T, N, D]."""
         return hc_mix(streams, mix.comb, mix.post, output)
-
-    def forward(self, streams: torch.Tensor, block) -> torch.Tensor:
-        """Run `block` ([B, T, D] -> [B, T, D]) at this site: `exit(streams, block(input), mix)` [B, T, N, D]."""
-        collapsed, mix = self.enter(streams)
-        return self.exit(streams, block(collapsed), mix)
 
     def init_weights(self) -> None:
         nn.init.normal_(self.fn, std=FN_INIT_STD)
