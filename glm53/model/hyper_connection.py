@@ -8,7 +8,7 @@ pre (N), post (N) and comb (N x N):
     comb = sinkhorn(softmax(scale_2 * comb_logits + base_comb) + eps) (mixes the residual streams)
 and the site computes  out_i = post_i * block(sum_j pre_j x_j) + sum_j comb_ji x_j
 (transformers' Glm5NextTextHyperConnection and decoder layer), in two explicit halves around the block:
-    x, mix = site.enter(streams)            # the module call (hooks run): x = sum_j pre_j x_j [B, T, D], mix = (post, comb)
+    x, mix = site.enter(streams)     # a module call (hooks run): x = sum_j pre_j x_j [B, T, D], mix = (post, comb)
     streams = site.exit(streams, block(x), mix)
 """
 
