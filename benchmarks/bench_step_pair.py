@@ -19,6 +19,8 @@ import statistics
 import subprocess
 import sys
 
+from bench_config import positive_int
+
 CHILD = r"""
 import json, sys, time, torch
 sys.path.insert(0, {bench!r})
@@ -53,15 +55,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("old")
     ap.add_argument("new")
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--T", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--rounds", type=positive_int, default=4)
+    ap.add_argument("--T", type=positive_int, default=256)
+    ap.add_argument("--steps", type=positive_int, default=5)
     ap.add_argument("--out", default="bench_step_pair.json")
     args = ap.parse_args()
+    for tree in (args.old, args.new):
+        if not os.path.isfile(os.path.join(tree, "glm53", "__init__.py")):
+            ap.error(f"{tree} is not a glm53 tree (no glm53/__init__.py in it)")
     rounds = []
     for i in range(args.rounds):
         old, new = run_child(args.old, args.T, args.steps), run_child(args.new, args.T, args.steps)
-        rounds.append({"old": old, "new": new, "cpu_ratio": new["cpu"] / old["cpu"], "wall_ratio": new["wall"] / old["wall"]})
+        ratios = {"cpu_ratio": new["cpu"] / old["cpu"], "wall_ratio": new["wall"] / old["wall"]}
+        rounds.append({"old": old, "new": new, **ratios})
         print(f"round {i}: old cpu {old['cpu']:.3f}s wall {old['wall']:.3f}s | new cpu {new['cpu']:.3f}s wall "
               f"{new['wall']:.3f}s | new/old cpu {rounds[-1]['cpu_ratio']:.3f} wall {rounds[-1]['wall_ratio']:.3f}",
               flush=True)  # fmt: skip
