@@ -30,6 +30,7 @@ from ..losses import Glm53ForCausalLM
 from ..parallel import clip_grad_norm_ as parallel_clip_grad_norm_
 from ..parallel import loss_parallel_context, parallelize
 from ..parallel.run_checkpoint import device_type, has_run_state
+from ..peft import cli as peft_cli
 from ..utils import ceil_div
 from .data import VOCAB_SIZE, batches, corpus_text, encode
 from .data.documents import DataError
@@ -107,6 +108,8 @@ class Trainer:
         args = self.args
         if not args.resume:
             return None
+        if (lora := peft_cli.resume_state(args)) is not None:  # a LoRA run: adapter + trainer state
+            return lora
         if has_run_state(args.resume):
             return {"dcp": args.resume}  # a torchrun run, any layout (one process too): state.resume_distributed
         state = load_trainer_state(args.resume)
@@ -120,7 +123,9 @@ class Trainer:
         args = self.args
         if self.par is not None:
             return init_parallel_model(args, self.mesh, PRESETS[args.preset])
-        if args.resume and has_run_state(args.resume):  # a torchrun run: DCP fills the weights in _resume
+        if (lora := peft_cli.build_model(args, PRESETS[args.preset])) is not None:  # LoRA / frozen / FP8 base
+            model = lora
+        elif args.resume and has_run_state(args.resume):  # a torchrun run: DCP fills the weights in _resume
             model = Glm53ForCausalLM(Glm53Config.from_pretrained(args.resume))
         elif args.resume:
             model = Glm53ForCausalLM.from_pretrained(args.resume)
@@ -250,7 +255,8 @@ class Trainer:
         state = trainer_state(step, self.optimizer, self.generator, self.par, tuple(_layout(self.args)), data)
         if self.par is not None:
             state["dp_rank"] = self.dp_rank
-        save_run(self.model, path, state, self.par, export=not self.args.no_export)
+        if not peft_cli.save_run(self.model, path, state):  # a LoRA run saves its adapter, not the base
+            save_run(self.model, path, state, self.par, export=not self.args.no_export)
         if self.data is not None and self.rank == 0:
             self.data.tokenizer.save(path)  # a resumed or downstream run finds the tokenizer beside the weights
 
@@ -285,6 +291,7 @@ class Trainer:
                 print(f"saved {args.save} ({what})", flush=True)
         if self.data is not None and self.log_rank:
             print(self.data.summary(), flush=True)
+        peft_cli.export_merged(args, self.model)  # --export-merged DIR
         return 0
 
 
