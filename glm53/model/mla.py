@@ -24,12 +24,15 @@ from einops import rearrange
 
 from ..boundary import as_local, into_head_parallel
 from ..config import Glm53Config
-from .indexer import Indexer
-from ..kernels import kernel
-from ..training.losses import attention_pool_mass
+from ..kernels import kernel_op
+from .attention_mass import attention_pool_mass
 from .context import ForwardContext
+from .indexer import Indexer
 from .key_sequence import key_sequence, same_document_slots
 from .norm import RMSNorm
+
+# kernels resolved once; use_backend keeps them current (kernels/dispatch.py)
+sparse_attention, sparse_mqa_attention = kernel_op("sparse_attention"), kernel_op("sparse_mqa_attention")
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -63,13 +66,13 @@ class MultiHeadLatentAttention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, D] -> (out [B, T, D], top-k [B, T, J]); reads ctx.valid, ctx.shared_topk (shared layers).
 
-        With `ctx.stats.indexer`, records what the indexer KL loss needs (training/losses.py); the output is
+        With `ctx.stats.indexer`, records what the indexer KL loss needs (losses/parts.py); the output is
         unchanged. With `ctx.cp` the queries are this rank's slice and the keys the whole sequence (see below).
         """
         if ctx.cache is not None and ctx.cp is not None:
             raise ValueError("a generation cache (ctx.cache) cannot be used with context parallelism (ctx.cp)")
-        if ctx.cache is not None:  # generation: read and extend the cached latent and pools (glm53/generation)
-            return ctx.cache.mla_forward(self, x, ctx)
+        if ctx.cache is not None:  # generation: read and extend the cached latent and pools (model/cache.py)
+            return self._cached(x, ctx)
         stats, cp = ctx.stats, ctx.cp
         keys = key_sequence(ctx)  # the whole sequence's mask and documents (gathered under cp)
         valid, cu_seqlens = keys.valid, keys.cu_seqlens
@@ -101,20 +104,40 @@ class MultiHeadLatentAttention(nn.Module):
             o = nn.functional.dropout(o, self.dropout)
         return self.o_proj(rearrange(o, "b t h f -> b t (h f)")), topk
 
+    def _cached(self, x: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward on a generation cache: this forward's latent rows are written at the cache's next positions,
+        the indexer extends and scores the cached pools, and the queries attend over the cached rows (the prefill
+        over its own fresh rows) -> (out [B, T, D], top-k [B, T, J] positions on the cache's time axis)."""
+        generation = ctx.cache
+        cache = generation.layer(self)
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q = rearrange(self.q_b_proj(q_resid), "b t (h e) -> b t h e", e=self.qk_head_dim)
+        latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))  # [B, T, Z]
+        cache.write(generation.new_positions(x.shape[1]), latent)
+        if self.indexer is not None:
+            topk = self.indexer.cached_select(x, q_resid, generation, cache)
+        elif ctx.shared_topk is None:
+            raise ValueError("a 'shared' indexer layer needs the top-k of an earlier 'full' layer (got none)")
+        else:
+            topk = ctx.shared_topk
+        keys = latent if not generation.started else cache.keys(latent.dtype)  # the prefill's rows are its own
+        o, _ = self._attend(q, keys, topk, {})
+        return self.o_proj(rearrange(o, "b t h f -> b t (h f)")), topk
+
     def _attend(self, q: torch.Tensor, latent: torch.Tensor, topk: torch.Tensor,
                 packed: dict) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
         """q [B, T, H, K], latent [B, S, Z], topk [B, T, J] -> (o [B, T, H, V], the per-head keys [B, S, H, K]
         when they were expanded, else None). `packed`: the kernels' cu_seqlens keyword, when packed."""
         if not self.absorb:
             k, v = self._expand_kv(latent)
-            return kernel("sparse_attention")(q, k, v, topk, self.scale, **packed), k
+            return sparse_attention(q, k, v, topk, self.scale, **packed), k
         # q_abs = W_uk^T q per head; attend in the latent (key = value = latent); o = W_uv o_latent
         w = as_local(self.kv_b_proj, "weight").view(-1, self.qk_head_dim + self.v_head_dim, latent.shape[-1])
         w_uk, w_uv = w.split([self.qk_head_dim, self.v_head_dim], dim=1)  # [H, K, Z], [H, V, Z]
         q_abs = torch.einsum("bthe,hec->bthc", q, w_uk)
         # under TP this rank's heads read the whole latent: its gradient is summed over the ranks
         shared = into_head_parallel(self.kv_b_proj, "weight", latent)
-        o_latent = kernel("sparse_mqa_attention")(q_abs, shared, topk, self.scale, **packed)  # [B, T, H, Z]
+        o_latent = sparse_mqa_attention(q_abs, shared, topk, self.scale, **packed)  # [B, T, H, Z]
         return torch.einsum("bthc,hfc->bthf", o_latent, w_uv), None
 
     def _expand_kv(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
