@@ -1,2 +1,6 @@
-"""The vision tower (reserved): glm53 is the text model today; checkpoints' `model.visual.*` keys are skipped on
-load and kept by the crop tool. No code yet."""
+"""Vision: the image and video processors (pixels -> the tower's patch rows and grids); the tower itself is
+reserved: checkpoints' `model.visual.*` keys are skipped on load and kept by the crop tool."""
+
+from .image_processing import ImageProcessor
+
+__all__ = ["ImageProcessor"]
