@@ -2,5 +2,6 @@
 reserved: checkpoints' `model.visual.*` keys are skipped on load and kept by the crop tool."""
 
 from .image_processing import ImageProcessor
+from .video_processing import VideoProcessor
 
-__all__ = ["ImageProcessor"]
+__all__ = ["ImageProcessor", "VideoProcessor"]
