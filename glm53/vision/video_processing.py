@@ -235,20 +235,26 @@ class VideoProcessor:
         return canvas_size(frames, height, width, self.min_tokens, self.max_tokens, self.factor,
                            self.temporal_patch_size)  # fmt: skip
 
-    def process(self, clip: Clip) -> tuple[torch.Tensor, tuple[int, int, int], list[float]]:
-        """A clip -> (rows [t·h·w, C·T·P·P], grid (t, h, w), one timestamp per temporal slice)."""
-        frames = clip.frames.permute(0, 3, 1, 2)  # [F, C, H, W]
-        n, (height, width) = frames.shape[0], frames.shape[-2:]
-        if pad := -n % self.temporal_patch_size:  # patchify's rule (sampling already gives an even count)
-            frames = torch.cat([frames, frames[-1:].expand(pad, *frames.shape[1:])])
+    def layout(self, clip: Clip) -> tuple[tuple[int, int, int], list[float], tuple[int, int], tuple[int, int]]:
+        """A clip's (grid (t, h, w), one timestamp per temporal slice, canvas, content size), without pixels."""
+        n, height, width = clip.frames.shape[:3]
         canvas = self.canvas(n, height, width)
         size = content_size(n, height, width, canvas, self.min_tokens, self.factor, self.temporal_patch_size)
-        if size != (height, width):
+        t = -(-n // self.temporal_patch_size)
+        stamps = clip.timestamps[:: self.temporal_patch_size][:t]
+        stamps += [stamps[-1] if stamps else 0.0] * (t - len(stamps))
+        return (t, canvas[0] // self.patch_size, canvas[1] // self.patch_size), stamps, canvas, size
+
+    def process(self, clip: Clip) -> tuple[torch.Tensor, tuple[int, int, int], list[float]]:
+        """A clip -> (rows [t·h·w, C·T·P·P], grid (t, h, w), one timestamp per temporal slice)."""
+        grid, stamps, canvas, size = self.layout(clip)
+        frames = clip.frames.permute(0, 3, 1, 2)  # [F, C, H, W]
+        if pad := -frames.shape[0] % self.temporal_patch_size:  # patchify's rule (sampling gives an even count)
+            frames = torch.cat([frames, frames[-1:].expand(pad, *frames.shape[1:])])
+        if size != tuple(frames.shape[-2:]):
             frames = resize_video(frames, size)
         frames = F.pad(frames, (0, canvas[1] - size[1], 0, canvas[0] - size[0]))
-        rows, grid = patchify(normalize_fused(frames), self.patch_size, self.merge_size, self.temporal_patch_size)
-        stamps = clip.timestamps[:: self.temporal_patch_size][: grid[0]]
-        stamps += [stamps[-1] if stamps else 0.0] * (grid[0] - len(stamps))
+        rows, _ = patchify(normalize_fused(frames), self.patch_size, self.merge_size, self.temporal_patch_size)
         return rows, grid, stamps
 
     def __call__(self, videos, fps=None) -> dict:
