@@ -19,6 +19,7 @@ import torch
 
 TEXT_PREFIX = "model.language_model."
 VISION_PREFIX = "model.visual."
+VISION_MODULE = "visual."  # Glm53ForConditionalGeneration's tower: its names are the on-disk ones after VISION_PREFIX
 
 HC_KEY = re.compile(r"^(layers\.\d+\.)hc_(attn|ffn)_(fn|base|scale)$")
 _HC_BACK = re.compile(r"^(layers\.\d+\.)(attn|ffn)_hc\.(fn|base|scale)$")

@@ -1,0 +1,116 @@
+"""Glm53ForConditionalGeneration: the vision-language model (transformers' Glm5NextForConditionalGeneration).
+
+Legend: B batch, T time, D model width, N patch rows, G merged rows (N / m^2).
+It is a Glm53ForCausalLM with a VisionTower under `visual` (`model.visual.*` on disk). forward embeds the ids,
+runs the tower once over every image (and once over every video) of the batch, splices the merged features into
+the placeholder embeddings (splice.py) and hands `inputs_embeds` to Glm53ForCausalLM's forward, so it returns
+exactly what the text model returns (losses, MTP, indexer KL, balance, return_logits, packed documents). A batch
+without pixels is the text model's forward on the same embeddings. The config is the text Glm53Config whose
+outer part declares `vision_config` and the token ids (config.py `with_vision`; a VL checkpoint's config.json).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import Glm53Config
+from ..errors import InputError
+from ..model.model import CausalLMOutput, Glm53ForCausalLM
+from .config import vision_parts
+from .splice import placeholder_masks, splice
+from .tower import VisionTower
+
+
+class Glm53ForConditionalGeneration(Glm53ForCausalLM):
+    def __init__(self, config: Glm53Config) -> None:
+        if not isinstance(config, Glm53Config):
+            raise TypeError(f"config must be a Glm53Config with a vision_config (glm53.vision.with_vision), got "
+                            f"{type(config).__name__}")  # fmt: skip
+        vision, tokens = vision_parts(config)
+        super().__init__(config)
+        self.vision_config = vision
+        self.token_ids = tokens
+        self.visual = VisionTower(vision)
+        # Set by glm53.parallel.parallelize when the tower is sharded: every forward then runs the tower (on a
+        # zero-weighted dummy image when the batch has none), so FSDP's collectives match on every rank.
+        self.always_run_tower = False
+        if not self.lm_head.weight.is_meta:
+            self.visual.init_weights()
+
+    def init_weights(self) -> None:
+        super().init_weights()
+        if "visual" in self._modules:  # Glm53ForCausalLM.__init__ initialises before the tower exists
+            self.visual.init_weights()
+
+    def gradient_checkpointing_enable(self) -> None:
+        super().gradient_checkpointing_enable()
+        self.visual.gradient_checkpointing = True
+
+    def gradient_checkpointing_disable(self) -> None:
+        super().gradient_checkpointing_disable()
+        self.visual.gradient_checkpointing = False
+
+    def vision_features(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, kind: str) -> torch.Tensor:
+        """Merged features [G, D] of every image (kind "image") or video ("video"), in order."""
+        names = ("pixel_values", "image_grid_thw") if kind == "image" else ("pixel_values_videos", "video_grid_thw")
+        if grid_thw is None:
+            raise InputError(f"{names[0]} was given without {names[1]}")
+        weight = self.visual.patch_embed.proj.weight
+        return self.visual(pixel_values.to(weight.dtype), grid_thw, *names).pooler_output
+
+    def embed_multimodal(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
+                         image_grid_thw: torch.Tensor | None = None, pixel_values_videos: torch.Tensor | None = None,
+                         video_grid_thw: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """The text model's input embeddings [B, T, D] with the vision features spliced in."""
+        embeds = self.model.embed(input_ids, None)
+        image_mask, video_mask = placeholder_masks(input_ids, self.token_ids)
+        for kind, mask, pixels, grid in (("image", image_mask, pixel_values, image_grid_thw),
+                                         ("video", video_mask, pixel_values_videos, video_grid_thw)):  # fmt: skip
+            if pixels is None and grid is not None:
+                raise InputError(f"{kind}_grid_thw was given without its pixels")
+            features = None if pixels is None else self.vision_features(pixels, grid, kind)
+            embeds = splice(embeds, mask, features, kind)
+        if pixel_values is None and pixel_values_videos is None and self.always_run_tower:
+            embeds = embeds + 0.0 * self._dummy_features().sum()
+        return embeds
+
+    def _dummy_features(self) -> torch.Tensor:
+        """The tower on one black m x m image: keeps every rank's tower parameters in the graph (zero-weighted)."""
+        m = self.vision_config.spatial_merge_size
+        weight = self.visual.patch_embed.proj.weight
+        pixels = torch.zeros(m * m, self.vision_config.patch_width, dtype=weight.dtype, device=weight.device)
+        grid = torch.tensor([[1, m, m]], device=weight.device)
+        return self.visual(pixels, grid).pooler_output
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        pixel_values_videos: torch.Tensor | None = None,
+        video_grid_thw: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs,
+    ) -> CausalLMOutput:
+        """transformers' meaning for the vision inputs: `pixel_values` [N, C*T*P*P] and `image_grid_thw` [images,
+        3] (t, h, w); `pixel_values_videos` / `video_grid_thw` likewise. Every other keyword is
+        Glm53ForCausalLM.forward's (loss_denominators, cu_seqlens, position_ids, return_logits, cp)."""
+        visual = pixel_values is not None or pixel_values_videos is not None
+        if inputs_embeds is not None:
+            if visual:
+                raise InputError("pass input_ids (not inputs_embeds) with pixel_values / pixel_values_videos: the "
+                                 "placeholders are found in the ids")  # fmt: skip
+            return super().forward(input_ids, attention_mask, labels, inputs_embeds, **kwargs)
+        if input_ids is None:
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        if visual and kwargs.get("cp") is not None:
+            raise InputError("images under context parallelism (cp) are not supported: splice the features into "
+                             "inputs_embeds before slicing the sequence")  # fmt: skip
+        embeds = self.embed_multimodal(input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
+        return super().forward(None, attention_mask, labels, embeds, **kwargs)
+
+
+__all__ = ["Glm53ForConditionalGeneration"]
