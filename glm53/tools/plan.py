@@ -30,11 +30,11 @@ from collections import Counter
 import torch
 
 from ..config import Glm53Config
-from ..model.model import Glm53ForCausalLM
 from ..parallel import parallelize
 from ..parallel.memory import fake_world, largest_gather, layout_mesh, local_numel
 from ..precision import keeps_fp32
 from ..training.args import positive_float, positive_int
+from ..vision.model import model_class_for
 
 GIB = 1024**3
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -148,7 +148,7 @@ def measure(c: Glm53Config, dp: int, ep: int, tp: int, dtype: torch.dtype, cp: i
     with fake_world(dp * cp * ep * tp):
         mesh = layout_mesh(dp, ep, tp, cp=cp)
         with torch.device("meta"):
-            model = Glm53ForCausalLM(c)
+            model = model_class_for(c)(c)  # a config declaring a vision tower counts the tower's parameters
         parallelize(model, mesh)
         params = sum(bytes_of(n, local_numel(p)) for n, p in model.named_parameters())
         expert = sum(bytes_of(n, local_numel(p)) for n, p in model.named_parameters() if ".experts." in n)

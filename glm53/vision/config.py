@@ -23,9 +23,8 @@ VISION_MODEL_TYPE = "glm5_next_vision"
 DEFAULT_ROPE = {"rope_theta": 10000.0, "rope_type": "axial"}
 ALIASES = {"num_attention_heads": "num_heads", "num_hidden_layers": "depth"}
 _POSITIVE_INTS = ("depth", "hidden_size", "num_heads", "in_channels", "patch_size", "spatial_merge_size",
-                  "temporal_patch_size", "out_hidden_size", "intermediate_size", "projection_intermediate_size")  # fmt: skip
-# keys transformers' PreTrainedConfig writes for every sub-config: kept verbatim, never read
-_IGNORED = ("model_type",)
+                  "temporal_patch_size", "out_hidden_size", "intermediate_size",
+                  "projection_intermediate_size")  # fmt: skip
 
 
 @dataclass
@@ -115,7 +114,11 @@ class Glm53VisionConfig:
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         kwargs: dict[str, Any] = {}
         extra: dict[str, Any] = {}
+        if d.get("model_type", VISION_MODEL_TYPE) != VISION_MODEL_TYPE:
+            raise ConfigError(f"vision_config.model_type must be {VISION_MODEL_TYPE!r}, got {d['model_type']!r}")
         for key, value in d.items():
+            if key == "model_type":
+                continue
             target = ALIASES.get(key, key)
             if target in names:
                 if target in kwargs and kwargs[target] != value:

@@ -46,10 +46,11 @@ class PatchMerger(SwiGLU):
     post_projection_norm, gate_proj, up_proj, down_proj})."""
 
     def __init__(self, config: Glm53VisionConfig) -> None:
-        O = config.out_hidden_size
-        super().__init__(O, config.projection_intermediate_size, False, config.swiglu_limit, config.initializer_range)
-        self.proj = nn.Linear(O, O, bias=False)
-        self.post_projection_norm = LayerNorm(O, MERGER_NORM_EPS)
+        out = config.out_hidden_size  # O
+        super().__init__(out, config.projection_intermediate_size, False, config.swiglu_limit,
+                         config.initializer_range)  # fmt: skip
+        self.proj = nn.Linear(out, out, bias=False)
+        self.post_projection_norm = LayerNorm(out, MERGER_NORM_EPS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [G, O] -> [G, O]
         return super().forward(F.gelu(self.post_projection_norm(self.proj(x))))

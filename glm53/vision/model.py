@@ -16,9 +16,9 @@ import torch
 from ..config import Glm53Config
 from ..errors import InputError
 from ..model.model import CausalLMOutput, Glm53ForCausalLM
-from .config import vision_parts
+from .config import has_vision, vision_parts
 from .splice import placeholder_masks, splice
-from .tower import VisionTower
+from .tower import VisionTower, check_vision_inputs
 
 
 class Glm53ForConditionalGeneration(Glm53ForCausalLM):
@@ -50,13 +50,32 @@ class Glm53ForConditionalGeneration(Glm53ForCausalLM):
         super().gradient_checkpointing_disable()
         self.visual.gradient_checkpointing = False
 
-    def vision_features(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, kind: str) -> torch.Tensor:
-        """Merged features [G, D] of every image (kind "image") or video ("video"), in order."""
-        names = ("pixel_values", "image_grid_thw") if kind == "image" else ("pixel_values_videos", "video_grid_thw")
-        if grid_thw is None:
-            raise InputError(f"{names[0]} was given without {names[1]}")
+    def vision_features(self, pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None,
+                        pixel_values_videos: torch.Tensor | None = None,
+                        video_grid_thw: torch.Tensor | None = None) -> tuple[torch.Tensor | None, ...]:  # fmt: skip
+        """(image features, video features), merged rows [G, D] in order (None where absent): ONE tower call over
+        the images and the videos together (every rank of a sharded model then runs the tower exactly once)."""
+        parts = []
+        for kind, pixels, grid in (("image", pixel_values, image_grid_thw),
+                                   ("video", pixel_values_videos, video_grid_thw)):  # fmt: skip
+            names = ("pixel_values", "image_grid_thw") if kind == "image" else ("pixel_values_videos",
+                                                                                "video_grid_thw")  # fmt: skip
+            if pixels is None and grid is not None:
+                raise InputError(f"{names[1]} was given without its pixels ({names[0]})")
+            if pixels is not None:
+                if grid is None:
+                    raise InputError(f"{names[0]} was given without {names[1]}")
+                parts.append((kind, check_vision_inputs(pixels, grid, self.vision_config, *names), pixels))
+        if not parts:
+            return None, None
         weight = self.visual.patch_embed.proj.weight
-        return self.visual(pixel_values.to(weight.dtype), grid_thw, *names).pooler_output
+        pixels = torch.cat([p.to(weight.dtype) for _, _, p in parts])
+        grid = torch.cat([g.to(pixels.device) for _, g, _ in parts])
+        pooled = self.visual(pixels, grid).pooler_output
+        merge = self.vision_config.spatial_merge_size**2
+        sizes = [int(g.prod(-1).sum()) // merge for _, g, _ in parts]  # NOTE: syncs
+        features = dict(zip([kind for kind, _, _ in parts], pooled.split(sizes)))
+        return features.get("image"), features.get("video")
 
     def embed_multimodal(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
                          image_grid_thw: torch.Tensor | None = None, pixel_values_videos: torch.Tensor | None = None,
@@ -64,13 +83,10 @@ class Glm53ForConditionalGeneration(Glm53ForCausalLM):
         """The text model's input embeddings [B, T, D] with the vision features spliced in."""
         embeds = self.model.embed(input_ids, None)
         image_mask, video_mask = placeholder_masks(input_ids, self.token_ids)
-        for kind, mask, pixels, grid in (("image", image_mask, pixel_values, image_grid_thw),
-                                         ("video", video_mask, pixel_values_videos, video_grid_thw)):  # fmt: skip
-            if pixels is None and grid is not None:
-                raise InputError(f"{kind}_grid_thw was given without its pixels")
-            features = None if pixels is None else self.vision_features(pixels, grid, kind)
-            embeds = splice(embeds, mask, features, kind)
-        if pixel_values is None and pixel_values_videos is None and self.always_run_tower:
+        images, videos = self.vision_features(pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
+        embeds = splice(embeds, image_mask, images, "image")
+        embeds = splice(embeds, video_mask, videos, "video")
+        if images is None and videos is None and self.always_run_tower:
             embeds = embeds + 0.0 * self._dummy_features().sum()
         return embeds
 
@@ -113,4 +129,9 @@ class Glm53ForConditionalGeneration(Glm53ForCausalLM):
         return super().forward(None, attention_mask, labels, embeds, **kwargs)
 
 
-__all__ = ["Glm53ForConditionalGeneration"]
+def model_class_for(config: Glm53Config) -> type[Glm53ForCausalLM]:
+    """The class a config builds: the VL model when it declares a vision tower, else the text model."""
+    return Glm53ForConditionalGeneration if has_vision(config) else Glm53ForCausalLM
+
+
+__all__ = ["Glm53ForConditionalGeneration", "model_class_for"]

@@ -33,7 +33,8 @@ def splice(embeds: torch.Tensor, mask: torch.Tensor, features: torch.Tensor | No
     if count != given:
         source = "pixel_values" if kind == "image" else "pixel_values_videos"
         raise InputError(f"input_ids hold {count} {kind} placeholder tokens but {source} give {given} {kind} "
-                         f"feature rows (t*h*w / merge^2 summed over the {kind} grids): they must be equal")  # fmt: skip
+                         f"feature rows (t*h*w / merge^2 summed over the {kind} grids): they must be "
+                         f"equal")  # fmt: skip
     if features is None:
         return embeds
     return embeds.masked_scatter(mask[..., None], features.to(embeds.dtype))

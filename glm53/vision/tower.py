@@ -17,12 +17,12 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import InputError
+from ..model.norm import RMSNorm
 from .block import VisionBlock
 from .config import Glm53VisionConfig
 from .merger import Downsample, PatchMerger
 from .patch_embed import PatchEmbed
 from .rotary import axial_cos_sin, patch_positions
-from ..model.norm import RMSNorm
 
 
 @dataclass

@@ -109,7 +109,8 @@ def vl_batch(rows: list[list], merge: int = 2, seed: int = 0) -> dict:
             elif item[0] == "image":
                 _, h, w = item
                 images.append((1, h, w))
-                out += [T["image_start_token_id"], *[T["image_token_id"]] * (h * w // merge**2), T["image_end_token_id"]]
+                placeholders = [T["image_token_id"]] * (h * w // merge**2)
+                out += [T["image_start_token_id"], *placeholders, T["image_end_token_id"]]
             else:
                 _, t, h, w = item
                 videos.append((t, h, w))
