@@ -18,6 +18,8 @@ import os
 import torch
 
 from ..config import Glm53Config
+from ..vision.groups import FREEZE_GROUPS as VISION_GROUPS
+from ..vision.groups import VISION_MODULE, group_parameter_names
 from ..vision.image_processing import MAX_IMAGE_TOKENS, MIN_IMAGE_TOKENS, ImageProcessor
 from ..vision.video_processing import MAX_VIDEO_TOKENS, VideoProcessor
 from .args import positive_int
@@ -29,12 +31,9 @@ from .data.vl_records import _is_vl, read_vl_records
 from .data.vl_tokenize import IMAGE, IMAGE_END, IMAGE_START, VIDEO, VIDEO_END, VIDEO_START, VLEncoder
 from .finetune import file_digest
 
-# The parameter groups --freeze names (prefixes of the VL model's parameter names; VISION_NOTES "freeze groups").
-FREEZE_GROUPS = {
-    "vision_tower": ("visual.patch_embed.", "visual.blocks.", "visual.post_layernorm."),
-    "projector": ("visual.downsample.", "visual.merger."),
-    "language_model": ("model.", "lm_head."),
-}
+# The parameter groups --freeze names: the vision side's (glm53.vision.groups) and the language model (every
+# parameter outside the tower: embeddings, blocks, MTP, head).
+FREEZE_GROUPS = (*VISION_GROUPS, "language_model")
 DEFAULT_FREEZE = "vision_tower"  # what users expect of VL fine-tuning (xtuner's default); "none" trains everything
 TOKEN_FIELDS = {IMAGE: "image_token_id", VIDEO: "video_token_id", IMAGE_START: "image_start_token_id",
                 IMAGE_END: "image_end_token_id", VIDEO_START: "video_start_token_id",
@@ -105,13 +104,15 @@ def init_model(path: str, vl_record: str):
 def apply_freeze(model: torch.nn.Module, groups: tuple[str, ...] | None) -> dict[str, int]:
     """requires_grad False on every parameter of `groups` (None: the default); -> frozen parameter count per group."""
     groups = (DEFAULT_FREEZE,) if groups is None else groups
-    counts = {}
+    params, counts = dict(model.named_parameters()), {}
     for group in groups:
-        counts[group] = 0
-        for name, p in model.named_parameters():
-            if name.startswith(FREEZE_GROUPS[group]):
-                p.requires_grad_(False)
-                counts[group] += p.numel()
+        if group == "language_model":
+            names = [n for n in params if not n.startswith(f"{VISION_MODULE}.")]
+        else:
+            names = group_parameter_names(model, group)
+        for name in names:
+            params[name].requires_grad_(False)
+        counts[group] = sum(params[n].numel() for n in names)
     return counts
 
 
