@@ -20,6 +20,7 @@ from ..errors import Glm53Error
 from ..model.model import Glm53ForCausalLM
 from ..training import data as byte_codec
 from ..training.args import existing_dir, seed_int
+from . import vl_prompt
 from .loop import generate
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -72,6 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode through torch.compile'd graphs (decode_compiled.py; with --mtp the verify and draft "
                         "steps: verify_compiled.py, mtp_compiled.py; the first step compiles, which counts in the "
                         "decode time printed)")  # fmt: skip
+    vl_prompt.add_arguments(p)  # --image, --video, --video-fps: a vision-language --model
 
 
 class _Codec:
@@ -141,9 +143,19 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
-    model = Glm53ForCausalLM.from_pretrained(args.model).eval()
+    visual = bool(args.image or args.video)
+    if visual:
+        model = _vl_model(args)
+    else:
+        model = Glm53ForCausalLM.from_pretrained(args.model).eval()
     codec = _Codec(args.model, args.tokenizer)
-    ids = codec.encode(args.prompt)[None]
+    embeds = None
+    if visual:
+        with torch.no_grad():
+            ids, embeds = vl_prompt.vl_prompt(model, args.tokenizer or args.model, args.prompt, args.image, args.video,
+                                              args.video_fps)  # fmt: skip
+    else:
+        ids = codec.encode(args.prompt)[None]
     if ids.shape[1] == 0:
         raise SystemExit("error: --prompt encodes to no tokens")
     sample = args.temperature > 0 or args.top_p is not None or args.top_k is not None
@@ -156,6 +168,8 @@ def _run(args: argparse.Namespace) -> int:
                        generator=torch.Generator().manual_seed(args.seed))  # fmt: skip
     if args.compile is not None:
         options.update(compile=True if args.compile == "inductor" else args.compile)
+    if embeds is not None:
+        options.update(inputs_embeds=embeds)
     _, stats = generate(model, ids, None, **options)
     total = stats.prefill_seconds + stats.decode_seconds
     prefill_rate = ids.shape[1] / max(stats.prefill_seconds, 1e-9)
@@ -165,6 +179,22 @@ def _run(args: argparse.Namespace) -> int:
         print(f"[MTP acceptance rate {stats.acceptance_rate:.3f} ({stats.accepted}/{stats.drafted} drafts), "
               f"{stats.verify_forwards} verify forwards]")  # fmt: skip
     return 0
+
+
+def _vl_model(args: argparse.Namespace):
+    """The vision-language model of --model (--image / --video need one; --mtp with media is not supported)."""
+    from ..config import Glm53Config
+    from ..vision.config import has_vision
+    from ..vision.model import Glm53ForConditionalGeneration
+
+    if args.mtp is not None:
+        raise SystemExit("error: --mtp with --image/--video is not supported (the draft would need the spliced prompt)")
+    if args.tokenizer == "bytes":
+        raise SystemExit("error: --image/--video need the model's tokenizer (with the image tokens), not 'bytes'")
+    if not has_vision(Glm53Config.from_pretrained(args.model)):
+        raise SystemExit(f"error: --image/--video need a vision-language --model; {args.model} is text-only (its "
+                         f"config.json has no vision_config)")  # fmt: skip
+    return Glm53ForConditionalGeneration.from_pretrained(args.model).eval()
 
 
 __all__ = ["add_arguments", "run"]

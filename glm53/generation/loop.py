@@ -82,7 +82,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
              eos_token_id: int | list[int] | None = None, generator: torch.Generator | None = None, streamer=None,
              pad_token_id: int | None = None, speculative: str | None = None, num_speculative_tokens: int = 1,
              return_stats: bool = False, latent_dtype: torch.dtype | None = None,
-             compile: bool | str = False):  # fmt: skip
+             compile: bool | str = False, inputs_embeds: torch.Tensor | None = None):  # fmt: skip
     """Continue each row of a left-padded batch -> [B, T + new] (and GenerationStats with `return_stats`).
 
     model: a Glm53ForCausalLM. eos_token_id None uses model.config.eos_token_id. do_sample False picks the
@@ -95,6 +95,9 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     compile=True runs each decode step through torch.compile'd graphs (decode_compiled.py: the same results up to
     fp32 rounding, faster per token after a one-off compile of tens of seconds), with speculative="mtp" each verify
     and draft step (verify_compiled.py, mtp_compiled.py); a backend name picks the backend.
+    inputs_embeds [B, T, D] (plain decoding only): the prompt's embeddings for the prefill instead of embedding
+    `input_ids` (a VL model's, with the image features spliced in: Glm53ForConditionalGeneration.embed_multimodal);
+    `input_ids` still gives the prompt's tokens (output, checks) and the decode steps embed the new tokens.
     """
     check_call(model, input_ids, attention_mask, do_sample, temperature, top_k, top_p, pad_token_id, generator,
                streamer, return_stats)  # fmt: skip
@@ -103,13 +106,17 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
                          pad_token_id, generator)  # fmt: skip
     opts.latent_dtype = latent_dtype
     opts.step = step_function(compile) if speculative is None else None  # speculative: its verify step (compiled)
+    if inputs_embeds is not None and (speculative is not None or inputs_embeds.shape[:2] != input_ids.shape):
+        raise GenerationError(f"inputs_embeds must be [batch, prompt, width] matching input_ids "
+                              f"{tuple(input_ids.shape)} (got {tuple(inputs_embeds.shape)}) and needs plain decoding "
+                              f"(speculative=None)")  # fmt: skip
     stats = GenerationStats(prompt_tokens=input_ids.numel())
     emitter = Emitter(input_ids, opts, streamer)
     if speculative is not None:
         cache = speculative_decode(model, input_ids, valid, opts, emitter, stats, speculative, num_speculative_tokens,
                                    compile)  # fmt: skip
     elif max_new_tokens > 0:
-        cache = _decode(model, input_ids, valid, opts, emitter, stats)
+        cache = _decode(model, input_ids, valid, opts, emitter, stats, inputs_embeds)
     else:
         cache = None
     if cache is not None:
@@ -119,11 +126,12 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     return (out, stats) if return_stats else out
 
 
-def _decode(model, input_ids, valid, opts: Options, emitter: Emitter, stats: GenerationStats) -> GenerationCache:
+def _decode(model, input_ids, valid, opts: Options, emitter: Emitter, stats: GenerationStats,
+            embeds: torch.Tensor | None = None) -> GenerationCache:  # fmt: skip
     """Plain decoding: one prefill forward, then one decode step (decode.py) per new token."""
     cache = GenerationCache(model, latent_dtype=opts.latent_dtype)
     start = time.perf_counter()
-    hidden = model.model(input_ids, valid, cache=cache)[:, -1]  # [B, D]
+    hidden = model.model(None if embeds is not None else input_ids, valid, embeds, cache=cache)[:, -1]  # [B, D]
     cache.reserve(input_ids.shape[1] + opts.max_new_tokens)  # the latent buffers, once
     pick = lambda h: next_tokens(model.lm_head(h), opts.do_sample, opts.temperature, opts.top_k,  # noqa: E731
                                  opts.top_p, opts.generator)  # fmt: skip

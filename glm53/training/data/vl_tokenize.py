@@ -85,7 +85,7 @@ class VLEncoder:
 
     # -------------------------------------------------------------------------------------------- media
     def span(self, media: Media, where: str) -> MediaSpan:
-        """Decode one medium (checking it) and compute its grid."""
+        """Decode one medium (checking it) and compute its grid; errors name `where` (FILE:LINE) and the field."""
         try:
             if media.kind == "image":
                 pixels = load_image(media.path)
