@@ -123,6 +123,11 @@ class Trainer:
 
     def _build_model(self) -> Glm53ForCausalLM:
         args = self.args
+        if self.par is not None and self.vl_record is not None:
+            vl_finetune.check_vl_checkpoint(args.init or args.resume, self.vl_record)
+            model = init_parallel_model(args, self.mesh, PRESETS[args.preset], vl_finetune.vl_model_class())
+            vl_finetune.apply_freeze(model, args.freeze)
+            return model
         if self.par is not None:
             return init_parallel_model(args, self.mesh, PRESETS[args.preset])
         if self.vl_record is not None:

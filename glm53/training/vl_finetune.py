@@ -89,16 +89,29 @@ def check_args(args: argparse.Namespace, vl_record: str | None) -> None:
                 raise SystemExit(f"{flag} is for image/video data, but --data {args.data} has no image/video records")
 
 
-def init_model(path: str, vl_record: str):
-    """The VL model of checkpoint `path`; a text-only checkpoint is a SystemExit naming both."""
-    from ..vision.config import has_vision
+def vl_model_class() -> type:
     from ..vision.model import Glm53ForConditionalGeneration
 
+    return Glm53ForConditionalGeneration
+
+
+def check_vl_checkpoint(path: str | None, vl_record: str) -> None:
+    """VL data needs a checkpoint with a vision tower: a SystemExit naming both otherwise."""
+    from ..vision.config import has_vision
+
+    if path is None:
+        raise SystemExit(f"glm53 train: error: --data has image/video records (the first at {vl_record}): start from "
+                         f"a vision-language checkpoint with --init DIR")  # fmt: skip
     if not has_vision(Glm53Config.from_pretrained(path)):
         raise SystemExit(f"glm53 train: error: --data has image/video records (the first at {vl_record}) but {path} "
                          f"is a text-only checkpoint (its config.json has no vision_config); start from a "
                          f"vision-language checkpoint")  # fmt: skip
-    return Glm53ForConditionalGeneration.from_pretrained(path)
+
+
+def init_model(path: str, vl_record: str):
+    """The VL model of checkpoint `path` (one process); a text-only checkpoint is a SystemExit naming both."""
+    check_vl_checkpoint(path, vl_record)
+    return vl_model_class().from_pretrained(path)
 
 
 def apply_freeze(model: torch.nn.Module, groups: tuple[str, ...] | None) -> dict[str, int]:

@@ -49,14 +49,14 @@ def test_cached_generation_equals_full_forward(vl_dir, placeholders):
     assert row.count(t.video_start_token_id) == 1 and row.count(t.image_start_token_id) == 3  # 1 image + 2 slices
     # media first: the image leads; with placeholders the video comes first, after "Here "
     assert (row.index(t.video_start_token_id) < row.index(t.image_start_token_id)) == placeholders
-    out = generate(model, ids, None, max_new_tokens=6, inputs_embeds=embeds, eos_token_id=[])
+    out = generate(model, ids, None, max_new_tokens=4, inputs_embeds=embeds, eos_token_id=[])
     enc = VLEncoder(TextTokenizer(ckpt), *processors(model, argparse.Namespace(
         image_min_tokens=16, image_max_tokens=8000, video_max_tokens=240000)))  # fmt: skip
     spans = [enc.span(Media("image", image, "i"), "t"), enc.span(Media("video", clip, "v", 2.0), "t")]
     vision = dict(pixel_values=enc.pixels(spans[0]), image_grid_thw=torch.tensor([list(spans[0].grid)]),
                   pixel_values_videos=enc.pixels(spans[1]), video_grid_thw=torch.tensor([list(spans[1].grid)]))
     with torch.no_grad():
-        assert out[0, ids.shape[1] :].tolist() == _greedy_full(model, ids, vision, 6)
+        assert out[0, ids.shape[1] :].tolist() == _greedy_full(model, ids, vision, 4)
 
 
 def test_cli_streams_an_answer(vl_dir, capsys):
