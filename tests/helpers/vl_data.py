@@ -90,42 +90,23 @@ def hf_processor(tok, video_layouts=()):
     return Processor(image_processor=Glm5NextImageProcessorPil(), tokenizer=tok, video_processor=StandInVideos())
 
 
-def tiny_vl_model(tok, seed: int = 0):
-    """A random tiny Glm53ForConditionalGeneration (tests/helpers/vision.py's TOWER: patch 2, merge 2, so one
-    language-model token per 4 x 4 pixels) whose vocabulary and media token ids are `tok`'s."""
-    from glm53.training.vl_finetune import TOKEN_FIELDS
-    from glm53.vision import with_vision
-    from glm53.vision.model import Glm53ForConditionalGeneration
-    from tests.helpers.vision import TOWER, text_config
+def _example():
+    import importlib.util
 
-    vocab = -(-len(tok) // 64) * 64
-    ids = {name: tok.convert_tokens_to_ids(text) for text, name in TOKEN_FIELDS.items()}
-    config = with_vision(text_config(vocab_size=vocab, num_nextn_predict_layers=1, pad_token_id=0), TOWER, ids)
-    torch.manual_seed(seed)
-    return Glm53ForConditionalGeneration(config)
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "finetune_vl.py")
+    spec = importlib.util.spec_from_file_location("finetune_vl_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def tiny_vl_model(tok, seed: int = 0):
+    """examples/finetune_vl.py's tiny Glm53ForConditionalGeneration (patch 2, merge 2: one language-model token per
+    4 x 4 pixels) over `tok`'s vocabulary and media token ids."""
+    return _example().build_vl_model(tok, seed)
 
 
 def vl_corpus(root: str, n: int = 8, seed: int = 0) -> list[dict]:
-    """Tiny generated images (16..28 px: 16..49 tokens with TOWER) under `root`, and records about them in both
-    conventions, some with two images, one with a video of frames, two text-only; the answer names the colour."""
-    rng = np.random.default_rng(seed)
-    colours = {"red": (220, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 220)}
-    records = []
-    for k in range(n):
-        name = list(colours)[k % 3]
-        h, w = (int(v) for v in rng.integers(16, 29, 2))
-        pixels = np.clip(np.array(colours[name]) + rng.integers(-20, 21, (h, w, 3)), 0, 255).astype(np.uint8)
-        os.makedirs(root, exist_ok=True)
-        Image.fromarray(pixels).save(os.path.join(root, f"img{k}.png"))
-        if k % 2:
-            records.append({"messages": [{"role": "user", "content": "<image>What colour?"},
-                                         {"role": "assistant", "content": name}], "images": [f"img{k}.png"]})
-        else:
-            records.append({"messages": [{"role": "user", "content": [{"type": "image", "image": f"img{k}.png"},
-                                                                      {"type": "text", "text": "Colour?"}]},
-                                         {"role": "assistant", "content": [{"type": "text", "text": name}]}]})
-    write_frames(os.path.join(root, "clip"), 4, 16, 16, seed)
-    records.append({"messages": [{"role": "user", "content": "<video>Noise?"}, {"role": "assistant", "content": "yes"}],
-                    "videos": [{"path": "clip", "fps": 2}]})  # fmt: skip
-    records += [{"text": "the red one"}, {"prompt": "Say blue", "completion": "blue"}]
-    return records
+    """examples/finetune_vl.py's generated images (16..28 px) under `root` and records about them in both
+    conventions, one video record, two text-only records."""
+    return _example().write_media_and_records(root, n, "img", seed)
