@@ -99,7 +99,11 @@ def test_resize_within_two_levels_of_pillow(hw, size):
     ours = resize_video(frames.permute(0, 3, 1, 2), size).permute(0, 2, 3, 1)
     for i in range(2):
         ref = np.array(Image.fromarray(frames[i].numpy()).resize(size[::-1], resample=Image.BICUBIC))
-        assert (ours[i].int() - torch.from_numpy(ref).int()).abs().max() <= 2
+        diff = ours[i].int() - torch.from_numpy(ref).int()
+        assert diff.abs().max() <= 2
+        # Rounded, not truncated: Pillow's extra rounding error is symmetric in sign, so the mean difference stays
+        # near 0, while truncating would shift it by -0.5 level; half of that is the bound.
+        assert diff.float().mean().abs() < 0.25
 
 
 def test_resized_clip_grid_and_rows():
