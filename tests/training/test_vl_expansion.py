@@ -50,6 +50,9 @@ CONVERSATIONS = {
         {"role": "user", "content": [{"type": "text", "text": "Now "}, {"type": "video", "video": "clip", "fps": 6},
                                      {"type": "text", "text": " then "}, {"type": "image", "image": "a.png"}]},
         {"role": "assistant", "content": [{"type": "text", "text": "Both seen."}]}],
+    "image-in-answer": [{"role": "user", "content": "Show me one."},
+                        {"role": "assistant", "content": [{"type": "text", "text": "Here: "},
+                                                          {"type": "image", "image": "a.png"}]}],
 }  # fmt: skip
 
 
@@ -100,7 +103,8 @@ def test_ids_equal_glm5next_processor(name, media, tok_dir, tmp_path):
     media_ids = {tok.hf.convert_tokens_to_ids(t) for t in MEDIA_TOKENS}
     assert not any(t for i, t in zip(doc.ids, doc.targets) if i in media_ids)
     trained = tok.hf.decode([i for i, t in zip(doc.ids, doc.targets) if t])
-    answers = [p["text"] for m in CONVERSATIONS[name] if m["role"] == "assistant" for p in m["content"]]
+    answers = ["".join(p["text"] for p in m["content"] if p["type"] == "text")
+               for m in CONVERSATIONS[name] if m["role"] == "assistant"]  # fmt: skip
     assert trained == "".join(a + "<|endoftext|>\n" for a in answers)
 
 
