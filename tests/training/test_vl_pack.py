@@ -128,3 +128,14 @@ def test_dp_ranks_decode_only_their_rows(corpus, monkeypatch):
         make_batch(mine, enc)
         assert decoded == [s for _, sp in mine for s in sp if s.kind == "image"] + \
             [s for _, sp in mine for s in sp if s.kind == "video"]  # fmt: skip
+
+
+def test_fit_records_boundary(corpus):
+    """A record of exactly T tokens fits a row; one token more is skipped (text-only records are never skipped)."""
+    _, docs = corpus
+    doc = next(d for d in docs if d.media)
+    text = next(d for d in docs if not d.media)
+    n = len(doc.ids)
+    assert fit_records([doc, text], n, strict=False) == ([doc, text], [])
+    assert fit_records([doc, text], n - 1, strict=False) == ([text], [doc])
+    assert fit_records([text], 2, strict=True) == ([text], [])
