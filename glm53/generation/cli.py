@@ -18,6 +18,7 @@ import torch
 
 from ..errors import Glm53Error
 from ..model.model import Glm53ForCausalLM
+from ..peft import cli as peft_cli
 from ..training import data as byte_codec
 from ..training.args import existing_dir, seed_int
 from . import vl_prompt
@@ -58,6 +59,7 @@ def _tokenizer(text: str) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, type=existing_dir, help="an official-layout checkpoint directory")
+    peft_cli.add_generate_arguments(p)  # --adapter DIR
     p.add_argument("--tokenizer", default=None, type=_tokenizer, help="a transformers tokenizer directory or 'bytes' "
                    "(default: the model directory if it holds a tokenizer, else the built-in byte codec)")  # fmt: skip
     p.add_argument("--prompt", required=True)
@@ -147,7 +149,7 @@ def _run(args: argparse.Namespace) -> int:
     if visual:
         model = _vl_model(args)
     else:
-        model = Glm53ForCausalLM.from_pretrained(args.model).eval()
+        model = peft_cli.with_adapter(args, Glm53ForCausalLM.from_pretrained(args.model)).eval()
     codec = _Codec(args.model, args.tokenizer)
     embeds = None
     if visual:

@@ -36,6 +36,14 @@ from .boundary import LocalShard, set_boundary_rule
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")  # [E, 2I, D], [E, D, I]
 
+
+def expert_param_names(module: nn.Module) -> list[str]:
+    """The fused expert parameters of `module` and their LoRA factors when glm53.peft added them
+    (`<param>_lora_A` [E, r, in], `<param>_lora_B` [E, out, r]): all shard with their experts on dim 0."""
+    names = list(EXPERT_PARAMS)
+    names += [f"{p}_lora_{x}" for p in EXPERT_PARAMS for x in "AB" if f"{p}_lora_{x}" in module._parameters]
+    return names
+
 # Experts module -> its dispatcher; weak keys: dispatch dies with the model.
 _DISPATCH: "weakref.WeakKeyDictionary[nn.Module, ExpertParallelDispatch]" = weakref.WeakKeyDictionary()
 
@@ -66,7 +74,7 @@ class ExpertParallelDispatch:
         self.ep = ep_mesh.size()
 
     def __call__(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                 down: torch.Tensor, limit: float) -> torch.Tensor:  # fmt: skip
+                 down: torch.Tensor, limit: float, lora=None) -> torch.Tensor:  # fmt: skip
         N, k = indices.shape
         El = gate_up.shape[0]
         expert_of = indices.flatten()  # [N*k]
@@ -80,8 +88,12 @@ class ExpertParallelDispatch:
         # Rows from each source arrive sorted by local expert: label each with its local expert.
         local_expert = torch.arange(El, device=x.device).repeat(self.ep).repeat_interleave(arriving_E)  # [M]
         scale = 1.0 / self.ep
+        # LoRA terms (glm53.peft) shard with their experts: their factors are this rank's experts' too
+        local_lora = {} if lora is None else {"lora": tuple(None if lr is None else lr._replace(
+            A=_ScaleGrad.apply(lr.A, scale), B=_ScaleGrad.apply(lr.B, scale)) for lr in lora)}  # fmt: skip
         y = kernel("moe_experts")(rows, local_expert[:, None], rows.new_ones(rows.shape[0], 1, dtype=weights.dtype),
-                                  _ScaleGrad.apply(gate_up, scale), _ScaleGrad.apply(down, scale), limit)  # fmt: skip
+                                  _ScaleGrad.apply(gate_up, scale), _ScaleGrad.apply(down, scale), limit,
+                                  **local_lora)  # fmt: skip
         back = all_to_all_single_autograd(y, send, receive, self.group)  # [N*k, D] in `order`
         contrib = back * weights.flatten()[order, None]
         return torch.zeros_like(x).index_add(0, token, contrib.to(x.dtype))
@@ -113,7 +125,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
     `ExpertParallelDispatch` (installed as glm53.boundary's expert dispatcher)."""
     check_ep_size(model, ep_mesh.size())
     for module in expert_modules(model):
-        for name in EXPERT_PARAMS:
+        for name in expert_param_names(module):
             param = getattr(module, name)
             shard = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
             module.register_parameter(name, nn.Parameter(shard, requires_grad=param.requires_grad))
@@ -173,4 +185,5 @@ def install() -> None:
 
 
 __all__ = ["ExpertParallelDispatch", "apply_expert_parallel", "check_ep_size", "expert_shard_placement",
+           "expert_param_names",
            "flat_data_mesh", "clip_grad_norm_", "expert_modules"]  # fmt: skip

@@ -31,7 +31,7 @@ from ..model.model import Glm53ForCausalLM
 from ..model.mtp import MTPLayer
 from ..precision import keeps_fp32
 from .boundary import name_modules
-from .expert import EXPERT_PARAMS, apply_expert_parallel, expert_modules, expert_shard_placement, flat_data_mesh
+from .expert import apply_expert_parallel, expert_modules, expert_param_names, expert_shard_placement, flat_data_mesh
 from .plan import ReplicateModule, ReplicateParams, check_tp_size, tp_plan
 from .pool_mass import sum_selected_pool_mass
 
@@ -147,7 +147,7 @@ def apply_fsdp(model: Glm53ForCausalLM, dp_mesh: DeviceMesh, mp_policy: MixedPre
 
 
 def _expert_params(model: nn.Module) -> list[nn.Parameter]:
-    return [m.get_parameter(n) for m in expert_modules(model) for n in EXPERT_PARAMS]
+    return [m.get_parameter(n) for m in expert_modules(model) for n in expert_param_names(m)]
 
 
 def _expert_placement_fn(model: nn.Module, dp_size: int):
@@ -341,6 +341,9 @@ dummy image on a batch without one: `always_run_tower`), so FSDP's collectives m
     _check_options(mesh, (dp_dim, tp_dim, ep_dim, cp_dim), has_dp, has_tp, compile, activation_checkpointing, mp_policy)
     has_ep = ep_dim in mesh.mesh_dim_names
     has_cp = cp_dim in mesh.mesh_dim_names
+    if has_tp and any("lora_" in n for n, _ in model.named_parameters()):
+        raise ValueError("LoRA adapters (glm53.peft) under tensor parallelism are not supported yet: train them on "
+                         "dp / dp x ep meshes")  # fmt: skip
     if has_tp:
         apply_tensor_parallel(model, mesh[tp_dim])
     if has_ep:

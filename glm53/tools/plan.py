@@ -32,6 +32,7 @@ import torch
 from ..config import Glm53Config
 from ..parallel import parallelize
 from ..parallel.memory import fake_world, largest_gather, layout_mesh, local_numel
+from ..peft import plan as peft_plan
 from ..precision import keeps_fp32
 from ..training.args import positive_float, positive_int
 from ..vision.model import model_class_for
@@ -53,6 +54,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="parameter / gradient / compute dtype")
     p.add_argument("--device-gib", type=positive_float, default=80.0, help="device memory to compare with (GiB)")
+    peft_plan.add_plan_arguments(p)  # --lora-rank, --lora-targets, --base-dtype, --freeze
     return p.parse_args(argv)
 
 
@@ -141,27 +143,35 @@ def moe_comm_bytes(c: Glm53Config, dp: int, ep: int, tokens: int, dtype_bytes: i
 
 
 # ------------------------------------------------------------------------------------------------------ plan
-def measure(c: Glm53Config, dp: int, ep: int, tp: int, dtype: torch.dtype, cp: int = 1) -> dict:
-    """Rank 0's parameter elements per dtype and the largest all-gather, from the real parallelize."""
+def measure(c: Glm53Config, dp: int, ep: int, tp: int, dtype: torch.dtype, cp: int = 1, peft=None) -> dict:
+    """Rank 0's parameter elements per dtype and the largest all-gather, from the real parallelize. `peft`: the
+    parsed args with glm53.peft's flags (LoRA adapters, FP8 base, frozen groups: glm53/peft/plan.py)."""
     size = torch.tensor([], dtype=dtype).element_size()
     bytes_of = lambda fqn, numel: numel * (4 if keeps_fp32(fqn) else size)  # noqa: E731
     with fake_world(dp * cp * ep * tp):
         mesh = layout_mesh(dp, ep, tp, cp=cp)
         with torch.device("meta"):
             model = model_class_for(c)(c)  # a config declaring a vision tower counts the tower's parameters
+        if peft is not None and peft_plan.enabled(peft):
+            peft_plan.prepare(peft, model, dtype)
+            bytes_of = peft_plan.bytes_of_dtype(model, size)
         parallelize(model, mesh)
         params = sum(bytes_of(n, local_numel(p)) for n, p in model.named_parameters())
         expert = sum(bytes_of(n, local_numel(p)) for n, p in model.named_parameters() if ".experts." in n)
         gather = largest_gather(model, bytes_of)
         total = sum(p.numel() for p in model.parameters())
-    return dict(params=params, expert=expert, gather=gather, total_params=total)
+        extra = {}
+        if peft is not None and peft_plan.enabled(peft):
+            extra = dict(peft_rows=peft_plan.rows(peft, model, size, gather.bytes),
+                         adapter_acts=peft_plan.adapter_activations(peft, model, size, 1))  # fmt: skip
+    return dict(params=params, expert=expert, gather=gather, total_params=total, **extra)
 
 
 def plan(args: argparse.Namespace, config: Glm53Config | None = None) -> dict:
     c = config or Glm53Config()
     dtype = DTYPES[args.dtype]
     size = torch.tensor([], dtype=dtype).element_size()
-    m = measure(c, args.dp, args.ep, args.tp, dtype, args.cp)
+    m = measure(c, args.dp, args.ep, args.tp, dtype, args.cp, peft=args)
     tokens = args.batch * -(-args.seq_len // args.cp)  # this rank's tokens
     gathered = args.batch * gathered_elements(c, args.seq_len) * size if args.cp > 1 else 0
     per_kind = {kind: activation_elements(c, kind, args.tp, args.ep, args.seq_len, size) * size * tokens
@@ -174,6 +184,10 @@ def plan(args: argparse.Namespace, config: Glm53Config | None = None) -> dict:
         acts = sum(per_kind[k] * n for k, n in counts.items())
     rows = dict(params=m["params"], grads=m["params"], adamw=2 * m["params"], transient=2 * m["gather"].bytes,
                 activations=acts + head)  # fmt: skip
+    if "peft_rows" in m:  # LoRA / frozen / FP8 base: glm53/peft/plan.py
+        adapter = m["adapter_acts"] * tokens
+        rows.update(m["peft_rows"], activations=acts + head + (adapter if not args.activation_checkpointing else
+                                                               adapter // max(1, sum(counts.values()))))  # fmt: skip
     comm = moe_comm_bytes(c, args.dp, args.ep, tokens, size)
     return dict(rows=rows, total=sum(rows.values()), per_kind=per_kind, counts=counts, measured=m, head=head,
                 comm=comm, tokens=tokens)  # fmt: skip
@@ -183,7 +197,7 @@ def report(args: argparse.Namespace, result: dict, seconds: float) -> str:
     m, rows = result["measured"], result["rows"]
     world = args.dp * args.cp * args.ep * args.tp
     lines = [f"layout dp {args.dp} x cp {args.cp} x ep {args.ep} x tp {args.tp} = {world} ranks; "
-             f"{m['total_params'] / 1e9:.1f}B parameters; {args.dtype}; batch {args.batch} x seq {args.seq_len} per "
+             f"{m['total_params'] / 1e9:.1f}B parameters; {args.dtype}{_peft_label(args)}; batch {args.batch} x seq {args.seq_len} per "
              f"data rank ({result['tokens']} tokens per rank); activation checkpointing "
              f"{'on' if args.activation_checkpointing else 'off'}", "",
              "per rank (rank 0's local shards)      GiB"]  # fmt: skip
@@ -201,6 +215,14 @@ def report(args: argparse.Namespace, result: dict, seconds: float) -> str:
     lines.append(f"total {result['total'] / GIB:.2f} GiB vs device {args.device_gib:g} GiB: {fits}  "
                  f"({seconds:.1f} s)")  # fmt: skip
     return "\n".join(lines)
+
+
+def _peft_label(args: argparse.Namespace) -> str:
+    if not peft_plan.enabled(args):
+        return ""
+    lora = f" LoRA r{args.lora_rank} on {' '.join(args.lora_targets or ['default targets'])}" if args.lora_rank else ""
+    frozen = f", frozen {' '.join(args.freeze)}" if args.freeze else ""
+    return f";{lora}{frozen}, {args.base_dtype or 'bf16'} base"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,6 +30,7 @@ from ..model.model import Glm53ForCausalLM
 from ..parallel import clip_grad_norm_ as parallel_clip_grad_norm_
 from ..parallel import loss_parallel_context, parallelize
 from ..parallel.run_checkpoint import device_type, has_run_state
+from ..peft import cli as peft_cli
 from ..utils import ceil_div
 from .data import VOCAB_SIZE, batches, corpus_text, encode
 from .data.documents import DataError
@@ -112,6 +113,8 @@ class Trainer:
         args = self.args
         if not args.resume:
             return None
+        if (lora := peft_cli.resume_state(args)) is not None:  # a LoRA run: adapter + trainer state
+            return lora
         if has_run_state(args.resume):
             return {"dcp": args.resume}  # a torchrun run, any layout (one process too): state.resume_distributed
         state = load_trainer_state(args.resume)
@@ -133,6 +136,8 @@ class Trainer:
         if self.vl_record is not None:
             model = vl_finetune.init_model(args.init or args.resume, self.vl_record)
             vl_finetune.apply_freeze(model, args.freeze)
+        elif (lora := peft_cli.build_model(args, PRESETS[args.preset])) is not None:  # LoRA / frozen / FP8 base
+            model = lora
         elif args.resume and has_run_state(args.resume):  # a torchrun run: DCP fills the weights in _resume
             model = Glm53ForCausalLM(Glm53Config.from_pretrained(args.resume))
         elif args.resume:
@@ -269,7 +274,8 @@ class Trainer:
         state = trainer_state(step, self.optimizer, self.generator, self.par, tuple(_layout(self.args)), data)
         if self.par is not None:
             state["dp_rank"] = self.dp_rank
-        save_run(self.model, path, state, self.par, export=not self.args.no_export)
+        if not peft_cli.save_run(self.model, path, state):  # a LoRA run saves its adapter, not the base
+            save_run(self.model, path, state, self.par, export=not self.args.no_export)
         if self.data is not None and self.rank == 0:
             self.data.tokenizer.save(path)  # a resumed or downstream run finds the tokenizer beside the weights
 
@@ -304,6 +310,7 @@ class Trainer:
                 print(f"saved {args.save} ({what})", flush=True)
         if self.data is not None and self.log_rank:
             print(self.data.summary(), flush=True)
+        peft_cli.export_merged(args, self.model)  # --export-merged DIR
         return 0
 
 

@@ -18,8 +18,6 @@ import os
 import torch
 
 from ..config import Glm53Config
-from ..vision.groups import FREEZE_GROUPS as VISION_GROUPS
-from ..vision.groups import VISION_MODULE, group_parameter_names
 from ..vision.image_processing import MAX_IMAGE_TOKENS, MIN_IMAGE_TOKENS, ImageProcessor
 from ..vision.video_processing import MAX_VIDEO_TOKENS, VideoProcessor
 from .args import positive_int
@@ -31,33 +29,15 @@ from .data.vl_records import _is_vl, read_vl_records
 from .data.vl_tokenize import IMAGE, IMAGE_END, IMAGE_START, VIDEO, VIDEO_END, VIDEO_START, VLEncoder
 from .finetune import file_digest
 
-# The parameter groups --freeze names: the vision side's (glm53.vision.groups) and the language model (every
-# parameter outside the tower: embeddings, blocks, MTP, head).
-FREEZE_GROUPS = (*VISION_GROUPS, "language_model")
-DEFAULT_FREEZE = "vision_tower"  # what users expect of VL fine-tuning (xtuner's default); "none" trains everything
+DEFAULT_FREEZE = "vision_tower"  # what users expect of VL fine-tuning (xtuner's default) when --freeze is not given
 TOKEN_FIELDS = {IMAGE: "image_token_id", VIDEO: "video_token_id", IMAGE_START: "image_start_token_id",
                 IMAGE_END: "image_end_token_id", VIDEO_START: "video_start_token_id",
                 VIDEO_END: "video_end_token_id"}  # fmt: skip
 
 
-def freeze_groups(text: str) -> tuple[str, ...]:
-    """An argparse type: comma-separated FREEZE_GROUPS names, or "none"."""
-    names = tuple(n.strip() for n in text.split(",") if n.strip())
-    if names == ("none",):
-        return ()
-    unknown = [n for n in names if n not in FREEZE_GROUPS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown group {unknown[0] if unknown else text!r}; use a comma-separated "
-                                         f"list of {', '.join(FREEZE_GROUPS)}, or none")  # fmt: skip
-    return names
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--media-root", metavar="DIR", help="image/video paths of --data are resolved under DIR and must "
                    "stay inside it (default: the --data file's directory)")  # fmt: skip
-    p.add_argument("--freeze", type=freeze_groups, default=None, metavar="GROUPS",
-                   help=f"VL runs: parameter groups not trained ({', '.join(FREEZE_GROUPS)}, or none; default "
-                        f"{DEFAULT_FREEZE})")  # fmt: skip
     p.add_argument("--strict", action="store_true",
                    help="VL runs: an image/video record longer than --seq-len is an error (default: skipped, counted)")
     p.add_argument("--image-min-tokens", type=positive_int, default=MIN_IMAGE_TOKENS, metavar="N")
@@ -82,11 +62,12 @@ def first_vl_record(path: str | None) -> str | None:
 
 
 def check_args(args: argparse.Namespace, vl_record: str | None) -> None:
-    """VL flags without VL data are a usage error (before any work)."""
+    """VL flags without VL data are a usage error (before any work); LoRA flags with VL data are not supported."""
     if vl_record is None:
-        for flag, value in (("--media-root", args.media_root), ("--freeze", args.freeze)):
-            if value is not None:
-                raise SystemExit(f"{flag} is for image/video data, but --data {args.data} has no image/video records")
+        if args.media_root is not None:
+            raise SystemExit(f"--media-root is for image/video data, but --data {args.data} has no image/video records")
+        return
+    check_no_lora(args)
 
 
 def vl_model_class() -> type:
@@ -114,19 +95,20 @@ def init_model(path: str, vl_record: str):
     return vl_model_class().from_pretrained(path)
 
 
-def apply_freeze(model: torch.nn.Module, groups: tuple[str, ...] | None) -> dict[str, int]:
-    """requires_grad False on every parameter of `groups` (None: the default); -> frozen parameter count per group."""
-    groups = (DEFAULT_FREEZE,) if groups is None else groups
-    params, counts = dict(model.named_parameters()), {}
-    for group in groups:
-        if group == "language_model":
-            names = [n for n in params if not n.startswith(f"{VISION_MODULE}.")]
-        else:
-            names = group_parameter_names(model, group)
-        for name in names:
-            params[name].requires_grad_(False)
-        counts[group] = sum(params[n].numel() for n in names)
-    return counts
+def apply_freeze(model: torch.nn.Module, groups: list[str] | None) -> list[str]:
+    """requires_grad False on every parameter of `groups` (glm53.peft's --freeze groups, vision_tower and projector
+    among them, or module-name patterns; None: the VL default, the vision tower) -> the frozen names."""
+    from ..peft import freeze
+
+    return freeze(model, [DEFAULT_FREEZE] if groups is None else groups)
+
+
+def check_no_lora(args: argparse.Namespace) -> None:
+    """LoRA and frozen-base options on the VL model are not wired yet: an error, never a text-only run."""
+    for flag in ("lora_rank", "base_dtype", "export_merged"):
+        if getattr(args, flag, None) is not None:
+            raise SystemExit(f"glm53 train: error: --{flag.replace('_', '-')} with image/video --data is not supported "
+                             f"yet (LoRA on Glm53ForConditionalGeneration); fine-tune with --freeze groups instead")
 
 
 def model_inputs(model, batch: Batch) -> dict[str, torch.Tensor]:
@@ -253,5 +235,5 @@ def heldout_loss(model, path: str, tokenizer_dir: str, seq_len: int, media_root:
     return float(total), sum(b.media_tokens() for b in batches)
 
 
-__all__ = ["DEFAULT_FREEZE", "FREEZE_GROUPS", "VLFileData", "add_arguments", "apply_freeze", "check_args",
-           "first_vl_record", "freeze_groups", "heldout_loss", "init_model", "model_inputs"]  # fmt: skip
+__all__ = ["DEFAULT_FREEZE", "VLFileData", "add_arguments", "apply_freeze", "check_args", "first_vl_record",
+           "heldout_loss", "init_model", "model_inputs"]  # fmt: skip
