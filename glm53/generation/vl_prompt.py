@@ -19,7 +19,12 @@ from ..errors import InputError
 from ..training.data.documents import DataError
 from ..training.data.tokenize import TextTokenizer
 from ..training.data.vl_pack import make_batch
-from ..training.data.vl_records import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Media, _split_placeholders
+from ..training.data.vl_records import (
+    IMAGE_PLACEHOLDER,
+    VIDEO_PLACEHOLDER,
+    Media,
+    _split_placeholders,
+)
 from ..training.data.vl_tokenize import VLEncoder
 
 

@@ -26,7 +26,15 @@ from .data.pack import Batch
 from .data.tokenize import TextTokenizer
 from .data.vl_pack import VLBatch, VLPacker, fit_records, make_batch
 from .data.vl_records import _is_vl, read_vl_records
-from .data.vl_tokenize import IMAGE, IMAGE_END, IMAGE_START, VIDEO, VIDEO_END, VIDEO_START, VLEncoder
+from .data.vl_tokenize import (
+    IMAGE,
+    IMAGE_END,
+    IMAGE_START,
+    VIDEO,
+    VIDEO_END,
+    VIDEO_START,
+    VLEncoder,
+)
 from .finetune import file_digest
 
 DEFAULT_FREEZE = "vision_tower"  # what users expect of VL fine-tuning (xtuner's default) when --freeze is not given

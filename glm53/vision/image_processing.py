@@ -186,5 +186,16 @@ class ImageProcessor:
         return {"pixel_values": torch.cat(rows), "image_grid_thw": torch.tensor(grids, dtype=torch.long)}
 
 
-__all__ = ["BudgetError", "CLIP_MEAN", "CLIP_STD", "ImageProcessor", "MAX_IMAGE_TOKENS", "MIN_IMAGE_TOKENS",
-           "canvas_size", "content_size", "normalize", "patchify", "resize_bicubic"]  # fmt: skip
+__all__ = [
+    "CLIP_MEAN",
+    "CLIP_STD",
+    "MAX_IMAGE_TOKENS",
+    "MIN_IMAGE_TOKENS",
+    "BudgetError",
+    "ImageProcessor",
+    "canvas_size",
+    "content_size",
+    "normalize",
+    "patchify",
+    "resize_bicubic",
+]  # fmt: skip

@@ -110,5 +110,13 @@ def load_video(path: str) -> tuple[list[torch.Tensor], float]:
     return frames, float(rate)
 
 
-__all__ = ["MediaError", "VL_EXTRA", "as_rgb", "load_image", "load_video", "pil_to_rgb", "require_av",
-           "require_pillow"]  # fmt: skip
+__all__ = [
+    "VL_EXTRA",
+    "MediaError",
+    "as_rgb",
+    "load_image",
+    "load_video",
+    "pil_to_rgb",
+    "require_av",
+    "require_pillow",
+]  # fmt: skip

@@ -30,8 +30,18 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import InputError
-from .image_processing import (CLIP_MEAN, CLIP_STD, MERGE_SIZE, MIN_IMAGE_TOKENS, PATCH_SIZE, RESCALE,
-                               TEMPORAL_PATCH_SIZE, canvas_size, content_size, patchify)
+from .image_processing import (
+    CLIP_MEAN,
+    CLIP_STD,
+    MERGE_SIZE,
+    MIN_IMAGE_TOKENS,
+    PATCH_SIZE,
+    RESCALE,
+    TEMPORAL_PATCH_SIZE,
+    canvas_size,
+    content_size,
+    patchify,
+)
 from .media import MediaError, as_rgb, load_image, require_av
 
 MAX_VIDEO_TOKENS = 240000  # transformers' Glm5NextVideoProcessor.max_image_tokens (the whole clip)
@@ -281,5 +291,12 @@ def _stack(frames: list[torch.Tensor], what: str) -> torch.Tensor:
     return torch.stack(frames)
 
 
-__all__ = ["Clip", "MAX_VIDEO_TOKENS", "VideoProcessor", "frame_files", "normalize_fused", "resize_video",
-           "sample_frames"]  # fmt: skip
+__all__ = [
+    "MAX_VIDEO_TOKENS",
+    "Clip",
+    "VideoProcessor",
+    "frame_files",
+    "normalize_fused",
+    "resize_video",
+    "sample_frames",
+]  # fmt: skip

@@ -70,7 +70,9 @@ def hf_processor(tok, video_layouts=()):
     """Glm5NextProcessor with the PIL image processor; `video_layouts`: per video (grid, every sampled frame's
     timestamp), what its video processor would return."""
     from transformers.feature_extraction_utils import BatchFeature
-    from transformers.models.glm5_next.image_processing_pil_glm5_next import Glm5NextImageProcessorPil
+    from transformers.models.glm5_next.image_processing_pil_glm5_next import (
+        Glm5NextImageProcessorPil,
+    )
     from transformers.models.glm5_next.processing_glm5_next import Glm5NextProcessor
     from transformers.video_utils import VideoMetadata
 

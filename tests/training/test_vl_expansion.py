@@ -15,9 +15,21 @@ from PIL import Image
 from glm53.training.data.documents import DataError
 from glm53.training.data.tokenize import TextTokenizer
 from glm53.training.data.vl_records import read_vl_records
-from glm53.training.data.vl_tokenize import IMAGE_MARKER, MEDIA_TOKENS, VIDEO_MARKER, VLEncoder
+from glm53.training.data.vl_tokenize import (
+    IMAGE_MARKER,
+    MEDIA_TOKENS,
+    VIDEO_MARKER,
+    VLEncoder,
+)
 from glm53.vision.video_processing import VideoProcessor
-from tests.helpers.vl_data import hf_processor, save_tokenizer, vl_tokenizer, write_frames, write_image, write_jsonl
+from tests.helpers.vl_data import (
+    hf_processor,
+    save_tokenizer,
+    vl_tokenizer,
+    write_frames,
+    write_image,
+    write_jsonl,
+)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,13 @@ from glm53.training.data.tokenize import TextTokenizer
 from glm53.training.data.vl_pack import VLPacker, fit_records, make_batch
 from glm53.training.data.vl_records import read_vl_records
 from glm53.training.data.vl_tokenize import VLEncoder
-from tests.helpers.vl_data import save_tokenizer, vl_tokenizer, write_frames, write_image, write_jsonl
+from tests.helpers.vl_data import (
+    save_tokenizer,
+    vl_tokenizer,
+    write_frames,
+    write_image,
+    write_jsonl,
+)
 
 SIZES = [(56, 56), (56, 84), (84, 56), (112, 56), (56, 112), (84, 84)]  # distinct grids identify the images
 

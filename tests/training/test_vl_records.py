@@ -12,7 +12,13 @@ from glm53.training.data.tokenize import TextTokenizer
 from glm53.training.data.vl_records import VLDocument, read_vl_records
 from glm53.training.data.vl_tokenize import VLEncoder
 from glm53.vision.image_processing import ImageProcessor
-from tests.helpers.vl_data import save_tokenizer, vl_tokenizer, write_frames, write_image, write_jsonl
+from tests.helpers.vl_data import (
+    save_tokenizer,
+    vl_tokenizer,
+    write_frames,
+    write_image,
+    write_jsonl,
+)
 
 
 @pytest.fixture

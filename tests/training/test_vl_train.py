@@ -11,7 +11,13 @@ import torch
 
 from glm53.training.data.vl_pack import make_batch
 from glm53.training.vl_finetune import VLFileData, apply_freeze, model_inputs
-from tests.helpers.vl_data import save_tokenizer, tiny_vl_model, vl_corpus, vl_tokenizer, write_jsonl
+from tests.helpers.vl_data import (
+    save_tokenizer,
+    tiny_vl_model,
+    vl_corpus,
+    vl_tokenizer,
+    write_jsonl,
+)
 
 
 def _args(data: str, root: str, **overrides) -> argparse.Namespace:

@@ -12,10 +12,10 @@ import pytest
 import torch
 from PIL import Image
 
+from glm53.errors import InputError
 from glm53.vision import ImageProcessor
 from glm53.vision.image_processing import CLIP_STD, BudgetError, canvas_size, patchify
 from glm53.vision.media import MediaError
-from glm53.errors import InputError
 
 # Tolerance where a resize happens. Pillow resizes 8-bit images in two passes with weights in 22-bit fixed point,
 # rounding and clamping to uint8 after each; ours runs the same bicubic passes (a = -0.5) in fp32, width then height,
@@ -32,7 +32,9 @@ RESIZE_ATOL = 2 / 255 / min(CLIP_STD) + 1e-6
 
 
 def _oracle(**kwargs):
-    from transformers.models.glm5_next.image_processing_pil_glm5_next import Glm5NextImageProcessorPil
+    from transformers.models.glm5_next.image_processing_pil_glm5_next import (
+        Glm5NextImageProcessorPil,
+    )
 
     return Glm5NextImageProcessorPil(**kwargs)
 

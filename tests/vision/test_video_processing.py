@@ -15,9 +15,15 @@ import torch
 from PIL import Image
 
 from glm53.errors import InputError
-from glm53.vision.image_processing import CLIP_STD, normalize
+from glm53.vision.image_processing import normalize
 from glm53.vision.media import MediaError
-from glm53.vision.video_processing import VideoProcessor, frame_files, normalize_fused, resize_video, sample_frames
+from glm53.vision.video_processing import (
+    VideoProcessor,
+    frame_files,
+    normalize_fused,
+    resize_video,
+    sample_frames,
+)
 from tests.helpers.video_oracle import video_oracle
 
 LOW, HIGH = 32, 224  # frame values: no clamping in any bicubic pass (tests/vision/test_image_processing.py)

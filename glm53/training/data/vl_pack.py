@@ -42,7 +42,7 @@ class VLBatch(Batch):
         """Placeholder tokens of the batch's images and video frames (h·w/4 per image or video slice)."""
         return sum(s.grid[0] * s.grid[1] * s.grid[2] // 4 for row in self.spans for s in row)
 
-    def rows(self, index: slice) -> "VLBatch":
+    def rows(self, index: slice) -> VLBatch:
         raise TypeError("VLBatch rows are chosen before the pixels are decoded: use VLPacker.rows")
 
 

@@ -220,5 +220,12 @@ def resolve_media(value: object, root: str, where: str, name: str) -> str:
     return real
 
 
-__all__ = ["IMAGE_PLACEHOLDER", "Media", "VIDEO_PLACEHOLDER", "VLDocument", "read_vl_records", "resolve_media",
-           "vl_document"]  # fmt: skip
+__all__ = [
+    "IMAGE_PLACEHOLDER",
+    "VIDEO_PLACEHOLDER",
+    "Media",
+    "VLDocument",
+    "read_vl_records",
+    "resolve_media",
+    "vl_document",
+]  # fmt: skip

@@ -171,5 +171,12 @@ class VLEncoder:
                             f"go in 'images'/'videos' lists or content parts")  # fmt: skip
 
 
-__all__ = ["IMAGE_MARKER", "MEDIA_TOKENS", "MediaSpan", "VIDEO_MARKER", "VLEncoder", "VLTokenDoc",
-           "media_token_ids"]  # fmt: skip
+__all__ = [
+    "IMAGE_MARKER",
+    "MEDIA_TOKENS",
+    "VIDEO_MARKER",
+    "MediaSpan",
+    "VLEncoder",
+    "VLTokenDoc",
+    "media_token_ids",
+]  # fmt: skip
