@@ -4,7 +4,8 @@
         --dtype bf16 --device-gib 141
     python -m glm53.tools.plan --dp 4 --cp 16 --seq-len 131072 --activation-checkpointing --device-gib 141
 
-Legend: W = dp x ep x tp ranks, D model width, N mHC streams, H heads, K/F head widths, R q_lora_rank, C
+Any combination of --dp, --cp, --ep and --tp (the mesh of glm53/parallel/mesh.py).
+Legend: W = dp x cp x ep x tp ranks, D model width, N mHC streams, H heads, K/F head widths, R q_lora_rank, C
 kv_lora_rank, E experts, k experts per token, I expert width, V vocabulary, J selected key slots, P k-pools.
 The model is built on the meta device and the real `glm53.parallel.parallelize` is applied on a fake process
 group of W ranks (glm53/parallel/memory.py), so the parameter, gradient and AdamW bytes are rank 0's actual local
@@ -36,6 +37,7 @@ from ..peft import plan as peft_plan
 from ..precision import keeps_fp32
 from ..training.args import positive_float, positive_int
 from ..vision.model import model_class_for
+from .comm_model import kda_layer_bytes, mla_layer_bytes, moe_layer_bytes
 
 GIB = 1024**3
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -189,8 +191,13 @@ def plan(args: argparse.Namespace, config: Glm53Config | None = None) -> dict:
         rows.update(m["peft_rows"], activations=acts + head + (adapter if not args.activation_checkpointing else
                                                                adapter // max(1, sum(counts.values()))))  # fmt: skip
     comm = moe_comm_bytes(c, args.dp, args.ep, tokens, size)
+    layout = dict(tp=args.tp, cp=args.cp)
+    layers = {"moe": moe_layer_bytes(c, args.dp, args.ep, tokens, size, **layout),
+              "mla": mla_layer_bytes(c, args.dp, args.ep, args.batch, args.seq_len, size, **layout,
+                                     indexer_kl=c.indexer_loss_weight > 0),
+              "kda": kda_layer_bytes(c, args.dp, args.ep, args.batch, args.seq_len, size, **layout)}  # fmt: skip
     return dict(rows=rows, total=sum(rows.values()), per_kind=per_kind, counts=counts, measured=m, head=head,
-                comm=comm, tokens=tokens)  # fmt: skip
+                comm=comm, tokens=tokens, layers=layers)  # fmt: skip
 
 
 def report(args: argparse.Namespace, result: dict, seconds: float) -> str:
@@ -209,8 +216,10 @@ def report(args: argparse.Namespace, result: dict, seconds: float) -> str:
     for (attn, mlp), value in sorted(result["per_kind"].items()):
         lines.append(f"  {attn}+{mlp:<4} x{result['counts'][(attn, mlp)]:<3}{'':24} {value / GIB:9.2f}")
     lines.append(f"  logits + gradient (fp32){'':12} {result['head'] / GIB:9.2f}")
-    comm = ", ".join(f"{kind} {value / GIB:.2f}" for kind, value in result["comm"].items())
-    lines.append(f"sent per MoE layer per step (GiB, uniform routing): {comm}")
+    lines.append("sent per rank per layer per step (GiB; uniform routing; glm53.tools.comm_model)")
+    for layer, sent in result["layers"].items():
+        cells = ", ".join(f"{kind} {value / GIB:.3f}" for kind, value in sent.items())
+        lines.append(f"  {layer}: {cells}; total {sum(sent.values()) / GIB:.3f}")
     fits = "fits" if result["total"] <= args.device_gib * GIB else "does NOT fit"
     lines.append(f"total {result['total'] / GIB:.2f} GiB vs device {args.device_gib:g} GiB: {fits}  "
                  f"({seconds:.1f} s)")  # fmt: skip
@@ -233,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     began = time.perf_counter()
     try:
         result = plan(args)
-    except ValueError as e:  # a layout parallelize rejects (experts not divisible, ep with tp, heads)
+    except ValueError as e:  # a layout parallelize rejects (experts or heads not divisible)
         raise SystemExit(f"glm53.tools.plan: {e}") from None
     print(report(args, result, time.perf_counter() - began))
     return 0 if result["total"] <= args.device_gib * GIB else 1

@@ -34,8 +34,8 @@ from ..peft import cli as peft_cli
 from ..utils import ceil_div
 from .data import VOCAB_SIZE, batches, corpus_text, encode
 from .data.documents import DataError
-from .distributed import init_parallel_model
 from . import vl_finetune
+from .distributed import forward_inputs, init_parallel_model
 from .finetune import FileData, init_model, model_inputs
 from .state import TRAINER_STATE, load_trainer_state, restore_optimizer, resume_distributed, save_run, trainer_state
 
@@ -87,7 +87,7 @@ class Trainer:
 
     def __init__(self, args: argparse.Namespace, par=None) -> None:
         self.args, self.par = args, par
-        self.mesh = par.init_mesh(args.dp, args.tp, device_type(args.device), ep=args.ep) if par is not None else None
+        self.mesh = par.init_mesh(args.dp, args.tp, device_type(args.device), ep=args.ep, cp=args.cp) if par is not None else None
         self.device = self.mesh.device_type if par is not None else "cpu"
         self.rank = par.rank() if par is not None else 0
         self.log_rank = self.rank == 0
@@ -226,7 +226,7 @@ class Trainer:
         parts: dict[str, torch.Tensor] = {}
         for inputs in micro:
             with self._loss_context():
-                out = self.model(**inputs, loss_denominators=den, return_logits=False)
+                out = self.model(**forward_inputs(self.model, inputs, den, self.args.cp), return_logits=False)
                 out.loss.backward()
             for name in LOSS_PARTS:
                 if getattr(out, name) is not None:
@@ -246,6 +246,7 @@ class Trainer:
         how = f"resuming {args.resume} at step {self.start}" if self.state else f"preset {args.preset}, seed {args.seed}"
         how = f"fine-tuning {args.init}, seed {args.seed}" if args.init else how
         ep = f" x ep {args.ep}" if args.ep > 1 else ""
+        ep += f" x cp {args.cp}" if args.cp > 1 else ""
         layout = f", dp {args.dp} x tp {args.tp}{ep}" if self.par is not None else ""
         accum = f"{args.grad_accum}x" if args.grad_accum > 1 else ""
         print(f"glm53 train: {how}, {params:,} parameters{layout}, {args.steps} steps of {accum}{args.batch_size}x"
