@@ -10,16 +10,14 @@ each token: prefill = start to the first new token (the prompt forward and its p
 token. The two models alternate (glm53, transformers, glm53, ...) and ratios are medians of per-pair ratios;
 glm53's generate(compile=True) joins the rotation (compiled before timing; compiled_decode_* columns).
 The decode step alone (one token after the same prefill, no generate loop) is timed interleaved for transformers'
-cached forward, glm53's decode_step (what generate runs), glm53's generic cached forward (model.model(token,
-cache=cache): the path generate took before decode_step) and glm53's compiled step (decode_compiled.py, what
+cached forward, glm53's step (generation/step.py, what generate runs) and the same step compiled (what
 generate(compile=True) runs; compile_s: its first call, the compile; --no-compile leaves it out), median and
 fastest of several steps each; the step speed-up is the median of per-round ratios (and the ratio of the fastest
 steps, the measure least disturbed by other load on a shared machine).
-Also reported: glm53's decode_step time per token and its KDA / MLA attention parts at each context length (KDA
-should stay flat); cache bytes per cached token after the prefill (glm53's GenerationCache.nbytes vs every tensor in
+Also reported: glm53's decode step time per token at each context length; cache bytes per cached token after the prefill (glm53's GenerationCache.nbytes vs every tensor in
 transformers' DynamicCache) and per extra token of context, beside the analytic per-token bytes (cache.py) and the
 bf16 / int8 latent caches (`latent_dtype=torch.bfloat16` / `torch.int8`, not exact); MTP speculative decoding (k
-draft tokens) against plain greedy decoding, with the random MTP layer (acceptance ~0: the cost of drafting) and with
+draft tokens, with the measured split of its decode time: draft, verify, bookkeeping) against plain greedy decoding, with the random MTP layer (acceptance ~0: the cost of drafting) and with
 an exact draft (every block's output projection zeroed so the next token is a function of the current one, and the
 MTP layer built to predict it: acceptance 1.0, the ceiling), eager and (unless --no-compile) with compile=True on
 both sides (the compiled verify and draft steps against the compiled decode step; compiled=True rows).
@@ -37,9 +35,7 @@ import torch
 from bench_config import bench_config, machine, median, positive_int, table, write_json
 
 from glm53 import Glm53ForCausalLM
-from glm53.generation import GenerationCache, decode
-from glm53.generation.decode import decode_step
-from glm53.generation.decode_compiled import compiled_decode_step
+from glm53.generation import GenerationCache, Stepper, step
 
 
 def build_pair(path: str):
@@ -81,42 +77,39 @@ def run_generate(model, ids, new: int, is_hf: bool, compile: bool = False) -> tu
 
 def decode_steps(hf, ours, ids, steps: int, compile: bool = True) -> tuple[dict[str, list[float]], float | None]:
     """Seconds of one decode step after the same prefill, interleaved per round: transformers' cached forward,
-    glm53's decode_step, glm53's generic cached forward and (`compile`) glm53's compiled step (inductor with its C++
-    wrapper: generate(compile=True)), each with its own cache, all at the same positions -> (times, the compiled
-    step's first call in seconds: its compile, paid once per process and config; None without `compile`)."""
+    glm53's step (eager: what generate runs) and (`compile`) the same step through torch.compile (what
+    generate(compile=True) runs), each with its own cache, all at the same positions -> (times, the compiled step's
+    first call in seconds: its compile, paid once per process and config; None without `compile`)."""
     with torch.no_grad():
         pkv = hf(input_ids=ids, use_cache=True).past_key_values
+    size = ids.shape[1] + steps + 2
+    eager, comp = GenerationCache(ours, max_length=size), GenerationCache(ours, max_length=size)
+    compiled = Stepper(compile=True) if compile else None
     with torch.inference_mode():
-        generic, fast, comp = GenerationCache(ours), GenerationCache(ours), GenerationCache(ours)
-        for cache in (generic, fast) + ((comp,) if compile else ()):
-            ours.model(ids, cache=cache)
-        fast.reserve(ids.shape[1] + steps + 1)
-        comp.reserve(ids.shape[1] + steps + 2)
+        for cache in (eager,) + ((comp,) if compile else ()):
+            step(ours, cache, ids)
     token = ids[:, -1:]
     compile_s = None
     if compile:
         start = time.perf_counter()
-        compiled_decode_step(ours, comp, token[:, 0], backend="inductor", cpp_wrapper=True)
+        with torch.inference_mode():
+            compiled(ours, comp, token)
         compile_s = time.perf_counter() - start
 
     def compiled_step():
         with torch.inference_mode():
-            ours.lm_head(compiled_decode_step(ours, comp, token[:, 0], backend="inductor", cpp_wrapper=True))
+            ours.lm_head(compiled(ours, comp, token)[:, -1])
 
     def hf_step():
         nonlocal pkv
         with torch.no_grad():
             pkv = hf(input_ids=token, past_key_values=pkv, use_cache=True).past_key_values
 
-    def fast_step():
+    def eager_step():
         with torch.inference_mode():
-            ours.lm_head(decode_step(ours, fast, token[:, 0]))
+            ours.lm_head(step(ours, eager, token)[:, -1])
 
-    def generic_step():
-        with torch.inference_mode():
-            ours.lm_head(ours.model(token, cache=generic)[:, -1])
-
-    runs = {"transformers": hf_step, "glm53": fast_step, "glm53_generic": generic_step}
+    runs = {"transformers": hf_step, "glm53": eager_step}
     if compile:
         runs["glm53_compiled"] = compiled_step
     times = {name: [] for name in runs}
@@ -130,13 +123,11 @@ def decode_steps(hf, ours, ids, steps: int, compile: bool = True) -> tuple[dict[
 
 def step_columns(times: dict[str, list[float]], compile_s: float | None) -> dict:
     ms = lambda xs: round(1e3 * xs, 2)  # noqa: E731
-    hf, fast, generic = times["transformers"], times["glm53"], times["glm53_generic"]
+    hf, fast = times["transformers"], times["glm53"]
     row = {"glm53_step_ms_med": ms(median(fast)), "glm53_step_ms_min": ms(min(fast)),
-           "generic_step_ms_med": ms(median(generic)), "generic_step_ms_min": ms(min(generic)),
            "hf_step_ms_med": ms(median(hf)), "hf_step_ms_min": ms(min(hf)),
            "step_speedup": round(median([h / f for h, f in zip(hf, fast)]), 2),
-           "step_speedup_min": round(min(hf) / min(fast), 2),
-           "generic_speedup_min": round(min(hf) / min(generic), 2)}  # fmt: skip
+           "step_speedup_min": round(min(hf) / min(fast), 2)}  # fmt: skip
     if "glm53_compiled" in times:
         comp = times["glm53_compiled"]
         row.update({"compiled_step_ms_med": ms(median(comp)), "compiled_step_ms_min": ms(min(comp)),
@@ -206,36 +197,16 @@ def cache_bytes(hf, ours, ids, step: int = 64) -> dict:
 
 
 def layer_split(ours, ids, new: int) -> dict:
-    """glm53 decode_step time per token and the part spent in its KDA and MLA attention steps (decode.py's
-    _kda_step / _mla_step, wrapped with timers for this measurement only)."""
-    spent = {"kda": 0.0, "mla": 0.0}
-    originals = {"kda": decode._kda_step, "mla": decode._mla_step}
-
-    def timed(kind: str):
-        def run(*args):
-            start = time.perf_counter()
-            out = originals[kind](*args)
-            spent[kind] += time.perf_counter() - start
-            return out
-
-        return run
-
+    """glm53's eager decode step time per token at this context length (KDA's part stays flat; MLA's grows)."""
     with torch.inference_mode():
-        cache = GenerationCache(ours)
-        ours.model(ids, cache=cache)
-        cache.reserve(ids.shape[1] + new + 1)
-        token = ids[:, -1]
-        decode_step(ours, cache, token)  # builds the plan
-        decode._kda_step, decode._mla_step = timed("kda"), timed("mla")
-        try:
-            total = time.perf_counter()
-            for _ in range(new):
-                decode_step(ours, cache, token)
-            total = time.perf_counter() - total
-        finally:
-            decode._kda_step, decode._mla_step = originals["kda"], originals["mla"]
-    return {"decode_ms_per_token": 1e3 * total / new, "kda_ms_per_token": 1e3 * spent["kda"] / new,
-            "mla_ms_per_token": 1e3 * spent["mla"] / new}  # fmt: skip
+        cache = GenerationCache(ours, max_length=ids.shape[1] + new + 1)
+        step(ours, cache, ids)
+        token = ids[:, -1:]
+        total = time.perf_counter()
+        for _ in range(new):
+            step(ours, cache, token)
+        total = time.perf_counter() - total
+    return {"decode_ms_per_token": 1e3 * total / new}
 
 
 def exact_draft(model) -> None:
@@ -261,18 +232,22 @@ def speculative(ours, ids, new: int, ks: list[int], reps: int, label: str, compi
             if comp:
                 ours.generate(ids, max_new_tokens=3, compile=True)
                 ours.generate(ids, max_new_tokens=k + 3, speculative="mtp", num_speculative_tokens=k, compile=True)
-            plain, fast, rate = [], [], 0.0
+            plain, fast, draft, verify, rate = [], [], [], [], 0.0
             for _ in range(reps):
                 _, s0 = ours.generate(ids, max_new_tokens=new, return_stats=True, compile=comp)
                 _, s1 = ours.generate(ids, max_new_tokens=new, speculative="mtp", num_speculative_tokens=k,
                                       return_stats=True, compile=comp)  # fmt: skip
                 plain.append(s0.decode_seconds)
                 fast.append(s1.decode_seconds)
+                draft.append(s1.draft_seconds)
+                verify.append(s1.verify_seconds)
                 rate = s1.acceptance_rate
             decoded = new - 1  # the first new token comes from the prefill
             rows.append({"draft": label, "compiled": comp, "P": ids.shape[1], "k": k, "new": new,
                          "acceptance": round(rate, 3), "plain_decode_s": round(median(plain), 3),
-                         "spec_decode_s": round(median(fast), 3), "plain_tok_s": round(decoded / median(plain), 1),
+                         "spec_decode_s": round(median(fast), 3), "spec_draft_s": round(median(draft), 3),
+                         "spec_verify_s": round(median(verify), 3),
+                         "spec_bookkeeping_s": round(median(fast) - median(draft) - median(verify), 3), "plain_tok_s": round(decoded / median(plain), 1),
                          "spec_tok_s": round(decoded / median(fast), 1),
                          "speedup": round(median([a / b for a, b in zip(plain, fast)]), 2)})  # fmt: skip
     return rows

@@ -15,7 +15,7 @@ import torch
 
 from ..config_checks import is_int, is_number
 from ..model.inputs import check_device
-from .cache import GenerationError
+from .step import GenerationError
 
 
 def _check_prompt(input_ids: object, attention_mask: object, device: torch.device) -> None:

@@ -1,6 +1,10 @@
 """`python -m glm53 generate --model DIR --prompt TEXT`: stream a continuation, then report tokens/s.
 
-Legend: T tokens.
+Legend: B prompts, T tokens.
+`--prompts FILE` generates for a batch of prompts (one per line, or a .jsonl file of {"prompt": ...} objects or
+JSON strings), left-padded into one batch, and prints each continuation after a `### i` header. `--chat` wraps
+every prompt as a user message in the tokenizer's chat template (with the assistant's generation prompt).
+`--device` places the model (cpu, cuda, cuda:1, ...).
 The tokenizer is a transformers tokenizer directory (`--tokenizer DIR`, else the model directory when it holds
 one) or the built-in byte codec of the training presets (`--tokenizer bytes`, the fallback when the model
 directory has no tokenizer files). Greedy by default; `--temperature T` > 0 or `--top-p P` < 1 samples with
@@ -10,6 +14,7 @@ directory has no tokenizer files). Greedy by default; `--temperature T` > 0 or `
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -57,12 +62,55 @@ def _tokenizer(text: str) -> str:
     return text if text == "bytes" else existing_dir(text)
 
 
+def _prompts_file(path: str) -> list[str]:
+    """--prompts FILE -> the prompts: one per line, or per .jsonl line a {"prompt": str} object or a JSON string."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().split("\n")
+    except (OSError, UnicodeDecodeError) as e:
+        raise argparse.ArgumentTypeError(f"cannot read {path!r}: {e}") from None
+    prompts = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        if path.endswith(".jsonl"):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise argparse.ArgumentTypeError(f"{path} line {number}: not JSON ({e.msg})") from None
+            record = record.get("prompt") if isinstance(record, dict) else record
+            if not isinstance(record, str):
+                raise argparse.ArgumentTypeError(f"{path} line {number}: expected a JSON string or an object with "
+                                                 f"a string 'prompt'")  # fmt: skip
+            line = record
+        prompts.append(line)
+    if not prompts:
+        raise argparse.ArgumentTypeError(f"{path} holds no prompt")
+    return prompts
+
+
+def _device(text: str) -> torch.device:
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"not a torch device: {text!r} (cpu, cuda, cuda:1, ...)") from None
+    if device.type == "meta" or (device.type != "cpu" and not getattr(torch, device.type).is_available()):
+        raise argparse.ArgumentTypeError(f"device {text!r} is not available here")
+    return device
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, type=existing_dir, help="an official-layout checkpoint directory")
     peft_cli.add_generate_arguments(p)  # --adapter DIR
     p.add_argument("--tokenizer", default=None, type=_tokenizer, help="a transformers tokenizer directory or 'bytes' "
                    "(default: the model directory if it holds a tokenizer, else the built-in byte codec)")  # fmt: skip
-    p.add_argument("--prompt", required=True)
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt")
+    source.add_argument("--prompts", type=_prompts_file, metavar="FILE",
+                        help="a batch of prompts: one per line, or .jsonl lines of {\"prompt\": ...} or strings")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the tokenizer's chat "
+                   "template (with the generation prompt)")  # fmt: skip
+    p.add_argument("--device", type=_device, default=torch.device("cpu"), help="where the model runs (default cpu)")
     p.add_argument("--max-new-tokens", type=_int_at_least(0), default=64)
     p.add_argument("--temperature", type=_float_in(0.0, math.inf, False), default=0.0,
                    help="0 = greedy (default); > 0 samples")  # fmt: skip
@@ -72,9 +120,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mtp", type=_int_at_least(1), default=None, metavar="K",
                    help="greedy MTP speculative decoding with K draft tokens per step")  # fmt: skip
     p.add_argument("--compile", nargs="?", const="inductor", default=None, choices=("inductor", "aot_eager"),
-                   help="decode through torch.compile'd graphs (decode_compiled.py; with --mtp the verify and draft "
-                        "steps: verify_compiled.py, mtp_compiled.py; the first step compiles, which counts in the "
-                        "decode time printed)")  # fmt: skip
+                   help="run every step after the prefill as torch.compile of the same forward (generation/step.py; "
+                        "the first step compiles, which counts in the decode time printed)")  # fmt: skip
     vl_prompt.add_arguments(p)  # --image, --video, --video-fps: a vision-language --model
 
 
@@ -95,6 +142,17 @@ class _Codec:
                 self.hf = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
             except (OSError, ValueError) as e:  # transformers' own errors, re-raised naming the flag
                 raise OSError(f"--tokenizer {tokenizer}: cannot load a tokenizer there ({e})") from e
+
+    def chat(self, text: str) -> str:
+        """The prompt as a user message in the tokenizer's chat template, ready for the assistant's reply."""
+        if self.hf is None or not getattr(self.hf, "chat_template", None):
+            raise Glm53Error("--chat needs a tokenizer with a chat template (the byte codec and this tokenizer have "
+                             "none)")  # fmt: skip
+        try:
+            return self.hf.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                               add_generation_prompt=True)  # fmt: skip
+        except Exception as e:  # a template is user code (jinja): any failure is reported naming the flag
+            raise Glm53Error(f"--chat: the tokenizer's chat template failed ({type(e).__name__}: {e})") from None
 
     def encode(self, text: str) -> torch.Tensor:
         if self.hf is None:
@@ -143,38 +201,64 @@ def run(args: argparse.Namespace) -> int:
         return 1
 
 
+def _batch(codec: _Codec, prompts: list[str], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encoded prompts, left-padded with `pad` -> (ids [B, T], attention mask [B, T])."""
+    rows = [codec.encode(p) for p in prompts]
+    for i, row in enumerate(rows):
+        if row.numel() == 0:
+            raise Glm53Error(f"prompt {i + 1} encodes to no tokens")
+    T = max(r.numel() for r in rows)
+    ids = torch.full((len(rows), T), pad, dtype=torch.long)
+    mask = torch.zeros(len(rows), T, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, T - row.numel() :], mask[i, T - row.numel() :] = row, 1
+    return ids, mask
+
+
 def _run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     visual = bool(args.image or args.video)
     if visual:
-        model = _vl_model(args)
+        model = _vl_model(args).to(args.device)
     else:
-        model = peft_cli.with_adapter(args, Glm53ForCausalLM.from_pretrained(args.model)).eval()
+        # the adapter is applied on the host, then the model moves to --device (parameters move in place: ties hold)
+        model = peft_cli.with_adapter(args, Glm53ForCausalLM.from_pretrained(args.model)).to(args.device).eval()
     codec = _Codec(args.model, args.tokenizer)
-    embeds = None
-    if visual:
-        with torch.no_grad():
-            ids, embeds = vl_prompt.vl_prompt(model, args.tokenizer or args.model, args.prompt, args.image, args.video,
-                                              args.video_fps)  # fmt: skip
-    else:
-        ids = codec.encode(args.prompt)[None]
-    if ids.shape[1] == 0:
+    batch = args.prompts is not None
+    if visual and batch:
+        raise SystemExit("error: --image/--video take one --prompt (not --prompts)")
+    prompts = args.prompts if batch else [args.prompt]
+    if not batch and not codec.encode(args.prompt).numel():
         raise SystemExit("error: --prompt encodes to no tokens")
+    texts = [codec.chat(p) for p in prompts] if args.chat else prompts
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    ids, mask = _batch(codec, texts, pad)
+    embeds = None
+    if visual:  # the media expanded into the prompt, their features spliced once (before the prefill)
+        with torch.no_grad():
+            ids, embeds = vl_prompt.vl_prompt(model, args.tokenizer or args.model, texts[0], args.image, args.video,
+                                              args.video_fps)  # fmt: skip
+        mask = torch.ones_like(ids)
     sample = args.temperature > 0 or args.top_p is not None or args.top_k is not None
-    print(args.prompt, end="", flush=True)
-    options = dict(max_new_tokens=args.max_new_tokens, streamer=_TextStreamer(codec), return_stats=True)
+    options = dict(max_new_tokens=args.max_new_tokens, return_stats=True)
+    if not batch:
+        print(texts[0], end="", flush=True)
+        options.update(streamer=_TextStreamer(codec))
     if args.mtp is not None:
         options.update(speculative="mtp", num_speculative_tokens=args.mtp)
     elif sample:
         options.update(do_sample=True, temperature=args.temperature or 1.0, top_p=args.top_p, top_k=args.top_k,
-                       generator=torch.Generator().manual_seed(args.seed))  # fmt: skip
+                       generator=torch.Generator(args.device).manual_seed(args.seed))  # fmt: skip
     if args.compile is not None:
         options.update(compile=True if args.compile == "inductor" else args.compile)
     if embeds is not None:
-        options.update(inputs_embeds=embeds)
-    _, stats = generate(model, ids, None, **options)
+        options.update(inputs_embeds=embeds.to(args.device))
+    out, stats = generate(model, ids.to(args.device), mask.to(args.device), **options)
+    if batch:
+        for i, row in enumerate(out[:, ids.shape[1] :].tolist()):
+            print(f"### {i + 1}\n{texts[i]}{codec.decode(row)}", flush=True)
     total = stats.prefill_seconds + stats.decode_seconds
-    prefill_rate = ids.shape[1] / max(stats.prefill_seconds, 1e-9)
+    prefill_rate = ids.numel() / max(stats.prefill_seconds, 1e-9)
     print(f"[{stats.new_tokens} new tokens in {total:.2f} s: prefill {prefill_rate:,.1f} tok/s, decode "
           f"{stats.decode_tokens_per_second:,.1f} tok/s]")  # fmt: skip
     if args.mtp is not None:

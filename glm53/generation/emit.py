@@ -22,6 +22,8 @@ class GenerationStats:
     drafted: int = 0  # speculative: draft tokens proposed to unfinished rows
     accepted: int = 0  # ... of which the main model agreed with (per row, leading matches)
     verify_forwards: int = 0  # speculative: main-model forwards after the prefill
+    draft_seconds: float = 0.0  # speculative: of decode_seconds, in the MTP layer's steps
+    verify_seconds: float = 0.0  # ... in the main model's verify steps (the rest: picks, emits, rewinds)
     cache_bytes: int = 0  # GenerationCache.nbytes() at the end (main model)
     cache_positions: int = 0  # positions cached at the end
 
@@ -47,7 +49,7 @@ class Options:
     pad_token_id: int
     generator: torch.Generator | None
     latent_dtype: torch.dtype | None = None  # GenerationCache's: None keeps the exact (model-dtype) latent
-    step: object = None  # the decode step (decode_compiled.step_function: eager or compiled)
+    step: object = None  # the generation step (step.Stepper: eager or compiled)
 
 
 class Emitter:

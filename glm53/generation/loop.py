@@ -15,12 +15,12 @@ import time
 
 import torch
 
-from .cache import GenerationCache, GenerationError
+from ..model.cache import GenerationCache
 from .checks import check_call
-from .decode_compiled import step_function
 from .emit import Emitter, GenerationStats, Options
 from .sampling import next_tokens
 from .speculative import speculative_decode
+from .step import GenerationError, Stepper
 
 
 def left_padded_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
@@ -92,12 +92,12 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     them in one forward (greedy only; same output as plain greedy decoding).
     latent_dtype (e.g. torch.bfloat16 for an fp32 model) stores the MLA latent cache rounded to that dtype: fewer
     bytes per cached token, no longer exact (GenerationCache).
-    compile=True runs each decode step through torch.compile'd graphs (decode_compiled.py: the same results up to
-    fp32 rounding, faster per token after a one-off compile of tens of seconds), with speculative="mtp" each verify
-    and draft step (verify_compiled.py, mtp_compiled.py); a backend name picks the backend.
-    inputs_embeds [B, T, D] (plain decoding only): the prompt's embeddings for the prefill instead of embedding
-    `input_ids` (a VL model's, with the image features spliced in: Glm53ForConditionalGeneration.embed_multimodal);
-    `input_ids` still gives the prompt's tokens (output, checks) and the decode steps embed the new tokens.
+    inputs_embeds [B, T, D] (optional): the prompt's embeddings, used by the prefill instead of embedding
+    `input_ids` (which still give the output's prompt and the padding); the VL model passes its spliced image
+    features this way, so the tower runs once, before prefill. Decode steps embed their new ids as always.
+    compile=True runs every step after the prefill (decode, or with speculative="mtp" verify and draft) as
+    torch.compile of the same forward (step.py: fullgraph, static shapes, CUDA graphs on a GPU; the same results up
+    to fp32 rounding after a one-off compile); a backend name (e.g. "aot_eager") picks the backend.
     """
     check_call(model, input_ids, attention_mask, do_sample, temperature, top_k, top_p, pad_token_id, generator,
                streamer, return_stats)  # fmt: skip
@@ -105,16 +105,16 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     opts = check_options(model, input_ids, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id,
                          pad_token_id, generator)  # fmt: skip
     opts.latent_dtype = latent_dtype
-    opts.step = step_function(compile) if speculative is None else None  # speculative: its verify step (compiled)
-    if inputs_embeds is not None and (speculative is not None or inputs_embeds.shape[:2] != input_ids.shape):
-        raise GenerationError(f"inputs_embeds must be [batch, prompt, width] matching input_ids "
-                              f"{tuple(input_ids.shape)} (got {tuple(inputs_embeds.shape)}) and needs plain decoding "
-                              f"(speculative=None)")  # fmt: skip
+    opts.step = Stepper(compile)  # checks `compile` before any work
     stats = GenerationStats(prompt_tokens=input_ids.numel())
     emitter = Emitter(input_ids, opts, streamer)
+    if inputs_embeds is not None and (speculative is not None or tuple(inputs_embeds.shape[:2])
+                                      != tuple(input_ids.shape)):  # fmt: skip
+        raise GenerationError(f"inputs_embeds must be [batch, prompt, hidden] for input_ids {tuple(input_ids.shape)} "
+                              f"(got {tuple(inputs_embeds.shape)}) and cannot be combined with speculative "
+                              f"decoding")  # fmt: skip
     if speculative is not None:
-        cache = speculative_decode(model, input_ids, valid, opts, emitter, stats, speculative, num_speculative_tokens,
-                                   compile)  # fmt: skip
+        cache = speculative_decode(model, input_ids, valid, opts, emitter, stats, speculative, num_speculative_tokens)
     elif max_new_tokens > 0:
         cache = _decode(model, input_ids, valid, opts, emitter, stats, inputs_embeds)
     else:
@@ -127,20 +127,18 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
 
 
 def _decode(model, input_ids, valid, opts: Options, emitter: Emitter, stats: GenerationStats,
-            embeds: torch.Tensor | None = None) -> GenerationCache:  # fmt: skip
-    """Plain decoding: one prefill forward, then one decode step (decode.py) per new token."""
-    cache = GenerationCache(model, latent_dtype=opts.latent_dtype)
+            inputs_embeds: torch.Tensor | None = None) -> GenerationCache:  # fmt: skip
+    """Plain decoding: the prefill step (from `inputs_embeds` when given), then one decode step (T = 1) per token."""
+    cache = GenerationCache(model, latent_dtype=opts.latent_dtype,
+                            max_length=input_ids.shape[1] + opts.max_new_tokens)  # fmt: skip
     start = time.perf_counter()
-    hidden = model.model(None if embeds is not None else input_ids, valid, embeds, cache=cache)[:, -1]  # [B, D]
-    cache.reserve(input_ids.shape[1] + opts.max_new_tokens)  # the latent buffers, once
     pick = lambda h: next_tokens(model.lm_head(h), opts.do_sample, opts.temperature, opts.top_k,  # noqa: E731
                                  opts.top_p, opts.generator)  # fmt: skip
-    done = emitter.emit(pick(hidden))
+    done = emitter.emit(pick(opts.step(model, cache, input_ids, valid, embeds=inputs_embeds)[:, -1]))
     stats.prefill_seconds = time.perf_counter() - start
     start = time.perf_counter()
     while not done:
-        hidden = opts.step(model, cache, emitter.tokens[-1])  # [B, D]
-        done = emitter.emit(pick(hidden))
+        done = emitter.emit(pick(opts.step(model, cache, emitter.tokens[-1][:, None])[:, -1]))
     stats.decode_seconds = time.perf_counter() - start
     return cache
 

@@ -7,10 +7,8 @@ picked t_n, one step is:
     draft   d_{n+1} from MTP(h_{n-1}, t_n); d_{n+j} from MTP(its own previous output, d_{n+j-1}), j = 2 .. s
     verify  the main model reads [t_n, d_{n+1}, .., d_{n+s}] in one forward -> its greedy picks g_{n+1} .. g_{n+s+1}
     accept  a = the leading drafts equal to the picks; commit d_{n+1} .. d_{n+a}, g_{n+a+1}
-The verify forward is verify.py's T-token step (T = s + 1, decode.py's per-token machinery over the B*T rows), the
-drafts after the prompt the MTP layer's T-token step there (the last position's output only). With `compile` (as
-generate's) both run through torch.compile'd segment graphs: verify_compiled.py and mtp_compiled.py (the draft's
-lm_head pick inside the graph); the prompt's MTP forward stays the layer's own.
+Every forward is the generation step (step.py) on a cache of its own: the main model's (verify: T = s + 1) and
+the MTP layer's (part="mtp"), compiled or not as `generate`'s `compile` says.
 Every committed token is the main model's own greedy choice, so the output equals plain greedy decoding. A batch
 commits the same number a for every row (the smallest over unfinished rows) so the rows stay on one time axis;
 `acceptance_rate` counts each row's own leading matches. Both caches rewind what was not committed
@@ -20,20 +18,15 @@ draft-only positions (d_{n+2} ..), whose true inputs (h, t) the next step's firs
 
 from __future__ import annotations
 
-import functools
 import time
 
 import torch
 
-from ..model.context import ForwardContext
-from .cache import GenerationCache, GenerationError
-from .decode_compiled import compile_setting
+from ..model.cache import GenerationCache
 from .emit import Emitter, GenerationStats, Options
-from .mtp_compiled import compiled_mtp_tokens
-from .verify import build_mtp_plan, mtp_tokens, verify_step
-from .verify_compiled import compiled_verify_step
+from .step import GenerationError
 
-MAX_SPECULATIVE_TOKENS = 16  # a verify forward of s + 1 tokens runs KDA one token at a time (rewindable states)
+MAX_SPECULATIVE_TOKENS = 16  # a verify forward keeps s + 1 KDA states per layer for the rewind
 
 
 def _check(model, opts: Options, method: str, s) -> None:
@@ -50,25 +43,14 @@ def _check(model, opts: Options, method: str, s) -> None:
 class _Drafter:
     """The MTP layer (depth 1, reused for every draft) with its own cache."""
 
-    def __init__(self, model, setting: dict | None = None) -> None:
-        self.model = model
+    def __init__(self, model, opts: Options, positions: int, s: int) -> None:
+        self.model, self.step = model, opts.step
         self.layer = model.mtp.layer_for(1)
-        self.cache = GenerationCache(model, part="mtp")
-        self.plan = None  # verify.MtpPlan, once the prompt is cached
-        self.setting = setting  # the compiled steps' backend (decode_compiled.compile_setting), None: eager
+        self.cache = GenerationCache(model, part="mtp", max_length=positions, max_step_tokens=s)
 
-    def run(self, hidden: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [B, T, D], next ids [B, T] -> (MTP output [B, T or 1, D], greedy draft at the last position
-        [B]). The prompt (with its padding) takes the layer's own cached forward, later positions (all valid) the
-        T-token step, which returns the last position's output only (the drafts read no other)."""
-        if self.plan is None:
-            ctx = ForwardContext(valid=valid, cache=self.cache)
-            h = self.layer(hidden, self.model.model.embed_tokens(ids), ctx)
-            self.plan = build_mtp_plan(self.model, self.layer, self.cache)
-        elif self.setting is not None:
-            return compiled_mtp_tokens(self.model, self.layer, self.plan, hidden, ids, **self.setting)
-        else:
-            h = mtp_tokens(self.plan, hidden, ids)
+    def run(self, hidden: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [B, T, D], next ids [B, T] -> (MTP output [B, T, D], greedy draft at the last position [B])."""
+        h = self.step(self.model, self.cache, ids, valid, hidden)
         return h, self.model.lm_head(self.layer.shared_head.norm(h[:, -1])).argmax(-1)
 
     def draft(self, hidden, ids, valid, s: int) -> torch.Tensor:
@@ -77,43 +59,43 @@ class _Drafter:
         h, d = self.run(hidden, ids, valid)
         self.cache.mark()
         drafts = [d]
-        ones = valid[:, -1:]
         for _ in range(s - 1):
-            h, d = self.run(h[:, -1:], d[:, None], ones)
+            h, d = self.run(h[:, -1:], d[:, None], None)
             drafts.append(d)
         return torch.stack(drafts, dim=1)
 
 
 def speculative_decode(model, input_ids: torch.Tensor, valid: torch.Tensor, opts: Options, emitter: Emitter,
-                       stats: GenerationStats, method: str, s: int,
-                       compile: bool | str = False) -> GenerationCache | None:  # fmt: skip
-    """Greedy decoding with MTP drafts of s tokens, verified s + 1 at a time (see the module docstring); `compile`
-    as generate's: the verify and draft steps through torch.compile'd graphs (verify_compiled.py, mtp_compiled.py)."""
+                       stats: GenerationStats, method: str, s: int) -> GenerationCache | None:  # fmt: skip
+    """Greedy decoding with MTP drafts of s tokens, verified s + 1 at a time (see the module docstring)."""
     _check(model, opts, method, s)
-    setting = compile_setting(compile)
-    run_verify = verify_step if setting is None else functools.partial(compiled_verify_step, **setting)
     if opts.max_new_tokens == 0:
         return None
-    cache, drafter = GenerationCache(model, latent_dtype=opts.latent_dtype), _Drafter(model, setting)
+    positions = input_ids.shape[1] + opts.max_new_tokens + s + 1  # a verify reads s ahead
+    cache = GenerationCache(model, latent_dtype=opts.latent_dtype, max_length=positions, max_step_tokens=s + 1)
+    drafter = _Drafter(model, opts, positions, s)
     start = time.perf_counter()
-    hidden = model.model(input_ids, valid, cache=cache)  # [B, T, D]
+    hidden = opts.step(model, cache, input_ids, valid)  # [B, T, D]
     token = model.lm_head(hidden[:, -1]).argmax(-1)  # [B]
-    cache.reserve(input_ids.shape[1] + opts.max_new_tokens + s)  # the latent buffers, once (a verify reads s ahead)
     done = emitter.emit(token)
     stats.prefill_seconds = time.perf_counter() - start
     start = time.perf_counter()
     mtp_hidden, mtp_ids, mtp_valid = hidden, torch.cat([input_ids[:, 1:], token[:, None]], dim=1), valid
     while not done:
+        t0 = time.perf_counter()
         drafts = drafter.draft(mtp_hidden, mtp_ids, mtp_valid, s)  # [B, s]
+        t1 = time.perf_counter()
         cache.mark()
-        verify = run_verify(model, cache, torch.cat([token[:, None], drafts], dim=1))  # [B, s+1, D]
+        verify = opts.step(model, cache, torch.cat([token[:, None], drafts], dim=1))  # [B, s+1, D]
         picks = model.lm_head(verify).argmax(-1)  # [B, s+1]
+        stats.draft_seconds += t1 - t0
+        stats.verify_seconds += time.perf_counter() - t1  # (timed on the host: on a GPU, without a sync)
         leading = (drafts == picks[:, :s]).long().cumprod(dim=-1).sum(-1)  # [B]
         active = ~emitter.finished
         stats.drafted += s * int(active.sum())
         stats.accepted += int(leading[active].sum())
         stats.verify_forwards += 1
-        a = int(leading[active].min())  # NOTE: syncs
+        a = int(leading[active].min())  # NOTE: syncs (the loop's bookkeeping, between steps)
         for j in range(a + 1):
             done = emitter.emit(picks[:, j])
             if done:
@@ -121,7 +103,7 @@ def speculative_decode(model, input_ids: torch.Tensor, valid: torch.Tensor, opts
         cache.rewind(a + 1)
         drafter.cache.rewind(0)
         token = picks[:, a]
-        mtp_hidden, mtp_ids, mtp_valid = verify[:, : a + 1], picks[:, : a + 1], valid.new_ones(valid.shape[0], a + 1)
+        mtp_hidden, mtp_ids, mtp_valid = verify[:, : a + 1], picks[:, : a + 1], None
     stats.decode_seconds = time.perf_counter() - start
     return cache
 

@@ -5,7 +5,7 @@ extra) is how many pools a query picks, index_topk / L capped at P.
 q: [B, T, H, K]; weights: [B, T, H] (already scaled by H^-0.5); pool_keys: [B, P, K]; pool_end: [B, P] position of
 each pool's last token in the keys' sequence; complete: [B, P]. The queries sit at positions query_offset + [0, T).
 A pool is a candidate for a query when it is complete and pool_end <= the query's position. Scores are those of
-kernels/indexer_scores.py; non-candidates score finfo.min and torch.topk over the whole row of P pools picks
+kernels/indexer_scores.py; non-candidates score finfo.min and rank_pools (ties to the earliest pool) over the whole row of P pools picks
 `select`. Returns (chosen pools [B, T, select] int64, whether each is a candidate [B, T, select] bool).
 The reference materialises the [B, T, P] scores (what Indexer.select reads in training). The fast form takes a
 block of queries at a time: it scores only the leading pools some query of the block can see (on average half of
@@ -49,8 +49,17 @@ def indexer_topk_pools_reference(q: torch.Tensor, weights: torch.Tensor, pool_ke
     scores = indexer_scores_reference(q, weights, pool_keys, scale)
     query_pos = torch.arange(query_offset, query_offset + q.shape[1], device=q.device)
     candidate = _candidates(pool_end, complete, query_pos)
-    chosen = scores.masked_fill(~candidate, torch.finfo(scores.dtype).min).topk(select, dim=-1).indices
+    chosen = rank_pools(scores.masked_fill(~candidate, torch.finfo(scores.dtype).min), select)
     return chosen, candidate.gather(-1, chosen)
+
+
+def rank_pools(scores: torch.Tensor, select: int) -> torch.Tensor:
+    """[..., P] scores -> the indices [..., select] of the best pools, ties to the earliest pool.
+
+    The one tie rule of the indexer (full forward, packed, batched, cached decode and verify, compiled or eager):
+    ReLU scores tie exactly (at 0 most often), and torch.topk's order among ties is unspecified and depends on P,
+    so a stable descending sort decides instead. On tie-free scores it picks what torch.topk picks (transformers)."""
+    return scores.sort(dim=-1, descending=True, stable=True).indices[..., :select]
 
 
 def topk_chunk(B: int, H: int, P: int) -> int:
@@ -86,7 +95,7 @@ def _topk_pools(q, weights, pool_keys, scale, pool_end, complete, query_offset, 
         t1 = min(t0 + step, T)
         rows = torch.full((B, t1 - t0, P), lowest, device=q.device)  # [B, Tq, P]
         if p1 == 0:  # no query of the block sees a complete pool
-            chosen[:, t0:t1] = rows.topk(select, dim=-1).indices
+            chosen[:, t0:t1] = rank_pools(rows, select)
             continue
         # indexer_scores' arithmetic on the visible columns only
         rows_q = q[:, t0:t1].float().reshape(B, (t1 - t0) * H, q.shape[-1])  # one GEMM: no per-query copy of the keys
@@ -95,7 +104,7 @@ def _topk_pools(q, weights, pool_keys, scale, pool_end, complete, query_offset, 
         query_pos = torch.arange(query_offset + t0, query_offset + t1, device=q.device)
         candidate = _candidates(pool_end[:, :p1], complete[:, :p1], query_pos)
         rows[..., :p1] = scores.masked_fill_(~candidate, lowest)
-        picked = rows.topk(select, dim=-1).indices
+        picked = rank_pools(rows, select)
         chosen[:, t0:t1] = picked
         chosen_ok[:, t0:t1] = (picked < p1) & candidate.gather(-1, picked.clamp(max=p1 - 1))
     return chosen, chosen_ok

@@ -2,7 +2,7 @@
 
 `ForwardContext` travels from `Glm53Model.forward` to each decoder block (and MTP layer) instead of a growing list
 of positional arguments: the padding mask, the top-k a "shared" indexer layer reuses, the per-layer sink for what
-the training losses need (`LayerStats`), a slot reserved for a generation cache, and packed-document boundaries
+the training losses need (`LayerStats`), the generation cache (model/cache.py), and packed-document boundaries
 (`cu_seqlens` for the kernels, `segment_ids` for labels, MTP and the balance loss; model/packing.py). Parallel
 hooks read it by field name (`ctx.stats`, never `args[3]`).
 
@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:  # the annotation only: cache.py needs no context
+    from .cache import GenerationCache
 
 
 @dataclass
@@ -77,7 +80,7 @@ class ForwardContext:
     collect_stats: bool = False  # give each layer a fresh LayerStats (training losses, expert loads)
     record_indexer: bool = False  # ... which also records the indexer KL loss's tensors
     stats: LayerStats | None = None  # this layer's sink (set per layer by `for_layer`)
-    cache: Any = None  # reserved: a generation cache (glm53/generation)
+    cache: GenerationCache | None = None  # a generation cache the attention blocks read and extend (model/cache.py)
     # Packed documents (model/packing.py), both None when every row is one document:
     cu_seqlens: torch.Tensor | None = None  # [n_docs + 1] int64 boundaries over the flattened B * T tokens
     segment_ids: torch.Tensor | None = None  # [B, T] int64 document index of every token

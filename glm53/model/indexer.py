@@ -32,6 +32,7 @@ from ..boundary import as_local
 from ..config import Glm53Config
 from ..utils import ceil_div
 from ..kernels import kernel
+from ..kernels.indexer_topk import rank_pools
 from ..kernels.varlen import document_bounds, own_document_pools
 from .context import SequenceShards
 from .norm import LayerNorm
@@ -120,11 +121,16 @@ class Indexer(nn.Module):
         safe = positions.clamp(0, T - 1)
         batch = torch.arange(valid.shape[0], device=keys.device)[:, None, None]
         complete = token_valid.all(-1)  # [B, P]
-        logits = gate[batch, safe].float() + as_local(self, "index_kpool_compress_ape").float()
-        logits = logits.masked_fill(~token_valid[..., None], float("-inf"))
-        weights = torch.nan_to_num(logits.softmax(dim=2)).to(keys.dtype)  # all-invalid pools -> 0
-        pool_keys = (weights * keys[batch, safe]).sum(dim=2)
+        pool_keys = self.pool_weighted(keys[batch, safe], gate[batch, safe], token_valid)
         return pool_keys, positions.masked_fill(~token_valid, -1), complete
+
+    def pool_weighted(self, keys: torch.Tensor, gate: torch.Tensor, token_valid: torch.Tensor) -> torch.Tensor:
+        """One pool's key from its tokens' keys [..., L, K] and gate logits [..., L, K], valid [..., L] -> [..., K]:
+        softmax over the tokens of gate + ape (per channel, fp32), then the weighted sum of the keys."""
+        logits = gate.float() + as_local(self, "index_kpool_compress_ape").float()
+        logits = logits.masked_fill(~token_valid[..., None], float("-inf"))
+        weights = torch.nan_to_num(logits.softmax(dim=-2)).to(keys.dtype)  # all-invalid pools -> 0
+        return (weights * keys).sum(dim=-2)
 
     def scores(self, x: torch.Tensor, q_resid: torch.Tensor, pool_keys: torch.Tensor,
                cu_seqlens: torch.Tensor | None = None,
@@ -220,6 +226,37 @@ class Indexer(nn.Module):
         return pool_slots(chosen, chosen_ok, positions, valid, cu_seqlens, query_offset, self.kpool, self.select_tail,
                           self.num_slots)  # fmt: skip
 
+    @torch.no_grad()
+    def cached_select(self, x: torch.Tensor, q_resid: torch.Tensor, generation, cache) -> torch.Tensor:
+        """Top-k [B, T, J] of a forward on a generation cache (model/cache.py): this forward's tokens extend the
+        cached pools, then each query scores every cached pool and `cached_slots` keeps its candidates'."""
+        keys, gate = self.token_keys(x)
+        self.extend_pools(keys, gate, generation, cache)
+        scores = self.scores(x, q_resid, cache.pool_keys[:, :-1])  # [B, T, P] fp32
+        return cached_slots(scores, generation.first, generation.new_positions(x.shape[1]), self.kpool,
+                            self.index_topk, self.select_tail, self.num_slots)  # fmt: skip
+
+    def extend_pools(self, keys: torch.Tensor, gate: torch.Tensor, generation, cache) -> None:
+        """Store this forward's token keys and gate logits [B, T, K] in the cache's ring and pool every k-pool
+        they complete (the incremental form of `pool`: a pool's L tokens are the ring's last ones and the new)."""
+        B, T, K = keys.shape
+        L, R = self.kpool, cache.ring_keys.shape[1]
+        pos = generation.new_positions(T)  # [T]
+        before = (generation.length - (L - 1) + torch.arange(L - 1, device=keys.device)).remainder(R)  # [L-1]
+        seen_keys = torch.cat([cache.ring_keys[:, before], keys.to(cache.ring_keys.dtype)], dim=1)  # [B, L-1+T, K]
+        seen_gate = torch.cat([cache.ring_gate[:, before], gate.float()], dim=1)
+        window = torch.arange(T, device=keys.device)[:, None] + torch.arange(L, device=keys.device)  # [T, L]
+        ones = torch.ones(T, L, dtype=torch.bool, device=keys.device)
+        pooled = self.pool_weighted(seen_keys[:, window], seen_gate[:, window], ones)  # [B, T, K]: a pool ending here
+        count = pos[None, :] - generation.first[:, None] + 1  # [B, T] the row's tokens up to each position
+        done = (count > 0) & (count.remainder(L) == 0)
+        discard = cache.pool_keys.shape[1] - 1
+        target = torch.where(done, count.div(L, rounding_mode="floor") - 1, discard)
+        cache.pool_keys.scatter_(1, target[..., None].expand(B, T, K), pooled.to(cache.pool_keys.dtype))
+        n = min(T, R)
+        cache.ring_keys.index_copy_(1, pos[T - n :].remainder(R), keys[:, T - n :].to(cache.ring_keys.dtype))
+        cache.ring_gate.index_copy_(1, pos[T - n :].remainder(R), gate[:, T - n :].float())
+
     def visible_tail(self, valid: torch.Tensor, cu_seqlens: torch.Tensor | None = None, query_offset: int = 0,
                      num_queries: int | None = None) -> torch.Tensor:  # fmt: skip
         """The tokens of each query's incomplete pool: [B, T, L-1] positions, -1 where empty.
@@ -253,15 +290,33 @@ def select_kept(scores: torch.Tensor, positions: torch.Tensor, complete: torch.T
         doc_start = document_bounds(cu_seqlens, B, S)[0][:, rows]
         candidate &= pool_starts(positions, S)[:, None, :] >= doc_start[:, :, None]
     scores = scores.masked_fill(~candidate, torch.finfo(scores.dtype).min)
-    select = min(index_topk // kpool, scores.shape[-1])
-    if cu_seqlens is None:
-        chosen = scores.topk(select, dim=-1).indices  # [B, T, select]
-    else:  # ties to the lowest pool: a row's choice must not depend on how many pools the other rows have
-        chosen = scores.sort(dim=-1, descending=True, stable=True).indices[..., :select]
+    chosen = rank_pools(scores, min(index_topk // kpool, scores.shape[-1]))  # [B, T, select]
     chosen_ok = candidate.gather(-1, chosen)
     selected = torch.zeros_like(candidate).scatter_(-1, chosen, chosen_ok)
     topk = pool_slots(chosen, chosen_ok, positions, valid, cu_seqlens, query_offset, kpool, select_tail, num_slots)
     return topk, candidate, selected
+
+
+def cached_slots(scores: torch.Tensor, first: torch.Tensor, query_pos: torch.Tensor, kpool: int, index_topk: int,
+                 select_tail: bool, num_slots: int) -> torch.Tensor:  # fmt: skip
+    """`select_kept` on a generation cache's time axis: scores [B, T, P] of every cached pool (pool p of row b holds
+    positions first_b + pL .. first_b + pL + L - 1), queries at query_pos [T] -> top-k [B, T, J]. No host read."""
+    B, T, P = scores.shape
+    L = kpool
+    count = query_pos[None, :] - first[:, None] + 1  # [B, T] the row's tokens up to each query (<= 0: padding)
+    complete = count.clamp(min=0).div(L, rounding_mode="floor")  # [B, T] pools complete and visible
+    candidate = torch.arange(P, device=scores.device) < complete[..., None]  # [B, T, P]
+    scores = scores.masked_fill(~candidate, torch.finfo(scores.dtype).min)
+    chosen = rank_pools(scores, min(index_topk // L, P))  # [B, T, select]
+    chosen_ok = candidate.gather(-1, chosen)
+    offsets = torch.arange(L, device=scores.device)
+    tokens = first[:, None, None, None] + chosen[..., None] * L + offsets  # [B, T, select, L]
+    topk = tokens.masked_fill(~chosen_ok[..., None], -1).flatten(-2)
+    if select_tail:  # the query's own incomplete pool, up to the query
+        tail = (first[:, None] + complete * L)[..., None] + offsets[: L - 1]  # [B, T, L-1]
+        topk = torch.cat([topk, tail.masked_fill(tail > query_pos[None, :, None], -1)], dim=-1)
+    topk = F.pad(topk, (0, num_slots - topk.shape[-1]), value=-1)[..., :num_slots]
+    return topk.masked_fill((count <= 0)[..., None], -1)
 
 
 def pool_slots(chosen: torch.Tensor, chosen_ok: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,

@@ -91,9 +91,11 @@ class KimiDeltaAttention(nn.Module):
         return -rate * F.softplus(raw, threshold=SOFTPLUS_THRESHOLD)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
-        """x [B, T, D] -> [B, T, D]; padded positions (ctx.valid False) are zeroed before the layer."""
-        if ctx is not None and ctx.cache is not None:  # generation: continue the cached state (glm53/generation)
-            return ctx.cache.kda_forward(self, x, ctx)
+        """x [B, T, D] -> [B, T, D]; padded positions (ctx.valid False) are zeroed before the layer.
+
+        With a generation cache (ctx.cache, model/cache.py) the convs and the state continue the cached ones, and
+        both are stored back: the prefill takes the chunked kernel, later forwards the recurrent one
+        (kernels/kda/recurrent.py), which keeps each token's state while the cache is marked for speculation."""
         if ctx is not None:
             x = (x * ctx.valid[:, :, None]).to(x.dtype)
         split = lambda t: rearrange(t, "b t (h k) -> b t h k", k=self.head_dim)  # noqa: E731
@@ -101,14 +103,42 @@ class KimiDeltaAttention(nn.Module):
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
         if ctx is not None and ctx.cp is not None:
             return self._sharded(x, ctx, [split(t) for t in self._sharded_convs(projected, ctx)], split)
+        cache = None if ctx is None or ctx.cache is None else ctx.cache.layer(self)
         cu_seqlens = None if ctx is None else ctx.cu_seqlens
         packed = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}  # kernel keyword, only when packed
-        q, k, v = (split(conv(t, cu_seqlens=cu_seqlens)) for conv, t in zip(convs, projected))
+        if cache is None:
+            q, k, v = (split(conv(t, cu_seqlens=cu_seqlens)) for conv, t in zip(convs, projected))
+        else:
+            q, k, v = (split(conv(t, state=history)) for conv, t, history in zip(convs, projected, cache.conv))
         g = self.forget_gate(x)
         beta = torch.sigmoid(self.b_proj(x))
         q, k = l2norm(q.float(), L2NORM_EPS), l2norm(k.float(), L2NORM_EPS)
-        o, _ = kernel("kda")(q, k, v, g, beta, **packed)  # q, k stay fp32 (fla l2-normalises inside its fp32 kernel)
+        if cache is not None:
+            o = self._cached_rule(q, k, v, g, beta, projected, ctx.cache, cache)
+        else:
+            o, _ = kernel("kda")(q, k, v, g, beta, **packed)  # q, k stay fp32 (fla l2-normalises inside its fp32 kernel)
         return self._output(x, o.to(v.dtype), split)
+
+    def _cached_rule(self, q, k, v, g, beta, projected: list[torch.Tensor], generation, cache) -> torch.Tensor:
+        """The delta rule from the cached state; stores the new state and conv histories (and, while marked, every
+        token's, for rewind) -> o [B, T, H, V]."""
+        T = q.shape[1]
+        width = cache.conv[0].shape[-1]
+        inputs = [torch.cat([h, p.transpose(1, 2).to(h.dtype)], dim=-1) for h, p in zip(cache.conv, projected)]
+        if not generation.started:  # the prefill: the chunked kernel from an empty state
+            o, S = kernel("kda")(q, k, v, g, beta, initial_state=cache.state, output_final_state=True)
+            cache.state.copy_(S)
+        else:  # a few tokens: the recurrent kernel, every state kept
+            o, states = kernel("kda_recurrent")(q, k, v, g, beta, initial_state=cache.state)  # [B, T, H, K, V]
+            cache.state.copy_(states[:, -1])
+            if generation.marked:
+                cache.steps[2].index_copy_(1, generation.step_offset(T), states)
+        for conv, seen in zip(cache.conv, inputs):
+            conv.copy_(seen[..., seen.shape[-1] - width :])  # the last W - 1 inputs
+        if generation.marked:  # each conv's history after every new token [B, T, C, W-1]
+            for buf, seen in zip(cache.steps[3], inputs):
+                buf.index_copy_(1, generation.step_offset(T), seen.unfold(-1, width, 1)[:, :, 1:].transpose(1, 2))
+        return o
 
     def _output(self, x: torch.Tensor, o: torch.Tensor, split) -> torch.Tensor:
         """o [B, T, H, K] -> o_proj(gated_rmsnorm(o, g_b(g_a(x)))) [B, T, D]."""

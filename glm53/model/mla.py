@@ -68,8 +68,8 @@ class MultiHeadLatentAttention(nn.Module):
         """
         if ctx.cache is not None and ctx.cp is not None:
             raise ValueError("a generation cache (ctx.cache) cannot be used with context parallelism (ctx.cp)")
-        if ctx.cache is not None:  # generation: read and extend the cached latent and pools (glm53/generation)
-            return ctx.cache.mla_forward(self, x, ctx)
+        if ctx.cache is not None:  # generation: read and extend the cached latent and pools (model/cache.py)
+            return self._cached(x, ctx)
         stats, cp = ctx.stats, ctx.cp
         keys = key_sequence(ctx)  # the whole sequence's mask and documents (gathered under cp)
         valid, cu_seqlens = keys.valid, keys.cu_seqlens
@@ -99,6 +99,26 @@ class MultiHeadLatentAttention(nn.Module):
                                                   query_offset=keys.offset)  # fmt: skip
         if self.training and self.dropout > 0:
             o = nn.functional.dropout(o, self.dropout)
+        return self.o_proj(rearrange(o, "b t h f -> b t (h f)")), topk
+
+    def _cached(self, x: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward on a generation cache: this forward's latent rows are written at the cache's next positions,
+        the indexer extends and scores the cached pools, and the queries attend over the cached rows (the prefill
+        over its own fresh rows) -> (out [B, T, D], top-k [B, T, J] positions on the cache's time axis)."""
+        generation = ctx.cache
+        cache = generation.layer(self)
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q = rearrange(self.q_b_proj(q_resid), "b t (h e) -> b t h e", e=self.qk_head_dim)
+        latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))  # [B, T, Z]
+        cache.write(generation.new_positions(x.shape[1]), latent)
+        if self.indexer is not None:
+            topk = self.indexer.cached_select(x, q_resid, generation, cache)
+        elif ctx.shared_topk is None:
+            raise ValueError("a 'shared' indexer layer needs the top-k of an earlier 'full' layer (got none)")
+        else:
+            topk = ctx.shared_topk
+        keys = latent if not generation.started else cache.keys(latent.dtype)  # the prefill's rows are its own
+        o, _ = self._attend(q, keys, topk, {})
         return self.o_proj(rearrange(o, "b t h f -> b t (h f)")), topk
 
     def _attend(self, q: torch.Tensor, latent: torch.Tensor, topk: torch.Tensor,

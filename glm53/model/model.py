@@ -108,7 +108,7 @@ class Glm53Model(nn.Module):
 
         `ctx` (built from `attention_mask`, `cu_seqlens` / `position_ids` when absent) carries the per-forward
         state to every block; with `ctx.collect_stats` each layer's LayerStats is appended to `stats`. `cache` (a
-        glm53.generation.GenerationCache, when ctx is absent): the first forward fills it, later ones continue it.
+        glm53.model.cache.GenerationCache, when ctx is absent): the first forward fills it, later ones continue it.
         """
         if ctx is not None and not isinstance(ctx, ForwardContext):
             raise TypeError(f"ctx must be a ForwardContext or None, got {type(ctx).__name__}")
@@ -120,6 +120,10 @@ class Glm53Model(nn.Module):
                 raise ValueError("a generation cache does not take packed documents (cu_seqlens / position_ids) "
                                  "or context parallelism (cp)")  # fmt: skip
             ctx = ForwardContext(valid=valid, cache=cache, cp=cp, **fields)
+            if cache is not None:  # a forward on a cache advances its positions once, after every layer
+                cache.check_tokens(valid)
+                cache.begin(valid)
+        # (with a ctx, a generation step does that bookkeeping itself, outside what it compiles: generation/step.py)
         streams = expand_streams(inputs_embeds, self.config.hc_mult)  # [B, T, N, D]
         for layer in self.layers:
             (streams, topk), layer_stats = run_block(self.gradient_checkpointing, layer, (streams,), ctx)
@@ -127,6 +131,8 @@ class Glm53Model(nn.Module):
                 stats.append(layer_stats)
             if topk is not None:
                 ctx = dataclasses.replace(ctx, shared_topk=topk)  # rebind: recomputed layers keep their own ctx
+        if cache is not None and ctx.cache is cache:
+            cache.end(inputs_embeds.shape[1])
         return self.norm(collapse_streams(streams))
 
     def init_weights(self) -> None:

@@ -129,6 +129,22 @@ class Glm53ForConditionalGeneration(Glm53ForCausalLM):
         return super().forward(None, attention_mask, labels, embeds, **kwargs)
 
 
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                 pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None,
+                 pixel_values_videos: torch.Tensor | None = None, video_grid_thw: torch.Tensor | None = None,
+                 **kwargs) -> torch.Tensor:  # fmt: skip
+        """glm53.generation.generate with images / videos: the tower runs once, its features are spliced into
+        the prompt's embeddings for the prefill; decode steps are text only."""
+        if pixel_values is None and pixel_values_videos is None:
+            return super().generate(input_ids, attention_mask, **kwargs)
+        from ..generation.loop import generate  # the loop imports nothing from the model packages
+
+        with torch.inference_mode():
+            embeds = self.embed_multimodal(input_ids, pixel_values, image_grid_thw, pixel_values_videos,
+                                           video_grid_thw)  # fmt: skip
+        return generate(self, input_ids, attention_mask, inputs_embeds=embeds, **kwargs)
+
+
 def model_class_for(config: Glm53Config) -> type[Glm53ForCausalLM]:
     """The class a config builds: the VL model when it declares a vision tower, else the text model."""
     return Glm53ForConditionalGeneration if has_vision(config) else Glm53ForCausalLM

@@ -98,12 +98,14 @@ def test_generator_on_another_device_than_the_model():
     ("meta", "ids is on the meta device"), ("not-a-cache", "takes a GenerationCache, got dict"),
 ])  # fmt: skip
 def test_step_inputs(model, step, case, match):
-    """decode_step / verify_step: a meta ids tensor decoded NaNs, a float one failed in F.embedding."""
-    from glm53.generation import GenerationCache, decode_step, verify_step
+    """The generation step (decode and verify shapes): a meta ids tensor decoded NaNs, a float one failed in
+    F.embedding."""
+    from glm53.generation import GenerationCache
+    from glm53.generation import step as run_step
 
     cache = GenerationCache(model)
     model.model(IDS, cache=cache)
-    good = IDS[:, -1] if step == "decode" else IDS[:, -2:]
+    good = IDS[:, -1:] if step == "decode" else IDS[:, -2:]
     ids = {"float": good.float(), "list": good.tolist(), "meta": good.to("meta")}.get(case, good)
     with pytest.raises(Glm53Error, match=match):
-        (decode_step if step == "decode" else verify_step)(model, {} if case == "not-a-cache" else cache, ids)
+        run_step(model, {} if case == "not-a-cache" else cache, ids)

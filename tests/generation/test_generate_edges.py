@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from glm53.generation import GenerationCache, GenerationError, loop
-from glm53.generation.cache import MlaLayerCache
-from glm53.generation.decode import decode_step
+from glm53.generation import step
+from glm53.model.cache import MlaCache
 from tests.helpers.generation import left_padded, tiny_model
 
 NEW = 6
@@ -94,7 +94,7 @@ def test_stats_count_the_cache_of_the_steps_run(run, latent_dtype):
         cache = GenerationCache(model, latent_dtype=latent_dtype)
         model.model(ids, mask, cache=cache)
         for t in range(T, T + NEW - 1):
-            decode_step(model, cache, free[:, t])
+            step(model, cache, free[:, t : t + 1])
     exact = GenerationCache(model)
     assert (stats.prompt_tokens, stats.new_tokens, stats.cache_positions) == (ids.numel(), NEW, T + NEW - 1)
     assert stats.cache_bytes == cache.nbytes() > 0
@@ -104,12 +104,12 @@ def test_stats_count_the_cache_of_the_steps_run(run, latent_dtype):
         with torch.inference_mode():
             model.model(ids, mask, cache=exact)
             for t in range(T, T + NEW - 1):
-                decode_step(model, exact, free[:, t])
+                step(model, exact, free[:, t : t + 1])
         assert exact.nbytes() - stats.cache_bytes == n_mla * ids.shape[0] * (T + NEW - 1) * 2 * Z
 
 
 def test_generate_reserves_the_buffers_once(run, monkeypatch):
-    """After the prefill the MLA buffers are sized for the whole generation, exactly (no geometric overshoot)."""
+    """The MLA buffers are sized for the whole generation at the prefill, exactly (no geometric overshoot)."""
     model, ids, mask, _ = run
     made = []
 
@@ -121,9 +121,9 @@ def test_generate_reserves_the_buffers_once(run, monkeypatch):
     monkeypatch.setattr(loop, "GenerationCache", Spy)
     new = 9
     model.generate(ids, mask, max_new_tokens=new)
-    mla = [c for c in made[0]._layers.values() if isinstance(c, MlaLayerCache)]
+    mla = [c for c in made[0]._layers.values() if isinstance(c, MlaCache)]
     L, total = model.config.index_kpool, ids.shape[1] + new
-    assert mla and all(c.latent.shape[1] == total and c.pools.keys.shape[1] == total // L + 1 for c in mla)
+    assert mla and all(c.latent.shape[1] == total and c.pool_keys.shape[1] == -(-total // L) + 1 for c in mla)
 
 
 BAD = {

@@ -53,8 +53,13 @@ def make_inputs(vocab: int, B: int, T: int, pad: str | None, seed: int = 0):
     return ids, mask
 
 
+# Enough indexer heads that no two pools tie exactly (a sum of ReLUs at 0): transformers' torch.topk orders ties
+# arbitrarily, glm53 breaks them toward the earliest pool (README "Indexer ties"), so parity holds on tie-free scores.
+TIE_FREE = dict(index_n_heads=16)
+
+
 def load_pair(tmp_path, overrides: dict, seed: int = 1):
-    config = Glm53Config.tiny(**overrides)
+    config = Glm53Config.tiny(**{**TIE_FREE, **overrides})
     hf = hf_model(config, seed=seed)
     hf.save_pretrained(tmp_path)
     return hf, Glm53ForCausalLM.from_pretrained(tmp_path).eval()

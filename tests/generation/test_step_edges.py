@@ -1,4 +1,4 @@
-"""Edges of the T = 1 decode step (generation/decode.py) the main cases do not reach: a bf16 model (the KDA gate
+"""Edges of the T = 1 decode step (generation/step.py) the main cases do not reach: a bf16 model (the KDA gate
 adds dt_bias outside the f_b linear when the weights are not fp32) and an indexer that does not always select the
 tail of the pool being filled (k-pool 4).
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from glm53.generation import GenerationCache
-from glm53.generation.decode import decode_step
+from glm53.generation import step
 from tests.generation.test_incremental import REL_TOL
 from tests.helpers.generation import assert_matches_full, left_padded, tiny_model
 
@@ -19,11 +19,11 @@ BF16_REL_TOL = 1e-2  # bf16 rounding of the step's own formula order (~4e-3 of t
 
 
 def _decoded(model, ids, mask) -> torch.Tensor:
-    """Prefill P tokens, decode_step the next N -> their logits [B, N, vocab] (fp32)."""
+    """Prefill P tokens, decode the next N -> their logits [B, N, vocab] (fp32)."""
     with torch.inference_mode():
         cache = GenerationCache(model)
         model.model(ids[:, :P], mask[:, :P], cache=cache)
-        return torch.stack([model.lm_head(decode_step(model, cache, ids[:, t])) for t in range(P, P + N)], 1).float()
+        return torch.stack([model.lm_head(step(model, cache, ids[:, t : t + 1]))[:, 0] for t in range(P, P + N)], 1).float()
 
 
 def test_decode_step_of_a_bf16_model():

@@ -1,0 +1,219 @@
+"""The generation step (glm53/generation/step.py) against one full forward: decode (T = 1), verify (T = k + 1) with
+marks and rewinds, the MTP draft step, and the compiled step.
+
+Prefill P tokens, then steps: the logits equal one full forward over P + N at test_incremental.py's tolerances, on
+its cases (sparse regime past index_topk, k-pool boundaries, left padding with rows at different pool phases, shared
+top-k across KDA, softplus gate, KDA only). With k-pool 4 and T = 3, 4 some pool completes strictly inside a chunk
+(checked), so a pool filled mid-verify must be a candidate for the later queries of the chunk only.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from glm53.generation import CacheError, GenerationCache, Stepper, step
+from glm53.model.context import ForwardContext
+from tests.generation.test_incremental import CASES, GLM_SHARED, KDA_ONLY, REL_TOL, REL_TOL_RANDOM
+from tests.helpers.generation import assert_matches_full, case_inputs, left_padded, tiny_model, verify_rewind_decode
+
+VERIFY_CASES = {f"{case}-T{T}": (case, T) for case in CASES for T in (1, 3)}
+VERIFY_CASES["sparse-P13-N12-T4"] = ("sparse-P13-N12", 4)
+
+
+def _pool_ends_inside_a_chunk(mask: torch.Tensor, L: int, P: int, N: int, T: int) -> bool:
+    """Some row completes a k-pool at a position that is neither the first nor the last of its chunk."""
+    for first in (mask.shape[1] - mask.sum(-1)).tolist():
+        for t in range(P, P + N):
+            inside = (t - P) % T not in (0, T - 1) and t + 1 < P + N
+            if inside and (t - first + 1) % L == 0:
+                return True
+    return False
+
+
+def _steps(model, ids, mask, P, N, T, stepper=step, max_length=None):
+    cache = GenerationCache(model, max_length=max_length)
+    out = [model.lm_head(stepper(model, cache, ids[:, :P], mask[:, :P].bool()))]
+    out += [model.lm_head(stepper(model, cache, ids[:, t : min(t + T, P + N)])) for t in range(P, P + N, T)]
+    return cache, torch.cat(out, dim=1)
+
+
+@pytest.mark.parametrize("case", list(VERIFY_CASES), ids=list(VERIFY_CASES))
+def test_steps_equal_full_forward(case):
+    name, T = VERIFY_CASES[case]
+    spec = CASES[name]
+    model, ids, mask, P, N = case_inputs(spec, shorter_by=5)
+    if name.startswith("sparse") and T > 2:
+        assert _pool_ends_inside_a_chunk(mask, model.config.index_kpool, P, N, T)
+    with torch.inference_mode():
+        full = model(ids, attention_mask=mask).logits
+        cache, got = _steps(model, ids, mask, P, N, T)
+    assert_matches_full(got, full, mask, REL_TOL_RANDOM if spec.get("random") else REL_TOL)
+    assert cache.seq_len == P + N
+
+
+@pytest.mark.parametrize("config", [{}, KDA_ONLY, GLM_SHARED], ids=["sparse", "kda-only", "shared-across-kda"])
+def test_rewind_after_a_verify_with_wrong_tokens(config):
+    """mark, verify the true next tokens followed by wrong ones, rewind to the true ones: the cache continues as if
+    the wrong tokens were never seen (KDA states, conv history, pools and the indexer's ring), through later verify
+    and decode steps, across pool boundaries; the logits of the kept tokens equal the full forward."""
+    model = tiny_model(random_weights=False, **config)
+    plan = [(1, 2), (3, 0), (2, 1), (1, 3), (4, 0), (2, 2)]  # kept true tokens, then wrong ones (none: keep all)
+    cache, got, full, mask = verify_rewind_decode(model, lambda c, chunk: step(model, c, chunk),
+                                                  lambda c, ids: step(model, c, ids[:, None]), plan, P=9, N=14)
+    assert_matches_full(got, full, mask, REL_TOL)
+    assert cache.seq_len == 9 + 14
+
+
+def test_mtp_steps_equal_the_layer_forward():
+    """The MTP layer's steps of T = 1, 2, 3 tokens on its own cache equal MTPLayer.forward over the whole sequence
+    (its own indexer past index_topk and across pool boundaries), marked and rewound like drafts."""
+    model = tiny_model(random_weights=False, num_nextn_predict_layers=1, index_topk=4)
+    layer = model.mtp.layer_for(1)
+    P, N = 10, 12
+    ids, mask = left_padded(model.config.vocab_size, [P + N + 1, P + N - 2])
+    hidden = torch.randn(2, P + N, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    valid = mask.bool()[:, : P + N]
+    with torch.inference_mode():
+        full = layer(hidden, model.model.embed_tokens(ids[:, 1:]), ForwardContext(valid=valid))
+        cache = GenerationCache(model, part="mtp")
+        got = [step(model, cache, ids[:, 1 : P + 1], valid[:, :P], hidden[:, :P])]
+        t = P
+        for T in (1, 2, 3, 1, 2, 3):
+            cache.mark()
+            got.append(step(model, cache, ids[:, t + 1 : t + T + 1], None, hidden[:, t : t + T]))
+            wrong = step(model, cache, ids[:, :1], None, hidden[:, :1])  # a draft-only position, rewound below
+            assert wrong.shape == (2, 1, hidden.shape[-1])
+            cache.rewind(T)
+            t += T
+    assert t == P + N
+    got = torch.cat(got, dim=1)
+    err = (got - full)[valid].abs().max().item()
+    assert err <= REL_TOL * full[valid].abs().max().item(), f"max abs error {err:.3e}"
+
+
+def test_step_bad_input():
+    model, other = tiny_model(), tiny_model(seed=2)
+    ids, mask = left_padded(model.config.vocab_size, [6, 4])
+    with torch.inference_mode():
+        cache = GenerationCache(model)
+        with pytest.raises(CacheError, match="left-padded"):
+            step(model, cache, ids, torch.tensor([[1, 1, 0, 1, 1, 1], [0, 0, 1, 1, 1, 1]]).bool())
+        cache = GenerationCache(model, max_length=7)
+        step(model, cache, ids, mask.bool())
+        with pytest.raises(CacheError, match="another model"):
+            step(other, cache, ids[:, :1])
+        with pytest.raises(CacheError, match="batch of 2 rows, the input has 1"):
+            step(model, cache, ids[:1, :1])
+        for bad in (ids[:, 0], ids[:, :0], ids[:, :1].float()):
+            with pytest.raises(CacheError, match=r"integer ids \[batch, tokens\]"):
+                step(model, cache, bad)
+        with pytest.raises(CacheError, match="max_length=7"):
+            step(model, cache, ids[:, :2])
+        with pytest.raises(CacheError, match="tokens only"):
+            step(model, cache, ids[:, :1], torch.tensor([[True], [False]]))
+        with pytest.raises(CacheError, match="rewind.. needs an earlier mark"):
+            cache.rewind(0)
+        cache.mark()
+        with pytest.raises(CacheError, match=r"integer in \[0, 0\]"):
+            cache.rewind(1)
+        with pytest.raises(CacheError, match="part must be"):
+            GenerationCache(model, part="draft")
+        with pytest.raises(CacheError, match="latent_dtype"):
+            GenerationCache(model, latent_dtype=torch.int16)
+        with pytest.raises(CacheError, match="max_length"):
+            GenerationCache(model, max_length=0)
+
+
+# latent_dtype -> (bytes saved per latent row of width Z against fp32, the largest logit change relative to the
+# logits' scale): bf16 rounds to 8 mantissa bits, int8 to 1/254 of each row's absmax (+ a 4-byte fp32 scale)
+NARROW = {torch.bfloat16: (lambda Z: 2 * Z, 5e-3), torch.int8: (lambda Z: 3 * Z - 4, 1e-2)}
+
+
+@pytest.mark.parametrize("dtype", list(NARROW), ids=["bf16", "int8"])
+def test_narrow_latent_cache(dtype):
+    """latent_dtype on an fp32 model: fewer bytes per latent row, logits moved by the rounding only (not exact: well
+    above fp32 rounding, well below the logits' scale)."""
+    model = tiny_model(random_weights=False)
+    cfg = model.config
+    P, N = 12, 8
+    ids, mask = left_padded(cfg.vocab_size, [P + N, P + N - 3])
+    caches, logits = {}, {}
+    with torch.inference_mode():
+        full = model(ids, attention_mask=mask).logits
+        for key in (None, dtype):
+            cache = caches[key] = GenerationCache(model, latent_dtype=key)
+            step(model, cache, ids[:, :P], mask[:, :P].bool())
+            logits[key] = torch.cat([model.lm_head(step(model, cache, ids[:, t : t + 1])) for t in range(P, P + N)], 1)
+    saved, bound = NARROW[dtype]
+    n_mla = len(cfg.attention_layers)
+    assert caches[None].nbytes() - caches[dtype].nbytes() == n_mla * ids.shape[0] * (P + N) * saved(cfg.kv_lora_rank)
+    scale = full.abs().max().item()
+    exact = (logits[None] - full[:, P:]).abs().max().item()
+    rounded = (logits[dtype] - full[:, P:]).abs().max().item()
+    assert exact <= REL_TOL * scale < rounded <= bound * scale
+
+
+def test_cache_bytes_are_the_latent_and_one_pooled_key_per_pool():
+    """nbytes = per MLA layer and row: the latent (Z per position) + one indexer key per complete k-pool (full
+    indexers only); per KDA layer and row the fp32 state and the three conv histories, whatever the length."""
+    model = tiny_model(random_weights=False, **GLM_SHARED)
+    cfg = model.config
+    ids, mask = left_padded(cfg.vocab_size, [13, 9])
+    with torch.inference_mode():
+        cache = GenerationCache(model, max_length=40)
+        step(model, cache, ids, mask.bool())
+    B, S, L, Z, Ki = 2, 13, cfg.index_kpool, cfg.kv_lora_rank, cfg.index_head_dim
+    C, W = cfg.linear_num_heads * cfg.linear_head_dim, cfg.linear_conv_kernel_dim
+    full_mla = sum(1 for i, t in enumerate(cfg.indexer_types) if cfg.layer_types[i] != "linear_attention" and t == "full")
+    shared_mla = len(cfg.attention_layers) - full_mla
+    kda = cfg.num_hidden_layers - len(cfg.attention_layers)
+    want = 4 * B * (full_mla * (S * Z + (S // L) * Ki) + shared_mla * S * Z
+                    + kda * (cfg.linear_num_heads * cfg.linear_head_dim**2 + 3 * C * (W - 1)))  # fmt: skip
+    assert cache.nbytes() == want
+    assert cache.seq_len == S
+
+
+def _graph_counter():
+    """A torch.compile backend (public API: a callable) that counts the graphs dynamo hands it."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    return backend, graphs
+
+
+def test_compiled_step_is_one_graph_and_equals_eager():
+    """compile: the decode step (T = 1) and the marked verify step (T = 3) each trace into ONE graph with
+    fullgraph=True (a host read, a .item() or a data-dependent shape would raise), are reused for every later step
+    (no recompile: lengths are device tensors), and give the eager step's logits."""
+    model = tiny_model(random_weights=False)
+    P, N = 9, 6
+    ids, mask = left_padded(model.config.vocab_size, [P + N + 3, P + N])
+    backend, graphs = _graph_counter()
+    stepper = Stepper(compile=backend)
+    with torch.inference_mode():
+        _, eager = _steps(model, ids, mask, P, N, 1, max_length=P + N + 4)
+        cache, compiled = _steps(model, ids, mask, P, N, 1, stepper, max_length=P + N + 4)
+        assert len(graphs) == 1
+        cache.mark()
+        stepper(model, cache, ids[:, P + N : P + N + 3])
+        cache.rewind(1)
+        cache.mark()
+        stepper(model, cache, torch.cat([ids[:, P + N + 1 :], ids[:, :1]], dim=1))  # T = 3 again
+        cache.rewind(0)
+    assert len(graphs) == 2
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-6 * eager.abs().max().item())  # same ops, same order
+
+
+def test_generate_compiled_with_inductor_equals_eager():
+    """compile=True (inductor, public torch.compile only) through generate: the same greedy tokens as eager, plain and
+    speculative."""
+    model = tiny_model(random_weights=False, num_nextn_predict_layers=1)
+    ids, mask = left_padded(model.config.vocab_size, [7, 5])
+    plain = model.generate(ids, mask, max_new_tokens=4)
+    assert torch.equal(model.generate(ids, mask, max_new_tokens=4, compile=True), plain)
+    assert torch.equal(model.generate(ids, mask, max_new_tokens=4, compile=True, speculative="mtp",
+                                      num_speculative_tokens=2), plain)  # fmt: skip
