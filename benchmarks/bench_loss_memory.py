@@ -31,7 +31,7 @@ CHILD = r"""
 import sys, torch
 sys.path.insert(0, {root!r})
 from glm53.kernels.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
-from glm53.training.losses import causal_lm_head_loss, causal_lm_loss
+from glm53.losses import causal_lm_head_loss, causal_lm_loss
 torch.set_num_threads(2)
 T, D, V, variant = {tokens}, {hidden}, {vocab}, {variant!r}
 g = torch.Generator().manual_seed(0)

@@ -148,7 +148,7 @@ def train_step(model, ids, is_hf):
 
 def active_matmul_params(config) -> int:
     """Parameters one token multiplies through (routed experts: top-k of them; embeddings excluded, head included)."""
-    from glm53.model import Glm53ForCausalLM as M
+    from glm53 import Glm53ForCausalLM as M
 
     with torch.device("meta"):
         model = M(config)

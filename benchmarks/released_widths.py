@@ -9,7 +9,7 @@ per-head sparse attention runs at one tensor-parallel rank's share of heads (64 
 uses it. Rows:
 - sparse_mqa_attention / sparse_attention: the fast kernels and their dense references, fwd and fwd+bwd;
 - indexer_scores: [T, P] scores, fwd and fwd+bwd (the indexer KL trains it);
-- pool_mass: the KL target's dense attention mass per pool (no grad; training/losses.attention_pool_mass);
+- pool_mass: the KL target's dense attention mass per pool (no grad; model/attention_mass.py);
 - indexer_kl: the KL of the index scores against that target, fwd+bwd (losses.indexer_kl_terms);
 - kda: the chunked KDA kernel, fwd and fwd+bwd;
 - moe_experts: MOE_EXPERTS experts of the released width, each token routed to MOE_TOPK of them (a few experts
@@ -106,16 +106,17 @@ def _indexer_target(T: int, c: Glm53Config):
 
 def measure(op: str, backend: str, T: int, reps: int) -> dict:
     """Run in a fresh child: times (median of reps) and the peak RSS growth of one fwd+bwd (or fwd) call."""
-    from glm53.training import losses
+    from glm53 import losses
+    from glm53.model.attention_mass import attention_pool_mass
     from glm53.model.context import LayerStats
 
     c = Glm53Config()
     tensors, extra = inputs(op, T, c)
     if op in ("pool_mass", "indexer_kl"):
         q, k, valid, candidate = _indexer_target(T, c)
-        mass = losses.attention_pool_mass(q, k, valid, c.index_kpool, c.qk_head_dim**-0.5)
+        mass = attention_pool_mass(q, k, valid, c.index_kpool, c.qk_head_dim**-0.5)
         if op == "pool_mass":
-            fwd = lambda: losses.attention_pool_mass(q, k, valid, c.index_kpool, c.qk_head_dim**-0.5)  # noqa: E731
+            fwd = lambda: attention_pool_mass(q, k, valid, c.index_kpool, c.qk_head_dim**-0.5)  # noqa: E731
             step = fwd
         else:
             scores = torch.randn(mass.shape, generator=torch.Generator().manual_seed(1)).requires_grad_()

@@ -12,7 +12,7 @@ import torch
 from .config import Glm53Config
 from .errors import Glm53Error
 from .generation import cli as generate_cli
-from .model import Glm53ForCausalLM
+from .losses import Glm53ForCausalLM
 from .training import cli as train_cli
 from .training.args import positive_float, positive_int, seed_int, sequence_length
 from .training.data import VOCAB_SIZE, batches, corpus_text, encode

@@ -21,11 +21,11 @@ from .config_checks import (
     check_floats,
     check_ints,
     check_list_fields,
-    check_token_ids,
-    is_int,
+    check_special_token_ids,
     unknown_keys,
 )
 from .errors import ConfigError
+from .utils import is_int
 
 LINEAR_ATTENTION = "linear_attention"  # KDA layer
 INDEXED_ATTENTION = "indexed_attention"  # NoPE MLA + DSA indexer layer
@@ -146,7 +146,7 @@ class Glm53Config:
         check_ints(self)
         check_bools_and_strings(self)
         check_floats(self)
-        check_token_ids(self)
+        check_special_token_ids(self)
         check_list_fields(self)
         check_extra(self.extra)
         self._validate_schedules()

@@ -11,6 +11,7 @@ import math
 from typing import Any
 
 from .errors import ConfigError
+from .utils import is_int, is_number
 
 # kind -> (description for the message, predicate on an already type-checked value)
 _POSITIVE_INT = (
@@ -51,16 +52,6 @@ KNOWN_EXTRA_KEYS = frozenset({
     "num_experts", "tokenizer_class", "sep_token_id", "decoder_start_token_id", "task_specific_params", "prefix",
     "index_topk_pattern", "index_topk_freq", "index_skip_topk_offset", "linear_attn_config",
 })  # fmt: skip
-
-
-def is_int(value: Any) -> bool:
-    """A real int: `True` (JSON `true`) is a bool and is refused."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def is_number(value: Any) -> bool:
-    """An int or float (where a float is meant); bools and strings are refused."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _in_range(value: float, spec: tuple[float | None, bool, float | None, bool]) -> bool:
@@ -121,7 +112,8 @@ def check_floats(cfg: Any) -> None:
             raise ConfigError(f"{name} must be a finite number {_range_text(spec)}, got {value!r}")
 
 
-def check_token_ids(cfg: Any) -> None:
+def check_special_token_ids(cfg: Any) -> None:
+    """pad/bos/eos (and the other special ids) of a config: non-negative ints inside the vocabulary, or None."""
     for name in _OPTIONAL_TOKEN_ID:
         value = getattr(cfg, name)
         if value is not None and (not is_int(value) or value < 0):
@@ -160,5 +152,5 @@ def unknown_keys(keys: Any) -> list[str]:
     return sorted(k for k in keys if k not in KNOWN_EXTRA_KEYS)
 
 
-__all__ = ["KNOWN_EXTRA_KEYS", "is_int", "is_number", "check_ints", "check_bools_and_strings", "check_floats",
-           "check_token_ids", "check_list_fields", "check_extra", "unknown_keys"]  # fmt: skip
+__all__ = ["KNOWN_EXTRA_KEYS", "check_ints", "check_bools_and_strings", "check_floats",
+           "check_special_token_ids", "check_list_fields", "check_extra", "unknown_keys"]  # fmt: skip

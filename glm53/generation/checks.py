@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from ..config_checks import is_int, is_number
+from ..utils import is_int, is_number
 from ..model.inputs import check_device
 from .step import GenerationError
 

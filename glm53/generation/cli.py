@@ -22,7 +22,7 @@ import sys
 import torch
 
 from ..errors import Glm53Error
-from ..model.model import Glm53ForCausalLM
+from ..losses import Glm53ForCausalLM
 from ..peft import cli as peft_cli
 from ..training import data as byte_codec
 from ..training.args import existing_dir, seed_int

@@ -1,7 +1,8 @@
 """Numerics-critical ops, each with a slow obviously-correct reference beside its fast version.
 
-`kernel(op)` returns the implementation in use (see `dispatch.py`); every module calls ops through it, so a test
-can force the reference with `use_backend("reference")`.
+`kernel(op)` returns the implementation in use (see `dispatch.py`); model code holds a `kernel_op(op)` handle per
+op instead (resolved once, kept current by `use_backend`), so a test can force the reference with
+`use_backend("reference")` either way.
 """
 
 from . import (  # noqa: F401  (registers the implementations)
@@ -19,6 +20,6 @@ from . import (  # noqa: F401  (registers the implementations)
     sparse_attention,
     vision_attention,
 )
-from .dispatch import backends, chosen_backend, kernel, ops, set_backend, use_backend
+from .dispatch import KernelOp, backends, chosen_backend, kernel, kernel_op, ops, set_backend, use_backend
 
-__all__ = ["backends", "chosen_backend", "kernel", "ops", "set_backend", "use_backend"]
+__all__ = ["KernelOp", "backends", "chosen_backend", "kernel", "kernel_op", "ops", "set_backend", "use_backend"]

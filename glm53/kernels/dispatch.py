@@ -6,6 +6,9 @@ themselves ("chunk_reference": KDA's chunked form written for clarity, "padded":
 batched matmul). `kernel(op)` returns the chosen callable: "fast" unless a backend was forced; the choice is
 logged once per (op, backend), and an unknown op or backend raises. Tests force a backend with the scoped
 `use_backend(...)` context (it restores the previous choice on exit); `set_backend` is the global form.
+Model code does not look ops up by name on every call: it holds a `KernelOp` per op (`kernel_op("rms_norm")`, made
+once at import), resolved when made and again whenever `set_backend` / `use_backend` change that op's choice, so a
+call is one attribute read (`KernelOp.fn`) and a scoped forcing still reaches every module.
 The choice of kernel never changes numerics settings of a module (those are explicit module attributes).
 """
 
@@ -23,6 +26,28 @@ DEFAULT_BACKEND = "fast"
 _REGISTRY: dict[str, dict[str, Callable]] = {}
 _FORCED: dict[str, str] = {}
 _LOGGED: set[tuple[str, str]] = set()
+_HANDLES: dict[str, list["KernelOp"]] = {}  # every KernelOp made, per op: set_backend re-resolves them
+
+
+class KernelOp:
+    """One op's chosen implementation, held by the code that calls it: `op(*args)` calls `op.fn`."""
+
+    def __init__(self, op: str) -> None:
+        self.op = op
+        self.fn = kernel(op)  # raises on an unknown op
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"KernelOp({self.op!r}: {chosen_backend(self.op)})"
+
+
+def kernel_op(op: str) -> KernelOp:
+    """A handle on `op`'s implementation, kept current by `set_backend` (and so by `use_backend`)."""
+    handle = KernelOp(op)
+    _HANDLES.setdefault(op, []).append(handle)
+    return handle
 
 
 def register(op: str, backend: str, fn: Callable) -> Callable:
@@ -44,10 +69,12 @@ def set_backend(op: str, backend: str | None) -> None:
     """Force `backend` for `op` process-wide (None restores the default); prefer the scoped `use_backend`."""
     if backend is None:
         _FORCED.pop(op, None)
-        return
-    if backend not in backends(op):
+    elif backend not in backends(op):
         raise ValueError(f"unknown backend {backend!r} for kernel op {op!r}; registered: {backends(op)}")
-    _FORCED[op] = backend
+    else:
+        _FORCED[op] = backend
+    for handle in _HANDLES.get(op, ()):
+        handle.fn = kernel(op)
 
 
 def chosen_backend(op: str) -> str:

@@ -1,4 +1,5 @@
-"""The GLM-5.3-Flash text model as plain `nn.Module`s, one building block per file.
+"""The GLM-5.3-Flash text model as plain `nn.Module`s, one building block per file. It computes; the losses
+(glm53/losses/, including the `labels=` model Glm53ForCausalLM) score. Nothing here imports glm53.losses.
 
     norm.py              RMSNorm, gated RMSNorm, LayerNorm
     mlp.py               clamped SwiGLU MLP
@@ -9,7 +10,10 @@
     mla.py               NoPE multi-head latent attention with top-k sparse attention
     block.py             decoder block (attention + MLP inside two mHC sites), `run_block`
     mtp.py               multi-token prediction layers
-    model.py             Glm53Model, Glm53ForCausalLM (wiring, losses, router-bias update)
+    model.py             Glm53Model, Glm53LMHeadModel (wiring: ids -> logits and per-layer statistics)
+    inputs.py            input checks and the forward's one ForwardContext (`build_context`)
+    attention_mass.py    the dense attention mass per indexer pool (the indexer KL's target statistic)
+    balancing.py         expert-load counts and the aux-loss-free router-bias update
     context.py           ForwardContext (per-forward state for every block) and LayerStats
     compile.py           per-block torch.compile in place (`compile_blocks`)
 
@@ -30,6 +34,6 @@ Suffixes on tensors that cross files name their layout (`topk_BTJ`).
 """
 
 from .context import ForwardContext, LayerStats
-from .model import CausalLMOutput, Glm53ForCausalLM, Glm53Model
+from .model import Glm53LMHeadModel, Glm53Model, LMOutput
 
-__all__ = ["CausalLMOutput", "ForwardContext", "Glm53ForCausalLM", "Glm53Model", "LayerStats"]
+__all__ = ["ForwardContext", "Glm53LMHeadModel", "Glm53Model", "LayerStats", "LMOutput"]

@@ -1,8 +1,11 @@
 """One decoder block: (KDA or MLA) then (dense MLP or MoE), each inside an mHC site.
 
-Legend (glm53/model/__init__.py): B batch, T time, N streams, D model width.
-    streams = attn_hc(streams, x -> attention(input_layernorm(x)))
-    streams = ffn_hc(streams, x -> mlp(post_attention_layernorm(x)))
+Legend (glm53/model/__init__.py): B batch, T time, N streams, D model width, J selected key slots per query.
+    x, mix  = attn_hc.enter(streams)                   x = sum_j pre_j streams_j       [B, T, D]
+    streams = attn_hc.exit(streams, attention(input_layernorm(x)), mix)
+    x, mix  = ffn_hc.enter(streams)
+    streams = ffn_hc.exit(streams, mlp(post_attention_layernorm(x)), mix)
+(transformers' Glm5NextTextDecoderLayer; hyper_connection.py holds the two halves of a site.)
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ class DecoderBlock(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.is_linear = config.layer_types[layer_idx] == LINEAR_ATTENTION
+        self.is_moe = config.mlp_layer_types[layer_idx] == "sparse"
         self.self_attn = KimiDeltaAttention(config) if self.is_linear else MultiHeadLatentAttention(config, layer_idx)
-        self.mlp = MoE(config) if config.mlp_layer_types[layer_idx] == "sparse" else MLP(config)
+        self.mlp = MoE(config) if self.is_moe else MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn_hc = HyperConnection(config)
@@ -40,23 +44,18 @@ class DecoderBlock(nn.Module):
 
         `ctx.stats` (when set) is filled with what the training losses need.
         """
-        topk = None
+        x, mix = self.attn_hc.enter(streams)
+        x = self.input_layernorm(x)
+        if self.is_linear:
+            attended, topk = self.self_attn(x, ctx), None
+        else:
+            attended, topk = self.self_attn(x, ctx)
+        streams = self.attn_hc.exit(streams, attended, mix)
 
-        def attention(x: torch.Tensor) -> torch.Tensor:
-            nonlocal topk
-            x = self.input_layernorm(x)
-            if self.is_linear:
-                return self.self_attn(x, ctx)
-            out, topk = self.self_attn(x, ctx)
-            return out
-
-        def mlp(x: torch.Tensor) -> torch.Tensor:
-            x = self.post_attention_layernorm(x)
-            return self.mlp(x, ctx) if isinstance(self.mlp, MoE) else self.mlp(x)
-
-        streams = self.attn_hc(streams, attention)
-        streams = self.ffn_hc(streams, mlp)
-        return streams, topk
+        x, mix = self.ffn_hc.enter(streams)
+        x = self.post_attention_layernorm(x)
+        mixed = self.mlp(x, ctx) if self.is_moe else self.mlp(x)
+        return self.ffn_hc.exit(streams, mixed, mix), topk
 
     def init_weights(self) -> None:
         for module in (self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm,
@@ -71,11 +70,11 @@ def run_block(recompute: bool, block: Callable, inputs: tuple, ctx: ForwardConte
     nothing the caller reads (expert loads included) is recorded twice. `ctx` must not be mutated afterwards
     (callers rebind it with dataclasses.replace), since recomputation reads it again.
     """
-
-    def call(*args):
-        layer_ctx = ctx.for_layer()
-        return block(*args, layer_ctx), layer_ctx.stats
-
     if recompute and torch.is_grad_enabled():
-        return checkpoint(call, *inputs, use_reentrant=False)
-    return call(*inputs)
+        return checkpoint(_call_with_layer_context, block, ctx, *inputs, use_reentrant=False)
+    return _call_with_layer_context(block, ctx, *inputs)
+
+
+def _call_with_layer_context(block: Callable, ctx: ForwardContext, *inputs) -> tuple[object, LayerStats | None]:
+    layer_ctx = ctx.for_layer()
+    return block(*inputs, layer_ctx), layer_ctx.stats

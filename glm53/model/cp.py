@@ -20,18 +20,7 @@ from __future__ import annotations
 import torch
 
 from .context import SequenceShards
-from .packing import static_boundaries
-
-
-def boundaries(starts: torch.Tensor) -> torch.Tensor:
-    """cu_seqlens over the flattened [B, T] tokens from document starts [B, T] bool (row starts added)."""
-    B, T = starts.shape
-    starts = starts.clone()
-    starts[:, 0] = True
-    if torch.compiler.is_compiling():  # B * T + 1 entries, empty documents last: no data-dependent size
-        return static_boundaries(starts)
-    flat = torch.nonzero(starts.flatten()).flatten()  # NOTE: syncs
-    return torch.cat([flat, flat.new_full((1,), B * T)])
+from .packing import position_starts, starts_to_cu_seqlens
 
 
 def sharded_packing_fields(position_ids: torch.Tensor, cp: SequenceShards) -> dict[str, torch.Tensor]:
@@ -43,14 +32,13 @@ def sharded_packing_fields(position_ids: torch.Tensor, cp: SequenceShards) -> di
     B, T = position_ids.shape
     pos = position_ids.long()
     before = cp.from_previous(pos, 1)[:, 0]  # [B] the previous rank's last position (zeros on rank 0)
-    starts = torch.ones_like(pos, dtype=torch.bool)
-    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    starts = position_starts(pos)
     starts[:, 0] = (pos[:, 0] != before + 1) | (cp.rank == 0)
     counts = cp.stack(starts.sum(-1))  # [size, B] documents starting in each rank's slice of each row
     per_row = counts.sum(0)
     first = per_row.cumsum(0) - per_row + counts[: cp.rank].sum(0)  # [B] documents before this slice
     segments = first[:, None] + starts.long().cumsum(-1) - 1
-    return dict(cu_seqlens=boundaries(starts), segment_ids=segments)
+    return dict(cu_seqlens=starts_to_cu_seqlens(starts), segment_ids=segments)
 
 
 def halo_starts(segment_ids: torch.Tensor, cp: SequenceShards, width: int) -> torch.Tensor:
@@ -105,4 +93,4 @@ def across_ranks(value: torch.Tensor | None, cp: SequenceShards) -> torch.Tensor
     return scaled + (cp.sum(value) - scaled).detach()
 
 
-__all__ = ["across_ranks", "ahead", "boundaries", "halo_starts", "sharded_packing_fields", "sharded_targets"]
+__all__ = ["across_ranks", "ahead", "halo_starts", "sharded_packing_fields", "sharded_targets"]

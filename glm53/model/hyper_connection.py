@@ -7,10 +7,14 @@ pre (N), post (N) and comb (N x N):
     post = 2 * sigmoid(scale_1 * post_logits + base_post)            (spreads the block output over the streams)
     comb = sinkhorn(softmax(scale_2 * comb_logits + base_comb) + eps) (mixes the residual streams)
 and the site computes  out_i = post_i * block(sum_j pre_j x_j) + sum_j comb_ji x_j
-(transformers' Glm5NextTextHyperConnection and decoder layer).
+(transformers' Glm5NextTextHyperConnection and decoder layer), in two explicit halves around the block:
+    x, mix = site.enter(streams)     # a module call (hooks run): x = sum_j pre_j x_j [B, T, D], mix = (post, comb)
+    streams = site.exit(streams, block(x), mix)
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -19,9 +23,21 @@ from torch.utils.checkpoint import checkpoint
 
 from ..boundary import as_local
 from ..config import Glm53Config
-from ..kernels import kernel
+from ..kernels import kernel_op
+
+# kernels resolved once; use_backend keeps them current (kernels/dispatch.py)
+hc_project, sinkhorn = kernel_op("hc_project"), kernel_op("sinkhorn")
+hc_collapse, hc_mix = kernel_op("hc_collapse"), kernel_op("hc_mix")
 
 FN_INIT_STD = 0.02  # transformers initialises `fn` with std 0.02 regardless of initializer_range
+
+
+class Mix(NamedTuple):
+    """What a site's `exit` needs from its `enter`: the coefficients that spread the block output and mix the
+    streams (fp32)."""
+
+    post: torch.Tensor  # [B, T, N]
+    comb: torch.Tensor  # [B, T, N, N]
 
 
 class HyperConnection(nn.Module):
@@ -44,26 +60,34 @@ class HyperConnection(nn.Module):
         """streams [B, T, N, D] -> pre [B, T, N], post [B, T, N], comb [B, T, N, N], all fp32."""
         n = self.n
         flat = rearrange(streams, "b t n d -> b t (n d)").float()
-        mixed = kernel("hc_project")(flat, as_local(self, "fn").float(), self.norm_eps)  # [B, T, (2+N)N]
+        mixed = hc_project(flat, as_local(self, "fn").float(), self.norm_eps)  # [B, T, (2+N)N]
         pre_w, post_w, comb_w = mixed.split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = as_local(self, "base").float().split([n, n, n * n])
         scale = as_local(self, "scale").float()
         pre = torch.sigmoid(pre_w * scale[0] + pre_b) + self.eps
         post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
         comb_logits = (comb_w * scale[2] + comb_b).view(*comb_w.shape[:-1], n, n)
-        comb = kernel("sinkhorn")(torch.softmax(comb_logits, dim=-1) + self.eps, self.sinkhorn_iters, self.eps)
+        comb = sinkhorn(torch.softmax(comb_logits, dim=-1) + self.eps, self.sinkhorn_iters, self.eps)
         return pre, post, comb
 
-    def forward(self, streams: torch.Tensor, block) -> torch.Tensor:
-        """Run `block` ([B, T, D] -> [B, T, D]) at this site: [B, T, N, D] -> [B, T, N, D]."""
+    def enter(self, streams: torch.Tensor) -> tuple[torch.Tensor, Mix]:
+        """The site's first half: streams [B, T, N, D] -> (the block input sum_j pre_j x_j [B, T, D], the mix
+        coefficients `exit` needs). It is this module's forward, called through the module so that hooks on it
+        run (FSDP gathers the site's fp32 parameters there; `exit` reads no parameter)."""
+        return self(streams)
+
+    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, Mix]:
+        """`enter`: the coefficients, recomputed in backward when `recompute` says so, and the collapsed input."""
         recompute = streams.dtype != torch.float32 if self.recompute is None else self.recompute
         if torch.is_grad_enabled() and streams.requires_grad and recompute:
             pre, post, comb = checkpoint(self.coefficients, streams, use_reentrant=False)
         else:
             pre, post, comb = self.coefficients(streams)
-        collapsed = kernel("hc_collapse")(pre, streams)  # [B, T, D]
-        out = block(collapsed)
-        return kernel("hc_mix")(streams, comb, post, out)
+        return hc_collapse(pre, streams), Mix(post, comb)
+
+    def exit(self, streams: torch.Tensor, output: torch.Tensor, mix: Mix) -> torch.Tensor:
+        """The site's second half: out_i = post_i * output + sum_j comb_ji x_j -> new streams [B, T, N, D]."""
+        return hc_mix(streams, mix.comb, mix.post, output)
 
     def init_weights(self) -> None:
         nn.init.normal_(self.fn, std=FN_INIT_STD)

@@ -14,7 +14,7 @@ Following transformers' Glm5NextTextIndexer (DeepSeek-V3.2 DSA plus GLM's k-pool
 - -1 marks an empty slot; padding queries get only -1. J = index_topk (+ L - 1 with the tail).
 The selection is not differentiable; transformers runs it under no_grad and so does the forward here.
 `score_and_select(..., grad=True)` also returns the scores with gradient for the indexer KL loss
-(glm53/training/losses.py).
+(glm53/losses/parts.py).
 Packed documents (`cu_seqlens`, model/packing.py): pools start at each document's first valid token and never
 run past its end, a query's candidates are complete pools of its own document, and the tail is its document's.
 Context parallelism (`shards`, ForwardContext.cp): a rank scores its own queries against the pools of the whole
@@ -31,12 +31,15 @@ import torch.nn.functional as F
 from ..boundary import as_local
 from ..config import Glm53Config
 from ..utils import ceil_div
-from ..kernels import kernel
+from ..kernels import kernel_op
 from ..kernels.indexer_topk import rank_pools
 from ..kernels.varlen import document_bounds, own_document_pools
 from .context import SequenceShards
 from .norm import LayerNorm
 from .packing import document_pool_layout, first_valid_in_document
+
+# kernels resolved once; use_backend keeps them current (kernels/dispatch.py)
+indexer_scores, indexer_topk_pools = kernel_op("indexer_scores"), kernel_op("indexer_topk_pools")
 
 K_NORM_EPS = 1e-6  # the indexer's key LayerNorm epsilon (transformers)
 
@@ -139,8 +142,8 @@ class Indexer(nn.Module):
         packed: 0 for pools of other documents."""
         q, w = self._queries(x, q_resid)
         if cu_seqlens is None:
-            return kernel("indexer_scores")(q, w, pool_keys, self.head_dim**-0.5)
-        return kernel("indexer_scores")(q, w, pool_keys, self.head_dim**-0.5, cu_seqlens=cu_seqlens,
+            return indexer_scores(q, w, pool_keys, self.head_dim**-0.5)
+        return indexer_scores(q, w, pool_keys, self.head_dim**-0.5, cu_seqlens=cu_seqlens,
                                         pool_start=pool_start)  # fmt: skip
 
     @torch.no_grad()
@@ -162,7 +165,7 @@ class Indexer(nn.Module):
         pool_keys, positions, complete = pool_keys[:, keep], positions[:, keep], complete[:, keep]
         q, w = self._queries(x, q_resid)
         pool_end = positions[..., -1].clamp(0, valid.shape[1] - 1)  # [B, P] as `select` reads it
-        chosen, chosen_ok = kernel("indexer_topk_pools")(q, w, pool_keys, self.head_dim**-0.5, pool_end, complete,
+        chosen, chosen_ok = indexer_topk_pools(q, w, pool_keys, self.head_dim**-0.5, pool_end, complete,
                                                          offset, self._pools_per_query(pool_keys.shape[1]))  # fmt: skip
         return self._slots(chosen, chosen_ok, positions, valid, None, offset)
 

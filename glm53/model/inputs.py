@@ -1,4 +1,5 @@
-"""Checks on what a caller hands to the model's forward, so bad input fails with the argument's name.
+"""Checks on what a caller hands to the model's forward, so bad input fails with the argument's name, and the
+forward's one ForwardContext built from the checked inputs (`build_context`).
 
 Legend: B batch, T time, D model width (hidden_size), V vocab (vocab_size).
 Without these, an out-of-vocabulary id fails deep in `nn.Embedding` ("index out of range in self"), an empty
@@ -14,6 +15,9 @@ from __future__ import annotations
 import torch
 
 from ..errors import InputError
+from .context import ForwardContext, SequenceShards
+from .cp import sharded_packing_fields
+from .packing import document_boundaries, segment_ids
 
 
 def _device_matches(found: torch.device, expected: torch.device) -> bool:
@@ -82,4 +86,64 @@ def check_inputs_embeds(embeds: object, weight: torch.Tensor, hidden_size: int) 
     check_device("inputs_embeds", embeds, weight.device)
 
 
-__all__ = ["check_device", "check_optional_tensor", "check_token_ids", "check_inputs_embeds"]
+def packing_fields(valid: torch.Tensor, cu_seqlens: torch.Tensor | None, position_ids: torch.Tensor | None,
+                   cp: SequenceShards | None = None) -> dict[str, torch.Tensor | None]:  # fmt: skip
+    """ForwardContext's packed-document fields (`cu_seqlens`, `segment_ids`; None when nothing is packed).
+
+    Under context parallelism (`cp`) documents come as this slice's `position_ids` (model/cp.py): every rank
+    then has both fields, its own slice holding a document start or not."""
+    B, T = valid.shape
+    check_optional_tensor("cu_seqlens", cu_seqlens, valid.device, "int [n_docs + 1] over the flattened tokens")
+    check_optional_tensor("position_ids", position_ids, valid.device, "[batch, seq] restarting at 0 per document")
+    if cp is not None:
+        if cu_seqlens is not None:
+            raise ValueError("under context parallelism pass packed documents as position_ids (this slice's, "
+                             "restarting at 0 per document; glm53.parallel.context_parallel_inputs makes them), "
+                             "not cu_seqlens")  # fmt: skip
+        if position_ids is None:
+            return dict(cu_seqlens=None, segment_ids=None)
+        if tuple(position_ids.shape) != (B, T) or position_ids.dtype.is_floating_point:
+            raise ValueError(f"position_ids must be an integer tensor of shape {(B, T)}, got {position_ids.dtype} "
+                             f"{tuple(position_ids.shape)}")  # fmt: skip
+        return sharded_packing_fields(position_ids.to(valid.device), cp)
+    cu = document_boundaries(B, T, valid.device, cu_seqlens, position_ids)
+    return dict(cu_seqlens=cu, segment_ids=None if cu is None else segment_ids(cu, B, T))
+
+
+def padding_mask(attention_mask: torch.Tensor | None, shape: torch.Size, device: torch.device) -> torch.Tensor:
+    """Validate a 2-D padding mask and return it as bool [B, T] (all True when absent)."""
+    if attention_mask is None:
+        return torch.ones(*shape, dtype=torch.bool, device=device)
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"attention_mask must be a torch.Tensor [batch, seq] of 0/1, got "
+                        f"{type(attention_mask).__name__}")  # fmt: skip
+    check_device("attention_mask", attention_mask, device)
+    if attention_mask.dim() != 2 or tuple(attention_mask.shape) != tuple(shape):
+        raise ValueError(
+            f"attention_mask must be a 2-D padding mask of shape {tuple(shape)} (1 = token, 0 = padding), "
+            f"got shape {tuple(attention_mask.shape)}"
+        )
+    if attention_mask.dtype != torch.bool:
+        # the 0/1 value check is skipped under torch.compile (a host read splits the graph; model/inputs.py)
+        if not torch.compiler.is_compiling() and not bool(((attention_mask == 0) | (attention_mask == 1)).all()):  # NOTE: syncs
+            raise ValueError("attention_mask must hold only 0 and 1 (1 = token, 0 = padding)")
+        attention_mask = attention_mask != 0
+    return attention_mask.to(device)
+
+
+def build_context(embeds: torch.Tensor, attention_mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+                  position_ids: torch.Tensor | None, cp: SequenceShards | None = None, *, cache: object | None = None,
+                  collect_stats: bool = False, record_indexer: bool = False) -> ForwardContext:  # fmt: skip
+    """The one ForwardContext of a forward on `embeds` [B, T, D]: the checked padding mask, the packed documents
+    (`packing_fields`), context parallelism and the generation cache, and whether layers record statistics."""
+    valid = padding_mask(attention_mask, embeds.shape[:2], embeds.device)
+    fields = packing_fields(valid, cu_seqlens, position_ids, cp)
+    if cache is not None and (fields["cu_seqlens"] is not None or cp is not None):
+        raise ValueError("a generation cache does not take packed documents (cu_seqlens / position_ids) "
+                         "or context parallelism (cp)")  # fmt: skip
+    return ForwardContext(valid=valid, cache=cache, cp=cp, collect_stats=collect_stats, record_indexer=record_indexer,
+                          **fields)  # fmt: skip
+
+
+__all__ = ["build_context", "check_device", "check_optional_tensor", "check_token_ids", "check_inputs_embeds",
+           "packing_fields", "padding_mask"]  # fmt: skip

@@ -24,12 +24,16 @@ from einops import rearrange
 
 from ..boundary import as_local
 from ..config import Glm53Config
-from ..kernels import kernel
+from ..kernels import kernel_op
 from ..kernels.kda import l2norm
 from ..kernels.kda.state_passing import kda_sharded
 from .context import ForwardContext
-from .cp import boundaries, halo_starts
+from .cp import halo_starts
 from .norm import GatedRMSNorm
+from .packing import starts_to_cu_seqlens
+
+# kernels resolved once; use_backend keeps them current (kernels/dispatch.py)
+causal_conv1d, kda, kda_recurrent = kernel_op("causal_conv1d"), kernel_op("kda"), kernel_op("kda_recurrent")
 
 L2NORM_EPS = 1e-6  # fla's l2norm epsilon
 SOFTPLUS_THRESHOLD = 20.0  # softplus(x) == x above this (transformers' overflow guard)
@@ -50,7 +54,7 @@ class CausalConv1d(nn.Module):
                 cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """x [B, T, C] -> silu(conv(x)) [B, T, C], computed in fp32 and cast back to x's dtype."""
         packed = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}  # kernel keyword, only when packed
-        y, _ = kernel("causal_conv1d")(x, as_local(self, "weight")[:, 0, :], initial_state=state, **packed)
+        y, _ = causal_conv1d(x, as_local(self, "weight")[:, 0, :], initial_state=state, **packed)
         return F.silu(y).to(x.dtype)
 
 
@@ -116,7 +120,7 @@ class KimiDeltaAttention(nn.Module):
         if cache is not None:
             o = self._cached_rule(q, k, v, g, beta, projected, ctx.cache, cache)
         else:
-            o, _ = kernel("kda")(q, k, v, g, beta, **packed)  # q, k stay fp32 (fla l2-normalises inside its fp32 kernel)
+            o, _ = kda(q, k, v, g, beta, **packed)  # q, k stay fp32 (fla l2-normalises inside its fp32 kernel)
         return self._output(x, o.to(v.dtype), split)
 
     def _cached_rule(self, q, k, v, g, beta, projected: list[torch.Tensor], generation, cache) -> torch.Tensor:
@@ -126,10 +130,10 @@ class KimiDeltaAttention(nn.Module):
         width = cache.conv[0].shape[-1]
         inputs = [torch.cat([h, p.transpose(1, 2).to(h.dtype)], dim=-1) for h, p in zip(cache.conv, projected)]
         if not generation.started:  # the prefill: the chunked kernel from an empty state
-            o, S = kernel("kda")(q, k, v, g, beta, initial_state=cache.state, output_final_state=True)
+            o, S = kda(q, k, v, g, beta, initial_state=cache.state, output_final_state=True)
             cache.state.copy_(S)
         else:  # a few tokens: the recurrent kernel, every state kept
-            o, states = kernel("kda_recurrent")(q, k, v, g, beta, initial_state=cache.state)  # [B, T, H, K, V]
+            o, states = kda_recurrent(q, k, v, g, beta, initial_state=cache.state)  # [B, T, H, K, V]
             cache.state.copy_(states[:, -1])
             if generation.marked:
                 cache.steps[2].index_copy_(1, generation.step_offset(T), states)
@@ -152,7 +156,7 @@ class KimiDeltaAttention(nn.Module):
         width = self.q_conv1d.weight.shape[-1] - 1
         halo = ctx.cp.from_previous(torch.cat(projected, dim=-1), width)  # [B, W - 1, 3 * H * K] (zeros on rank 0)
         halos = halo.split([t.shape[-1] for t in projected], dim=-1)
-        cu = None if ctx.segment_ids is None else boundaries(halo_starts(ctx.segment_ids, ctx.cp, width))
+        cu = None if ctx.segment_ids is None else starts_to_cu_seqlens(halo_starts(ctx.segment_ids, ctx.cp, width))
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
         return [conv(torch.cat([h, t], dim=1), cu_seqlens=cu)[:, width:] for conv, h, t in zip(convs, halos, projected)]
 
@@ -165,8 +169,8 @@ class KimiDeltaAttention(nn.Module):
         packed = {}
         if ctx.segment_ids is not None:
             starts = halo_starts(ctx.segment_ids, ctx.cp, 0)  # [B, T]
-            packed = dict(starts=starts, cu_seqlens=boundaries(starts))
-        o = kda_sharded(q, k, v, g, beta, ctx.cp, kernel=kernel("kda"), **packed)
+            packed = dict(starts=starts, cu_seqlens=starts_to_cu_seqlens(starts))
+        o = kda_sharded(q, k, v, g, beta, ctx.cp, kernel=kda, **packed)
         return self._output(x, o.to(v.dtype), split)
 
     def init_weights(self) -> None:

@@ -22,7 +22,7 @@ import torch
 
 from ..kernels.varlen import document_bounds
 from .context import ForwardContext
-from .packing import static_boundaries
+from .packing import starts_to_cu_seqlens
 
 
 @dataclass
@@ -49,15 +49,12 @@ def key_sequence(ctx: ForwardContext) -> KeySequence:
 def segment_boundaries(segment_ids: torch.Tensor) -> torch.Tensor | None:
     """[B, S] document ids -> cu_seqlens over the flattened tokens (a boundary wherever the id changes and at
     every row start), or None when every row is one document (as `document_boundaries` returns)."""
-    B, S = segment_ids.shape
     breaks = torch.ones_like(segment_ids, dtype=torch.bool)
     breaks[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    cu = starts_to_cu_seqlens(breaks)
     if torch.compiler.is_compiling():  # B * S + 1 entries, empty documents last (never None): no data-dependent size
-        return static_boundaries(breaks)
-    starts = torch.nonzero(breaks.flatten()).flatten()  # NOTE: syncs
-    if starts.numel() == B:
-        return None
-    return torch.cat([starts, starts.new_full((1,), B * S)])
+        return cu
+    return None if cu.numel() - 1 == segment_ids.shape[0] else cu
 
 
 def same_document_slots(topk: torch.Tensor, keys: KeySequence) -> torch.Tensor:

@@ -24,12 +24,15 @@ from einops import rearrange
 
 from ..boundary import as_local, into_head_parallel
 from ..config import Glm53Config
-from .indexer import Indexer
-from ..kernels import kernel
-from ..training.losses import attention_pool_mass
+from ..kernels import kernel_op
+from .attention_mass import attention_pool_mass
 from .context import ForwardContext
+from .indexer import Indexer
 from .key_sequence import key_sequence, same_document_slots
 from .norm import RMSNorm
+
+# kernels resolved once; use_backend keeps them current (kernels/dispatch.py)
+sparse_attention, sparse_mqa_attention = kernel_op("sparse_attention"), kernel_op("sparse_mqa_attention")
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -63,7 +66,7 @@ class MultiHeadLatentAttention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, D] -> (out [B, T, D], top-k [B, T, J]); reads ctx.valid, ctx.shared_topk (shared layers).
 
-        With `ctx.stats.indexer`, records what the indexer KL loss needs (training/losses.py); the output is
+        With `ctx.stats.indexer`, records what the indexer KL loss needs (losses/parts.py); the output is
         unchanged. With `ctx.cp` the queries are this rank's slice and the keys the whole sequence (see below).
         """
         if ctx.cache is not None and ctx.cp is not None:
@@ -127,14 +130,14 @@ class MultiHeadLatentAttention(nn.Module):
         when they were expanded, else None). `packed`: the kernels' cu_seqlens keyword, when packed."""
         if not self.absorb:
             k, v = self._expand_kv(latent)
-            return kernel("sparse_attention")(q, k, v, topk, self.scale, **packed), k
+            return sparse_attention(q, k, v, topk, self.scale, **packed), k
         # q_abs = W_uk^T q per head; attend in the latent (key = value = latent); o = W_uv o_latent
         w = as_local(self.kv_b_proj, "weight").view(-1, self.qk_head_dim + self.v_head_dim, latent.shape[-1])
         w_uk, w_uv = w.split([self.qk_head_dim, self.v_head_dim], dim=1)  # [H, K, Z], [H, V, Z]
         q_abs = torch.einsum("bthe,hec->bthc", q, w_uk)
         # under TP this rank's heads read the whole latent: its gradient is summed over the ranks
         shared = into_head_parallel(self.kv_b_proj, "weight", latent)
-        o_latent = kernel("sparse_mqa_attention")(q_abs, shared, topk, self.scale, **packed)  # [B, T, H, Z]
+        o_latent = sparse_mqa_attention(q_abs, shared, topk, self.scale, **packed)  # [B, T, H, Z]
         return torch.einsum("bthc,hfc->bthf", o_latent, w_uv), None
 
     def _expand_kv(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,9 +15,12 @@ import torch.nn.functional as F
 
 from ..boundary import as_local, expert_dispatcher, local_parts
 from ..config import Glm53Config
-from ..kernels import kernel
+from ..kernels import kernel_op
 from .context import ForwardContext
 from .mlp import MLP
+
+# kernels resolved once; use_backend keeps them current (kernels/dispatch.py)
+moe_experts = kernel_op("moe_experts")
 
 NORM_EPS = 1e-20  # added to the sum of the chosen scores before renormalising (transformers)
 
@@ -77,7 +80,7 @@ class Experts(nn.Module):
         (gate_up, gate_up_lr), (down, down_lr) = local_parts(self, "gate_up_proj"), local_parts(self, "down_proj")
         lora = {} if gate_up_lr is None and down_lr is None else {"lora": (gate_up_lr, down_lr)}
         # Under expert parallelism gate_up/down are this rank's experts and the dispatcher moves tokens to them.
-        run = expert_dispatcher(self) or kernel("moe_experts")
+        run = expert_dispatcher(self) or moe_experts
         return run(x, indices, weights, gate_up, down, self.swiglu_limit, **lora)
 
     def init_weights(self) -> None:

@@ -12,7 +12,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..boundary import as_local
-from ..kernels import kernel
+from ..kernels import kernel_op
+
+# kernels resolved once; use_backend keeps them current (kernels/dispatch.py)
+rms_norm, gated_rms_norm = kernel_op("rms_norm"), kernel_op("gated_rms_norm")
 
 
 class RMSNorm(nn.Module):
@@ -24,7 +27,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., d]
-        return kernel("rms_norm")(x, as_local(self, "weight"), self.eps)
+        return rms_norm(x, as_local(self, "weight"), self.eps)
 
     def init_weights(self) -> None:
         nn.init.ones_(self.weight)
@@ -42,7 +45,7 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # [..., d], [..., d]
-        return kernel("gated_rms_norm")(x, gate, as_local(self, "weight"), self.eps)
+        return gated_rms_norm(x, gate, as_local(self, "weight"), self.eps)
 
     def init_weights(self) -> None:
         nn.init.ones_(self.weight)

@@ -6,7 +6,7 @@ Two ways in (Glm53ForCausalLM.forward / Glm53Model.forward):
   usual form is input_ids [1, total]). With B > 1, every row start is added as a boundary.
 - `position_ids` [B, T]: restarting at 0 at each document (transformers' DataCollatorWithFlattening); a document
   starts wherever the position does not continue the previous one (at every 0 in that convention) and at every
-  row start, the rule the loss counts use too (glm53/training/loss_counts.py, `document_spans`).
+  row start, the rule the loss counts use too (glm53/losses/counts.py, `document_spans`).
 Both become one `cu_seqlens` over the flattened tokens, with every row start in it (kernels/varlen.py), and
 `segment_ids` [B, T], the document index of every token; ForwardContext carries both. A batch whose rows each
 hold one document needs neither: `document_boundaries` returns None and the ordinary path runs. Under
@@ -34,29 +34,46 @@ def document_boundaries(B: int, T: int, device: torch.device, cu_seqlens: torch.
     `static_boundaries` (module docstring). position_ids' values need no check: any integers give valid starts."""
     if cu_seqlens is not None and position_ids is not None:
         raise ValueError("pass at most one of cu_seqlens and position_ids (both describe document boundaries)")
-    row_starts = torch.arange(0, B * T + 1, T, device=device)
     if position_ids is not None:
         if tuple(position_ids.shape) != (B, T) or position_ids.dtype.is_floating_point:
             raise ValueError(f"position_ids must be an integer tensor of shape {(B, T)} (restarting at 0 at each "
                              f"document), got {position_ids.dtype} {tuple(position_ids.shape)}")  # fmt: skip
-        pos = position_ids.to(device)
-        breaks = torch.ones_like(pos, dtype=torch.bool)  # [B, T] document starts, every row start among them
-        breaks[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+        cu = starts_to_cu_seqlens(position_starts(position_ids.to(device)))
         if torch.compiler.is_compiling():
-            return static_boundaries(breaks)
-        starts = torch.nonzero(breaks.flatten()).flatten()  # NOTE: syncs
-        cu = torch.cat([starts, row_starts])
-    elif cu_seqlens is not None:
-        # the boundaries as given: 1-D integer, from 0 to B * T, non-decreasing (named errors from the check)
-        cu = torch.cat([check_cu_seqlens(cu_seqlens.to(device), 1, B * T), row_starts])
-    else:
+            return cu
+        return None if cu.numel() - 1 == B else cu  # NOTE: syncs
+    if cu_seqlens is None:
         return None
+    # the boundaries as given: 1-D integer, from 0 to B * T, non-decreasing (named errors from the check)
+    row_starts = torch.arange(0, B * T + 1, T, device=device)
+    cu = torch.cat([check_cu_seqlens(cu_seqlens.to(device), 1, B * T), row_starts])
     if torch.compiler.is_compiling():
         # torch.unique's size and the one-document-per-row test read the data (graph breaks): sorted with the
         # duplicates kept as empty documents, [n + 1 + B + 1] from the shapes; every consumer skips empty documents
         return torch.sort(cu).values
     cu = torch.unique(cu)  # sorted; duplicates (empty documents, row starts given twice) removed
     return None if cu.numel() - 1 == B else cu  # NOTE: syncs
+
+
+def position_starts(position_ids: torch.Tensor) -> torch.Tensor:
+    """[B, T] bool document starts from position_ids [B, T]: where the position does not continue the previous one
+    (at every 0 in transformers' padding-free convention) and at every row start."""
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    return starts
+
+
+def starts_to_cu_seqlens(starts: torch.Tensor) -> torch.Tensor:
+    """Document starts [B, T] bool -> int64 cu_seqlens [n + 1] over the flattened B * T tokens; every row start
+    counts as a start, set or not. The one rule from starts to boundaries (packing, context parallelism, the keys'
+    sequence). Under torch.compile the `static_boundaries` form, [B * T + 1] from the shape."""
+    B, T = starts.shape
+    starts = starts.clone()
+    starts[:, 0] = True
+    if torch.compiler.is_compiling():  # no data-dependent size: empty documents last
+        return static_boundaries(starts)
+    flat = torch.nonzero(starts.flatten()).flatten()  # NOTE: syncs
+    return torch.cat([flat, flat.new_full((1,), B * T)])
 
 
 def static_boundaries(starts: torch.Tensor) -> torch.Tensor:
@@ -144,4 +161,4 @@ def document_pool_layout(valid: torch.Tensor, cu_seqlens: torch.Tensor,
 
 
 __all__ = ["document_boundaries", "document_labels", "document_pool_layout", "first_valid_in_document",
-           "segment_ids", "static_boundaries"]  # fmt: skip
+           "position_starts", "segment_ids", "starts_to_cu_seqlens", "static_boundaries"]  # fmt: skip

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from ..checkpoint import fp8
 from ..config import Glm53Config
-from ..model.model import Glm53ForCausalLM
+from ..losses import Glm53ForCausalLM
 from ..precision import keeps_fp32
 from ..utils import ceil_div
 from ..vision.model import model_class_for

@@ -17,10 +17,10 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..kernels.varlen import position_in_document
-from ..model.model import Glm53ForCausalLM
+from ..losses import Glm53ForCausalLM
 from ..model.packing import document_boundaries
-from ..training.loss_counts import LossCounts
-from ..training.losses import IGNORE_INDEX, next_token_targets
+from ..losses.counts import LossCounts
+from ..losses.parts import IGNORE_INDEX, next_token_targets
 from ..utils import ceil_div
 from .context import CpShards
 from .mesh import DATA_DIMS

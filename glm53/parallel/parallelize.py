@@ -27,7 +27,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from ..model.compile import compile_blocks
 from ..model.context import ForwardContext
 from ..model.mla import MultiHeadLatentAttention
-from ..model.model import Glm53ForCausalLM
+from ..losses import Glm53ForCausalLM
 from ..model.mtp import MTPLayer
 from ..precision import keeps_fp32
 from .boundary import name_modules

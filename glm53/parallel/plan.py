@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from ..model.model import Glm53ForCausalLM
+from ..losses import Glm53ForCausalLM
 from ..model.moe import MoE
 from .boundary import LocalShard, Whole, set_boundary_rule
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from ..config import Glm53Config
-from ..model.model import Glm53ForCausalLM
+from ..losses import Glm53ForCausalLM
 from ..checkpoint.shards import checkpoint_owns
 from .export import shared_atomic_directory, write_config, write_official
 from .load import load_pretrained, materialize

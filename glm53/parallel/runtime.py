@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from ..training.loss_counts import LossCounts
+from ..losses.counts import LossCounts
 from .mesh import DATA_DIMS, mesh_layout, present, size_over
 
 

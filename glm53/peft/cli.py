@@ -21,7 +21,7 @@ import torch
 
 from ..checkpoint.atomic import atomic_directory
 from ..errors import CheckpointError, ConfigError
-from ..model.model import Glm53ForCausalLM
+from ..losses import Glm53ForCausalLM
 from .files import CONFIG_FILE, WEIGHTS_FILE, load_lora, save_lora
 from .load import BASE_DTYPES, load_base
 from .lora import apply_lora, freeze, has_lora, merge_lora

@@ -20,7 +20,7 @@ import torch
 from ..checkpoint.shards import parse_size
 from ..config import Glm53Config
 from ..errors import Glm53Error
-from ..model.model import Glm53ForCausalLM
+from ..losses import Glm53ForCausalLM
 from ..parallel.ckpt_plan import plan_rank
 from ..training.args import positive_int
 from ..vision.model import model_class_for

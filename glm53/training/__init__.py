@@ -1,3 +1,4 @@
-"""Training: the losses beyond transformers (losses.py), the built-in corpus (data/), and the trainer behind
+"""Training: the built-in corpus (data/) and the trainer behind
 `python -m glm53 train` (cli.py parses, trainer.py runs setup / resume / step / log / save, state.py writes and
-reads training checkpoints). Import the trainer from its module (`glm53.training.trainer`)."""
+reads training checkpoints). The losses live in glm53.losses. Import the trainer from its module
+(`glm53.training.trainer`)."""

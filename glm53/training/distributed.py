@@ -17,7 +17,7 @@ import argparse
 import torch
 
 from ..config import Glm53Config
-from ..model.model import Glm53ForCausalLM
+from ..losses import Glm53ForCausalLM
 from ..parallel import context_parallel_inputs, parallelize
 from ..parallel.run_checkpoint import bf16_policy, has_run_state, parallel_model
 

@@ -15,7 +15,7 @@ import inspect
 
 import torch
 
-from ..model.model import Glm53ForCausalLM
+from ..losses import Glm53ForCausalLM
 from .data.documents import DataError, read_documents
 from .args import positive_int
 from .data.pack import Batch, Packer

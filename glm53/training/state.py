@@ -24,7 +24,7 @@ from ..checkpoint.reader import checkpoint_files, open_safetensors
 from ..checkpoint.save import check_savable, write_checkpoint_files
 from ..checkpoint.shards import checkpoint_owns
 from ..errors import CheckpointError
-from ..model.model import Glm53ForCausalLM
+from ..losses import Glm53ForCausalLM
 
 TRAINER_STATE = "trainer_state.pt"
 RUN_TAG = "glm53_run_tag"  # "<save id>:<step>", in every shard's header and in trainer_state.pt

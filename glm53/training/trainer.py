@@ -2,7 +2,7 @@
 
 Every step: forward with labels (lm + MTP + router balance + indexer KL losses, glm53/model/model.py) and backward
 for each of the --grad-accum micro-batches, every loss part divided by its count over the whole global batch
-(training/loss_counts.py), then gradient clipping, AdamW, and the aux-loss-free router bias update from the step's
+(losses/counts.py), then gradient clipping, AdamW, and the aux-loss-free router bias update from the step's
 expert loads. Data: the built-in byte corpus, or --data FILE packed into rows (finetune.py) from an --init model.
 `--save DIR` writes the final checkpoint to DIR and, with `--save-every N`, intermediate ones to DIR/step-N
 (state.py). Under torchrun the ranks form a (dp, tp) DeviceMesh, rank = dp_rank * tp + tp_rank; each dp rank
@@ -26,7 +26,7 @@ import torch
 
 from ..config import Glm53Config
 from ..model.compile import compile_blocks
-from ..model.model import Glm53ForCausalLM
+from ..losses import Glm53ForCausalLM
 from ..parallel import clip_grad_norm_ as parallel_clip_grad_norm_
 from ..parallel import loss_parallel_context, parallelize
 from ..parallel.run_checkpoint import device_type, has_run_state

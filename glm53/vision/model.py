@@ -15,7 +15,7 @@ import torch
 
 from ..config import Glm53Config
 from ..errors import InputError
-from ..model.model import CausalLMOutput, Glm53ForCausalLM
+from ..losses import CausalLMOutput, Glm53ForCausalLM
 from .config import has_vision, vision_parts
 from .splice import placeholder_masks, splice
 from .tower import VisionTower, check_vision_inputs

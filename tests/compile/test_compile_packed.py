@@ -18,7 +18,7 @@ import torch
 
 from glm53 import Glm53ForCausalLM
 from glm53.model.packing import document_boundaries, segment_ids
-from glm53.training.losses import balance_loss
+from glm53.losses import balance_loss
 from tests.helpers.modules import PACKED_LOSS_PARTS, assert_same_packed_run, packed_loss_batch, packed_loss_model
 
 LOSS_PARTS = PACKED_LOSS_PARTS

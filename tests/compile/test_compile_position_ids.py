@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from glm53 import Glm53ForCausalLM
-from glm53.model.model import packing_fields
+from glm53.model.inputs import packing_fields
 from glm53.model.packing import document_boundaries, document_pool_layout, segment_ids, static_boundaries
-from glm53.training.losses import balance_loss
+from glm53.losses import balance_loss
 from tests.helpers.modules import PACKED_LOSS_PARTS, assert_same_packed_run, packed_loss_batch, packed_loss_model
 
 LOSS_PARTS = PACKED_LOSS_PARTS
@@ -168,7 +168,7 @@ def test_document_balance_loss_with_B_times_T_document_slots():
 def test_context_parallel_boundaries_compile_to_static_boundaries():
     """Context parallelism's boundaries (a slice's document starts, model/cp.py; the gathered ids, key_sequence.py)
     compiled (fullgraph): eager's boundaries, then empty documents up to B * T + 1 entries, never None."""
-    from glm53.model.cp import boundaries
+    from glm53.model.packing import starts_to_cu_seqlens
     from glm53.model.key_sequence import segment_boundaries
 
     pos = CASES["mid-document-and-length-1"]
@@ -177,7 +177,7 @@ def test_context_parallel_boundaries_compile_to_static_boundaries():
     cu = as_cu_seqlens(pos)["cu_seqlens"].tolist()
     padded = cu + [B * T] * (B * T + 1 - len(cu))
     ids = segment_ids(torch.tensor(cu), B, T)
-    for fn, arg in ((boundaries, starts), (segment_boundaries, ids)):
+    for fn, arg in ((starts_to_cu_seqlens, starts), (segment_boundaries, ids)):
         assert fn(arg).tolist() == cu
         assert torch.compile(fn, backend="eager", fullgraph=True)(arg).tolist() == padded, fn.__name__
     one_per_row = torch.zeros(B, T, dtype=torch.long) + torch.arange(B)[:, None]

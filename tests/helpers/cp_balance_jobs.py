@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from glm53.parallel import CpShards
-from glm53.training.losses import sharded_balance_loss
+from glm53.losses import sharded_balance_loss
 
 
 def sharded_balance_job(logits: torch.Tensor, indices: torch.Tensor, valid: torch.Tensor, segment_ids: torch.Tensor,

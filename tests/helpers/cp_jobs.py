@@ -17,7 +17,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from glm53 import Glm53Config, Glm53ForCausalLM
 from glm53.kernels.kda.state_passing import kda_sharded
-from glm53.model.cp import boundaries
+from glm53.model.packing import starts_to_cu_seqlens
 from glm53.parallel import CpShards, context_parallel_inputs, init_mesh, parallelize
 from tests.helpers.parallel_jobs import BIAS_RATE, full, labels_for, loss_parts, router_biases
 
@@ -35,7 +35,7 @@ def kda_sharded_job(leaves: list[torch.Tensor], cot: torch.Tensor, doc_starts: t
     packed = {}
     if doc_starts is not None:
         starts = doc_starts[:, mine]
-        packed = dict(starts=starts, cu_seqlens=boundaries(starts))
+        packed = dict(starts=starts, cu_seqlens=starts_to_cu_seqlens(starts))
     o = kda_sharded(*xs, CpShards(mesh, local), initial_state=None if packed else S0, **packed)
     grads = torch.autograd.grad((o * cot[:, mine]).sum(), xs + ([] if packed else [S0]), allow_unused=True)
     return dict(o=o.detach(), grads=[g.detach() for g in grads])

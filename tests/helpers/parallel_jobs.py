@@ -16,7 +16,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Replicate
 
 from glm53 import Glm53Config, Glm53ForCausalLM
-from glm53.training.losses import IGNORE_INDEX
+from glm53.losses import IGNORE_INDEX
 from glm53.parallel import loss_parallel_context, parallelize
 
 CLIP_NORM = 1.0  # clip_grad_norm_ bound used by the parity step (binds for the tiny model: a real check)

@@ -59,3 +59,24 @@ def test_use_backend_without_ops_rejects_a_backend_no_op_has():
 def test_unknown_op_error_lists_the_known_ops():
     with pytest.raises(KeyError, match=r"unknown kernel op 'no_such_op'; known: \[.*'sinkhorn'"):
         dispatch.backends("no_such_op")
+
+
+def test_kernel_op_handles_follow_forcing_and_restore():
+    """Model code holds kernel_op handles resolved once: set_backend / use_backend re-resolve them (every handle in
+    glm53/model included), and leaving the scope restores the previous choice."""
+    from glm53.kernels.dispatch import _HANDLES, _REGISTRY, kernel_op
+    from glm53.model import hyper_connection, norm
+
+    handle = kernel_op("sinkhorn")
+    assert handle.fn is _REGISTRY["sinkhorn"]["fast"] and hyper_connection.sinkhorn.fn is _REGISTRY["sinkhorn"]["fast"]
+    with use_backend("reference"):
+        assert handle.fn is _REGISTRY["sinkhorn"]["reference"]
+        assert hyper_connection.sinkhorn.fn is _REGISTRY["sinkhorn"]["reference"]
+        assert norm.rms_norm.fn is _REGISTRY["rms_norm"]["reference"]
+        x = torch.rand(2, 3, 3) + 0.1
+        torch.testing.assert_close(handle(x, 4, 1e-6), _REGISTRY["sinkhorn"]["reference"](x, 4, 1e-6), rtol=0, atol=0)
+    assert handle.fn is _REGISTRY["sinkhorn"]["fast"] and norm.rms_norm.fn is _REGISTRY["rms_norm"]["fast"]
+    model_ops = {h.op for hs in _HANDLES.values() for h in hs}
+    assert {"rms_norm", "kda", "sparse_attention", "moe_experts", "hc_mix", "indexer_scores"} <= model_ops
+    with pytest.raises(KeyError, match="no_such_op"):
+        kernel_op("no_such_op")

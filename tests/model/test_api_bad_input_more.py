@@ -9,7 +9,7 @@ import torch
 
 from glm53.config import Glm53Config
 from glm53.errors import ConfigError, InputError
-from glm53.model import Glm53ForCausalLM
+from glm53 import Glm53ForCausalLM
 from glm53.precision import cast_model, resolve_device
 
 

@@ -137,7 +137,8 @@ def test_hyper_connection_site(hc_mult):
     streams = torch.randn(2, 5, hc_mult, config.hidden_size)
     post, comb, collapsed = theirs(streams)
     expected = post.unsqueeze(-1) * block(collapsed).unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), streams)
-    assert_close(ours(streams, block), expected)
+    collapsed, mix = ours.enter(streams)
+    assert_close(ours.exit(streams, block(collapsed), mix), expected)
 
 
 def test_hyper_connection_one_stream_is_a_residual():
@@ -150,7 +151,9 @@ def test_hyper_connection_one_stream_is_a_residual():
         hc.base.copy_(torch.tensor([30.0, 0.0, 0.7]))  # pre, post, comb logits
     block = torch.nn.Linear(config.hidden_size, config.hidden_size)
     x = torch.randn(2, 5, 1, config.hidden_size)
-    torch.testing.assert_close(hc(x, block), block(x[:, :, 0])[:, :, None] + x, rtol=1e-5, atol=1e-5)
+    collapsed, mix = hc.enter(x)
+    torch.testing.assert_close(hc.exit(x, block(collapsed), mix), block(x[:, :, 0])[:, :, None] + x, rtol=1e-5,
+                               atol=1e-5)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------------- KDA

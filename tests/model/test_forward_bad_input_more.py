@@ -6,7 +6,7 @@ import torch
 
 from glm53.config import Glm53Config
 from glm53.errors import InputError
-from glm53.model import Glm53ForCausalLM
+from glm53 import Glm53ForCausalLM
 
 B, T = 2, 8
 

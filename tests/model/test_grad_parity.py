@@ -120,6 +120,12 @@ def test_moe_gradients(case):
 
 
 # ----------------------------------------------------------------------------------------------------- mHC
+def run_site(m, streams):
+    """One mHC site around m["block"]: enter, the block, exit."""
+    x, mix = m["hc"].enter(streams)
+    return m["hc"].exit(streams, m["block"](x), mix)
+
+
 @pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recomputed"])
 @pytest.mark.parametrize("hc_mult", [2, 4], ids=lambda n: f"N{n}")
 def test_hyper_connection_site_gradients(hc_mult, recompute):
@@ -138,7 +144,7 @@ def test_hyper_connection_site_gradients(hc_mult, recompute):
 
     streams = torch.randn(2, 6, hc_mult, config.hidden_size)
     cot = cotangent(streams.shape, torch.ones(2, 6, dtype=torch.bool))
-    got = block_grads(ours_site, streams, lambda m, s: m["hc"](s, m["block"]), cot)
+    got = block_grads(ours_site, streams, run_site, cot)
     want = block_grads(theirs_site, streams, theirs_run, cot)
     assert_grads_match(got, want, BLOCK_RTOL)
 

@@ -1,6 +1,6 @@
 """MTP on sequences shorter than its depth: depth d > T reads only padding (every position's token d ahead is
 past the end), contributes no target, and must not change the shapes of the shifted inputs, labels and masks
-(the forward's and the trainer's loss denominators', training/loss_counts.py).
+(the forward's and the trainer's loss denominators', losses/counts.py).
 
 Legend: B batch, T time, d depth (1-based).
 """

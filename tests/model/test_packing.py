@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from glm53 import Glm53Config, Glm53ForCausalLM
 from glm53.kernels import use_backend
-from glm53.training.losses import balance_loss, indexer_kl_terms, z_loss
+from glm53.losses import balance_loss, indexer_kl_terms, z_loss
 
 LENGTHS = [1, 2, 31, 33, 70, 9, 13, 6]
 REL = 1e-5

@@ -23,7 +23,7 @@ from glm53.model.indexer import Indexer, own_document_pools, pool_starts
 from glm53.model.key_sequence import KeySequence, same_document_slots, segment_boundaries
 from glm53.model.mla import MultiHeadLatentAttention
 from glm53.model.packing import document_boundaries, segment_ids as segment_ids_of
-from glm53.training import losses
+from glm53.model import attention_mass as losses
 from tests.helpers.modules import random_indexer
 
 B, S = 2, 37

@@ -1,4 +1,4 @@
-"""The per-document balance loss under context parallelism (glm53/training/cp_balance.py) on 2 and 4 gloo ranks:
+"""The per-document balance loss under context parallelism (glm53/losses/cp_balance.py) on 2 and 4 gloo ranks:
 the ranks' shares sum to the one-process loss and each rank's logits get the one-process gradient, with documents
 spanning several slices, starting exactly at a slice edge, of one token, and padding; no host read (no graph break
 under torch._dynamo.explain).
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from glm53.model.packing import document_boundaries, segment_ids
-from glm53.training.losses import balance_loss
+from glm53.losses import balance_loss
 from tests.helpers.cp_balance_jobs import sharded_balance_job
 
 B, T, E, K = 2, 24, 8, 2

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from glm53 import Glm53Config
-from glm53.model.cp import ahead, boundaries, halo_starts, sharded_packing_fields
+from glm53.model.cp import ahead, halo_starts, sharded_packing_fields
+from glm53.model.packing import starts_to_cu_seqlens
 from tests.helpers.cp_inputs_edges_jobs import cp_inputs_job
 from tests.helpers.cp_jobs import OneRank
 
@@ -31,7 +32,7 @@ def test_a_row_whose_positions_do_not_start_at_zero_still_starts_a_document():
 
 def test_boundaries_add_row_starts_and_the_end():
     starts = torch.tensor([[False, False, True, False], [False, True, False, False]])
-    assert boundaries(starts).tolist() == [0, 2, 4, 5, 8]
+    assert starts_to_cu_seqlens(starts).tolist() == [0, 2, 4, 5, 8]
 
 
 @pytest.mark.parametrize("width", [0, 1, 3])

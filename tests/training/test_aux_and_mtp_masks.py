@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from glm53 import Glm53Config, Glm53ForCausalLM
-from glm53.training.losses import indexer_kl_terms, normalized_target, pool_kl
+from glm53.losses import indexer_kl_terms, normalized_target, pool_kl
 from tests.helpers.oracle import randomize
 
 B, T, PAD = 2, 19, 5  # row 1 is left-padded by PAD tokens
@@ -120,7 +120,7 @@ def test_mtp_validity_loads_and_indexer_rows_follow_the_depth_shifted_mask():
 
 def test_balance_and_z_loss_of_sequences_with_one_or_no_real_token():
     """Sequence 0 has one real token, sequence 1 none: it is left out of the mean, not counted as empty."""
-    from glm53.training.losses import balance_loss, z_loss
+    from glm53.losses import balance_loss, z_loss
 
     gen = torch.Generator().manual_seed(0)
     E, k = 6, 2

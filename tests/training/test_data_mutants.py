@@ -16,7 +16,7 @@ from glm53.training.data.documents import DataError, Document, read_documents
 from glm53.training.data.pack import Batch, Packer
 from glm53.training.data.tokenize import TextTokenizer, TokenDoc, encode_document
 from glm53.training.finetune import FileData, heldout_loss, model_inputs
-from glm53.training.losses import IGNORE_INDEX
+from glm53.losses import IGNORE_INDEX
 
 
 def write(path, text: str) -> str:

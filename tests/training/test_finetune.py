@@ -22,7 +22,7 @@ from glm53.training.data.documents import DataError, read_documents
 from glm53.training.data.pack import Packer
 from glm53.training.data.tokenize import TextTokenizer, TokenDoc, encode_document
 from glm53.training.finetune import heldout_loss
-from glm53.training.losses import IGNORE_INDEX
+from glm53.losses import IGNORE_INDEX
 from glm53.training.state import TRAINER_STATE
 from tests.training.test_train_cli import losses
 

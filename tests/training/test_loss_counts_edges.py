@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from glm53.config import Glm53Config
-from glm53.training.loss_counts import document_spans, indexer_query_rows
+from glm53.losses import document_spans, indexer_query_rows
 
 
 def test_indexer_rows_start_at_the_first_complete_pool():

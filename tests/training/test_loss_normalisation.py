@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from glm53 import Glm53Config, Glm53ForCausalLM
-from glm53.training.losses import IGNORE_INDEX
+from glm53.losses import IGNORE_INDEX
 from tests.helpers.loss_jobs import PARTS, accumulated_step, single_process
 
 B, T = 8, 16

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from glm53 import Glm53Config, Glm53ForCausalLM
-from glm53.training.losses import balance_loss, expert_load, z_loss
+from glm53.losses import balance_loss, z_loss
+from glm53.model.balancing import expert_load
 from tests.helpers.oracle import randomize
 
 KDA, MLA = "linear_attention", "indexed_attention"
@@ -218,7 +219,7 @@ def test_training_config_validation():
 
 
 def test_attention_target_is_the_same_in_query_chunks(monkeypatch):
-    import glm53.training.losses as losses
+    import glm53.model.attention_mass as losses
 
     q, k = torch.randn(2, 37, 3, 8), torch.randn(2, 37, 3, 8)
     valid = torch.ones(2, 37, dtype=torch.bool)
@@ -238,7 +239,7 @@ def test_attention_target_is_the_same_in_query_chunks(monkeypatch):
 def test_chunked_indexer_kl_equals_plain(chunk, num_rows, monkeypatch):
     """The chunked KL (targets and gradient one block of queries at a time) equals pool_kl on the whole
     normalised, averaged target: value and gradient of the scores."""
-    import glm53.training.losses as losses
+    import glm53.losses.parts as losses
 
     monkeypatch.setattr(losses, "KL_CHUNK", chunk)
     g = torch.Generator().manual_seed(0)

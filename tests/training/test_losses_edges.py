@@ -1,4 +1,4 @@
-"""Edges of glm53/training/losses.py the model-level tests leave open.
+"""Edges of glm53/losses/parts.py the model-level tests leave open.
 
 Legend: B batch, T time, P k-pools, E experts, k experts per token, M = B * T tokens, D model width.
 Given denominators below 1 (a global count divided by the data-parallel degree), the chunked indexer KL on a
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from glm53.model.context import LayerStats
-from glm53.training.losses import (
+from glm53.losses import (
     IGNORE_INDEX,
     balance_loss,
     causal_lm_head_loss,
@@ -115,7 +115,7 @@ def test_every_head_loss_rejects_a_label_outside_the_vocabulary(bad):
     three public losses (the chunked kernel would drop it from the sum but count it; the vocab-parallel one add its
     log-sum-exp); IGNORE_INDEX and the vocabulary's edges pass."""
     from glm53.errors import InputError
-    from glm53.training.losses import IGNORE_INDEX, causal_lm_head_loss, causal_lm_loss, head_target_loss
+    from glm53.losses import IGNORE_INDEX, causal_lm_head_loss, causal_lm_loss, head_target_loss
 
     torch.manual_seed(0)
     head = torch.nn.Linear(4, 7, bias=False)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..losses import IGNORE_INDEX
+from ...losses import IGNORE_INDEX
 from .tokenize import TokenDoc
 
 EPOCH_SEED_STRIDE = 1_000_003  # keeps (seed, epoch) pairs apart

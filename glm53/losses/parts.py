@@ -30,16 +30,11 @@ import torch.nn.functional as F
 
 from ..boundary import as_local, as_plain, vocab_parallel_loss
 from ..kernels.dispatch import kernel
-from ..kernels.varlen import document_bounds
 from ..model.context import LayerStats
-from ..model.indexer import kept_pools
 from ..model.inputs import check_token_ids
 from .cp_balance import owned_document_balance
 
 IGNORE_INDEX = -100  # label value that contributes no loss (transformers' convention)
-QUERY_CHUNK = 1024  # queries per block at most when computing the indexer loss's dense attention target
-MASS_BUDGET = 1 << 24  # elements of one [B, H, Tq, S] block of that target's probabilities (64 MiB in fp32)
-MIN_MASS_CHUNK = 16  # queries per block at least (bounds the loop's length at wide shapes)
 
 
 # -------------------------------------------------------------------------------------------- next-token CE
@@ -219,13 +214,6 @@ def z_loss(logits: torch.Tensor, valid: torch.Tensor, num_tokens: torch.Tensor |
     return per_term((torch.logsumexp(logits.float(), dim=-1).square() * m).sum(), m.sum(), num_tokens)
 
 
-def expert_load(indices: torch.Tensor, valid: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Tokens routed to each expert [E] (fp32), padding excluded. indices [M, k], valid [B, T]."""
-    hits = valid.flatten()[:, None].expand_as(indices).float()
-    load = torch.zeros(num_experts, device=indices.device)
-    return load.scatter_add_(0, indices.flatten(), hits.flatten())
-
-
 def router_aux_loss(
     records: list[tuple[LayerStats, torch.Tensor, int]], balance_coef: float, z_coef: float, denominators=None,
     segment_ids: torch.Tensor | None = None, cp=None, num_documents: int | None = None,
@@ -253,53 +241,6 @@ def router_aux_loss(
 
 
 # ------------------------------------------------------------------------------------------------ indexer KL
-@torch.no_grad()
-def attention_pool_mass(
-    q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor, kpool: int, scale: float,
-    cu_seqlens: torch.Tensor | None = None, query_offset: int = 0,
-) -> torch.Tensor:
-    """Dense causal attention probabilities summed over heads and within each pool: [B, T, P] fp32.
-
-    q, k [B, T, H, K] (MLA queries and keys), valid [B, T] bool. The pools are the indexer's (`kept_pools`);
-    mass on positions outside complete pools (the tail) lands in incomplete or invisible pools, which the
-    candidate mask removes later. Restricting these dense probabilities to the selected pools and
-    renormalising gives the sparse attention's own probabilities there (a softmax restricted to a subset).
-    Context parallelism: q [B, Tq, H, K] are the queries at positions query_offset + [0, Tq) of the sequence
-    that k [B, S, H, K], valid [B, S] and cu_seqlens (over B * S) describe; the result is [B, Tq, P].
-    """
-    B, T = valid.shape
-    positions, _ = kept_pools(valid, kpool, cu_seqlens)  # [B, P, L]
-    P = positions.shape[1]
-    key_pos = torch.arange(T, device=q.device)
-    doc_start = None if cu_seqlens is None else document_bounds(cu_seqlens, B, T)[0]  # packed: own document only
-    Tq = q.shape[1]
-    out = q.new_empty(B, Tq, P, dtype=torch.float32)
-    step = _mass_chunk(B, q.shape[2], T)
-    for start in range(0, Tq, step):  # bounds the [B, H, Tq, S] probabilities in memory
-        lo, hi = query_offset + start, query_offset + min(start + step, Tq)  # the chunk's positions
-        # causal: keys past the chunk's last query carry no mass, so the chunk reads keys [0, hi) only
-        causal = key_pos[None, :hi] <= torch.arange(lo, hi, device=q.device)[:, None]
-        visible = causal[None] & valid[:, None, :hi]  # [B, Tq, S']
-        if doc_start is not None:
-            visible &= key_pos[None, None, :hi] >= doc_start[:, lo:hi, None]
-        qc = q[:, start : start + (hi - lo)]
-        logits = torch.einsum("bthe,bshe->bhts", qc.float(), k[:, :hi].float()).mul_(scale)
-        probs = logits.masked_fill_(~visible[:, None], float("-inf")).softmax(-1).nan_to_num_(0.0)
-        del logits  # the softmax made a new tensor: one [B, H, Tq, S'] alive besides it at most
-        token_mass = probs.sum(1)  # [B, Tq, S']: summed over heads
-        in_chunk = (positions >= 0) & (positions < hi)  # pool tokens this chunk's queries may see
-        index = positions.clamp(0, hi - 1).view(B, 1, -1).expand(B, hi - lo, -1)  # [B, Tq, P*L]
-        gathered = token_mass.gather(-1, index) * in_chunk.view(B, 1, -1)
-        out[:, start : start + (hi - lo)] = gathered.view(B, hi - lo, P, kpool).sum(-1)
-    return out
-
-
-def _mass_chunk(B: int, H: int, T: int) -> int:
-    """Queries per chunk of the dense target: MASS_BUDGET probabilities, at least MIN_MASS_CHUNK queries and at
-    most QUERY_CHUNK."""
-    return max(1, min(QUERY_CHUNK, max(MIN_MASS_CHUNK, MASS_BUDGET // max(1, B * H * T))))
-
-
 def normalized_target(mass: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Pool masses restricted to `mask` and L1-normalised per query: [B, T, P] (rows without pools stay 0)."""
     mass = mass.masked_fill(~mask, 0.0)
@@ -387,11 +328,9 @@ __all__ = [
     "LayerStats",
     "causal_lm_loss",
     "causal_lm_head_loss",
-    "attention_pool_mass",
     "balance_loss",
     "sharded_balance_loss",
     "head_target_loss",
-    "expert_load",
     "indexer_kl_terms",
     "next_token_targets",
     "per_term",

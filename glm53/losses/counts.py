@@ -20,7 +20,8 @@ import torch
 from ..config import Glm53Config
 from ..model.indexer import pool_layout
 from ..model.mtp import mtp_labels, shift_left
-from .losses import IGNORE_INDEX, next_token_targets
+from ..model.packing import position_starts
+from .parts import IGNORE_INDEX, next_token_targets
 
 
 @dataclass
@@ -90,9 +91,7 @@ def count_loss_terms(config: Glm53Config, labels: torch.Tensor, valid: torch.Ten
 def document_spans(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
     """Per row, the [start, end) of each document: a document starts where position_ids does not continue the
     previous position (at 0 in transformers' padding-free convention). position_ids [B, T]."""
-    pos = position_ids.cpu()  # NOTE: syncs
-    starts = torch.ones_like(pos, dtype=torch.bool)
-    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    starts = position_starts(position_ids.cpu())  # NOTE: syncs
     spans = []
     for row in starts:
         edges = row.nonzero().flatten().tolist() + [row.numel()]
