@@ -26,7 +26,7 @@ from ..losses import Glm53ForCausalLM
 from ..peft import cli as peft_cli
 from ..training import data as byte_codec
 from ..training.args import existing_dir, seed_int
-from . import vl_prompt
+from ..training import vl_prompt
 from .loop import generate
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")

@@ -10,7 +10,7 @@ import torch
 
 from glm53.__main__ import main
 from glm53.generation.loop import generate
-from glm53.generation.vl_prompt import vl_prompt
+from glm53.training.vl_prompt import vl_prompt
 from glm53.training.data.tokenize import TextTokenizer
 from glm53.training.data.vl_records import Media
 from glm53.training.data.vl_tokenize import VLEncoder

@@ -16,16 +16,16 @@ import os
 import torch
 
 from ..errors import InputError
-from ..training.data.documents import DataError
-from ..training.data.tokenize import TextTokenizer
-from ..training.data.vl_pack import make_batch
-from ..training.data.vl_records import (
+from .data.documents import DataError
+from .data.tokenize import TextTokenizer
+from .data.vl_pack import make_batch
+from .data.vl_records import (
     IMAGE_PLACEHOLDER,
     VIDEO_PLACEHOLDER,
     Media,
     _split_placeholders,
 )
-from ..training.data.vl_tokenize import VLEncoder
+from .data.vl_tokenize import VLEncoder
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def vl_prompt(model, tokenizer_dir: str, text: str, images: list[str], videos: list[str],
               video_fps: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(input_ids [1, T], inputs_embeds [1, T, D] with the media features spliced in) for `model`."""
-    from ..training.vl_finetune import check_token_ids, processors
+    from .vl_finetune import check_token_ids, processors
 
     budgets = argparse.Namespace(image_min_tokens=16, image_max_tokens=8000, video_max_tokens=240000)
     encoder = VLEncoder(TextTokenizer(tokenizer_dir), *processors(model, budgets))
