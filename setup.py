@@ -9,6 +9,7 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.6", "safetensors", "einops"],
     extras_require={
-        "test": ["pytest", "hypothesis", "transformers==5.23.0", "expecttest"],
+        "test": ["pytest", "hypothesis", "transformers==5.23.0", "expecttest", "pillow", "av"],
+        "vl": ["pillow", "av"],  # image decoding (glm53.vision.media) and video files through PyAV
     },
 )

@@ -4,8 +4,8 @@ Packages: `glm53.model` (the blocks and the computing model), `glm53.kernels` (f
 references), `glm53.checkpoint` (the official on-disk layout), `glm53.losses` (the losses and Glm53ForCausalLM,
 the model with `labels=`), `glm53.training` (data, the trainer),
 `glm53.parallel` (FSDP2 / tensor parallelism; the only package importing torch.distributed), `glm53.peft` (LoRA,
-freezing, a frozen FP8 base), `glm53.vision` (the vision tower and the vision-language model
-Glm53ForConditionalGeneration).
+freezing, a frozen FP8 base), `glm53.vision` (the vision tower, the vision-language model
+Glm53ForConditionalGeneration, the image/video processors).
 """
 
 from .config import Glm53Config

@@ -26,6 +26,7 @@ from ..losses import Glm53ForCausalLM
 from ..peft import cli as peft_cli
 from ..training import data as byte_codec
 from ..training.args import existing_dir, seed_int
+from ..training import vl_prompt
 from .loop import generate
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -121,6 +122,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", nargs="?", const="inductor", default=None, choices=("inductor", "aot_eager"),
                    help="run every step after the prefill as torch.compile of the same forward (generation/step.py; "
                         "the first step compiles, which counts in the decode time printed)")  # fmt: skip
+    vl_prompt.add_arguments(p)  # --image, --video, --video-fps: a vision-language --model
 
 
 class _Codec:
@@ -215,16 +217,28 @@ def _batch(codec: _Codec, prompts: list[str], pad: int) -> tuple[torch.Tensor, t
 
 def _run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
-    # the adapter is applied on the host, then the model moves to --device (parameters move in place: ties hold)
-    model = peft_cli.with_adapter(args, Glm53ForCausalLM.from_pretrained(args.model)).to(args.device).eval()
+    visual = bool(args.image or args.video)
+    if visual:
+        model = _vl_model(args).to(args.device)
+    else:
+        # the adapter is applied on the host, then the model moves to --device (parameters move in place: ties hold)
+        model = peft_cli.with_adapter(args, Glm53ForCausalLM.from_pretrained(args.model)).to(args.device).eval()
     codec = _Codec(args.model, args.tokenizer)
     batch = args.prompts is not None
+    if visual and batch:
+        raise SystemExit("error: --image/--video take one --prompt (not --prompts)")
     prompts = args.prompts if batch else [args.prompt]
     if not batch and not codec.encode(args.prompt).numel():
         raise SystemExit("error: --prompt encodes to no tokens")
     texts = [codec.chat(p) for p in prompts] if args.chat else prompts
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     ids, mask = _batch(codec, texts, pad)
+    embeds = None
+    if visual:  # the media expanded into the prompt, their features spliced once (before the prefill)
+        with torch.no_grad():
+            ids, embeds = vl_prompt.vl_prompt(model, args.tokenizer or args.model, texts[0], args.image, args.video,
+                                              args.video_fps)  # fmt: skip
+        mask = torch.ones_like(ids)
     sample = args.temperature > 0 or args.top_p is not None or args.top_k is not None
     options = dict(max_new_tokens=args.max_new_tokens, return_stats=True)
     if not batch:
@@ -237,6 +251,8 @@ def _run(args: argparse.Namespace) -> int:
                        generator=torch.Generator(args.device).manual_seed(args.seed))  # fmt: skip
     if args.compile is not None:
         options.update(compile=True if args.compile == "inductor" else args.compile)
+    if embeds is not None:
+        options.update(inputs_embeds=embeds.to(args.device))
     out, stats = generate(model, ids.to(args.device), mask.to(args.device), **options)
     if batch:
         for i, row in enumerate(out[:, ids.shape[1] :].tolist()):
@@ -249,6 +265,22 @@ def _run(args: argparse.Namespace) -> int:
         print(f"[MTP acceptance rate {stats.acceptance_rate:.3f} ({stats.accepted}/{stats.drafted} drafts), "
               f"{stats.verify_forwards} verify forwards]")  # fmt: skip
     return 0
+
+
+def _vl_model(args: argparse.Namespace):
+    """The vision-language model of --model (--image / --video need one; --mtp with media is not supported)."""
+    from ..config import Glm53Config
+    from ..vision.config import has_vision
+    from ..vision.model import Glm53ForConditionalGeneration
+
+    if args.mtp is not None:
+        raise SystemExit("error: --mtp with --image/--video is not supported (the draft would need the spliced prompt)")
+    if args.tokenizer == "bytes":
+        raise SystemExit("error: --image/--video need the model's tokenizer (with the image tokens), not 'bytes'")
+    if not has_vision(Glm53Config.from_pretrained(args.model)):
+        raise SystemExit(f"error: --image/--video need a vision-language --model; {args.model} is text-only (its "
+                         f"config.json has no vision_config)")  # fmt: skip
+    return Glm53ForConditionalGeneration.from_pretrained(args.model).eval()
 
 
 __all__ = ["add_arguments", "run"]

@@ -42,12 +42,13 @@ def bf16_policy() -> MixedPrecisionPolicy:
 
 
 def parallel_model(config: Glm53Config, mesh, *, init: str | None = None, bf16: bool = False,
-                   activation_checkpointing: bool = False, compile: str | None = None) -> Glm53ForCausalLM:  # noqa: A002
+                   activation_checkpointing: bool = False, compile: str | None = None,  # noqa: A002
+                   model_class: type = Glm53ForCausalLM) -> Glm53ForCausalLM:  # fmt: skip
     """Build on meta, parallelize on `mesh`, materialise on its device; fill from the official checkpoint `init`
     (each rank reading its own slices) or leave the values to the caller (a DCP resume fills them). `compile`: the
-    torch.compile backend for every block (None: eager)."""
+    torch.compile backend for every block (None: eager). `model_class`: Glm53ForConditionalGeneration for a VL run."""
     with torch.device("meta"):
-        model = Glm53ForCausalLM(config)
+        model = model_class(config)
     parallelize(model, mesh, mp_policy=bf16_policy() if bf16 else None,
                 activation_checkpointing=activation_checkpointing, compile=compile is not None,
                 compile_backend=compile or "inductor")  # fmt: skip

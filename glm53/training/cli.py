@@ -18,7 +18,7 @@ from .. import parallel
 from ..errors import Glm53Error
 from ..model.compile import BACKENDS
 from ..peft import cli as peft_cli
-from . import finetune
+from . import finetune, vl_finetune
 from .args import (non_negative_float, non_negative_int, positive_float, positive_int, seed_int, sequence_length,
                    thread_count, writable_target)
 from .trainer import PRESETS, Trainer
@@ -57,6 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="context-parallel degree (torchrun): every rank one slice of each sequence")
     finetune.add_arguments(p)  # --init, --data, --tokenizer, --grad-accum
     peft_cli.add_lora_arguments(p)  # --lora-rank/-alpha/-dropout/-targets, --base-dtype, --freeze, --export-merged
+    vl_finetune.add_arguments(p)  # --media-root, --strict, image/video budgets (--freeze: peft_cli's, also VL groups)
     # torchrun runs (glm53/training/distributed.py): GPUs, bf16, DCP checkpoints; --init reads only each rank's shards
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="torchrun: cuda uses nccl, one GPU per rank")  # fmt: skip

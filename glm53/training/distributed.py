@@ -22,9 +22,12 @@ from ..parallel import context_parallel_inputs, parallelize
 from ..parallel.run_checkpoint import bf16_policy, has_run_state, parallel_model
 
 
-def init_parallel_model(args: argparse.Namespace, mesh, preset) -> Glm53ForCausalLM:
-    """The parallelized model a torchrun run starts from (see the module docstring); `preset` builds the config."""
-    options = dict(bf16=args.bf16, activation_checkpointing=args.activation_checkpointing, compile=args.compile)
+def init_parallel_model(args: argparse.Namespace, mesh, preset, model_class: type = Glm53ForCausalLM
+                        ) -> Glm53ForCausalLM:  # fmt: skip
+    """The parallelized model a torchrun run starts from (see the module docstring); `preset` builds the config;
+    `model_class` is Glm53ForConditionalGeneration for a VL run (from --init or --resume only)."""
+    options = dict(bf16=args.bf16, activation_checkpointing=args.activation_checkpointing, compile=args.compile,
+                   model_class=model_class)  # fmt: skip
     if args.resume and has_run_state(args.resume):
         return parallel_model(Glm53Config.from_pretrained(args.resume), mesh, **options)
     if args.init:

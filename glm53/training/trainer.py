@@ -34,6 +34,7 @@ from ..peft import cli as peft_cli
 from ..utils import ceil_div
 from .data import VOCAB_SIZE, batches, corpus_text, encode
 from .data.documents import DataError
+from . import vl_finetune
 from .distributed import forward_inputs, init_parallel_model
 from .finetune import FileData, init_model, model_inputs
 from .state import TRAINER_STATE, load_trainer_state, restore_optimizer, resume_distributed, save_run, trainer_state
@@ -92,9 +93,13 @@ class Trainer:
         self.log_rank = self.rank == 0
         torch.manual_seed(args.seed)  # the same initial weights on every rank
         self.state = self._load_resume_state()
+        self.vl_record = vl_finetune.first_vl_record(args.data)  # image/video data: the VL model (vl_finetune.py)
+        vl_finetune.check_args(args, self.vl_record)
         self.model = self._build_model()
         self.model.train()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr, betas=BETAS, weight_decay=WEIGHT_DECAY)
+        # Frozen parameters (--freeze) get no optimizer state.
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trainable, lr=args.lr, betas=BETAS, weight_decay=WEIGHT_DECAY)
         # Each data-parallel rank draws its own batches; the TP ranks of one dp group draw the same ones.
         # Expert-parallel ranks read their own batches too (data rank = dp_rank * ep + ep_rank).
         self.dp_rank = (par.local_rank(self.mesh, "dp") * args.ep + par.local_rank(self.mesh, "ep")
@@ -121,9 +126,17 @@ class Trainer:
 
     def _build_model(self) -> Glm53ForCausalLM:
         args = self.args
+        if self.par is not None and self.vl_record is not None:
+            vl_finetune.check_vl_checkpoint(args.init or args.resume, self.vl_record)
+            model = init_parallel_model(args, self.mesh, PRESETS[args.preset], vl_finetune.vl_model_class())
+            vl_finetune.apply_freeze(model, args.freeze)
+            return model
         if self.par is not None:
             return init_parallel_model(args, self.mesh, PRESETS[args.preset])
-        if (lora := peft_cli.build_model(args, PRESETS[args.preset])) is not None:  # LoRA / frozen / FP8 base
+        if self.vl_record is not None:
+            model = vl_finetune.init_model(args.init or args.resume, self.vl_record)
+            vl_finetune.apply_freeze(model, args.freeze)
+        elif (lora := peft_cli.build_model(args, PRESETS[args.preset])) is not None:  # LoRA / frozen / FP8 base
             model = lora
         elif args.resume and has_run_state(args.resume):  # a torchrun run: DCP fills the weights in _resume
             model = Glm53ForCausalLM(Glm53Config.from_pretrained(args.resume))
@@ -172,8 +185,12 @@ class Trainer:
             raise SystemExit(f"--resume {args.resume} was trained on the built-in corpus, not on --data")
         config = self.model.config
         try:
-            data = FileData(args, args.tokenizer or args.init or args.resume, config.vocab_size,
-                            config.pad_token_id or 0, args.dp * args.ep, dp_rank)  # fmt: skip
+            if self.vl_record is not None:
+                data = vl_finetune.VLFileData(args, args.tokenizer or args.init or args.resume, self.model,
+                                              args.dp * args.ep, dp_rank)  # fmt: skip
+            else:
+                data = FileData(args, args.tokenizer or args.init or args.resume, config.vocab_size,
+                                config.pad_token_id or 0, args.dp * args.ep, dp_rank)  # fmt: skip
         except DataError as e:  # a bad file or record: the message (file and line), not a traceback
             raise SystemExit(f"glm53 train: {e}") from None
         if resumed_data:
@@ -184,7 +201,8 @@ class Trainer:
         """The model inputs of one optimizer step: --grad-accum micro-batches of this rank."""
         if self.data is None:
             return [dict(input_ids=ids, labels=ids) for ids in (next(corpus) for _ in range(self.args.grad_accum))]
-        return [model_inputs(self.model, b) for b in self.data.next_step()]
+        inputs = vl_finetune.model_inputs if self.vl_record is not None else model_inputs
+        return [inputs(self.model, b) for b in self.data.next_step()]
 
     # ------------------------------------------------------------------------------------------------- step
     def _loss_context(self) -> contextlib.AbstractContextManager:
@@ -247,8 +265,9 @@ class Trainer:
                 print(file=sys.stderr)
             else:
                 print(_progress(step, args.steps, loss, rate), file=sys.stderr, flush=True)
+            media = f"  {self.data.step_media_tokens} image tokens" if self.vl_record is not None else ""
             print(f"step {step:5d}  loss {loss:.4f}  {_describe(parts)}  lr {lr_at(step, args.steps, args.lr):.2e}  "
-                  f"{rate:,.0f} tok/s", flush=True)  # fmt: skip
+                  f"{rate:,.0f} tok/s{media}", flush=True)  # fmt: skip
 
     # ------------------------------------------------------------------------------------------------- save
     def save(self, path: str, step: int) -> None:

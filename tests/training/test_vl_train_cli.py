@@ -1,0 +1,82 @@
+"""`glm53 train --init VL_DIR --data vl.jsonl --media-root DIR` end to end (single process): finite, decreasing
+loss, image tokens logged, the frozen tower unchanged, exact resume; bad combinations are clear errors."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from glm53.__main__ import main
+from glm53.vision.model import Glm53ForConditionalGeneration
+from tests.helpers.vl_data import tiny_vl_model, vl_corpus, vl_tokenizer, write_jsonl
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("vlcli")
+    tok = vl_tokenizer()
+    ckpt = str(tmp / "base")
+    tiny_vl_model(tok, seed=3).save_pretrained(ckpt)
+    tok.save_pretrained(ckpt)
+    data = write_jsonl(str(tmp / "vl.jsonl"), vl_corpus(str(tmp / "media"), n=6))
+    return tmp, ckpt, data, str(tmp / "media")
+
+
+def _train(prepared, *extra):
+    _, ckpt, data, root = prepared
+    return ["train", "--init", ckpt, "--data", data, "--media-root", root, "--seq-len", "96", "--batch-size", "2",
+            "--lr", "3e-3", "--log-every", "1", *extra]  # fmt: skip
+
+
+def _losses(text: str) -> list[float]:
+    return [float(m) for m in re.findall(r"^step +\d+  loss ([0-9.]+)", text, flags=re.M)]
+
+
+def test_train_resume_and_freeze(prepared, capsys):
+    tmp, ckpt, _, _ = prepared
+    out = tmp / "run"
+    assert main(_train(prepared, "--steps", "4", "--save", str(out), "--save-every", "2")) == 0
+    text = capsys.readouterr().out
+    losses = _losses(text)
+    assert len(losses) == 4 and all(map(lambda v: v == v and v < 100, losses))
+    assert losses[-1] < losses[0]
+    assert re.search(r"^step +1 .* \d+ image tokens$", text, flags=re.M)
+    assert "with media" in text and "images" in text
+    base = Glm53ForConditionalGeneration.from_pretrained(ckpt).state_dict()
+    tuned = Glm53ForConditionalGeneration.from_pretrained(str(out)).state_dict()
+    for name in base:  # the tower frozen (default), the projector and the language model trained
+        if name.startswith(("visual.patch_embed.", "visual.blocks.", "visual.post_layernorm.")):
+            assert torch.equal(base[name], tuned[name]), name
+    assert not torch.equal(base["visual.merger.proj.weight"], tuned["visual.merger.proj.weight"])
+    assert not torch.equal(base["lm_head.weight"], tuned["lm_head.weight"])
+    # resume from step 2: the same final weights, bit for bit
+    resumed = tmp / "resumed"
+    args = _train(prepared, "--steps", "4", "--save", str(resumed))
+    i = args.index("--init")
+    assert main([*args[:i], "--resume", str(out / "step-2"), *args[i + 2 :]]) == 0
+    again = Glm53ForConditionalGeneration.from_pretrained(str(resumed)).state_dict()
+    assert all(torch.equal(tuned[n], again[n]) for n in tuned)
+
+
+def test_text_checkpoint_with_vl_data_is_an_error(prepared, tmp_path, capsys):
+    from glm53 import Glm53Config, Glm53ForCausalLM
+
+    _, ckpt, data, root = prepared
+    text_only = str(tmp_path / "text")
+    Glm53ForCausalLM(Glm53Config.from_pretrained(ckpt)).save_pretrained(text_only)
+    with pytest.raises(SystemExit, match=r"--data has image/video records \(the first at .*vl.jsonl:1\) but .*text "
+                                         r"is a text-only checkpoint"):  # fmt: skip
+        main(["train", "--init", text_only, "--tokenizer", ckpt, "--data", data, "--media-root", root, "--steps", "1"])
+
+
+def test_vl_flags_need_vl_data_and_known_groups(prepared, tmp_path, capsys):
+    _, ckpt, _, root = prepared
+    text = write_jsonl(str(tmp_path / "t.jsonl"), [{"text": "just words"}])
+    with pytest.raises(SystemExit, match="--media-root is for image/video data"):
+        main(["train", "--init", ckpt, "--data", text, "--media-root", root, "--steps", "1"])
+    assert main(_train(prepared, "--steps", "1", "--freeze", "vision_tower", "eyes")) == 1
+    assert "unknown freeze groups ['eyes']" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--lora-rank with image/video --data is not supported"):
+        main(_train(prepared, "--steps", "1", "--lora-rank", "4"))
