@@ -17,16 +17,19 @@ import torch
 
 from ..model.model import Glm53ForCausalLM
 from .data.documents import DataError, read_documents
-from .args import positive_int
+from .args import nonempty_path, positive_int
 from .data.pack import Batch, Packer
+from .losses import IGNORE_INDEX
 from .data.tokenize import TextTokenizer, encode_document
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--init", metavar="CHECKPOINT_DIR", help="start from this official-layout checkpoint (needs --data)")
-    p.add_argument("--data", metavar="FILE", help=".txt (blank-line-separated documents) or .jsonl ({'text'}, "
-                   "{'messages'} or {'prompt', 'completion'} per line) to fine-tune on")  # fmt: skip
-    p.add_argument("--tokenizer", metavar="DIR", help="tokenizer directory (default: --init, or --resume)")
+    p.add_argument("--init", metavar="CHECKPOINT_DIR", type=nonempty_path, help="start from this official-layout checkpoint (needs --data)")
+    p.add_argument("--data", metavar="FILE", type=nonempty_path,
+                   help=".txt (blank-line-separated documents), .jsonl ({'text'}, {'messages'} or {'prompt', "
+                        "'completion'} per line), .parquet, a directory of shards or a saved `datasets` dataset, "
+                        "hf:NAME[:SPLIT] (datasets.load_dataset, local); A:0.7,B:0.3 mixes sources by weight")  # fmt: skip
+    p.add_argument("--tokenizer", metavar="DIR", type=nonempty_path, help="tokenizer directory (default: --init, or --resume)")
     p.add_argument("--grad-accum", type=positive_int, default=1, metavar="N",
                    help="micro-batches of --batch-size rows per optimizer step, one loss over all of them")  # fmt: skip
 
@@ -37,6 +40,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit("--init and --resume exclude each other: --resume already holds the model")
     if args.tokenizer and not args.data:
         raise SystemExit("--tokenizer needs --data FILE")
+    if args.init and not args.data:
+        raise SystemExit("--init needs --data FILE: the built-in corpus is byte ids, not the checkpoint's tokens")
     if args.data and not (args.init or args.resume):
         raise SystemExit("--data needs --init CHECKPOINT_DIR (or --resume of a run that used --data)")
 
@@ -85,11 +90,30 @@ def heldout_loss(model: Glm53ForCausalLM, path: str, tokenizer_dir: str, seq_len
     return float(total)
 
 
+def eval_batches(path: str, tokenizer: TextTokenizer, seq_len: int, batch_size: int, dp: int, dp_rank: int
+                 ) -> list[Batch]:  # fmt: skip
+    """Every document of held-out file `path` packed once (file order) into rows; data rank `dp_rank` of `dp` takes
+    rows dp_rank, dp_rank + dp, ...; a rank left without rows gets one row of padding (no targets), so every rank
+    runs the same forwards."""
+    docs = [encode_document(d, tokenizer) for d in read_documents(path).documents]
+    docs = [d for d in docs if any(d.targets[1:])]
+    if not docs:
+        raise DataError(f"--eval-data {path}: no document has a token to evaluate")
+    pad = tokenizer.pad_id if tokenizer.pad_id is not None else 0
+    packer, rows = Packer(docs, seq_len, 0, pad), []
+    packer.order = list(range(len(docs)))
+    while packer.epoch == 0:
+        rows.append(packer.row())
+    mine = rows[dp_rank::dp] or [([pad] * seq_len, [IGNORE_INDEX] * seq_len, [0] * seq_len, list(range(seq_len)))]
+    return [Batch(*(torch.tensor(c, dtype=torch.long) for c in zip(*mine[i : i + batch_size])))
+            for i in range(0, len(mine), batch_size)]  # fmt: skip
+
+
 class FileData:
     """Packed rows from --data; `next_step` -> this rank's micro-batches of one optimizer step."""
 
     def __init__(self, args: argparse.Namespace, tokenizer_dir: str, vocab_size: int, pad_id: int, dp: int,
-                 dp_rank: int) -> None:  # fmt: skip
+                 dp_rank: int, par=None) -> None:  # fmt: skip
         self.path, self.dp, self.dp_rank = args.data, dp, dp_rank
         self.batch_size, self.grad_accum = args.batch_size, args.grad_accum
         self.tokenizer = TextTokenizer(tokenizer_dir)
@@ -155,4 +179,4 @@ class FileData:
             raise SystemExit(f"glm53 train: error: --resume {where}: {e}") from None
 
 
-__all__ = ["FileData", "add_arguments", "check_args", "heldout_loss", "init_model", "model_inputs"]
+__all__ = ["FileData", "eval_batches", "add_arguments", "check_args", "heldout_loss", "init_model", "model_inputs"]
