@@ -95,7 +95,7 @@ def heldout_loss(model: Glm53ForCausalLM, path: str, tokenizer_dir: str, seq_len
 
 def eval_batches(path: str, tokenizer: TextTokenizer, seq_len: int, batch_size: int, dp: int, dp_rank: int
                  ) -> list[Batch]:  # fmt: skip
-    """Every document of held-out file `path` packed once (file order) into rows; data rank `dp_rank` of `dp` takes
+    """Every document of held-out file `path` packed once into rows (as heldout_loss packs them); data rank `dp_rank` of `dp` takes
     rows dp_rank, dp_rank + dp, ...; a rank left without rows gets one row of padding (no targets), so every rank
     runs the same forwards."""
     docs = [encode_document(d, tokenizer) for d in read_source(path).documents]
@@ -103,8 +103,7 @@ def eval_batches(path: str, tokenizer: TextTokenizer, seq_len: int, batch_size: 
     if not docs:
         raise DataError(f"--eval-data {path}: no document has a token to evaluate")
     pad = tokenizer.pad_id if tokenizer.pad_id is not None else 0
-    packer, rows = Packer(docs, seq_len, 0, pad), []
-    packer.order = list(range(len(docs)))
+    packer, rows = Packer(docs, seq_len, 0, pad), []  # seed 0: the order heldout_loss packs in
     while packer.epoch == 0:
         rows.append(packer.row())
     mine = rows[dp_rank::dp] or [([pad] * seq_len, [IGNORE_INDEX] * seq_len, [0] * seq_len, list(range(seq_len)))]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import tempfile
 
 import torch
 
@@ -18,16 +19,17 @@ from .sources import read_source, source_digest
 from .tokenize import TextTokenizer, TokenDoc, encode_document
 
 CACHE_VERSION = "glm53-tokens-1"  # change when tokenize.py's output for the same input changes
-TOKENIZER_FILE_PREFIXES = ("tokenizer", "chat_template", "special_tokens", "vocab", "merges", "added_tokens")
 
 
 def tokenizer_digest(tok: TextTokenizer) -> str:
+    """sha256 of the files the tokenizer writes (tok.save): the same tokenizer read from its source directory or
+    from a checkpoint that copied it has one digest."""
     h = hashlib.sha256()
-    for name in sorted(os.listdir(tok.path)):
-        full = os.path.join(tok.path, name)
-        if name.startswith(TOKENIZER_FILE_PREFIXES) and os.path.isfile(full):
+    with tempfile.TemporaryDirectory(prefix="glm53-tokenizer-") as tmp:
+        tok.save(tmp)
+        for name in sorted(os.listdir(tmp)):
             h.update(name.encode() + b"\0")
-            with open(full, "rb") as f:
+            with open(os.path.join(tmp, name), "rb") as f:
                 h.update(f.read())
     return h.hexdigest()
 
