@@ -132,6 +132,24 @@ def _check_paths(args: argparse.Namespace) -> None:
                          "with --resume on the same directory, or pass --overwrite to replace it")  # fmt: skip
 
 
+def _check_experts(args: argparse.Namespace) -> None:
+    """--ep must divide the routed experts: checked before any process group exists, said by rank 0 only."""
+    from ..config import Glm53Config
+
+    source = args.resume or args.init
+    try:
+        config = Glm53Config.from_pretrained(source) if source else PRESETS[args.preset]()
+    except USER_ERRORS:
+        return  # the trainer reports an unreadable checkpoint itself
+    experts = config.n_routed_experts
+    if experts % args.ep:
+        if os.environ.get("RANK", "0") != "0":
+            raise SystemExit(1)
+        raise SystemExit(f"glm53 train: error: --ep {args.ep} does not divide the {experts} routed experts "
+                         f"(n_routed_experts of {source or 'preset ' + args.preset}); use an --ep that divides "
+                         f"{experts}")  # fmt: skip
+
+
 def train(args: argparse.Namespace) -> int:
     """Run `glm53 train` with parsed `args`: one process, or one rank of a torchrun (dp, tp) grid."""
     if not hasattr(args, "config_notes"):  # called without resolve() (tests, scripts): flags only
@@ -145,6 +163,8 @@ def train(args: argparse.Namespace) -> int:
         raise SystemExit("--device cuda: no CUDA device is available to torch here")
     if args.bf16 and world > 1 and args.dp == 1:
         raise SystemExit("--bf16 under torchrun is FSDP2's mixed precision: it needs --dp > 1")
+    if world > 1 and args.ep > 1:
+        _check_experts(args)
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     par = parallel.runtime if world > 1 else None

@@ -276,3 +276,30 @@ def test_signal_finishes_the_step_saves_and_resumes(tmp_path, sig, status):
 def test_lr_is_finite_everywhere():
     for kind in optim.SCHEDULES:
         assert all(math.isfinite(optim.lr_at(s, 10, 1.0, kind=kind)) for s in range(1, 20))
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_ep_that_does_not_divide_the_experts_is_one_line_from_rank_0(monkeypatch, capsys, rank):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", rank)
+    with pytest.raises(SystemExit) as info:  # before any process group: the tiny preset has 8 routed experts
+        main(SMALL + ["--steps", "1", "--ep", "3"])
+    if rank == "0":
+        assert "--ep 3 does not divide the 8 routed experts" in str(info.value.code)
+    else:
+        assert info.value.code == 1  # the other ranks exit quietly: one message, not one per rank
+
+
+def test_one_process_save_replaces_a_torchrun_train_state(tmp_path):
+    from glm53.training.state import save_single
+
+    run = tmp_path / "run"
+    (run / "train_state").mkdir(parents=True)
+    (run / "train_state" / "__0_0.distcp").write_bytes(b"old")
+    (run / "notes.txt").write_text("mine")
+    model = Glm53ForCausalLM(PRESETS["tiny"]())
+    opt = torch.optim.AdamW(model.parameters())
+    save_single(model, str(run), {"step": 3, "optimizer": opt.state_dict(), "data_rng": torch.get_rng_state(),
+                                  "torch_rng": torch.get_rng_state()})  # fmt: skip
+    assert not (run / "train_state").exists()  # a later resume cannot pick the older DCP state
+    assert (run / "notes.txt").read_text() == "mine" and step_of(run) == 3
