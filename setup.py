@@ -7,7 +7,7 @@ setup(
     packages=find_packages(include=["glm53", "glm53.*"]),
     package_data={"glm53": ["training/data/*.txt"]},
     entry_points={"console_scripts": ["glm53 = glm53.__main__:main"]},
-    python_requires=">=3.11"  # tomllib (run.toml),
+    python_requires=">=3.11",  # tomllib (run.toml)
     # tokenizers: --data with a tokenizer.json; tqdm: the progress bar of `glm53 train`
     install_requires=["torch>=2.6", "safetensors", "einops", "tokenizers", "tqdm"],
     extras_require={
