@@ -19,7 +19,7 @@ import torch
 from ..model.model import Glm53ForCausalLM
 from .data.documents import DataError
 from .args import nonempty_path, positive_int
-from .data.cache import cached_tokens
+from .data.cache import cached_tokens, tokenizer_digest
 from .data.pack import Batch, Mixer, Packer
 from .data.sources import parse_mixture, read_source, source_digest
 from .losses import IGNORE_INDEX
@@ -137,7 +137,8 @@ class FileData:
             self.digests.append(source_digest(source))
             # source 0 keeps the seed's order (a one-source run packs as before); others their own
             packers.append(Packer(kept, args.seq_len, args.seed + i * MIX_SEED_STRIDE, pad))
-        self.seq_len = args.seq_len
+        self.seq_len, self.seed = args.seq_len, args.seed
+        self.tokenizer_sha256 = tokenizer_digest(self.tokenizer)
         self.digest = self.digests[0] if len(self.sources) == 1 else self.digests
         self.packer = packers[0] if len(packers) == 1 else Mixer(packers, [w for _, w in self.sources])
 
@@ -196,9 +197,17 @@ class FileData:
         return len(self.docs)
 
     def state_dict(self) -> dict:
-        return {"file_sha256": self.digest, "documents": self._documents(), **self.packer.state_dict()}
+        return {"file_sha256": self.digest, "documents": self._documents(), "seed": self.seed,
+                "tokenizer_sha256": self.tokenizer_sha256, **self.packer.state_dict()}  # fmt: skip
 
     def load_state_dict(self, state: dict, where: str) -> None:
+        # the cursor indexes documents in the seed's order, tokenized by one tokenizer: another reinterprets it
+        for key, mine, flag in (("seed", self.seed, "--seed"), ("tokenizer_sha256", self.tokenizer_sha256,
+                                                                "--tokenizer")):  # fmt: skip
+            if key in state and state[key] != mine:
+                raise SystemExit(f"glm53 train: error: --resume {where} packed its data with another {flag} "
+                                 f"({key} {state[key]!r}, now {mine!r}); its data position would point at other "
+                                 f"tokens: resume with the run's {flag}")  # fmt: skip
         if state.get("file_sha256") != self.digest or state.get("documents") != self._documents():
             raise SystemExit(f"--resume {where} was trained on a different --data file than {self.path} (its "
                              f"sha256 or document count differs); resume with the same file")  # fmt: skip

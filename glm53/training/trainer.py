@@ -18,7 +18,6 @@ import argparse
 import contextlib
 import math
 import os
-import shutil
 import signal
 import sys
 import time
@@ -31,7 +30,7 @@ from ..config import Glm53Config
 from ..model.compile import compile_blocks
 from ..model.model import Glm53ForCausalLM
 from ..parallel import clip_grad_norm_ as parallel_clip_grad_norm_
-from ..parallel import loss_parallel_context, parallelize
+from ..parallel import loss_parallel_context
 from ..parallel.run_checkpoint import device_type, has_run_state
 from ..utils import ceil_div
 from .data import VOCAB_SIZE, batches, corpus_text, encode

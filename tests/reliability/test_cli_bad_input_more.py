@@ -28,7 +28,7 @@ def usage_error(run, argv, flag, message, capsys):
     ("--seq-len", "0", "must be >= 2, got 0"), ("--lr", "nan", "expected a finite number"),
     ("--lr", "0", "must be > 0"), ("--seed", "-5", "must be in [0, 4294967295]"),
 ])  # fmt: skip
-def test_train_numbers(flag, value, message, capsys):
+def test_train_number_flags(flag, value, message, capsys):
     usage_error(main, ["train", f"{flag}={value}"], flag, message, capsys)
 
 

@@ -269,3 +269,23 @@ def test_save_over_other_tokenizer_files_is_refused(prepared, tmp_path, capsys):
     assert (run / "tokenizer.json").read_text() == "{}"
 
 
+
+
+def test_data_cursor_refuses_another_seed_or_tokenizer(prepared, tmp_path):
+    data = file_data(prepared, prepared["train"])
+    rows(data, 2)
+    state = json.loads(json.dumps(data.state_dict()))
+    with pytest.raises(SystemExit, match="another --seed"):
+        file_data(prepared, prepared["train"], "--seed", "2").load_state_dict(state, "x")
+    other = tmp_path / "tok"
+    other.mkdir()
+    changed = TextTokenizer(prepared["base"])
+    changed.hf.add_tokens(["<an added token>"])
+    changed.save(str(other))
+    args = parse("--data", prepared["train"], "--seq-len", str(SEQ), "--batch-size", "2", "--seed", "1")
+    args.cache_dir = None
+    with pytest.raises(SystemExit, match="another --tokenizer"):
+        FileData(args, str(other), 1 << 20, 0, 1, 0).load_state_dict(state, "x")
+    same = file_data(prepared, prepared["train"])
+    same.load_state_dict(state, "x")
+    assert all(torch.equal(a, b) for a, b in zip(rows(same, 2), rows(data, 2)))
