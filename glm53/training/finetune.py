@@ -27,7 +27,7 @@ from .data.tokenize import TextTokenizer, encode_document
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--init", metavar="CHECKPOINT_DIR", type=nonempty_path, help="start from this official-layout checkpoint (needs --data)")
+    p.add_argument("--init", metavar="CHECKPOINT_DIR", type=nonempty_path, help="start from this official-layout checkpoint (with --data when it holds a tokenizer)")
     p.add_argument("--data", metavar="FILE", type=nonempty_path,
                    help=".txt (blank-line-separated documents), .jsonl ({'text'}, {'messages'} or {'prompt', "
                         "'completion'} per line), .parquet, a directory of shards or a saved `datasets` dataset, "
@@ -43,10 +43,19 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit("--init and --resume exclude each other: --resume already holds the model")
     if args.tokenizer and not args.data:
         raise SystemExit("--tokenizer needs --data FILE")
-    if args.init and not args.data:
-        raise SystemExit("--init needs --data FILE: the built-in corpus is byte ids, not the checkpoint's tokens")
+    if args.init and not args.data and _has_tokenizer(args.init):
+        # a checkpoint with its own tokenizer was trained on its tokens: byte ids would be other tokens to it
+        raise SystemExit(f"--init {args.init} has a tokenizer: it needs --data FILE (the built-in corpus is byte "
+                         f"ids, not this checkpoint's tokens)")  # fmt: skip
     if args.data and not (args.init or args.resume):
         raise SystemExit("--data needs --init CHECKPOINT_DIR (or --resume of a run that used --data)")
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def _has_tokenizer(path: str) -> bool:
+    return any(os.path.lexists(os.path.join(path, name)) for name in TOKENIZER_FILES)
 
 
 def init_model(path: str) -> Glm53ForCausalLM:

@@ -106,6 +106,13 @@ def test_mixer_holds_the_weights_and_resumes_exactly():
         return Mixer([Packer(docs(5, 100), 3, 0, 0), Packer(docs(7, 200), 3, 1, 0)], [0.7, 0.3])
 
     mixer = make()
+    picks = []
+    for _ in range(10):  # by hand: each row from the largest w_i * (n + 1) - drawn_i (ties to the first source)
+        before = list(mixer.drawn)
+        mixer.row()
+        picks.append(next(i for i in range(2) if mixer.drawn[i] != before[i]))
+    assert picks == [0, 1, 0, 0, 0, 1, 0, 0, 1, 0]
+    mixer = make()
     for n in range(1, 1001):
         mixer.row()
         assert abs(mixer.drawn[0] - 0.7 * n) <= 1 and sum(mixer.drawn) == n  # within one row, at every step
@@ -252,7 +259,7 @@ def test_tool_calls_and_reasoning_through_the_template(prepared, tmp_path):
 
 
 def test_init_without_data_and_long_seq_len_with_data(prepared, capsys):
-    with pytest.raises(SystemExit, match="--init needs --data"):
+    with pytest.raises(SystemExit, match="has a tokenizer: it needs --data"):
         main(["train", "--init", prepared["base"], "--steps", "1"])
     # the built-in corpus's length does not bound a --data run's rows
     assert main(["train", "--init", prepared["base"], "--data", prepared["train"], "--seq-len", "40000",
