@@ -27,7 +27,8 @@ from .data.tokenize import TextTokenizer, encode_document
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--init", metavar="CHECKPOINT_DIR", type=nonempty_path, help="start from this official-layout checkpoint (with --data when it holds a tokenizer)")
+    p.add_argument("--init", metavar="CHECKPOINT_DIR", type=nonempty_path,
+                   help="start from this official-layout checkpoint (with --data when it holds a tokenizer)")
     p.add_argument("--data", metavar="FILE", type=nonempty_path,
                    help=".txt (blank-line-separated documents), .jsonl ({'text'}, {'messages'} or {'prompt', "
                         "'completion'} per line), .parquet, a directory of shards or a saved `datasets` dataset, "
