@@ -141,5 +141,6 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="where tokenized --data is cached (default: DIR/cache of --save, else none)")
 
 
-__all__ = ["add_run_arguments", "add_schedule_arguments", "nonempty_path", "unit_interval", "existing_dir", "sequence_length", "thread_count", "writable_target", "positive_int", "non_negative_int",
-           "seed_int", "positive_float", "non_negative_float"]
+__all__ = ["add_run_arguments", "add_schedule_arguments", "existing_dir", "non_negative_float", "non_negative_int",
+           "nonempty_path", "positive_float", "positive_int", "seed_int", "sequence_length", "thread_count",
+           "unit_interval", "writable_target"]

@@ -143,7 +143,8 @@ def _same(a: object, b: object) -> bool:
     return a == b
 
 
-def resolve(parser: argparse.ArgumentParser, argv: list[str], args: argparse.Namespace) -> tuple[argparse.Namespace, list[str]]:
+def resolve(parser: argparse.ArgumentParser, argv: list[str], args: argparse.Namespace
+            ) -> tuple[argparse.Namespace, list[str]]:  # fmt: skip
     """Apply --config and the resumed run's run.toml to parsed `args` (module docstring) -> (args, notes to log).
 
     A resume that changes a key of the run (not HARMLESS) without `--override KEY` raises ConfigError."""
