@@ -260,7 +260,7 @@ class Glm53Config:
             extra.update({f"_schedule.{k}": v for k, v in schedule.items()})
             kwargs["indexer_types"] = _indexer_schedule(schedule, kwargs.get("num_hidden_layers", 45))
         if outer:
-            extra["_outer"] = outer
+            extra["_outer"] = _drop_contradictions(outer, d["text_config"], names)
         return cls(**kwargs, extra=extra)
 
     def to_dict(self) -> dict[str, Any]:
@@ -298,6 +298,10 @@ class Glm53Config:
         file = os.path.join(path, "config.json") if os.path.isdir(path) else path
         if not os.path.isfile(file):
             raise FileNotFoundError(f"no config.json at {file}")
+        if os.path.isdir(path):  # a checkpoint's config.json symlinked out of it would read any file on the machine
+            from .checkpoint.paths import confined
+
+            confined(path, "config.json", path)
         try:
             with open(file, encoding="utf-8") as f:
                 d = json.load(f)
@@ -326,6 +330,29 @@ class Glm53Config:
         )  # fmt: skip
         base.update(overrides)
         return cls(**base)
+
+
+def _drop_contradictions(outer: dict[str, Any], text: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    """`outer` without the text-model fields that `text_config` contradicts, with one warning naming each.
+
+    The text model reads `text_config` only (transformers' Glm5NextTextModel too): an outer `vocab_size` that
+    disagrees with it changes nothing, and writing both back would keep the contradiction in every later save.
+    An outer text field `text_config` lacks is not read either (the text default applies): said, and kept.
+    """
+    kept = {}
+    for key, value in outer.items():
+        if key not in names or key == "tie_word_embeddings":
+            kept[key] = value
+        elif key not in text:
+            warnings.warn(f"config key {key}={value!r} sits outside text_config and is not read (the text model "
+                          f"reads text_config, whose default applies); move it into text_config", stacklevel=3)
+            kept[key] = value
+        elif text[key] != value:
+            warnings.warn(f"config key {key}={value!r} outside text_config contradicts text_config's "
+                          f"{key}={text[key]!r}: text_config's is used and the outer one dropped", stacklevel=3)
+        else:
+            kept[key] = value
+    return kept
 
 
 def _apply_linear_attn_config(kwargs: dict[str, Any], linear: dict[str, Any]) -> None:

@@ -26,10 +26,37 @@ def keeps_fp32(name: str) -> bool:
     return name.endswith(FP32_KEEP)
 
 
-def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+def beyond_range(tensor: torch.Tensor, dtype: torch.dtype) -> float | None:
+    """The largest |value| of `tensor` when casting it to `dtype` would turn it into inf (fp16's range is +-65504),
+    else None. Meta and empty tensors hold no values."""
+    if not tensor.is_floating_point() or tensor.is_meta or tensor.numel() == 0:
+        return None
+    limit = torch.finfo(dtype).max
+    if torch.finfo(tensor.dtype).max <= limit:
+        return None
+    peak = tensor.detach().abs().amax().item()  # NOTE: syncs (once per tensor; casts are one-off)
+    return peak if peak > limit else None
+
+
+def range_error(overflows: dict[str, float], dtype: torch.dtype, action: str) -> str:
+    """The message for tensors whose values `dtype` cannot hold (`overflows`: name -> largest |value|)."""
+    shown = [f"{name} (max |x| {peak:.3g})" for name, peak in list(overflows.items())[:10]]
+    more = f" ... ({len(overflows)} in all)" if len(overflows) > 10 else ""
+    return (f"{action} {str(dtype).removeprefix('torch.')} would turn values beyond its range "
+            f"(+-{torch.finfo(dtype).max:.6g}) into inf in {', '.join(shown)}{more}; use bfloat16 or float32")
+
+
+def cast_model(model: nn.Module, dtype: torch.dtype, *, check_range: bool = True) -> nn.Module:
     """Cast floating parameters and buffers to `dtype` (a floating dtype or its name), keeping the FP32_KEEP ones
-    in fp32."""
+    in fp32. Values the dtype cannot hold raise a ValueError naming the tensors, before anything is cast
+    (`check_range=False`: the tensors hold no values yet, e.g. `to_empty` memory a loader fills next)."""
     dtype = resolve_dtype(dtype)
+    named = list(model.named_parameters()) + list(model.named_buffers())
+    overflows = {}
+    if check_range:
+        overflows = {n: p for n, t in named if not keeps_fp32(n) and (p := beyond_range(t, dtype)) is not None}
+    if overflows:
+        raise ValueError(range_error(overflows, dtype, "casting to"))
     with torch.no_grad():
         for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
             if tensor.is_floating_point():

@@ -8,6 +8,9 @@ error leaves the old `target` or none, never a half-written one. Rules (tests/re
   index, old shards): everything else in the old directory (adapters, READMEs, tokenizer files, symlinks,
   subdirectories) is hard-linked (same file, byte for byte, nothing copied) into the new one before the swap,
   and the directory keeps its mode. A new directory gets the umask's mode.
+- Every file written into the temporary tree gets the umask's mode (0666 & ~umask), whatever its writer chose:
+  safetensors writes 0600, so weights beside a 0644 config.json were unreadable to the users a shared checkpoint
+  is for. Files carried from the old directory keep theirs (they are the same inodes).
 - Every file and directory of the temporary tree is fsynced before the swap, and the parent directory after it, so a
   power cut cannot leave a complete-looking target with empty files or lose the swap once it returned.
 - The swap is one atomic exchange of the two directories where Linux offers it (renameat2), so a kill at any
@@ -120,6 +123,22 @@ def carry_foreign(old: str, new: str, own: Callable[[str], bool]) -> list[str]:
     return carried
 
 
+def current_umask() -> int:
+    mask = os.umask(0)  # the only way to read it; set straight back
+    os.umask(mask)
+    return mask
+
+
+def apply_umask(directory: str) -> None:
+    """Give every regular file under `directory` the mode a plain `open(..., "w")` would: 0666 & ~umask."""
+    mode = 0o666 & ~current_umask()
+    for root, _, names in os.walk(directory):
+        for name in names:
+            file = os.path.join(root, name)
+            if os.path.isfile(file) and not os.path.islink(file):
+                os.chmod(file, mode)
+
+
 def fsync_tree(directory: str) -> None:
     """fsync every regular file under `directory` (subdirectories too: a distributed checkpoint's shards), then
     each directory after its contents (the names it holds)."""
@@ -198,6 +217,7 @@ def atomic_directory(target: str | os.PathLike, overwrite: bool = False,
     os.mkdir(tmp, 0o777)  # the umask applies
     try:
         yield tmp
+        apply_umask(tmp)  # before carry_foreign: the user's own files keep their modes
         fsync_tree(tmp)
         _check_target(target, overwrite)  # the target may have appeared while writing
         if os.path.isdir(target):
@@ -212,4 +232,4 @@ def atomic_directory(target: str | os.PathLike, overwrite: bool = False,
     fsync_dir(parent)  # the rename itself
 
 
-__all__ = ["atomic_directory", "carry_foreign", "clean_stale", "fsync_dir", "fsync_tree"]
+__all__ = ["apply_umask", "atomic_directory", "carry_foreign", "clean_stale", "fsync_dir", "fsync_tree"]

@@ -26,7 +26,7 @@ from safetensors import safe_open
 from ..config import INDEXED_ATTENTION, LINEAR_ATTENTION, Glm53Config
 from ..errors import CheckpointError
 from . import fp8
-from .paths import is_inside
+from .paths import confined, is_inside
 from .reader import READ_ERRORS, check_readable, checkpoint_files, reason
 from .shards import ShardedWriter, atomic_directory, checkpoint_owns, copy_side_files, write_json
 
@@ -134,6 +134,10 @@ def plan_crop(src: str, n: int, dtype: torch.dtype = torch.bfloat16) -> Plan:
     config_path = os.path.join(src, "config.json")
     if not os.path.isfile(config_path):
         raise CropError(f"no config.json in {src}")
+    try:
+        confined(src, "config.json", src)  # a config.json symlinked out of SRC is not SRC's
+    except CheckpointError as e:
+        raise CropError(str(e)) from e
     try:
         with open(config_path, encoding="utf-8") as f:
             config = json.load(f)
@@ -304,6 +308,10 @@ def main(argv: list[str] | None = None) -> int:
     except (CropError, FileExistsError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # the machine said no (permissions, a full disk, a read-only file system): nothing written
+        where = f" ({e.filename})" if e.filename else ""
+        print(f"error: cannot write {args.dst}: {e.strerror or e}{where}; nothing was written", file=sys.stderr)
+        return 1
     return 0
 
 

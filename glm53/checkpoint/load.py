@@ -16,7 +16,7 @@ import torch
 
 from ..config import Glm53Config
 from ..errors import CheckpointError, ConfigError
-from ..precision import cast_model, resolve_dtype
+from ..precision import beyond_range, cast_model, range_error, resolve_dtype
 from . import fp8
 from .layout import EXPERT_KEY, LAYER_KEY, TEXT_PREFIX, VISION_PREFIX, mtp_internal, official_key, official_to_internal
 from .reader import FLOAT_DTYPES, TensorReader, checkpoint_files
@@ -179,6 +179,13 @@ def quantization_config(config: Glm53Config) -> dict | None:
     return config.extra.get("_outer", {}).get("quantization_config") or config.extra.get("quantization_config")
 
 
+def _fitting(tensor: torch.Tensor, dtype: torch.dtype, key: str, path) -> torch.Tensor:
+    """`tensor` unchanged; a CheckpointError when `dtype` (the model's) cannot hold its values (fp16 overflow)."""
+    if (peak := beyond_range(tensor, dtype)) is not None:
+        raise CheckpointError(f"{path}: " + range_error({key: peak}, dtype, "loading as"))
+    return tensor
+
+
 def load_checkpoint(cls, path: str | os.PathLike, *, dtype: torch.dtype | None = None,
                     device: str | torch.device = "cpu"):  # fmt: skip
     """Build `cls` (Glm53ForCausalLM) from an official-layout directory; see the module docstring.
@@ -208,21 +215,26 @@ def load_checkpoint(cls, path: str | os.PathLike, *, dtype: torch.dtype | None =
         logger.warning("skipping %d vision-tower tensors (model.visual.*): glm53 is the text model", len(plan.vision))
     model.to_empty(device=device)
     model.tie_weights()
-    cast_model(model, dtype)
+    cast_model(model, dtype, check_range=False)  # to_empty memory; each copied tensor is checked (_fitting)
     tensors = dict(model.named_parameters())
     tensors.update(dict(model.named_buffers()))
     with torch.no_grad():
         for name, key in plan.direct.items():
-            tensors[name].copy_(reader.get(key))
+            tensors[name].copy_(_fitting(reader.get(key), tensors[name].dtype, key, path))
         for name, parts in plan.experts.items():
             target = tensors[name]
             for (e, part), key in parts.items():
                 rows = target.shape[1] // 2 if name.endswith("gate_up_proj") else target.shape[1]
                 offset = rows if part == "up" else 0
-                target[e, offset : offset + rows].copy_(reader.get(key))
+                target[e, offset : offset + rows].copy_(_fitting(reader.get(key), target.dtype, key, path))
         if model.mtp is not None and not plan.mtp_found:
             logger.warning("%s has no MTP tensors (layers.%d.*): the MTP module is freshly initialised",
                            path, config.num_hidden_layers)  # fmt: skip
             model.mtp.init_weights()
     model.mtp_checkpoint_keys = sorted(plan.mtp_set_aside)
-    return model
+    if model.mtp is None and plan.mtp_set_aside:
+        logger.warning("%s holds %d MTP tensors (layers.%d.*) but its config has num_nextn_predict_layers=0: they "
+                       "are not loaded, and a save_pretrained of this model will not write them (set "
+                       "num_nextn_predict_layers to keep them)", path, len(plan.mtp_set_aside),
+                       config.num_hidden_layers)  # fmt: skip
+    return model.eval()  # as transformers' from_pretrained: dropout off, no expert loads counted; .train() to train

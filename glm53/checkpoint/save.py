@@ -5,15 +5,18 @@ Legend: tensors keep their own shapes; only dtypes change here.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
 from ..errors import CheckpointError
-from ..precision import keeps_fp32, resolve_dtype
+from ..precision import beyond_range, keeps_fp32, range_error, resolve_dtype
 from .atomic import atomic_directory
 from .layout import named_state, official_items
 from .shards import ShardedWriter, checkpoint_owns, write_json
+
+logger = logging.getLogger("glm53.checkpoint")
 
 SAVE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -32,6 +35,11 @@ def check_savable(model: torch.nn.Module, dtype: torch.dtype | str | None,
     if dtype is not None and dtype not in SAVE_DTYPES:
         # FP8 needs per-block scales (glm53.checkpoint.fp8); a plain cast would write weights nobody can load.
         raise TypeError(f"dtype must be one of {[str(d) for d in SAVE_DTYPES]} to save, got {dtype}")
+    if dtype is not None:
+        state = named_state(model)
+        overflows = {n: p for n, t in state if not keeps_fp32(n) and (p := beyond_range(t, dtype)) is not None}
+        if overflows:  # the checkpoint would hold inf, which from_pretrained refuses
+            raise CheckpointError(range_error(overflows, dtype, "saving as"))
     if not allow_non_finite and (bad := non_finite_tensors(model)):
         shown = bad if len(bad) <= 10 else [*bad[:10], f"... ({len(bad)} in all)"]
         raise CheckpointError(f"refusing to save a model holding NaN or inf in {shown} (pass allow_non_finite=True "
@@ -84,6 +92,9 @@ def save_checkpoint(model: torch.nn.Module, path: str | os.PathLike, *, max_shar
         if not isinstance(flag, bool):  # overwrite="no" is truthy: it would replace a checkpoint
             raise TypeError(f"{name} must be True or False, got {flag!r}")
     dtype = check_savable(model, dtype, allow_non_finite)
+    if model.mtp is None and (dropped := getattr(model, "mtp_checkpoint_keys", [])):
+        logger.warning("not writing the %d MTP tensors the source checkpoint held (the model has "
+                       "num_nextn_predict_layers=0): %s will have no MTP layer", len(dropped), path)  # fmt: skip
     with atomic_directory(path, overwrite=overwrite, own=checkpoint_owns) as tmp:
         write_checkpoint_files(model, tmp, max_shard_size=max_shard_size, dtype=dtype)
     return os.path.abspath(os.fspath(path))

@@ -409,7 +409,7 @@ class Glm53ForCausalLM(nn.Module):
             model = cls(config)
         model.to_empty(device=device)
         model.tie_weights()
-        cast_model(model, resolve_dtype(dtype, "dtype"))
+        cast_model(model, resolve_dtype(dtype, "dtype"), check_range=False)  # to_empty memory: no values yet
         with torch.no_grad():
             model.init_weights()
         return model

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.state_dict import (
@@ -34,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from torch.distributed.tensor import DTensor
 
+from ..errors import CheckpointError
 from .pieces import box_slices, local_boxes
 
 PARAM_GROUPS = "optim.param_groups"
@@ -124,7 +126,26 @@ def write_training_state(directory: str, model: torch.nn.Module, optimizer: torc
 
 def saved_keys(directory: str) -> set[str]:
     """The keys stored in a DCP training-state directory (read from its metadata)."""
-    return set(FileSystemReader(directory).read_metadata().state_dict_metadata)
+    try:
+        return set(FileSystemReader(directory).read_metadata().state_dict_metadata)
+    except Exception as e:  # a truncated or foreign .metadata: EOFError, UnpicklingError, ...
+        raise CheckpointError(f"{directory}/.metadata cannot be read ({type(e).__name__}: {e}): the training "
+                              f"state is truncated or corrupt") from e  # fmt: skip
+
+
+def _read_failure(directory: str, error: BaseException) -> CheckpointError:
+    """One line for what DCP raised while reading `directory`: per failing rank, the cause and what it means."""
+    causes = getattr(error, "failures", {0: (error, None)}) if isinstance(error, CheckpointException) else {}
+    causes = {rank: cause[0] if isinstance(cause, tuple) else cause for rank, cause in causes.items()} or {0: error}
+    first = next(iter(causes.values()))
+    if isinstance(first, (EOFError, RuntimeError)) or "unpickl" in type(first).__name__.lower():
+        meaning = "a shard file is truncated or corrupt"
+    elif "Size mismatch" in str(first):
+        meaning = "it was saved from a model of another shape (was config.json edited since?)"
+    else:
+        meaning = "see the cause"
+    said = "; ".join(f"rank {rank}: {type(c).__name__}: {c}" for rank, c in sorted(causes.items()))
+    return CheckpointError(f"{directory}: the training state cannot be read, {meaning} ({said})")
 
 
 def read_training_state(directory: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -148,7 +169,10 @@ def read_training_state(directory: str, model: torch.nn.Module, optimizer: torch
                        f"(saved from a different model or without the optimizer?)")  # fmt: skip
     wanted = {f"extra.{n}": v for n, v in (extra or {}).items() if f"extra.{n}" in stored}
     flat.update(wanted)
-    dcp.load(flat, checkpoint_id=directory, planner=_LoadPlanner(), no_dist=_no_dist())
+    try:
+        dcp.load(flat, checkpoint_id=directory, planner=_LoadPlanner(), no_dist=_no_dist())
+    except (CheckpointException, EOFError, OSError, RuntimeError, ValueError) as e:
+        raise _read_failure(directory, e) from e
     with torch.no_grad():
         set_model_state_dict(model, model_sd, options=StateDictOptions(strict=True))
     if optimizer is not None:

@@ -125,3 +125,27 @@ def test_a_parked_old_directory_never_replaces_a_target_made_since(tmp_path, cap
         assert atomic.clean_stale(str(tmp_path / "ckpt")) == []
     assert os.listdir(tmp_path / "ckpt") == ["new.bin"] and os.listdir(holder / "ckpt") == ["old.bin"]
     assert "left in place" in caplog.text
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_written_files_get_the_umask_mode_and_carried_files_keep_theirs(tmp_path, umask):
+    """safetensors writes its files 0600; a checkpoint's weights must be as readable as its config.json (the umask's
+    0666 & ~umask), or a checkpoint shared with other users is unreadable. A user's own file carried across an
+    overwrite keeps its mode (it is the same inode)."""
+    import torch
+    from safetensors.torch import save_file
+
+    target = tmp_path / "ckpt"
+    target.mkdir()
+    write(target, {"notes.txt": b"mine"})
+    os.chmod(target / "notes.txt", 0o640)
+    old = os.umask(umask)
+    try:
+        with atomic.atomic_directory(target, overwrite=True, own=lambda name: name != "notes.txt") as tmp:
+            save_file({"w": torch.zeros(2)}, os.path.join(tmp, "model.safetensors"))
+            write(tmp, {"config.json": b"{}"})
+    finally:
+        os.umask(old)
+    mode = lambda name: os.stat(target / name).st_mode & 0o777  # noqa: E731
+    assert mode("model.safetensors") == mode("config.json") == 0o666 & ~umask
+    assert mode("notes.txt") == 0o640

@@ -241,3 +241,21 @@ def test_interrupted_crop_leaves_no_dst(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         crop(src, tmp_path / "out", 3, max_shard_size="20KB", log=io.StringIO())
     assert os.listdir(tmp_path) == [] and len(calls) == 40
+
+
+def test_an_unwritable_destination_is_one_line_not_a_traceback(tmp_path, capsys, monkeypatch):
+    """The OS refusing the write (permissions, a read-only or full file system) is reported in one line naming
+    DST and the reason, exit 1, and leaves nothing behind (it was a PermissionError traceback)."""
+    import glm53.checkpoint.atomic as atomic
+
+    src, _ = fp8_source()
+
+    def refuse(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(atomic.os, "mkdir", refuse)
+    dst = tmp_path / "out"
+    assert main([src, str(dst), "--num-layers", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot write {dst}: Permission denied") and "Traceback" not in err
+    assert err.count("\n") == 1 and sorted(os.listdir(tmp_path)) == []

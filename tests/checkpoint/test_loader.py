@@ -270,3 +270,14 @@ def test_from_config_keeps_embeddings_tied():
     model = Glm53ForCausalLM.from_config(config(tie_word_embeddings=True))
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert model.model.embed_tokens.weight.abs().sum() > 0
+
+
+def test_from_pretrained_returns_an_eval_mode_model(tmp_path):
+    """As transformers' from_pretrained: a loaded model is in eval mode (no dropout, no expert loads counted for
+    update_router_bias) until the caller says .train(); it used to come back in train mode."""
+    from glm53 import Glm53Config, Glm53ForCausalLM
+
+    Glm53ForCausalLM(Glm53Config.tiny()).save_pretrained(tmp_path / "ckpt")
+    model = Glm53ForCausalLM.from_pretrained(tmp_path / "ckpt")
+    assert not model.training and not any(m.training for m in model.modules())
+    assert model.train().training

@@ -52,3 +52,29 @@ def test_a_stored_fp8_dtype_is_a_config_error_naming_the_file(saved, tmp_path):
 def test_model_dtypes_load(saved, dtype):
     model = Glm53ForCausalLM.from_pretrained(saved, dtype=dtype)
     assert model.model.embed_tokens.weight.dtype == dtype
+
+
+def test_values_beyond_fp16_range_are_refused_not_written_as_inf(tmp_path):
+    """fp16 holds at most 65504: casting, saving or loading a larger value as fp16 would make it inf (and the saved
+    checkpoint then fails to load). Each way is refused naming the tensor, before anything is cast or written;
+    bf16 (fp32's range) takes the same model unchanged."""
+    from glm53.errors import CheckpointError
+
+    model = Glm53ForCausalLM(tiny_config())
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight[0, 0] = 1e5
+    name = "model.layers.0.mlp.down_proj.weight"
+    with pytest.raises(CheckpointError, match=rf"saving as float16 .*\+-65504.* {name} \(max \|x\| 1e\+05\)"):
+        model.save_pretrained(tmp_path / "half", dtype=torch.float16)
+    assert not (tmp_path / "half").exists()
+    before = {k: v.dtype for k, v in model.state_dict().items()}
+    for cast in (lambda: model.to_dtype(torch.float16), lambda: cast_model(model, "float16")):
+        with pytest.raises(ValueError, match=rf"casting to float16 .* {name}"):
+            cast()
+    assert {k: v.dtype for k, v in model.state_dict().items()} == before
+    model.save_pretrained(tmp_path / "full")
+    with pytest.raises(CheckpointError, match=r"loading as float16 .*layers\.0\.mlp\.down_proj\.weight"):
+        Glm53ForCausalLM.from_pretrained(tmp_path / "full", dtype=torch.float16)
+    model.save_pretrained(tmp_path / "bf16", dtype=torch.bfloat16)
+    loaded = Glm53ForCausalLM.from_pretrained(tmp_path / "bf16")
+    assert loaded.model.layers[0].mlp.down_proj.weight[0, 0].item() == 99840.0  # 1e5 rounded to bf16, finite

@@ -355,3 +355,25 @@ def test_transformers_rejects_the_same_configs(overrides):
         hf_text_config(**kwargs)
     with pytest.raises(ValueError):
         Glm53Config(**kwargs)
+
+
+def test_outer_text_fields_that_text_config_contradicts_are_named_and_not_written_back():
+    """The text model reads text_config only; an outer vocab_size that disagrees was accepted without a word and
+    written back by every save, keeping the contradiction. Now: a warning naming both values, text_config's used,
+    the outer one dropped; an outer field text_config lacks is said to be unread; agreeing duplicates are quiet."""
+    import warnings as w
+
+    from glm53 import Glm53Config as C
+
+    text = C.tiny().to_dict()
+    with pytest.warns(UserWarning, match=r"vocab_size=999 outside text_config contradicts text_config's vocab_size=320"):
+        config = C.from_dict({"text_config": text, "vocab_size": 999, "model_type": "glm5_next"})
+    assert config.vocab_size == 320
+    official = config.to_official_dict()
+    assert "vocab_size" not in official and official["text_config"]["vocab_size"] == 320
+    lacking = {k: v for k, v in text.items() if k != "rms_norm_eps"}
+    with pytest.warns(UserWarning, match=r"rms_norm_eps=0\.5 sits outside text_config and is not read"):
+        C.from_dict({"text_config": lacking, "rms_norm_eps": 0.5})
+    with w.catch_warnings():
+        w.simplefilter("error")
+        assert C.from_dict({"text_config": text, "vocab_size": 320}).to_official_dict()["vocab_size"] == 320

@@ -26,6 +26,11 @@ CHUNK_TOKENS = 5  # rows per forced logits block: 26 tokens -> 6 chunks, the las
 DEPTH = 2
 FP32_TOL = dict(rtol=1e-5, atol=1e-7)
 GRAD_FLOOR = 1e-4
+# fp32 gradients, chunked vs plain head: the only difference is how the GEMMs behind each token's hidden-state
+# gradient (dlogits[m] @ W, a dot product of length VOCAB) and the head's weight gradient are blocked, so each
+# gradient entry can differ by the worst-case rounding of a length-VOCAB fp32 sum, VOCAB * eps(fp32) = 3.8e-5
+# relative to the largest entry; every later gradient is that hidden-state gradient times the same weights
+GRAD_REL_FP32 = VOCAB * torch.finfo(torch.float32).eps
 BF16_REL = 2e-2  # bf16: the head's weight gradient is summed per chunk in bf16 (the kernel's choice; ~5e-3 seen)
 
 
@@ -133,7 +138,7 @@ def test_chunked_loss_equals_plain_fp32(small_chunks, kind):
     assert {"hidden", "mtp_hidden_1", "mtp_hidden_2"} <= set(fast["grads"])
     assert fast["grads"]["lm_head.weight"].abs().max() > 0
     bad = grad_errors(fast["grads"], plain["grads"])
-    assert max(bad.values()) <= 1e-5, {n: e for n, e in bad.items() if e > 1e-5}
+    assert max(bad.values()) <= GRAD_REL_FP32, {n: e for n, e in bad.items() if e > GRAD_REL_FP32}
 
 
 def test_chunked_loss_equals_plain_bf16(small_chunks):

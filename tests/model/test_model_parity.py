@@ -33,6 +33,9 @@ CASES = {
     "hc1": dict(config=dict(hc_mult=1), T=33, pad="left"),
     "hc2": dict(config=dict(hc_mult=2), T=33, pad="left"),
     "swiglu-clamps": dict(config=dict(swiglu_limit=0.3), T=26, pad="left"),
+    # value width != query/key width: the attention scale is qk_head_dim^-0.5 (a v_head_dim^-0.5 mutant passed
+    # while every config had equal widths)
+    "v-width-ne-qk-width": dict(config=dict(v_head_dim=4, qk_nope_head_dim=12), T=26, pad="left"),
 }  # fmt: skip
 
 

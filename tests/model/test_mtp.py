@@ -130,8 +130,17 @@ def test_checkpoint_without_mtp_tensors_or_without_mtp_module(tmp_path, caplog):
     # a model without MTP sets the layer aside, as do shared embedding/head copies inside the MTP layer
     extra = {f"model.language_model.layers.{config.num_hidden_layers}.embed_tokens.weight": model.lm_head.weight}
     _write(tmp_path / "c", config.replace(num_nextn_predict_layers=0), {**state, **extra})
-    plain = Glm53ForCausalLM.from_pretrained(tmp_path / "c")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="glm53.checkpoint"):
+        plain = Glm53ForCausalLM.from_pretrained(tmp_path / "c")
     assert plain.mtp is None and len(plain.mtp_checkpoint_keys) == len(mtp_keys) + 1
+    # ... and says so, at load and again when a save drops them (it used to drop them without a word)
+    assert f"holds {len(mtp_keys) + 1} MTP tensors" in caplog.text and "num_nextn_predict_layers=0" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="glm53.checkpoint"):
+        plain.save_pretrained(tmp_path / "c2")
+    assert f"not writing the {len(mtp_keys) + 1} MTP tensors" in caplog.text
+    caplog.clear()
     _write(tmp_path / "d", config, {**state, **extra})
     assert len(Glm53ForCausalLM.from_pretrained(tmp_path / "d").mtp_checkpoint_keys) == 1
 

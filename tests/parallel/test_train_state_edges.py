@@ -68,6 +68,31 @@ def test_a_checkpoint_of_another_model_is_refused_naming_its_missing_keys(saved)
         read_training_state(saved["directory"], model, None)
 
 
+@pytest.mark.parametrize("damage", ["truncated shard", "corrupt metadata", "edited config"])
+def test_a_damaged_or_mismatched_state_is_a_checkpoint_error_naming_the_cause(saved, tmp_path, damage):
+    """A truncated .distcp shard (a full disk, a killed copy) raised DCP's multi-page CheckpointException around an
+    EOFError, a corrupt .metadata an UnpicklingError, and a state read into a model whose config was edited a size
+    mismatch: each is now a CheckpointError naming the directory, what it means and each failing rank's cause."""
+    import shutil
+
+    from glm53.errors import CheckpointError
+
+    directory = shutil.copytree(saved["directory"], tmp_path / "state")
+    config = Glm53Config.tiny(hidden_size=48) if damage == "edited config" else Glm53Config.tiny()
+    model = Glm53ForCausalLM(config)
+    if damage == "truncated shard":
+        shard = next(directory.glob("*.distcp"))
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+        expected = r"state cannot be read, a shard file is truncated or corrupt \(rank 0: EOFError"
+    elif damage == "corrupt metadata":
+        (directory / ".metadata").write_bytes(b"not a pickle")
+        expected = r"\.metadata cannot be read \(UnpicklingError: .*\): the training state is truncated or corrupt"
+    else:
+        expected = r"saved from a model of another shape \(was config.json edited since\?\) \(rank 0: ValueError: Size"
+    with pytest.raises(CheckpointError, match=rf"^{directory}.*{expected}"):
+        read_training_state(str(directory), model, torch.optim.AdamW(model.parameters()))
+
+
 def test_a_directory_without_metadata_is_not_a_training_state(tmp_path):
     with pytest.raises(FileNotFoundError, match="holds no DCP training state"):
         read_training_state(str(tmp_path), Glm53ForCausalLM(Glm53Config.tiny()), None)

@@ -71,6 +71,21 @@ def test_index_entries_must_resolve_inside_the_checkpoint(sharded, tmp_path, kin
         crop(path, tmp_path / "out", 2, dry_run=True)
 
 
+def test_a_config_json_symlinked_out_of_the_checkpoint_is_refused(sharded, tmp_path):
+    """config.json is read like every other file the checkpoint holds: a symlink leading out of the directory is
+    an error naming it (it was followed, reading any JSON file on the machine as the model's config)."""
+    path = copy(sharded, tmp_path)
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text((path / "config.json").read_text())
+    (path / "config.json").unlink()
+    os.symlink(elsewhere, path / "config.json")
+    for load in (lambda: Glm53Config.from_pretrained(path), lambda: Glm53ForCausalLM.from_pretrained(path)):
+        with pytest.raises(CheckpointError, match=r"names 'config.json', which resolves to .*elsewhere.json, outside"):
+            load()
+    with pytest.raises(CropError, match=r"names 'config.json', which resolves to .*elsewhere.json, outside"):
+        crop(path, tmp_path / "out", 2, dry_run=True)
+
+
 def test_hub_cache_snapshot_symlinks_into_blobs_are_allowed(sharded, tmp_path):
     repo = tmp_path / "models--org--tiny"
     blobs, snapshot = repo / "blobs", repo / "snapshots" / "abc123"
