@@ -189,7 +189,7 @@ def test_bf16_one_process_keeps_fp32_masters(tmp_path, capsys):
     with torch.autocast("cpu", dtype=torch.bfloat16):  # what the step runs under: bf16 compute
         assert model.model.embed_tokens(ids).dtype == torch.float32 and model.lm_head(torch.ones(1, 32)).dtype \
             == torch.bfloat16  # fmt: skip
-    before = [p.detach().clone() for p in model.parameters()]
+    before = [p.detach().clone() for p in model.train().parameters()]  # (Trainer.__init__ sets train mode)
     Trainer.step(trainer, 1, [dict(input_ids=ids, labels=ids)])
     states = [s for s in trainer.optimizer.state.values()]
     assert states and all(s["exp_avg"].dtype == torch.float32 for s in states)
