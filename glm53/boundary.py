@@ -11,6 +11,7 @@ or this rank's shard for head-local parameters), and raises naming the parameter
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -26,12 +27,51 @@ ExpertDispatcher = Callable[[nn.Module], Callable | None]
 _EXPERT_DISPATCHER: ExpertDispatcher | None = None
 
 
-def as_local(module: nn.Module, name: str) -> torch.Tensor:
-    """`module.<name>` as the plain tensor a kernel can take (the parameter itself on one process)."""
+class LowRank(NamedTuple):
+    """A low-rank term beside a weight W: the effective weight is W + scale * B @ A (LoRA, glm53.peft).
+
+    2-D weight [O, I]: A [r, I], B [O, r]; fused experts [E, O, I]: A [E, r, I], B [E, O, r]. `dropout` is the
+    probability applied to the low-rank path's input (0 outside training)."""
+
+    A: torch.Tensor
+    B: torch.Tensor
+    scale: float
+    dropout: float = 0.0
+
+    def delta(self) -> torch.Tensor:
+        """scale * B @ A, [O, I] or [E, O, I] (fp32 product when the factors are fp32)."""
+        return torch.matmul(self.B, self.A) * self.scale
+
+
+# A module whose weight is more than its stored parameter (a LoRA adapter beside it, an FP8 base with block
+# scales; glm53.peft installs both) holds, under this attribute, {parameter name: view}; a view maps
+# (module, the stored tensor resolved as below) -> (the base weight as a plain floating tensor, LowRank or None).
+WEIGHT_VIEWS = "_glm53_weight_views"
+WeightView = Callable[[nn.Module, torch.Tensor], "tuple[torch.Tensor, LowRank | None]"]
+
+
+def local_parts(module: nn.Module, name: str) -> tuple[torch.Tensor, LowRank | None]:
+    """`module.<name>` as (base weight, low-rank term or None): for code that runs the low-rank term itself (the
+    LoRA linear, the routed experts' grouped kernel). Everything else reads `as_local`, which adds the two."""
     param = getattr(module, name)
-    if _RESOLVER is None:
-        return param
-    return _RESOLVER(module, name, param)
+    local = param if _RESOLVER is None else _RESOLVER(module, name, param)
+    view = module.__dict__.get(WEIGHT_VIEWS, {}).get(name)
+    return (local, None) if view is None else view(module, local)
+
+
+def as_local(module: nn.Module, name: str) -> torch.Tensor:
+    """`module.<name>` as the plain tensor a kernel can take (the parameter itself on one process); with an
+    adapter or a compressed base (glm53.peft) the effective weight: base (dequantised) + scale * B @ A."""
+    base, low_rank = local_parts(module, name)
+    if low_rank is None:
+        return base
+    return add_low_rank(base, low_rank)
+
+
+def add_low_rank(base: torch.Tensor, low_rank: LowRank) -> torch.Tensor:
+    """base + scale * B @ A, summed in fp32 (fp64 for an fp64 base) and returned in base's dtype."""
+    acc = torch.promote_types(base.dtype, torch.float32)
+    return (base.to(acc) + low_rank.delta().to(acc)).to(base.dtype)
 
 
 def set_param_resolver(resolver: ParamResolver | None) -> ParamResolver | None:
@@ -110,6 +150,6 @@ def set_value_resolver(resolver: ValueResolver | None) -> ValueResolver | None:
     return previous
 
 
-__all__ = ["as_local", "as_plain", "into_head_parallel", "set_input_resolver", "set_param_resolver",
+__all__ = ["as_local", "local_parts", "add_low_rank", "LowRank", "WEIGHT_VIEWS", "as_plain", "into_head_parallel", "set_input_resolver", "set_param_resolver",
            "set_value_resolver", "expert_dispatcher", "set_expert_dispatcher", "vocab_parallel_loss",
            "set_vocab_parallel_loss"]

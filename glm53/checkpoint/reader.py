@@ -162,3 +162,15 @@ class TensorReader:
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):  # NOTE: syncs
             raise CheckpointError(f"tensor {key!r} holds NaN or infinite values")
         return tensor
+
+    def get_fp8(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """An FP8 tensor as stored: (e4m3 values, fp32 `<key>_scale_inv`), for a base kept in FP8 (glm53.peft.fp8);
+        NaN or inf in either raises."""
+        q, scale = self._tensor(key), key + fp8.SCALE_SUFFIX
+        if q.dtype != fp8.FP8_DTYPE or scale not in self.files:
+            raise CheckpointError(f"tensor {key!r} is not block-scaled FP8 ({q.dtype}, scale {scale!r} "
+                                  f"{'present' if scale in self.files else 'absent'})")  # fmt: skip
+        s = self._tensor(scale).float()
+        if not (bool(torch.isfinite(s).all()) and bool(torch.isfinite(q.float()).all())):  # NOTE: syncs
+            raise CheckpointError(f"tensor {key!r} (or its scale) holds NaN or infinite values")
+        return q, s

@@ -18,6 +18,7 @@ import torch
 
 from ..errors import Glm53Error
 from ..model.model import Glm53ForCausalLM
+from ..peft import cli as peft_cli
 from ..training import data as byte_codec
 from ..training.args import existing_dir, seed_int
 from .loop import generate
@@ -57,6 +58,7 @@ def _tokenizer(text: str) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, type=existing_dir, help="an official-layout checkpoint directory")
+    peft_cli.add_generate_arguments(p)  # --adapter DIR
     p.add_argument("--tokenizer", default=None, type=_tokenizer, help="a transformers tokenizer directory or 'bytes' "
                    "(default: the model directory if it holds a tokenizer, else the built-in byte codec)")  # fmt: skip
     p.add_argument("--prompt", required=True)
@@ -141,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
-    model = Glm53ForCausalLM.from_pretrained(args.model).eval()
+    model = peft_cli.with_adapter(args, Glm53ForCausalLM.from_pretrained(args.model)).eval()
     codec = _Codec(args.model, args.tokenizer)
     ids = codec.encode(args.prompt)[None]
     if ids.shape[1] == 0:

@@ -3,7 +3,8 @@
 Legend: M tokens, D model width, I expert width, E experts, k experts per token (the grouped form's
 locals call the token count N).
 x: [M, D]; topk_idx: [M, k] int; topk_weight: [M, k]; gate_up: [E, 2I, D] (gate rows first, then up);
-down: [E, D, I]. Returns [M, D] in x's dtype.
+down: [E, D, I]. Returns [M, D] in x's dtype. Optional `lora` (glm53.peft): per-expert low-rank terms
+(ExpertLoRA below), run through the same grouped matmuls.
 """
 
 from __future__ import annotations
@@ -11,7 +12,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..boundary import LowRank
 from .dispatch import register
+
+# Optional LoRA terms of the two expert projections (glm53.peft): (gate_up's, down's), each LowRank or None, with
+# A [E, r, in] and B [E, out, r]; computed through the same grouped matmuls as the base, never as a dense delta.
+ExpertLoRA = tuple[LowRank | None, LowRank | None]
 
 
 def _clamped_swiglu_forward(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -91,17 +97,28 @@ def moe_experts_reference(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     limit: float,
+    lora: ExpertLoRA | None = None,
 ) -> torch.Tensor:
     """One expert at a time over the tokens routed to it (the per-expert loop)."""
+    gate_up_lr, down_lr = lora if lora is not None else (None, None)
     out = torch.zeros_like(x)
     for e in range(gate_up.shape[0]):
         token, slot = torch.where(topk_idx == e)
         if token.numel() == 0:
             continue
-        gate, up = F.linear(x[token], gate_up[e]).chunk(2, dim=-1)
-        y = F.linear(clamped_swiglu(gate, up, limit), down[e]) * topk_weight[token, slot, None]
+        gate, up = _expert_linear(x[token], gate_up, gate_up_lr, e).chunk(2, dim=-1)
+        y = _expert_linear(clamped_swiglu(gate, up, limit), down, down_lr, e) * topk_weight[token, slot, None]
         out = out.index_add(0, token, y.to(out.dtype))
     return out
+
+
+def _expert_linear(a: torch.Tensor, w: torch.Tensor, low_rank: LowRank | None, e: int) -> torch.Tensor:
+    """Expert e's projection a w[e]^T, plus its low-rank term scale * (dropout(a) A[e]^T) B[e]^T."""
+    y = F.linear(a, w[e])
+    if low_rank is None:
+        return y
+    a = F.dropout(a, low_rank.dropout) if low_rank.dropout > 0 else a
+    return y + F.linear(F.linear(a, low_rank.A[e]), low_rank.B[e]) * low_rank.scale
 
 
 # ------------------------------------------------------------------------------------------------ grouped form
@@ -172,7 +189,20 @@ def _padded_mm(rows: torch.Tensor, weight: torch.Tensor, expert: torch.Tensor, s
     return torch.bmm(padded, weight.transpose(1, 2))[expert, slot]
 
 
-def _moe_experts_grouped(x, topk_idx, topk_weight, gate_up, down, limit, use_grouped_mm: bool):
+def _with_low_rank(project, low_rank: LowRank | None):
+    """`project` (rows, w [E, out, in]) -> rows w[e]^T, extended by the low-rank term: two more grouped matmuls
+    through the rank-r bottleneck (A [E, r, in], then B [E, out, r])."""
+    if low_rank is None:
+        return project
+
+    def run(a, w):
+        dropped = F.dropout(a, low_rank.dropout) if low_rank.dropout > 0 else a
+        return project(a, w) + project(project(dropped, low_rank.A).contiguous(), low_rank.B) * low_rank.scale
+
+    return run
+
+
+def _moe_experts_grouped(x, topk_idx, topk_weight, gate_up, down, limit, use_grouped_mm: bool, lora=None):
     N, k = topk_idx.shape
     E = gate_up.shape[0]
     expert_of = topk_idx.flatten()
@@ -191,8 +221,10 @@ def _moe_experts_grouped(x, topk_idx, topk_weight, gate_up, down, limit, use_gro
         project = lambda a, w: _padded_mm(a, w, expert, slot, capacity)  # noqa: E731
     # The routing weight scales the I-wide activation before the down projection (linear, so the same sum up to
     # rounding): backward then keeps no extra [M*k, D] tensor for the weight's gradient.
-    act = clamped_swiglu_packed(project(rows, gate_up), limit) * topk_weight.flatten()[order, None]
-    y = project(act.to(rows.dtype).contiguous(), down)  # [M*k, D]
+    gate_up_lr, down_lr = lora if lora is not None else (None, None)
+    act = clamped_swiglu_packed(_with_low_rank(project, gate_up_lr)(rows, gate_up), limit)
+    act = act * topk_weight.flatten()[order, None]
+    y = _with_low_rank(project, down_lr)(act.to(rows.dtype).contiguous(), down)  # [M*k, D]
     return torch.zeros_like(x).index_add(0, token, y.to(x.dtype))
 
 
@@ -203,10 +235,12 @@ def moe_experts_grouped(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     limit: float,
+    lora: ExpertLoRA | None = None,
 ) -> torch.Tensor:
     """Sorted tokens, one grouped matmul per projection (torch._grouped_mm when usable); same signature."""
+    factors = [t for lr in (lora or ()) if lr is not None for t in (lr.A, lr.B)]
     return _moe_experts_grouped(x, topk_idx, topk_weight, gate_up, down, limit,
-                                _grouped_mm_usable(x, gate_up, down))  # fmt: skip
+                                _grouped_mm_usable(x, gate_up, down, *factors), lora)  # fmt: skip
 
 
 def moe_experts_padded(
@@ -216,9 +250,10 @@ def moe_experts_padded(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     limit: float,
+    lora: ExpertLoRA | None = None,
 ) -> torch.Tensor:
     """The padded-bmm fallback of `moe_experts_grouped` on every dtype (registered so tests can force it)."""
-    return _moe_experts_grouped(x, topk_idx, topk_weight, gate_up, down, limit, False)
+    return _moe_experts_grouped(x, topk_idx, topk_weight, gate_up, down, limit, False, lora)
 
 
 register("moe_experts", "reference", moe_experts_reference)

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..boundary import as_local, expert_dispatcher
+from ..boundary import as_local, expert_dispatcher, local_parts
 from ..config import Glm53Config
 from ..kernels import kernel
 from .context import ForwardContext
@@ -72,10 +72,13 @@ class Experts(nn.Module):
         self.initializer_range = config.initializer_range
 
     def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        gate_up, down = as_local(self, "gate_up_proj"), as_local(self, "down_proj")
+        # The base tensors and their LoRA terms, if any (glm53.peft): the kernel runs the low-rank terms through
+        # the same grouped matmuls, never as a dense [E, out, in] delta.
+        (gate_up, gate_up_lr), (down, down_lr) = local_parts(self, "gate_up_proj"), local_parts(self, "down_proj")
+        lora = {} if gate_up_lr is None and down_lr is None else {"lora": (gate_up_lr, down_lr)}
         # Under expert parallelism gate_up/down are this rank's experts and the dispatcher moves tokens to them.
         run = expert_dispatcher(self) or kernel("moe_experts")
-        return run(x, indices, weights, gate_up, down, self.swiglu_limit)
+        return run(x, indices, weights, gate_up, down, self.swiglu_limit, **lora)
 
     def init_weights(self) -> None:
         nn.init.normal_(self.gate_up_proj, std=self.initializer_range)

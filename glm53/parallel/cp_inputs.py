@@ -23,6 +23,7 @@ from ..training.loss_counts import LossCounts
 from ..training.losses import IGNORE_INDEX, next_token_targets
 from ..utils import ceil_div
 from .context import CpShards
+from .mesh import DATA_DIMS
 from .parallelize import context_parallel_mesh
 from .runtime import loss_denominators as dp_denominators
 
@@ -56,8 +57,9 @@ def context_parallel_inputs(
 
     `mesh`: the "cp" mesh dimension (default: the one `parallelize(model, mesh, cp_dim=...)` recorded).
     `loss_denominators`: the counts of the global batch (gradient accumulation: every micro-batch's, summed);
-    by default this batch's, summed over the dp ranks and divided by their number when the mesh has "dp"
-    (`glm53.parallel.loss_denominators`), so every dp rank passes its own whole sequences.
+    by default this batch's, summed over the ranks that read their own rows (dp and ep, mesh.DATA_DIMS) and
+    divided by their number (`glm53.parallel.loss_denominators`), so every such rank passes its own whole
+    sequences.
     """
     cp_mesh, full_mesh = context_parallel_mesh(model, mesh)
     if input_ids.dim() != 2:
@@ -88,8 +90,7 @@ def context_parallel_inputs(
         kwargs["labels"] = (_pad(targets, width, IGNORE_INDEX) if width else targets)[:, mine]
         if loss_denominators is None:
             counts = model.loss_counts(labels, attention_mask, None if positions is None else positions[:, :T])
-            has_dp = "dp" in (full_mesh.mesh_dim_names or ())
-            loss_denominators = dp_denominators(counts, full_mesh, "dp") if has_dp else counts
+            loss_denominators = dp_denominators(counts, full_mesh, DATA_DIMS)  # dp x ep read their own rows
         kwargs["loss_denominators"] = loss_denominators
     return kwargs
 

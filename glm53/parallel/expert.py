@@ -2,9 +2,11 @@
 
 Legend: N tokens on this rank, D model width, k experts per token, E routed experts, ep ranks on the ep mesh,
 El = E / ep experts per rank, M token-expert pairs arriving on this rank (dropless: every pair is computed).
-Mesh: ("dp", "ep") (or ("ep",)); non-expert parameters are FSDP-sharded over the flattened dp x ep ranks and every
-one of those ranks reads its own batches. Routed experts are Shard(0) over ep (rank r holds experts
-[r El, (r + 1) El)) and FSDP-sharded over dp on a dimension that splits evenly (`expert_shard_placement`).
+Mesh (mesh.py): ep is a dimension of ("dp", "cp", "ep", "tp"); non-expert parameters are FSDP-sharded over the
+flattened dp x cp x ep ranks and every dp x ep rank reads its own batches. Routed experts are Shard(0) over ep
+(rank r holds experts [r El, (r + 1) El)), split on their inner width over tp when there is one (2-D on
+("ep", "tp"), `apply_expert_parallel`) and FSDP-sharded over dp x cp on a dimension that splits evenly and that
+no other placement splits (`expert_shard_placement`).
 
 Dispatch on each rank (`ExpertParallelDispatch`), for the [N, k] routing choices:
 1. sort the N*k pairs by expert; since experts are contiguous per rank this also groups them by destination;
@@ -14,8 +16,8 @@ Dispatch on each rank (`ExpertParallelDispatch`), for the [N, k] routing choices
    `moe_experts` with one "choice" per arrived row (its local expert, weight 1);
 4. send the results back (the reverse all_to_all), scale them by the routing weights and add them to their tokens.
 The gradient reaching a local expert is the sum over the ep ranks' tokens of their own losses; FSDP averages over
-dp only (the experts' FSDP mesh), so the local expert parameters' gradient is scaled by 1/ep to make it the
-average over all dp x ep ranks, like every other parameter's.
+dp x cp only (the experts' FSDP mesh), so the local expert parameters' gradient is scaled by 1/ep to make it the
+average over all dp x cp x ep ranks, like every other parameter's.
 """
 
 from __future__ import annotations
@@ -35,6 +37,14 @@ from ..model.moe import Experts
 from .boundary import LocalShard, set_boundary_rule
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")  # [E, 2I, D], [E, D, I]
+
+
+def expert_param_names(module: nn.Module) -> list[str]:
+    """The fused expert parameters of `module` and their LoRA factors when glm53.peft added them
+    (`<param>_lora_A` [E, r, in], `<param>_lora_B` [E, out, r]): all shard with their experts on dim 0."""
+    names = list(EXPERT_PARAMS)
+    names += [f"{p}_lora_{x}" for p in EXPERT_PARAMS for x in "AB" if f"{p}_lora_{x}" in module._parameters]
+    return names
 
 # Experts module -> its dispatcher; weak keys: dispatch dies with the model.
 _DISPATCH: "weakref.WeakKeyDictionary[nn.Module, ExpertParallelDispatch]" = weakref.WeakKeyDictionary()
@@ -66,7 +76,7 @@ class ExpertParallelDispatch:
         self.ep = ep_mesh.size()
 
     def __call__(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                 down: torch.Tensor, limit: float) -> torch.Tensor:  # fmt: skip
+                 down: torch.Tensor, limit: float, lora=None) -> torch.Tensor:  # fmt: skip
         N, k = indices.shape
         El = gate_up.shape[0]
         expert_of = indices.flatten()  # [N*k]
@@ -80,8 +90,12 @@ class ExpertParallelDispatch:
         # Rows from each source arrive sorted by local expert: label each with its local expert.
         local_expert = torch.arange(El, device=x.device).repeat(self.ep).repeat_interleave(arriving_E)  # [M]
         scale = 1.0 / self.ep
+        # LoRA terms (glm53.peft) shard with their experts: their factors are this rank's experts' too
+        local_lora = {} if lora is None else {"lora": tuple(None if lr is None else lr._replace(
+            A=_ScaleGrad.apply(lr.A, scale), B=_ScaleGrad.apply(lr.B, scale)) for lr in lora)}  # fmt: skip
         y = kernel("moe_experts")(rows, local_expert[:, None], rows.new_ones(rows.shape[0], 1, dtype=weights.dtype),
-                                  _ScaleGrad.apply(gate_up, scale), _ScaleGrad.apply(down, scale), limit)  # fmt: skip
+                                  _ScaleGrad.apply(gate_up, scale), _ScaleGrad.apply(down, scale), limit,
+                                  **local_lora)  # fmt: skip
         back = all_to_all_single_autograd(y, send, receive, self.group)  # [N*k, D] in `order`
         contrib = back * weights.flatten()[order, None]
         return torch.zeros_like(x).index_add(0, token, contrib.to(x.dtype))
@@ -108,27 +122,48 @@ def expert_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, Experts)]
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, ep_tp_mesh: DeviceMesh | None = None) -> None:
     """Shard every routed-experts module's parameters Shard(0) over `ep_mesh` and route its forward through
-    `ExpertParallelDispatch` (installed as glm53.boundary's expert dispatcher)."""
+    `ExpertParallelDispatch` (installed as glm53.boundary's expert dispatcher).
+
+    Under tensor parallelism too (`ep_tp_mesh`, the ("ep", "tp") mesh; the TP plan already split the experts on
+    their inner width over tp with `ExpertTensorParallel`), each parameter becomes a 2-D DTensor: Shard(0) over
+    ep and the TP placement over tp. The dispatch then runs inside this rank's ep group (fixed tp coordinate):
+    the tp ranks of a group send the same tokens and compute their slices of the inner width, which
+    ExpertTensorParallel's exit hook sums over tp (mesh.py: why ep borrows its ranks from dp)."""
     check_ep_size(model, ep_mesh.size())
+    ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
     for module in expert_modules(model):
-        for name in EXPERT_PARAMS:
+        for name in expert_param_names(module):
             param = getattr(module, name)
-            shard = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
+            if isinstance(param.data, DTensor):  # already split over tp: add the ep split of dim 0
+                if ep_tp_mesh is None:
+                    raise ValueError(f"{name} is already a DTensor ({tuple(param.placements)}); expert parallelism "
+                                     "over it needs the ('ep', 'tp') mesh (ep_tp_mesh)")  # fmt: skip
+                local = param.data.to_local()
+                El = local.shape[0] // ep
+                placements = (Shard(0), *param.placements)
+                shard = DTensor.from_local(local[rank * El : (rank + 1) * El].clone(), ep_tp_mesh, placements,
+                                           run_check=False, shape=param.shape, stride=param.stride())  # fmt: skip
+            else:
+                placements = (Shard(0),)
+                shard = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
             module.register_parameter(name, nn.Parameter(shard, requires_grad=param.requires_grad))
-            set_boundary_rule(module, name, LocalShard((Shard(0),)))
+            set_boundary_rule(module, name, LocalShard(placements))
         _DISPATCH[module] = ExpertParallelDispatch(ep_mesh)
 
 
 def expert_shard_placement(dp_size: int, ep_sharded: bool):
     """FSDP's `shard_placement_fn` for routed-expert parameters: Shard on the first dimension of the local
     [E or El, *, *] tensor that splits evenly over `dp_size` ranks (FSDP pads uneven dim-0 shards and requires
-    other dims to divide evenly). Under EP, dim 0 already carries the ep split, so dims 1 and 2 come first."""
+    other dims to divide evenly). Under EP, dim 0 already carries the ep split, so dims 1 and 2 come first; a
+    dimension a DTensor placement already splits (the inner width under tp x ep) comes after those it does not."""
 
     def placement(param: nn.Parameter):
         shape = param.to_local().shape if isinstance(param, DTensor) else param.shape
+        split = {p.dim for p in param.placements if hasattr(p, "dim")} if isinstance(param, DTensor) else set()
         dims = (1, 2, 0) if ep_sharded else (0, 1, 2)
+        dims = tuple(d for d in dims if d not in split) + tuple(d for d in dims if d in split)
         for d in dims:
             if shape[d] % dp_size == 0:
                 return Shard(d)
@@ -139,13 +174,6 @@ def expert_shard_placement(dp_size: int, ep_sharded: bool):
         return Shard(0)
 
     return placement
-
-
-def flat_data_mesh(mesh: DeviceMesh, dp_dim: str | None, ep_dim: str) -> DeviceMesh:
-    """The mesh non-expert parameters are FSDP-sharded over: dp x ep flattened (ep alone without dp)."""
-    if dp_dim is None:
-        return mesh[ep_dim]
-    return mesh[(dp_dim, ep_dim)]._flatten(f"{dp_dim}_{ep_dim}")
 
 
 @torch.no_grad()
@@ -173,4 +201,4 @@ def install() -> None:
 
 
 __all__ = ["ExpertParallelDispatch", "apply_expert_parallel", "check_ep_size", "expert_shard_placement",
-           "flat_data_mesh", "clip_grad_norm_", "expert_modules"]  # fmt: skip
+           "expert_param_names", "clip_grad_norm_", "expert_modules"]  # fmt: skip

@@ -19,6 +19,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from .mesh import mesh_layout
+
 
 @contextlib.contextmanager
 def fake_world(world_size: int):
@@ -33,13 +35,10 @@ def fake_world(world_size: int):
 
 
 def layout_mesh(dp: int, ep: int, tp: int, device_type: str = "cpu", cp: int = 1) -> DeviceMesh:
-    """The mesh `glm53 train --dp --ep --tp` builds (runtime.init_mesh), on the current process group; with
-    cp > 1 a "cp" dimension after dp (context parallelism)."""
-    dims = [(n, s) for n, s in (("dp", dp), ("cp", cp), ("ep", ep), ("tp", tp)) if s > 1 or (n == "dp" and ep > 1)]
-    if not dims:
-        dims = [("dp", 1)]
-    names, shape = zip(*dims)
-    return init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
+    """The mesh `glm53 train --dp --cp --ep --tp` builds (runtime.init_mesh, mesh.mesh_layout), on the current
+    process group."""
+    shape, names = mesh_layout(dp, tp, ep, cp)
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
 
 def local_numel(t: torch.Tensor) -> int:

@@ -31,7 +31,8 @@ from ..model.model import Glm53ForCausalLM
 from ..model.mtp import MTPLayer
 from ..precision import keeps_fp32
 from .boundary import name_modules
-from .expert import EXPERT_PARAMS, apply_expert_parallel, expert_modules, expert_shard_placement, flat_data_mesh
+from .expert import apply_expert_parallel, expert_modules, expert_param_names, expert_shard_placement
+from .mesh import EXPERT_REPLICA_DIMS, REPLICA_DIMS, flat_mesh
 from .plan import check_tp_size, tp_plan
 from .pool_mass import sum_selected_pool_mass
 
@@ -143,7 +144,7 @@ def apply_fsdp(model: Glm53ForCausalLM, dp_mesh: DeviceMesh, mp_policy: MixedPre
 
 
 def _expert_params(model: nn.Module) -> list[nn.Parameter]:
-    return [m.get_parameter(n) for m in expert_modules(model) for n in EXPERT_PARAMS]
+    return [m.get_parameter(n) for m in expert_modules(model) for n in expert_param_names(m)]
 
 
 def _expert_placement_fn(model: nn.Module, dp_size: int):
@@ -245,22 +246,15 @@ def _check_options(mesh: DeviceMesh, names: tuple[str, str, str, str], has_dp: b
     dp_dim, tp_dim, ep_dim, cp_dim = names
     has_ep = ep_dim in mesh.mesh_dim_names
     has_cp = cp_dim in mesh.mesh_dim_names
-    if has_cp and (has_tp or has_ep):
-        raise ValueError(f"context parallelism ({cp_dim!r}) is not supported together with {tp_dim!r} or {ep_dim!r} "
-                         f"yet; the mesh has {list(mesh.mesh_dim_names)}")  # fmt: skip
-    if has_ep and has_tp and mesh[tp_dim].size() > 1:
-        raise ValueError(f"expert parallelism ({ep_dim}={mesh[ep_dim].size()}) together with tensor parallelism "
-                         f"({tp_dim}={mesh[tp_dim].size()}) is not supported: use a ({dp_dim!r}, {ep_dim!r}) mesh, "
-                         f"or ({dp_dim!r}, {tp_dim!r}) without EP")  # fmt: skip
     if compile and has_ep:
         raise ValueError(f"compile=True with expert parallelism ({ep_dim}={mesh[ep_dim].size()}) is not supported: "
                          "the all-to-all dispatch reads its split sizes on the host (a graph break per MoE block)")
     if compile and activation_checkpointing and _needs_fp32_units(mp_policy):
         raise ValueError("compile=True with activation checkpointing needs whole block graphs, but under a "
                          "low-precision mp_policy the nested fp32 FSDP units split them (glm53/model/compile.py)")
-    if mp_policy is not None and not has_dp and cp_dim not in mesh.mesh_dim_names:
-        raise ValueError(f"mp_policy is FSDP2's MixedPrecisionPolicy and needs a {dp_dim!r} or {cp_dim!r} mesh "
-                         f"dimension; the mesh has {list(mesh.mesh_dim_names)}")  # fmt: skip
+    if mp_policy is not None and not (has_dp or has_cp or has_ep):
+        raise ValueError(f"mp_policy is FSDP2's MixedPrecisionPolicy and needs a {dp_dim!r}, {cp_dim!r} or {ep_dim!r} "
+                         f"mesh dimension (FSDP's ranks); the mesh has {list(mesh.mesh_dim_names)}")  # fmt: skip
 
 
 def parallelize(
@@ -312,11 +306,15 @@ def parallelize(
     _check_options(mesh, (dp_dim, tp_dim, ep_dim, cp_dim), has_dp, has_tp, compile, activation_checkpointing, mp_policy)
     has_ep = ep_dim in mesh.mesh_dim_names
     has_cp = cp_dim in mesh.mesh_dim_names
+    if has_tp and any("lora_" in n for n, _ in model.named_parameters()):
+        raise ValueError("LoRA adapters (glm53.peft) under tensor parallelism are not supported yet: train them on "
+                         "dp / dp x ep meshes")  # fmt: skip
+    roles = dict(dp=dp_dim, cp=cp_dim, ep=ep_dim, tp=tp_dim)
     if has_tp:
         apply_tensor_parallel(model, mesh[tp_dim])
     if has_ep:
         name_modules(model)
-        apply_expert_parallel(model, mesh[ep_dim])
+        apply_expert_parallel(model, mesh[ep_dim], mesh[(ep_dim, tp_dim)] if has_tp else None)
     if activation_checkpointing:
         for block in _blocks(model):
             checkpoint(block)
@@ -324,15 +322,13 @@ def parallelize(
         # fp32 units nested in a block (low-precision policy) run FSDP hooks, which dynamo never traces: the
         # block's graph splits around them
         compile_blocks(model, backend=compile_backend, fullgraph=not _needs_fp32_units(mp_policy))
-    if has_ep:
-        apply_fsdp(model, flat_data_mesh(mesh, dp_dim if has_dp else None, ep_dim), mp_policy,
-                   reshard_after_forward, expert_parallel=True, expert_dp_mesh=mesh[dp_dim] if has_dp else None)
-    elif has_cp:
-        flat = mesh[(dp_dim, cp_dim)]._flatten(f"{dp_dim}_{cp_dim}") if has_dp else mesh[cp_dim]
-        apply_fsdp(model, flat, mp_policy, reshard_after_forward)
+    replicas = flat_mesh(mesh, [roles[d] for d in REPLICA_DIMS])  # dp x cp x ep: non-expert replicas
+    if replicas is not None:
+        expert_replicas = flat_mesh(mesh, [roles[d] for d in EXPERT_REPLICA_DIMS]) if has_ep else None
+        apply_fsdp(model, replicas, mp_policy, reshard_after_forward, expert_parallel=has_ep,
+                   expert_dp_mesh=expert_replicas)  # fmt: skip
+    if has_cp:
         _CP_MESH[model] = (mesh[cp_dim], mesh)
-    elif has_dp:
-        apply_fsdp(model, mesh[dp_dim], mp_policy, reshard_after_forward)
     model.expert_load_reduce = expert_load_sum(mesh, dp_dim, tp_dim, ep_dim, cp_dim)
     _PARALLELIZED.add(model)
     return model

@@ -1,11 +1,13 @@
 """What a training script needs from torch.distributed, so that it never imports it: the process group and the
 (dp, tp) mesh, rank queries, and whole (unsharded) model and optimizer state for official-layout checkpoints.
 
-Legend: dp the data-parallel mesh dimension (FSDP2), tp the tensor-parallel one; ranks are laid out
-rank = dp_rank * tp + tp_rank (init_device_mesh's row-major order).
+Legend: dp, cp, ep, tp the mesh dimensions (mesh.py: their order, rank = ((dp_rank * cp + cp_rank) * ep + ep_rank)
+* tp + tp_rank, and which of them each reduction spans).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -19,33 +21,21 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from ..training.loss_counts import LossCounts
+from .mesh import DATA_DIMS, mesh_layout, present, size_over
 
 
 def init_mesh(dp: int, tp: int, device_type: str = "cpu", ep: int = 1, cp: int = 1) -> DeviceMesh:
     """Start the process group (gloo on CPU, nccl on CUDA; torchrun's environment) and return the mesh that
-    `parallelize` expects: ("dp", "tp") when both exceed 1, else 1-D named after the dimension in use; with
-    ep > 1, ("dp", "ep") (dp may be 1), plus "tp" when tp > 1 (which parallelize rejects with EP); with cp > 1
-    (context parallelism, not combined with ep or tp), ("dp", "cp"), or ("cp",) when dp is 1."""
-    if dp < 1 or tp < 1 or ep < 1 or cp < 1:
-        raise ValueError(f"dp, ep, tp and cp must be >= 1, got dp={dp}, ep={ep}, tp={tp}, cp={cp}")
-    if cp > 1 and (ep > 1 or tp > 1):
-        raise ValueError(f"context parallelism (cp={cp}) is not combined with ep or tp yet, got ep={ep}, tp={tp}")
+    `parallelize` expects: the dimensions in use in the order ("dp", "cp", "ep", "tp"), "dp" kept (even of size
+    1) when ep > 1, ("dp",) when none is in use (glm53/parallel/mesh.py says why that order and which dimensions
+    each collective spans). The world size must be dp x cp x ep x tp."""
+    shape, names = mesh_layout(dp, tp, ep, cp)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
     if dp * ep * tp * cp != dist.get_world_size():
-        raise ValueError(f"dp={dp} x ep={ep} x tp={tp} x cp={cp} = {dp * ep * tp * cp} ranks, but the world has "
+        raise ValueError(f"dp={dp} x cp={cp} x ep={ep} x tp={tp} = {dp * cp * ep * tp} ranks, but the world has "
                          f"{dist.get_world_size()}")  # fmt: skip
-    if cp > 1:
-        shape, names = ((dp, cp), ("dp", "cp")) if dp > 1 else ((cp,), ("cp",))
-        return init_device_mesh(device_type, shape, mesh_dim_names=names)
-    if ep > 1:
-        shape, names = (dp, ep, tp) if tp > 1 else (dp, ep), ("dp", "ep", "tp") if tp > 1 else ("dp", "ep")
-        return init_device_mesh(device_type, shape, mesh_dim_names=names)
-    if dp > 1 and tp > 1:
-        return init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
-    if tp > 1:
-        return init_device_mesh(device_type, (tp,), mesh_dim_names=("tp",))
-    return init_device_mesh(device_type, (dp,), mesh_dim_names=("dp",))
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
 
 def shutdown() -> None:
@@ -81,13 +71,17 @@ def sum_over(value: torch.Tensor, mesh: DeviceMesh, dim: str = "dp") -> torch.Te
     return value
 
 
-def loss_denominators(counts: LossCounts, mesh: DeviceMesh, dim: str = "dp") -> LossCounts:
+def loss_denominators(counts: LossCounts, mesh: DeviceMesh, dim: str | Sequence[str] = DATA_DIMS) -> LossCounts:
     """The `loss_denominators` every data-parallel rank passes to its forwards: the loss counts of the global
-    batch (this rank's, summed over its micro-batches, then over the `dim` ranks) divided by the number of `dim`
-    ranks, because FSDP averages gradients over them: the average of (rank sum) / (global count / dp) is
-    (global sum) / (global count), one process's gradient on the whole global batch."""
-    size = mesh[dim].size() if dim in (mesh.mesh_dim_names or ()) else 1
-    return LossCounts.from_stacked(sum_over(counts.stacked(), mesh, dim) / size)
+    batch (this rank's, summed over its micro-batches, then over the ranks of the `dim` dimensions: by default
+    dp and ep, the ranks that read their own rows) divided by the number of those ranks, because FSDP averages
+    gradients over them: the average of (rank sum) / (global count / n) is (global sum) / (global count), one
+    process's gradient on the whole global batch. Dimensions the mesh lacks are skipped."""
+    dims = [dim] if isinstance(dim, str) else list(dim)
+    stacked = counts.stacked()
+    for name in present(mesh, dims):
+        stacked = sum_over(stacked, mesh, name)
+    return LossCounts.from_stacked(stacked / size_over(mesh, dims))
 
 
 def barrier() -> None:

@@ -4,7 +4,8 @@
         --dtype bf16 --device-gib 141
     python -m glm53.tools.plan --dp 4 --cp 16 --seq-len 131072 --activation-checkpointing --device-gib 141
 
-Legend: W = dp x ep x tp ranks, D model width, N mHC streams, H heads, K/F head widths, R q_lora_rank, C
+Any combination of --dp, --cp, --ep and --tp (the mesh of glm53/parallel/mesh.py).
+Legend: W = dp x cp x ep x tp ranks, D model width, N mHC streams, H heads, K/F head widths, R q_lora_rank, C
 kv_lora_rank, E experts, k experts per token, I expert width, V vocabulary, J selected key slots, P k-pools.
 The model is built on the meta device and the real `glm53.parallel.parallelize` is applied on a fake process
 group of W ranks (glm53/parallel/memory.py), so the parameter, gradient and AdamW bytes are rank 0's actual local
@@ -33,8 +34,10 @@ from ..config import Glm53Config
 from ..model.model import Glm53ForCausalLM
 from ..parallel import parallelize
 from ..parallel.memory import fake_world, largest_gather, layout_mesh, local_numel
+from ..peft import plan as peft_plan
 from ..precision import keeps_fp32
 from ..training.args import positive_float, positive_int
+from .comm_model import kda_layer_bytes, mla_layer_bytes, moe_layer_bytes
 
 GIB = 1024**3
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -53,6 +56,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="parameter / gradient / compute dtype")
     p.add_argument("--device-gib", type=positive_float, default=80.0, help="device memory to compare with (GiB)")
+    peft_plan.add_plan_arguments(p)  # --lora-rank, --lora-targets, --base-dtype, --freeze
     return p.parse_args(argv)
 
 
@@ -141,27 +145,35 @@ def moe_comm_bytes(c: Glm53Config, dp: int, ep: int, tokens: int, dtype_bytes: i
 
 
 # ------------------------------------------------------------------------------------------------------ plan
-def measure(c: Glm53Config, dp: int, ep: int, tp: int, dtype: torch.dtype, cp: int = 1) -> dict:
-    """Rank 0's parameter elements per dtype and the largest all-gather, from the real parallelize."""
+def measure(c: Glm53Config, dp: int, ep: int, tp: int, dtype: torch.dtype, cp: int = 1, peft=None) -> dict:
+    """Rank 0's parameter elements per dtype and the largest all-gather, from the real parallelize. `peft`: the
+    parsed args with glm53.peft's flags (LoRA adapters, FP8 base, frozen groups: glm53/peft/plan.py)."""
     size = torch.tensor([], dtype=dtype).element_size()
     bytes_of = lambda fqn, numel: numel * (4 if keeps_fp32(fqn) else size)  # noqa: E731
     with fake_world(dp * cp * ep * tp):
         mesh = layout_mesh(dp, ep, tp, cp=cp)
         with torch.device("meta"):
             model = Glm53ForCausalLM(c)
+        if peft is not None and peft_plan.enabled(peft):
+            peft_plan.prepare(peft, model, dtype)
+            bytes_of = peft_plan.bytes_of_dtype(model, size)
         parallelize(model, mesh)
         params = sum(bytes_of(n, local_numel(p)) for n, p in model.named_parameters())
         expert = sum(bytes_of(n, local_numel(p)) for n, p in model.named_parameters() if ".experts." in n)
         gather = largest_gather(model, bytes_of)
         total = sum(p.numel() for p in model.parameters())
-    return dict(params=params, expert=expert, gather=gather, total_params=total)
+        extra = {}
+        if peft is not None and peft_plan.enabled(peft):
+            extra = dict(peft_rows=peft_plan.rows(peft, model, size, gather.bytes),
+                         adapter_acts=peft_plan.adapter_activations(peft, model, size, 1))  # fmt: skip
+    return dict(params=params, expert=expert, gather=gather, total_params=total, **extra)
 
 
 def plan(args: argparse.Namespace, config: Glm53Config | None = None) -> dict:
     c = config or Glm53Config()
     dtype = DTYPES[args.dtype]
     size = torch.tensor([], dtype=dtype).element_size()
-    m = measure(c, args.dp, args.ep, args.tp, dtype, args.cp)
+    m = measure(c, args.dp, args.ep, args.tp, dtype, args.cp, peft=args)
     tokens = args.batch * -(-args.seq_len // args.cp)  # this rank's tokens
     gathered = args.batch * gathered_elements(c, args.seq_len) * size if args.cp > 1 else 0
     per_kind = {kind: activation_elements(c, kind, args.tp, args.ep, args.seq_len, size) * size * tokens
@@ -174,16 +186,25 @@ def plan(args: argparse.Namespace, config: Glm53Config | None = None) -> dict:
         acts = sum(per_kind[k] * n for k, n in counts.items())
     rows = dict(params=m["params"], grads=m["params"], adamw=2 * m["params"], transient=2 * m["gather"].bytes,
                 activations=acts + head)  # fmt: skip
+    if "peft_rows" in m:  # LoRA / frozen / FP8 base: glm53/peft/plan.py
+        adapter = m["adapter_acts"] * tokens
+        rows.update(m["peft_rows"], activations=acts + head + (adapter if not args.activation_checkpointing else
+                                                               adapter // max(1, sum(counts.values()))))  # fmt: skip
     comm = moe_comm_bytes(c, args.dp, args.ep, tokens, size)
+    layout = dict(tp=args.tp, cp=args.cp)
+    layers = {"moe": moe_layer_bytes(c, args.dp, args.ep, tokens, size, **layout),
+              "mla": mla_layer_bytes(c, args.dp, args.ep, args.batch, args.seq_len, size, **layout,
+                                     indexer_kl=c.indexer_loss_weight > 0),
+              "kda": kda_layer_bytes(c, args.dp, args.ep, args.batch, args.seq_len, size, **layout)}  # fmt: skip
     return dict(rows=rows, total=sum(rows.values()), per_kind=per_kind, counts=counts, measured=m, head=head,
-                comm=comm, tokens=tokens)  # fmt: skip
+                comm=comm, tokens=tokens, layers=layers)  # fmt: skip
 
 
 def report(args: argparse.Namespace, result: dict, seconds: float) -> str:
     m, rows = result["measured"], result["rows"]
     world = args.dp * args.cp * args.ep * args.tp
     lines = [f"layout dp {args.dp} x cp {args.cp} x ep {args.ep} x tp {args.tp} = {world} ranks; "
-             f"{m['total_params'] / 1e9:.1f}B parameters; {args.dtype}; batch {args.batch} x seq {args.seq_len} per "
+             f"{m['total_params'] / 1e9:.1f}B parameters; {args.dtype}{_peft_label(args)}; batch {args.batch} x seq {args.seq_len} per "
              f"data rank ({result['tokens']} tokens per rank); activation checkpointing "
              f"{'on' if args.activation_checkpointing else 'off'}", "",
              "per rank (rank 0's local shards)      GiB"]  # fmt: skip
@@ -195,12 +216,22 @@ def report(args: argparse.Namespace, result: dict, seconds: float) -> str:
     for (attn, mlp), value in sorted(result["per_kind"].items()):
         lines.append(f"  {attn}+{mlp:<4} x{result['counts'][(attn, mlp)]:<3}{'':24} {value / GIB:9.2f}")
     lines.append(f"  logits + gradient (fp32){'':12} {result['head'] / GIB:9.2f}")
-    comm = ", ".join(f"{kind} {value / GIB:.2f}" for kind, value in result["comm"].items())
-    lines.append(f"sent per MoE layer per step (GiB, uniform routing): {comm}")
+    lines.append("sent per rank per layer per step (GiB; uniform routing; glm53.tools.comm_model)")
+    for layer, sent in result["layers"].items():
+        cells = ", ".join(f"{kind} {value / GIB:.3f}" for kind, value in sent.items())
+        lines.append(f"  {layer}: {cells}; total {sum(sent.values()) / GIB:.3f}")
     fits = "fits" if result["total"] <= args.device_gib * GIB else "does NOT fit"
     lines.append(f"total {result['total'] / GIB:.2f} GiB vs device {args.device_gib:g} GiB: {fits}  "
                  f"({seconds:.1f} s)")  # fmt: skip
     return "\n".join(lines)
+
+
+def _peft_label(args: argparse.Namespace) -> str:
+    if not peft_plan.enabled(args):
+        return ""
+    lora = f" LoRA r{args.lora_rank} on {' '.join(args.lora_targets or ['default targets'])}" if args.lora_rank else ""
+    frozen = f", frozen {' '.join(args.freeze)}" if args.freeze else ""
+    return f";{lora}{frozen}, {args.base_dtype or 'bf16'} base"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     began = time.perf_counter()
     try:
         result = plan(args)
-    except ValueError as e:  # a layout parallelize rejects (experts not divisible, ep with tp, heads)
+    except ValueError as e:  # a layout parallelize rejects (experts or heads not divisible)
         raise SystemExit(f"glm53.tools.plan: {e}") from None
     print(report(args, result, time.perf_counter() - began))
     return 0 if result["total"] <= args.device_gib * GIB else 1

@@ -17,6 +17,7 @@ import torch
 from .. import parallel
 from ..errors import Glm53Error
 from ..model.compile import BACKENDS
+from ..peft import cli as peft_cli
 from . import finetune
 from . import runconfig
 from .args import (add_run_arguments, add_schedule_arguments, non_negative_float, non_negative_int, nonempty_path,
@@ -57,7 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree (torchrun)")
     p.add_argument("--ep", type=positive_int, default=1,
                    help="expert-parallel degree (torchrun): routed experts over ep ranks, each reading its own batches")
+    p.add_argument("--cp", type=positive_int, default=1,
+                   help="context-parallel degree (torchrun): every rank one slice of each sequence")
     finetune.add_arguments(p)  # --init, --data, --tokenizer, --grad-accum
+    peft_cli.add_lora_arguments(p)  # --lora-rank/-alpha/-dropout/-targets, --base-dtype, --freeze, --export-merged
     # torchrun runs (glm53/training/distributed.py): GPUs, bf16, DCP checkpoints; --init reads only each rank's shards
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: one process on the current GPU, or under torchrun nccl with one GPU per rank")
@@ -71,14 +75,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _check_world(args: argparse.Namespace) -> int:
-    """Check --dp * --ep * --tp against torchrun's WORLD_SIZE; -> the world size."""
+    """Check --dp * --cp * --ep * --tp against torchrun's WORLD_SIZE; -> the world size."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if args.dp < 1 or args.tp < 1 or args.ep < 1:
-        raise SystemExit(f"--dp, --ep and --tp must be >= 1, got --dp {args.dp} --ep {args.ep} --tp {args.tp}")
-    if args.dp * args.ep * args.tp != world:
-        n = args.dp * args.ep * args.tp
-        raise SystemExit(f"--dp {args.dp} x --ep {args.ep} x --tp {args.tp} = {n} processes, but WORLD_SIZE is "
-                         f"{world}: launch with `torchrun --nproc-per-node {n} -m glm53 train ...`")  # fmt: skip
+    dims = dict(dp=args.dp, cp=args.cp, ep=args.ep, tp=args.tp)
+    if min(dims.values()) < 1:
+        given = " ".join(f"--{k} {v}" for k, v in dims.items())
+        raise SystemExit(f"--dp, --cp, --ep and --tp must be >= 1, got {given}")
+    n = args.dp * args.cp * args.ep * args.tp
+    if n != world:
+        product = " x ".join(f"--{k} {v}" for k, v in dims.items())
+        raise SystemExit(f"{product} = {n} processes, but WORLD_SIZE is {world}: launch with "
+                         f"`torchrun --nproc-per-node {n} -m glm53 train ...`")  # fmt: skip
     return world
 
 

@@ -6,7 +6,8 @@ precision (trainer.py calls `init_parallel_model(args, mesh)`; the single-proces
     otherwise                  the preset, seeded identically on every rank, then parallelize
 --bf16 runs FSDP2 with a bf16 MixedPrecisionPolicy (glm53.precision's fp32 keep-list stays fp32); --device cuda
 puts the shards on this rank's GPU (nccl); --compile BACKEND compiles every block (parallelize's compile option).
-Legend: dp/tp the mesh dimensions (glm53.parallel.init_mesh).
+With --cp > 1 every micro-batch's forward takes this rank's slice of each sequence (`forward_inputs`).
+Legend: dp/cp/ep/tp the mesh dimensions (glm53.parallel.init_mesh; glm53/parallel/mesh.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from ..config import Glm53Config
 from ..model.model import Glm53ForCausalLM
-from ..parallel import parallelize
+from ..parallel import context_parallel_inputs, parallelize
 from ..parallel.run_checkpoint import bf16_policy, has_run_state, parallel_model
 
 
@@ -38,4 +39,14 @@ def init_parallel_model(args: argparse.Namespace, mesh, preset) -> Glm53ForCausa
                        compile_backend=args.compile or "inductor")  # fmt: skip
 
 
-__all__ = ["init_parallel_model"]
+def forward_inputs(model: Glm53ForCausalLM, inputs: dict[str, torch.Tensor], loss_denominators, cp: int) -> dict:
+    """The keyword arguments of one micro-batch's forward: `inputs` (whole sequences, with labels) and the global
+    batch's `loss_denominators`; with `cp` > 1 this rank's slice of every sequence instead
+    (`glm53.parallel.context_parallel_inputs`: next-token targets, per-document positions, padding when cp
+    does not divide the length)."""
+    if cp == 1:
+        return dict(inputs, loss_denominators=loss_denominators)
+    return context_parallel_inputs(model, **inputs, loss_denominators=loss_denominators)
+
+
+__all__ = ["init_parallel_model", "forward_inputs"]

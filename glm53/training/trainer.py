@@ -32,10 +32,11 @@ from ..model.model import Glm53ForCausalLM
 from ..parallel import clip_grad_norm_ as parallel_clip_grad_norm_
 from ..parallel import loss_parallel_context
 from ..parallel.run_checkpoint import device_type, has_run_state
+from ..peft import cli as peft_cli
 from ..utils import ceil_div
 from .data import VOCAB_SIZE, batches, corpus_text, encode
 from .data.documents import DataError
-from .distributed import init_parallel_model
+from .distributed import forward_inputs, init_parallel_model
 from .finetune import FileData, eval_batches, init_model, model_inputs
 from . import runconfig
 from .metrics import Recorder, expert_load_stats, flops_per_token, mfu, peak_memory_bytes
@@ -87,7 +88,7 @@ class Trainer:
 
     def __init__(self, args: argparse.Namespace, par=None) -> None:
         self.args, self.par = args, par
-        self.mesh = par.init_mesh(args.dp, args.tp, device_type(args.device), ep=args.ep) if par is not None else None
+        self.mesh = par.init_mesh(args.dp, args.tp, device_type(args.device), ep=args.ep, cp=args.cp) if par is not None else None
         self.device = self.mesh.device_type if par is not None else args.device
         self.rank = par.rank() if par is not None else 0
         self.log_rank = self.rank == 0
@@ -117,6 +118,8 @@ class Trainer:
         args = self.args
         if not args.resume:
             return None
+        if (lora := peft_cli.resume_state(args)) is not None:  # a LoRA run: adapter + trainer state
+            return lora
         if has_run_state(args.resume):
             return {"dcp": args.resume}  # a torchrun run, any layout (one process too): state.resume_distributed
         state = load_trainer_state(args.resume)
@@ -130,7 +133,9 @@ class Trainer:
         args = self.args
         if self.par is not None:
             return init_parallel_model(args, self.mesh, PRESETS[args.preset])
-        if args.resume and has_run_state(args.resume):  # a torchrun run: DCP fills the weights in _resume
+        if (lora := peft_cli.build_model(args, PRESETS[args.preset])) is not None:  # LoRA / frozen / FP8 base
+            model = lora
+        elif args.resume and has_run_state(args.resume):  # a torchrun run: DCP fills the weights in _resume
             model = Glm53ForCausalLM(Glm53Config.from_pretrained(args.resume))
         elif args.resume:
             model = Glm53ForCausalLM.from_pretrained(args.resume)
@@ -138,9 +143,16 @@ class Trainer:
             model = init_model(args.init)
         else:
             model = Glm53ForCausalLM(PRESETS[args.preset]())
-        # Master weights are fp32 whatever the checkpoint stores: bf16 weights would round most updates away.
-        self.loaded_dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
-        model.float().to(self.device)
+        # Trained weights are fp32 masters whatever the checkpoint stores: bf16 weights would round most updates
+        # away. A frozen base (LoRA, --freeze) keeps its own dtype: it is never updated.
+        trained = [p for p in model.parameters() if p.requires_grad]
+        self.loaded_dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in trained})
+        if lora is None:
+            model.float()
+        else:
+            for p in trained:
+                p.data = p.data.float()
+        model.to(self.device)
         if args.activation_checkpointing:
             model.gradient_checkpointing_enable()
         if args.compile:
@@ -250,7 +262,7 @@ class Trainer:
         for inputs in micro:
             with self._loss_context():
                 with self._compute_context():
-                    out = self.model(**inputs, loss_denominators=den, return_logits=False)
+                    out = self.model(**forward_inputs(self.model, inputs, den, self.args.cp), return_logits=False)
                 out.loss.backward()
             for name in LOSS_PARTS:
                 if getattr(out, name) is not None:
@@ -294,6 +306,7 @@ class Trainer:
         how = f"resuming {args.resume} at step {self.start}" if self.state else f"preset {args.preset}, seed {args.seed}"
         how = f"fine-tuning {args.init}, seed {args.seed}" if args.init else how
         ep = f" x ep {args.ep}" if args.ep > 1 else ""
+        ep += f" x cp {args.cp}" if args.cp > 1 else ""
         layout = f", dp {args.dp} x tp {args.tp}{ep}" if self.par is not None else ""
         accum = f"{args.grad_accum}x" if args.grad_accum > 1 else ""
         print(f"glm53 train: {how}, {params:,} parameters{layout}, {args.steps} steps of {accum}{args.batch_size}x"
@@ -362,7 +375,8 @@ class Trainer:
         else:
             state["scheduler"] = self.scheduler.state_dict()
         try:
-            save_run(self.model, path, state, self.par, export=not args.no_export)
+            if not peft_cli.save_run(self.model, path, state):  # a LoRA run saves its adapter, not the base
+                save_run(self.model, path, state, self.par, export=not args.no_export)
         except OSError as e:
             kept = f"the last complete checkpoint is {self.last_saved}" if self.last_saved else "nothing was saved"
             raise OSError(f"saving step {step} to {path} failed ({e.strerror or e}); {kept}") from e
@@ -483,6 +497,7 @@ class Trainer:
                 print(f"saved {args.save} ({what})", flush=True)
         if self.data is not None and self.log_rank:
             print(self.data.summary(), flush=True)
+        peft_cli.export_merged(args, self.model)  # --export-merged DIR
         return 0
 
     def _stop(self, step: int) -> int:

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from glm53 import Glm53Config, Glm53ForCausalLM
 from glm53.checkpoint.layout import official_key
 from glm53.checkpoint.reader import checkpoint_files
-from glm53.parallel import loss_parallel_context, parallelize
+from glm53.parallel import context_parallel_inputs, loss_parallel_context, parallelize
 from glm53.parallel.load import SliceReader, load_pretrained
 from tests.helpers.checkpoints import BLOCK, fp8_config_dict, quantize_state, read_all, write_checkpoint
 from tests.helpers.oracle import TINY_VISION, randomize
@@ -88,8 +88,13 @@ def expected_bytes(model: torch.nn.Module, path: str) -> int:
     return total
 
 
-def ckpt_mesh(dp: int, tp: int, ep: int = 1):
-    """A (dp, tp) mesh, or with ep > 1 a ("dp", "ep") mesh (("ep",) when dp == 1)."""
+def ckpt_mesh(dp: int, tp: int, ep: int = 1, cp: int = 1):
+    """A (dp, tp) mesh, or with ep > 1 a ("dp", "ep") mesh (("ep",) when dp == 1); composed layouts (cp > 1, or
+    ep with tp) as `glm53 train` builds them (init_mesh)."""
+    if cp > 1 or (ep > 1 and tp > 1):
+        from glm53.parallel import init_mesh
+
+        return init_mesh(dp, tp, ep=ep, cp=cp)
     if ep > 1:
         return build_ep_mesh(dp, ep, one_dim=dp == 1)
     return build_mesh(dp, tp)
@@ -108,13 +113,11 @@ def data_share(mesh, ids: torch.Tensor) -> tuple[torch.Tensor, int]:
 def mean_over_data_ranks(value: torch.Tensor, mesh) -> torch.Tensor:
     """The mean of a per-rank value over the data ranks (tp ranks hold the same value)."""
     names = mesh.mesh_dim_names if mesh is not None else ()
-    if "ep" in names:  # EP excludes TP: every rank is a data rank
-        dist.all_reduce(value)
-        return value / dist.get_world_size()
-    if "dp" in names:
-        dist.all_reduce(value, group=mesh.get_group("dp"))
-        return value / mesh["dp"].size()
-    return value
+    count = 1
+    for d in [d for d in ("dp", "ep") if d in names]:  # tp and cp ranks hold the same value
+        dist.all_reduce(value, group=mesh.get_group(d))
+        count *= mesh[d].size()
+    return value / count
 
 
 def sharded_load_step(path: str, ids: torch.Tensor, dp: int, tp: int, to_empty: bool = False, ep: int = 1) -> dict:
@@ -159,13 +162,13 @@ def file_bytes(path: str) -> int:
 LR = 1e-2  # AdamW learning rate of the resume tests
 
 
-def _model_on(path: str, dp: int, tp: int, ep: int = 1):
+def _model_on(path: str, dp: int, tp: int, ep: int = 1, cp: int = 1):
     """(model loaded from `path` on a fresh (dp, tp) or (dp, ep) mesh, its mesh); dp = tp = 0 means one plain
     process."""
     config = Glm53Config.from_pretrained(path)
     if dp == 0:
         return Glm53ForCausalLM.from_pretrained(path, dtype=torch.float32), None
-    mesh = ckpt_mesh(dp, tp, ep)
+    mesh = ckpt_mesh(dp, tp, ep, cp)
     with torch.device("meta"):
         model = Glm53ForCausalLM(config)
     parallelize(model, mesh)
@@ -178,8 +181,10 @@ def _train_step(model, mesh, optimizer, ids: torch.Tensor, step: bool = True) ->
     `step`."""
     local, _ = data_share(mesh, ids)
     optimizer.zero_grad()
+    cp = mesh is not None and "cp" in mesh.mesh_dim_names
+    kwargs = context_parallel_inputs(model, local, labels=local) if cp else dict(input_ids=local, labels=local)
     with loss_parallel_context(model):
-        loss = model(local, labels=local).loss
+        loss = model(**kwargs).loss
         if step:
             loss.backward()
     if step:
@@ -188,13 +193,13 @@ def _train_step(model, mesh, optimizer, ids: torch.Tensor, step: bool = True) ->
 
 
 def save_then_continue(init: str, save: str, batches: list[torch.Tensor], dp: int, tp: int,
-                       ep: int = 1) -> list[float]:  # fmt: skip
+                       ep: int = 1, cp: int = 1) -> list[float]:  # fmt: skip
     """Step on batches[0], save the training state (DCP) to `save`, then step on batches[1] and read the loss on
     batches[2] -> [loss 1, loss 2, loss 3]."""
     from glm53.parallel.export import shared_atomic_directory
     from glm53.parallel.train_state import write_training_state
 
-    model, mesh = _model_on(init, dp, tp, ep)
+    model, mesh = _model_on(init, dp, tp, ep, cp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     first = _train_step(model, mesh, optimizer, batches[0])
     with shared_atomic_directory(save) as tmp:
@@ -205,12 +210,12 @@ def save_then_continue(init: str, save: str, batches: list[torch.Tensor], dp: in
 
 
 def resume_and_continue(init: str, save: str, batches: list[torch.Tensor], dp: int, tp: int,
-                        ep: int = 1) -> list[float]:  # fmt: skip
+                        ep: int = 1, cp: int = 1) -> list[float]:  # fmt: skip
     """Build on another layout (dp = 0: one process), load the training state, step on batches[1], read the
     loss on batches[2] -> [loss 2, loss 3, restored step]."""
     from glm53.parallel.train_state import read_training_state
 
-    model, mesh = _model_on(init, dp, tp, ep)  # the initial weights: the saved state must overwrite them
+    model, mesh = _model_on(init, dp, tp, ep, cp)  # the initial weights: the saved state must overwrite them
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR * 3)  # lr restored from the saved param_groups
     extra = read_training_state(save, model, optimizer, {"step": 0})
     second = _train_step(model, mesh, optimizer, batches[1])

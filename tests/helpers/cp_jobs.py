@@ -122,14 +122,14 @@ def cp_errors_job(config: dict) -> list[str]:
     mesh = init_mesh(1, 1, cp=2)
     plain = Glm53ForCausalLM(Glm53Config(**config))
     ids = torch.randint(1, 100, (2, 12))
-    tp_cp = mesh_of("cpu", (1, 2), mesh_dim_names=("tp", "cp"))
+    tp_cp = mesh_of("cpu", (2, 1), mesh_dim_names=("tp", "dq"))  # an unknown dimension name
     calls = [
         lambda: context_parallel_inputs(plain, ids),  # never parallelized, no mesh=
         lambda: context_parallel_inputs(plain, ids[0], mesh=mesh),
         lambda: context_parallel_inputs(plain, ids, labels=ids[:, :5], mesh=mesh),
         lambda: context_parallel_inputs(plain, ids[:, :1], mesh=mesh),  # one token for two ranks
-        lambda: init_mesh(1, 2, cp=2),
-        lambda: parallelize(Glm53ForCausalLM(Glm53Config(**config)), tp_cp),
+        lambda: init_mesh(1, 2, cp=2),  # 4 ranks asked of a world of 2
+        lambda: parallelize(Glm53ForCausalLM(Glm53Config(**config)), tp_cp, mp_policy=MixedPrecisionPolicy()),
     ]
     messages = []
     for call in calls:

@@ -23,12 +23,12 @@ FAILURE_GRACE_S = 5.0
 POLL_S = 0.5
 
 
-def _worker(rank: int, world_size: int, init_file: str, jobs, results) -> None:
+def _worker(rank: int, world_size: int, init_file: str, jobs, results, timeout_s: float = JOB_TIMEOUT_S) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=JOB_TIMEOUT_S))  # fmt: skip
+                            timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
     try:
         while True:
             job = jobs.get()
@@ -44,15 +44,17 @@ def _worker(rank: int, world_size: int, init_file: str, jobs, results) -> None:
 
 
 class WorkerPool:
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, job_timeout_s: float = JOB_TIMEOUT_S) -> None:
         ctx = mp.get_context("spawn")
         self.world_size = world_size
+        self.job_timeout_s = job_timeout_s
         self._dir = tempfile.TemporaryDirectory()
         init_file = os.path.join(self._dir.name, "init")
         self._results = ctx.Queue()
         self._jobs = [ctx.Queue() for _ in range(world_size)]
-        self._procs = [ctx.Process(target=_worker, args=(r, world_size, init_file, self._jobs[r], self._results),
-                                   daemon=True) for r in range(world_size)]  # fmt: skip
+        self._procs = [ctx.Process(target=_worker, daemon=True,
+                                   args=(r, world_size, init_file, self._jobs[r], self._results, job_timeout_s))
+                       for r in range(world_size)]  # fmt: skip
         for p in self._procs:
             p.start()
 
@@ -64,7 +66,7 @@ class WorkerPool:
         errors: list[str] = []
         for _ in range(self.world_size):
             # After a failure the other ranks may be stuck in a collective: wait briefly, then drop the pool.
-            got = self._next(JOB_TIMEOUT_S if not errors else FAILURE_GRACE_S)
+            got = self._next(self.job_timeout_s if not errors else FAILURE_GRACE_S)
             if got is None:
                 missing = sorted(set(range(self.world_size)) - set(out))
                 self.close()

@@ -18,10 +18,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from glm53 import Glm53Config, Glm53ForCausalLM
+from glm53 import Glm53Config
 from glm53.boundary import as_local, expert_dispatcher
 from glm53.model.moe import Experts
-from glm53.parallel import PlacementError, apply_expert_parallel, check_ep_size, parallelize
+from glm53.parallel import PlacementError, apply_expert_parallel, check_ep_size
 from glm53.parallel.boundary import set_boundary_rule, LocalShard
 from glm53.parallel.expert import expert_shard_placement
 from tests.parallel.test_parallel_boundary import SETTINGS, per_rank
@@ -126,9 +126,13 @@ def test_experts_not_divisible_over_ep_raise(meshes):
         check_ep_size(experts_module(6, 8, 4, 0), 4)
 
 
-def test_ep_with_tp_raises_naming_the_combination(meshes):
-    with torch.device("meta"):
-        model = Glm53ForCausalLM(Glm53Config.tiny())
-    with LocalTensorMode(WORLD), pytest.raises(ValueError, match=r"expert parallelism \(ep=2\) together with tensor "
-                                                                  r"parallelism \(tp=2\)"):  # fmt: skip
-        parallelize(model, meshes["dp1xep2xtp2"])
+def test_ep_with_tp_needs_the_ep_tp_mesh(meshes):
+    """Experts already split over tp (the TP plan) get the ep split only on the ("ep", "tp") mesh."""
+    module = experts_module(4, 8, 4, 0)
+    mesh = meshes["dp1xep2xtp2"]
+    with LocalTensorMode(WORLD):
+        param = module.experts.gate_up_proj
+        module.experts.register_parameter("gate_up_proj", torch.nn.Parameter(
+            distribute_tensor(param.data, mesh["tp"], [Replicate()])))  # fmt: skip
+        with pytest.raises(ValueError, match=r"gate_up_proj is already a DTensor .* needs the \('ep', 'tp'\) mesh"):
+            apply_expert_parallel(module, mesh["ep"])

@@ -76,3 +76,33 @@ def test_released_config_at_128k_tokens_fits_with_cp(capsys):
     out = capsys.readouterr().out
     assert "dp 2 x cp 16" in out and "8192 tokens per rank" in out and "fits" in out
     assert main(["--dp", "32", "--seq-len", "131072", "--activation-checkpointing", "--device-gib", "141"]) == 1
+
+
+def test_composed_layout_at_128k_tokens(capsys):
+    """The README's composed command: tp x ep x cp planned from the real parallelize, with the bytes each rank
+    sends per MoE, MLA and KDA layer (glm53.tools.comm_model)."""
+    code = main(["--tp", "2", "--ep", "8", "--cp", "4", "--seq-len", "131072", "--activation-checkpointing",
+                 "--device-gib", "141"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "dp 1 x cp 4 x ep 8 x tp 2 = 64 ranks" in out and "32768 tokens per rank" in out
+    for layer in ("moe", "mla", "kda"):
+        assert f"  {layer}: all_gather" in out, out
+    assert (code == 0) == ("does NOT fit" not in out)
+
+
+def test_comm_model_composes_the_dimensions():
+    """Each dimension adds its own collectives: EP all-to-alls independent of tp and cp's split of the rows, TP
+    all-reduces only with tp, CP gathers only with cp; FSDP shrinks with every replica dimension."""
+    from glm53.tools.comm_model import kda_layer_bytes, mla_layer_bytes, moe_layer_bytes
+
+    c = tiny()
+    k, D = c.num_experts_per_tok, c.hidden_size
+    tp_ep = moe_layer_bytes(c, 1, 2, 100, 4, tp=2)
+    assert tp_ep["all_to_all"] == 4 * 100 * k * D * 4 // 2 + c.n_routed_experts * 8 // 2
+    assert tp_ep["all_reduce"] == 2 * (5 * 100 * D * 4 + 100 * k * 4) // 2
+    assert moe_layer_bytes(c, 1, 2, 100, 4)["all_reduce"] == 0
+    plain, cp2 = mla_layer_bytes(c, 2, 1, 1, 64, 4), mla_layer_bytes(c, 1, 1, 1, 64, 4, cp=2)
+    assert plain["all_reduce"] == 0 and cp2["all_gather"] > plain["all_gather"]  # FSDP alike, plus the latent
+    width = c.kv_lora_rank + 2 * c.index_head_dim
+    assert cp2["all_gather"] - plain["all_gather"] == 32 * width * 4 + 32
+    assert kda_layer_bytes(c, 1, 1, 1, 64, 4, tp=2)["all_gather"] == 0  # tp alone: no FSDP, no cp

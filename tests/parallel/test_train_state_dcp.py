@@ -1,6 +1,8 @@
 """Training state saved with DCP on one layout resumes on another: saved on dp4 (and on dp2 x tp2, dp2 x ep2),
 resumed on dp2 x tp2, dp2 x ep2, tp4, dp4 and in one process, the next step's loss and the one after (AdamW
-moments, lr) equal continuing on the original layout. Layouts are (dp, tp, ep); (0, 0, 1) is one process."""
+moments, lr) equal continuing on the original layout; composed layouts too: saved on dp2 x ep2, resumed on
+tp2 x cp2 and in one process, and saved on tp2 x ep2, resumed on dp2 x cp2. Layouts are (dp, tp, ep) or
+(dp, tp, ep, cp); (0, 0, 1) is one process."""
 
 from __future__ import annotations
 
@@ -24,25 +26,26 @@ def setup(tmp_path_factory):
     return dict(root=root, init=init, batches=batches)
 
 
-CASES = [((4, 1, 1), [(2, 2, 1), (0, 0, 1), (2, 1, 2)]), ((2, 2, 1), [(1, 4, 1)]), ((2, 1, 2), [(4, 1, 1), (0, 0, 1)])]
+CASES = [((4, 1, 1), [(2, 2, 1), (0, 0, 1), (2, 1, 2)]), ((2, 2, 1), [(1, 4, 1)]), ((2, 1, 2), [(4, 1, 1), (0, 0, 1)]),
+         ((2, 1, 2, 1), [(1, 2, 1, 2), (0, 0, 1)]), ((1, 2, 2, 1), [(2, 1, 1, 2)])]  # fmt: skip
 
 
-@pytest.mark.parametrize("saved,resumed", CASES, ids=["dp4", "2x2", "dp2xep2"])
+@pytest.mark.parametrize("saved,resumed", CASES, ids=["dp4", "2x2", "dp2xep2", "dp2xep2-tp2xcp2", "tp2xep2-dp2xcp2"])
 def test_resume_on_another_layout(pool4, setup, saved, resumed):
-    save = str(setup["root"] / "state-{}x{}x{}".format(*saved))
+    save = str(setup["root"] / ("state-" + "x".join(map(str, saved))))
     straight = pool4.run(save_then_continue, init=setup["init"], save=save, batches=setup["batches"],
-                         dp=saved[0], tp=saved[1], ep=saved[2])[0]  # fmt: skip
+                         **dict(zip(("dp", "tp", "ep", "cp"), saved)))[0]  # fmt: skip
     assert not [f for f in os.listdir(setup["root"]) if f.startswith(".")]  # no temporary directory left
     assert sorted(os.listdir(save))[0] == ".metadata" and len(os.listdir(save)) == 5  # one file per rank
-    for dp, tp, ep in resumed:
-        if dp == 0:
+    for layout in resumed:
+        if layout[0] == 0:
             again = resume_and_continue(init=setup["init"], save=save, batches=setup["batches"], dp=0, tp=0)
         else:
             again = pool4.run(resume_and_continue, init=setup["init"], save=save, batches=setup["batches"],
-                              dp=dp, tp=tp, ep=ep)[0]  # fmt: skip
+                              **dict(zip(("dp", "tp", "ep", "cp"), layout)))[0]  # fmt: skip
         assert again[2] == 1
-        assert again[0] == pytest.approx(straight[1], rel=REL), (dp, tp, ep, again, straight)
-        assert again[1] == pytest.approx(straight[2], rel=REL), (dp, tp, ep, again, straight)
+        assert again[0] == pytest.approx(straight[1], rel=REL), (layout, again, straight)
+        assert again[1] == pytest.approx(straight[2], rel=REL), (layout, again, straight)
 
 
 @pytest.mark.parametrize("saved,loaded", [("rows", "strided"), ("strided", "2d"), ("2d", "rows")])

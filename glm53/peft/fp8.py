@@ -1,0 +1,85 @@
+"""A frozen base kept in block-scaled FP8 (the release's format, glm53/checkpoint/fp8.py) and dequantised per matmul.
+
+Legend: O rows (out features), I columns (in features), E routed experts, bo x bi the block, go x gi the blocks.
+A base weight `w` [O, I] (or fused experts [E, O, I]) is held as float8_e4m3fn `q` (a parameter that needs no
+gradient) plus the fp32 buffer `<name>_scale_inv` [go, gi] ([E, go, gi]); w = q * scale per block. Fused gate/up
+experts keep the checkpoint's two blocks grids (gate rows, then up rows) stacked: [E, 2 * ceil(I_e / bo), gi].
+Linears compute y = x dequant(q, s)^T through `_Fp8Linear`, which saves only q and s for backward and dequantises
+again there, so no dequantised copy outlives one matmul. Other readers (the absorbed MLA attention, the expert
+kernel, decode plans) get the dequantised weight from `glm53.boundary.as_local` / `local_parts` for the duration
+of their call. Adapters, norms, the router, embeddings, the head and the fp32 keep-list stay in training precision.
+This file holds the numerics; fp8_storage.py puts a module's base into this form (quantising, or as placeholders).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..checkpoint import fp8 as fp8_format
+
+SCALE = fp8_format.SCALE_SUFFIX  # the scale buffer of `<name>` is `<name>_scale_inv`, as on disk
+
+
+def is_fp8_base(module: nn.Module, name: str) -> bool:
+    return getattr(module, name).dtype == fp8_format.FP8_DTYPE
+
+
+def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype,
+                      parts: int = 1) -> torch.Tensor:  # fmt: skip
+    """q [..., O, I] e4m3, scale [..., parts * go, gi] -> [..., O, I] in `dtype` (one fp32 multiply per element,
+    as glm53.checkpoint.fp8.dequantize); `parts` row groups (gate, up) each have their own block grid."""
+    if parts > 1:
+        qs, ss = q.chunk(parts, dim=-2), scale.chunk(parts, dim=-2)
+        return torch.cat([dequantize_blocks(a, b, block, dtype) for a, b in zip(qs, ss)], dim=-2)
+    bo, bi = block
+    O, I = q.shape[-2:]
+    s = scale.float()
+    if O % bo == 0 and I % bi == 0:  # whole blocks: a broadcast view, no expanded scale
+        blocks = q.float().unflatten(-1, (I // bi, bi)).unflatten(-3, (O // bo, bo))  # [..., go, bo, gi, bi]
+        return (blocks * s[..., :, None, :, None]).flatten(-2).flatten(-3, -2).to(dtype)
+    full = s.repeat_interleave(bo, -2)[..., :O, :].repeat_interleave(bi, -1)[..., :I]
+    return (q.float() * full).to(dtype)
+
+
+def dequantized(module: nn.Module, name: str, local: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`module.<name>` (FP8, given as `local`) dequantised in the module's compute dtype (or `dtype`)."""
+    scale = getattr(module, name + SCALE)
+    if local.shape[:-2] != scale.shape[:-2]:
+        raise ValueError(f"FP8 base {name} {tuple(local.shape)} with scales {tuple(scale.shape)}: its scales were "
+                         "not sharded with it (an FP8 base under expert parallelism is not supported yet)")
+    return dequantize_blocks(local, getattr(module, name + SCALE), module.fp8_block,
+                             dtype or module.fp8_compute_dtype, module.fp8_parts.get(name, 1))  # fmt: skip
+
+
+class _Fp8Linear(torch.autograd.Function):
+    """y = x W^T + b with W dequantised from (q, scale) here and again in backward (W is frozen: no grad)."""
+
+    @staticmethod
+    def forward(ctx, x, q, scale, bias, block):
+        ctx.save_for_backward(q, scale)
+        ctx.block, ctx.has_bias = block, bias is not None
+        return F.linear(x, dequantize_blocks(q, scale, block, x.dtype), bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, scale = ctx.saved_tensors
+        d_x = grad @ dequantize_blocks(q, scale, ctx.block, grad.dtype) if ctx.needs_input_grad[0] else None
+        d_bias = grad.flatten(0, -2).sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
+        return d_x, None, None, d_bias, None
+
+
+def fp8_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """The FP8 base linear of `module` on x [..., I] -> [..., O] in x's dtype."""
+    return _Fp8Linear.apply(x, module.weight, getattr(module, "weight" + SCALE), module.bias, module.fp8_block)
+
+
+def drop_fp8(module: nn.Module, name: str) -> None:
+    """Forget `module.<name>`'s FP8 scale (the caller replaces the parameter)."""
+    if hasattr(module, name + SCALE):
+        delattr(module, name + SCALE)
+        module.fp8_parts.pop(name, None)
+
+
+__all__ = ["SCALE", "is_fp8_base", "dequantize_blocks", "dequantized", "fp8_linear", "drop_fp8"]

@@ -1,0 +1,114 @@
+"""The per-module weight views glm53.peft installs, and the LoRA linear.
+
+Legend: O out features, I in features, r the adapter rank (glm53/peft/lora.py).
+A view answers `glm53.boundary.local_parts(module, name)`: the base weight (dequantised when it is held in FP8,
+glm53/peft/fp8.py) and the adapter's low-rank term, or under torch.inference_mode one kept effective weight.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..boundary import WEIGHT_VIEWS, LowRank, add_low_rank, as_local
+from ..model.moe import Experts
+from .fp8 import dequantized, fp8_linear, is_fp8_base
+
+EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")  # the fused expert parameters [E, O, I]
+
+
+class LoraLinear(nn.Linear):
+    """An nn.Linear with a LoRA adapter (the class `apply_lora` gives a targeted linear; parameters unchanged).
+
+    The base matmul is the plain one, or the FP8 one when the base weight is block-scaled FP8 (glm53.peft.fp8)."""
+
+    lora_scale: float
+    lora_dropout: float
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., I] -> [..., O]
+        y = base_linear(self, x)
+        if not hasattr(self, "lora_A"):  # an FP8 base without adapter
+            return y
+        a = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout > 0 else x
+        return y + self.lora_B(self.lora_A(a)) * self.lora_scale
+
+
+def base_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """The base weight's matmul: F.linear, or the FP8 per-matmul dequantising one (no resident dequantised copy)."""
+    if is_fp8_base(module, "weight"):
+        return fp8_linear(module, x)
+    return F.linear(x, module.weight, module.bias)
+
+
+def _views(module: nn.Module) -> dict:
+    return module.__dict__.setdefault(WEIGHT_VIEWS, {})
+
+
+def base_weight(module: nn.Module, name: str, local: torch.Tensor) -> torch.Tensor:
+    """The base of `module.<name>` as a floating tensor (FP8 bases dequantised, glm53.peft.fp8)."""
+    return dequantized(module, name, local) if is_fp8_base(module, name) else local
+
+
+def _inference_view(module: nn.Module, name: str, sources: list[torch.Tensor], parts) -> torch.Tensor:
+    """Under torch.inference_mode (generation), the effective weight as ONE kept tensor per (module, name), updated
+    in place when a source changed: generation's decode plans key their derived weights on a weight's storage and
+    version (glm53/generation/decode_common.py `_derived`), which a fresh tensor per call would defeat."""
+    key = tuple((id(t), t._version) for t in sources)
+    kept = module.__dict__.setdefault("_glm53_inference_weights", {})
+    hit = kept.get(name)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    with torch.inference_mode(False), torch.no_grad():
+        base, low_rank = parts()
+        value = base if low_rank is None else add_low_rank(base, low_rank)
+        if hit is not None and hit[1].shape == value.shape and hit[1].dtype == value.dtype:
+            value = hit[1].copy_(value)  # same storage, version moves: derived plans rebuild
+    kept[name] = (key, value)
+    return value
+
+
+def _linear_parts(module: nn.Module, local: torch.Tensor) -> tuple[torch.Tensor, LowRank | None]:
+    base = base_weight(module, "weight", local)
+    if not hasattr(module, "lora_A"):
+        return base, None
+    A, B = as_local(module.lora_A, "weight"), as_local(module.lora_B, "weight")
+    return base, LowRank(A, B, module.lora_scale, module.lora_dropout if module.training else 0.0)
+
+
+def _linear_view(module: nn.Module, local: torch.Tensor) -> tuple[torch.Tensor, LowRank | None]:
+    if not torch.is_inference_mode_enabled():
+        return _linear_parts(module, local)
+    sources = [local] + ([module.lora_A.weight, module.lora_B.weight] if hasattr(module, "lora_A") else [])
+    return _inference_view(module, "weight", sources, lambda: _linear_parts(module, local)), None
+
+
+def _expert_view(name: str):
+    def parts(module: nn.Module, local: torch.Tensor) -> tuple[torch.Tensor, LowRank | None]:
+        base = base_weight(module, name, local)
+        if not hasattr(module, f"{name}_lora_A"):
+            return base, None
+        A, B = as_local(module, f"{name}_lora_A"), as_local(module, f"{name}_lora_B")
+        return base, LowRank(A, B, module.lora_scale, module.lora_dropout if module.training else 0.0)
+
+    def view(module: nn.Module, local: torch.Tensor) -> tuple[torch.Tensor, LowRank | None]:
+        if not torch.is_inference_mode_enabled():
+            return parts(module, local)
+        adapters = [getattr(module, f"{name}_lora_{x}") for x in "AB" if hasattr(module, f"{name}_lora_{x}")]
+        return _inference_view(module, name, [local, *adapters], lambda: parts(module, local)), None
+
+    view.parts = parts
+    return view
+
+
+def install_view(module: nn.Module, name: str) -> None:
+    """Route `as_local(module, name)` / `local_parts` through glm53.peft (adapter and/or FP8 base)."""
+    if isinstance(module, Experts):
+        _views(module)[name] = _expert_view(name)
+    else:
+        _views(module)[name] = _linear_view
+        if type(module) is nn.Linear:
+            module.__class__ = LoraLinear
+
+
+__all__ = ["EXPERT_WEIGHTS", "LoraLinear", "base_linear", "base_weight", "install_view"]
