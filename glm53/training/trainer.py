@@ -42,6 +42,7 @@ from . import runconfig
 from .metrics import Recorder, expert_load_stats, flops_per_token, mfu, peak_memory_bytes
 from .optim import MIN_LR_FRACTION, WARMUP_FRACTION, build_optimizer, build_scheduler, lr_at, total_steps
 from .run_files import check_tokenizer_files, prune_steps, save_conflict, write_tokenizer
+from .stopping import Interrupted, SignalStop
 from .state import TRAINER_STATE, load_trainer_state, restore_optimizer, resume_distributed, save_run, trainer_state
 
 GRAD_CLIP = 1.0  # the default --grad-clip: max global gradient norm
@@ -75,14 +76,6 @@ def _layout(args: argparse.Namespace) -> list[int]:
     return [args.dp, args.tp] + ([args.ep] if args.ep > 1 else [])
 
 
-class Interrupted(Exception):
-    """SIGINT / SIGTERM stopped the run after a complete step (saved when --save); `status` 128 + the signal."""
-
-    def __init__(self, message: str, status: int) -> None:
-        super().__init__(message)
-        self.status = status
-
-
 class Trainer:
     """One process, or (`par` = glm53.parallel.runtime) one rank of a torchrun (dp, tp) grid."""
 
@@ -109,7 +102,7 @@ class Trainer:
         self.data = self._file_data(self.dp_rank)
         self.eval_rows = self._eval_rows()
         self.flops_per_token = flops_per_token(self.model)
-        self.stop_signal: int | None = None
+        self.stopper = SignalStop(self.log_rank)  # SIGINT / SIGTERM: finish the step, save, stop
         self.last_saved: str | None = args.resume
         self.run_config_stat = None
 
@@ -410,35 +403,13 @@ class Trainer:
             self.run_config_stat = (st.st_ino, st.st_dev)
 
     # -------------------------------------------------------------------------------------------------- run
-    def _on_signal(self, signum, frame) -> None:
-        if self.stop_signal is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C: stop now
-        self.stop_signal = signum
-        if self.log_rank:
-            print(f"\nglm53 train: {signal.Signals(signum).name}: finishing this step, then saving and stopping",
-                  file=sys.stderr, flush=True)  # fmt: skip
-
-    @contextlib.contextmanager
-    def _signals(self):
-        old = {}
-        try:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                old[sig] = signal.signal(sig, self._on_signal)
-        except ValueError:  # not the main thread: leave signals alone
-            pass
-        try:
-            yield
-        finally:
-            for sig, handler in old.items():
-                signal.signal(sig, handler)
-
     def run(self) -> int:
         self._start_run_dir()
         self.recorder = Recorder(self.args.save, self.args.tensorboard, self.args.steps, self.start, self.log_rank)
         if self.log_rank:
             self._announce()
         try:
-            with self._signals():
+            with self.stopper:
                 return self._loop()
         finally:
             self.recorder.close()
@@ -483,7 +454,7 @@ class Trainer:
                 if evaluated:
                     self.recorder.write_line(f"eval  step {step:5d}  loss {extra['eval_loss']:.4f}  perplexity "
                                              f"{extra['eval_perplexity']:.3f}")  # fmt: skip
-            if self._agree(self.stop_signal is not None):
+            if self._agree(self.stopper.signum is not None):
                 return self._stop(step)
             if args.save and args.save_every and step % args.save_every == 0 and step != args.steps:
                 self.save(os.path.join(args.save, f"step-{step}"), step)
@@ -501,7 +472,7 @@ class Trainer:
         return 0
 
     def _stop(self, step: int) -> int:
-        name = signal.Signals(self.stop_signal or signal.SIGTERM)
+        name = signal.Signals(self.stopper.signum or signal.SIGTERM)
         status = 128 + int(name)
         if not self.args.save:
             raise Interrupted(f"{name.name} at step {step}: stopped; nothing saved (no --save)", status)
