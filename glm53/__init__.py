@@ -3,14 +3,17 @@
 Packages: `glm53.model` (the blocks and the model), `glm53.kernels` (fast eager ops beside their references),
 `glm53.checkpoint` (the official on-disk layout), `glm53.training` (losses, data, the trainer),
 `glm53.parallel` (FSDP2 / tensor parallelism; the only package importing torch.distributed), `glm53.peft` (LoRA,
-freezing, a frozen FP8 base).
+freezing, a frozen FP8 base), `glm53.vision` (the vision tower and the vision-language model
+Glm53ForConditionalGeneration).
 """
 
 from .config import Glm53Config
 from .errors import CheckpointError, ConfigError, Glm53Error
 from .model import CausalLMOutput, ForwardContext, Glm53ForCausalLM, Glm53Model
 from .peft import apply_lora, freeze, load_lora, merge_lora, save_lora
+from .vision.model import Glm53ForConditionalGeneration
 
-__all__ = ["Glm53Config", "Glm53Model", "Glm53ForCausalLM", "CausalLMOutput", "ForwardContext", "CheckpointError",
-           "ConfigError", "Glm53Error", "apply_lora", "freeze", "merge_lora", "save_lora", "load_lora"]  # fmt: skip
+__all__ = ["Glm53Config", "Glm53Model", "Glm53ForCausalLM", "Glm53ForConditionalGeneration", "CausalLMOutput",
+           "ForwardContext", "CheckpointError", "ConfigError", "Glm53Error", "apply_lora", "freeze", "merge_lora",
+           "save_lora", "load_lora"]  # fmt: skip
 __version__ = "0.1.0"

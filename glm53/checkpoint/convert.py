@@ -13,7 +13,7 @@ import torch
 from ..config import Glm53Config
 from ..errors import CheckpointError
 from ..precision import cast_model
-from .layout import TEXT_PREFIX, VISION_PREFIX
+from .layout import TEXT_PREFIX, VISION_MODULE, VISION_PREFIX
 
 # transformers' in-memory names (conversion_mapping.py "glm5_next") differ from glm53's in two places.
 _GATE_PARTS = r"(f_a_proj\.weight|f_b_proj\.weight|dt_bias|A_log)"
@@ -36,6 +36,9 @@ def to_transformers_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor
         if name == "lm_head.weight":
             out[name] = tensor
             continue
+        if name.startswith(VISION_MODULE):  # the tower's names are the on-disk ones under model.visual.
+            out[VISION_PREFIX + name[len(VISION_MODULE):]] = tensor
+            continue
         local = name[len("model."):]
         if m := _CONV.match(local):
             convs[m[1]][m[2]] = tensor
@@ -48,8 +51,9 @@ def to_transformers_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor
     return out
 
 
-def from_transformers_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """transformers' Glm5NextForConditionalGeneration state dict -> glm53 state dict (vision keys dropped).
+def from_transformers_state_dict(state: dict[str, torch.Tensor], vision: bool = False) -> dict[str, torch.Tensor]:
+    """transformers' Glm5NextForConditionalGeneration state dict -> glm53 state dict (vision keys dropped, or
+    with `vision` kept as `visual.*`: Glm53ForConditionalGeneration's names).
 
     Splits `conv1d` into equal q/k/v thirds and moves `forget_gate.*` up to `self_attn`; other keys raise.
     """
@@ -60,6 +64,8 @@ def from_transformers_state_dict(state: dict[str, torch.Tensor]) -> dict[str, to
             out[key] = tensor
             continue
         if key.startswith(VISION_PREFIX):
+            if vision:
+                out[VISION_MODULE + key[len(VISION_PREFIX):]] = tensor
             continue
         if not key.startswith(TEXT_PREFIX):
             unknown.append(key)
@@ -78,11 +84,13 @@ def from_transformers_state_dict(state: dict[str, torch.Tensor]) -> dict[str, to
 
 
 def from_transformers(hf_model: torch.nn.Module, cls: type):
-    """A `cls` (Glm53ForCausalLM) with a copy of a transformers Glm5NextForConditionalGeneration's text weights."""
+    """A `cls` (Glm53ForCausalLM) with a copy of a transformers Glm5NextForConditionalGeneration's text weights
+    (and its vision tower when `cls` has one: Glm53ForConditionalGeneration)."""
     config = Glm53Config.from_dict(hf_model.config.to_dict())
     with torch.device("meta"):
         model = cls(config)
     model.to_empty(device=hf_model.lm_head.weight.device)
     cast_model(model, hf_model.lm_head.weight.dtype)
-    model.load_state_dict(from_transformers_state_dict(hf_model.state_dict()), strict=True)
+    vision = hasattr(model, "visual")
+    model.load_state_dict(from_transformers_state_dict(hf_model.state_dict(), vision), strict=True)
     return model

@@ -19,6 +19,7 @@ import torch
 
 TEXT_PREFIX = "model.language_model."
 VISION_PREFIX = "model.visual."
+VISION_MODULE = "visual."  # Glm53ForConditionalGeneration's tower: its names are the on-disk ones after VISION_PREFIX
 
 HC_KEY = re.compile(r"^(layers\.\d+\.)hc_(attn|ffn)_(fn|base|scale)$")
 _HC_BACK = re.compile(r"^(layers\.\d+\.)(attn|ffn)_hc\.(fn|base|scale)$")
@@ -57,6 +58,8 @@ def mtp_internal(local: str, num_layers: int, n_mtp: int) -> str | None:
 
 
 def official_key(name: str, num_layers: int) -> str:
+    if name.startswith(VISION_MODULE):
+        return "model." + name
     if name.startswith("model."):
         return TEXT_PREFIX + internal_to_official(name[len("model."):])
     if name.startswith("mtp."):
@@ -110,10 +113,33 @@ def mtp_official_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tens
         yield from official_items(name[len("model."):], tensor)
 
 
+def official_pairs(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """One name of `named_state` -> its on-disk (key, tensor) pairs: lm_head at the top, the tower
+    (`visual.*`) under VISION_PREFIX with its names unchanged, the text model through `official_items`."""
+    if name == "lm_head.weight":
+        yield name, tensor
+    elif name.startswith(VISION_MODULE):
+        yield "model." + name, tensor
+    else:
+        yield from official_items(name[len("model."):], tensor)
+
+
 def iter_official_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(on-disk key, tensor) pairs of a Glm53ForCausalLM in the official layout (experts split per expert)."""
     for name, tensor in named_state(model):
-        if name == "lm_head.weight":
-            yield name, tensor
-        else:
-            yield from official_items(name[len("model."):], tensor)
+        yield from official_pairs(name, tensor)
+
+
+# Outer config.json keys that declare a vision tower: a model without one (Glm53ForCausalLM, also when loaded
+# from a VL checkpoint) writes none of them, so transformers does not build a randomly initialised tower.
+VISION_CONFIG_KEYS = ("vision_config", "image_token_id", "video_token_id", "image_start_token_id",
+                      "image_end_token_id", "video_start_token_id", "video_end_token_id")  # fmt: skip
+
+
+def official_config(model: torch.nn.Module) -> dict:
+    """config.json of `model` (`to_official_dict`), without the vision keys when it has no tower."""
+    config = model.config.to_official_dict()
+    if not hasattr(model, "visual"):
+        for key in VISION_CONFIG_KEYS:
+            config.pop(key, None)
+    return config

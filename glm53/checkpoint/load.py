@@ -18,7 +18,16 @@ from ..config import Glm53Config
 from ..errors import CheckpointError, ConfigError
 from ..precision import beyond_range, cast_model, range_error, resolve_dtype
 from . import fp8
-from .layout import EXPERT_KEY, LAYER_KEY, TEXT_PREFIX, VISION_PREFIX, mtp_internal, official_key, official_to_internal
+from .layout import (
+    EXPERT_KEY,
+    LAYER_KEY,
+    TEXT_PREFIX,
+    VISION_MODULE,
+    VISION_PREFIX,
+    mtp_internal,
+    official_key,
+    official_to_internal,
+)
 from .reader import FLOAT_DTYPES, TensorReader, checkpoint_files
 
 logger = logging.getLogger("glm53.checkpoint")
@@ -32,7 +41,7 @@ class LoadPlan:
     experts: dict[str, dict[tuple[int, str], str]] = field(default_factory=lambda: defaultdict(dict))
     # ^ fused expert parameter -> (expert, "gate" | "up" | "down") -> checkpoint key
     mtp_set_aside: list[str] = field(default_factory=list)  # MTP keys the model has no place for
-    vision: list[str] = field(default_factory=list)  # vision-tower keys (skipped)
+    vision: list[str] = field(default_factory=list)  # vision-tower keys a model without a tower skips
     unexpected: list[str] = field(default_factory=list)
 
     @property
@@ -44,9 +53,10 @@ class LoadPlan:
 
 
 def _model_name(key: str, num_layers: int, n_mtp: int) -> tuple[str, str | None]:
-    """A checkpoint key -> ("model", glm53 name) or (kind, None) with kind "vision", "mtp" or "unexpected"."""
+    """A checkpoint key -> ("model", glm53 name), ("vision", the tower's glm53 name) or (kind, None) with kind
+    "mtp" or "unexpected"."""
     if key.startswith(VISION_PREFIX):
-        return "vision", None
+        return "vision", VISION_MODULE + key[len(VISION_PREFIX):]
     if key == "lm_head.weight":
         return "model", key
     if not key.startswith(TEXT_PREFIX):
@@ -69,6 +79,8 @@ def _match_keys(targets: dict, files: dict[str, str], reader: TensorReader, num_
                 plan.unexpected.append(key)  # a scale beside a non-FP8 weight
             continue
         kind, name = _model_name(key, num_layers, n_mtp)
+        if kind == "vision" and name in targets:  # a model with a tower (Glm53ForConditionalGeneration)
+            kind = "model"
         if kind != "model":
             {"vision": plan.vision, "mtp": plan.mtp_set_aside, "unexpected": plan.unexpected}[kind].append(key)
         elif (m := EXPERT_KEY.match(key[len(TEXT_PREFIX):])) and name in targets:
@@ -179,6 +191,14 @@ def quantization_config(config: Glm53Config) -> dict | None:
     return config.extra.get("_outer", {}).get("quantization_config") or config.extra.get("quantization_config")
 
 
+def warn_text_only(plan: LoadPlan, path: str) -> None:
+    """One warning per load when a model without a tower reads a vision-language checkpoint."""
+    if plan.vision:
+        logger.warning("%s is a vision-language checkpoint: loading its text model only, %d vision-tower tensors "
+                       "(model.visual.*) skipped (glm53.Glm53ForConditionalGeneration loads them)", path,
+                       len(plan.vision))  # fmt: skip
+
+
 def _fitting(tensor: torch.Tensor, dtype: torch.dtype, key: str, path) -> torch.Tensor:
     """`tensor` unchanged; a CheckpointError when `dtype` (the model's) cannot hold its values (fp16 overflow)."""
     if (peak := beyond_range(tensor, dtype)) is not None:
@@ -211,8 +231,7 @@ def load_checkpoint(cls, path: str | os.PathLike, *, dtype: torch.dtype | None =
     with torch.device("meta"):
         model = cls(config)
     plan = _plan(model, files, reader, config.num_hidden_layers)
-    if plan.vision:
-        logger.warning("skipping %d vision-tower tensors (model.visual.*): glm53 is the text model", len(plan.vision))
+    warn_text_only(plan, path)
     model.to_empty(device=device)
     model.tie_weights()
     cast_model(model, dtype, check_range=False)  # to_empty memory; each copied tensor is checked (_fitting)

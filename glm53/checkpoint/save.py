@@ -13,7 +13,7 @@ import torch
 from ..errors import CheckpointError
 from ..precision import beyond_range, keeps_fp32, range_error, resolve_dtype
 from .atomic import atomic_directory
-from .layout import named_state, official_items
+from .layout import named_state, official_config, official_pairs
 from .shards import ShardedWriter, checkpoint_owns, write_json
 
 logger = logging.getLogger("glm53.checkpoint")
@@ -55,7 +55,7 @@ def write_checkpoint_files(model: torch.nn.Module, directory: str, *, max_shard_
     `metadata` goes into every shard's safetensors header (the training checkpoint's run tag, state.py).
     """
     stored = dtype or model.model.embed_tokens.weight.dtype
-    config = model.config.to_official_dict()
+    config = official_config(model)
     config.pop("quantization_config", None)
     config["text_config"].pop("quantization_config", None)
     config["text_config"].pop("torch_dtype", None)
@@ -65,11 +65,8 @@ def write_checkpoint_files(model: torch.nn.Module, directory: str, *, max_shard_
     for name, tensor in named_state(model):
         if dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(torch.float32 if keeps_fp32(name) else dtype)
-        if name == "lm_head.weight":
-            writer.add(name, tensor)
-        else:
-            for key, part in official_items(name[len("model."):], tensor):
-                writer.add(key, part)
+        for key, part in official_pairs(name, tensor):
+            writer.add(key, part)
     writer.finish()
     write_json(os.path.join(directory, "config.json"), config)
 

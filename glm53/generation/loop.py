@@ -82,7 +82,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
              eos_token_id: int | list[int] | None = None, generator: torch.Generator | None = None, streamer=None,
              pad_token_id: int | None = None, speculative: str | None = None, num_speculative_tokens: int = 1,
              return_stats: bool = False, latent_dtype: torch.dtype | None = None,
-             compile: bool | str = False):  # fmt: skip
+             compile: bool | str = False, inputs_embeds: torch.Tensor | None = None):  # fmt: skip
     """Continue each row of a left-padded batch -> [B, T + new] (and GenerationStats with `return_stats`).
 
     model: a Glm53ForCausalLM. eos_token_id None uses model.config.eos_token_id. do_sample False picks the
@@ -92,6 +92,9 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     them in one forward (greedy only; same output as plain greedy decoding).
     latent_dtype (e.g. torch.bfloat16 for an fp32 model) stores the MLA latent cache rounded to that dtype: fewer
     bytes per cached token, no longer exact (GenerationCache).
+    inputs_embeds [B, T, D] (optional): the prompt's embeddings, used by the prefill instead of embedding
+    `input_ids` (which still give the output's prompt and the padding); the VL model passes its spliced image
+    features this way, so the tower runs once, before prefill. Decode steps embed their new ids as always.
     compile=True runs each decode step through torch.compile'd graphs (decode_compiled.py: the same results up to
     fp32 rounding, faster per token after a one-off compile of tens of seconds), with speculative="mtp" each verify
     and draft step (verify_compiled.py, mtp_compiled.py); a backend name picks the backend.
@@ -105,11 +108,16 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     opts.step = step_function(compile) if speculative is None else None  # speculative: its verify step (compiled)
     stats = GenerationStats(prompt_tokens=input_ids.numel())
     emitter = Emitter(input_ids, opts, streamer)
+    if inputs_embeds is not None and (speculative is not None or tuple(inputs_embeds.shape[:2])
+                                      != tuple(input_ids.shape)):  # fmt: skip
+        raise GenerationError(f"inputs_embeds must be [batch, prompt, hidden] for input_ids {tuple(input_ids.shape)} "
+                              f"(got {tuple(inputs_embeds.shape)}) and cannot be combined with speculative "
+                              f"decoding")  # fmt: skip
     if speculative is not None:
         cache = speculative_decode(model, input_ids, valid, opts, emitter, stats, speculative, num_speculative_tokens,
                                    compile)  # fmt: skip
     elif max_new_tokens > 0:
-        cache = _decode(model, input_ids, valid, opts, emitter, stats)
+        cache = _decode(model, input_ids, valid, opts, emitter, stats, inputs_embeds)
     else:
         cache = None
     if cache is not None:
@@ -119,11 +127,13 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     return (out, stats) if return_stats else out
 
 
-def _decode(model, input_ids, valid, opts: Options, emitter: Emitter, stats: GenerationStats) -> GenerationCache:
+def _decode(model, input_ids, valid, opts: Options, emitter: Emitter, stats: GenerationStats,
+            inputs_embeds: torch.Tensor | None = None) -> GenerationCache:  # fmt: skip
     """Plain decoding: one prefill forward, then one decode step (decode.py) per new token."""
     cache = GenerationCache(model, latent_dtype=opts.latent_dtype)
     start = time.perf_counter()
-    hidden = model.model(input_ids, valid, cache=cache)[:, -1]  # [B, D]
+    prompt = input_ids if inputs_embeds is None else None
+    hidden = model.model(prompt, valid, inputs_embeds, cache=cache)[:, -1]  # [B, D]
     cache.reserve(input_ids.shape[1] + opts.max_new_tokens)  # the latent buffers, once
     pick = lambda h: next_tokens(model.lm_head(h), opts.do_sample, opts.temperature, opts.top_k,  # noqa: E731
                                  opts.top_p, opts.generator)  # fmt: skip

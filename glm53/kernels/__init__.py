@@ -17,6 +17,7 @@ from . import (  # noqa: F401  (registers the implementations)
     rms_norm,
     sinkhorn,
     sparse_attention,
+    vision_attention,
 )
 from .dispatch import backends, chosen_backend, kernel, ops, set_backend, use_backend
 

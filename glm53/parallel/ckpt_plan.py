@@ -20,12 +20,14 @@ from ..config import Glm53Config
 from ..model.model import Glm53ForCausalLM
 from ..precision import keeps_fp32
 from ..utils import ceil_div
+from ..vision.model import model_class_for
 from .export import official_regions
 from .load import planned_reads
 from .parallelize import parallelize
 from .pieces import local_tensor
 
-NOT_FP8 = ("embed_tokens", "layernorm", "norm", "lm_head", "hc_", "gate.weight")  # stays bf16 in the FP8 release
+# stays bf16 in the FP8 release (the vision tower too: the release has no FP8 vision tensors)
+NOT_FP8 = ("embed_tokens", "layernorm", "norm", "lm_head", "hc_", "gate.weight", "model.visual.")
 BLOCK = fp8.DEFAULT_BLOCK_SIZE
 
 
@@ -69,7 +71,7 @@ def plan_rank(config: Glm53Config, rank: int, dp: int, tp: int) -> RankPlan:
         dims = [(size, name) for size, name in ((dp, "dp"), (tp, "tp")) if size > 1] or [(1, "dp")]
         mesh = init_device_mesh("cpu", tuple(s for s, _ in dims), mesh_dim_names=tuple(n for _, n in dims))
         with torch.device("meta"):
-            model = Glm53ForCausalLM(config)
+            model = model_class_for(config)(config)  # a config declaring a vision tower builds the VL model
         parallelize(model, mesh)
         return _measure(model, rank)
     finally:

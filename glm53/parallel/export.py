@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from ..checkpoint.layout import TEXT_PREFIX, internal_to_official, named_state
+from ..checkpoint.layout import TEXT_PREFIX, VISION_MODULE, internal_to_official, named_state, official_config
 from ..checkpoint.shards import INDEX_FILE, SINGLE_FILE, atomic_directory, checkpoint_owns, parse_size, write_json
 from ..precision import keeps_fp32
 from .pieces import box_slices, intersect, is_primary, local_boxes, local_tensor
@@ -36,6 +36,9 @@ def official_regions(model: torch.nn.Module) -> Iterator[tuple[str, str, Region,
     for name, tensor in named_state(model):
         local = name[len("model."):] if name != "lm_head.weight" else name
         shape = tuple(tensor.shape)
+        if name.startswith(VISION_MODULE):  # the tower: its names are the on-disk ones under model.visual.
+            yield "model." + name, name, tuple(slice(0, s) for s in shape), shape
+            continue
         if name == "lm_head.weight" or not local.endswith(("experts.gate_up_proj", "experts.down_proj")):
             key = name if name == "lm_head.weight" else TEXT_PREFIX + internal_to_official(local)
             yield key, name, tuple(slice(0, s) for s in shape), shape
@@ -181,7 +184,7 @@ def _write_metadata(model, directory: str, weight_map: dict[str, str], sizes: di
 def write_config(model, directory: str, dtype: torch.dtype | None = None) -> None:
     """config.json as save_pretrained writes it (official nesting, the stored dtype, no quantization_config)."""
     stored = dtype or model.model.embed_tokens.weight.dtype
-    config = model.config.to_official_dict()
+    config = official_config(model)
     for d in (config, config["text_config"]):
         d.pop("quantization_config", None)
         d.pop("torch_dtype", None)

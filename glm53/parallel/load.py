@@ -28,7 +28,7 @@ from safetensors import safe_open
 from torch.distributed.tensor import DTensor
 
 from ..checkpoint import fp8
-from ..checkpoint.load import LoadPlan, _plan, quantization_config
+from ..checkpoint.load import LoadPlan, _plan, quantization_config, warn_text_only
 from ..checkpoint.reader import TensorReader, checkpoint_files
 from ..config import Glm53Config
 from ..errors import CheckpointError
@@ -174,8 +174,7 @@ def load_pretrained(model: torch.nn.Module, path: str | os.PathLike, *,
     block = fp8.weight_block_size(quantization_config(Glm53Config.from_pretrained(path)))
     config = model.config
     plan: LoadPlan = _plan(model, files, TensorReader(files, block), config.num_hidden_layers)
-    if plan.vision:
-        logger.warning("skipping %d vision-tower tensors (model.visual.*): glm53 is the text model", len(plan.vision))
+    warn_text_only(plan, path)
     materialize(model)
     slices, bad = reader(files, block), set()
     with torch.no_grad():

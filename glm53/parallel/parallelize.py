@@ -21,8 +21,8 @@ from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..model.compile import compile_blocks
 from ..model.context import ForwardContext
@@ -33,7 +33,7 @@ from ..precision import keeps_fp32
 from .boundary import name_modules
 from .expert import apply_expert_parallel, expert_modules, expert_param_names, expert_shard_placement
 from .mesh import EXPERT_REPLICA_DIMS, REPLICA_DIMS, flat_mesh
-from .plan import check_tp_size, tp_plan
+from .plan import ReplicateModule, ReplicateParams, check_tp_size, tp_plan
 from .pool_mass import sum_selected_pool_mass
 
 _PARALLELIZED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
@@ -55,10 +55,11 @@ def _check_mesh(mesh: DeviceMesh, dp_dim: str, tp_dim: str, ep_dim: str = "ep",
 
 
 def apply_tensor_parallel(model: Glm53ForCausalLM, tp_mesh: DeviceMesh) -> None:
-    """Apply `tp_plan(model)` on `tp_mesh` and check that every parameter became a DTensor on it."""
+    """Apply `tp_plan(model)` (and the tower's `vision_tp_plan`) on `tp_mesh` and check that every parameter
+    became a DTensor on it."""
     check_tp_size(model, tp_mesh.size())
     name_modules(model)
-    parallelize_module(model, tp_mesh, tp_plan(model))
+    parallelize_module(model, tp_mesh, {**tp_plan(model), **vision_tp_plan(model)})
     missed = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
     if missed:
         raise RuntimeError(f"the TP plan does not cover parameters {missed}; add their modules to "
@@ -121,6 +122,9 @@ def apply_fsdp(model: Glm53ForCausalLM, dp_mesh: DeviceMesh, mp_policy: MixedPre
         shard["ignored_params"] = ignored
     elif not expert_parallel:
         shard["shard_placement_fn"] = _expert_placement_fn(model, dp_mesh.size())
+    for block in _vision_blocks(model):
+        # the rope's fp32 cos / sin are block inputs: FSDP must not cast them to the low-precision dtype
+        fully_shard(block, **shard, mp_policy=dataclasses.replace(policy, cast_forward_inputs=False))
     for block in _blocks(model):
         if isinstance(block, MTPLayer):
             # MultiTokenPrediction calls shared_head.norm after the layer's forward, when the layer's unit is
@@ -218,6 +222,28 @@ def _blocks(model: Glm53ForCausalLM) -> list[nn.Module]:
     return [*model.model.layers, *(model.mtp.layers if model.mtp is not None else [])]
 
 
+def _vision_blocks(model: nn.Module) -> list[nn.Module]:
+    """The vision tower's blocks (Glm53ForConditionalGeneration), FSDP units and activation-checkpointing units
+    of their own; the rest of the tower (patch embed, post norm, projector) belongs to the root unit."""
+    visual = getattr(model, "visual", None)
+    return list(visual.blocks) if visual is not None else []
+
+
+def vision_tp_plan(model: nn.Module) -> dict:
+    """The tower replicated on every TP rank: its nn.Linear modules as `ReplicateModule`, the modules that read
+    their parameters through `as_local` (norms, the patch-embed and downsample convolutions) as `ReplicateParams`.
+    Each rank computes the whole tower on the same pixels, so its gradients are identical everywhere."""
+    visual = getattr(model, "visual", None)
+    if visual is None:
+        return {}
+    plan = {}
+    for name, module in visual.named_modules():
+        if not any(True for _ in module.parameters(recurse=False)):
+            continue
+        plan[f"visual.{name}"] = ReplicateModule() if type(module) is nn.Linear else ReplicateParams()
+    return plan
+
+
 def expert_load_sum(mesh: DeviceMesh, dp_dim: str, tp_dim: str, ep_dim: str = "ep", cp_dim: str = "cp"):
     """`model.expert_load_reduce` for `mesh`: the expert loads summed over the data-parallel ranks (dp, and ep,
     whose ranks read their own batches too) and the context-parallel ones (cp: each holds other tokens).
@@ -275,6 +301,9 @@ def parallelize(
     then FSDP2 on mesh[dp_dim] if present (per block, then the root). Returns the model (changed in place).
     MTP layers are blocks like the decoder's. Sets `model.expert_load_reduce` to the sum of the expert loads over
     the data-parallel ranks (`expert_load_sum`), so `update_router_bias` moves every rank's biases alike.
+A vision tower (Glm53ForConditionalGeneration) is replicated over tp (`vision_tp_plan`), FSDP-sharded per vision
+block over the data ranks like the text parameters, and run on every forward once sharded (a zero-weighted
+dummy image on a batch without one: `always_run_tower`), so FSDP's collectives match on every rank.
 
     With TP the head is vocab-sharded: the model's own losses combine the ranks' softmax statistics
     (vocab_loss.py) and need no context; `out.logits` is a vocab-sharded DTensor, so a loss of your own over it
@@ -316,7 +345,7 @@ def parallelize(
         name_modules(model)
         apply_expert_parallel(model, mesh[ep_dim], mesh[(ep_dim, tp_dim)] if has_tp else None)
     if activation_checkpointing:
-        for block in _blocks(model):
+        for block in [*_vision_blocks(model), *_blocks(model)]:
             checkpoint(block)
     if compile:
         # fp32 units nested in a block (low-precision policy) run FSDP hooks, which dynamo never traces: the
@@ -330,6 +359,8 @@ def parallelize(
     if has_cp:
         _CP_MESH[model] = (mesh[cp_dim], mesh)
     model.expert_load_reduce = expert_load_sum(mesh, dp_dim, tp_dim, ep_dim, cp_dim)
+    if hasattr(model, "always_run_tower") and (has_dp or has_ep or has_cp):
+        model.always_run_tower = True  # FSDP's tower collectives must run on every rank, with or without images
     _PARALLELIZED.add(model)
     return model
 
@@ -387,4 +418,4 @@ def loss_parallel_context(model: nn.Module) -> contextlib.AbstractContextManager
 
 
 __all__ = ["parallelize", "apply_tensor_parallel", "apply_fsdp", "fp32_units", "loss_parallel_context",
-           "init_weights", "zero_rows", "expert_load_sum", "context_parallel_mesh"]
+           "init_weights", "zero_rows", "expert_load_sum", "context_parallel_mesh", "vision_tp_plan"]

@@ -23,6 +23,7 @@ from ..errors import Glm53Error
 from ..model.model import Glm53ForCausalLM
 from ..parallel.ckpt_plan import plan_rank
 from ..training.args import positive_int
+from ..vision.model import model_class_for
 
 GB = 1e9
 
@@ -46,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
         config = Glm53Config.from_pretrained(args.config) if args.config else Glm53Config()
         if args.num_layers:
             config = Glm53Config(**{**_fields(config), "num_hidden_layers": args.num_layers,
-                                    "layer_types": None, "mlp_layer_types": None, "indexer_types": None})  # fmt: skip
+                                    "layer_types": None, "mlp_layer_types": None, "indexer_types": None},
+                                 extra={"_outer": config.extra.get("_outer", {})})  # a vision tower stays  # fmt: skip
     except (Glm53Error, OSError) as e:
         print(f"{p.prog}: error: --config {args.config}: {e}", file=sys.stderr)
         return 1
@@ -90,7 +92,7 @@ def _fields(config: Glm53Config) -> dict:
 
 def _meta_model(config: Glm53Config) -> Glm53ForCausalLM:
     with torch.device("meta"):
-        return Glm53ForCausalLM(config)
+        return model_class_for(config)(config)
 
 
 if __name__ == "__main__":

@@ -31,12 +31,12 @@ from collections import Counter
 import torch
 
 from ..config import Glm53Config
-from ..model.model import Glm53ForCausalLM
 from ..parallel import parallelize
 from ..parallel.memory import fake_world, largest_gather, layout_mesh, local_numel
 from ..peft import plan as peft_plan
 from ..precision import keeps_fp32
 from ..training.args import positive_float, positive_int
+from ..vision.model import model_class_for
 from .comm_model import kda_layer_bytes, mla_layer_bytes, moe_layer_bytes
 
 GIB = 1024**3
@@ -153,7 +153,7 @@ def measure(c: Glm53Config, dp: int, ep: int, tp: int, dtype: torch.dtype, cp: i
     with fake_world(dp * cp * ep * tp):
         mesh = layout_mesh(dp, ep, tp, cp=cp)
         with torch.device("meta"):
-            model = Glm53ForCausalLM(c)
+            model = model_class_for(c)(c)  # a config declaring a vision tower counts the tower's parameters
         if peft is not None and peft_plan.enabled(peft):
             peft_plan.prepare(peft, model, dtype)
             bytes_of = peft_plan.bytes_of_dtype(model, size)

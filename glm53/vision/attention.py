@@ -1,0 +1,48 @@
+"""Vision attention: fused qkv, per-head RMSNorm on q and k, 2-D axial rope, attention inside each segment.
+
+Legend: N patch rows, D tower width, H heads, hd head width D / H.
+As transformers' Glm5NextVisionAttention: qkv rows are q | k | v, each head-major; q_norm / k_norm (weight [hd])
+run BEFORE the rope; the rope runs in fp32 and casts back; scale hd^-0.5; the softmax is fp32. Segments (an
+image, or one temporal slice of a video) never attend to each other: kernels/vision_attention.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..kernels import kernel
+from ..model.norm import RMSNorm
+from .config import Glm53VisionConfig
+from .rotary import apply_rotary
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, config: Glm53VisionConfig) -> None:
+        super().__init__()
+        D = config.hidden_size
+        self.head_dim = config.head_dim
+        self.qkv = nn.Linear(D, 3 * D, bias=config.attention_bias)
+        self.proj = nn.Linear(D, D, bias=config.attention_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.scale = self.head_dim**-0.5
+        self.initializer_range = config.initializer_range
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:  # fmt: skip
+        N = x.shape[0]
+        q, k, v = self.qkv(x).view(N, 3, -1, self.head_dim).unbind(1)  # [N, H, hd] each
+        cos, sin = rope
+        q = apply_rotary(self.q_norm(q), cos, sin)
+        k = apply_rotary(self.k_norm(k), cos, sin)
+        o = kernel("segment_attention")(q, k, v, cu_seqlens, self.scale)  # [N, H, hd]
+        return self.proj(o.reshape(N, -1))
+
+    def init_weights(self) -> None:
+        for linear in (self.qkv, self.proj):
+            nn.init.normal_(linear.weight, std=self.initializer_range)
+            if linear.bias is not None:
+                nn.init.zeros_(linear.bias)
+        self.q_norm.init_weights()
+        self.k_norm.init_weights()

@@ -1,0 +1,57 @@
+"""Vision block (pre-norm, residual): x += proj(attn(norm1(x))); x += mlp(norm2(x)).
+
+Legend: N patch rows, D tower width, I the MLP's inner width (intermediate_size).
+The MLP is the clamped SwiGLU with biases (attention_bias): down(silu(min(gate, L)) * clamp(up, -L, L)).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..kernels.moe import clamped_swiglu
+from ..model.norm import RMSNorm
+from .attention import VisionAttention
+from .config import Glm53VisionConfig
+
+
+class SwiGLU(nn.Module):
+    """Clamped SwiGLU [..., d_in] -> [..., d_in] through an inner width; biases optional."""
+
+    def __init__(self, width: int, inner: int, bias: bool, limit: float, std: float) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(width, inner, bias=bias)
+        self.up_proj = nn.Linear(width, inner, bias=bias)
+        self.down_proj = nn.Linear(inner, width, bias=bias)
+        self.swiglu_limit = limit
+        self.initializer_range = std
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.swiglu_limit))
+
+    def init_weights(self) -> None:
+        for linear in (self.gate_proj, self.up_proj, self.down_proj):
+            nn.init.normal_(linear.weight, std=self.initializer_range)
+            if linear.bias is not None:
+                nn.init.zeros_(linear.bias)
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, config: Glm53VisionConfig) -> None:
+        super().__init__()
+        self.norm1 = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm2 = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = VisionAttention(config)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, config.attention_bias, config.swiglu_limit,
+                          config.initializer_range)  # fmt: skip
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:  # fmt: skip
+        x = x + self.attn(self.norm1(x), cu_seqlens, rope)
+        return x + self.mlp(self.norm2(x))
+
+    def init_weights(self) -> None:
+        self.norm1.init_weights()
+        self.norm2.init_weights()
+        self.attn.init_weights()
+        self.mlp.init_weights()
