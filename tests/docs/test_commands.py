@@ -30,7 +30,14 @@ ELSEWHERE = {
     "torchrun --nproc-per-node 4 -m glm53 train --dp 2 --tp 2 --resume": "tests/training/test_train_distributed.py::test_tp2_matches_one_process_and_resumes_in_one",
     "torchrun --nproc-per-node 2 -m glm53 train --dp 1 --ep 2": "tests/training/test_train_ep.py::test_ep2_trains_saves_and_resumes",
     "torchrun --nproc-per-node 4 -m glm53 train --dp 2 --ep 2": "tests/training/test_train_ep.py::test_ep2_trains_saves_and_resumes",
+    "torchrun --nproc-per-node 4 -m glm53 train --tp 2 --ep 2": "tests/training/test_train_composed.py::test_composed_layout_matches_dp2",
+    "torchrun --nproc-per-node 4 -m glm53 train --cp 2 --ep 2": "tests/training/test_train_composed.py::test_composed_layout_matches_dp2",
+    "torchrun --nproc-per-node 4 -m glm53 train --cp 2 --tp 2": "tests/training/test_train_composed.py::test_cp2_tp2_matches_one_process",
     "python -m glm53.tools.plan": "tests/parallel/test_plan_tool.py",
+    # README's LoRA block shows a CKPT placeholder; peft's CLI tests run these flags on a tiny checkpoint
+    "python -m glm53 train --init CKPT": "tests/peft/test_cli.py::test_lora_run_saves_adapter_resumes_exactly_and_exports_merged",
+    "python -m glm53 train --resume runs/lora": "tests/peft/test_cli.py::test_lora_run_saves_adapter_resumes_exactly_and_exports_merged",
+    "python -m glm53 generate --model CKPT --adapter": "tests/peft/test_cli.py",
     "python -m glm53 train --preset tiny --compile": "tests/compile/test_compile_parallel.py::test_train_cli_compile_flag_compiles_every_block",
 }  # fmt: skip
 # docs/mutation.md's commands run the mutation audit by hand (hours); they are not part of CI by design.
