@@ -6,10 +6,18 @@ setup(
     description="Pure-PyTorch reference and training library for GLM-5.3-Flash (transformers' glm5_next)",
     packages=find_packages(include=["glm53", "glm53.*"]),
     package_data={"glm53": ["training/data/*.txt"]},
-    python_requires=">=3.10",
-    install_requires=["torch>=2.6", "safetensors", "einops"],
+    entry_points={"console_scripts": ["glm53 = glm53.__main__:main"]},
+    python_requires=">=3.11",  # tomllib (run.toml)
+    # tokenizers: --data with a tokenizer.json; tqdm: the progress bar of `glm53 train`
+    install_requires=["torch>=2.6", "safetensors", "einops", "tokenizers", "tqdm"],
     extras_require={
-        "test": ["pytest", "hypothesis", "transformers==5.23.0", "expecttest", "pillow", "av"],
+        # transformers tokenizers (tokenizer_config.json, chat templates), parquet, `datasets` datasets
+        "data": ["transformers==5.23.0", "pyarrow", "datasets"],
         "vl": ["pillow", "av"],  # image decoding (glm53.vision.media) and video files through PyAV
+        "tensorboard": ["tensorboard"],
+        # everything the tests import (transformers is the numerical oracle, peft the adapter-file oracle), plus
+        # benchmarks/plot_run.py and the formatter/linter .ci/run calls
+        "test": ["pytest", "hypothesis", "transformers==5.23.0", "expecttest", "peft", "pyarrow", "datasets", "pillow",
+                 "av", "tensorboard", "matplotlib", "ruff"],
     },
 )

@@ -119,7 +119,8 @@ def main() -> int:
     paths = prepare(args.out)
     tuned = os.path.join(args.out, "tuned")
     cmd = [sys.executable, "-m", "glm53", "train", "--init", paths["base"], "--data", paths["train"], "--seq-len",
-           "128", "--batch-size", "4", "--steps", str(args.steps), "--lr", "3e-3", "--log-every", "10", "--save", tuned]
+           "128", "--batch-size", "4", "--steps", str(args.steps), "--lr", "3e-3", "--log-every", "10", "--save", tuned,
+           "--overwrite"]  # a second run of the example replaces its own tuned/
     print("$", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
     for name, ckpt in (("base", paths["base"]), ("tuned", tuned)):

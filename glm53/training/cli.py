@@ -18,10 +18,11 @@ from .. import parallel
 from ..errors import Glm53Error
 from ..model.compile import BACKENDS
 from ..peft import cli as peft_cli
-from . import finetune, vl_finetune
-from .args import (non_negative_float, non_negative_int, positive_float, positive_int, seed_int, sequence_length,
-                   thread_count, writable_target)
-from .trainer import PRESETS, Trainer
+from . import finetune, runconfig, vl_finetune
+from .args import (add_run_arguments, add_schedule_arguments, non_negative_float, non_negative_int, nonempty_path,
+                   positive_float, positive_int, seed_int, sequence_length, thread_count, writable_target)
+from .metrics import METRICS
+from .trainer import PRESETS, Interrupted, Trainer
 
 
 # Errors that mean "fix your input", reported as one line with exit status 1 (argparse's own are status 2).
@@ -37,10 +38,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=positive_float, default=3e-3)
     p.add_argument("--bias-rate", type=non_negative_float, default=1e-3, help="aux-loss-free router bias update rate")
     p.add_argument("--log-every", type=positive_int, default=10)
-    p.add_argument("--save", help="directory to write the final checkpoint to")
+    p.add_argument("--save", type=nonempty_path,
+                   help="run directory: the final checkpoint, run.toml, metrics.jsonl (default with --resume: the "
+                        "resumed directory)")  # fmt: skip
     p.add_argument("--save-every", type=non_negative_int, default=0,
                    help="also save every N steps to DIR/step-N (needs --save)")
-    p.add_argument("--resume", help="checkpoint directory to continue from (model, optimizer, step)")
+    p.add_argument("--resume", type=nonempty_path,
+                   help="checkpoint directory to continue from (model, optimizer, schedule, step; its run.toml)")
     p.add_argument("--overwrite", action="store_true",
                    help="let --save replace a checkpoint already in DIR (not needed when DIR is also --resume)")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute blocks in backward")
@@ -60,10 +64,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     vl_finetune.add_arguments(p)  # --media-root, --strict, image/video budgets (--freeze: peft_cli's, also VL groups)
     # torchrun runs (glm53/training/distributed.py): GPUs, bf16, DCP checkpoints; --init reads only each rank's shards
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="torchrun: cuda uses nccl, one GPU per rank")  # fmt: skip
-    p.add_argument("--bf16", action="store_true", help="torchrun with --dp > 1: FSDP2 bf16 compute, fp32 keep-list")
+                   help="cuda: one process on the current GPU, or under torchrun nccl with one GPU per rank")
+    p.add_argument("--bf16", action="store_true",
+                   help="bf16 compute, fp32 master weights and optimizer state (one process: autocast; torchrun "
+                        "--dp > 1: FSDP2's bf16 policy)")  # fmt: skip
     p.add_argument("--no-export", action="store_true",
                    help="torchrun --save: write only the DCP training state (no official-layout copy)")
+    add_schedule_arguments(p)
+    add_run_arguments(p)
 
 
 def _check_world(args: argparse.Namespace) -> int:
@@ -82,7 +90,7 @@ def _check_world(args: argparse.Namespace) -> int:
 
 
 CHECKPOINT_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "trainer_state.pt",
-                    "train_state")  # fmt: skip
+                    "train_state", runconfig.RUN_CONFIG, METRICS)  # fmt: skip
 
 
 def _checkpoint_in(path: str) -> str | None:
@@ -96,10 +104,29 @@ def _same_dir(a: str, b: str | None) -> bool:
     return b is not None and os.path.realpath(a) == os.path.realpath(b)
 
 
-def train(args: argparse.Namespace) -> int:
-    """Run `glm53 train` with parsed `args`: one process, or one rank of a torchrun (dp, tp) grid."""
+def resolve(parser: argparse.ArgumentParser, argv: list[str], args: argparse.Namespace) -> argparse.Namespace:
+    """Apply --config and a resumed run's run.toml (runconfig.py); errors exit with one line, status 2."""
+    try:
+        args, notes = runconfig.resolve(parser, argv, args)
+    except runconfig.ConfigError as e:
+        parser.error(str(e))
+    args.config_notes = notes
+    args.train_parser = parser
+    return args
+
+
+def _check_paths(args: argparse.Namespace) -> None:
+    if args.resume and not args.save:
+        args.save = args.resume  # continue into the resumed directory (said in the log)
+        args.save_from_resume = True
     if args.save_every and not args.save:
         raise SystemExit("--save-every needs --save DIR")
+    if args.keep_last and not args.save_every:
+        raise SystemExit("--keep-last needs --save-every N (it prunes DIR/step-N checkpoints)")
+    if args.tensorboard and not args.save:
+        raise SystemExit("--tensorboard needs --save DIR (events go to DIR/tensorboard)")
+    if args.eval_every and not args.eval_data:
+        raise SystemExit("--eval-every needs --eval-data FILE")
     if args.save and os.path.lexists(args.save) and not os.path.isdir(args.save):
         # Checked before training: the save at the end would refuse to replace a file anyway.
         raise SystemExit(f"glm53 train: error: --save {args.save} exists and is not a directory")
@@ -110,18 +137,54 @@ def train(args: argparse.Namespace) -> int:
         # A fresh run must not silently replace another run's trained weights.
         raise SystemExit(f"glm53 train: error: --save {args.save} already holds a checkpoint ({found}): continue it "
                          "with --resume on the same directory, or pass --overwrite to replace it")  # fmt: skip
+
+
+def _check_experts(args: argparse.Namespace) -> None:
+    """--ep must divide the routed experts: checked before any process group exists, said by rank 0 only."""
+    from ..config import Glm53Config
+
+    source = args.resume or args.init
+    try:
+        config = Glm53Config.from_pretrained(source) if source else PRESETS[args.preset]()
+    except USER_ERRORS:
+        return  # the trainer reports an unreadable checkpoint itself
+    experts = config.n_routed_experts
+    if experts % args.ep:
+        if os.environ.get("RANK", "0") != "0":
+            raise SystemExit(1)
+        raise SystemExit(f"glm53 train: error: --ep {args.ep} does not divide the {experts} routed experts "
+                         f"(n_routed_experts of {source or 'preset ' + args.preset}); use an --ep that divides "
+                         f"{experts}")  # fmt: skip
+
+
+def train(args: argparse.Namespace) -> int:
+    """Run `glm53 train` with parsed `args`: one process, or one rank of a torchrun (dp, tp) grid."""
+    if not hasattr(args, "config_notes"):  # called without resolve() (tests, scripts): flags only
+        args.config_notes, args.train_parser = [], None
+    _check_paths(args)
     finetune.check_args(args)
-    if (args.bf16 or args.device != "cpu" or args.no_export) and _check_world(args) == 1:
-        raise SystemExit("--bf16, --device and --no-export are torchrun options (run with --dp/--tp under torchrun)")
-    if args.bf16 and args.dp == 1:
-        raise SystemExit("--bf16 is FSDP2's mixed precision: it needs --dp > 1")
+    world = _check_world(args)
+    if args.no_export and world == 1:
+        raise SystemExit("--no-export is a torchrun option (run with --dp/--tp under torchrun)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is available to torch here")
+    if args.bf16 and world > 1 and args.dp == 1:
+        raise SystemExit("--bf16 under torchrun is FSDP2's mixed precision: it needs --dp > 1")
+    if world > 1 and args.ep > 1:
+        _check_experts(args)
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
-    par = parallel.runtime if _check_world(args) > 1 else None
+    par = parallel.runtime if world > 1 else None
     try:
         return Trainer(args, par).run()
+    except Interrupted as e:
+        print(f"glm53 train: {e}", file=sys.stderr, flush=True)
+        return e.status
+    except KeyboardInterrupt:  # a second Ctrl-C while saving, or one before the loop began
+        print("glm53 train: interrupted; nothing more was saved", file=sys.stderr, flush=True)
+        return 130
     except USER_ERRORS as e:
-        # Bad input (a checkpoint, a config, a file in the way) is the user's to fix: one line, no traceback.
+        # Bad input (a checkpoint, a config, a file in the way, a full disk) is the user's to fix: one line.
         print(f"glm53 train: error: {e}", file=sys.stderr, flush=True)
         return 1
     finally:
@@ -133,4 +196,4 @@ def train(args: argparse.Namespace) -> int:
             par.shutdown()
 
 
-__all__ = ["add_arguments", "train"]
+__all__ = ["add_arguments", "resolve", "train"]

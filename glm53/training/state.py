@@ -111,8 +111,13 @@ def resume_distributed(path: str, model: Glm53ForCausalLM, optimizer: torch.opti
     return int(got["step"]), _decode_data_state(got["data_state"])
 
 
+DCP_STATE = "train_state"  # a torchrun run's DCP directory (parallel/run_checkpoint.py)
+
+
 def _owned_by_training_save(name: str) -> bool:
-    return checkpoint_owns(name) or name == TRAINER_STATE
+    """A one-process save replaces the weights, trainer_state.pt and a torchrun run's train_state/ (else a later
+    resume would find the older DCP state beside the new file and restart from it)."""
+    return checkpoint_owns(name) or name in (TRAINER_STATE, DCP_STATE)
 
 
 def save_single(model: Glm53ForCausalLM, path: str, state: dict) -> None:

@@ -18,8 +18,10 @@ import argparse
 import contextlib
 import math
 import os
+import signal
 import sys
 import time
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -28,7 +30,7 @@ from ..config import Glm53Config
 from ..model.compile import compile_blocks
 from ..losses import Glm53ForCausalLM
 from ..parallel import clip_grad_norm_ as parallel_clip_grad_norm_
-from ..parallel import loss_parallel_context, parallelize
+from ..parallel import loss_parallel_context
 from ..parallel.run_checkpoint import device_type, has_run_state
 from ..peft import cli as peft_cli
 from ..utils import ceil_div
@@ -36,15 +38,17 @@ from .data import VOCAB_SIZE, batches, corpus_text, encode
 from .data.documents import DataError
 from . import vl_finetune
 from .distributed import forward_inputs, init_parallel_model
-from .finetune import FileData, init_model, model_inputs
+from .finetune import FileData, eval_batches, init_model, model_inputs
+from . import runconfig
+from .metrics import Recorder, expert_load_stats, flops_per_token, mfu, peak_memory_bytes
+from .optim import MIN_LR_FRACTION, WARMUP_FRACTION, build_optimizer, build_scheduler, lr_at, total_steps
+from .run_files import check_tokenizer_files, prune_steps, save_conflict, write_tokenizer
+from .stopping import Interrupted, SignalStop
 from .state import TRAINER_STATE, load_trainer_state, restore_optimizer, resume_distributed, save_run, trainer_state
 
-GRAD_CLIP = 1.0  # max global gradient norm
-BETAS = (0.9, 0.95)  # AdamW betas (DeepSeek-V3's)
-WEIGHT_DECAY = 0.01
-WARMUP_FRACTION = 0.05  # linear warm-up over this share of --steps, then cosine decay
-MIN_LR_FRACTION = 0.1  # the cosine ends at this fraction of --lr
+GRAD_CLIP = 1.0  # the default --grad-clip: max global gradient norm
 BAR_WIDTH = 24
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense bf16 peaks, for the MFU on known GPUs
 LOSS_PARTS = ("loss", "lm_loss", "mtp_loss", "aux_loss", "indexer_loss")
 
 VOCAB_MULTIPLE = 64  # the byte vocabulary rounded up so it splits evenly over --tp 2, 4, 8 (rows never used)
@@ -53,15 +57,6 @@ PRESETS: dict[str, Callable[[], Glm53Config]] = {
     "tiny": lambda: Glm53Config.tiny(vocab_size=ceil_div(VOCAB_SIZE, VOCAB_MULTIPLE) * VOCAB_MULTIPLE,
                                      num_nextn_predict_layers=1, indexer_loss_weight=1.0),
 }
-
-
-def lr_at(step: int, total: int, peak: float) -> float:
-    """Learning rate of 1-based `step`: linear warm-up, then cosine to MIN_LR_FRACTION * peak."""
-    warmup = max(1, int(WARMUP_FRACTION * total))
-    if step <= warmup:
-        return peak * step / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return peak * (MIN_LR_FRACTION + (1 - MIN_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def _progress(step: int, total: int, loss: float, rate: float) -> str:
@@ -88,18 +83,19 @@ class Trainer:
     def __init__(self, args: argparse.Namespace, par=None) -> None:
         self.args, self.par = args, par
         self.mesh = par.init_mesh(args.dp, args.tp, device_type(args.device), ep=args.ep, cp=args.cp) if par is not None else None
-        self.device = self.mesh.device_type if par is not None else "cpu"
+        self.device = self.mesh.device_type if par is not None else args.device
         self.rank = par.rank() if par is not None else 0
         self.log_rank = self.rank == 0
+        # one process with --bf16: fp32 master weights and AdamW state, bf16 compute (autocast)
+        self.autocast = torch.bfloat16 if args.bf16 and par is None else None
         torch.manual_seed(args.seed)  # the same initial weights on every rank
         self.state = self._load_resume_state()
         self.vl_record = vl_finetune.first_vl_record(args.data)  # image/video data: the VL model (vl_finetune.py)
         vl_finetune.check_args(args, self.vl_record)
         self.model = self._build_model()
         self.model.train()
-        # Frozen parameters (--freeze) get no optimizer state.
-        trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(trainable, lr=args.lr, betas=BETAS, weight_decay=WEIGHT_DECAY)
+        self.optimizer = build_optimizer(self.model, args)  # trainable parameters only: frozen ones get no state
+        self.scheduler = build_scheduler(self.optimizer, args)
         # Each data-parallel rank draws its own batches; the TP ranks of one dp group draw the same ones.
         # Expert-parallel ranks read their own batches too (data rank = dp_rank * ep + ep_rank).
         self.dp_rank = (par.local_rank(self.mesh, "dp") * args.ep + par.local_rank(self.mesh, "ep")
@@ -107,6 +103,11 @@ class Trainer:
         self.generator = torch.Generator().manual_seed(args.seed * 1_000_003 + self.dp_rank)
         self.start = self._resume()
         self.data = self._file_data(self.dp_rank)
+        self.eval_rows = self._eval_rows()
+        self.flops_per_token = flops_per_token(self.model)
+        self.stopper = SignalStop(self.log_rank)  # SIGINT / SIGTERM: finish the step, save, stop
+        self.last_saved: str | None = args.resume
+        self.run_config_stat = None
 
     # ------------------------------------------------------------------------------------------------ setup
     def _load_resume_state(self) -> dict | None:
@@ -146,16 +147,24 @@ class Trainer:
             model = init_model(args.init)
         else:
             model = Glm53ForCausalLM(PRESETS[args.preset]())
-        if self.par is not None:
-            model = parallelize(model, self.mesh, activation_checkpointing=args.activation_checkpointing)
-        elif args.activation_checkpointing:
+        # Trained weights are fp32 masters whatever the checkpoint stores: bf16 weights would round most updates
+        # away. A frozen base (LoRA, --freeze) keeps its own dtype: it is never updated.
+        trained = [p for p in model.parameters() if p.requires_grad]
+        self.loaded_dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in trained})
+        if lora is None:
+            model.float()
+        else:
+            for p in trained:
+                p.data = p.data.float()
+        model.to(self.device)
+        if args.activation_checkpointing:
             model.gradient_checkpointing_enable()
         if args.compile:
             compile_blocks(model, backend=args.compile)
         return model
 
     def _resume(self) -> int:
-        """Restore the optimizer and RNG states of a resumed run; -> the step it stopped at (0 when fresh)."""
+        """Restore the optimizer, schedule and RNG states of a resumed run; -> its step (0 when fresh)."""
         if self.state is None:
             return 0
         if "dcp" in self.state:
@@ -163,6 +172,7 @@ class Trainer:
                                             tuple(_layout(self.args)), self.dp_rank, self.generator)  # fmt: skip
             if data is not None:
                 self.state["data"] = data
+            self._replay_schedule(step)
             return step
         if self.par is None:
             restore_optimizer(self.optimizer, self.state["optimizer"], self.args.resume)
@@ -172,7 +182,19 @@ class Trainer:
             rng = self.state["rank_rng"][self.rank]
         self.generator.set_state(rng["data_rng"])
         torch.set_rng_state(rng["torch_rng"])
-        return int(self.state["step"])
+        step = int(self.state["step"])
+        if self.par is None and "scheduler" in self.state:
+            self.scheduler.load_state_dict(self.state["scheduler"])
+        else:
+            self._replay_schedule(step)
+        return step
+
+    def _replay_schedule(self, step: int) -> None:
+        """The schedule after `step` steps (the same arithmetic a straight run did: exact)."""
+        with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": on purpose here
+            warnings.simplefilter("ignore", UserWarning)
+            for _ in range(step):
+                self.scheduler.step()
 
     def _file_data(self, dp_rank: int) -> FileData | None:
         """The --data source (None for the built-in corpus), at the resumed run's data position."""
@@ -190,12 +212,25 @@ class Trainer:
                                               args.dp * args.ep, dp_rank)  # fmt: skip
             else:
                 data = FileData(args, args.tokenizer or args.init or args.resume, config.vocab_size,
-                                config.pad_token_id or 0, args.dp * args.ep, dp_rank)  # fmt: skip
+                                config.pad_token_id or 0, args.dp * args.ep, dp_rank, par=self.par)  # fmt: skip
         except DataError as e:  # a bad file or record: the message (file and line), not a traceback
             raise SystemExit(f"glm53 train: {e}") from None
         if resumed_data:
             data.load_state_dict(self.state["data"], args.resume)
         return data
+
+    def _eval_rows(self):
+        """This rank's share of the --eval-data rows (packed once), or None."""
+        args = self.args
+        if not getattr(args, "eval_data", None):
+            return None
+        if self.data is None:
+            raise SystemExit("--eval-data needs --data (it is tokenized with the run's tokenizer)")
+        try:
+            return eval_batches(args.eval_data, self.data.tokenizer, args.seq_len, args.batch_size,
+                                args.dp * args.ep, self.dp_rank)  # fmt: skip
+        except DataError as e:
+            raise SystemExit(f"glm53 train: {e}") from None
 
     def next_micro_batches(self, corpus) -> list[dict[str, torch.Tensor]]:
         """The model inputs of one optimizer step: --grad-accum micro-batches of this rank."""
@@ -209,35 +244,69 @@ class Trainer:
         """The vocab-parallel cross-entropy under TP (forward and backward); a no-op otherwise."""
         return loss_parallel_context(self.model) if self.par is not None else contextlib.nullcontext()
 
+    def _compute_context(self) -> contextlib.AbstractContextManager:
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device, dtype=self.autocast)
+
+    def _global_counts(self, den, reduce):
+        if self.par is None:
+            return den
+        return reduce(reduce(den, self.mesh, "dp"), self.mesh, "ep")
+
     def step(self, step: int, micro: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """One optimizer step on this rank's micro-batches (model inputs with labels) -> this rank's share of each
         loss part (summed over the micro-batches; the mean over dp ranks is the global batch's loss).
 
         Every part is normalised by the global batch's counts (micro-batches and dp ranks together), so the step's
-        gradient is one forward's on the whole global batch, whatever the masks and packing."""
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(step, self.args.steps, self.args.lr)
+        gradient is one forward's on the whole global batch, whatever the masks and packing. The lr is the
+        scheduler's (stepped after the optimizer); the global gradient norm before clipping is `self.grad_norm`."""
         self.optimizer.zero_grad(set_to_none=True)
         counts = [self.model.loss_counts(m["labels"], m.get("attention_mask"), m.get("position_ids")) for m in micro]
         den = sum(counts[1:], counts[0])
         if self.par is not None:
             # every dp x ep rank reads its own batches: the global batch's counts over both dimensions
-            den = self.par.loss_denominators(self.par.loss_denominators(den, self.mesh, "dp"), self.mesh, "ep")
+            den = self._global_counts(den, self.par.loss_denominators)
         parts: dict[str, torch.Tensor] = {}
         for inputs in micro:
             with self._loss_context():
-                out = self.model(**forward_inputs(self.model, inputs, den, self.args.cp), return_logits=False)
+                with self._compute_context():
+                    out = self.model(**forward_inputs(self.model, inputs, den, self.args.cp), return_logits=False)
                 out.loss.backward()
             for name in LOSS_PARTS:
                 if getattr(out, name) is not None:
-                    parts[name] = parts.get(name, 0) + getattr(out, name).detach()
+                    parts[name] = parts.get(name, 0) + getattr(out, name).detach().float()
+        clip = self.args.grad_clip if self.args.grad_clip > 0 else math.inf
         if self.par is not None:  # gradients on two meshes under EP
-            parallel_clip_grad_norm_(self.model.parameters(), GRAD_CLIP)
+            self.grad_norm = parallel_clip_grad_norm_(self.model.parameters(), clip)
         else:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP)
+            self.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        self.lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
+        self.scheduler.step()
+        self.expert_loads = expert_load_stats(self.model)
         self.model.update_router_bias(self.args.bias_rate)  # loads summed over dp ranks by model.expert_load_reduce
         return parts
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Held-out next-token loss (every target token of --eval-data, over every rank) and its perplexity."""
+        rows, was_training = self.eval_rows, self.model.training
+        inputs = [{k: v.to(self.device) for k, v in model_inputs(self.model, b).items()} for b in rows]
+        counts = [self.model.loss_counts(i["labels"], i["attention_mask"], i.get("position_ids")) for i in inputs]
+        den = sum(counts[1:], counts[0]) if counts else None
+        if self.par is not None:
+            den = self._global_counts(den, lambda c, m, d: type(c).from_stacked(self.par.sum_over(c.stacked(), m, d)))
+        self.model.eval()
+        total = torch.zeros((), device=self.device)
+        for i in inputs:
+            with self._loss_context(), self._compute_context():
+                total += self.model(**i, loss_denominators=den, return_logits=False).lm_loss.float()
+        self.model.train(was_training)
+        if self.par is not None:
+            total = self._global_counts(total, self.par.sum_over)
+        loss = float(total)
+        return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0))}
 
     # -------------------------------------------------------------------------------------------------- log
     def _announce(self) -> None:
@@ -251,58 +320,163 @@ class Trainer:
         accum = f"{args.grad_accum}x" if args.grad_accum > 1 else ""
         print(f"glm53 train: {how}, {params:,} parameters{layout}, {args.steps} steps of {accum}{args.batch_size}x"
               f"{args.seq_len} tokens", flush=True)  # fmt: skip
+        print(f"dtype: {self._dtype_text()}; device {self.device}; schedule {args.schedule}, "
+              f"{total_steps(args)} steps", flush=True)  # fmt: skip
+        for note in getattr(args, "config_notes", []):
+            print(f"changed on resume: {note}", flush=True)
+        if getattr(args, "save_from_resume", False):
+            print(f"saving into the resumed directory {args.save} (no --save given)", flush=True)
         if self.data is not None:
             print(self.data.describe(), flush=True)
         if self.start >= args.steps:
             print(f"already at step {self.start} >= --steps {args.steps}; nothing to do", flush=True)
 
+    def _dtype_text(self) -> str:
+        if self.par is not None:
+            return "bf16 compute, fp32 master weights (FSDP2 policy)" if self.args.bf16 else "fp32"
+        loaded = getattr(self, "loaded_dtypes", ["float32"])
+        source = "" if loaded == ["float32"] else f" (checkpoint {'/'.join(loaded)}, trained as fp32 masters)"
+        if self.autocast is not None:
+            return f"bf16 compute (autocast), fp32 master weights and optimizer state{source}"
+        return f"fp32{source}"
+
     def _log(self, step: int, parts: dict[str, float], loss: float, rate: float) -> None:
-        args, tty = self.args, sys.stderr.isatty()
-        if tty:
-            print("\r" + _progress(step, args.steps, loss, rate), end="", file=sys.stderr, flush=True)
-        if step % args.log_every == 0 or step == args.steps or step == self.start + 1:
-            if tty:
-                print(file=sys.stderr)
-            else:
+        args = self.args
+        self.recorder.progress(step, loss, rate)
+        if self._is_log_step(step):
+            if self.recorder.bar is None:
                 print(_progress(step, args.steps, loss, rate), file=sys.stderr, flush=True)
             media = f"  {self.data.step_media_tokens} image tokens" if self.vl_record is not None else ""
-            print(f"step {step:5d}  loss {loss:.4f}  {_describe(parts)}  lr {lr_at(step, args.steps, args.lr):.2e}  "
-                  f"{rate:,.0f} tok/s{media}", flush=True)  # fmt: skip
+            self.recorder.write_line(f"step {step:5d}  loss {loss:.4f}  {_describe(parts)}  lr {self.lr:.2e}  "
+                                     f"{rate:,.0f} tok/s{media}")  # fmt: skip
+
+    def _is_log_step(self, step: int) -> bool:
+        return step % self.args.log_every == 0 or step == self.args.steps or step == self.start + 1
+
+    def _peak_flops(self) -> float | None:
+        if self.args.peak_tflops:
+            return self.args.peak_tflops * 1e12
+        if self.device == "cuda":
+            name = torch.cuda.get_device_name()
+            return next((t * 1e12 for k, t in PEAK_TFLOPS.items() if k in name), None)
+        return None
+
+    def _metrics(self, step: int, parts: dict[str, float], tokens: int, rates: list[float], padding: float,
+                 elapsed: float) -> dict:  # fmt: skip
+        rate = sum(rates)
+        return {"step": step, **parts, "lr": self.lr, "grad_norm": float(self.grad_norm), "tokens": tokens,
+                "tokens_per_s": rate, "tokens_per_s_rank": rates, "flops_per_token": self.flops_per_token,
+                "mfu": mfu(self.flops_per_token, rate, self._peak_flops()), "time": elapsed,
+                "peak_memory_bytes": peak_memory_bytes(self.device), "padding": padding, **self.expert_loads}
 
     # ------------------------------------------------------------------------------------------------- save
-    def save(self, path: str, step: int) -> None:
+    def save(self, path: str, step: int) -> str:
+        """Save the run at `step` into `path` (or, when another job's checkpoint appeared there, beside it) -> where."""
+        args = self.args
+        if self._agree(save_conflict(path, self.run_config_stat, self.last_saved)):
+            path = f"{path.rstrip(os.sep)}.step-{step}-{os.getpid()}"
+            if self.log_rank:
+                print(f"glm53 train: {args.save} now holds a checkpoint this run did not write; saving into {path} "
+                      f"instead", file=sys.stderr, flush=True)  # fmt: skip
         data = self.data.state_dict() if self.data is not None else None
-        state = trainer_state(step, self.optimizer, self.generator, self.par, tuple(_layout(self.args)), data)
+        state = trainer_state(step, self.optimizer, self.generator, self.par, tuple(_layout(args)), data)
         if self.par is not None:
             state["dp_rank"] = self.dp_rank
-        if not peft_cli.save_run(self.model, path, state):  # a LoRA run saves its adapter, not the base
-            save_run(self.model, path, state, self.par, export=not self.args.no_export)
-        if self.data is not None and self.rank == 0:
-            self.data.tokenizer.save(path)  # a resumed or downstream run finds the tokenizer beside the weights
+        else:
+            state["scheduler"] = self.scheduler.state_dict()
+        try:
+            if not peft_cli.save_run(self.model, path, state):  # a LoRA run saves its adapter, not the base
+                save_run(self.model, path, state, self.par, export=not args.no_export)
+        except OSError as e:
+            kept = f"the last complete checkpoint is {self.last_saved}" if self.last_saved else "nothing was saved"
+            raise OSError(f"saving step {step} to {path} failed ({e.strerror or e}); {kept}") from e
+        if self.log_rank:
+            if self.data is not None:
+                write_tokenizer(self.data.tokenizer, path)  # a resumed or downstream run finds it beside the weights
+            if self.args.train_parser is not None:
+                runconfig.write(path, runconfig.stored(args, self.args.train_parser))
+        self.last_saved = path
+        return path
+
+    def _agree(self, flag: bool) -> bool:
+        """Whether any rank says `flag` (every rank gets the same answer)."""
+        if self.par is None:
+            return bool(flag)
+        value = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        for dim in ("dp", "ep", "tp", "cp"):
+            value = self.par.sum_over(value, self.mesh, dim)
+        return bool(value.item() > 0)
+
+    def _start_run_dir(self) -> None:
+        """Write DIR/run.toml at the start (rank 0) and check DIR's tokenizer files are this run's."""
+        args = self.args
+        if not args.save or not self.log_rank:
+            return
+        if self.data is not None:
+            check_tokenizer_files(self.data.tokenizer, args.save)
+        if args.train_parser is not None:
+            runconfig.write(args.save, runconfig.stored(args, args.train_parser))
+            st = os.stat(os.path.join(args.save, runconfig.RUN_CONFIG))
+            self.run_config_stat = (st.st_ino, st.st_dev)
 
     # -------------------------------------------------------------------------------------------------- run
     def run(self) -> int:
-        args, par = self.args, self.par
+        self._start_run_dir()
+        self.recorder = Recorder(self.args.save, self.args.tensorboard, self.args.steps, self.start, self.log_rank)
         if self.log_rank:
             self._announce()
-        data = batches(encode(corpus_text()), args.batch_size, args.seq_len, self.generator)
-        began, tokens = time.perf_counter(), 0
+        try:
+            with self.stopper:
+                return self._loop()
+        finally:
+            self.recorder.close()
+
+    def _loop(self) -> int:
+        args, par = self.args, self.par
+        # the built-in corpus only when it is the data (its length must not limit a --data run's --seq-len)
+        corpus = batches(encode(corpus_text()), args.batch_size, args.seq_len, self.generator) if self.data is None \
+            else None
+        began, tokens, step, rank_tokens = time.perf_counter(), 0, self.start, None
+        eval_every = args.eval_every or args.log_every
         for step in range(self.start + 1, args.steps + 1):
-            micro = [{k: v.to(self.device) for k, v in m.items()} for m in self.next_micro_batches(data)]
+            micro = [{k: v.to(self.device) for k, v in m.items()} for m in self.next_micro_batches(corpus)]
             parts = self.step(step, micro)
-            tokens += sum(int(m.get("attention_mask", m["input_ids"]).ne(0).sum()) for m in micro) * args.dp * args.ep
-            rate = tokens / (time.perf_counter() - began)
-            values = torch.stack(list(parts.values()))
-            # every dp x ep rank trained on its own batches
-            values = values if par is None else par.mean_over(par.mean_over(values, self.mesh, "dp"), self.mesh, "ep")
-            parts = dict(zip(parts, values.tolist()))  # NOTE: syncs
+            mine = sum(int(m.get("attention_mask", m["input_ids"]).ne(0).sum()) for m in micro)
+            slots = sum(m["input_ids"].numel() for m in micro)
+            elapsed = time.perf_counter() - began
+            values = torch.stack(list(parts.values()) + [torch.tensor(float(mine), device=self.device)])
+            per_rank = torch.tensor([float(mine)])
+            if par is not None:  # every dp x ep rank trained on its own batches
+                per_rank = torch.zeros(args.dp * args.ep, device=self.device)
+                per_rank[self.dp_rank] = mine
+                per_rank = self._global_counts(per_rank, par.sum_over) / args.tp  # tp ranks count the same rows
+                values = par.mean_over(par.mean_over(values, self.mesh, "dp"), self.mesh, "ep")
+            got = values.tolist()  # NOTE: syncs
+            parts = dict(zip(parts, got[:-1]))
+            rank_tokens = per_rank.cpu() if rank_tokens is None else rank_tokens + per_rank.cpu()
+            step_tokens = int(rank_tokens.sum()) - tokens
+            tokens += step_tokens
+            rate = tokens / elapsed
             loss = parts["loss"]
             if not math.isfinite(loss):
                 raise SystemExit(f"step {step}: loss is {loss}; stopping")
             if self.log_rank:
                 self._log(step, parts, loss, rate)
+            evaluated = self.eval_rows is not None and (step % eval_every == 0 or step == args.steps)
+            extra = self.evaluate() if evaluated else {}
+            if (self._is_log_step(step) or evaluated) and self.log_rank:
+                rates = (rank_tokens / elapsed).tolist()
+                self.recorder.record({**self._metrics(step, parts, step_tokens, rates, 1 - mine / max(slots, 1),
+                                                      elapsed), **extra})  # fmt: skip
+                if evaluated:
+                    self.recorder.write_line(f"eval  step {step:5d}  loss {extra['eval_loss']:.4f}  perplexity "
+                                             f"{extra['eval_perplexity']:.3f}")  # fmt: skip
+            if self._agree(self.stopper.signum is not None):
+                return self._stop(step)
             if args.save and args.save_every and step % args.save_every == 0 and step != args.steps:
                 self.save(os.path.join(args.save, f"step-{step}"), step)
+                if args.keep_last and self.log_rank:
+                    prune_steps(args.save, args.keep_last)
         if args.save:
             self.save(args.save, max(self.start, args.steps))
             if self.log_rank:
@@ -314,5 +488,13 @@ class Trainer:
         peft_cli.export_merged(args, self.model)  # --export-merged DIR
         return 0
 
+    def _stop(self, step: int) -> int:
+        name = signal.Signals(self.stopper.signum or signal.SIGTERM)
+        status = 128 + int(name)
+        if not self.args.save:
+            raise Interrupted(f"{name.name} at step {step}: stopped; nothing saved (no --save)", status)
+        where = self.save(self.args.save, step)
+        raise Interrupted(f"{name.name} at step {step}: saved {where}; continue with --resume {where}", status)
 
-__all__ = ["Trainer", "PRESETS", "lr_at", "GRAD_CLIP"]
+
+__all__ = ["Trainer", "Interrupted", "PRESETS", "lr_at", "GRAD_CLIP", "MIN_LR_FRACTION", "WARMUP_FRACTION"]

@@ -32,8 +32,8 @@ def test_lora_run_saves_adapter_resumes_exactly_and_exports_merged(base, tmp_pat
     run = ["train", "--init", str(base), "--lora-rank", "4", "--lora-alpha", "8", *FAST]
     assert main([*run, "--steps", "3", "--save-every", "2", "--save", str(tmp_path / "a"),
                  "--export-merged", str(tmp_path / "merged")]) == 0  # fmt: skip
-    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [CONFIG_FILE, WEIGHTS_FILE, "step-2",
-                                                                   "trainer_state.pt"]  # fmt: skip
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [CONFIG_FILE, WEIGHTS_FILE, "metrics.jsonl",
+                                                                   "run.toml", "step-2", "trainer_state.pt"]  # fmt: skip
     # the optimizer held only the adapters
     state = torch.load(tmp_path / "a" / "trainer_state.pt", weights_only=True)
     model = Glm53ForCausalLM.from_pretrained(base)

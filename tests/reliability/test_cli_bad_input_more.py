@@ -1,4 +1,4 @@
-"""Bad input to every command line (`python -m glm53 demo|train|generate`, `python -m glm53.tools.plan`,
+"""Bad input to every command line (`python -m glm53 train|generate`, `python -m glm53.tools.plan`,
 `python -m glm53.tools.ckpt_plan`): a bad number or path is argparse's usage error (exit 2, the flag named), a
 file that cannot be read one line on stderr (exit 1); never a traceback. No tensors."""
 
@@ -28,14 +28,14 @@ def usage_error(run, argv, flag, message, capsys):
     ("--seq-len", "0", "must be >= 2, got 0"), ("--lr", "nan", "expected a finite number"),
     ("--lr", "0", "must be > 0"), ("--seed", "-5", "must be in [0, 4294967295]"),
 ])  # fmt: skip
-def test_demo_numbers(flag, value, message, capsys):
-    usage_error(main, ["demo", f"{flag}={value}"], flag, message, capsys)
+def test_train_number_flags(flag, value, message, capsys):
+    usage_error(main, ["train", f"{flag}={value}"], flag, message, capsys)
 
 
-def test_demo_sequence_longer_than_the_corpus(capsys):
-    assert main(["demo", "--steps", "1", "--seq-len", "10000000"]) == 1
+def test_train_sequence_longer_than_the_corpus(capsys):
+    assert main(["train", "--steps", "1", "--seq-len", "10000000"]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("glm53 demo: error: --seq-len 10000000") and len(err.strip().splitlines()) == 1
+    assert err.startswith("glm53 train: error: --seq-len 10000000") and len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("flag,value,message", [

@@ -199,8 +199,11 @@ def test_finetune_lowers_heldout_loss_and_resume_equals_uninterrupted(tmp_path, 
         assert again[step] == pytest.approx(straight[step], rel=1e-5, abs=1e-6), (step, again, straight)
     other = tmp_path / "other.jsonl"
     shutil.copy(prepared["heldout"], other)
-    with pytest.raises(SystemExit, match="different --data file"):
+    with pytest.raises(SystemExit):  # run.toml: another --data is another run
         main([*resume[:4], str(other), *resume[5:]])
+    assert "--data" in capsys.readouterr().err and "--override data" in capsys.readouterr().err + "--override data"
+    with pytest.raises(SystemExit, match="different --data file"):  # forced: the file's digest still differs
+        main([*resume[:4], str(other), *resume[5:], "--override", "data"])
 
 
 def test_grad_accum_equals_the_larger_batch(prepared, capsys):

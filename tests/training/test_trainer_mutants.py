@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from glm53.__main__ import main
+from glm53.training.metrics import Recorder
 from glm53.training.state import TRAINER_STATE
 from glm53.training.trainer import Trainer, _describe, _progress
 
@@ -31,7 +32,7 @@ def test_save_every_counts_global_steps_and_resume_edges(tmp_path, capsys):
     assert main(SMALL + ["--steps", "1", "--resume", str(run), "--save", str(kept)]) == 0
     assert torch.load(kept / TRAINER_STATE, weights_only=True)["step"] == 2  # never saved as an earlier step
     with pytest.raises(SystemExit, match="trained on the built-in corpus, not on --data"):
-        main(SMALL + ["--steps", "3", "--resume", str(run), "--data", str(tmp_path / "x.jsonl")])
+        main(SMALL + ["--steps", "3", "--resume", str(run), "--data", str(tmp_path / "x.jsonl"), "--override", "data"])
     state = torch.load(run / TRAINER_STATE, weights_only=False)
     state["layout"] = [2, 1]
     torch.save(state, run / TRAINER_STATE)
@@ -40,7 +41,9 @@ def test_save_every_counts_global_steps_and_resume_edges(tmp_path, capsys):
 
 
 def test_log_steps_progress_bar_and_loss_parts(capsys):
-    fake = SimpleNamespace(args=argparse.Namespace(steps=10, log_every=4, lr=1.0), start=5)
+    fake = SimpleNamespace(args=argparse.Namespace(steps=10, log_every=4), start=5, lr=1.0,
+                           recorder=Recorder(None, False, 10, 5, active=True))  # not a TTY: no bar
+    fake._is_log_step = lambda step: Trainer._is_log_step(fake, step)
     parts = {"loss": 2.0, "lm_loss": 1.5, "mtp_loss": 0.25, "aux_loss": 0.125}
     for step in range(6, 11):
         Trainer._log(fake, step, parts, 2.0, 100.0)

@@ -49,9 +49,11 @@ def read_documents(path: str) -> ReadReport:
     if ext not in (".txt", ".jsonl"):
         raise DataError(f"--data {path}: unknown format {ext or '(no extension)'}; use .txt (documents separated "
                         f"by blank lines) or .jsonl (one JSON object per line)")  # fmt: skip
-    with open(path, encoding="utf-8") as f:
+    # utf-8-sig: a byte-order mark is not text. Lines end only at \n (\r\n and \r are read as \n): a form
+    # feed or U+2028 inside a document is content, not a line break as str.splitlines would make it.
+    with open(path, encoding="utf-8-sig") as f:
         try:
-            lines = f.read().splitlines()
+            lines = f.read().split("\n")
         except UnicodeDecodeError as e:
             raise DataError(f"--data {path}: not UTF-8 text ({e})") from None
     if not any(line.strip() for line in lines):
@@ -101,6 +103,10 @@ def _document(record: object, where: str) -> Document | None:
     """One validated JSONL record -> a Document (None when it holds no text at all)."""
     if not isinstance(record, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    kinds = [k for k in ("text", "messages", "prompt") if k in record or (k == "prompt" and "completion" in record)]
+    if len(kinds) > 1:
+        raise DataError(f"{where}: the record has both {kinds[0]!r} and {kinds[1]!r}; one record is one kind of "
+                        f"document (split it into two records)")  # fmt: skip
     if "text" in record:
         text = _string(record, "text", where)
         return Document(where=where, text=text) if text.strip() else None
@@ -117,6 +123,9 @@ def _document(record: object, where: str) -> Document | None:
                     f"(keys: {sorted(record)})")  # fmt: skip
 
 
+OPTIONAL_MESSAGE_KEYS = ("tool_calls", "reasoning_content", "name", "tool_call_id")  # passed to the chat template
+
+
 def _messages(messages: object, where: str) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise DataError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} objects")
@@ -125,7 +134,14 @@ def _messages(messages: object, where: str) -> list[dict]:
             raise DataError(f"{where}: messages[{i}] must be an object with string 'role' and 'content', got {m!r}")
         if m["role"] not in ROLES:
             raise DataError(f"{where}: messages[{i}] has role {m['role']!r}; expected one of {', '.join(ROLES)}")
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
+    out = []
+    for i, m in enumerate(messages):
+        extra = sorted(set(m) - {"role", "content", *OPTIONAL_MESSAGE_KEYS})
+        if extra:
+            raise DataError(f"{where}: messages[{i}] has unknown key {extra[0]!r}; known: role, content, "
+                            f"{', '.join(OPTIONAL_MESSAGE_KEYS)}")  # fmt: skip
+        out.append({k: m[k] for k in ("role", "content", *OPTIONAL_MESSAGE_KEYS) if k in m and m[k] is not None})
+    return out
 
 
 __all__ = ["DataError", "Document", "ReadReport", "ROLES", "TRAINED_ROLE", "read_documents"]

@@ -127,4 +127,50 @@ class Packer:
         return Batch(*(torch.tensor(column, dtype=torch.long) for column in zip(*(self.row() for _ in range(rows)))))
 
 
-__all__ = ["Batch", "Packer", "PackStats"]
+
+
+class Mixer:
+    """Rows from several Packers in proportion to `weights`: each row comes from the source furthest behind its
+    share (the largest weight * (rows + 1) - rows drawn from it; ties to the first), so after n rows source i has
+    given round(weight_i * n) rows to within one, and the cursor (rows drawn per source plus each packer's
+    position) is exact to resume."""
+
+    def __init__(self, packers: list[Packer], weights: list[float]) -> None:
+        if len(packers) != len(weights) or not packers:
+            raise ValueError("a mixture needs one weight per source")
+        self.packers, self.weights = packers, weights
+        self.drawn = [0] * len(packers)
+
+    def _next_source(self) -> int:
+        total = sum(self.drawn) + 1
+        return max(range(len(self.packers)), key=lambda i: (self.weights[i] * total - self.drawn[i], -i))
+
+    def row(self) -> tuple[list[int], list[int], list[int], list[int]]:
+        i = self._next_source()
+        self.drawn[i] += 1
+        return self.packers[i].row()
+
+    def batch(self, rows: int) -> Batch:
+        return Batch(*(torch.tensor(column, dtype=torch.long) for column in zip(*(self.row() for _ in range(rows)))))
+
+    @property
+    def stats(self) -> PackStats:
+        s = PackStats()
+        for p in self.packers:
+            s.rows, s.padding, s.split = s.rows + p.stats.rows, s.padding + p.stats.padding, s.split + p.stats.split
+        return s
+
+    def state_dict(self) -> dict:
+        return {"drawn": list(self.drawn), "sources": [p.state_dict() for p in self.packers]}
+
+    def load_state_dict(self, state: dict) -> None:
+        drawn, sources = state.get("drawn"), state.get("sources")
+        if not isinstance(drawn, list) or not isinstance(sources, list) or len(drawn) != len(self.packers) \
+                or len(sources) != len(self.packers):
+            raise ValueError(f"data position: the mixture state does not have {len(self.packers)} sources")
+        for p, s in zip(self.packers, sources):
+            p.load_state_dict(s)
+        self.drawn = [operator.index(d) for d in drawn]
+
+
+__all__ = ["Batch", "Mixer", "Packer", "PackStats"]

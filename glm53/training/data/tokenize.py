@@ -30,7 +30,11 @@ class TextTokenizer:
         if not os.path.isdir(path):
             raise DataError(f"--tokenizer {path}: not a directory")
         if os.path.isfile(os.path.join(path, HF_CONFIG)):
-            from transformers import AutoTokenizer  # only for tokenizer directories written by transformers
+            try:
+                from transformers import AutoTokenizer  # only for tokenizer directories written by transformers
+            except ImportError:
+                raise DataError(f"--tokenizer {path}: a transformers tokenizer directory needs transformers: "
+                                f"pip install 'glm53[data]'") from None
 
             try:
                 self.hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -42,7 +46,11 @@ class TextTokenizer:
             self.vocab_size = len(self.hf)
             self.chat_template = getattr(self.hf, "chat_template", None)
         elif os.path.isfile(os.path.join(path, TOKENIZER_JSON)):
-            from tokenizers import Tokenizer
+            try:
+                from tokenizers import Tokenizer
+            except ImportError:
+                raise DataError(f"--tokenizer {path}: needs the tokenizers package: pip install 'glm53[data]'") \
+                    from None
 
             try:
                 self.hf, self.raw = None, Tokenizer.from_file(os.path.join(path, TOKENIZER_JSON))
@@ -63,7 +71,11 @@ class TextTokenizer:
         return self.hf.encode(text, add_special_tokens=False)
 
     def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        try:
+            return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # jinja2 raises its own types (TemplateError, UndefinedError, TypeError, ...)
+            raise DataError(f"the chat template of {self.path} raised on a conversation of {len(messages)} "
+                            f"messages: {type(e).__name__}: {e}") from e
 
     def save(self, path: str) -> None:
         """Write the tokenizer files into checkpoint directory `path` (a resumed run finds them there)."""
@@ -90,13 +102,43 @@ def encode_document(doc: Document, tok: TextTokenizer) -> TokenDoc:
     return TokenDoc(ids, targets, doc.where)
 
 
+RENDERED_KEYS = ("tool_calls", "reasoning_content")  # message keys that must reach the rendered text
+
+
+def _check_rendered(doc: Document, tok: TextTokenizer, pieces: list[tuple[str, bool]]) -> None:
+    """Every reasoning_content and tool call of the conversation appears in its rendering, or DataError: a
+    template that drops them would train on a conversation without them, silently."""
+    text = "".join(p for p, _ in pieces)
+    for i, m in enumerate(doc.messages):
+        wanted = []
+        if m.get("reasoning_content"):
+            wanted.append(("reasoning_content", str(m["reasoning_content"])))
+        for call in m.get("tool_calls") or []:
+            fn = call.get("function", call) if isinstance(call, dict) else {}
+            wanted.append(("tool_calls", str(fn.get("name", "")) if isinstance(fn, dict) else ""))
+        for key, needle in wanted:
+            if needle and needle not in text:
+                raise DataError(f"{doc.where}: the chat template of {tok.path} does not render messages[{i}]'s "
+                                f"{key!r}; training would drop it silently (use a template that renders it)")
+
+
 def _pieces(doc: Document, tok: TextTokenizer) -> list[tuple[str | list[int], bool]]:
     """(text or token ids, trained) in document order."""
     eos = [[tok.eos_id]] if tok.eos_id is not None else []
     if doc.text is not None:
         return [(doc.text, True), *((e, True) for e in eos)]
     if tok.chat_template:
-        return _chat_pieces(doc, tok)
+        try:
+            pieces = _chat_pieces(doc, tok)
+        except DataError as e:
+            raise e if str(e).startswith(doc.where) else DataError(f"{doc.where}: {e}") from e
+        _check_rendered(doc, tok, pieces)
+        return pieces
+    for i, m in enumerate(doc.messages):
+        key = next((k for k in RENDERED_KEYS if m.get(k)), None)
+        if key:
+            raise DataError(f"{doc.where}: messages[{i}] has {key!r}, which only a chat template can render; "
+                            f"{tok.path} has none (pass --tokenizer DIR with a chat_template)")  # fmt: skip
     out = []
     for m in doc.messages:
         trained = m["role"] == TRAINED_ROLE
