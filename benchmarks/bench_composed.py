@@ -18,19 +18,36 @@ import tempfile
 import torch
 import torch.multiprocessing as mp
 
-COMPOSED = {4: {"dp4": (4, 1, 1, 1), "tp2xep2": (1, 2, 2, 1), "cp2xep2": (1, 1, 2, 2), "cp2xtp2": (1, 2, 1, 2),
-                "dp2xcp2": (2, 1, 1, 2)},
-            8: {"dp2xtp2xep2": (2, 2, 2, 1), "tp2xep2xcp2": (1, 2, 2, 2)}}  # name -> (dp, tp, ep, cp)
-FSDP_OPS = ("_allgather_base_", "allgather_into_tensor_coalesced_", "_reduce_scatter_base_",
-            "reduce_scatter_tensor_coalesced_")  # fmt: skip
+COMPOSED = {
+    4: {
+        "dp4": (4, 1, 1, 1),
+        "tp2xep2": (1, 2, 2, 1),
+        "cp2xep2": (1, 1, 2, 2),
+        "cp2xtp2": (1, 2, 1, 2),
+        "dp2xcp2": (2, 1, 1, 2),
+    },
+    8: {"dp2xtp2xep2": (2, 2, 2, 1), "tp2xep2xcp2": (1, 2, 2, 2)},
+}  # name -> (dp, tp, ep, cp)
+FSDP_OPS = (
+    "_allgather_base_",
+    "allgather_into_tensor_coalesced_",
+    "_reduce_scatter_base_",
+    "reduce_scatter_tensor_coalesced_",
+)
 
 
 def bench_model_config():
     from glm53 import Glm53Config
 
-    return Glm53Config.tiny(num_hidden_layers=2, layer_types=["linear_attention", "indexed_attention"],
-                            mlp_layer_types=["sparse", "sparse"], indexer_types=["full", "full"],
-                            num_nextn_predict_layers=0, indexer_loss_weight=0.0, hidden_size=64)  # fmt: skip
+    return Glm53Config.tiny(
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "indexed_attention"],
+        mlp_layer_types=["sparse", "sparse"],
+        indexer_types=["full", "full"],
+        num_nextn_predict_layers=0,
+        indexer_loss_weight=0.0,
+        hidden_size=64,
+    )
 
 
 class _Scoped:
@@ -80,8 +97,9 @@ def _worker(rank: int, world: int, init_file: str, batch: int, seq: int, results
     from glm53.parallel.mesh import DATA_DIMS, coordinate, size_over
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))  # fmt: skip
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300)
+    )
     out = {}
     for name, (dp, tp, ep, cp) in COMPOSED[world].items():
         torch.manual_seed(0)
@@ -107,8 +125,10 @@ def measure(world: int, batch: int, seq: int) -> list[dict]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_worker, args=(r, world, os.path.join(tmp, "init"), batch, seq, results))
-                 for r in range(world)]  # fmt: skip
+        procs = [
+            ctx.Process(target=_worker, args=(r, world, os.path.join(tmp, "init"), batch, seq, results))
+            for r in range(world)
+        ]
         for p in procs:
             p.start()
         got = dict(results.get(timeout=900) for _ in procs)

@@ -21,11 +21,27 @@ RESULTS_DIR = os.path.join(ROOT, "benchmarks", "results")
 def bench_config() -> Glm53Config:
     """vocab 4096, hidden 256, 8 layers (6 KDA + 2 MLA), 16 experts top-4, index_topk 256 / kpool 16."""
     return Glm53Config(
-        vocab_size=4096, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=8,
-        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64, q_lora_rank=96, qk_nope_head_dim=64,
-        v_head_dim=64, n_routed_experts=16, num_experts_per_tok=4, index_topk=256, index_kpool=16,
-        index_n_heads=4, index_head_dim=32, linear_num_heads=4, linear_head_dim=64, pad_token_id=0,
-    )  # fmt: skip
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=64,
+        q_lora_rank=96,
+        qk_nope_head_dim=64,
+        v_head_dim=64,
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        index_topk=256,
+        index_kpool=16,
+        index_n_heads=4,
+        index_head_dim=32,
+        linear_num_heads=4,
+        linear_head_dim=64,
+        pad_token_id=0,
+    )
 
 
 def machine() -> dict:

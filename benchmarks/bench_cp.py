@@ -27,7 +27,6 @@ import time
 
 import torch
 import torch.multiprocessing as mp
-
 from bench_config import bench_config, machine, median, positive_int, table, vm_bytes, write_json
 
 RETAIN_ENV = {"MALLOC_TRIM_THRESHOLD_": "4000000000", "MALLOC_MMAP_THRESHOLD_": "4000000000"}
@@ -43,8 +42,9 @@ def _layer_timers(model) -> dict[str, float]:
         kind = "kda_s" if isinstance(module, KimiDeltaAttention) else "mla_s"
         if isinstance(module, (KimiDeltaAttention, MultiHeadLatentAttention)):
             module.register_forward_pre_hook(lambda mod, *_: setattr(mod, "_began", time.perf_counter()))
-            module.register_forward_hook(lambda mod, *_, k=kind: spent.__setitem__(
-                k, spent[k] + time.perf_counter() - mod._began))  # fmt: skip
+            module.register_forward_hook(
+                lambda mod, *_, k=kind: spent.__setitem__(k, spent[k] + time.perf_counter() - mod._began)
+            )
     return spent
 
 
@@ -56,8 +56,9 @@ def rank_main(rank: int, world: int, init_file: str, T: int, reps: int, out_dir:
     from glm53.parallel import context_parallel_inputs, parallelize
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=1800))  # fmt: skip
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=1800)
+    )
     torch.manual_seed(0)
     model = Glm53ForCausalLM.from_config(bench_config()).train()
     parallelize(model, init_device_mesh("cpu", (world,), mesh_dim_names=("cp",)), activation_checkpointing=True)
@@ -81,9 +82,14 @@ def rank_main(rank: int, world: int, init_file: str, T: int, reps: int, out_dir:
     for _ in range(reps):
         spent.update(kda_s=0.0, mla_s=0.0)
         times.append(step())
-    row = {"cp": world, "rank": rank, "tokens": kwargs["input_ids"].shape[1], "step_s": round(median(times), 3),
-           "peak_MiB": round(peak / 2**20, 1),
-           **{k: round(v, 3) for k, v in spent.items()}}  # fmt: skip
+    row = {
+        "cp": world,
+        "rank": rank,
+        "tokens": kwargs["input_ids"].shape[1],
+        "step_s": round(median(times), 3),
+        "peak_MiB": round(peak / 2**20, 1),
+        **{k: round(v, 3) for k, v in spent.items()},
+    }
     with open(os.path.join(out_dir, f"cp{world}_rank{rank}.json"), "w") as f:
         json.dump(row, f)
     dist.barrier()
@@ -112,8 +118,13 @@ def main() -> None:
     for cp in args.cp:
         rows += run_world(cp, args.seq_len, args.reps)
         print(f"cp {cp} done", flush=True)
-    payload = {"machine": machine(), "command": " ".join(sys.argv), "environment": RETAIN_ENV,
-               "seq_len": args.seq_len, "rows": rows}  # fmt: skip
+    payload = {
+        "machine": machine(),
+        "command": " ".join(sys.argv),
+        "environment": RETAIN_ENV,
+        "seq_len": args.seq_len,
+        "rows": rows,
+    }
     path = write_json(args.out, payload)
     print(table(rows, ["cp", "rank", "tokens", "step_s", "peak_MiB", "kda_s", "mla_s"]))
     print(f"wrote {path}")

@@ -31,7 +31,6 @@ import tempfile
 import time
 
 import torch
-
 from bench_config import bench_config, machine, median, positive_int, table, write_json
 
 from glm53 import Glm53ForCausalLM
@@ -67,8 +66,14 @@ def run_generate(model, ids, new: int, is_hf: bool, compile: bool = False) -> tu
     start = time.perf_counter()
     if is_hf:
         with torch.no_grad():
-            model.generate(input_ids=ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
-                           streamer=streamer)  # fmt: skip
+            model.generate(
+                input_ids=ids,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
+                streamer=streamer,
+            )
     else:
         model.generate(ids, max_new_tokens=new, streamer=streamer, compile=compile)
     first, last = streamer.times[1], streamer.times[-1]
@@ -124,17 +129,26 @@ def decode_steps(hf, ours, ids, steps: int, compile: bool = True) -> tuple[dict[
 def step_columns(times: dict[str, list[float]], compile_s: float | None) -> dict:
     ms = lambda xs: round(1e3 * xs, 2)  # noqa: E731
     hf, fast = times["transformers"], times["glm53"]
-    row = {"glm53_step_ms_med": ms(median(fast)), "glm53_step_ms_min": ms(min(fast)),
-           "hf_step_ms_med": ms(median(hf)), "hf_step_ms_min": ms(min(hf)),
-           "step_speedup": round(median([h / f for h, f in zip(hf, fast)]), 2),
-           "step_speedup_min": round(min(hf) / min(fast), 2)}  # fmt: skip
+    row = {
+        "glm53_step_ms_med": ms(median(fast)),
+        "glm53_step_ms_min": ms(min(fast)),
+        "hf_step_ms_med": ms(median(hf)),
+        "hf_step_ms_min": ms(min(hf)),
+        "step_speedup": round(median([h / f for h, f in zip(hf, fast)]), 2),
+        "step_speedup_min": round(min(hf) / min(fast), 2),
+    }
     if "glm53_compiled" in times:
         comp = times["glm53_compiled"]
-        row.update({"compiled_step_ms_med": ms(median(comp)), "compiled_step_ms_min": ms(min(comp)),
-                    "compiled_speedup": round(median([h / c for h, c in zip(hf, comp)]), 2),
-                    "compiled_speedup_min": round(min(hf) / min(comp), 2),
-                    "compiled_vs_eager": round(median([f / c for f, c in zip(fast, comp)]), 2),
-                    "compile_s": round(compile_s, 1)})  # fmt: skip
+        row.update(
+            {
+                "compiled_step_ms_med": ms(median(comp)),
+                "compiled_step_ms_min": ms(min(comp)),
+                "compiled_speedup": round(median([h / c for h, c in zip(hf, comp)]), 2),
+                "compiled_speedup_min": round(min(hf) / min(comp), 2),
+                "compiled_vs_eager": round(median([f / c for f, c in zip(fast, comp)]), 2),
+                "compile_s": round(compile_s, 1),
+            }
+        )
     return row
 
 
@@ -185,15 +199,20 @@ def cache_bytes(hf, ours, ids, step: int = 64) -> dict:
     P = ids.shape[1]
     (ours_p, hf_p, bf_p, i8_p), (ours_q, hf_q, bf_q, i8_q) = both(ids), both(ids[:, : P - step])
     analytic = analytic_bytes_per_token(ours.config)
-    return {"glm53_bytes_per_token": ours_p / P, "transformers_bytes_per_token": hf_p / P, "cache_ratio": ours_p / hf_p,
-            "glm53_bytes_per_extra_token": (ours_p - ours_q) / step,
-            "transformers_bytes_per_extra_token": (hf_p - hf_q) / step,
-            "extra_token_ratio": (ours_p - ours_q) / (hf_p - hf_q),
-            "analytic_glm53_per_token": analytic[0], "analytic_hf_per_token": analytic[1],
-            "bf16_latent_bytes_per_extra_token": (bf_p - bf_q) / step,
-            "bf16_latent_extra_token_ratio": (bf_p - bf_q) / (hf_p - hf_q),
-            "int8_latent_bytes_per_extra_token": (i8_p - i8_q) / step,
-            "int8_latent_extra_token_ratio": (i8_p - i8_q) / (hf_p - hf_q)}  # fmt: skip
+    return {
+        "glm53_bytes_per_token": ours_p / P,
+        "transformers_bytes_per_token": hf_p / P,
+        "cache_ratio": ours_p / hf_p,
+        "glm53_bytes_per_extra_token": (ours_p - ours_q) / step,
+        "transformers_bytes_per_extra_token": (hf_p - hf_q) / step,
+        "extra_token_ratio": (ours_p - ours_q) / (hf_p - hf_q),
+        "analytic_glm53_per_token": analytic[0],
+        "analytic_hf_per_token": analytic[1],
+        "bf16_latent_bytes_per_extra_token": (bf_p - bf_q) / step,
+        "bf16_latent_extra_token_ratio": (bf_p - bf_q) / (hf_p - hf_q),
+        "int8_latent_bytes_per_extra_token": (i8_p - i8_q) / step,
+        "int8_latent_extra_token_ratio": (i8_p - i8_q) / (hf_p - hf_q),
+    }
 
 
 def layer_split(ours, ids, new: int) -> dict:
@@ -235,29 +254,47 @@ def speculative(ours, ids, new: int, ks: list[int], reps: int, label: str, compi
             plain, fast, draft, verify, rate = [], [], [], [], 0.0
             for _ in range(reps):
                 _, s0 = ours.generate(ids, max_new_tokens=new, return_stats=True, compile=comp)
-                _, s1 = ours.generate(ids, max_new_tokens=new, speculative="mtp", num_speculative_tokens=k,
-                                      return_stats=True, compile=comp)  # fmt: skip
+                _, s1 = ours.generate(
+                    ids,
+                    max_new_tokens=new,
+                    speculative="mtp",
+                    num_speculative_tokens=k,
+                    return_stats=True,
+                    compile=comp,
+                )
                 plain.append(s0.decode_seconds)
                 fast.append(s1.decode_seconds)
                 draft.append(s1.draft_seconds)
                 verify.append(s1.verify_seconds)
                 rate = s1.acceptance_rate
             decoded = new - 1  # the first new token comes from the prefill
-            rows.append({"draft": label, "compiled": comp, "P": ids.shape[1], "k": k, "new": new,
-                         "acceptance": round(rate, 3), "plain_decode_s": round(median(plain), 3),
-                         "spec_decode_s": round(median(fast), 3), "spec_draft_s": round(median(draft), 3),
-                         "spec_verify_s": round(median(verify), 3),
-                         "spec_bookkeeping_s": round(median(fast) - median(draft) - median(verify), 3), "plain_tok_s": round(decoded / median(plain), 1),
-                         "spec_tok_s": round(decoded / median(fast), 1),
-                         "speedup": round(median([a / b for a, b in zip(plain, fast)]), 2)})  # fmt: skip
+            rows.append(
+                {
+                    "draft": label,
+                    "compiled": comp,
+                    "P": ids.shape[1],
+                    "k": k,
+                    "new": new,
+                    "acceptance": round(rate, 3),
+                    "plain_decode_s": round(median(plain), 3),
+                    "spec_decode_s": round(median(fast), 3),
+                    "spec_draft_s": round(median(draft), 3),
+                    "spec_verify_s": round(median(verify), 3),
+                    "spec_bookkeeping_s": round(median(fast) - median(draft) - median(verify), 3),
+                    "plain_tok_s": round(decoded / median(plain), 1),
+                    "spec_tok_s": round(decoded / median(fast), 1),
+                    "speedup": round(median([a / b for a, b in zip(plain, fast)]), 2),
+                }
+            )
     return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=positive_int, nargs="+", default=[512, 2048])
-    ap.add_argument("--glm53-only-prompts", type=positive_int, nargs="*", default=[],
-                    help="decode split without transformers")
+    ap.add_argument(
+        "--glm53-only-prompts", type=positive_int, nargs="*", default=[], help="decode split without transformers"
+    )
     ap.add_argument("--new", type=positive_int, default=8, help="decode tokens timed per run (after the first)")
     ap.add_argument("--reps", type=positive_int, default=2)
     ap.add_argument("--spec-k", type=positive_int, nargs="*", default=[1, 3])
@@ -265,10 +302,16 @@ def main() -> None:
     ap.add_argument("--threads", type=positive_int, default=torch.get_num_threads())
     ap.add_argument("--out", default="bench_generate.json")
     ap.add_argument("--no-compile", action="store_true", help="leave out the compiled decode step (its compile)")
-    ap.add_argument("--quick", action="store_true",
-                    help="prompt 2048 (split also at 512, 4096), 4 new tokens, 1 rep, k = 1, 2, 3 at prompt 128")
-    ap.add_argument("--spec-only", action="store_true",
-                    help="only the speculative table (--spec-k, --spec-prompt, 4 x --new tokens, --reps)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="prompt 2048 (split also at 512, 4096), 4 new tokens, 1 rep, k = 1, 2, 3 at prompt 128",
+    )
+    ap.add_argument(
+        "--spec-only",
+        action="store_true",
+        help="only the speculative table (--spec-k, --spec-prompt, 4 x --new tokens, --reps)",
+    )
     args = ap.parse_args()
     if args.quick:
         args.prompts, args.new, args.reps, args.spec_k, args.spec_prompt = [2048], 4, 1, [1, 2, 3], 128
@@ -294,15 +337,24 @@ def main() -> None:
                 times[name][0].append(prefill)
                 times[name][1].append(decode)
         (gp, gd), (tp, td) = times["glm53"], times["transformers"]
-        row = {"P": P, "new": args.new, "glm53_prefill_tok_s": round(P / median(gp)),
-               "hf_prefill_tok_s": round(P / median(tp)),
-               "prefill_speedup": round(median([b / a for a, b in zip(gp, tp)]), 2),
-               "glm53_decode_tok_s": round(1 / median(gd), 1), "hf_decode_tok_s": round(1 / median(td), 1),
-               "decode_speedup": round(median([b / a for a, b in zip(gd, td)]), 2)}  # fmt: skip
+        row = {
+            "P": P,
+            "new": args.new,
+            "glm53_prefill_tok_s": round(P / median(gp)),
+            "hf_prefill_tok_s": round(P / median(tp)),
+            "prefill_speedup": round(median([b / a for a, b in zip(gp, tp)]), 2),
+            "glm53_decode_tok_s": round(1 / median(gd), 1),
+            "hf_decode_tok_s": round(1 / median(td), 1),
+            "decode_speedup": round(median([b / a for a, b in zip(gd, td)]), 2),
+        }
         if "glm53_compiled" in times:
             cd = times["glm53_compiled"][1]
-            row.update({"compiled_decode_tok_s": round(1 / median(cd), 1),
-                        "compiled_decode_speedup": round(median([b / a for a, b in zip(cd, td)]), 2)})  # fmt: skip
+            row.update(
+                {
+                    "compiled_decode_tok_s": round(1 / median(cd), 1),
+                    "compiled_decode_speedup": round(median([b / a for a, b in zip(cd, td)]), 2),
+                }
+            )
         row.update(step_columns(*decode_steps(hf, ours, ids, 4 * args.new, not args.no_compile)))
         row.update({k: round(v, 3) for k, v in cache_bytes(hf, ours, ids).items()})
         rows.append(row)
@@ -319,8 +371,17 @@ def main() -> None:
         print("\nglm53 vs transformers generate (batch 1, greedy)\n" + table(rows, list(rows[0])))
         print("\nglm53 decode cost per token vs context\n" + table(split, list(split[0])))
     print("\nMTP speculative decoding (glm53)\n" + table(spec, list(spec[0])))
-    path = write_json(args.out, {"machine": machine(), "config": config.to_dict(), "args": vars(args),
-                                 "generate": rows, "decode_split": split, "speculative": spec})  # fmt: skip
+    path = write_json(
+        args.out,
+        {
+            "machine": machine(),
+            "config": config.to_dict(),
+            "args": vars(args),
+            "generate": rows,
+            "decode_split": split,
+            "speculative": spec,
+        },
+    )
     print(f"\nwrote {path}")
 
 

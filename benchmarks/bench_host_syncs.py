@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 
 import torch
-
 from bench_config import machine, positive_int, table, write_json
 
 from glm53 import Glm53Config, Glm53ForCausalLM
@@ -31,8 +30,16 @@ RELEASED_LAYERS = 45
 
 def released_attention_config(layers: int) -> Glm53Config:
     mlp = ["dense"] + ["sparse"] * (layers - 1)
-    return Glm53Config(vocab_size=4096, hidden_size=512, intermediate_size=1024, moe_intermediate_size=64,
-                       num_hidden_layers=layers, mlp_layer_types=mlp, indexer_loss_weight=0.01, pad_token_id=0)  # fmt: skip
+    return Glm53Config(
+        vocab_size=4096,
+        hidden_size=512,
+        intermediate_size=1024,
+        moe_intermediate_size=64,
+        num_hidden_layers=layers,
+        mlp_layer_types=mlp,
+        indexer_loss_weight=0.01,
+        pad_token_id=0,
+    )
 
 
 def step_syncs(model: Glm53ForCausalLM, T: int) -> HostSyncs:
@@ -67,18 +74,33 @@ def main() -> None:
         per_group = counts[8].total - counts[4].total
         released = counts[4].total + (RELEASED_LAYERS - 4) / 4 * per_group
         kinds = counts[8].counts
-        rows.append({"T": T, "step_4_layers": counts[4].total, "step_8_layers": counts[8].total,
-                     "per_4_layers": per_group, "released_45_layers": round(released),
-                     "kinds_8_layers": " ".join(f"{k}={v}" for k, v in sorted(kinds.items()))})  # fmt: skip
+        rows.append(
+            {
+                "T": T,
+                "step_4_layers": counts[4].total,
+                "step_8_layers": counts[8].total,
+                "per_4_layers": per_group,
+                "released_45_layers": round(released),
+                "kinds_8_layers": " ".join(f"{k}={v}" for k, v in sorted(kinds.items())),
+            }
+        )
     print(table(rows, list(rows[0])))
     decode = decode_syncs(models[4], 16, (2, 2 + args.decode_tokens))
     decode8 = decode_syncs(models[8], 16, (2, 2 + args.decode_tokens))
     per_group = decode8 - decode
     released = decode + (RELEASED_LAYERS - 4) / 4 * per_group
-    print(f"eager decode syncs per token: 4 layers {decode:.1f}, 8 layers {decode8:.1f}, released 45 layers "
-          f"{released:.1f}")  # fmt: skip
-    path = write_json("bench_host_syncs", {"machine": machine(), "step": rows, "decode_per_token": {
-        "4_layers": decode, "8_layers": decode8, "released_45_layers": released}})  # fmt: skip
+    print(
+        f"eager decode syncs per token: 4 layers {decode:.1f}, 8 layers {decode8:.1f}, released 45 layers "
+        f"{released:.1f}"
+    )
+    path = write_json(
+        "bench_host_syncs",
+        {
+            "machine": machine(),
+            "step": rows,
+            "decode_per_token": {"4_layers": decode, "8_layers": decode8, "released_45_layers": released},
+        },
+    )
     print("wrote", path)
 
 

@@ -21,15 +21,26 @@ import sys
 
 import torch
 import torch.nn.functional as F
-
 from bench_config import machine, median, non_negative_int, positive_int, table, timed, write_json
 
 from glm53.kernels import backends
 from glm53.kernels.dispatch import _REGISTRY
 
 TOPK, KPOOL = 256, 16
-DEFAULT_OPS = ["kda", "sparse_attention", "sparse_mqa_attention", "moe_experts", "indexer_scores", "hc_collapse",
-               "hc_mix", "hc_project", "sinkhorn", "causal_conv1d", "rms_norm", "gated_rms_norm"]  # fmt: skip
+DEFAULT_OPS = [
+    "kda",
+    "sparse_attention",
+    "sparse_mqa_attention",
+    "moe_experts",
+    "indexer_scores",
+    "hc_collapse",
+    "hc_mix",
+    "hc_project",
+    "sinkhorn",
+    "causal_conv1d",
+    "rms_norm",
+    "gated_rms_norm",
+]
 
 
 def causal_topk(T: int, J: int) -> torch.Tensor:
@@ -109,14 +120,25 @@ def main() -> None:
     ap.add_argument("--seqlens", type=positive_int, nargs="+")
     ap.add_argument("--reps", type=positive_int, default=None, help="default 3 (--released: 1)")
     ap.add_argument("--ops", nargs="+", help="default: every op (with --released: released_widths.OPS)")
-    ap.add_argument("--skip-recurrent-above", type=non_negative_int, default=2048,
-                    help="skip KDA's token-by-token reference above this T (it is a Python loop)")
+    ap.add_argument(
+        "--skip-recurrent-above",
+        type=non_negative_int,
+        default=2048,
+        help="skip KDA's token-by-token reference above this T (it is a Python loop)",
+    )
     ap.add_argument("--threads", type=positive_int, default=torch.get_num_threads())
     ap.add_argument("--out", default=None, help="file name under benchmarks/results/")
-    ap.add_argument("--released", action="store_true",
-                    help="the released widths (released_widths.py) at T = 4096 (or --seqlens), with peak memory")
-    ap.add_argument("--skip-reference-above", type=non_negative_int, default=2048,
-                    help="--released: skip the dense references above this T (the absorbed one is O(T^2) memory)")
+    ap.add_argument(
+        "--released",
+        action="store_true",
+        help="the released widths (released_widths.py) at T = 4096 (or --seqlens), with peak memory",
+    )
+    ap.add_argument(
+        "--skip-reference-above",
+        type=non_negative_int,
+        default=2048,
+        help="--released: skip the dense references above this T (the absorbed one is O(T^2) memory)",
+    )
     args = ap.parse_args()
     args.reps = args.reps or (1 if args.released else 3)
     torch.set_num_threads(args.threads)
@@ -139,8 +161,10 @@ def main() -> None:
                     row["eager_speedup_fwd_bwd"] = round(t["fwd_bwd_ms"] / fast["fwd_bwd_ms"], 2)
                 rows.append(row)
                 print(f"{op:22s} T={T:5d} {backend:10s} {t}", file=sys.stderr, flush=True)
-    path = write_json(args.out or "bench_kernels.json", {"machine": machine(), "command": " ".join(sys.argv),
-                                             "threads": args.threads, "rows": rows})  # fmt: skip
+    path = write_json(
+        args.out or "bench_kernels.json",
+        {"machine": machine(), "command": " ".join(sys.argv), "threads": args.threads, "rows": rows},
+    )
     print(table(rows, ["op", "T", "backend", "fwd_ms", "fwd_bwd_ms", "eager_speedup_fwd_bwd"]))
     print(f"wrote {path}")
 
@@ -150,8 +174,10 @@ def released(args) -> None:
 
     ops = None if args.ops is None else [op for op in args.ops if op in OPS]
     rows = released_rows(args.seqlens or [4096], args.reps, args.threads, ops, args.skip_reference_above)
-    path = write_json(args.out or "bench_kernels_released.json", {"machine": machine(), "command": " ".join(sys.argv),
-                                                                  "threads": args.threads, "rows": rows})  # fmt: skip
+    path = write_json(
+        args.out or "bench_kernels_released.json",
+        {"machine": machine(), "command": " ".join(sys.argv), "threads": args.threads, "rows": rows},
+    )
     print(table(rows, ["op", "T", "backend", "fwd_ms", "fwd_bwd_ms", "peak_mib"]))
     print(f"wrote {path}")
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 
 import torch
-
 from bench_config import machine, positive_int, table, write_json
 
 from glm53 import Glm53Config

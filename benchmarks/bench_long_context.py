@@ -25,7 +25,6 @@ import subprocess
 import sys
 
 import torch
-
 from bench_config import ROOT, bench_config, machine, median, positive_int, table, timed, vm_bytes, write_json
 
 from glm53 import Glm53ForCausalLM
@@ -73,8 +72,17 @@ def forward_in_child(seqlens: list[int], reps: int, threads: int, allocator: str
     """forward_times in a fresh process with the named allocator setting ("retain" or "default")."""
     env = {k: v for k, v in os.environ.items() if k not in RETAIN_ENV}
     env.update(OMP_NUM_THREADS=str(threads), **(RETAIN_ENV if allocator == "retain" else {}))
-    cmd = [sys.executable, os.path.abspath(__file__), "--forward-child", "--forward", *map(str, seqlens),
-           "--reps", str(reps), "--threads", str(threads)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--forward-child",
+        "--forward",
+        *map(str, seqlens),
+        "--reps",
+        str(reps),
+        "--threads",
+        str(threads),
+    ]
     out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -87,8 +95,14 @@ def forward_times(seqlens: list[int], reps: int) -> list[dict]:
         with torch.no_grad():
             model(ids)  # warm-up
             times = [timed(lambda: model(ids)) for _ in range(reps)]
-        rows.append({"T": T, "fwd_s": round(median(times), 3), "tok_s": round(T / median(times), 1),
-                     "times_s": [round(t, 3) for t in times]})  # fmt: skip
+        rows.append(
+            {
+                "T": T,
+                "fwd_s": round(median(times), 3),
+                "tok_s": round(T / median(times), 1),
+                "times_s": [round(t, 3) for t in times],
+            }
+        )
         print(f"forward T={T}: {rows[-1]['fwd_s']} s", file=sys.stderr, flush=True)
     return rows
 
@@ -100,8 +114,13 @@ def main() -> None:
     ap.add_argument("--reps", type=positive_int, default=2, help="forward repetitions per T (median reported)")
     ap.add_argument("--threads", type=positive_int, default=torch.get_num_threads())
     ap.add_argument("--out", default="bench_long_context.json", help="file name under benchmarks/results/")
-    ap.add_argument("--allocators", nargs="*", choices=["retain", "default"], default=["retain", "default"],
-                    help="allocator settings to time the forward under, each in a fresh child (first: the headline)")
+    ap.add_argument(
+        "--allocators",
+        nargs="*",
+        choices=["retain", "default"],
+        default=["retain", "default"],
+        help="allocator settings to time the forward under, each in a fresh child (first: the headline)",
+    )
     ap.add_argument("--memory-child", type=positive_int, help=argparse.SUPPRESS)
     ap.add_argument("--forward-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -122,12 +141,21 @@ def main() -> None:
         print(f"training step T={T}: {memory[-1]['peak_MiB']} MiB", flush=True)
     for row in memory:
         row["per_token_vs_first"] = round(row["bytes_per_token"] / memory[0]["bytes_per_token"], 3)
-    ratios = {a: round(rows[-1]["fwd_s"] / rows[-2]["fwd_s"], 3) if len(rows) >= 2 else None
-              for a, rows in by_allocator.items()}  # fmt: skip
-    payload = {"machine": machine(), "command": " ".join(sys.argv), "environment": RETAIN_ENV,
-               "forward_allocator": args.allocators[0] if args.allocators else None, "forward": fwd,
-               "forward_ratio_last_two": ratios.get(args.allocators[0]) if args.allocators else None,
-               "forward_by_allocator": by_allocator, "forward_ratio_by_allocator": ratios, "memory": memory}  # fmt: skip
+    ratios = {
+        a: round(rows[-1]["fwd_s"] / rows[-2]["fwd_s"], 3) if len(rows) >= 2 else None
+        for a, rows in by_allocator.items()
+    }
+    payload = {
+        "machine": machine(),
+        "command": " ".join(sys.argv),
+        "environment": RETAIN_ENV,
+        "forward_allocator": args.allocators[0] if args.allocators else None,
+        "forward": fwd,
+        "forward_ratio_last_two": ratios.get(args.allocators[0]) if args.allocators else None,
+        "forward_by_allocator": by_allocator,
+        "forward_ratio_by_allocator": ratios,
+        "memory": memory,
+    }
     path = write_json(args.out, payload)
     for allocator, rows in by_allocator.items():
         print(f"forward, {allocator} allocator:")

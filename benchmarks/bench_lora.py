@@ -95,18 +95,30 @@ def main() -> None:
     for _ in range(args.reps):
         for v in VARIANTS:
             runs[v].append(run(v, args))
-    rows = {v: dict(step_s=statistics.median(r[0] for r in rs), peak_bytes=min(r[1] for r in rs), state_bytes=rs[0][2],
-                    trainable=rs[0][3]) for v, rs in runs.items()}  # fmt: skip
+    rows = {
+        v: dict(
+            step_s=statistics.median(r[0] for r in rs),
+            peak_bytes=min(r[1] for r in rs),
+            state_bytes=rs[0][2],
+            trainable=rs[0][3],
+        )
+        for v, rs in runs.items()
+    }
     print(f"{'variant':>10}  {'step s':>8}  {'peak MiB':>9}  {'state MiB':>10}  {'trainable':>11}")
     for v, r in rows.items():
-        print(f"{v:>10}  {r['step_s']:8.3f}  {r['peak_bytes'] / 2**20:9.1f}  {r['state_bytes'] / 2**20:10.1f}  "
-              f"{r['trainable']:11,d}")
+        print(
+            f"{v:>10}  {r['step_s']:8.3f}  {r['peak_bytes'] / 2**20:9.1f}  {r['state_bytes'] / 2**20:10.1f}  "
+            f"{r['trainable']:11,d}"
+        )
     ratios = {}
     for before, after in PAIRS:
-        ratios[f"{after}/{before}"] = {k: rows[after][k] / rows[before][k] for k in ("step_s", "peak_bytes",
-                                                                                 "state_bytes")}  # fmt: skip
-        print(f"{after} / {before}: step {ratios[f'{after}/{before}']['step_s']:.2f}x, peak "
-              f"{ratios[f'{after}/{before}']['peak_bytes']:.2f}x, state {ratios[f'{after}/{before}']['state_bytes']:.2f}x")
+        ratios[f"{after}/{before}"] = {
+            k: rows[after][k] / rows[before][k] for k in ("step_s", "peak_bytes", "state_bytes")
+        }
+        print(
+            f"{after} / {before}: step {ratios[f'{after}/{before}']['step_s']:.2f}x, peak "
+            f"{ratios[f'{after}/{before}']['peak_bytes']:.2f}x, state {ratios[f'{after}/{before}']['state_bytes']:.2f}x"
+        )
     os.makedirs(RESULTS_DIR, exist_ok=True)
     with open(os.path.join(RESULTS_DIR, args.out), "w") as f:
         json.dump(dict(args=vars(args), machine=machine(), rows=rows, ratios=ratios), f, indent=2)

@@ -27,6 +27,7 @@ import subprocess
 import sys
 
 from bench_config import ROOT, positive_int
+
 CHILD = r"""
 import sys, torch
 sys.path.insert(0, {root!r})
@@ -88,12 +89,19 @@ def main() -> None:
             ratio = rows[after][0] / rows[before][0]
             ratio_ex = (rows[after][0] - grad_w) / (rows[before][0] - grad_w)
             ratios[f"{after}/{before}"] = dict(ratio=ratio, ratio_without_weight_grad=ratio_ex)
-            print(f"{after} / {before} peak: {ratio:.3f}; without the weight gradient ({grad_w / 2**20:.0f} MiB): "
-                  f"{ratio_ex:.3f} (target <= 0.125)")
-    result = {"command": "python benchmarks/bench_loss_memory.py " + " ".join(sys.argv[1:]), "tokens": args.tokens,
-              "hidden": args.hidden, "vocab": args.vocab,
-              "peak_bytes": {k: v[0] for k, v in rows.items()}, "loss": {k: v[1] for k, v in rows.items()},
-              "ratios": ratios}  # fmt: skip
+            print(
+                f"{after} / {before} peak: {ratio:.3f}; without the weight gradient ({grad_w / 2**20:.0f} MiB): "
+                f"{ratio_ex:.3f} (target <= 0.125)"
+            )
+    result = {
+        "command": "python benchmarks/bench_loss_memory.py " + " ".join(sys.argv[1:]),
+        "tokens": args.tokens,
+        "hidden": args.hidden,
+        "vocab": args.vocab,
+        "peak_bytes": {k: v[0] for k, v in rows.items()},
+        "loss": {k: v[1] for k, v in rows.items()},
+        "ratios": ratios,
+    }
     os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
     with open(os.path.join(ROOT, "benchmarks", "results", args.out), "w") as f:
         json.dump(result, f, indent=2)

@@ -37,9 +37,18 @@ import tempfile
 
 import torch
 import torch.nn.functional as F
-
-from bench_config import (ROOT, bench_config, gemm_peak_flops, machine, median, positive_int, table, timed,
-                          vm_bytes, write_json)
+from bench_config import (
+    ROOT,
+    bench_config,
+    gemm_peak_flops,
+    machine,
+    median,
+    positive_int,
+    table,
+    timed,
+    vm_bytes,
+    write_json,
+)
 
 from glm53 import Glm53ForCausalLM
 from glm53.kernels import chosen_backend
@@ -47,8 +56,18 @@ from glm53.kernels import chosen_backend
 RETAIN_ENV = {"MALLOC_TRIM_THRESHOLD_": "4000000000", "MALLOC_MMAP_THRESHOLD_": "4000000000"}
 LOGITS_RTOL = 1e-3  # relative L2 difference of the two models' logits that aborts the run
 
-OPS = ("kda", "sparse_attention", "sparse_mqa_attention", "moe_experts", "indexer_scores", "hc_collapse", "hc_mix",
-       "hc_project", "sinkhorn", "causal_conv1d")
+OPS = (
+    "kda",
+    "sparse_attention",
+    "sparse_mqa_attention",
+    "moe_experts",
+    "indexer_scores",
+    "hc_collapse",
+    "hc_mix",
+    "hc_project",
+    "sinkhorn",
+    "causal_conv1d",
+)
 
 
 def build_pair(path: str):
@@ -121,7 +140,9 @@ def warm_up_compiled(compiled, ours, ids) -> dict:
         a, b = logits_of(compiled.eval(), ids, False), logits_of(ours.eval(), ids, False)
     rel = float((a - b).norm() / b.norm())
     if rel > LOGITS_RTOL:
-        raise SystemExit(f"compiled glm53 disagrees with eager glm53 at T={ids.shape[1]}: relative difference {rel:.2e}")
+        raise SystemExit(
+            f"compiled glm53 disagrees with eager glm53 at T={ids.shape[1]}: relative difference {rel:.2e}"
+        )
     return {"first_fwd_s": first_fwd, "first_step_s": first_step, "logits_rel_diff": rel}
 
 
@@ -199,8 +220,12 @@ def main() -> None:
     ap.add_argument("--scaling-seqlens", type=positive_int, nargs=2, default=[4096, 8192], help="glm53 forward T ratio")
     ap.add_argument("--threads", type=positive_int, default=torch.get_num_threads())
     ap.add_argument("--out", default="bench_model.json", help="file name under benchmarks/results/")
-    ap.add_argument("--allocator", choices=["retain", "default"], default="retain",
-                    help="glibc keeps freed memory (fair, default) or glibc defaults")
+    ap.add_argument(
+        "--allocator",
+        choices=["retain", "default"],
+        default="retain",
+        help="glibc keeps freed memory (fair, default) or glibc defaults",
+    )
     ap.add_argument("--also-default", action="store_true", help="also run with the default allocator (a child)")
     ap.add_argument("--compile", action="store_true", help="add glm53 with per-block inductor compile to the run")
     ap.add_argument("--memory-child", choices=["glm53", "transformers"], help=argparse.SUPPRESS)
@@ -245,52 +270,94 @@ def main() -> None:
                     times["compiled_step"].append(timed(lambda: train_step(compiled, ids, False)))
         ratio = lambda a, b: median([x / y for x, y in zip(times[a], times[b])])  # noqa: E731
         step = median(times["glm53_step"])
-        rows.append({
-            "T": T,
-            "glm53_fwd_tok_s": round(T / median(times["glm53_fwd"]), 1),
-            "hf_fwd_tok_s": round(T / median(times["hf_fwd"]), 1),
-            "fwd_speedup": round(ratio("hf_fwd", "glm53_fwd"), 2),
-            "glm53_step_tok_s": round(T / step, 1),
-            "hf_step_tok_s": round(T / median(times["hf_step"]), 1),
-            "step_speedup": round(ratio("hf_step", "glm53_step"), 2),
-            "glm53_mfu_pct": round(100 * flops_per_token * T / step / median(peaks), 2),
-            "times_s": {k: [round(x, 4) for x in v] for k, v in times.items() if v},
-        })  # fmt: skip
+        rows.append(
+            {
+                "T": T,
+                "glm53_fwd_tok_s": round(T / median(times["glm53_fwd"]), 1),
+                "hf_fwd_tok_s": round(T / median(times["hf_fwd"]), 1),
+                "fwd_speedup": round(ratio("hf_fwd", "glm53_fwd"), 2),
+                "glm53_step_tok_s": round(T / step, 1),
+                "hf_step_tok_s": round(T / median(times["hf_step"]), 1),
+                "step_speedup": round(ratio("hf_step", "glm53_step"), 2),
+                "glm53_mfu_pct": round(100 * flops_per_token * T / step / median(peaks), 2),
+                "times_s": {k: [round(x, 4) for x in v] for k, v in times.items() if v},
+            }
+        )
         if compiled is not None:
             rows[-1].update(compiled_columns(times, ratio, first))
-            rows[-1]["compiled_mfu_pct"] = round(100 * flops_per_token * T / median(times["compiled_step"])
-                                                 / median(peaks), 2)  # fmt: skip
+            rows[-1]["compiled_mfu_pct"] = round(
+                100 * flops_per_token * T / median(times["compiled_step"]) / median(peaks), 2
+            )
         print(f"T={T}: step speed-up {rows[-1]['step_speedup']}x, forward {rows[-1]['fwd_speedup']}x", flush=True)
     memory = []
     for T in args.memory_seqlens:
         m_ours = measure_memory(tmp, "glm53", T, args.threads)
         m_hf = measure_memory(tmp, "transformers", T, args.threads)
-        memory.append({"T": T, "glm53_MiB": round(m_ours / 2**20, 1), "hf_MiB": round(m_hf / 2**20, 1),
-                       "ratio": round(m_ours / m_hf, 3)})  # fmt: skip
+        memory.append(
+            {
+                "T": T,
+                "glm53_MiB": round(m_ours / 2**20, 1),
+                "hf_MiB": round(m_hf / 2**20, 1),
+                "ratio": round(m_ours / m_hf, 3),
+            }
+        )
     T4, T8 = args.scaling_seqlens
     scale_times = {T4: [], T8: []}
     for _ in range(args.reps):
         for T in (T4, T8):
             ids = seeded_ids(config, T)
             scale_times[T].append(timed(lambda: forward(ours, ids, False)))
-    scaling = {"T": [T4, T8], "glm53_fwd_s": [median(scale_times[T4]), median(scale_times[T8])],
-               "ratio": round(median(scale_times[T8]) / median(scale_times[T4]), 3)}  # fmt: skip
-    payload = {"machine": machine(), "command": " ".join(sys.argv), "backends": backends,
-               "allocator": args.allocator, "environment": {k: os.environ.get(k) for k in RETAIN_ENV},
-               "logits_rel_diff": logits_rel, "gemm_peak_gflops": round(median(peaks) / 1e9, 2),
-               "gemm_peak_gflops_all": [round(p / 1e9, 1) for p in peaks], "model_flops_per_token": flops_per_token,
-               "paired": rows, "memory": memory, "scaling": scaling}  # fmt: skip
+    scaling = {
+        "T": [T4, T8],
+        "glm53_fwd_s": [median(scale_times[T4]), median(scale_times[T8])],
+        "ratio": round(median(scale_times[T8]) / median(scale_times[T4]), 3),
+    }
+    payload = {
+        "machine": machine(),
+        "command": " ".join(sys.argv),
+        "backends": backends,
+        "allocator": args.allocator,
+        "environment": {k: os.environ.get(k) for k in RETAIN_ENV},
+        "logits_rel_diff": logits_rel,
+        "gemm_peak_gflops": round(median(peaks) / 1e9, 2),
+        "gemm_peak_gflops_all": [round(p / 1e9, 1) for p in peaks],
+        "model_flops_per_token": flops_per_token,
+        "paired": rows,
+        "memory": memory,
+        "scaling": scaling,
+    }
     path = write_json(args.out, payload)
-    cols = ["T", "glm53_fwd_tok_s", "hf_fwd_tok_s", "fwd_speedup", "glm53_step_tok_s", "hf_step_tok_s",
-            "step_speedup", "glm53_mfu_pct"]  # fmt: skip
-    print(f"\nallocator: {args.allocator}; backends: {backends}; logits agree to {logits_rel:.1e}; threads {args.threads}")
+    cols = [
+        "T",
+        "glm53_fwd_tok_s",
+        "hf_fwd_tok_s",
+        "fwd_speedup",
+        "glm53_step_tok_s",
+        "hf_step_tok_s",
+        "step_speedup",
+        "glm53_mfu_pct",
+    ]
+    print(
+        f"\nallocator: {args.allocator}; backends: {backends}; logits agree to {logits_rel:.1e}; threads {args.threads}"
+    )
     print(f"fp32 GEMM peak median {payload['gemm_peak_gflops']} GFLOP/s, measured {payload['gemm_peak_gflops_all']}")
     print(table(rows, cols))
     if compiled is not None:
         print("\nglm53 compiled per block (inductor); compile time = first call - steady state")
-        print(table(rows, ["T", "compiled_step_speedup_vs_hf", "compiled_step_speedup_vs_eager",
-                           "compiled_fwd_speedup_vs_eager", "compiled_mfu_pct", "compile_fwd_s",
-                           "compile_step_s"]))  # fmt: skip
+        print(
+            table(
+                rows,
+                [
+                    "T",
+                    "compiled_step_speedup_vs_hf",
+                    "compiled_step_speedup_vs_eager",
+                    "compiled_fwd_speedup_vs_eager",
+                    "compiled_mfu_pct",
+                    "compile_fwd_s",
+                    "compile_step_s",
+                ],
+            )
+        )
     if memory:
         print("\npeak memory of a training step (RSS growth)")
         print(table(memory, ["T", "glm53_MiB", "hf_MiB", "ratio"]))

@@ -27,8 +27,7 @@ import sys
 import time
 
 import torch
-
-from bench_config import bench_config, machine, median, positive_int, table, timed, write_json
+from bench_config import bench_config, machine, median, positive_int, table, write_json
 
 from glm53 import Glm53ForCausalLM
 from glm53.training.data.pack import Packer
@@ -51,8 +50,9 @@ def one_per_row(lens: list[int], T: int) -> int:
 def batch_longest(lens: list[int], T: int) -> int:
     """Padded tokens when batches of DYNAMIC_BATCH rows are padded to their longest row (cut rows included)."""
     rows = [min(T, n - k) for n in lens for k in range(0, n, T)]
-    return sum(max(rows[i : i + DYNAMIC_BATCH]) * len(rows[i : i + DYNAMIC_BATCH]) for i in range(0, len(rows),
-                                                                                            DYNAMIC_BATCH))  # fmt: skip
+    return sum(
+        max(rows[i : i + DYNAMIC_BATCH]) * len(rows[i : i + DYNAMIC_BATCH]) for i in range(0, len(rows), DYNAMIC_BATCH)
+    )
 
 
 def packed(lens: list[int], T: int) -> tuple[int, int]:
@@ -69,11 +69,22 @@ def padding_table(n_docs: int) -> list[dict]:
     out = []
     for T in (2048, 4096, 8192):
         rows_packed, split = packed(lens, T)
-        layouts = {"one per row": one_per_row(lens, T) * T, "batch-longest": batch_longest(lens, T),
-                   "packed": rows_packed * T}  # fmt: skip
+        layouts = {
+            "one per row": one_per_row(lens, T) * T,
+            "batch-longest": batch_longest(lens, T),
+            "packed": rows_packed * T,
+        }
         for name, slots in layouts.items():
-            out.append({"T": T, "layout": name, "token_slots": slots, "padding": f"{1 - tokens / slots:.1%}",
-                        "vs_packed": f"{slots / layouts['packed']:.2f}x", "split_docs": split if name == "packed" else ""})
+            out.append(
+                {
+                    "T": T,
+                    "layout": name,
+                    "token_slots": slots,
+                    "padding": f"{1 - tokens / slots:.1%}",
+                    "vs_packed": f"{slots / layouts['packed']:.2f}x",
+                    "split_docs": split if name == "packed" else "",
+                }
+            )
     return out
 
 
@@ -121,12 +132,18 @@ def step_rate(N: int, layers: int, reps: int) -> dict:
         for name, batch in batches.items():
             runs[name].append(step(batch))
     cpu = {name: median([c for c, _ in r]) for name, r in runs.items()}
-    rows = [dict(layout=name, shape="x".join(map(str, b["input_ids"].shape)), cpu_s=round(cpu[name], 3),
-                 wall_s=round(median([w for _, w in runs[name]]), 3), tokens_per_cpu_s=round(N / cpu[name]),
-                 vs_one_sequence=round(cpu[name] / cpu["one sequence"], 3))
-            for name, b in batches.items()]  # fmt: skip
-    return {"tokens": N, "layers": layers, "reps": reps, "documents": lens, "rows": rows,
-            "runs_cpu_wall_s": runs}  # fmt: skip
+    rows = [
+        dict(
+            layout=name,
+            shape="x".join(map(str, b["input_ids"].shape)),
+            cpu_s=round(cpu[name], 3),
+            wall_s=round(median([w for _, w in runs[name]]), 3),
+            tokens_per_cpu_s=round(N / cpu[name]),
+            vs_one_sequence=round(cpu[name] / cpu["one sequence"], 3),
+        )
+        for name, b in batches.items()
+    ]
+    return {"tokens": N, "layers": layers, "reps": reps, "documents": lens, "rows": rows, "runs_cpu_wall_s": runs}
 
 
 def main() -> int:
@@ -140,14 +157,23 @@ def main() -> int:
     torch.set_num_threads(1)  # CPU time per step is the measure: one thread keeps it the work done
     rows = padding_table(args.docs)
     print(table(rows, ["T", "layout", "token_slots", "padding", "vs_packed", "split_docs"]))
-    payload = {"machine": machine(), "length_mix": dict(median=MEDIAN_LEN, sigma=SIGMA, docs=args.docs), "padding": rows}
+    payload = {
+        "machine": machine(),
+        "length_mix": dict(median=MEDIAN_LEN, sigma=SIGMA, docs=args.docs),
+        "padding": rows,
+    }
     if args.step:
         payload["step"] = step_rate(args.step_len, args.layers, args.reps)
         docs = payload["step"]["documents"]
-        print(f"\none training step: {args.step_len} tokens as {len(docs)} documents ({min(docs)}-{max(docs)} tokens), "
-              f"{args.layers} layers, {args.reps} reps, 1 thread")  # fmt: skip
-        print(table(payload["step"]["rows"], ["layout", "shape", "cpu_s", "wall_s", "tokens_per_cpu_s",
-                                              "vs_one_sequence"]))  # fmt: skip
+        print(
+            f"\none training step: {args.step_len} tokens as {len(docs)} documents ({min(docs)}-{max(docs)} tokens), "
+            f"{args.layers} layers, {args.reps} reps, 1 thread"
+        )
+        print(
+            table(
+                payload["step"]["rows"], ["layout", "shape", "cpu_s", "wall_s", "tokens_per_cpu_s", "vs_one_sequence"]
+            )
+        )
     print("wrote", write_json("bench_packing.json", payload))
     return 0
 

@@ -24,7 +24,6 @@ import tempfile
 import torch
 import torch.multiprocessing as mp
 import torch.nn as nn
-
 from bench_config import bench_config, machine, positive_int, write_json
 
 from glm53 import Glm53Config
@@ -76,8 +75,9 @@ def _worker(rank: int, init_file: str, tokens: int, results) -> None:
     from glm53.parallel.comm import CommBytes
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=120))  # fmt: skip
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120)
+    )
     config = bench_config()
     out = {}
     for name, (dp, ep) in LAYOUTS.items():
@@ -99,8 +99,9 @@ def measure(tokens: int) -> list[dict]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_worker, args=(r, os.path.join(tmp, "init"), tokens, results))
-                 for r in range(WORLD)]  # fmt: skip
+        procs = [
+            ctx.Process(target=_worker, args=(r, os.path.join(tmp, "init"), tokens, results)) for r in range(WORLD)
+        ]
         for p in procs:
             p.start()
         got = dict(results.get(timeout=300) for _ in procs)
@@ -111,7 +112,7 @@ def measure(tokens: int) -> list[dict]:
 
 def _row(name: str, sent: dict, analytic: dict) -> str:
     kinds = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
-    cells = " ".join(f"{sent.get(k, 0) / MB:>10.3f}" for k in kinds)  # fmt: skip
+    cells = " ".join(f"{sent.get(k, 0) / MB:>10.3f}" for k in kinds)
     total = sum(sent.values()) / MB
     return f"| {name:<22} | {cells} | {total:>9.3f} | {sum(analytic.values()) / MB:>9.3f} |"
 
@@ -125,8 +126,10 @@ def composed(seq: int) -> dict:
     from bench_composed import COMPOSED, analytic, bench_model_config, measure
 
     config, out = bench_model_config(), {}
-    print(f"\ncomposed layouts (tiny hybrid model, hidden 64, one sequence of {seq} tokens per data rank, fp32): "
-          "bytes sent per rank per layer per step, model-parallel collectives only (FSDP's: its own row)")
+    print(
+        f"\ncomposed layouts (tiny hybrid model, hidden 64, one sequence of {seq} tokens per data rank, fp32): "
+        "bytes sent per rank per layer per step, model-parallel collectives only (FSDP's: its own row)"
+    )
     print("| layout        | layer | counted (all_gather / reduce_scatter / all_to_all / all_reduce) | analytic |")
     for world, layouts in COMPOSED.items():
         ranks = measure(world, 1, seq)
@@ -152,14 +155,31 @@ def long_context() -> dict:
     print("| layout             | ranks | total GiB | experts GiB | MoE layer GB sent | MLA layer GB | KDA layer GB |")
     out = {}
     for dp, tp, ep, cp in LONG:
-        args = parse_args(["--dp", str(dp), "--tp", str(tp), "--ep", str(ep), "--cp", str(cp), "--seq-len", "131072",
-                           "--activation-checkpointing", "--device-gib", "141"])  # fmt: skip
+        args = parse_args(
+            [
+                "--dp",
+                str(dp),
+                "--tp",
+                str(tp),
+                "--ep",
+                str(ep),
+                "--cp",
+                str(cp),
+                "--seq-len",
+                "131072",
+                "--activation-checkpointing",
+                "--device-gib",
+                "141",
+            ]
+        )
         r = plan(args)
         name = f"dp{dp}xtp{tp}xep{ep}xcp{cp}"
         layer = {k: sum(v.values()) for k, v in r["layers"].items()}
         out[name] = dict(total_gib=r["total"] / GIB, expert_gib=r["measured"]["expert"] / GIB, layers=r["layers"])
-        print(f"| {name:<18} | {dp * tp * ep * cp:>5} | {r['total'] / GIB:>9.1f} | {r['measured']['expert'] / GIB:>11.1f} "
-              f"| {layer['moe'] / 1e9:>17.2f} | {layer['mla'] / 1e9:>12.2f} | {layer['kda'] / 1e9:>12.2f} |")
+        print(
+            f"| {name:<18} | {dp * tp * ep * cp:>5} | {r['total'] / GIB:>9.1f} | {r['measured']['expert'] / GIB:>11.1f} "
+            f"| {layer['moe'] / 1e9:>17.2f} | {layer['mla'] / 1e9:>12.2f} | {layer['kda'] / 1e9:>12.2f} |"
+        )
     return out
 
 
@@ -170,30 +190,47 @@ def main() -> int:
     args = p.parse_args()
     ranks = measure(args.tokens)
     config = bench_config()
-    print(f"bench config, world {WORLD}, {args.tokens} tokens per rank, fp32: MB sent per rank (mean over ranks) "
-          f"per MoE layer per step; analytic = glm53.tools.plan.moe_comm_bytes (uniform routing)")  # fmt: skip
+    print(
+        f"bench config, world {WORLD}, {args.tokens} tokens per rank, fp32: MB sent per rank (mean over ranks) "
+        f"per MoE layer per step; analytic = glm53.tools.plan.moe_comm_bytes (uniform routing)"
+    )
     print("| layout                 | all_gather reduce_sc. all_to_all all_reduce |   total   |  analytic |")
     rows = {}
     for name, (dp, ep) in LAYOUTS.items():
         analytic = moe_comm_bytes(config, dp, ep, args.tokens, 4)
         kinds = {k for r in ranks for k in r[name]["bytes"]}
         sent = {k: sum(r[name]["bytes"].get(k, 0) for r in ranks) / WORLD for k in kinds}  # mean over ranks
-        rows[name] = dict(measured=ranks[0][name], per_rank_total=[sum(r[name]["bytes"].values()) for r in ranks],
-                          analytic=analytic)  # fmt: skip
+        rows[name] = dict(
+            measured=ranks[0][name], per_rank_total=[sum(r[name]["bytes"].values()) for r in ranks], analytic=analytic
+        )
         print(_row(name, sent, analytic))
     released = Glm53Config()
-    print(f"\nreleased config, bf16, 4096 tokens per rank, {RELEASED[0][0]} ranks: GB sent per rank per MoE layer "
-          f"per step (analytic)")  # fmt: skip
+    print(
+        f"\nreleased config, bf16, 4096 tokens per rank, {RELEASED[0][0]} ranks: GB sent per rank per MoE layer "
+        f"per step (analytic)"
+    )
     rel = {}
     for dp, ep in RELEASED:
         b = moe_comm_bytes(released, dp, ep, 4096, 2)
         rel[f"dp{dp}xep{ep}"] = b
-        print(f"| dp {dp:>3} x ep {ep:>3} | " + " ".join(f"{k} {v / 1e9:.3f}" for k, v in b.items())
-              + f" | total {sum(b.values()) / 1e9:.3f} |")
+        print(
+            f"| dp {dp:>3} x ep {ep:>3} | "
+            + " ".join(f"{k} {v / 1e9:.3f}" for k, v in b.items())
+            + f" | total {sum(b.values()) / 1e9:.3f} |"
+        )
     composed_rows, long_rows = composed(args.seq), long_context()
-    path = write_json("bench_parallel.json", dict(machine=machine(), tokens=args.tokens, world=WORLD,
-                                                  bench_config=rows, released=rel, composed=composed_rows,
-                                                  long_context=long_rows))  # fmt: skip
+    path = write_json(
+        "bench_parallel.json",
+        dict(
+            machine=machine(),
+            tokens=args.tokens,
+            world=WORLD,
+            bench_config=rows,
+            released=rel,
+            composed=composed_rows,
+            long_context=long_rows,
+        ),
+    )
     print(f"wrote {path}")
     return 0
 

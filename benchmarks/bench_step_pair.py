@@ -68,14 +68,25 @@ def main() -> None:
         old, new = run_child(args.old, args.T, args.steps), run_child(args.new, args.T, args.steps)
         ratios = {"cpu_ratio": new["cpu"] / old["cpu"], "wall_ratio": new["wall"] / old["wall"]}
         rounds.append({"old": old, "new": new, **ratios})
-        print(f"round {i}: old cpu {old['cpu']:.3f}s wall {old['wall']:.3f}s | new cpu {new['cpu']:.3f}s wall "
-              f"{new['wall']:.3f}s | new/old cpu {rounds[-1]['cpu_ratio']:.3f} wall {rounds[-1]['wall_ratio']:.3f}",
-              flush=True)  # fmt: skip
+        print(
+            f"round {i}: old cpu {old['cpu']:.3f}s wall {old['wall']:.3f}s | new cpu {new['cpu']:.3f}s wall "
+            f"{new['wall']:.3f}s | new/old cpu {rounds[-1]['cpu_ratio']:.3f} wall {rounds[-1]['wall_ratio']:.3f}",
+            flush=True,
+        )
     cpu = [r["cpu_ratio"] for r in rounds]
     wall = [r["wall_ratio"] for r in rounds]
-    summary = {"T": args.T, "steps": args.steps, "rounds": rounds, "cpu_ratio_median": statistics.median(cpu),
-               "cpu_ratio_min": min(cpu), "cpu_ratio_max": max(cpu), "wall_ratio_median": statistics.median(wall),
-               "wall_ratio_min": min(wall), "wall_ratio_max": max(wall), "command": " ".join(sys.argv)}  # fmt: skip
+    summary = {
+        "T": args.T,
+        "steps": args.steps,
+        "rounds": rounds,
+        "cpu_ratio_median": statistics.median(cpu),
+        "cpu_ratio_min": min(cpu),
+        "cpu_ratio_max": max(cpu),
+        "wall_ratio_median": statistics.median(wall),
+        "wall_ratio_min": min(wall),
+        "wall_ratio_max": max(wall),
+        "command": " ".join(sys.argv),
+    }
     os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
     path = os.path.join(os.path.dirname(__file__), "results", args.out)
     with open(path, "w") as f:

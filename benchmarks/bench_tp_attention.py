@@ -17,7 +17,6 @@ import sys
 
 import torch
 import torch.multiprocessing as mp
-
 from bench_config import bench_config, machine, median, positive_int, table, timed, write_json
 
 from glm53 import Glm53ForCausalLM
@@ -84,8 +83,15 @@ def main() -> None:
         model.set_numerics(mla_absorb=absorb)
         one = time_layer(mla_layer(model), args.seqlen, bench_config().hidden_size, args.reps)
         tp2 = run_tp(2, args.seqlen, args.reps, absorb, 29600 + i)
-        rows.append({"form": "absorbed" if absorb else "per-head", "T": args.seqlen, "one_process_s": round(one, 4),
-                     "tp2_s": round(tp2, 4), "tp2_over_one": round(tp2 / one, 3)})  # fmt: skip
+        rows.append(
+            {
+                "form": "absorbed" if absorb else "per-head",
+                "T": args.seqlen,
+                "one_process_s": round(one, 4),
+                "tp2_s": round(tp2, 4),
+                "tp2_over_one": round(tp2 / one, 3),
+            }
+        )
     print(table(rows, ["form", "T", "one_process_s", "tp2_s", "tp2_over_one"]))
     path = write_json(args.out, {"machine": machine(), "command": " ".join(sys.argv), "rows": rows})
     print(f"wrote {path}")

@@ -19,13 +19,20 @@ import argparse
 import math
 
 import torch
-
 from bench_config import machine, median, positive_int, table, timed, write_json
 
 from glm53.vision import Glm53VisionConfig, VisionTower
 
-RELEASED = dict(hidden_size=1024, num_heads=16, intermediate_size=4096, out_hidden_size=4096,
-                projection_intermediate_size=10240, patch_size=14, temporal_patch_size=2, spatial_merge_size=2)
+RELEASED = dict(
+    hidden_size=1024,
+    num_heads=16,
+    intermediate_size=4096,
+    out_hidden_size=4096,
+    projection_intermediate_size=10240,
+    patch_size=14,
+    temporal_patch_size=2,
+    spatial_merge_size=2,
+)
 IMAGES = [(224, 224), (336, 336), (448, 448), (512, 640), (720, 720), (768, 1024), (1080, 1080), (1080, 1920)]
 GRID = 28  # patch 14 x merge 2: pixels per merged token side
 
@@ -101,17 +108,36 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for mode in ("fwd", "fwd+bwd"):
         t_ours, t_hf = median(times[("glm53", mode)]), median(times[("transformers", mode)])
-        rows.append(dict(mode=mode, patches=N, images=len(IMAGES), depth=args.depth, glm53_s=f"{t_ours:.3f}",
-                         transformers_s=f"{t_hf:.3f}", speedup=f"{t_hf / t_ours:.2f}x"))  # fmt: skip
-    print(f"grids (t, h, w) in patches: {grid.tolist()}; {N} patches; max |glm53 - transformers| / max = "
-          f"{max_rel:.2e}")  # fmt: skip
+        rows.append(
+            dict(
+                mode=mode,
+                patches=N,
+                images=len(IMAGES),
+                depth=args.depth,
+                glm53_s=f"{t_ours:.3f}",
+                transformers_s=f"{t_hf:.3f}",
+                speedup=f"{t_hf / t_ours:.2f}x",
+            )
+        )
+    print(f"grids (t, h, w) in patches: {grid.tolist()}; {N} patches; max |glm53 - transformers| / max = {max_rel:.2e}")
     print(table(rows, ["mode", "patches", "images", "depth", "glm53_s", "transformers_s", "speedup"]))
     per_patch = {k: v / N / 2**20 for k, v in saved.items()}
-    print(f"saved for backward, MiB per patch: glm53 {per_patch['glm53']:.3f}, transformers "
-          f"{per_patch['transformers']:.3f}")  # fmt: skip
-    path = write_json(args.out, dict(machine=machine(), args=vars(args), grids=grid.tolist(), rows=rows,
-                                     max_rel_diff=max_rel, saved_mib_per_patch=per_patch,
-                                     times={f"{k[0]}/{k[1]}": v for k, v in times.items()}))  # fmt: skip
+    print(
+        f"saved for backward, MiB per patch: glm53 {per_patch['glm53']:.3f}, transformers "
+        f"{per_patch['transformers']:.3f}"
+    )
+    path = write_json(
+        args.out,
+        dict(
+            machine=machine(),
+            args=vars(args),
+            grids=grid.tolist(),
+            rows=rows,
+            max_rel_diff=max_rel,
+            saved_mib_per_patch=per_patch,
+            times={f"{k[0]}/{k[1]}": v for k, v in times.items()},
+        ),
+    )
     print(f"wrote {path}")
     return 0
 

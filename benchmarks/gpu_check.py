@@ -28,7 +28,6 @@ import time
 import traceback
 
 import torch
-
 from bench_config import RESULTS_DIR, bench_config, machine  # noqa: E402  (also puts the repository on sys.path)
 
 from glm53 import Glm53ForCausalLM  # noqa: E402
@@ -69,8 +68,13 @@ def part_parity(device: str, smoke: bool) -> dict:
     grads = {n: _rel(outs[1][1][n], g) for n, g in outs[0][1].items()}
     worst = max(grads, key=grads.get)
     ok = logits <= PARITY_RTOL and grads[worst] <= PARITY_RTOL * 10  # gradients: one more chain of reductions
-    return {"status": "ok" if ok else "failed", "logits_rel": logits, "worst_grad": worst,
-            "worst_grad_rel": grads[worst], "bound": PARITY_RTOL}  # fmt: skip
+    return {
+        "status": "ok" if ok else "failed",
+        "logits_rel": logits,
+        "worst_grad": worst,
+        "worst_grad_rel": grads[worst],
+        "bound": PARITY_RTOL,
+    }
 
 
 def part_bf16_train(device: str, smoke: bool) -> dict:
@@ -79,8 +83,22 @@ def part_bf16_train(device: str, smoke: bool) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         run = os.path.join(tmp, "run")
         steps = 2 if smoke else 20
-        argv = ["train", "--device", device, "--bf16", "--steps", str(steps), "--batch-size", "2" if smoke else "8",
-                "--seq-len", "32" if smoke else "128", "--log-every", "1", "--save", run]  # fmt: skip
+        argv = [
+            "train",
+            "--device",
+            device,
+            "--bf16",
+            "--steps",
+            str(steps),
+            "--batch-size",
+            "2" if smoke else "8",
+            "--seq-len",
+            "32" if smoke else "128",
+            "--log-every",
+            "1",
+            "--save",
+            run,
+        ]
         with contextlib.redirect_stdout(io.StringIO()) as out:
             status = main(argv)
         if status != 0:
@@ -89,9 +107,14 @@ def part_bf16_train(device: str, smoke: bool) -> dict:
         model = Glm53ForCausalLM.from_pretrained(run)
     fell = rows[-1]["loss"] < rows[0]["loss"]
     ok = (fell or smoke) and "bf16 compute" in out.getvalue() and rows[-1]["tokens_per_s"] > 0
-    return {"status": "ok" if ok else "failed", "first_loss": rows[0]["loss"], "last_loss": rows[-1]["loss"],
-            "tokens_per_s": rows[-1]["tokens_per_s"], "peak_memory_bytes": rows[-1]["peak_memory_bytes"],
-            "saved_dtypes": sorted({str(p.dtype) for p in model.parameters()})}  # fmt: skip
+    return {
+        "status": "ok" if ok else "failed",
+        "first_loss": rows[0]["loss"],
+        "last_loss": rows[-1]["loss"],
+        "tokens_per_s": rows[-1]["tokens_per_s"],
+        "peak_memory_bytes": rows[-1]["peak_memory_bytes"],
+        "saved_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+    }
 
 
 def part_compile(device: str, smoke: bool) -> dict:
@@ -116,8 +139,13 @@ def part_compile(device: str, smoke: bool) -> dict:
     loss_rel = _rel(results[1][0], results[0][0])
     grad_rel = max(_rel(a, b) for a, b in zip(results[1][1], results[0][1]) if b is not None)
     ok = loss_rel <= 1e-4 and grad_rel <= 1e-3  # inductor fuses and reorders fp32 sums: a few eps per op
-    return {"status": "ok" if ok else "failed", "backend": backend, "loss_rel": loss_rel, "grad_rel": grad_rel,
-            "seconds_incl_compile": seconds}  # fmt: skip
+    return {
+        "status": "ok" if ok else "failed",
+        "backend": backend,
+        "loss_rel": loss_rel,
+        "grad_rel": grad_rel,
+        "seconds_incl_compile": seconds,
+    }
 
 
 def part_generate(device: str, smoke: bool) -> dict:
@@ -168,9 +196,16 @@ def part_bench_step(device: str, smoke: bool, peak_tflops: float | None) -> dict
     rate = B * T / step
     peak = _peak(device, peak_tflops)
     fpt = flops_per_token(model)
-    return {"status": "ok" if math.isfinite(float(loss)) else "failed", "B": B, "T": T, "step_s": step,
-            "tokens_per_s": rate, "flops_per_token": fpt, "mfu": None if peak is None else fpt * rate / peak,
-            "dtype": "bf16 autocast" if dtype else "fp32"}  # fmt: skip
+    return {
+        "status": "ok" if math.isfinite(float(loss)) else "failed",
+        "B": B,
+        "T": T,
+        "step_s": step,
+        "tokens_per_s": rate,
+        "flops_per_token": fpt,
+        "mfu": None if peak is None else fpt * rate / peak,
+        "dtype": "bf16 autocast" if dtype else "fp32",
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,25 +217,39 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available() and not args.cpu_smoke
     device = "cuda" if cuda else "cpu"
     if not cuda:
-        print("gpu_check: no CUDA device (or --cpu-smoke): CUDA-only parts are skipped, the rest run on CPU at tiny "
-              "sizes", flush=True)  # fmt: skip
+        print(
+            "gpu_check: no CUDA device (or --cpu-smoke): CUDA-only parts are skipped, the rest run on CPU at tiny "
+            "sizes",
+            flush=True,
+        )
     smoke = args.cpu_smoke or not cuda
-    parts = {"parity": lambda: part_parity(device, smoke), "bf16_train": lambda: part_bf16_train(device, smoke),
-             "compile": lambda: part_compile(device, smoke), "generate": lambda: part_generate(device, smoke),
-             "bench_step": lambda: part_bench_step(device, smoke, args.peak_tflops)}  # fmt: skip
+    parts = {
+        "parity": lambda: part_parity(device, smoke),
+        "bf16_train": lambda: part_bf16_train(device, smoke),
+        "compile": lambda: part_compile(device, smoke),
+        "generate": lambda: part_generate(device, smoke),
+        "bench_step": lambda: part_bench_step(device, smoke, args.peak_tflops),
+    }
     results = {}
     for name, run in parts.items():
         began = time.perf_counter()
         try:
             results[name] = run()
         except Exception as e:  # one broken part must not hide the others' results
-            results[name] = {"status": "failed", "error": f"{type(e).__name__}: {e}",
-                             "traceback": traceback.format_exc()[-3000:]}  # fmt: skip
+            results[name] = {
+                "status": "failed",
+                "error": f"{type(e).__name__}: {e}",
+                "traceback": traceback.format_exc()[-3000:],
+            }
         results[name]["seconds"] = round(time.perf_counter() - began, 2)
         detail = {k: v for k, v in results[name].items() if k not in ("traceback", "output")}
         print(f"{name:>10}  {results[name]['status']:<8} {json.dumps(detail)}", flush=True)
-    payload = {"machine": machine(), "device": torch.cuda.get_device_name() if cuda else "cpu", "smoke": smoke,
-               "parts": results}  # fmt: skip
+    payload = {
+        "machine": machine(),
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "smoke": smoke,
+        "parts": results,
+    }
     out = args.out or os.path.join(RESULTS_DIR, "gpu_check_cpu_smoke.json" if smoke else "gpu_check.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:

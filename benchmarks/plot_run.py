@@ -70,8 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     losses = [r["loss"] for r in rows]
     rates = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
     print(f"{'steps':>8} {'first loss':>11} {'last loss':>10} {'min loss':>9} {'median tok/s':>13}")
-    print(f"{rows[-1]['step']:>8} {losses[0]:>11.4f} {losses[-1]:>10.4f} {min(losses):>9.4f} "
-          f"{statistics.median(rates) if rates else 0:>13,.0f}")  # fmt: skip
+    print(
+        f"{rows[-1]['step']:>8} {losses[0]:>11.4f} {losses[-1]:>10.4f} {min(losses):>9.4f} "
+        f"{statistics.median(rates) if rates else 0:>13,.0f}"
+    )
     plot(rows, out)
     print(f"wrote {out}")
     return 0

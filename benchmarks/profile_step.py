@@ -24,10 +24,9 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile, record_function
-
 from bench_config import bench_config, positive_int
 from bench_model import active_matmul_params, seeded_ids
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from glm53 import Glm53ForCausalLM
 from glm53.kernels import dispatch
@@ -35,8 +34,19 @@ from glm53.model import hyper_connection, kda, mla, mlp, moe, norm
 
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::_grouped_mm")
 SMALL_MATMUL_OPS = ("aten::bmm", "aten::baddbmm", "aten::linalg_solve_triangular")
-COPY_OPS = ("aten::copy_", "aten::fill_", "aten::cat", "aten::stack", "aten::index_select", "aten::index",
-            "aten::index_add_", "aten::scatter_add_", "aten::index_put_", "aten::flip", "aten::constant_pad_nd")  # fmt: skip
+COPY_OPS = (
+    "aten::copy_",
+    "aten::fill_",
+    "aten::cat",
+    "aten::stack",
+    "aten::index_select",
+    "aten::index",
+    "aten::index_add_",
+    "aten::scatter_add_",
+    "aten::index_put_",
+    "aten::flip",
+    "aten::constant_pad_nd",
+)
 
 
 def label_regions() -> None:
@@ -54,9 +64,15 @@ def label_regions() -> None:
 
     for module in (hyper_connection, kda, mla, moe):
         module.kernel = kernel
-    for cls, name in ((hyper_connection.HyperConnection, "coefficients"), (kda.KimiDeltaAttention, "forward"),
-                      (moe.Router, "forward"), (moe.MoE, "forward"), (mla.MultiHeadLatentAttention, "forward"),
-                      (norm.RMSNorm, "forward"), (mlp.MLP, "forward")):  # fmt: skip
+    for cls, name in (
+        (hyper_connection.HyperConnection, "coefficients"),
+        (kda.KimiDeltaAttention, "forward"),
+        (moe.Router, "forward"),
+        (moe.MoE, "forward"),
+        (mla.MultiHeadLatentAttention, "forward"),
+        (norm.RMSNorm, "forward"),
+        (mlp.MLP, "forward"),
+    ):
         setattr(cls, name, _labelled(getattr(cls, name), f"M:{cls.__name__}.{name}"))
 
 
@@ -161,8 +177,10 @@ def main() -> None:
         times.append(time.thread_time() - start)
     peak, best = cpu_gemm_peak(), min(times)
     flops = 6 * active_matmul_params(config) * args.seqlen
-    print(f"T={args.seqlen} threads={args.threads}: step {best:.3f} s CPU (of {[round(t, 3) for t in times]}), "
-          f"GEMM peak {peak / 1e9:.1f} GFLOP/s, MFU {flops / best / peak:.1%}")  # fmt: skip
+    print(
+        f"T={args.seqlen} threads={args.threads}: step {best:.3f} s CPU (of {[round(t, 3) for t in times]}), "
+        f"GEMM peak {peak / 1e9:.1f} GFLOP/s, MFU {flops / best / peak:.1%}"
+    )
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step()
     report(prof.key_averages(), args.top, flops, peak, best)
@@ -183,10 +201,15 @@ def report(events, top: int, flops: float, peak: float, step_s: float) -> None:
     ranked = sorted(events, key=lambda e: -e.self_cpu_time_total)
     print(f"\ntop {top} ops by self time:")
     for e in [e for e in ranked if not e.key.startswith(("K:", "M:", "R:"))][:top]:
-        print(f"  {e.key[:48]:48s} {e.self_cpu_time_total / 1e3:8.1f} ms {e.self_cpu_time_total / total:6.1%} "
-              f"{e.count:6d} calls")  # fmt: skip
-    regions = [e for e in events if e.key.startswith(("K:", "M:", "R:"))
-               or e.key.startswith("autograd::engine::evaluate_function")]  # fmt: skip
+        print(
+            f"  {e.key[:48]:48s} {e.self_cpu_time_total / 1e3:8.1f} ms {e.self_cpu_time_total / total:6.1%} "
+            f"{e.count:6d} calls"
+        )
+    regions = [
+        e
+        for e in events
+        if e.key.startswith(("K:", "M:", "R:")) or e.key.startswith("autograd::engine::evaluate_function")
+    ]
     print(f"\nregions (inclusive time; forward K:/M:, backward autograd nodes), top {top + 10}:")
     for e in sorted(regions, key=lambda e: -e.cpu_time_total)[: top + 10]:
         name = e.key.replace("autograd::engine::evaluate_function: ", "bwd ")

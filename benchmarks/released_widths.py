@@ -29,7 +29,6 @@ import sys
 
 import torch
 import torch.nn.functional as F
-
 from bench_config import ROOT, median, timed, vm_bytes
 
 from glm53.config import Glm53Config
@@ -39,9 +38,15 @@ TP_SHARE = 8  # the per-head form's heads: one rank of tensor parallelism 8
 SLOW_CALL_S = 1.0  # a first fwd+bwd at least this long counts as a timing sample (its setup is negligible)
 MOE_EXPERTS, MOE_TOPK = 4, 2  # a few released-width experts, each token routed to two
 MOE_LIMIT = 10.0  # the experts' activation clamp (a value; it does not change the cost)
-OPS = {"sparse_mqa_attention": ("fast", "reference"), "sparse_attention": ("fast", "reference"),
-       "indexer_scores": ("fast", "reference"), "pool_mass": ("fast",), "indexer_kl": ("fast",), "kda": ("fast",),
-       "moe_experts": ("fast", "reference")}  # fmt: skip
+OPS = {
+    "sparse_mqa_attention": ("fast", "reference"),
+    "sparse_attention": ("fast", "reference"),
+    "indexer_scores": ("fast", "reference"),
+    "pool_mass": ("fast",),
+    "indexer_kl": ("fast",),
+    "kda": ("fast",),
+    "moe_experts": ("fast", "reference"),
+}
 
 
 def causal_topk(T: int, J: int, kpool: int) -> torch.Tensor:
@@ -96,8 +101,10 @@ def _indexer_target(T: int, c: Glm53Config):
     from glm53.model.indexer import kept_pools
 
     g = torch.Generator().manual_seed(0)
-    q, k = torch.randn(1, T, c.num_attention_heads, c.qk_head_dim, generator=g), torch.randn(
-        1, T, c.num_attention_heads, c.qk_head_dim, generator=g)  # fmt: skip
+    q, k = (
+        torch.randn(1, T, c.num_attention_heads, c.qk_head_dim, generator=g),
+        torch.randn(1, T, c.num_attention_heads, c.qk_head_dim, generator=g),
+    )
     valid = torch.ones(1, T, dtype=torch.bool)
     positions, complete = kept_pools(valid, c.index_kpool)
     candidate = (positions[..., -1][:, None, :] <= torch.arange(T)[None, :, None]) & complete[:, None]
@@ -142,8 +149,9 @@ def measure(op: str, backend: str, T: int, reps: int) -> dict:
     return {"fwd_ms": round(1e3 * t_fwd, 1), "fwd_bwd_ms": round(1e3 * t_both, 1), "peak_mib": round(peak / 2**20)}
 
 
-def released_rows(seqlens: list[int], reps: int, threads: int, ops: list[str] | None,
-                  reference_up_to: int) -> list[dict]:  # fmt: skip
+def released_rows(
+    seqlens: list[int], reps: int, threads: int, ops: list[str] | None, reference_up_to: int
+) -> list[dict]:
     rows = []
     for op in ops or list(OPS):
         for T in seqlens:

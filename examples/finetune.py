@@ -50,8 +50,9 @@ def build_tokenizer(chat_template: bool = True):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=BPE_VOCAB, special_tokens=SPECIAL,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=BPE_VOCAB, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(corpus_text().splitlines(), trainer)
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>")
     if chat_template:
@@ -84,9 +85,15 @@ def _questions(sentence: str) -> list[dict]:
         if k == 0:
             out.append({"prompt": prompt, "completion": answer})
         else:
-            out.append({"messages": [{"role": "system", "content": "You complete sentences."},
-                                     {"role": "user", "content": prompt},
-                                     {"role": "assistant", "content": answer}]})  # fmt: skip
+            out.append(
+                {
+                    "messages": [
+                        {"role": "system", "content": "You complete sentences."},
+                        {"role": "user", "content": prompt},
+                        {"role": "assistant", "content": answer},
+                    ]
+                }
+            )
     return out
 
 
@@ -98,8 +105,11 @@ def write_jsonl(path: str, records: list[dict]) -> None:
 
 def prepare(out: str, seed: int = 0) -> dict[str, str]:
     """Tokenizer + checkpoint in OUT/base, OUT/train.jsonl, OUT/heldout.jsonl -> their paths."""
-    paths = {"base": os.path.join(out, "base"), "train": os.path.join(out, "train.jsonl"),
-             "heldout": os.path.join(out, "heldout.jsonl")}  # fmt: skip
+    paths = {
+        "base": os.path.join(out, "base"),
+        "train": os.path.join(out, "train.jsonl"),
+        "heldout": os.path.join(out, "heldout.jsonl"),
+    }
     os.makedirs(out, exist_ok=True)
     tokenizer = build_tokenizer()
     build_checkpoint(paths["base"], len(tokenizer), seed)
@@ -118,9 +128,29 @@ def main() -> int:
     torch.set_num_threads(1)
     paths = prepare(args.out)
     tuned = os.path.join(args.out, "tuned")
-    cmd = [sys.executable, "-m", "glm53", "train", "--init", paths["base"], "--data", paths["train"], "--seq-len",
-           "128", "--batch-size", "4", "--steps", str(args.steps), "--lr", "3e-3", "--log-every", "10", "--save", tuned,
-           "--overwrite"]  # a second run of the example replaces its own tuned/
+    cmd = [
+        sys.executable,
+        "-m",
+        "glm53",
+        "train",
+        "--init",
+        paths["base"],
+        "--data",
+        paths["train"],
+        "--seq-len",
+        "128",
+        "--batch-size",
+        "4",
+        "--steps",
+        str(args.steps),
+        "--lr",
+        "3e-3",
+        "--log-every",
+        "10",
+        "--save",
+        tuned,
+        "--overwrite",
+    ]  # a second run of the example replaces its own tuned/
     print("$", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
     for name, ckpt in (("base", paths["base"]), ("tuned", tuned)):

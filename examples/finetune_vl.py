@@ -33,8 +33,17 @@ from glm53.training.data.vl_tokenize import MEDIA_TOKENS
 from glm53.training.vl_finetune import TOKEN_FIELDS, heldout_loss
 
 # A tiny tower: 2 blocks of width 16, patch 2, merge 2; its output width is the text model's hidden size.
-TOWER = dict(depth=2, hidden_size=16, num_heads=2, intermediate_size=24, projection_intermediate_size=20,
-             patch_size=2, temporal_patch_size=2, in_channels=3, spatial_merge_size=2)  # fmt: skip
+TOWER = dict(
+    depth=2,
+    hidden_size=16,
+    num_heads=2,
+    intermediate_size=24,
+    projection_intermediate_size=20,
+    patch_size=2,
+    temporal_patch_size=2,
+    in_channels=3,
+    spatial_merge_size=2,
+)
 VOCAB_MULTIPLE = 64
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 220)}
 
@@ -55,8 +64,13 @@ def build_vl_model(tok, seed: int = 0, tower: dict | None = None):
     from glm53.vision import with_vision
     from glm53.vision.model import Glm53ForConditionalGeneration
 
-    text = Glm53Config.tiny(hidden_size=36, q_lora_rank=20, kv_lora_rank=12, num_nextn_predict_layers=1,
-                            vocab_size=-(-len(tok) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE)  # fmt: skip
+    text = Glm53Config.tiny(
+        hidden_size=36,
+        q_lora_rank=20,
+        kv_lora_rank=12,
+        num_nextn_predict_layers=1,
+        vocab_size=-(-len(tok) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE,
+    )
     ids = {name: tok.convert_tokens_to_ids(t) for t, name in TOKEN_FIELDS.items()}
     config = with_vision(text, {**TOWER, "out_hidden_size": text.hidden_size, **(tower or {})}, ids)
     torch.manual_seed(seed)
@@ -77,20 +91,40 @@ def write_media_and_records(root: str, n: int, prefix: str = "img", seed: int = 
         pixels = np.clip(np.array(COLOURS[name]) + rng.integers(-20, 21, (h, w, 3)), 0, 255).astype(np.uint8)
         Image.fromarray(pixels).save(os.path.join(root, f"{prefix}{k}.png"))
         if k % 2:
-            records.append({"messages": [{"role": "user", "content": "<image>What colour?"},
-                                         {"role": "assistant", "content": name}], "images": [f"{prefix}{k}.png"]})
+            records.append(
+                {
+                    "messages": [
+                        {"role": "user", "content": "<image>What colour?"},
+                        {"role": "assistant", "content": name},
+                    ],
+                    "images": [f"{prefix}{k}.png"],
+                }
+            )
         else:
-            records.append({"messages": [
-                {"role": "user", "content": [{"type": "image", "image": f"{prefix}{k}.png"},
-                                             {"type": "text", "text": "What colour?"}]},
-                {"role": "assistant", "content": [{"type": "text", "text": name}]}]})  # fmt: skip
+            records.append(
+                {
+                    "messages": [
+                        {
+                            "role": "user",
+                            "content": [
+                                {"type": "image", "image": f"{prefix}{k}.png"},
+                                {"type": "text", "text": "What colour?"},
+                            ],
+                        },
+                        {"role": "assistant", "content": [{"type": "text", "text": name}]},
+                    ]
+                }
+            )
     frames = os.path.join(root, f"{prefix}-clip")
     os.makedirs(frames, exist_ok=True)
     for i in range(4):
         Image.fromarray(rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)).save(os.path.join(frames, f"{i}.png"))
-    records.append({"messages": [{"role": "user", "content": "<video>Is it noise?"},
-                                 {"role": "assistant", "content": "yes"}],
-                    "videos": [{"path": f"{prefix}-clip", "fps": 2}]})  # fmt: skip
+    records.append(
+        {
+            "messages": [{"role": "user", "content": "<video>Is it noise?"}, {"role": "assistant", "content": "yes"}],
+            "videos": [{"path": f"{prefix}-clip", "fps": 2}],
+        }
+    )
     records += [{"text": "red green blue"}, {"prompt": "Say blue", "completion": "blue"}]
     return records
 
@@ -104,8 +138,10 @@ def write_jsonl(path: str, records: list[dict]) -> str:
 
 def prepare(out: str, seed: int = 0) -> dict[str, str]:
     """OUT/base (tokenizer + VL checkpoint), OUT/media, OUT/train.jsonl, OUT/heldout.jsonl -> their paths."""
-    paths = {k: os.path.join(out, v) for k, v in (("base", "base"), ("media", "media"), ("train", "train.jsonl"),
-                                                  ("heldout", "heldout.jsonl"))}  # fmt: skip
+    paths = {
+        k: os.path.join(out, v)
+        for k, v in (("base", "base"), ("media", "media"), ("train", "train.jsonl"), ("heldout", "heldout.jsonl"))
+    }
     tok = build_vl_tokenizer()
     build_vl_model(tok, seed).save_pretrained(paths["base"], overwrite=True)
     tok.save_pretrained(paths["base"])
@@ -122,9 +158,31 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     paths = prepare(args.out)
     tuned = os.path.join(args.out, "tuned")
-    train = [sys.executable, "-m", "glm53", "train", "--init", paths["base"], "--data", paths["train"], "--media-root",
-             paths["media"], "--seq-len", "128", "--batch-size", "2", "--steps", str(args.steps), "--lr", "3e-3",
-             "--log-every", "10", "--save", tuned, "--overwrite"]  # fmt: skip
+    train = [
+        sys.executable,
+        "-m",
+        "glm53",
+        "train",
+        "--init",
+        paths["base"],
+        "--data",
+        paths["train"],
+        "--media-root",
+        paths["media"],
+        "--seq-len",
+        "128",
+        "--batch-size",
+        "2",
+        "--steps",
+        str(args.steps),
+        "--lr",
+        "3e-3",
+        "--log-every",
+        "10",
+        "--save",
+        tuned,
+        "--overwrite",
+    ]
     print("$", " ".join(train), flush=True)
     subprocess.run(train, check=True)
     from glm53.vision.model import Glm53ForConditionalGeneration
@@ -133,8 +191,20 @@ def main(argv: list[str] | None = None) -> int:
         model = Glm53ForConditionalGeneration.from_pretrained(ckpt)
         loss, media = heldout_loss(model, paths["heldout"], ckpt, seq_len=128, media_root=paths["media"])
         print(f"held-out loss of {name}: {loss:.4f} ({media} image/video tokens in the held-out rows)")
-    generate = [sys.executable, "-m", "glm53", "generate", "--model", tuned, "--image",
-                os.path.join(paths["media"], "heldout0.png"), "--prompt", "What colour?", "--max-new-tokens", "4"]
+    generate = [
+        sys.executable,
+        "-m",
+        "glm53",
+        "generate",
+        "--model",
+        tuned,
+        "--image",
+        os.path.join(paths["media"], "heldout0.png"),
+        "--prompt",
+        "What colour?",
+        "--max-new-tokens",
+        "4",
+    ]
     print("$", " ".join(generate), flush=True)
     subprocess.run(generate, check=True)
     return 0

@@ -23,8 +23,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from glm53 import Glm53Config, Glm53ForCausalLM
-from glm53.training.data import VOCAB_SIZE, batches, corpus_text, encode
 from glm53.parallel import loss_parallel_context, parallelize
+from glm53.training.data import VOCAB_SIZE, batches, corpus_text, encode
 
 VOCAB_MULTIPLE = 64  # round the byte vocabulary up so it splits evenly over any small TP size
 
@@ -60,8 +60,9 @@ def main() -> None:
 
     vocab = -(-VOCAB_SIZE // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
     heads = max(2, args.tp)
-    config = Glm53Config.tiny(vocab_size=vocab, num_attention_heads=heads, num_key_value_heads=heads,
-                              linear_num_heads=heads)  # fmt: skip
+    config = Glm53Config.tiny(
+        vocab_size=vocab, num_attention_heads=heads, num_key_value_heads=heads, linear_num_heads=heads
+    )
     torch.manual_seed(0)  # the same initial weights on every rank
     model = Glm53ForCausalLM(config).to(device)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else None

@@ -15,8 +15,22 @@ from .model import ForwardContext, Glm53LMHeadModel, Glm53Model, LMOutput
 from .peft import apply_lora, freeze, load_lora, merge_lora, save_lora
 from .vision.model import Glm53ForConditionalGeneration
 
-__all__ = ["Glm53Config", "Glm53Model", "Glm53LMHeadModel", "Glm53ForCausalLM", "Glm53ForConditionalGeneration",
-           "CausalLMOutput", "LMOutput",
-           "ForwardContext", "CheckpointError", "ConfigError", "Glm53Error", "apply_lora", "freeze", "merge_lora",
-           "save_lora", "load_lora"]  # fmt: skip
+__all__ = [
+    "Glm53Config",
+    "Glm53Model",
+    "Glm53LMHeadModel",
+    "Glm53ForCausalLM",
+    "Glm53ForConditionalGeneration",
+    "CausalLMOutput",
+    "LMOutput",
+    "ForwardContext",
+    "CheckpointError",
+    "ConfigError",
+    "Glm53Error",
+    "apply_lora",
+    "freeze",
+    "merge_lora",
+    "save_lora",
+    "load_lora",
+]
 __version__ = "0.1.0"

@@ -13,7 +13,9 @@ from .training import cli as train_cli
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m glm53")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = train_parser = sub.add_parser("train", help="train a preset on the built-in corpus; save/resume official checkpoints")
+    p = train_parser = sub.add_parser(
+        "train", help="train a preset on the built-in corpus; save/resume official checkpoints"
+    )
     train_cli.add_arguments(p)
     p.set_defaults(func=train_cli.train)
     p = sub.add_parser("generate", help="stream a continuation of --prompt from a checkpoint, then tokens/s")

@@ -150,6 +150,19 @@ def set_value_resolver(resolver: ValueResolver | None) -> ValueResolver | None:
     return previous
 
 
-__all__ = ["as_local", "local_parts", "add_low_rank", "LowRank", "WEIGHT_VIEWS", "as_plain", "into_head_parallel", "set_input_resolver", "set_param_resolver",
-           "set_value_resolver", "expert_dispatcher", "set_expert_dispatcher", "vocab_parallel_loss",
-           "set_vocab_parallel_loss"]
+__all__ = [
+    "as_local",
+    "local_parts",
+    "add_low_rank",
+    "LowRank",
+    "WEIGHT_VIEWS",
+    "as_plain",
+    "into_head_parallel",
+    "set_input_resolver",
+    "set_param_resolver",
+    "set_value_resolver",
+    "expert_dispatcher",
+    "set_expert_dispatcher",
+    "vocab_parallel_loss",
+    "set_vocab_parallel_loss",
+]

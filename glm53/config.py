@@ -163,8 +163,11 @@ class Glm53Config:
             value = getattr(self, name)
             if len(value) != n:
                 raise ConfigError(f"{name} has {len(value)} entries but num_hidden_layers is {n}: {value!r}")
-        for name, allowed in (("layer_types", LAYER_TYPES), ("mlp_layer_types", MLP_TYPES),
-                              ("indexer_types", INDEXER_TYPES)):  # fmt: skip
+        for name, allowed in (
+            ("layer_types", LAYER_TYPES),
+            ("mlp_layer_types", MLP_TYPES),
+            ("indexer_types", INDEXER_TYPES),
+        ):
             for i, value in enumerate(getattr(self, name)):
                 if value not in allowed:
                     raise ConfigError(f"{name}[{i}] is {value!r}; expected one of {list(allowed)}")
@@ -193,28 +196,38 @@ class Glm53Config:
 
     def _validate_experts(self) -> None:
         if self.n_routed_experts % self.n_group != 0:
-            raise ConfigError(f"n_routed_experts ({self.n_routed_experts}) must be divisible by n_group "
-                              f"({self.n_group!r})")  # fmt: skip
+            raise ConfigError(
+                f"n_routed_experts ({self.n_routed_experts}) must be divisible by n_group ({self.n_group!r})"
+            )
         if self.topk_group > self.n_group:
             raise ConfigError(f"topk_group ({self.topk_group!r}) must not exceed n_group ({self.n_group})")
         if self.num_experts_per_tok > self.n_routed_experts:
-            raise ConfigError(f"num_experts_per_tok ({self.num_experts_per_tok!r}) must not exceed n_routed_experts "
-                              f"({self.n_routed_experts})")  # fmt: skip
+            raise ConfigError(
+                f"num_experts_per_tok ({self.num_experts_per_tok!r}) must not exceed n_routed_experts "
+                f"({self.n_routed_experts})"
+            )
         if self.n_routed_experts // self.n_group < 2 and self.n_group > 1:
-            raise ConfigError(f"n_group ({self.n_group!r}) leaves fewer than 2 experts per group; group scores sum "
-                              f"the top-2 experts of each group")  # fmt: skip
+            raise ConfigError(
+                f"n_group ({self.n_group!r}) leaves fewer than 2 experts per group; group scores sum "
+                f"the top-2 experts of each group"
+            )
         if self.topk_group * (self.n_routed_experts // self.n_group) < self.num_experts_per_tok:
-            raise ConfigError(f"topk_group ({self.topk_group!r}) groups hold fewer experts than num_experts_per_tok "
-                              f"({self.num_experts_per_tok})")  # fmt: skip
+            raise ConfigError(
+                f"topk_group ({self.topk_group!r}) groups hold fewer experts than num_experts_per_tok "
+                f"({self.num_experts_per_tok})"
+            )
 
     def _validate_training(self) -> None:
         if self.num_nextn_predict_layers > self.mtp_depth:
-            raise ConfigError(f"num_nextn_predict_layers ({self.num_nextn_predict_layers}) must not exceed "
-                              f"mtp_depth ({self.mtp_depth!r}): an MTP layer past the last depth would never be "
-                              f"used")  # fmt: skip
+            raise ConfigError(
+                f"num_nextn_predict_layers ({self.num_nextn_predict_layers}) must not exceed "
+                f"mtp_depth ({self.mtp_depth!r}): an MTP layer past the last depth would never be "
+                f"used"
+            )
         if self.indexer_loss_mode not in INDEXER_LOSS_MODES:
-            raise ConfigError(f"indexer_loss_mode is {self.indexer_loss_mode!r}; expected one of "
-                              f"{list(INDEXER_LOSS_MODES)}")  # fmt: skip
+            raise ConfigError(
+                f"indexer_loss_mode is {self.indexer_loss_mode!r}; expected one of {list(INDEXER_LOSS_MODES)}"
+            )
 
     # ------------------------------------------------------------ conversions
     @classmethod
@@ -224,8 +237,10 @@ class Glm53Config:
             raise ConfigError(f"config must be a dict, got {type(d).__name__}")
         outer: dict[str, Any] = {}
         if "text_config" in d and not isinstance(d["text_config"], dict):
-            raise ConfigError(f"text_config must be a dict (the text model's config), got "
-                              f"{type(d['text_config']).__name__}: {d['text_config']!r}")  # fmt: skip
+            raise ConfigError(
+                f"text_config must be a dict (the text model's config), got "
+                f"{type(d['text_config']).__name__}: {d['text_config']!r}"
+            )
         if isinstance(d.get("text_config"), dict):
             text = dict(d["text_config"])
             outer = {k: v for k, v in d.items() if k != "text_config"}
@@ -240,8 +255,9 @@ class Glm53Config:
         layers = text.get("num_hidden_layers", 45)
         if not is_int(layers) or layers < 1:  # before the schedules below are built from it
             raise ConfigError(f"num_hidden_layers must be a positive int, got {layers!r}")
-        schedule = {k: text.pop(k) for k in ("index_topk_pattern", "index_topk_freq", "index_skip_topk_offset")
-                    if k in text}  # fmt: skip
+        schedule = {
+            k: text.pop(k) for k in ("index_topk_pattern", "index_topk_freq", "index_skip_topk_offset") if k in text
+        }
         linear = text.pop("linear_attn_config", None)
         for key, value in text.items():
             if key in names:
@@ -322,12 +338,28 @@ class Glm53Config:
     def tiny(cls, **overrides: Any) -> "Glm53Config":
         """A few-thousand-parameter model with every feature on: for tests, demos and debugging."""
         base = dict(
-            vocab_size=320, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=4,
-            num_attention_heads=2, num_key_value_heads=2, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
-            v_head_dim=8, index_topk=8, index_head_dim=8, index_n_heads=4, index_kpool=4, n_routed_experts=8,
-            num_experts_per_tok=2, linear_num_heads=2, linear_head_dim=8, pad_token_id=0,
+            vocab_size=320,
+            hidden_size=32,
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            num_hidden_layers=4,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            q_lora_rank=24,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+            index_topk=8,
+            index_head_dim=8,
+            index_n_heads=4,
+            index_kpool=4,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            linear_num_heads=2,
+            linear_head_dim=8,
+            pad_token_id=0,
             mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
-        )  # fmt: skip
+        )
         base.update(overrides)
         return cls(**base)
 
@@ -344,12 +376,18 @@ def _drop_contradictions(outer: dict[str, Any], text: dict[str, Any], names: set
         if key not in names or key == "tie_word_embeddings":
             kept[key] = value
         elif key not in text:
-            warnings.warn(f"config key {key}={value!r} sits outside text_config and is not read (the text model "
-                          f"reads text_config, whose default applies); move it into text_config", stacklevel=3)
+            warnings.warn(
+                f"config key {key}={value!r} sits outside text_config and is not read (the text model "
+                f"reads text_config, whose default applies); move it into text_config",
+                stacklevel=3,
+            )
             kept[key] = value
         elif text[key] != value:
-            warnings.warn(f"config key {key}={value!r} outside text_config contradicts text_config's "
-                          f"{key}={text[key]!r}: text_config's is used and the outer one dropped", stacklevel=3)
+            warnings.warn(
+                f"config key {key}={value!r} outside text_config contradicts text_config's "
+                f"{key}={text[key]!r}: text_config's is used and the outer one dropped",
+                stacklevel=3,
+            )
         else:
             kept[key] = value
     return kept
@@ -378,8 +416,10 @@ def _apply_linear_attn_config(kwargs: dict[str, Any], linear: dict[str, Any]) ->
             raise ConfigError(f"linear_attn_config[{name!r}] must be a list of 1-based layer numbers, got {listed!r}")
         outside = [i for i in listed if not 1 <= i <= kwargs.get("num_hidden_layers", 45)]
         if outside:
-            raise ConfigError(f"linear_attn_config[{name!r}] names layers {outside} outside 1.."
-                              f"{kwargs.get('num_hidden_layers', 45)} (num_hidden_layers)")  # fmt: skip
+            raise ConfigError(
+                f"linear_attn_config[{name!r}] names layers {outside} outside 1.."
+                f"{kwargs.get('num_hidden_layers', 45)} (num_hidden_layers)"
+            )
     both = sorted(set(linear.get("kda_layers", [])) & set(linear.get("full_attn_layers", [])))
     if both:
         raise ConfigError(f"linear_attn_config lists layers {both} in both kda_layers and full_attn_layers")
@@ -423,7 +463,6 @@ def _indexer_schedule(schedule: dict[str, Any], n: int) -> list[str]:
     if not is_int(offset):
         raise ConfigError(f"index_skip_topk_offset must be an int, got {offset!r}")
     return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
-
 
 
 __all__ = ["Glm53Config", "LINEAR_ATTENTION", "INDEXED_ATTENTION"]

@@ -15,15 +15,40 @@ from .utils import is_int, is_number
 
 # kind -> (description for the message, predicate on an already type-checked value)
 _POSITIVE_INT = (
-    "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
-    "num_attention_heads", "num_key_value_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "index_topk",
-    "index_head_dim", "index_n_heads", "index_kpool", "n_routed_experts", "num_experts_per_tok", "n_group",
-    "topk_group", "linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim", "hc_mult", "hc_sinkhorn_iters",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "v_head_dim",
+    "index_topk",
+    "index_head_dim",
+    "index_n_heads",
+    "index_kpool",
+    "n_routed_experts",
+    "num_experts_per_tok",
+    "n_group",
+    "topk_group",
+    "linear_num_heads",
+    "linear_head_dim",
+    "linear_conv_kernel_dim",
+    "hc_mult",
+    "hc_sinkhorn_iters",
     "max_position_embeddings",
-)  # fmt: skip
+)
 _NON_NEGATIVE_INT = ("n_shared_experts", "qk_rope_head_dim", "num_nextn_predict_layers")
-_BOOL = ("attention_bias", "index_kpool_always_select_tail", "norm_topk_prob", "output_router_logits",
-         "tie_word_embeddings", "use_cache")  # fmt: skip
+_BOOL = (
+    "attention_bias",
+    "index_kpool_always_select_tail",
+    "norm_topk_prob",
+    "output_router_logits",
+    "tie_word_embeddings",
+    "use_cache",
+)
 # float fields: (low, low inclusive, high, high inclusive); None = unbounded on that side
 _FLOAT_RANGES: dict[str, tuple[float | None, bool, float | None, bool]] = {
     "rms_norm_eps": (0.0, False, None, False),
@@ -44,14 +69,45 @@ _OPTIONAL_TOKEN_ID = ("pad_token_id", "bos_token_id")
 
 # Keys a config.json may carry that the text model does not read and that are no reason to warn: what
 # transformers' PreTrainedConfig writes for every model, and DeepSeek-lineage release keys.
-KNOWN_EXTRA_KEYS = frozenset({
-    "_name_or_path", "architectures", "chunk_size_feed_forward", "dtype", "torch_dtype", "id2label", "label2id",
-    "is_encoder_decoder", "model_type", "output_attentions", "output_hidden_states", "problem_type", "return_dict",
-    "transformers_version", "head_dim", "qk_head_dim", "quantization_config", "first_k_dense_replace",
-    "moe_layer_freq", "rope_theta", "rope_scaling", "rope_parameters", "scoring_func", "topk_method", "ep_size",
-    "num_experts", "tokenizer_class", "sep_token_id", "decoder_start_token_id", "task_specific_params", "prefix",
-    "index_topk_pattern", "index_topk_freq", "index_skip_topk_offset", "linear_attn_config",
-})  # fmt: skip
+KNOWN_EXTRA_KEYS = frozenset(
+    {
+        "_name_or_path",
+        "architectures",
+        "chunk_size_feed_forward",
+        "dtype",
+        "torch_dtype",
+        "id2label",
+        "label2id",
+        "is_encoder_decoder",
+        "model_type",
+        "output_attentions",
+        "output_hidden_states",
+        "problem_type",
+        "return_dict",
+        "transformers_version",
+        "head_dim",
+        "qk_head_dim",
+        "quantization_config",
+        "first_k_dense_replace",
+        "moe_layer_freq",
+        "rope_theta",
+        "rope_scaling",
+        "rope_parameters",
+        "scoring_func",
+        "topk_method",
+        "ep_size",
+        "num_experts",
+        "tokenizer_class",
+        "sep_token_id",
+        "decoder_start_token_id",
+        "task_specific_params",
+        "prefix",
+        "index_topk_pattern",
+        "index_topk_freq",
+        "index_skip_topk_offset",
+        "linear_attn_config",
+    }
+)
 
 
 def _in_range(value: float, spec: tuple[float | None, bool, float | None, bool]) -> bool:
@@ -80,8 +136,9 @@ def check_ints(cfg: Any) -> None:
         if not is_int(value) or value < 0:
             raise ConfigError(f"{name} must be an int >= 0, got {value!r}")
     if cfg.q_lora_rank is None or not is_int(cfg.q_lora_rank) or cfg.q_lora_rank < 1:
-        raise ConfigError(f"q_lora_rank is required by the DSA indexer and must be a positive int, got "
-                          f"{cfg.q_lora_rank!r}")  # fmt: skip
+        raise ConfigError(
+            f"q_lora_rank is required by the DSA indexer and must be a positive int, got {cfg.q_lora_rank!r}"
+        )
     if not is_int(cfg.mtp_depth) or cfg.mtp_depth < 1:
         raise ConfigError(f"mtp_depth must be an int >= 1, got {cfg.mtp_depth!r}")
 
@@ -152,5 +209,13 @@ def unknown_keys(keys: Any) -> list[str]:
     return sorted(k for k in keys if k not in KNOWN_EXTRA_KEYS)
 
 
-__all__ = ["KNOWN_EXTRA_KEYS", "check_ints", "check_bools_and_strings", "check_floats",
-           "check_special_token_ids", "check_list_fields", "check_extra", "unknown_keys"]  # fmt: skip
+__all__ = [
+    "KNOWN_EXTRA_KEYS",
+    "check_ints",
+    "check_bools_and_strings",
+    "check_floats",
+    "check_special_token_ids",
+    "check_list_fields",
+    "check_extra",
+    "unknown_keys",
+]

@@ -15,10 +15,20 @@ import torch
 import torch.nn as nn
 
 FP32_KEEP = (
-    "e_score_correction_bias", "q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight", "dt_bias", "A_log",
-    "attn_hc.base", "attn_hc.scale", "ffn_hc.base", "ffn_hc.scale",  # transformers' keep-list
-    "attn_hc.fn", "ffn_hc.fn", "mlp.gate.weight",  # read in fp32 by glm53's forward
-)  # fmt: skip
+    "e_score_correction_bias",
+    "q_conv1d.weight",
+    "k_conv1d.weight",
+    "v_conv1d.weight",
+    "dt_bias",
+    "A_log",
+    "attn_hc.base",
+    "attn_hc.scale",
+    "ffn_hc.base",
+    "ffn_hc.scale",  # transformers' keep-list
+    "attn_hc.fn",
+    "ffn_hc.fn",
+    "mlp.gate.weight",  # read in fp32 by glm53's forward
+)
 
 
 MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -45,8 +55,10 @@ def range_error(overflows: dict[str, float], dtype: torch.dtype, action: str) ->
     """The message for tensors whose values `dtype` cannot hold (`overflows`: name -> largest |value|)."""
     shown = [f"{name} (max |x| {peak:.3g})" for name, peak in list(overflows.items())[:10]]
     more = f" ... ({len(overflows)} in all)" if len(overflows) > 10 else ""
-    return (f"{action} {str(dtype).removeprefix('torch.')} would turn values beyond its range "
-            f"(+-{torch.finfo(dtype).max:.6g}) into inf in {', '.join(shown)}{more}; use bfloat16 or float32")
+    return (
+        f"{action} {str(dtype).removeprefix('torch.')} would turn values beyond its range "
+        f"(+-{torch.finfo(dtype).max:.6g}) into inf in {', '.join(shown)}{more}; use bfloat16 or float32"
+    )
 
 
 def cast_model(model: nn.Module, dtype: torch.dtype, *, check_range: bool = True) -> nn.Module:
@@ -84,24 +96,37 @@ def resolve_dtype(dtype: torch.dtype | str, what: str = "dtype") -> torch.dtype:
     if dtype not in MODEL_DTYPES:
         # FP8 (and narrower) weights need per-block scales: checkpoints holding them are dequantised on load
         # (glm53.checkpoint.fp8); a plain cast to them would give a model that neither trains nor loads back.
-        raise TypeError(f"{what} must be one of {[str(d).removeprefix('torch.') for d in MODEL_DTYPES]} "
-                        f"(the dtypes a glm53 model holds its weights in), got {dtype}")  # fmt: skip
+        raise TypeError(
+            f"{what} must be one of {[str(d).removeprefix('torch.') for d in MODEL_DTYPES]} "
+            f"(the dtypes a glm53 model holds its weights in), got {dtype}"
+        )
     return dtype
 
 
 def resolve_device(device: torch.device | str | int, what: str = "device") -> torch.device:
     """A torch.device from a device, its name ("cpu", "cuda:1") or a CUDA index; else TypeError naming `what`."""
     if isinstance(device, bool) or not isinstance(device, (torch.device, str, int)):
-        raise TypeError(f"{what} must be a torch.device, a device name or an index, got {device!r} "
-                        f"({type(device).__name__})")  # fmt: skip
+        raise TypeError(
+            f"{what} must be a torch.device, a device name or an index, got {device!r} ({type(device).__name__})"
+        )
     try:
         return torch.device(device)
     except RuntimeError as e:
         raise TypeError(f"{what}={device!r} is not a device ({e})") from None
 
 
-__all__ = ["FP32_KEEP", "FP32_MATMUL_MODES", "MODEL_DTYPES", "keeps_fp32", "cast_model", "resolve_device", "resolve_dtype",
-           "set_fp32_matmul_mode", "fp32_matmul_mode", "using_fp32_matmul_mode"]  # fmt: skip
+__all__ = [
+    "FP32_KEEP",
+    "FP32_MATMUL_MODES",
+    "MODEL_DTYPES",
+    "keeps_fp32",
+    "cast_model",
+    "resolve_device",
+    "resolve_dtype",
+    "set_fp32_matmul_mode",
+    "fp32_matmul_mode",
+    "using_fp32_matmul_mode",
+]
 
 
 # ---------------------------------------------------------------------------------- fp32 islands on a GPU

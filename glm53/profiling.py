@@ -32,9 +32,16 @@ _SIZE_FROM_DATA = {
     aten.argwhere.default: "nonzero",
 }
 _INDEX_OPS = (aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default)
-_NO_KERNEL = {aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default, aten.sym_storage_offset.default,
-              aten.is_same_size.default, aten.lift_fresh.default, aten.empty.memory_format,
-              aten.empty_strided.default}  # fmt: skip
+_NO_KERNEL = {
+    aten.sym_size.int,
+    aten.sym_stride.int,
+    aten.sym_numel.default,
+    aten.sym_storage_offset.default,
+    aten.is_same_size.default,
+    aten.lift_fresh.default,
+    aten.empty.memory_format,
+    aten.empty_strided.default,
+}
 
 
 def _sync_kind(func, args, kwargs) -> str | None:

@@ -54,7 +54,11 @@ def test_no_benchmark_takes_a_plain_int():
 
 
 def test_bad_number_is_a_usage_error():
-    run = subprocess.run([sys.executable, os.path.join(BENCH, "bench_long_context.py"), "--reps", "0"],
-                         capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, os.path.join(BENCH, "bench_long_context.py"), "--reps", "0"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert run.returncode == 2, run.stderr
     assert "--reps" in run.stderr and "must be >= 1" in run.stderr and "Traceback" not in run.stderr

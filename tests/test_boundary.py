@@ -19,18 +19,35 @@ def module() -> nn.Module:
 
 # (setter, call made through the hook, what the installed hook returns for it)
 HOOKS = {
-    "param": (boundary.set_param_resolver, lambda m, x: boundary.as_local(m, "weight"),
-              lambda mod, name, p: p * 2 if name == "weight" and mod.weight is p else None),
+    "param": (
+        boundary.set_param_resolver,
+        lambda m, x: boundary.as_local(m, "weight"),
+        lambda mod, name, p: p * 2 if name == "weight" and mod.weight is p else None,
+    ),
     "value": (boundary.set_value_resolver, lambda m, x: boundary.as_plain(x), lambda v: v + 1),
-    "input": (boundary.set_input_resolver, lambda m, x: boundary.into_head_parallel(m, "weight", x),
-              lambda mod, name, v: v * 3 if name == "weight" and isinstance(mod, nn.Linear) else None),
-    "expert": (boundary.set_expert_dispatcher, lambda m, x: boundary.expert_dispatcher(m),
-               lambda mod: (lambda: mod.weight.sum())),
-    "vocab": (boundary.set_vocab_parallel_loss, lambda m, x: boundary.vocab_parallel_loss(m),
-              lambda mod: (lambda: mod.weight.sum() - 1)),
-}  # fmt: skip
-EXPECTED = {"param": torch.full((2, 3), 1.0), "value": torch.arange(1.0, 5.0), "input": torch.arange(0.0, 12.0, 3.0),
-            "expert": torch.tensor(3.0), "vocab": torch.tensor(2.0)}  # fmt: skip
+    "input": (
+        boundary.set_input_resolver,
+        lambda m, x: boundary.into_head_parallel(m, "weight", x),
+        lambda mod, name, v: v * 3 if name == "weight" and isinstance(mod, nn.Linear) else None,
+    ),
+    "expert": (
+        boundary.set_expert_dispatcher,
+        lambda m, x: boundary.expert_dispatcher(m),
+        lambda mod: lambda: mod.weight.sum(),
+    ),
+    "vocab": (
+        boundary.set_vocab_parallel_loss,
+        lambda m, x: boundary.vocab_parallel_loss(m),
+        lambda mod: lambda: mod.weight.sum() - 1,
+    ),
+}
+EXPECTED = {
+    "param": torch.full((2, 3), 1.0),
+    "value": torch.arange(1.0, 5.0),
+    "input": torch.arange(0.0, 12.0, 3.0),
+    "expert": torch.tensor(3.0),
+    "vocab": torch.tensor(2.0),
+}
 
 
 @pytest.mark.parametrize("kind", HOOKS)

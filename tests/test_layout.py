@@ -63,7 +63,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in state and (cycle := visit(nxt)):
                 return cycle
         stack.pop()
@@ -172,17 +172,25 @@ def test_layer_check_finds_a_deferred_upward_import(tmp_path):
     (pkg / "__init__.py").write_text("")
     (pkg / "losses" / "parts.py").write_text("from ..model.mla import f\n")
     (pkg / "model" / "mla.py").write_text("def f():\n    from ..losses import parts\n")
-    mods = {"glm53": pkg / "__init__.py", "glm53.model": pkg / "model" / "__init__.py",
-            "glm53.losses": pkg / "losses" / "__init__.py", "glm53.losses.parts": pkg / "losses" / "parts.py",
-            "glm53.model.mla": pkg / "model" / "mla.py"}  # fmt: skip
-    assert package_violations(mods) == ["model -> losses (glm53.model.mla imports glm53.losses)",
-                                        "model -> losses (glm53.model.mla imports glm53.losses.parts)"]  # fmt: skip
+    mods = {
+        "glm53": pkg / "__init__.py",
+        "glm53.model": pkg / "model" / "__init__.py",
+        "glm53.losses": pkg / "losses" / "__init__.py",
+        "glm53.losses.parts": pkg / "losses" / "parts.py",
+        "glm53.model.mla": pkg / "model" / "mla.py",
+    }
+    assert package_violations(mods) == [
+        "model -> losses (glm53.model.mla imports glm53.losses)",
+        "model -> losses (glm53.model.mla imports glm53.losses.parts)",
+    ]
     with pytest.raises(AssertionError, match="glm53.nowhere is in no layer"):
         _rank("nowhere")
 
 
 def test_no_file_over_500_lines():
-    long = {str(p.relative_to(ROOT)): n for p in ROOT.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    long = {
+        str(p.relative_to(ROOT)): n for p in ROOT.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
     assert not long, f"files over {MAX_LINES} lines: {long}"
 
 
@@ -192,8 +200,11 @@ def test_torch_distributed_only_in_parallel():
         if name.startswith("glm53.parallel"):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else ([node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            )
             assert not any(n.startswith("torch.distributed") for n in names), f"{name} imports torch.distributed"
 
 

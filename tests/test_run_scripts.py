@@ -19,8 +19,13 @@ ENV = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPAT
 
 def test_gpu_check_cpu_smoke_writes_json(tmp_path):
     out = tmp_path / "gpu.json"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"), "--cpu-smoke", "--out",
-                           str(out)], capture_output=True, text=True, env=ENV, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"), "--cpu-smoke", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     parts = json.loads(out.read_text())["parts"]
     assert parts["parity"]["status"] == "skipped" and "needs a GPU" in parts["parity"]["why"]
@@ -33,17 +38,29 @@ def test_gpu_check_cpu_smoke_writes_json(tmp_path):
 def test_plot_run_draws_the_metrics(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     run = tmp_path / "run"
-    assert main(["train", "--steps", "3", "--batch-size", "1", "--seq-len", "16", "--log-every", "1",
-                 "--save", str(run)]) == 0  # fmt: skip
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "plot_run.py"), str(run)],
-                          capture_output=True, text=True, env=ENV, timeout=300)  # fmt: skip
+    assert (
+        main(["train", "--steps", "3", "--batch-size", "1", "--seq-len", "16", "--log-every", "1", "--save", str(run)])
+        == 0
+    )
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "plot_run.py"), str(run)],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     png = (run / "run.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
     first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["loss"]
     assert f"{first:.4f}" in proc.stdout
-    bad = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "plot_run.py"), str(tmp_path)],
-                         capture_output=True, text=True, env=ENV, timeout=300)  # fmt: skip
+    bad = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "plot_run.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=300,
+    )
     assert bad.returncode == 1 and "metrics.jsonl: no such file" in bad.stderr and "Traceback" not in bad.stderr
 
 
@@ -59,7 +76,9 @@ sys.meta_path.insert(0, Block())
 
 def test_default_paths_need_no_extra(tmp_path):
     """The train and generate commands import without the extras; a path that needs one names it."""
-    script = BLOCK_EXTRAS + r"""
+    script = (
+        BLOCK_EXTRAS
+        + r"""
 from glm53.__main__ import main
 assert main(["train", "--steps", "1", "--batch-size", "1", "--seq-len", "8"]) == 0
 from glm53.training.data.tokenize import TextTokenizer
@@ -72,8 +91,10 @@ try:
 except DataError as e:
     print("MESSAGE", e)
 """
-    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, env=ENV,
-                          timeout=300)  # fmt: skip
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, env=ENV, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
     assert "MESSAGE" in proc.stdout and "pip install 'glm53[data]'" in proc.stdout
 
@@ -88,6 +109,12 @@ def test_setup_extras_cover_what_the_tests_import():
     assert set(kw["extras_require"]) >= {"data", "vl", "tensorboard", "test"}
     names = {r.split("=")[0].split(">")[0] for r in kw["extras_require"]["test"]}
     # optional packages the test files import (directly or through glm53's optional paths)
-    for module, package in (("pyarrow", "pyarrow"), ("datasets", "datasets"), ("tensorboard", "tensorboard"),
-                            ("PIL", "pillow"), ("transformers", "transformers"), ("matplotlib", "matplotlib")):
+    for module, package in (
+        ("pyarrow", "pyarrow"),
+        ("datasets", "datasets"),
+        ("tensorboard", "tensorboard"),
+        ("PIL", "pillow"),
+        ("transformers", "transformers"),
+        ("matplotlib", "matplotlib"),
+    ):
         assert package in names, (module, package)

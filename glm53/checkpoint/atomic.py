@@ -199,8 +199,9 @@ def _swap(tmp: str, target: str, parent: str, name: str) -> None:
 
 
 @contextmanager
-def atomic_directory(target: str | os.PathLike, overwrite: bool = False,
-                     own: Callable[[str], bool] = lambda name: True) -> Iterator[str]:  # fmt: skip
+def atomic_directory(
+    target: str | os.PathLike, overwrite: bool = False, own: Callable[[str], bool] = lambda name: True
+) -> Iterator[str]:
     """Yield a temporary directory beside `target`; on success it becomes `target`, on error it is deleted.
 
     `own(name)` says which entries of an existing `target` the new directory replaces; the others are kept

@@ -37,9 +37,9 @@ def to_transformers_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor
             out[name] = tensor
             continue
         if name.startswith(VISION_MODULE):  # the tower's names are the on-disk ones under model.visual.
-            out[VISION_PREFIX + name[len(VISION_MODULE):]] = tensor
+            out[VISION_PREFIX + name[len(VISION_MODULE) :]] = tensor
             continue
-        local = name[len("model."):]
+        local = name[len("model.") :]
         if m := _CONV.match(local):
             convs[m[1]][m[2]] = tensor
         elif m := _HF_GATE.match(local):
@@ -65,12 +65,12 @@ def from_transformers_state_dict(state: dict[str, torch.Tensor], vision: bool = 
             continue
         if key.startswith(VISION_PREFIX):
             if vision:
-                out[VISION_MODULE + key[len(VISION_PREFIX):]] = tensor
+                out[VISION_MODULE + key[len(VISION_PREFIX) :]] = tensor
             continue
         if not key.startswith(TEXT_PREFIX):
             unknown.append(key)
             continue
-        local = key[len(TEXT_PREFIX):]
+        local = key[len(TEXT_PREFIX) :]
         if m := _HF_CONV.match(local):
             for part, chunk in zip("qkv", tensor.chunk(3, dim=0)):
                 out[f"model.{m[1]}{part}_conv1d.weight"] = chunk

@@ -34,8 +34,23 @@ from .shards import ShardedWriter, atomic_directory, checkpoint_owns, copy_side_
 _TEXT_LAYER = re.compile(r"^(model\.language_model\.|model\.)layers\.(\d+)\.(.*)$")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # Bytes per element of each safetensors dtype string (for sizes computed from headers alone).
-_ITEM_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-               "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}  # fmt: skip
+_ITEM_BYTES = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
 
 
 class CropError(ValueError):
@@ -180,8 +195,9 @@ def plan_crop(src: str, n: int, dtype: torch.dtype = torch.bfloat16) -> Plan:
                 fp8.check_scale(key, shape, scale_shape, plan.block_size)
             except ValueError as e:
                 raise CropError(str(e)) from None
-        entry = Entry(key, dst, file, shape, src_dtype, dequantize,
-                      files[key + fp8.SCALE_SUFFIX] if dequantize else None)
+        entry = Entry(
+            key, dst, file, shape, src_dtype, dequantize, files[key + fp8.SCALE_SUFFIX] if dequantize else None
+        )
         plan.entries.append(entry)
         plan.out_bytes += entry.out_bytes(dtype)
         for needed in (file, entry.scale_file):
@@ -213,9 +229,17 @@ def print_plan(plan: Plan, dtype: torch.dtype, out=None) -> None:
     print(f"output: {len(plan.entries)} tensors, {plan.out_bytes} bytes ({_human(plan.out_bytes)})", file=out)
 
 
-def crop(src: str | os.PathLike, dst: str | os.PathLike, num_layers: int, *, dtype: torch.dtype = torch.bfloat16,
-         max_shard_size: int | str = "5GB", overwrite: bool = False, dry_run: bool = False,
-         log=None) -> Plan:  # fmt: skip
+def crop(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    num_layers: int,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    max_shard_size: int | str = "5GB",
+    overwrite: bool = False,
+    dry_run: bool = False,
+    log=None,
+) -> Plan:
     """Crop SRC to its first `num_layers` layers into DST (see the module docstring) -> the plan carried out.
 
     Progress goes to `log` (stderr by default); `dry_run` prints the plan to stdout and writes nothing.
@@ -228,8 +252,10 @@ def crop(src: str | os.PathLike, dst: str | os.PathLike, num_layers: int, *, dty
     # Resolved paths: a symlink to (or inside) SRC must not slip past the check.
     real_src, real_dst = os.path.realpath(src), os.path.realpath(dst)
     if is_inside(real_dst, real_src) or is_inside(real_src, real_dst):
-        raise CropError(f"DST ({dst}, resolved {real_dst}) must not be SRC or lie inside it (or contain it); "
-                        f"SRC resolves to {real_src}")  # fmt: skip
+        raise CropError(
+            f"DST ({dst}, resolved {real_dst}) must not be SRC or lie inside it (or contain it); "
+            f"SRC resolves to {real_src}"
+        )
     if os.path.lexists(dst) and not overwrite and not dry_run:
         raise CropError(f"{dst} already exists; pass --overwrite to replace it")
     plan = plan_crop(src, num_layers, dtype)
@@ -241,8 +267,12 @@ def crop(src: str | os.PathLike, dst: str | os.PathLike, num_layers: int, *, dty
         handles, done = {}, 0
         for i, file in enumerate(plan.shards):
             entries = [e for e in plan.entries if e.file == file]  # (a shard may hold only scales)
-            print(f"[{i + 1}/{len(plan.shards)}] {os.path.basename(file)}: {len(entries)} tensors "
-                  f"({_human(done)} of {_human(plan.out_bytes)} written)", file=log, flush=True)  # fmt: skip
+            print(
+                f"[{i + 1}/{len(plan.shards)}] {os.path.basename(file)}: {len(entries)} tensors "
+                f"({_human(done)} of {_human(plan.out_bytes)} written)",
+                file=log,
+                flush=True,
+            )
             for e in entries:
                 writer.add(e.dst, _read(e, plan, handles, dtype))
                 done += e.out_bytes(dtype)
@@ -303,8 +333,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="print the plan and write nothing")
     args = parser.parse_args(argv)
     try:
-        crop(args.src, args.dst, args.num_layers, dtype=DTYPES[args.dtype], max_shard_size=args.max_shard_size,
-             overwrite=args.overwrite, dry_run=args.dry_run)  # fmt: skip
+        crop(
+            args.src,
+            args.dst,
+            args.num_layers,
+            dtype=DTYPES[args.dtype],
+            max_shard_size=args.max_shard_size,
+            overwrite=args.overwrite,
+            dry_run=args.dry_run,
+        )
     except (CropError, FileExistsError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -37,8 +37,11 @@ def weight_block_size(quantization_config: dict[str, Any] | None) -> tuple[int, 
     if quantization_config is not None and not isinstance(quantization_config, dict):
         raise ConfigError(f"quantization_config must be a dict, got {quantization_config!r}")
     block = (quantization_config or {}).get("weight_block_size") or DEFAULT_BLOCK_SIZE
-    if (not isinstance(block, (list, tuple)) or len(block) != 2
-            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):  # fmt: skip
+    if (
+        not isinstance(block, (list, tuple))
+        or len(block) != 2
+        or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+    ):
         raise ConfigError(f"quantization_config.weight_block_size must be two positive ints, got {block!r}")
     return int(block[0]), int(block[1])
 
@@ -50,8 +53,9 @@ def scale_shape(shape: tuple[int, ...], block_size: tuple[int, int]) -> tuple[in
     return ceil_div(shape[0], block_size[0]), ceil_div(shape[1], block_size[1])
 
 
-def check_scale(key: str, weight_shape: tuple[int, ...], scale_shape_found: tuple[int, ...] | None,
-                block_size: tuple[int, int]) -> None:  # fmt: skip
+def check_scale(
+    key: str, weight_shape: tuple[int, ...], scale_shape_found: tuple[int, ...] | None, block_size: tuple[int, int]
+) -> None:
     """Raise ValueError naming `key` when its scale is missing or mis-shaped."""
     if scale_shape_found is None:
         raise ValueError(f"FP8 tensor {key!r} has no {key + SCALE_SUFFIX!r} companion")
@@ -71,16 +75,23 @@ def _expand(scale_inv: torch.Tensor, shape: tuple[int, int], block_size: tuple[i
     return scale_inv.float().repeat_interleave(bo, 0)[: shape[0]].repeat_interleave(bi, 1)[:, : shape[1]]
 
 
-def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:  # fmt: skip
+def dequantize(
+    q: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """q [o, i] (e4m3), scale_inv [ceil(o/bo), ceil(i/bi)] -> weight [o, i] in `dtype` (product in fp32)."""
     check_scale("weight", tuple(q.shape), tuple(scale_inv.shape), block_size)
     return (q.float() * _expand(scale_inv, tuple(q.shape), block_size)).to(dtype)
 
 
-def dequantize_reference(q: torch.Tensor, scale_inv: torch.Tensor,
-                         block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE,
-                         dtype: torch.dtype = torch.float32) -> torch.Tensor:  # fmt: skip
+def dequantize_reference(
+    q: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """Loop over blocks: out[block (r, c)] = q[block] * scale_inv[r, c], computed in fp32."""
     check_scale("weight", tuple(q.shape), tuple(scale_inv.shape), block_size)
     bo, bi = block_size
@@ -92,8 +103,9 @@ def dequantize_reference(q: torch.Tensor, scale_inv: torch.Tensor,
     return out.to(dtype)
 
 
-def quantize(weight: torch.Tensor, block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE
-             ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def quantize(
+    weight: torch.Tensor, block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE
+) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [o, i] -> (q [o, i] e4m3, scale_inv [ceil(o/bo), ceil(i/bi)] fp32), one scale per block.
 
     scale_inv = amax(|block|) / FP8_MAX, so every block's largest entry maps to +-448 (all-zero blocks get 1).

@@ -51,7 +51,7 @@ MTP_SHARED_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
 def mtp_internal(local: str, num_layers: int, n_mtp: int) -> str | None:
     """`layers.{N+j}.rest` -> `mtp.layers.{j}.rest` (glm53 name), or None for a key set aside."""
     m = LAYER_KEY.match(local)
-    j, rest = int(m[1]) - num_layers, local[m.end():]
+    j, rest = int(m[1]) - num_layers, local[m.end() :]
     if j >= n_mtp or rest in MTP_SHARED_COPIES:
         return None
     return "mtp." + official_to_internal(f"layers.{j}.{rest}")
@@ -61,10 +61,10 @@ def official_key(name: str, num_layers: int) -> str:
     if name.startswith(VISION_MODULE):
         return "model." + name
     if name.startswith("model."):
-        return TEXT_PREFIX + internal_to_official(name[len("model."):])
+        return TEXT_PREFIX + internal_to_official(name[len("model.") :])
     if name.startswith("mtp."):
-        m = LAYER_KEY.match(name[len("mtp."):])
-        return TEXT_PREFIX + f"layers.{num_layers + int(m[1])}." + name[len("mtp.") + m.end():]
+        m = LAYER_KEY.match(name[len("mtp.") :])
+        return TEXT_PREFIX + f"layers.{num_layers + int(m[1])}." + name[len("mtp.") + m.end() :]
     return name
 
 
@@ -104,13 +104,13 @@ def _mtpnamed_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]
     n = model.config.num_hidden_layers
     for name, tensor in list(mtp.named_parameters()) + list(mtp.named_buffers()):
         m = LAYER_KEY.match(name)
-        yield f"model.layers.{n + int(m[1])}.{name[m.end():]}", tensor
+        yield f"model.layers.{n + int(m[1])}.{name[m.end() :]}", tensor
 
 
 def mtp_official_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(on-disk key, tensor) pairs of the MTP layers only: `model.mtp.layers.{j}.*` -> `layers.{N+j}.*`."""
     for name, tensor in _mtpnamed_state(model):
-        yield from official_items(name[len("model."):], tensor)
+        yield from official_items(name[len("model.") :], tensor)
 
 
 def official_pairs(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
@@ -121,7 +121,7 @@ def official_pairs(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch
     elif name.startswith(VISION_MODULE):
         yield "model." + name, tensor
     else:
-        yield from official_items(name[len("model."):], tensor)
+        yield from official_items(name[len("model.") :], tensor)
 
 
 def iter_official_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -132,8 +132,15 @@ def iter_official_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Ten
 
 # Outer config.json keys that declare a vision tower: a model without one (Glm53ForCausalLM, also when loaded
 # from a VL checkpoint) writes none of them, so transformers does not build a randomly initialised tower.
-VISION_CONFIG_KEYS = ("vision_config", "image_token_id", "video_token_id", "image_start_token_id",
-                      "image_end_token_id", "video_start_token_id", "video_end_token_id")  # fmt: skip
+VISION_CONFIG_KEYS = (
+    "vision_config",
+    "image_token_id",
+    "video_token_id",
+    "image_start_token_id",
+    "image_end_token_id",
+    "video_start_token_id",
+    "video_end_token_id",
+)
 
 
 def official_config(model: torch.nn.Module) -> dict:

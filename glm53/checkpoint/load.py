@@ -56,12 +56,12 @@ def _model_name(key: str, num_layers: int, n_mtp: int) -> tuple[str, str | None]
     """A checkpoint key -> ("model", glm53 name), ("vision", the tower's glm53 name) or (kind, None) with kind
     "mtp" or "unexpected"."""
     if key.startswith(VISION_PREFIX):
-        return "vision", VISION_MODULE + key[len(VISION_PREFIX):]
+        return "vision", VISION_MODULE + key[len(VISION_PREFIX) :]
     if key == "lm_head.weight":
         return "model", key
     if not key.startswith(TEXT_PREFIX):
         return "unexpected", None
-    local = key[len(TEXT_PREFIX):]
+    local = key[len(TEXT_PREFIX) :]
     m = LAYER_KEY.match(local)
     if m and int(m[1]) >= num_layers:
         name = mtp_internal(local, num_layers, n_mtp)
@@ -83,7 +83,7 @@ def _match_keys(targets: dict, files: dict[str, str], reader: TensorReader, num_
             kind = "model"
         if kind != "model":
             {"vision": plan.vision, "mtp": plan.mtp_set_aside, "unexpected": plan.unexpected}[kind].append(key)
-        elif (m := EXPERT_KEY.match(key[len(TEXT_PREFIX):])) and name in targets:
+        elif (m := EXPERT_KEY.match(key[len(TEXT_PREFIX) :])) and name in targets:
             plan.experts[name][(int(m[2]), m[3])] = key
         elif name in targets and name not in plan.direct:
             plan.direct[name] = key
@@ -96,8 +96,9 @@ def _match_keys(targets: dict, files: dict[str, str], reader: TensorReader, num_
     return plan
 
 
-def _expert_problems(name: str, shape: tuple, plan: LoadPlan, reader: TensorReader, num_layers: int,
-                     missing: list, bad_shape: list) -> None:  # fmt: skip
+def _expert_problems(
+    name: str, shape: tuple, plan: LoadPlan, reader: TensorReader, num_layers: int, missing: list, bad_shape: list
+) -> None:
     """Check one fused expert parameter [E, rows, cols] against its per-expert keys."""
     E, rows, cols = shape
     parts = ("gate", "up") if name.endswith("gate_up_proj") else ("down",)
@@ -138,9 +139,13 @@ def _plan(model: torch.nn.Module, files: dict[str, str], reader: TensorReader, n
         else:
             missing.append(f"{official_key(name, num_layers)} {tuple(tensor.shape)}")
     bad_fp8 = [msg for key in plan.used_keys() if (msg := reader.check_fp8(key))]
-    sections = [("FP8 scales", bad_fp8), ("missing keys (expected shape)", missing),
-                ("unexpected keys", plan.unexpected), ("mis-shaped keys", bad_shape),
-                ("keys of a dtype the parameter cannot hold", _dtype_problems(targets, plan, reader))]  # fmt: skip
+    sections = [
+        ("FP8 scales", bad_fp8),
+        ("missing keys (expected shape)", missing),
+        ("unexpected keys", plan.unexpected),
+        ("mis-shaped keys", bad_shape),
+        ("keys of a dtype the parameter cannot hold", _dtype_problems(targets, plan, reader)),
+    ]
     problems = [f"{title}:\n  " + "\n  ".join(sorted(items)) for title, items in sections if items]
     if problems:
         raise CheckpointError("checkpoint does not match the model config:\n" + "\n".join(problems))
@@ -156,23 +161,27 @@ def _dtype_problems(targets: dict, plan: LoadPlan, reader: TensorReader) -> list
     for name, key in pairs:
         found, target = reader.dtype(key), targets[name]
         if target.is_floating_point() and found not in FLOAT_DTYPES:
-            problems.append(f"{key}: {found}, but {name} is {str(target.dtype).replace('torch.', '')} "
-                            f"(floating: one of {sorted(FLOAT_DTYPES)})")  # fmt: skip
+            problems.append(
+                f"{key}: {found}, but {name} is {str(target.dtype).replace('torch.', '')} "
+                f"(floating: one of {sorted(FLOAT_DTYPES)})"
+            )
     return problems
 
 
 def check_layer_count(files: dict[str, str], config: Glm53Config, path: str) -> None:
     """Compare the checkpoint's decoder layers with config.json before building anything: a config claiming far
     more layers than the checkpoint holds would otherwise spend minutes building a model that cannot load."""
-    text = [key[len(TEXT_PREFIX):] for key in files if key.startswith(TEXT_PREFIX)]
+    text = [key[len(TEXT_PREFIX) :] for key in files if key.startswith(TEXT_PREFIX)]
     layers = {int(m[1]) for local in text if (m := LAYER_KEY.match(local))}
     n = config.num_hidden_layers
     absent = sorted(set(range(n)) - layers)
     if absent:
         shown = absent if len(absent) <= 8 else [*absent[:4], "...", *absent[-2:]]
-        raise CheckpointError(f"{path}: config.json has num_hidden_layers={n} but the checkpoint has no tensors for "
-                              f"{len(absent)} of those layers (layers {shown}); it holds layers "
-                              f"{_ranges(sorted(layers))}")  # fmt: skip
+        raise CheckpointError(
+            f"{path}: config.json has num_hidden_layers={n} but the checkpoint has no tensors for "
+            f"{len(absent)} of those layers (layers {shown}); it holds layers "
+            f"{_ranges(sorted(layers))}"
+        )
 
 
 def _ranges(values: list[int]) -> str:
@@ -194,9 +203,12 @@ def quantization_config(config: Glm53Config) -> dict | None:
 def warn_text_only(plan: LoadPlan, path: str) -> None:
     """One warning per load when a model without a tower reads a vision-language checkpoint."""
     if plan.vision:
-        logger.warning("%s is a vision-language checkpoint: loading its text model only, %d vision-tower tensors "
-                       "(model.visual.*) skipped (glm53.Glm53ForConditionalGeneration loads them)", path,
-                       len(plan.vision))  # fmt: skip
+        logger.warning(
+            "%s is a vision-language checkpoint: loading its text model only, %d vision-tower tensors "
+            "(model.visual.*) skipped (glm53.Glm53ForConditionalGeneration loads them)",
+            path,
+            len(plan.vision),
+        )
 
 
 def _fitting(tensor: torch.Tensor, dtype: torch.dtype, key: str, path) -> torch.Tensor:
@@ -206,8 +218,9 @@ def _fitting(tensor: torch.Tensor, dtype: torch.dtype, key: str, path) -> torch.
     return tensor
 
 
-def load_checkpoint(cls, path: str | os.PathLike, *, dtype: torch.dtype | None = None,
-                    device: str | torch.device = "cpu"):  # fmt: skip
+def load_checkpoint(
+    cls, path: str | os.PathLike, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+):
     """Build `cls` (Glm53ForCausalLM) from an official-layout directory; see the module docstring.
 
     dtype None keeps the config's stored `dtype`/`torch_dtype` when it names one, else fp32. Parameters that
@@ -247,13 +260,20 @@ def load_checkpoint(cls, path: str | os.PathLike, *, dtype: torch.dtype | None =
                 offset = rows if part == "up" else 0
                 target[e, offset : offset + rows].copy_(_fitting(reader.get(key), target.dtype, key, path))
         if model.mtp is not None and not plan.mtp_found:
-            logger.warning("%s has no MTP tensors (layers.%d.*): the MTP module is freshly initialised",
-                           path, config.num_hidden_layers)  # fmt: skip
+            logger.warning(
+                "%s has no MTP tensors (layers.%d.*): the MTP module is freshly initialised",
+                path,
+                config.num_hidden_layers,
+            )
             model.mtp.init_weights()
     model.mtp_checkpoint_keys = sorted(plan.mtp_set_aside)
     if model.mtp is None and plan.mtp_set_aside:
-        logger.warning("%s holds %d MTP tensors (layers.%d.*) but its config has num_nextn_predict_layers=0: they "
-                       "are not loaded, and a save_pretrained of this model will not write them (set "
-                       "num_nextn_predict_layers to keep them)", path, len(plan.mtp_set_aside),
-                       config.num_hidden_layers)  # fmt: skip
+        logger.warning(
+            "%s holds %d MTP tensors (layers.%d.*) but its config has num_nextn_predict_layers=0: they "
+            "are not loaded, and a save_pretrained of this model will not write them (set "
+            "num_nextn_predict_layers to keep them)",
+            path,
+            len(plan.mtp_set_aside),
+            config.num_hidden_layers,
+        )
     return model.eval()  # as transformers' from_pretrained: dropout off, no expert loads counted; .train() to train

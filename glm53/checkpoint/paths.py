@@ -37,13 +37,16 @@ def confined(directory: str, name: object, source: str) -> str:
     if not isinstance(name, str) or not name:
         raise CheckpointError(f"{source} names a file that is not a file name: {name!r}")
     if os.path.isabs(name):
-        raise CheckpointError(f"{source} names {name!r}, an absolute path; checkpoint files must be relative "
-                              f"to {directory}")  # fmt: skip
+        raise CheckpointError(
+            f"{source} names {name!r}, an absolute path; checkpoint files must be relative to {directory}"
+        )
     path = os.path.join(directory, name)
     resolved = os.path.realpath(path)
     if not any(is_inside(resolved, root) for root in allowed_roots(directory)):
-        raise CheckpointError(f"{source} names {name!r}, which resolves to {resolved}, outside the checkpoint "
-                              f"directory {os.path.realpath(directory)}")  # fmt: skip
+        raise CheckpointError(
+            f"{source} names {name!r}, which resolves to {resolved}, outside the checkpoint "
+            f"directory {os.path.realpath(directory)}"
+        )
     return path
 
 

@@ -81,8 +81,10 @@ def checkpoint_files(path: str) -> dict[str, str]:
     index = os.path.join(path, INDEX_FILE)
     if os.path.isfile(index) and os.path.lexists(os.path.join(path, SINGLE_FILE)):
         # Either could be stale (a copy over another checkpoint): reading one silently would pick at random.
-        raise CheckpointError(f"{path} holds both {SINGLE_FILE} and {INDEX_FILE}: which weights are meant is "
-                              f"ambiguous; remove the stale one")  # fmt: skip
+        raise CheckpointError(
+            f"{path} holds both {SINGLE_FILE} and {INDEX_FILE}: which weights are meant is "
+            f"ambiguous; remove the stale one"
+        )
     if os.path.isfile(index):
         confined(path, INDEX_FILE, path)
         weight_map = _weight_map(index)
@@ -138,8 +140,7 @@ class TensorReader:
         if scale in self.files and self.dtype(scale) not in FLOAT_DTYPES:
             return f"FP8 scale {scale!r} is {self.dtype(scale)}; a scale must be floating ({sorted(FLOAT_DTYPES)})"
         try:
-            fp8.check_scale(key, self.shape(key), self.shape(scale) if scale in self.files else None,
-                            self.block_size)  # fmt: skip
+            fp8.check_scale(key, self.shape(key), self.shape(scale) if scale in self.files else None, self.block_size)
         except ValueError as e:
             return str(e)
         return None
@@ -168,8 +169,10 @@ class TensorReader:
         NaN or inf in either raises."""
         q, scale = self._tensor(key), key + fp8.SCALE_SUFFIX
         if q.dtype != fp8.FP8_DTYPE or scale not in self.files:
-            raise CheckpointError(f"tensor {key!r} is not block-scaled FP8 ({q.dtype}, scale {scale!r} "
-                                  f"{'present' if scale in self.files else 'absent'})")  # fmt: skip
+            raise CheckpointError(
+                f"tensor {key!r} is not block-scaled FP8 ({q.dtype}, scale {scale!r} "
+                f"{'present' if scale in self.files else 'absent'})"
+            )
         s = self._tensor(scale).float()
         if not (bool(torch.isfinite(s).all()) and bool(torch.isfinite(q.float()).all())):  # NOTE: syncs
             raise CheckpointError(f"tensor {key!r} (or its scale) holds NaN or infinite values")

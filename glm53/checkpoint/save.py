@@ -27,8 +27,9 @@ def non_finite_tensors(model: torch.nn.Module) -> list[str]:
     return [name for name, t in named_state(model) if t.is_floating_point() and not bool(torch.isfinite(t).all())]
 
 
-def check_savable(model: torch.nn.Module, dtype: torch.dtype | str | None,
-                  allow_non_finite: bool) -> torch.dtype | None:  # fmt: skip
+def check_savable(
+    model: torch.nn.Module, dtype: torch.dtype | str | None, allow_non_finite: bool
+) -> torch.dtype | None:
     """-> the resolved save dtype; raise before anything is written for a non-floating dtype (TypeError) or a
     model holding NaN/inf (CheckpointError naming the tensors: the loader would refuse the checkpoint)."""
     dtype = None if dtype is None else resolve_dtype(dtype, "dtype")
@@ -42,14 +43,21 @@ def check_savable(model: torch.nn.Module, dtype: torch.dtype | str | None,
             raise CheckpointError(range_error(overflows, dtype, "saving as"))
     if not allow_non_finite and (bad := non_finite_tensors(model)):
         shown = bad if len(bad) <= 10 else [*bad[:10], f"... ({len(bad)} in all)"]
-        raise CheckpointError(f"refusing to save a model holding NaN or inf in {shown} (pass allow_non_finite=True "
-                              f"to write it anyway; from_pretrained will refuse to load it)")  # fmt: skip
+        raise CheckpointError(
+            f"refusing to save a model holding NaN or inf in {shown} (pass allow_non_finite=True "
+            f"to write it anyway; from_pretrained will refuse to load it)"
+        )
     return dtype
 
 
-def write_checkpoint_files(model: torch.nn.Module, directory: str, *, max_shard_size: int | str = "5GB",
-                           dtype: torch.dtype | None = None,
-                           metadata: dict[str, str] | None = None) -> None:  # fmt: skip
+def write_checkpoint_files(
+    model: torch.nn.Module,
+    directory: str,
+    *,
+    max_shard_size: int | str = "5GB",
+    dtype: torch.dtype | None = None,
+    metadata: dict[str, str] | None = None,
+) -> None:
     """Write config.json and the (sharded) weights of `model` into the existing `directory`.
 
     `metadata` goes into every shard's safetensors header (the training checkpoint's run tag, state.py).
@@ -71,9 +79,15 @@ def write_checkpoint_files(model: torch.nn.Module, directory: str, *, max_shard_
     write_json(os.path.join(directory, "config.json"), config)
 
 
-def save_checkpoint(model: torch.nn.Module, path: str | os.PathLike, *, max_shard_size: int | str = "5GB",
-                    dtype: torch.dtype | str | None = None, overwrite: bool = False,
-                    allow_non_finite: bool = False) -> str:  # fmt: skip
+def save_checkpoint(
+    model: torch.nn.Module,
+    path: str | os.PathLike,
+    *,
+    max_shard_size: int | str = "5GB",
+    dtype: torch.dtype | str | None = None,
+    overwrite: bool = False,
+    allow_non_finite: bool = False,
+) -> str:
     """Write `model` to `path` in the official layout (what `Glm53ForCausalLM.save_pretrained` calls).
 
     config.json is `Glm53Config.to_official_dict()` (model_type glm5_next, nested text_config) with the dtype
@@ -90,8 +104,12 @@ def save_checkpoint(model: torch.nn.Module, path: str | os.PathLike, *, max_shar
             raise TypeError(f"{name} must be True or False, got {flag!r}")
     dtype = check_savable(model, dtype, allow_non_finite)
     if model.mtp is None and (dropped := getattr(model, "mtp_checkpoint_keys", [])):
-        logger.warning("not writing the %d MTP tensors the source checkpoint held (the model has "
-                       "num_nextn_predict_layers=0): %s will have no MTP layer", len(dropped), path)  # fmt: skip
+        logger.warning(
+            "not writing the %d MTP tensors the source checkpoint held (the model has "
+            "num_nextn_predict_layers=0): %s will have no MTP layer",
+            len(dropped),
+            path,
+        )
     with atomic_directory(path, overwrite=overwrite, own=checkpoint_owns) as tmp:
         write_checkpoint_files(model, tmp, max_shard_size=max_shard_size, dtype=dtype)
     return os.path.abspath(os.fspath(path))

@@ -23,8 +23,18 @@ from .paths import allowed_roots, is_inside
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def parse_size(size: int | str) -> int:
@@ -59,8 +69,9 @@ class ShardedWriter:
     Memory holds at most one shard. A single tensor larger than the limit gets a shard of its own.
     """
 
-    def __init__(self, directory: str, max_shard_size: int | str = "5GB",
-                 metadata: dict[str, str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, directory: str, max_shard_size: int | str = "5GB", metadata: dict[str, str] | None = None
+    ) -> None:
         self.directory = directory
         self.max_bytes = parse_size(max_shard_size)
         self.metadata = {"format": "pt", **(metadata or {})}
@@ -148,8 +159,11 @@ def _outside(roots: list[str]):
 
     def ignore(directory: str, names: list[str]) -> list[str]:
         paths = {n: os.path.join(directory, n) for n in names}
-        return [n for n, p in paths.items()
-                if not _inside(p, roots) or _linked_dir(p) or not (os.path.isfile(p) or os.path.isdir(p))]  # fmt: skip
+        return [
+            n
+            for n, p in paths.items()
+            if not _inside(p, roots) or _linked_dir(p) or not (os.path.isfile(p) or os.path.isdir(p))
+        ]
 
     return ignore
 

@@ -18,5 +18,14 @@ from .loop import generate
 from .sampling import allowed_logits, next_tokens
 from .step import GenerationError, Stepper, step
 
-__all__ = ["CacheError", "GenerationCache", "GenerationError", "GenerationStats", "Stepper", "allowed_logits",
-           "generate", "next_tokens", "step"]  # fmt: skip
+__all__ = [
+    "CacheError",
+    "GenerationCache",
+    "GenerationError",
+    "GenerationStats",
+    "Stepper",
+    "allowed_logits",
+    "generate",
+    "next_tokens",
+    "step",
+]

@@ -13,8 +13,8 @@ import math
 
 import torch
 
-from ..utils import is_int, is_number
 from ..model.inputs import check_device
+from ..utils import is_int, is_number
 from .step import GenerationError
 
 
@@ -42,8 +42,10 @@ def _check_generator(generator: object, device: torch.device) -> None:
     if not isinstance(generator, torch.Generator):
         raise GenerationError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     if generator.device.type != device.type:
-        raise GenerationError(f"generator is on {generator.device} but the model is on {device}; make it with "
-                              f"torch.Generator({device.type!r})")  # fmt: skip
+        raise GenerationError(
+            f"generator is on {generator.device} but the model is on {device}; make it with "
+            f"torch.Generator({device.type!r})"
+        )
 
 
 def _check_streamer(streamer: object) -> None:
@@ -51,13 +53,24 @@ def _check_streamer(streamer: object) -> None:
         return
     missing = [m for m in ("put", "end") if not callable(getattr(streamer, m, None))]
     if missing:
-        raise GenerationError(f"streamer must have put(ids) and end() methods; {type(streamer).__name__} lacks "
-                              f"{' and '.join(missing)}")  # fmt: skip
+        raise GenerationError(
+            f"streamer must have put(ids) and end() methods; {type(streamer).__name__} lacks {' and '.join(missing)}"
+        )
 
 
-def check_call(model, input_ids: object, attention_mask: object, do_sample: object, temperature: object,
-               top_k: object, top_p: object, pad_token_id: object, generator: object, streamer: object,
-               return_stats: object) -> None:  # fmt: skip
+def check_call(
+    model,
+    input_ids: object,
+    attention_mask: object,
+    do_sample: object,
+    temperature: object,
+    top_k: object,
+    top_p: object,
+    pad_token_id: object,
+    generator: object,
+    streamer: object,
+    return_stats: object,
+) -> None:
     """Everything `generate` takes that the shape and vocabulary checks (loop.py) do not cover."""
     device = model.lm_head.weight.device
     _check_prompt(input_ids, attention_mask, device)

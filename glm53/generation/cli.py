@@ -25,8 +25,8 @@ from ..errors import Glm53Error
 from ..losses import Glm53ForCausalLM
 from ..peft import cli as peft_cli
 from ..training import data as byte_codec
-from ..training.args import existing_dir, seed_int
 from ..training import vl_prompt
+from ..training.args import existing_dir, seed_int
 from .loop import generate
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -80,8 +80,9 @@ def _prompts_file(path: str) -> list[str]:
                 raise argparse.ArgumentTypeError(f"{path} line {number}: not JSON ({e.msg})") from None
             record = record.get("prompt") if isinstance(record, dict) else record
             if not isinstance(record, str):
-                raise argparse.ArgumentTypeError(f"{path} line {number}: expected a JSON string or an object with "
-                                                 f"a string 'prompt'")  # fmt: skip
+                raise argparse.ArgumentTypeError(
+                    f"{path} line {number}: expected a JSON string or an object with a string 'prompt'"
+                )
             line = record
         prompts.append(line)
     if not prompts:
@@ -102,26 +103,50 @@ def _device(text: str) -> torch.device:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, type=existing_dir, help="an official-layout checkpoint directory")
     peft_cli.add_generate_arguments(p)  # --adapter DIR
-    p.add_argument("--tokenizer", default=None, type=_tokenizer, help="a transformers tokenizer directory or 'bytes' "
-                   "(default: the model directory if it holds a tokenizer, else the built-in byte codec)")  # fmt: skip
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        type=_tokenizer,
+        help="a transformers tokenizer directory or 'bytes' "
+        "(default: the model directory if it holds a tokenizer, else the built-in byte codec)",
+    )
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt")
-    source.add_argument("--prompts", type=_prompts_file, metavar="FILE",
-                        help="a batch of prompts: one per line, or .jsonl lines of {\"prompt\": ...} or strings")
-    p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the tokenizer's chat "
-                   "template (with the generation prompt)")  # fmt: skip
+    source.add_argument(
+        "--prompts",
+        type=_prompts_file,
+        metavar="FILE",
+        help='a batch of prompts: one per line, or .jsonl lines of {"prompt": ...} or strings',
+    )
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="wrap each prompt as a user message in the tokenizer's chat template (with the generation prompt)",
+    )
     p.add_argument("--device", type=_device, default=torch.device("cpu"), help="where the model runs (default cpu)")
     p.add_argument("--max-new-tokens", type=_int_at_least(0), default=64)
-    p.add_argument("--temperature", type=_float_in(0.0, math.inf, False), default=0.0,
-                   help="0 = greedy (default); > 0 samples")  # fmt: skip
+    p.add_argument(
+        "--temperature", type=_float_in(0.0, math.inf, False), default=0.0, help="0 = greedy (default); > 0 samples"
+    )
     p.add_argument("--top-p", type=_float_in(0.0, 1.0, True), default=None)
     p.add_argument("--top-k", type=_int_at_least(1), default=None)
     p.add_argument("--seed", type=seed_int, default=0)
-    p.add_argument("--mtp", type=_int_at_least(1), default=None, metavar="K",
-                   help="greedy MTP speculative decoding with K draft tokens per step")  # fmt: skip
-    p.add_argument("--compile", nargs="?", const="inductor", default=None, choices=("inductor", "aot_eager"),
-                   help="run every step after the prefill as torch.compile of the same forward (generation/step.py; "
-                        "the first step compiles, which counts in the decode time printed)")  # fmt: skip
+    p.add_argument(
+        "--mtp",
+        type=_int_at_least(1),
+        default=None,
+        metavar="K",
+        help="greedy MTP speculative decoding with K draft tokens per step",
+    )
+    p.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        default=None,
+        choices=("inductor", "aot_eager"),
+        help="run every step after the prefill as torch.compile of the same forward (generation/step.py; "
+        "the first step compiles, which counts in the decode time printed)",
+    )
     vl_prompt.add_arguments(p)  # --image, --video, --video-fps: a vision-language --model
 
 
@@ -146,11 +171,13 @@ class _Codec:
     def chat(self, text: str) -> str:
         """The prompt as a user message in the tokenizer's chat template, ready for the assistant's reply."""
         if self.hf is None or not getattr(self.hf, "chat_template", None):
-            raise Glm53Error("--chat needs a tokenizer with a chat template (the byte codec and this tokenizer have "
-                             "none)")  # fmt: skip
+            raise Glm53Error(
+                "--chat needs a tokenizer with a chat template (the byte codec and this tokenizer have none)"
+            )
         try:
-            return self.hf.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                               add_generation_prompt=True)  # fmt: skip
+            return self.hf.apply_chat_template(
+                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+            )
         except Exception as e:  # a template is user code (jinja): any failure is reported naming the flag
             raise Glm53Error(f"--chat: the tokenizer's chat template failed ({type(e).__name__}: {e})") from None
 
@@ -236,8 +263,9 @@ def _run(args: argparse.Namespace) -> int:
     embeds = None
     if visual:  # the media expanded into the prompt, their features spliced once (before the prefill)
         with torch.no_grad():
-            ids, embeds = vl_prompt.vl_prompt(model, args.tokenizer or args.model, texts[0], args.image, args.video,
-                                              args.video_fps)  # fmt: skip
+            ids, embeds = vl_prompt.vl_prompt(
+                model, args.tokenizer or args.model, texts[0], args.image, args.video, args.video_fps
+            )
         mask = torch.ones_like(ids)
     sample = args.temperature > 0 or args.top_p is not None or args.top_k is not None
     options = dict(max_new_tokens=args.max_new_tokens, return_stats=True)
@@ -247,8 +275,13 @@ def _run(args: argparse.Namespace) -> int:
     if args.mtp is not None:
         options.update(speculative="mtp", num_speculative_tokens=args.mtp)
     elif sample:
-        options.update(do_sample=True, temperature=args.temperature or 1.0, top_p=args.top_p, top_k=args.top_k,
-                       generator=torch.Generator(args.device).manual_seed(args.seed))  # fmt: skip
+        options.update(
+            do_sample=True,
+            temperature=args.temperature or 1.0,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            generator=torch.Generator(args.device).manual_seed(args.seed),
+        )
     if args.compile is not None:
         options.update(compile=True if args.compile == "inductor" else args.compile)
     if embeds is not None:
@@ -259,11 +292,15 @@ def _run(args: argparse.Namespace) -> int:
             print(f"### {i + 1}\n{texts[i]}{codec.decode(row)}", flush=True)
     total = stats.prefill_seconds + stats.decode_seconds
     prefill_rate = ids.numel() / max(stats.prefill_seconds, 1e-9)
-    print(f"[{stats.new_tokens} new tokens in {total:.2f} s: prefill {prefill_rate:,.1f} tok/s, decode "
-          f"{stats.decode_tokens_per_second:,.1f} tok/s]")  # fmt: skip
+    print(
+        f"[{stats.new_tokens} new tokens in {total:.2f} s: prefill {prefill_rate:,.1f} tok/s, decode "
+        f"{stats.decode_tokens_per_second:,.1f} tok/s]"
+    )
     if args.mtp is not None:
-        print(f"[MTP acceptance rate {stats.acceptance_rate:.3f} ({stats.accepted}/{stats.drafted} drafts), "
-              f"{stats.verify_forwards} verify forwards]")  # fmt: skip
+        print(
+            f"[MTP acceptance rate {stats.acceptance_rate:.3f} ({stats.accepted}/{stats.drafted} drafts), "
+            f"{stats.verify_forwards} verify forwards]"
+        )
     return 0
 
 
@@ -278,8 +315,10 @@ def _vl_model(args: argparse.Namespace):
     if args.tokenizer == "bytes":
         raise SystemExit("error: --image/--video need the model's tokenizer (with the image tokens), not 'bytes'")
     if not has_vision(Glm53Config.from_pretrained(args.model)):
-        raise SystemExit(f"error: --image/--video need a vision-language --model; {args.model} is text-only (its "
-                         f"config.json has no vision_config)")  # fmt: skip
+        raise SystemExit(
+            f"error: --image/--video need a vision-language --model; {args.model} is text-only (its "
+            f"config.json has no vision_config)"
+        )
     return Glm53ForConditionalGeneration.from_pretrained(args.model).eval()
 
 

@@ -25,34 +25,54 @@ from .step import GenerationError, Stepper
 
 def left_padded_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
     """Validate the prompt and its padding mask -> bool [B, T]; rows must be left-padded (tokens at the end)."""
-    if input_ids.dim() != 2 or input_ids.shape[1] == 0 or input_ids.dtype in (torch.float16, torch.bfloat16,
-                                                                             torch.float32, torch.float64):
-        raise GenerationError(f"input_ids must be a non-empty integer [batch, prompt] tensor, got "
-                              f"{input_ids.dtype} of shape {tuple(input_ids.shape)}")  # fmt: skip
+    if (
+        input_ids.dim() != 2
+        or input_ids.shape[1] == 0
+        or input_ids.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    ):
+        raise GenerationError(
+            f"input_ids must be a non-empty integer [batch, prompt] tensor, got "
+            f"{input_ids.dtype} of shape {tuple(input_ids.shape)}"
+        )
     if attention_mask is None:
         return torch.ones_like(input_ids, dtype=torch.bool)
     if tuple(attention_mask.shape) != tuple(input_ids.shape):
-        raise GenerationError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids "
-                              f"{tuple(input_ids.shape)}")  # fmt: skip
+        raise GenerationError(
+            f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {tuple(input_ids.shape)}"
+        )
     if bool(((attention_mask != 0) & (attention_mask != 1)).any()):  # NOTE: syncs
         raise GenerationError("attention_mask must hold only 0 (padding) and 1 (token)")
     valid = attention_mask != 0
     if not bool(valid[:, -1].all()) or bool((valid[:, 1:].long() < valid[:, :-1].long()).any()):  # NOTE: syncs
-        raise GenerationError("attention_mask must be left-padded (0s then 1s in every row, a token last): "
-                              "generation appends after each row's last position")  # fmt: skip
+        raise GenerationError(
+            "attention_mask must be left-padded (0s then 1s in every row, a token last): "
+            "generation appends after each row's last position"
+        )
     return valid
 
 
-def check_options(model, input_ids: torch.Tensor, max_new_tokens, do_sample, temperature, top_k, top_p,
-                  eos_token_id, pad_token_id, generator) -> Options:  # fmt: skip
+def check_options(
+    model,
+    input_ids: torch.Tensor,
+    max_new_tokens,
+    do_sample,
+    temperature,
+    top_k,
+    top_p,
+    eos_token_id,
+    pad_token_id,
+    generator,
+) -> Options:
     config = model.config
     V = config.vocab_size
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise GenerationError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     total = input_ids.shape[1] + max_new_tokens
     if total > config.max_position_embeddings:
-        raise GenerationError(f"prompt length {input_ids.shape[1]} + max_new_tokens {max_new_tokens} = {total} "
-                              f"exceeds the model's limit max_position_embeddings={config.max_position_embeddings}")
+        raise GenerationError(
+            f"prompt length {input_ids.shape[1]} + max_new_tokens {max_new_tokens} = {total} "
+            f"exceeds the model's limit max_position_embeddings={config.max_position_embeddings}"
+        )
     if bool(((input_ids < 0) | (input_ids >= V)).any()):  # NOTE: syncs
         raise GenerationError(f"input_ids hold ids outside the vocabulary [0, {V})")
     if eos_token_id is None:  # as transformers: the model's own EOS ids unless the call names others
@@ -77,12 +97,26 @@ def check_options(model, input_ids: torch.Tensor, max_new_tokens, do_sample, tem
 
 
 @torch.inference_mode()
-def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, max_new_tokens: int = 20,
-             do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-             eos_token_id: int | list[int] | None = None, generator: torch.Generator | None = None, streamer=None,
-             pad_token_id: int | None = None, speculative: str | None = None, num_speculative_tokens: int = 1,
-             return_stats: bool = False, latent_dtype: torch.dtype | None = None,
-             compile: bool | str = False, inputs_embeds: torch.Tensor | None = None):  # fmt: skip
+def generate(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    max_new_tokens: int = 20,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_token_id: int | list[int] | None = None,
+    generator: torch.Generator | None = None,
+    streamer=None,
+    pad_token_id: int | None = None,
+    speculative: str | None = None,
+    num_speculative_tokens: int = 1,
+    return_stats: bool = False,
+    latent_dtype: torch.dtype | None = None,
+    compile: bool | str = False,
+    inputs_embeds: torch.Tensor | None = None,
+):
     """Continue each row of a left-padded batch -> [B, T + new] (and GenerationStats with `return_stats`).
 
     model: a Glm53ForCausalLM. eos_token_id None uses model.config.eos_token_id. do_sample False picks the
@@ -99,20 +133,35 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     torch.compile of the same forward (step.py: fullgraph, static shapes, CUDA graphs on a GPU; the same results up
     to fp32 rounding after a one-off compile); a backend name (e.g. "aot_eager") picks the backend.
     """
-    check_call(model, input_ids, attention_mask, do_sample, temperature, top_k, top_p, pad_token_id, generator,
-               streamer, return_stats)  # fmt: skip
+    check_call(
+        model,
+        input_ids,
+        attention_mask,
+        do_sample,
+        temperature,
+        top_k,
+        top_p,
+        pad_token_id,
+        generator,
+        streamer,
+        return_stats,
+    )
     valid = left_padded_mask(input_ids, attention_mask)
-    opts = check_options(model, input_ids, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id,
-                         pad_token_id, generator)  # fmt: skip
+    opts = check_options(
+        model, input_ids, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id, pad_token_id, generator
+    )
     opts.latent_dtype = latent_dtype
     opts.step = Stepper(compile)  # checks `compile` before any work
     stats = GenerationStats(prompt_tokens=input_ids.numel())
     emitter = Emitter(input_ids, opts, streamer)
-    if inputs_embeds is not None and (speculative is not None or tuple(inputs_embeds.shape[:2])
-                                      != tuple(input_ids.shape)):  # fmt: skip
-        raise GenerationError(f"inputs_embeds must be [batch, prompt, hidden] for input_ids {tuple(input_ids.shape)} "
-                              f"(got {tuple(inputs_embeds.shape)}) and cannot be combined with speculative "
-                              f"decoding")  # fmt: skip
+    if inputs_embeds is not None and (
+        speculative is not None or tuple(inputs_embeds.shape[:2]) != tuple(input_ids.shape)
+    ):
+        raise GenerationError(
+            f"inputs_embeds must be [batch, prompt, hidden] for input_ids {tuple(input_ids.shape)} "
+            f"(got {tuple(inputs_embeds.shape)}) and cannot be combined with speculative "
+            f"decoding"
+        )
     if speculative is not None:
         cache = speculative_decode(model, input_ids, valid, opts, emitter, stats, speculative, num_speculative_tokens)
     elif max_new_tokens > 0:
@@ -126,14 +175,26 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     return (out, stats) if return_stats else out
 
 
-def _decode(model, input_ids, valid, opts: Options, emitter: Emitter, stats: GenerationStats,
-            inputs_embeds: torch.Tensor | None = None) -> GenerationCache:  # fmt: skip
+def _decode(
+    model,
+    input_ids,
+    valid,
+    opts: Options,
+    emitter: Emitter,
+    stats: GenerationStats,
+    inputs_embeds: torch.Tensor | None = None,
+) -> GenerationCache:
     """Plain decoding: the prefill step (from `inputs_embeds` when given), then one decode step (T = 1) per token."""
-    cache = GenerationCache(model, latent_dtype=opts.latent_dtype,
-                            max_length=input_ids.shape[1] + opts.max_new_tokens)  # fmt: skip
+    cache = GenerationCache(model, latent_dtype=opts.latent_dtype, max_length=input_ids.shape[1] + opts.max_new_tokens)
     start = time.perf_counter()
-    pick = lambda h: next_tokens(model.lm_head(h), opts.do_sample, opts.temperature, opts.top_k,  # noqa: E731
-                                 opts.top_p, opts.generator)  # fmt: skip
+    pick = lambda h: next_tokens(
+        model.lm_head(h),
+        opts.do_sample,
+        opts.temperature,
+        opts.top_k,  # noqa: E731
+        opts.top_p,
+        opts.generator,
+    )
     done = emitter.emit(pick(opts.step(model, cache, input_ids, valid, embeds=inputs_embeds)[:, -1]))
     stats.prefill_seconds = time.perf_counter() - start
     start = time.perf_counter()

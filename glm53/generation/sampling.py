@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 
 
-def allowed_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
-                   top_p: float | None = None) -> torch.Tensor:  # fmt: skip
+def allowed_logits(
+    logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None
+) -> torch.Tensor:
     """logits [B, vocab] -> fp32 logits with the filtered-out tokens at -inf."""
     logits = logits.float() / temperature
     if top_k is not None and top_k < logits.shape[-1]:
@@ -27,8 +28,14 @@ def allowed_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int | 
     return logits
 
 
-def next_tokens(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: int | None, top_p: float | None,
-                generator: torch.Generator | None) -> torch.Tensor:  # fmt: skip
+def next_tokens(
+    logits: torch.Tensor,
+    do_sample: bool,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
     """logits [B, vocab] -> token ids [B]: argmax, or one draw from the filtered distribution."""
     if not do_sample:
         return logits.argmax(dim=-1)

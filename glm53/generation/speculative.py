@@ -48,7 +48,9 @@ class _Drafter:
         self.layer = model.mtp.layer_for(1)
         self.cache = GenerationCache(model, part="mtp", max_length=positions, max_step_tokens=s)
 
-    def run(self, hidden: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(
+        self, hidden: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [B, T, D], next ids [B, T] -> (MTP output [B, T, D], greedy draft at the last position [B])."""
         h = self.step(self.model, self.cache, ids, valid, hidden)
         return h, self.model.lm_head(self.layer.shared_head.norm(h[:, -1])).argmax(-1)
@@ -65,8 +67,16 @@ class _Drafter:
         return torch.stack(drafts, dim=1)
 
 
-def speculative_decode(model, input_ids: torch.Tensor, valid: torch.Tensor, opts: Options, emitter: Emitter,
-                       stats: GenerationStats, method: str, s: int) -> GenerationCache | None:  # fmt: skip
+def speculative_decode(
+    model,
+    input_ids: torch.Tensor,
+    valid: torch.Tensor,
+    opts: Options,
+    emitter: Emitter,
+    stats: GenerationStats,
+    method: str,
+    s: int,
+) -> GenerationCache | None:
     """Greedy decoding with MTP drafts of s tokens, verified s + 1 at a time (see the module docstring)."""
     _check(model, opts, method, s)
     if opts.max_new_tokens == 0:

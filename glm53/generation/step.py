@@ -16,18 +16,24 @@ from collections.abc import Callable
 
 import torch
 
+from ..errors import Glm53Error
 from ..model.cache import CacheError, GenerationCache
 from ..model.context import ForwardContext
 from ..model.inputs import check_device
-from ..errors import Glm53Error
 
 
 class GenerationError(Glm53Error):
     """A `generate` argument out of range: names the argument and the bad value."""
 
 
-def forward(model, cache: GenerationCache, ids: torch.Tensor, valid: torch.Tensor,
-            hidden: torch.Tensor | None = None, embeds: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def forward(
+    model,
+    cache: GenerationCache,
+    ids: torch.Tensor,
+    valid: torch.Tensor,
+    hidden: torch.Tensor | None = None,
+    embeds: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The blocks on the cache: ids [B, T], valid [B, T] -> the last hidden state [B, T, D] (main: after the final
     norm; mtp: the MTP layer's output h, before shared_head.norm; `hidden` [B, T, D] is what it reads). `embeds`
     [B, T, D]: the inputs' embeddings instead of embedding `ids` (a VL prompt's spliced image features)."""
@@ -45,12 +51,16 @@ def check_step(model, cache: object, ids: object, hidden: object = None) -> None
     if not isinstance(ids, torch.Tensor):
         raise CacheError(f"the step takes ids as a torch.Tensor, got {type(ids).__name__}")
     if ids.dtype not in (torch.long, torch.int) or ids.dim() != 2 or ids.shape[1] == 0:
-        raise CacheError(f"the step takes integer ids [batch, tokens] (torch.long or torch.int32), got {ids.dtype} "
-                         f"of shape {tuple(ids.shape)}")  # fmt: skip
+        raise CacheError(
+            f"the step takes integer ids [batch, tokens] (torch.long or torch.int32), got {ids.dtype} "
+            f"of shape {tuple(ids.shape)}"
+        )
     check_device("ids", ids, model.lm_head.weight.device)
     if cache.part == "mtp" and (not isinstance(hidden, torch.Tensor) or hidden.shape[:2] != ids.shape):
-        raise CacheError(f"an MTP step takes the main model's hidden states [batch, tokens, width] for ids of shape "
-                         f"{tuple(ids.shape)}")  # fmt: skip
+        raise CacheError(
+            f"an MTP step takes the main model's hidden states [batch, tokens, width] for ids of shape "
+            f"{tuple(ids.shape)}"
+        )
 
 
 class Stepper:
@@ -64,8 +74,15 @@ class Stepper:
             self.graphs = options.get("mode") == "reduce-overhead"
             self.compiled = torch.compile(forward, **options)
 
-    def __call__(self, model, cache: GenerationCache, ids: torch.Tensor, valid: torch.Tensor | None = None,
-                 hidden: torch.Tensor | None = None, embeds: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    def __call__(
+        self,
+        model,
+        cache: GenerationCache,
+        ids: torch.Tensor,
+        valid: torch.Tensor | None = None,
+        hidden: torch.Tensor | None = None,
+        embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """ids [B, T] (valid: the prefill's padding mask; later steps are tokens) -> hidden [B, T, D]."""
         check_step(model, cache, ids, hidden)
         if valid is None:
@@ -92,12 +109,19 @@ def compile_options(compile: bool | str | Callable) -> dict:
         return dict(fullgraph=True, dynamic=False, mode=mode)
     if callable(compile) or (isinstance(compile, str) and compile in torch.compiler.list_backends(exclude_tags=())):
         return dict(fullgraph=True, dynamic=False, backend=compile)
-    raise GenerationError(f"compile must be True, False or a torch.compile backend name "
-                          f"({', '.join(torch.compiler.list_backends(exclude_tags=()))}), got {compile!r}")  # fmt: skip
+    raise GenerationError(
+        f"compile must be True, False or a torch.compile backend name "
+        f"({', '.join(torch.compiler.list_backends(exclude_tags=()))}), got {compile!r}"
+    )
 
 
-def step(model, cache: GenerationCache, ids: torch.Tensor, valid: torch.Tensor | None = None,
-         hidden: torch.Tensor | None = None) -> torch.Tensor:
+def step(
+    model,
+    cache: GenerationCache,
+    ids: torch.Tensor,
+    valid: torch.Tensor | None = None,
+    hidden: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One eager step (see Stepper)."""
     return _EAGER(model, cache, ids, valid, hidden)
 

@@ -43,7 +43,7 @@ _SIMULATED: list[str] = []
 
 
 def device_kind(device: torch.device | str) -> str:
-    """"cpu" or "cuda" (any accelerator takes the CUDA sizes); CPU and meta tensors take the simulated kind."""
+    """ "cpu" or "cuda" (any accelerator takes the CUDA sizes); CPU and meta tensors take the simulated kind."""
     kind = torch.device(device).type
     if kind in ("cpu", "meta") and _SIMULATED:
         return _SIMULATED[-1]

@@ -67,8 +67,10 @@ def _per_document(conv, x, weight, initial_state, output_final_state, cu_seqlens
 
 def _no_states(initial_state, output_final_state):
     if initial_state is not None or output_final_state:
-        raise ValueError("causal_conv1d: initial_state / output_final_state are not supported with cu_seqlens "
-                         "(every packed document starts from an empty history)")  # fmt: skip
+        raise ValueError(
+            "causal_conv1d: initial_state / output_final_state are not supported with cu_seqlens "
+            "(every packed document starts from an empty history)"
+        )
 
 
 # (cu_seqlens tensor) -> (total, W, version, edges): the model hands one boundary tensor to every conv of a
@@ -147,7 +149,7 @@ class _CausalConv1d(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, history, edges=None):
-        T, W = x.shape[1], weight.shape[-1]
+        W = weight.shape[-1]
         full = torch.cat([history.float(), x.float()], dim=1)  # [B, W-1+T, H*K]
         w = weight.float()
         y = _depthwise(full, w, 0)
@@ -239,8 +241,9 @@ def _(flat, weight, cu_seqlens):
 
 
 @torch.library.custom_op("glm53::causal_conv1d_packed_backward", mutates_args=(), tags=HOST_READING)
-def _packed_conv_backward_op(flat: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor,
-                             dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def _packed_conv_backward_op(
+    flat: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, dy: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     ctx = _Saved()
     _CausalConv1d.forward(ctx, flat, weight, *_packed_args(flat, weight, cu_seqlens))
     dx, dw = _CausalConv1d.backward(ctx, dy)[:2]

@@ -118,8 +118,10 @@ def set_device_backend(op: str, device_type: str, backend: str | None) -> None:
         _DEVICE_CHOICE.pop((op, device_type), None)
     else:
         if backend not in backends(op):
-            raise ValueError(f"unknown backend {backend!r} for kernel op {op!r}; registered: {backends(op)} (a "
-                             f"device backend registers only where its package is installed)")  # fmt: skip
+            raise ValueError(
+                f"unknown backend {backend!r} for kernel op {op!r}; registered: {backends(op)} (a "
+                f"device backend registers only where its package is installed)"
+            )
         torch.device(device_type)  # raises on an unknown device type
         _DEVICE_CHOICE[(op, device_type)] = backend
     for handle in _HANDLES.get(op, ()):  # the modules' handles follow the choice

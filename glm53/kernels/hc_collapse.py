@@ -29,7 +29,9 @@ class _HcCollapse(torch.autograd.Function):
         pre, streams = ctx.saved_tensors
         grad = grad.float()
         d_pre = torch.einsum("btd,btnd->btn", grad, streams.float()) if ctx.needs_input_grad[0] else None
-        d_streams = (pre.float()[..., None] * grad[:, :, None, :]).to(streams.dtype) if ctx.needs_input_grad[1] else None
+        d_streams = (
+            (pre.float()[..., None] * grad[:, :, None, :]).to(streams.dtype) if ctx.needs_input_grad[1] else None
+        )
         return (None if d_pre is None else d_pre.to(pre.dtype)), d_streams
 
 

@@ -28,14 +28,22 @@ MIN_SCORE_CHUNK = 64  # queries per chunk at least (bounds the loop's length at 
 
 def _check_packed(q: torch.Tensor, pool_keys: torch.Tensor, cu_seqlens, pool_start) -> torch.Tensor:
     if pool_start is None or pool_start.shape != pool_keys.shape[:2]:
-        raise ValueError(f"indexer_scores with cu_seqlens needs pool_start of shape {tuple(pool_keys.shape[:2])}, "
-                         f"got {None if pool_start is None else tuple(pool_start.shape)}")  # fmt: skip
+        raise ValueError(
+            f"indexer_scores with cu_seqlens needs pool_start of shape {tuple(pool_keys.shape[:2])}, "
+            f"got {None if pool_start is None else tuple(pool_start.shape)}"
+        )
     return check_cu_seqlens(cu_seqlens, *q.shape[:2])
 
 
-def indexer_scores_reference(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor, scale: float, *,
-                             cu_seqlens: torch.Tensor | None = None,
-                             pool_start: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def indexer_scores_reference(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    pool_keys: torch.Tensor,
+    scale: float,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+    pool_start: torch.Tensor | None = None,
+) -> torch.Tensor:
     """All queries at once: materialises the [B, T, H, P] logits (with `cu_seqlens`: one document at a time)."""
     if cu_seqlens is not None:
         cu = _check_packed(q, pool_keys, cu_seqlens, pool_start)
@@ -43,8 +51,9 @@ def indexer_scores_reference(q: torch.Tensor, weights: torch.Tensor, pool_keys: 
         for b, s, e in document_slices(cu, q.shape[1]):
             own = ((pool_start[b] >= s) & (pool_start[b] < e)).nonzero().flatten()
             if own.numel():
-                part = indexer_scores_reference(q[b : b + 1, s:e], weights[b : b + 1, s:e], pool_keys[b : b + 1, own],
-                                                scale)  # fmt: skip
+                part = indexer_scores_reference(
+                    q[b : b + 1, s:e], weights[b : b + 1, s:e], pool_keys[b : b + 1, own], scale
+                )
                 out[b, s:e, own] = part[0]
         return out
     logits = torch.matmul(q.float(), pool_keys.float().transpose(-1, -2)[:, None])  # [B, T, H, P]
@@ -133,13 +142,19 @@ def _scores_backward(q, weights, pool_keys, d_out, scale):
     return dq.to(q.dtype), dw.to(weights.dtype), dkeys.to(pool_keys.dtype)
 
 
-def indexer_scores(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor, scale: float, *,
-                   cu_seqlens: torch.Tensor | None = None, pool_start: torch.Tensor | None = None) -> torch.Tensor:
+def indexer_scores(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    pool_keys: torch.Tensor,
+    scale: float,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+    pool_start: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The same, one chunk of queries at a time, forward and (recomputing) backward: never more than one chunk's
     logits alive, in training too; same signature."""
     if cu_seqlens is not None:
-        return _packed_op(q, weights, pool_keys, scale, _check_packed(q, pool_keys, cu_seqlens, pool_start),
-                          pool_start)  # fmt: skip
+        return _packed_op(q, weights, pool_keys, scale, _check_packed(q, pool_keys, cu_seqlens, pool_start), pool_start)
     return _scores_op(q, weights, pool_keys, scale)
 
 
@@ -156,8 +171,9 @@ def _(q, weights, pool_keys, scale):
 
 
 @torch.library.custom_op("glm53::indexer_scores_backward", mutates_args=())
-def _scores_backward_op(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor, d_out: torch.Tensor,
-                        scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+def _scores_backward_op(
+    q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor, d_out: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _scores_backward(q, weights, pool_keys, d_out, scale)
 
 
@@ -181,8 +197,14 @@ _scores_op.register_autograd(_scores_grad, setup_context=_scores_setup)
 # The packed form too (its chunks' pool spans are read on the host). The packed scores are the plain ones times
 # a constant mask (a pool of the query's own document), so the backward is the plain one on the masked gradient.
 @torch.library.custom_op("glm53::indexer_scores_packed", mutates_args=(), tags=HOST_READING)
-def _packed_op(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor, scale: float,
-               cu_seqlens: torch.Tensor, pool_start: torch.Tensor) -> torch.Tensor:  # fmt: skip
+def _packed_op(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    pool_keys: torch.Tensor,
+    scale: float,
+    cu_seqlens: torch.Tensor,
+    pool_start: torch.Tensor,
+) -> torch.Tensor:
     return _packed_scores(q, weights, pool_keys, scale, cu_seqlens, pool_start)
 
 
@@ -192,9 +214,15 @@ def _(q, weights, pool_keys, scale, cu_seqlens, pool_start):
 
 
 @torch.library.custom_op("glm53::indexer_scores_packed_backward", mutates_args=(), tags=HOST_READING)
-def _packed_backward_op(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor, d_out: torch.Tensor,
-                        scale: float, cu_seqlens: torch.Tensor,
-                        pool_start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+def _packed_backward_op(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    pool_keys: torch.Tensor,
+    d_out: torch.Tensor,
+    scale: float,
+    cu_seqlens: torch.Tensor,
+    pool_start: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     own = own_document_pools(pool_start, cu_seqlens, q.shape[1], 0, q.shape[1])  # [B, T, P]
     return _scores_backward(q, weights, pool_keys, d_out * own, scale)
 

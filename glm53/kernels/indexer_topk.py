@@ -22,8 +22,8 @@ import torch
 
 from .budgets import budget
 from .dispatch import register
-from .opaque import HOST_READING
 from .indexer_scores import indexer_scores_reference
+from .opaque import HOST_READING
 
 TOPK_BUDGET = 1 << 20  # elements of one block's [B, Tq, H, P] logits (4 MiB in fp32: stays in cache)
 MIN_TOPK_CHUNK = 16  # queries per block at least (bounds the loop's length at long T)
@@ -37,15 +37,24 @@ def _candidates(pool_end: torch.Tensor, complete: torch.Tensor, query_pos: torch
 def _check(q, pool_keys, pool_end, complete, select) -> None:
     P = pool_keys.shape[1]
     if pool_end.shape != pool_keys.shape[:2] or complete.shape != pool_keys.shape[:2]:
-        raise ValueError(f"indexer_topk_pools needs pool_end and complete of shape {tuple(pool_keys.shape[:2])}, got "
-                         f"{tuple(pool_end.shape)} and {tuple(complete.shape)}")  # fmt: skip
+        raise ValueError(
+            f"indexer_topk_pools needs pool_end and complete of shape {tuple(pool_keys.shape[:2])}, got "
+            f"{tuple(pool_end.shape)} and {tuple(complete.shape)}"
+        )
     if not 0 <= select <= P:
         raise ValueError(f"indexer_topk_pools: select must be in [0, P={P}], got {select}")
 
 
-def indexer_topk_pools_reference(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor, scale: float,
-                                 pool_end: torch.Tensor, complete: torch.Tensor, query_offset: int,
-                                 select: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def indexer_topk_pools_reference(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    pool_keys: torch.Tensor,
+    scale: float,
+    pool_end: torch.Tensor,
+    complete: torch.Tensor,
+    query_offset: int,
+    select: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """All queries at once: the [B, T, P] scores, masked to the candidates, then one topk."""
     _check(q, pool_keys, pool_end, complete, select)
     scores = indexer_scores_reference(q, weights, pool_keys, scale)
@@ -115,9 +124,16 @@ def _topk_pools(q, weights, pool_keys, scale, pool_end, complete, query_offset, 
 
 # A custom op (kernels/opaque.py): torch.compile sees one call, not the block loop with its host sync.
 @torch.library.custom_op("glm53::indexer_topk_pools", mutates_args=(), tags=HOST_READING)
-def indexer_topk_pools(q: torch.Tensor, weights: torch.Tensor, pool_keys: torch.Tensor, scale: float,
-                       pool_end: torch.Tensor, complete: torch.Tensor, query_offset: int,
-                       select: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def indexer_topk_pools(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    pool_keys: torch.Tensor,
+    scale: float,
+    pool_end: torch.Tensor,
+    complete: torch.Tensor,
+    query_offset: int,
+    select: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Blocked over queries, scoring only the pools each block can see; same signature."""
     return _topk_pools(q, weights, pool_keys, scale, pool_end, complete, query_offset, select)
 

@@ -42,8 +42,9 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (hidden @ weight.t()).to(_stat_dtype(hidden))
 
 
-def chunk_statistics(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
-                     first: int | torch.Tensor = 0) -> tuple[torch.Tensor, ...]:  # fmt: skip
+def chunk_statistics(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int, first: int | torch.Tensor = 0
+) -> tuple[torch.Tensor, ...]:
     """Softmax statistics over `weight`'s rows, which hold vocabulary ids first .. first + rows - 1 (all of them on
     one process; one rank's shard under a vocab-parallel head), chunk by chunk over the tokens.
 
@@ -66,9 +67,17 @@ def chunk_statistics(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
     return lse, picked * hit, safe, hit
 
 
-def chunk_gradients(hidden: torch.Tensor, weight: torch.Tensor, safe: torch.Tensor, hit: torch.Tensor,
-                    lse: torch.Tensor, scale: torch.Tensor, chunk: int, need_hidden: bool,
-                    need_weight: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+def chunk_gradients(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    safe: torch.Tensor,
+    hit: torch.Tensor,
+    lse: torch.Tensor,
+    scale: torch.Tensor,
+    chunk: int,
+    need_hidden: bool,
+    need_weight: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Gradients of sum_i scale_i * (lse_i - logit_i[target_i]) through `weight`'s rows, recomputing each chunk's
     logits: d logits = (softmax - onehot(target where `hit`)) * scale, with `lse` [M] the log-normaliser over the
     WHOLE vocabulary. -> (d hidden [M, D] from these rows alone, d weight [rows, D]) or None where not needed."""
@@ -102,17 +111,21 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         hidden, weight, safe, hit, lse = ctx.saved_tensors
-        d_hidden, d_weight = chunk_gradients(hidden, weight, safe, hit, lse, grad * hit, ctx.chunk,
-                                             ctx.needs_input_grad[0], ctx.needs_input_grad[1])  # fmt: skip
+        d_hidden, d_weight = chunk_gradients(
+            hidden, weight, safe, hit, lse, grad * hit, ctx.chunk, ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        )
         return d_hidden, d_weight, None, None
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                         chunk: int | None = None) -> torch.Tensor:  # fmt: skip
+def linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int | None = None
+) -> torch.Tensor:
     """Chunked form (same result as the reference, same signature plus the chunk length in tokens)."""
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
-        raise ValueError(f"linear_cross_entropy takes hidden [M, D] and targets [M], got {tuple(hidden.shape)} and "
-                         f"{tuple(targets.shape)}")  # fmt: skip
+        raise ValueError(
+            f"linear_cross_entropy takes hidden [M, D] and targets [M], got {tuple(hidden.shape)} and "
+            f"{tuple(targets.shape)}"
+        )
     return _LinearCrossEntropy.apply(hidden, weight, targets, chunk or default_chunk(weight.shape[0]))
 
 

@@ -153,8 +153,11 @@ def _grouped_mm_usable(x: torch.Tensor, *weights: torch.Tensor) -> bool:
         return False
     if any(w.dtype != x.dtype for w in weights):
         return False
-    return all((w.shape[-1] * x.element_size()) % GROUPED_MM_ALIGN_BYTES == 0
-               and (w.shape[-2] * x.element_size()) % GROUPED_MM_ALIGN_BYTES == 0 for w in weights)  # fmt: skip
+    return all(
+        (w.shape[-1] * x.element_size()) % GROUPED_MM_ALIGN_BYTES == 0
+        and (w.shape[-2] * x.element_size()) % GROUPED_MM_ALIGN_BYTES == 0
+        for w in weights
+    )
 
 
 @torch.library.custom_op("glm53::grouped_mm", mutates_args=())
@@ -199,8 +202,9 @@ def _(a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
 grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
 
 
-def _padded_mm(rows: torch.Tensor, weight: torch.Tensor, expert: torch.Tensor, slot: torch.Tensor,
-               capacity: int) -> torch.Tensor:  # fmt: skip
+def _padded_mm(
+    rows: torch.Tensor, weight: torch.Tensor, expert: torch.Tensor, slot: torch.Tensor, capacity: int
+) -> torch.Tensor:
     """rows [M*k, in] sorted by expert, weight [E, out, in] -> [M*k, out] via one bmm over [E, capacity, in]."""
     padded = rows.new_zeros(weight.shape[0], capacity, rows.shape[-1])
     padded = padded.index_put((expert, slot), rows)
@@ -257,8 +261,9 @@ def moe_experts_grouped(
 ) -> torch.Tensor:
     """Sorted tokens, one grouped matmul per projection (torch._grouped_mm when usable); same signature."""
     factors = [t for lr in (lora or ()) if lr is not None for t in (lr.A, lr.B)]
-    return _moe_experts_grouped(x, topk_idx, topk_weight, gate_up, down, limit,
-                                _grouped_mm_usable(x, gate_up, down, *factors), lora)  # fmt: skip
+    return _moe_experts_grouped(
+        x, topk_idx, topk_weight, gate_up, down, limit, _grouped_mm_usable(x, gate_up, down, *factors), lora
+    )
 
 
 def moe_experts_padded(

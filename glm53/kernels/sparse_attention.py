@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .budgets import budget
 from .dispatch import register
 from .opaque import HOST_READING
-from .budgets import budget
 from .varlen import check_cu_seqlens, document_bounds, document_slices
 
 
@@ -410,8 +410,9 @@ register("sparse_mqa_attention", "fast", sparse_mqa_attention)
 # implementation for the shapes, instead of a Python loop over chunks and the absorbed form's span sync; the
 # hand-written backward is the op's autograd formula, itself a custom op. Outputs are contiguous, as the fakes say.
 @torch.library.custom_op("glm53::sparse_attention", mutates_args=(), tags=HOST_READING)
-def _sparse_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk_indices: torch.Tensor,
-               scale: float) -> torch.Tensor:  # fmt: skip
+def _sparse_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk_indices: torch.Tensor, scale: float
+) -> torch.Tensor:
     return _sparse_forward(q, k, v, topk_indices, scale)
 
 
@@ -421,8 +422,9 @@ def _(q, k, v, topk_indices, scale):
 
 
 @torch.library.custom_op("glm53::sparse_attention_backward", mutates_args=(), tags=HOST_READING)
-def _sparse_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk_indices: torch.Tensor,
-                        do: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+def _sparse_backward_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk_indices: torch.Tensor, do: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _sparse_backward(q, k, v, topk_indices, do, scale)
 
 
@@ -454,8 +456,9 @@ def _(q, kv, topk_indices, scale):
 
 
 @torch.library.custom_op("glm53::sparse_mqa_attention_backward", mutates_args=(), tags=HOST_READING)
-def _mqa_backward_op(q: torch.Tensor, kv: torch.Tensor, topk_indices: torch.Tensor, do: torch.Tensor,
-                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def _mqa_backward_op(
+    q: torch.Tensor, kv: torch.Tensor, topk_indices: torch.Tensor, do: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     return _mqa_backward(q, kv, topk_indices, do, scale)
 
 

@@ -68,8 +68,9 @@ def document_slices(cu_seqlens: torch.Tensor, T: int) -> list[tuple[int, int, in
     return [(s // T, s % T, s % T + (e - s)) for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
 
 
-def own_document_pools(pool_start: torch.Tensor, cu_seqlens: torch.Tensor, S: int, query_offset: int,
-                       T: int) -> torch.Tensor:  # fmt: skip
+def own_document_pools(
+    pool_start: torch.Tensor, cu_seqlens: torch.Tensor, S: int, query_offset: int, T: int
+) -> torch.Tensor:
     """[B, T, P] bool: the pool starts inside the document of query query_offset + t (pool_start [B, P] and the
     boundaries `cu_seqlens` over B * S describe the keys' sequence): the packed `indexer_scores` column mask."""
     start, end = document_bounds(cu_seqlens, pool_start.shape[0], S)
@@ -79,6 +80,10 @@ def own_document_pools(pool_start: torch.Tensor, cu_seqlens: torch.Tensor, S: in
 
 
 __all__ = [
-    "check_cu_seqlens", "document_bounds", "document_slices", "own_document_pools", "position_in_document",
+    "check_cu_seqlens",
+    "document_bounds",
+    "document_slices",
+    "own_document_pools",
+    "position_in_document",
     "token_documents",
 ]

@@ -21,8 +21,9 @@ from .dispatch import register
 GROUP_RATIO = 0.75
 
 
-def segment_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                                scale: float) -> torch.Tensor:  # fmt: skip
+def segment_attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+) -> torch.Tensor:
     """Loop over segments; fp32 scores and softmax (fp64 inputs stay fp64), cast back to q's dtype."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     outs = []
@@ -46,8 +47,9 @@ def length_groups(lengths: list[int]) -> list[list[int]]:
     return groups
 
 
-def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                      scale: float) -> torch.Tensor:  # fmt: skip
+def segment_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+) -> torch.Tensor:
     """Same result as the reference: one padded SDPA call per group of similar-length segments."""
     N = q.shape[0]
     bounds = cu_seqlens.tolist()  # NOTE: syncs (the group shapes are host sizes)

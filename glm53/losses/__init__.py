@@ -27,7 +27,27 @@ from .parts import (
     z_loss,
 )
 
-__all__ = ["IGNORE_INDEX", "CausalLMOutput", "Glm53ForCausalLM", "LossCounts", "add_causal_lm_losses", "balance_loss",
-           "causal_lm_head_loss", "causal_lm_loss", "chunked_pool_kl", "count_loss_terms", "document_spans",
-           "head_target_loss", "indexer_kl_terms", "indexer_query_rows", "mtp_views", "next_token_targets",
-           "normalized_target", "per_term", "pool_kl", "router_aux_loss", "sharded_balance_loss", "z_loss"]  # fmt: skip
+__all__ = [
+    "IGNORE_INDEX",
+    "CausalLMOutput",
+    "Glm53ForCausalLM",
+    "LossCounts",
+    "add_causal_lm_losses",
+    "balance_loss",
+    "causal_lm_head_loss",
+    "causal_lm_loss",
+    "chunked_pool_kl",
+    "count_loss_terms",
+    "document_spans",
+    "head_target_loss",
+    "indexer_kl_terms",
+    "indexer_query_rows",
+    "mtp_views",
+    "next_token_targets",
+    "normalized_target",
+    "per_term",
+    "pool_kl",
+    "router_aux_loss",
+    "sharded_balance_loss",
+    "z_loss",
+]

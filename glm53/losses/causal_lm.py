@@ -67,14 +67,27 @@ class Glm53ForCausalLM(Glm53LMHeadModel):
         if scored:  # before the forward: a bad label would otherwise fail only in the loss
             check_token_ids("labels", labels, self.config.vocab_size, self.lm_head.weight.device, ignore=IGNORE_INDEX)
         if loss_denominators is not None and not isinstance(loss_denominators, LossCounts):
-            raise TypeError(f"loss_denominators must be a LossCounts (model.loss_counts, summed over micro-batches "
-                            f"and ranks) or None, got {type(loss_denominators).__name__}")  # fmt: skip
+            raise TypeError(
+                f"loss_denominators must be a LossCounts (model.loss_counts, summed over micro-batches "
+                f"and ranks) or None, got {type(loss_denominators).__name__}"
+            )
         if cp is not None and scored and loss_denominators is None:
-            raise ValueError("under context parallelism (cp) pass loss_denominators: the counts of the whole "
-                             "sequences (glm53.parallel.context_parallel_inputs computes them)")  # fmt: skip
-        run = super().forward(input_ids, attention_mask, inputs_embeds, cu_seqlens=cu_seqlens, position_ids=position_ids,
-                              return_logits=return_logits, cp=cp, collect_stats=scored, run_mtp=scored,
-                              record_indexer=scored and self.config.indexer_loss_weight > 0)  # fmt: skip
+            raise ValueError(
+                "under context parallelism (cp) pass loss_denominators: the counts of the whole "
+                "sequences (glm53.parallel.context_parallel_inputs computes them)"
+            )
+        run = super().forward(
+            input_ids,
+            attention_mask,
+            inputs_embeds,
+            cu_seqlens=cu_seqlens,
+            position_ids=position_ids,
+            return_logits=return_logits,
+            cp=cp,
+            collect_stats=scored,
+            run_mtp=scored,
+            record_indexer=scored and self.config.indexer_loss_weight > 0,
+        )
         out = CausalLMOutput(logits=run.logits, last_hidden_state=run.last_hidden_state)
         if scored:
             ctx = run.ctx
@@ -82,13 +95,23 @@ class Glm53ForCausalLM(Glm53LMHeadModel):
             self._add_losses(out, labels, ctx.valid, run.stats, run.mtp, loss_denominators, ctx.segment_ids, cp, n_docs)
         return out
 
-    def _add_losses(self, out: CausalLMOutput, labels: torch.Tensor, valid: torch.Tensor, stats: list[LayerStats],
-                    mtp_runs: list, den: LossCounts | None, segments: torch.Tensor | None = None,
-                    cp: SequenceShards | None = None, num_documents: int | None = None) -> None:  # fmt: skip
+    def _add_losses(
+        self,
+        out: CausalLMOutput,
+        labels: torch.Tensor,
+        valid: torch.Tensor,
+        stats: list[LayerStats],
+        mtp_runs: list,
+        den: LossCounts | None,
+        segments: torch.Tensor | None = None,
+        cp: SequenceShards | None = None,
+        num_documents: int | None = None,
+    ) -> None:
         add_causal_lm_losses(out, self, labels, valid, stats, mtp_runs, den, segments, cp, num_documents)
 
-    def loss_counts(self, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                    position_ids: torch.Tensor | None = None) -> LossCounts:  # fmt: skip
+    def loss_counts(
+        self, labels: torch.Tensor, attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None
+    ) -> LossCounts:
         """How many terms each loss part of a forward on the same inputs averages over (no forward needed);
         with position_ids, each packed document counts as if it were alone."""
         device = labels.device if isinstance(labels, torch.Tensor) else torch.device("cpu")  # counts need no model
@@ -103,8 +126,15 @@ class Glm53ForCausalLM(Glm53LMHeadModel):
         return generate(self, input_ids, attention_mask, **kwargs)
 
 
-def view_loss(model: Glm53LMHeadModel, hidden: torch.Tensor, labels: torch.Tensor, d: int,
-              den: LossCounts | None, segments: torch.Tensor | None, cp: SequenceShards | None) -> torch.Tensor:  # fmt: skip
+def view_loss(
+    model: Glm53LMHeadModel,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    d: int,
+    den: LossCounts | None,
+    segments: torch.Tensor | None,
+    cp: SequenceShards | None,
+) -> torch.Tensor:
     """The cross-entropy of view d (0: next token, d: MTP depth d) from the hidden state the head reads [B, T, D].
 
     `segments` [B, T] (packed documents): no label crosses a document boundary. `cp`: `labels` are next-token
@@ -120,10 +150,18 @@ def view_loss(model: Glm53LMHeadModel, hidden: torch.Tensor, labels: torch.Tenso
     return causal_lm_head_loss(hidden, model.lm_head, aligned, num_targets, check=False)
 
 
-def add_causal_lm_losses(out: CausalLMOutput, model: Glm53LMHeadModel, labels: torch.Tensor, valid: torch.Tensor,
-                         stats: list[LayerStats], mtp_runs: list, den: LossCounts | None,
-                         segments: torch.Tensor | None = None, cp: SequenceShards | None = None,
-                         num_documents: int | None = None) -> None:  # fmt: skip
+def add_causal_lm_losses(
+    out: CausalLMOutput,
+    model: Glm53LMHeadModel,
+    labels: torch.Tensor,
+    valid: torch.Tensor,
+    stats: list[LayerStats],
+    mtp_runs: list,
+    den: LossCounts | None,
+    segments: torch.Tensor | None = None,
+    cp: SequenceShards | None = None,
+    num_documents: int | None = None,
+) -> None:
     """Fill out.lm_loss, .mtp_loss, .aux_loss, .indexer_loss and their weighted sum out.loss.
 
     `stats`: the decoder layers' LayerStats, `mtp_runs` the MTP depths' (hidden, valid_d, stats) (LMOutput).
@@ -138,8 +176,9 @@ def add_causal_lm_losses(out: CausalLMOutput, model: Glm53LMHeadModel, labels: t
         out.mtp_loss = torch.stack(per_depth).mean()
         loss = loss + cfg.mtp_loss_weight * out.mtp_loss
     records = [(s, valid, 0) for s in stats] + [(s, v, d) for d, (_, v, s) in enumerate(mtp_runs, start=1)]
-    out.aux_loss = router_aux_loss(records, cfg.router_aux_loss_coef, cfg.router_z_loss_coef, den, segments, cp,
-                                   num_documents)  # fmt: skip
+    out.aux_loss = router_aux_loss(
+        records, cfg.router_aux_loss_coef, cfg.router_z_loss_coef, den, segments, cp, num_documents
+    )
     if out.aux_loss is not None:
         loss = loss + out.aux_loss
     if cfg.indexer_loss_weight > 0:

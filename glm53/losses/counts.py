@@ -66,8 +66,9 @@ def indexer_query_rows(valid: torch.Tensor, config: Glm53Config) -> torch.Tensor
     return valid & (torch.arange(T, device=valid.device)[None, :] >= first_end[:, None])
 
 
-def count_loss_terms(config: Glm53Config, labels: torch.Tensor, valid: torch.Tensor,
-                     position_ids: torch.Tensor | None = None) -> LossCounts:  # fmt: skip
+def count_loss_terms(
+    config: Glm53Config, labels: torch.Tensor, valid: torch.Tensor, position_ids: torch.Tensor | None = None
+) -> LossCounts:
     """The denominators of one batch's losses: labels [B, T] (aligned with input_ids), valid [B, T] bool.
 
     With `position_ids` [B, T] (packed documents: they restart at 0 at each document), every document counts as
@@ -79,12 +80,16 @@ def count_loss_terms(config: Glm53Config, labels: torch.Tensor, valid: torch.Ten
     for d in range(mtp_views(config) + 1):
         labels_d = labels if d == 0 else mtp_labels(labels, d, IGNORE_INDEX)
         valid_d = valid if d == 0 else valid & shift_left(valid, d, False)  # MultiTokenPrediction's validity
-        views.append(torch.stack([
-            (next_token_targets(labels_d) != IGNORE_INDEX).sum(),
-            valid_d.any(-1).sum(),
-            valid_d.sum(),
-            indexer_query_rows(valid_d, config).sum(),
-        ]))  # fmt: skip
+        views.append(
+            torch.stack(
+                [
+                    (next_token_targets(labels_d) != IGNORE_INDEX).sum(),
+                    valid_d.any(-1).sum(),
+                    valid_d.sum(),
+                    indexer_query_rows(valid_d, config).sum(),
+                ]
+            )
+        )
     return LossCounts.from_stacked(torch.stack(views, dim=1).float())
 
 
@@ -99,11 +104,13 @@ def document_spans(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
     return spans
 
 
-def _count_documents(config: Glm53Config, labels: torch.Tensor, valid: torch.Tensor,
-                     position_ids: torch.Tensor) -> LossCounts:  # fmt: skip
+def _count_documents(
+    config: Glm53Config, labels: torch.Tensor, valid: torch.Tensor, position_ids: torch.Tensor
+) -> LossCounts:
     if position_ids.shape != labels.shape:
-        raise ValueError(f"position_ids must have shape {tuple(labels.shape)} like labels, got "
-                         f"{tuple(position_ids.shape)}")  # fmt: skip
+        raise ValueError(
+            f"position_ids must have shape {tuple(labels.shape)} like labels, got {tuple(position_ids.shape)}"
+        )
     total = None
     for b, spans in enumerate(document_spans(position_ids)):  # counting only: a loop over documents is cheap
         for start, end in spans:

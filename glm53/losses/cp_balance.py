@@ -23,8 +23,9 @@ import torch
 from ..model.context import SequenceShards
 
 
-def owned_document_balance(logits: torch.Tensor, indices: torch.Tensor, valid: torch.Tensor, segment_ids: torch.Tensor,
-                           cp: SequenceShards) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def owned_document_balance(
+    logits: torch.Tensor, indices: torch.Tensor, valid: torch.Tensor, segment_ids: torch.Tensor, cp: SequenceShards
+) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (sum of f . P over the documents starting in this slice, documents with a valid token on all ranks).
 
     logits [M, E] router logits, indices [M, k] chosen experts, valid [B, T] bool, segment_ids [B, T] int64 global

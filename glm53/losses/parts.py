@@ -68,13 +68,20 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_targets: torc
     shifted = next_token_targets(labels)
     # Under tensor parallelism the logits are vocab-sharded and the loss a replicated DTensor: as_plain hands it
     # back as a plain tensor so it adds to the losses computed from plain activations.
-    total = F.cross_entropy(logits.float().flatten(0, 1), shifted.flatten().long(), ignore_index=IGNORE_INDEX,
-                            reduction="sum")  # fmt: skip
+    total = F.cross_entropy(
+        logits.float().flatten(0, 1), shifted.flatten().long(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
     return per_term(as_plain(total), (shifted != IGNORE_INDEX).sum(), num_targets)
 
 
-def causal_lm_head_loss(hidden: torch.Tensor, lm_head: torch.nn.Module, labels: torch.Tensor,
-                        num_targets: torch.Tensor | None = None, *, check: bool = True) -> torch.Tensor:  # fmt: skip
+def causal_lm_head_loss(
+    hidden: torch.Tensor,
+    lm_head: torch.nn.Module,
+    labels: torch.Tensor,
+    num_targets: torch.Tensor | None = None,
+    *,
+    check: bool = True,
+) -> torch.Tensor:
     """`causal_lm_loss(lm_head(hidden), labels, num_targets)` without ever holding [B, T, vocab] logits.
 
     hidden [B, T, D] (what the head reads), lm_head an nn.Linear without bias, labels [B, T] aligned with
@@ -92,8 +99,14 @@ def causal_lm_head_loss(hidden: torch.Tensor, lm_head: torch.nn.Module, labels: 
     return head_target_loss(hidden, lm_head, next_token_targets(labels), num_targets, check=False)
 
 
-def head_target_loss(hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Tensor,
-                     num_targets: torch.Tensor | None = None, *, check: bool = True) -> torch.Tensor:  # fmt: skip
+def head_target_loss(
+    hidden: torch.Tensor,
+    lm_head: torch.nn.Module,
+    targets: torch.Tensor,
+    num_targets: torch.Tensor | None = None,
+    *,
+    check: bool = True,
+) -> torch.Tensor:
     """`causal_lm_head_loss` from targets [B, T] already aligned with hidden (position i predicts targets[i]; the
     labels context parallelism hands each rank). A target outside [0, vocab) and not IGNORE_INDEX is an InputError
     (unless `check=False`): the chunked and the vocab-parallel kernels would each mis-count it silently."""
@@ -127,10 +140,15 @@ def _document_slots(segment_ids: torch.Tensor, num_documents: int | None) -> int
     return num_documents
 
 
-def balance_loss(logits: torch.Tensor, indices: torch.Tensor, valid: torch.Tensor,
-                 num_sequences: torch.Tensor | None = None,
-                 segment_ids: torch.Tensor | None = None, cp=None,
-                 num_documents: int | None = None) -> torch.Tensor:  # fmt: skip
+def balance_loss(
+    logits: torch.Tensor,
+    indices: torch.Tensor,
+    valid: torch.Tensor,
+    num_sequences: torch.Tensor | None = None,
+    segment_ids: torch.Tensor | None = None,
+    cp=None,
+    num_documents: int | None = None,
+) -> torch.Tensor:
     """Sequence-wise balance loss sum_i f_i P_i, summed over sequences with a valid token / `num_sequences`
     (default: their mean).
 
@@ -215,8 +233,13 @@ def z_loss(logits: torch.Tensor, valid: torch.Tensor, num_tokens: torch.Tensor |
 
 
 def router_aux_loss(
-    records: list[tuple[LayerStats, torch.Tensor, int]], balance_coef: float, z_coef: float, denominators=None,
-    segment_ids: torch.Tensor | None = None, cp=None, num_documents: int | None = None,
+    records: list[tuple[LayerStats, torch.Tensor, int]],
+    balance_coef: float,
+    z_coef: float,
+    denominators=None,
+    segment_ids: torch.Tensor | None = None,
+    cp=None,
+    num_documents: int | None = None,
 ) -> torch.Tensor | None:
     """balance_coef * balance + z_coef * z, averaged over the MoE layers in `records` ((stats, valid, view)
     triples; view 0 is the main model, d the MTP depth d). `denominators` (a LossCounts) replaces each layer's
@@ -226,12 +249,12 @@ def router_aux_loss(
     for stats, valid, view in records:
         if stats.router_logits is None:
             continue
-        seqs, toks = (None, None) if denominators is None else (denominators.sequences[view],
-                                                                denominators.tokens[view])  # fmt: skip
+        seqs, toks = (None, None) if denominators is None else (denominators.sequences[view], denominators.tokens[view])
         term = stats.router_logits.new_zeros(())
         if balance_coef > 0:
-            term = term + balance_coef * balance_loss(stats.router_logits, stats.router_indices, valid, seqs,
-                                                        segment_ids, cp, num_documents)
+            term = term + balance_coef * balance_loss(
+                stats.router_logits, stats.router_indices, valid, seqs, segment_ids, cp, num_documents
+            )
         if z_coef > 0:
             term = term + z_coef * z_loss(stats.router_logits, valid, toks)
         terms.append(term)
@@ -247,8 +270,13 @@ def normalized_target(mass: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return mass / mass.sum(-1, keepdim=True).clamp_min(torch.finfo(mass.dtype).tiny)
 
 
-def pool_kl(scores: torch.Tensor, target: torch.Tensor, mask: torch.Tensor, valid: torch.Tensor,
-            num_rows: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def pool_kl(
+    scores: torch.Tensor,
+    target: torch.Tensor,
+    mask: torch.Tensor,
+    valid: torch.Tensor,
+    num_rows: torch.Tensor | None = None,
+) -> torch.Tensor:
     """KL(target || softmax(scores over mask)), summed over valid queries with a pool in `mask` / `num_rows`
     (default: their mean; with dense and sparse masks alike those are the queries with a candidate pool).
 
@@ -261,8 +289,9 @@ def pool_kl(scores: torch.Tensor, target: torch.Tensor, mask: torch.Tensor, vali
     return per_term((kl * rows).sum(), rows.sum(), num_rows)
 
 
-def indexer_kl_terms(stats: list[LayerStats], valid: torch.Tensor, mode: str,
-                     num_rows: torch.Tensor | None = None) -> list[torch.Tensor]:  # fmt: skip
+def indexer_kl_terms(
+    stats: list[LayerStats], valid: torch.Tensor, mode: str, num_rows: torch.Tensor | None = None
+) -> list[torch.Tensor]:
     """One KL term per full indexer in `stats` (attention layers in order; shared ones follow their full one),
     each summed over its query rows / `num_rows` (default: its mean)."""
     groups: list[tuple[LayerStats, list[torch.Tensor]]] = []
@@ -280,8 +309,13 @@ def indexer_kl_terms(stats: list[LayerStats], valid: torch.Tensor, mode: str,
     return terms
 
 
-def chunked_pool_kl(scores: torch.Tensor, masses: list[torch.Tensor], mask: torch.Tensor, valid: torch.Tensor,
-                    num_rows: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def chunked_pool_kl(
+    scores: torch.Tensor,
+    masses: list[torch.Tensor],
+    mask: torch.Tensor,
+    valid: torch.Tensor,
+    num_rows: torch.Tensor | None = None,
+) -> torch.Tensor:
     """`pool_kl(scores, mean_i normalized_target(masses[i], mask), mask, valid, num_rows)`, computed KL_CHUNK query
     rows at a time in forward and backward: no [B, T, P] temporary beyond the inputs (the targets, the student's
     log-probabilities and their gradient exist one chunk at a time; the backward recomputes them)."""
@@ -338,4 +372,4 @@ __all__ = [
     "pool_kl",
     "router_aux_loss",
     "z_loss",
-]  # fmt: skip
+]

@@ -20,8 +20,13 @@ MIN_MASS_CHUNK = 16  # queries per block at least (bounds the loop's length at w
 
 @torch.no_grad()
 def attention_pool_mass(
-    q: torch.Tensor, k: torch.Tensor, valid: torch.Tensor, kpool: int, scale: float,
-    cu_seqlens: torch.Tensor | None = None, query_offset: int = 0,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    valid: torch.Tensor,
+    kpool: int,
+    scale: float,
+    cu_seqlens: torch.Tensor | None = None,
+    query_offset: int = 0,
 ) -> torch.Tensor:
     """Dense causal attention probabilities summed over heads and within each pool: [B, T, P] fp32.
 

@@ -32,8 +32,12 @@ def count_expert_loads(routed: Iterable[tuple[Router, LayerStats, torch.Tensor]]
 
 
 @torch.no_grad()
-def update_router_bias(routers: list[Router], required: list[Router], rate: float,
-                       reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:  # fmt: skip
+def update_router_bias(
+    routers: list[Router],
+    required: list[Router],
+    rate: float,
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> None:
     """bias_i += rate * sign(mean load - load_i) for every router with counted loads, then clear the counts.
 
     `required`: the routers a training forward always counts (the main model's; MTP routers count only in forwards
@@ -43,8 +47,10 @@ def update_router_bias(routers: list[Router], required: list[Router], rate: floa
     if not routers:
         return
     if any(r.counted_load is None for r in required):
-        raise RuntimeError("update_router_bias needs the expert loads of a training forward "
-                           "(model.train()) since the last update; none were counted")  # fmt: skip
+        raise RuntimeError(
+            "update_router_bias needs the expert loads of a training forward "
+            "(model.train()) since the last update; none were counted"
+        )
     counted = [r for r in routers if r.counted_load is not None]
     loads = torch.stack([r.counted_load for r in counted])  # [layers, E]
     if reduce is not None:

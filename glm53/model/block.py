@@ -58,8 +58,14 @@ class DecoderBlock(nn.Module):
         return self.ffn_hc.exit(streams, mixed, mix), topk
 
     def init_weights(self) -> None:
-        for module in (self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm,
-                       self.attn_hc, self.ffn_hc):  # fmt: skip
+        for module in (
+            self.self_attn,
+            self.mlp,
+            self.input_layernorm,
+            self.post_attention_layernorm,
+            self.attn_hc,
+            self.ffn_hc,
+        ):
             module.init_weights()
 
 

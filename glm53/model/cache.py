@@ -52,8 +52,12 @@ class KdaCache:
     def reserve_steps(self, n: int) -> None:
         if self.steps is None or self.steps[2].shape[1] < n:
             s, c = self.state, self.conv
-            self.steps = (torch.zeros_like(s), [torch.zeros_like(x) for x in c],
-                          s.new_zeros(s.shape[0], n, *s.shape[1:]), [x.new_zeros(x.shape[0], n, *x.shape[1:]) for x in c])
+            self.steps = (
+                torch.zeros_like(s),
+                [torch.zeros_like(x) for x in c],
+                s.new_zeros(s.shape[0], n, *s.shape[1:]),
+                [x.new_zeros(x.shape[0], n, *x.shape[1:]) for x in c],
+            )
 
     def mark(self) -> None:
         self.steps[0].copy_(self.state)
@@ -123,8 +127,14 @@ class GenerationCache:
     `max_step_tokens`: the most tokens one forward adds after `mark()` (what a rewind can undo).
     """
 
-    def __init__(self, model: nn.Module, part: str = "main", latent_dtype: torch.dtype | None = None,
-                 max_length: int | None = None, max_step_tokens: int = DEFAULT_STEP_TOKENS) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: nn.Module,
+        part: str = "main",
+        latent_dtype: torch.dtype | None = None,
+        max_length: int | None = None,
+        max_step_tokens: int = DEFAULT_STEP_TOKENS,
+    ) -> None:
         if part == "main":
             attention = [layer.self_attn for layer in model.model.layers]
         elif part == "mtp":
@@ -133,11 +143,19 @@ class GenerationCache:
             attention = [layer.self_attn for layer in model.mtp.layers]
         else:
             raise CacheError(f"part must be 'main' or 'mtp', got {part!r}")
-        if latent_dtype is not None and latent_dtype != torch.int8 and (
-                not isinstance(latent_dtype, torch.dtype) or not latent_dtype.is_floating_point
-                or latent_dtype.itemsize < 2):  # fmt: skip
+        if (
+            latent_dtype is not None
+            and latent_dtype != torch.int8
+            and (
+                not isinstance(latent_dtype, torch.dtype)
+                or not latent_dtype.is_floating_point
+                or latent_dtype.itemsize < 2
+            )
+        ):
             raise CacheError(f"latent_dtype must be {LATENT_DTYPES}, got {latent_dtype!r}")
-        if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1):
+        if max_length is not None and (
+            isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1
+        ):
             raise CacheError(f"max_length must be a positive integer or None, got {max_length!r}")
         self.part = part
         self.latent_dtype = latent_dtype
@@ -157,8 +175,10 @@ class GenerationCache:
     def layer(self, module: nn.Module) -> KdaCache | MlaCache:
         cache = self._layers.get(id(module))
         if cache is None:
-            raise CacheError(f"this generation cache was built for another model (or part {self.part!r}): it has no "
-                             f"entry for this {type(module).__name__}")  # fmt: skip
+            raise CacheError(
+                f"this generation cache was built for another model (or part {self.part!r}): it has no "
+                f"entry for this {type(module).__name__}"
+            )
         return cache
 
     def new_positions(self, T: int) -> torch.Tensor:
@@ -178,8 +198,10 @@ class GenerationCache:
         elif self.first.shape[0] != B:
             raise CacheError(f"the cache holds a batch of {self.first.shape[0]} rows, the input has {B}")
         if self.marked and self.positions + T - self._mark_positions > self.max_step_tokens:
-            raise CacheError(f"a marked cache takes at most max_step_tokens={self.max_step_tokens} tokens before "
-                             f"rewind(); got {self.positions + T - self._mark_positions}")  # fmt: skip
+            raise CacheError(
+                f"a marked cache takes at most max_step_tokens={self.max_step_tokens} tokens before "
+                f"rewind(); got {self.positions + T - self._mark_positions}"
+            )
         self._ensure(self.positions + T)
 
     def end(self, T: int) -> None:
@@ -198,8 +220,10 @@ class GenerationCache:
         any_token = valid.any(-1)
         first = torch.where(any_token, valid.long().argmax(-1), torch.full_like(any_token, T, dtype=torch.long))
         if not bool((valid.long().sum(-1) == T - first).all()):  # NOTE: syncs (once, at the prefill)
-            raise CacheError("a cached prefill needs a left-padded attention_mask (0s then 1s in every row): later "
-                             "forwards append after each row's last position")  # fmt: skip
+            raise CacheError(
+                "a cached prefill needs a left-padded attention_mask (0s then 1s in every row): later "
+                "forwards append after each row's last position"
+            )
         self.first = first
         self.length = torch.zeros((), dtype=torch.long, device=valid.device)
         self.mark_length = torch.zeros((), dtype=torch.long, device=valid.device)

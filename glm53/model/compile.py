@@ -41,8 +41,9 @@ GRAPH_BREAKING: tuple[type[nn.Module], ...] = ()
 BACKENDS = ("inductor", "aot_eager", "eager")  # inductor generates kernels; the others only trace (tests)
 
 
-def compile_blocks(model: nn.Module, *, backend: str = "inductor", fullgraph: bool = True,
-                   dynamic: bool | None = False) -> nn.Module:  # fmt: skip
+def compile_blocks(
+    model: nn.Module, *, backend: str = "inductor", fullgraph: bool = True, dynamic: bool | None = False
+) -> nn.Module:
     """Compile the forward of the decoder blocks and MTP layers of a Glm53ForCausalLM in place -> the model.
 
     Call it on a single-process model, or through `glm53.parallel.parallelize(..., compile=True)`, which calls it

@@ -72,8 +72,9 @@ def ahead(x: torch.Tensor, d: int, fill: float | bool | int, cp: SequenceShards 
     return torch.cat([x[:, d:], nxt], dim=1)
 
 
-def sharded_targets(targets: torch.Tensor, segment_ids: torch.Tensor | None, d: int, cp: SequenceShards,
-                    ignore_index: int) -> torch.Tensor:  # fmt: skip
+def sharded_targets(
+    targets: torch.Tensor, segment_ids: torch.Tensor | None, d: int, cp: SequenceShards, ignore_index: int
+) -> torch.Tensor:
     """The targets of this slice's positions at MTP depth d (0: next token) from next-token targets [B, T]
     (labels shifted by one over the whole sequence): targets[i + d], ignored past the end and when token
     i + 1 + d lies in another document than position i (model/packing.py's `document_labels`)."""

@@ -30,11 +30,11 @@ import torch.nn.functional as F
 
 from ..boundary import as_local
 from ..config import Glm53Config
-from ..utils import ceil_div
 from ..kernels import kernel_op
 from ..kernels.indexer_topk import rank_pools
 from ..kernels.opaque import HOST_READING
 from ..kernels.varlen import document_bounds, own_document_pools
+from ..utils import ceil_div
 from .context import SequenceShards
 from .norm import LayerNorm
 from .packing import document_pool_layout, first_valid_in_document
@@ -51,8 +51,9 @@ def first_valid_position(valid: torch.Tensor) -> torch.Tensor:
     return torch.where(valid.any(-1), valid.long().argmax(-1), torch.full_like(valid[:, 0], T, dtype=torch.long))
 
 
-def pool_layout(valid: torch.Tensor, kpool: int,
-                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+def pool_layout(
+    valid: torch.Tensor, kpool: int, cu_seqlens: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pools of `kpool` consecutive positions from each row's (packed: each document's) first valid token.
 
     -> positions [B, P, L] (may run past T), which of them are valid tokens [B, P, L], and the pools complete in
@@ -70,8 +71,9 @@ def pool_layout(valid: torch.Tensor, kpool: int,
     return positions, token_valid, token_valid.all(-1).any(0)
 
 
-def kept_pools(valid: torch.Tensor, kpool: int,
-               cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def kept_pools(
+    valid: torch.Tensor, kpool: int, cu_seqlens: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The pools the indexer scores: token positions [B, P, L] (-1 where invalid) and completeness [B, P].
 
     Every pool of the layout, also those incomplete in every row, which transformers drops: P follows from the
@@ -108,8 +110,9 @@ class Indexer(nn.Module):
     def num_slots(self) -> int:
         return self.index_topk + (self.kpool - 1 if self.select_tail else 0)
 
-    def pools(self, x: torch.Tensor, valid: torch.Tensor,
-              cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    def pools(
+        self, x: torch.Tensor, valid: torch.Tensor, cu_seqlens: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Pool keys [B, P, K], their token positions [B, P, L] (-1 where invalid), completeness [B, P]."""
         return self.pool(*self.token_keys(x), valid, cu_seqlens)
 
@@ -117,8 +120,9 @@ class Indexer(nn.Module):
         """x [B, T, D] -> per-token keys [B, T, K] and pooling-gate logits [B, T, K] (x's dtype)."""
         return self.k_norm(self.wk(x)), F.linear(x, as_local(self, "index_kpool_compress_gate"))
 
-    def pool(self, keys: torch.Tensor, gate: torch.Tensor, valid: torch.Tensor,
-             cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    def pool(
+        self, keys: torch.Tensor, gate: torch.Tensor, valid: torch.Tensor, cu_seqlens: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`pools` from per-token keys and gate logits [B, T, K] (context parallelism gathers these, not x)."""
         T = valid.shape[1]
         positions, token_valid, _ = pool_layout(valid, self.kpool, cu_seqlens)  # every pool (kept_pools)
@@ -136,21 +140,30 @@ class Indexer(nn.Module):
         weights = torch.nan_to_num(logits.softmax(dim=-2)).to(keys.dtype)  # all-invalid pools -> 0
         return (weights * keys).sum(dim=-2)
 
-    def scores(self, x: torch.Tensor, q_resid: torch.Tensor, pool_keys: torch.Tensor,
-               cu_seqlens: torch.Tensor | None = None,
-               pool_start: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    def scores(
+        self,
+        x: torch.Tensor,
+        q_resid: torch.Tensor,
+        pool_keys: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        pool_start: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """[B, T, P] fp32 index scores: sum_h w_h relu(q_h . key_p / sqrt(K)) (kernels/indexer_scores.py);
         packed: 0 for pools of other documents."""
         q, w = self._queries(x, q_resid)
         if cu_seqlens is None:
             return indexer_scores(q, w, pool_keys, self.head_dim**-0.5)
-        return indexer_scores(q, w, pool_keys, self.head_dim**-0.5, cu_seqlens=cu_seqlens,
-                                        pool_start=pool_start)  # fmt: skip
+        return indexer_scores(q, w, pool_keys, self.head_dim**-0.5, cu_seqlens=cu_seqlens, pool_start=pool_start)
 
     @torch.no_grad()
-    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, valid: torch.Tensor,
-                cu_seqlens: torch.Tensor | None = None,
-                shards: SequenceShards | None = None) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self,
+        x: torch.Tensor,
+        q_resid: torch.Tensor,
+        valid: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        shards: SequenceShards | None = None,
+    ) -> torch.Tensor:
         """x [B, T, D], q_resid [B, T, R], valid [B, T] bool -> top-k key positions [B, T, J] int64 (`shards`:
         as `score_and_select`). Unpacked, scoring and choosing run fused, a block of queries at a time
         (kernels/indexer_topk.py): `score_and_select`'s top-k (up to rounding-level near-ties, see there) without its
@@ -166,13 +179,19 @@ class Indexer(nn.Module):
         pool_keys, positions, complete = pool_keys[:, keep], positions[:, keep], complete[:, keep]
         q, w = self._queries(x, q_resid)
         pool_end = positions[..., -1].clamp(0, valid.shape[1] - 1)  # [B, P] as `select` reads it
-        chosen, chosen_ok = indexer_topk_pools(q, w, pool_keys, self.head_dim**-0.5, pool_end, complete,
-                                                         offset, self._pools_per_query(pool_keys.shape[1]))  # fmt: skip
+        chosen, chosen_ok = indexer_topk_pools(
+            q, w, pool_keys, self.head_dim**-0.5, pool_end, complete, offset, self._pools_per_query(pool_keys.shape[1])
+        )
         return self._slots(chosen, chosen_ok, positions, valid, None, offset)
 
     def score_and_select(
-        self, x: torch.Tensor, q_resid: torch.Tensor, valid: torch.Tensor, grad: bool = False,
-        cu_seqlens: torch.Tensor | None = None, shards: SequenceShards | None = None,
+        self,
+        x: torch.Tensor,
+        q_resid: torch.Tensor,
+        valid: torch.Tensor,
+        grad: bool = False,
+        cu_seqlens: torch.Tensor | None = None,
+        shards: SequenceShards | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> (top-k [B, T, J], scores [B, T, P] fp32, candidate pools [B, T, P], selected pools [B, T, P]).
 
@@ -199,13 +218,19 @@ class Indexer(nn.Module):
                 if cu_seqlens is not None:
                     scores = scores * own_document_pools(start, cu_seqlens, valid.shape[1], offset, x.shape[1])
         with torch.no_grad():
-            topk, candidate, selected = self.select(scores.detach(), positions, complete, valid, cu_seqlens,
-                                                    query_offset=offset)  # fmt: skip
+            topk, candidate, selected = self.select(
+                scores.detach(), positions, complete, valid, cu_seqlens, query_offset=offset
+            )
         return topk, scores, candidate, selected
 
     def select(
-        self, scores: torch.Tensor, positions: torch.Tensor, complete: torch.Tensor, valid: torch.Tensor,
-        cu_seqlens: torch.Tensor | None = None, query_offset: int = 0,
+        self,
+        scores: torch.Tensor,
+        positions: torch.Tensor,
+        complete: torch.Tensor,
+        valid: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        query_offset: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Top-k pools -> (token positions [B, T, J], candidate pools [B, T, P], selected pools [B, T, P]).
 
@@ -214,8 +239,9 @@ class Indexer(nn.Module):
         Pools incomplete in every row (kept_pools) are never candidates; the choice among the others is
         transformers' over its pool axis without them (`select_pools`, a custom op for torch.compile).
         """
-        return select_pools(scores, positions, complete, valid, cu_seqlens, query_offset, self.index_topk,
-                            self.kpool, self.select_tail)  # fmt: skip
+        return select_pools(
+            scores, positions, complete, valid, cu_seqlens, query_offset, self.index_topk, self.kpool, self.select_tail
+        )
 
     def _pools_per_query(self, num_pools: int) -> int:
         return min(self.index_topk // self.kpool, num_pools)
@@ -225,10 +251,18 @@ class Indexer(nn.Module):
         q = self.wq_b(q_resid).view(*q_resid.shape[:2], self.n_heads, self.head_dim)
         return q, self.weights_proj(x).float() * self.n_heads**-0.5
 
-    def _slots(self, chosen: torch.Tensor, chosen_ok: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
-               cu_seqlens: torch.Tensor | None, query_offset: int) -> torch.Tensor:  # fmt: skip
-        return pool_slots(chosen, chosen_ok, positions, valid, cu_seqlens, query_offset, self.kpool, self.select_tail,
-                          self.num_slots)  # fmt: skip
+    def _slots(
+        self,
+        chosen: torch.Tensor,
+        chosen_ok: torch.Tensor,
+        positions: torch.Tensor,
+        valid: torch.Tensor,
+        cu_seqlens: torch.Tensor | None,
+        query_offset: int,
+    ) -> torch.Tensor:
+        return pool_slots(
+            chosen, chosen_ok, positions, valid, cu_seqlens, query_offset, self.kpool, self.select_tail, self.num_slots
+        )
 
     @torch.no_grad()
     def cached_select(self, x: torch.Tensor, q_resid: torch.Tensor, generation, cache) -> torch.Tensor:
@@ -237,8 +271,15 @@ class Indexer(nn.Module):
         keys, gate = self.token_keys(x)
         self.extend_pools(keys, gate, generation, cache)
         scores = self.scores(x, q_resid, cache.pool_keys[:, :-1])  # [B, T, P] fp32
-        return cached_slots(scores, generation.first, generation.new_positions(x.shape[1]), self.kpool,
-                            self.index_topk, self.select_tail, self.num_slots)  # fmt: skip
+        return cached_slots(
+            scores,
+            generation.first,
+            generation.new_positions(x.shape[1]),
+            self.kpool,
+            self.index_topk,
+            self.select_tail,
+            self.num_slots,
+        )
 
     def extend_pools(self, keys: torch.Tensor, gate: torch.Tensor, generation, cache) -> None:
         """Store this forward's token keys and gate logits [B, T, K] in the cache's ring and pool every k-pool
@@ -261,8 +302,13 @@ class Indexer(nn.Module):
         cache.ring_keys.index_copy_(1, pos[T - n :].remainder(R), keys[:, T - n :].to(cache.ring_keys.dtype))
         cache.ring_gate.index_copy_(1, pos[T - n :].remainder(R), gate[:, T - n :].float())
 
-    def visible_tail(self, valid: torch.Tensor, cu_seqlens: torch.Tensor | None = None, query_offset: int = 0,
-                     num_queries: int | None = None) -> torch.Tensor:  # fmt: skip
+    def visible_tail(
+        self,
+        valid: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        query_offset: int = 0,
+        num_queries: int | None = None,
+    ) -> torch.Tensor:
         """The tokens of each query's incomplete pool: [B, T, L-1] positions, -1 where empty.
 
         Queries are positions query_offset + [0, T) (T = num_queries, default all S) of the sequence `valid`
@@ -278,9 +324,17 @@ class Indexer(nn.Module):
         nn.init.ones_(self.index_kpool_compress_gate)
 
 
-def select_kept(scores: torch.Tensor, positions: torch.Tensor, complete: torch.Tensor, valid: torch.Tensor,
-                cu_seqlens: torch.Tensor | None, query_offset: int, index_topk: int, kpool: int,
-                select_tail: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+def select_kept(
+    scores: torch.Tensor,
+    positions: torch.Tensor,
+    complete: torch.Tensor,
+    valid: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    query_offset: int,
+    index_topk: int,
+    kpool: int,
+    select_tail: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`Indexer.select` over pools that are all complete in some row (transformers' pool axis)."""
     num_slots = index_topk + (kpool - 1 if select_tail else 0)
     B, S = valid.shape
@@ -301,8 +355,15 @@ def select_kept(scores: torch.Tensor, positions: torch.Tensor, complete: torch.T
     return topk, candidate, selected
 
 
-def cached_slots(scores: torch.Tensor, first: torch.Tensor, query_pos: torch.Tensor, kpool: int, index_topk: int,
-                 select_tail: bool, num_slots: int) -> torch.Tensor:  # fmt: skip
+def cached_slots(
+    scores: torch.Tensor,
+    first: torch.Tensor,
+    query_pos: torch.Tensor,
+    kpool: int,
+    index_topk: int,
+    select_tail: bool,
+    num_slots: int,
+) -> torch.Tensor:
     """`select_kept` on a generation cache's time axis: scores [B, T, P] of every cached pool (pool p of row b holds
     positions first_b + pL .. first_b + pL + L - 1), queries at query_pos [T] -> top-k [B, T, J]. No host read."""
     B, T, P = scores.shape
@@ -323,9 +384,17 @@ def cached_slots(scores: torch.Tensor, first: torch.Tensor, query_pos: torch.Ten
     return topk.masked_fill((count <= 0)[..., None], -1)
 
 
-def pool_slots(chosen: torch.Tensor, chosen_ok: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
-               cu_seqlens: torch.Tensor | None, query_offset: int, kpool: int, select_tail: bool,
-               num_slots: int) -> torch.Tensor:  # fmt: skip
+def pool_slots(
+    chosen: torch.Tensor,
+    chosen_ok: torch.Tensor,
+    positions: torch.Tensor,
+    valid: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    query_offset: int,
+    kpool: int,
+    select_tail: bool,
+    num_slots: int,
+) -> torch.Tensor:
     """Chosen pools [B, T, select] (chosen_ok: a candidate) -> their tokens, then the visible tail: [B, T, J]."""
     B, T = chosen.shape[:2]
     tokens = positions[torch.arange(B, device=chosen.device)[:, None, None], chosen]  # [B, T, select, L]
@@ -336,8 +405,13 @@ def pool_slots(chosen: torch.Tensor, chosen_ok: torch.Tensor, positions: torch.T
     return topk.masked_fill(~valid[:, query_offset : query_offset + T, None], -1)
 
 
-def visible_tail(valid: torch.Tensor, kpool: int, cu_seqlens: torch.Tensor | None = None, query_offset: int = 0,
-                 num_queries: int | None = None) -> torch.Tensor:  # fmt: skip
+def visible_tail(
+    valid: torch.Tensor,
+    kpool: int,
+    cu_seqlens: torch.Tensor | None = None,
+    query_offset: int = 0,
+    num_queries: int | None = None,
+) -> torch.Tensor:
     """`Indexer.visible_tail` for pools of `kpool` tokens."""
     B, S = valid.shape
     T = S - query_offset if num_queries is None else num_queries
@@ -369,15 +443,31 @@ def visible_tail(valid: torch.Tensor, kpool: int, cu_seqlens: torch.Tensor | Non
 # drops those pools eagerly, so compiled and eager models pick the same keys, with fixed-size outputs for
 # torch.compile. Nothing here has a gradient (the selection is made from detached scores).
 @torch.library.custom_op("glm53::select_pools", mutates_args=(), tags=HOST_READING)
-def select_pools(scores: torch.Tensor, positions: torch.Tensor, complete: torch.Tensor, valid: torch.Tensor,
-                 cu_seqlens: torch.Tensor | None, query_offset: int, index_topk: int, kpool: int,
-                 select_tail: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+def select_pools(
+    scores: torch.Tensor,
+    positions: torch.Tensor,
+    complete: torch.Tensor,
+    valid: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    query_offset: int,
+    index_topk: int,
+    kpool: int,
+    select_tail: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """scores [B, T, P], positions [B, P, L], complete [B, P], valid [B, S] -> (top-k [B, T, J], candidate pools
     [B, T, P], selected pools [B, T, P]); pools incomplete in every row are neither."""
     kept = torch.nonzero(complete.any(0)).squeeze(1)  # [P'] pool indices; NOTE: syncs (once per call)
     topk, kept_candidate, kept_selected = select_kept(
-        scores.index_select(-1, kept), positions.index_select(1, kept), complete.index_select(1, kept), valid,
-        cu_seqlens, query_offset, index_topk, kpool, select_tail)  # fmt: skip
+        scores.index_select(-1, kept),
+        positions.index_select(1, kept),
+        complete.index_select(1, kept),
+        valid,
+        cu_seqlens,
+        query_offset,
+        index_topk,
+        kpool,
+        select_tail,
+    )
     candidate = kept_candidate.new_zeros(scores.shape).index_copy_(-1, kept, kept_candidate)
     selected = kept_selected.new_zeros(scores.shape).index_copy_(-1, kept, kept_selected)
     return topk, candidate, selected

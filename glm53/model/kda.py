@@ -51,8 +51,9 @@ class CausalConv1d(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(channels, 1, width))
 
-    def forward(self, x: torch.Tensor, state: torch.Tensor | None = None,
-                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self, x: torch.Tensor, state: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """x [B, T, C] -> silu(conv(x)) [B, T, C], computed in fp32 and cast back to x's dtype."""
         packed = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}  # kernel keyword, only when packed
         y, _ = causal_conv1d(x, as_local(self, "weight")[:, 0, :], initial_state=state, **packed)
@@ -177,8 +178,17 @@ class KimiDeltaAttention(nn.Module):
 
     def init_weights(self) -> None:
         std = self.initializer_range
-        for linear in (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.f_b_proj, self.b_proj,
-                       self.g_a_proj, self.g_b_proj, self.o_proj):  # fmt: skip
+        for linear in (
+            self.q_proj,
+            self.k_proj,
+            self.v_proj,
+            self.f_a_proj,
+            self.f_b_proj,
+            self.b_proj,
+            self.g_a_proj,
+            self.g_b_proj,
+            self.o_proj,
+        ):
             nn.init.normal_(linear.weight, std=std)
         for conv in (self.q_conv1d, self.k_conv1d, self.v_conv1d):
             nn.init.normal_(conv.weight, std=std)

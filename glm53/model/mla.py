@@ -98,8 +98,9 @@ class MultiHeadLatentAttention(nn.Module):
             o, k = self._attend(q, latent, same_document_slots(topk, keys), {})
         if record:
             k = self._expand_kv(latent)[0] if k is None else k
-            stats.pool_mass = attention_pool_mass(q, k, valid, self.kpool, self.scale, cu_seqlens=cu_seqlens,
-                                                  query_offset=keys.offset)  # fmt: skip
+            stats.pool_mass = attention_pool_mass(
+                q, k, valid, self.kpool, self.scale, cu_seqlens=cu_seqlens, query_offset=keys.offset
+            )
         if self.training and self.dropout > 0:
             o = nn.functional.dropout(o, self.dropout)
         return self.o_proj(rearrange(o, "b t h f -> b t (h f)")), topk
@@ -124,8 +125,9 @@ class MultiHeadLatentAttention(nn.Module):
         o, _ = self._attend(q, keys, topk, {})
         return self.o_proj(rearrange(o, "b t h f -> b t (h f)")), topk
 
-    def _attend(self, q: torch.Tensor, latent: torch.Tensor, topk: torch.Tensor,
-                packed: dict) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    def _attend(
+        self, q: torch.Tensor, latent: torch.Tensor, topk: torch.Tensor, packed: dict
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """q [B, T, H, K], latent [B, S, Z], topk [B, T, J] -> (o [B, T, H, V], the per-head keys [B, S, H, K]
         when they were expanded, else None). `packed`: the kernels' cu_seqlens keyword, when packed."""
         if not self.absorb:

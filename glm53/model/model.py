@@ -65,8 +65,9 @@ class Glm53Model(nn.Module):
     def __init__(self, config: Glm53Config) -> None:
         super().__init__()
         if not isinstance(config, Glm53Config):
-            raise TypeError(f"config must be a Glm53Config (Glm53Config.from_dict for a dict), got "
-                            f"{type(config).__name__}")  # fmt: skip
+            raise TypeError(
+                f"config must be a Glm53Config (Glm53Config.from_dict for a dict), got {type(config).__name__}"
+            )
         config.validate()  # a field changed after construction is checked here, before any module uses it
         self.config = config
         # padding_idx as transformers' Glm5NextTextModel: the pad row never receives a gradient (a left-padded
@@ -176,8 +177,15 @@ class Glm53LMHeadModel(nn.Module):
         at 0 per document (model/packing.py). Context parallelism (`cp`, model/cp.py): the inputs are this rank's
         slice of every sequence (glm53.parallel.context_parallel_inputs makes them)."""
         inputs_embeds = self.model.embed(input_ids, inputs_embeds)
-        ctx = build_context(inputs_embeds, attention_mask, cu_seqlens, position_ids, cp,
-                            collect_stats=collect_stats or self.training, record_indexer=record_indexer)  # fmt: skip
+        ctx = build_context(
+            inputs_embeds,
+            attention_mask,
+            cu_seqlens,
+            position_ids,
+            cp,
+            collect_stats=collect_stats or self.training,
+            record_indexer=record_indexer,
+        )
         stats: list[LayerStats] = []
         hidden = self.model(inputs_embeds=inputs_embeds, ctx=ctx, stats=stats)
         out = LMOutput(logits=self._logits(hidden, return_logits), last_hidden_state=hidden, ctx=ctx, stats=stats)
@@ -195,8 +203,9 @@ class Glm53LMHeadModel(nn.Module):
     def _routed(self, out: LMOutput) -> list[tuple[Router, LayerStats, torch.Tensor]]:
         """(router, its layer's stats, the layer's valid mask) of every MoE layer that ran in `out`."""
         valid = out.ctx.valid
-        routed = [(layer.mlp.gate, s, valid) for layer, s in zip(self.model.layers, out.stats)
-                  if isinstance(layer.mlp, MoE)]  # fmt: skip
+        routed = [
+            (layer.mlp.gate, s, valid) for layer, s in zip(self.model.layers, out.stats) if isinstance(layer.mlp, MoE)
+        ]
         return routed + [(self.mtp.layer_for(d).mlp.gate, s, v) for d, (_, v, s) in enumerate(out.mtp, start=1)]
 
     def tie_weights(self) -> None:
@@ -255,8 +264,9 @@ class Glm53LMHeadModel(nn.Module):
         return cast_model(self, dtype)
 
     @classmethod
-    def from_config(cls, config: Glm53Config, *, dtype: torch.dtype | str = torch.float32,
-                    device: str | torch.device = "cpu") -> "Glm53LMHeadModel":  # fmt: skip
+    def from_config(
+        cls, config: Glm53Config, *, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu"
+    ) -> "Glm53LMHeadModel":
         """Build on the meta device, materialise on `device` and initialise (no fp32 copy of a bf16 model)."""
         with torch.device("meta"):
             model = cls(config)
@@ -268,8 +278,9 @@ class Glm53LMHeadModel(nn.Module):
         return model
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, dtype: torch.dtype | str | None = None,
-                        device: str | torch.device = "cpu") -> "Glm53LMHeadModel":  # fmt: skip
+    def from_pretrained(
+        cls, path: str | os.PathLike, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu"
+    ) -> "Glm53LMHeadModel":
         """Load an official-layout checkpoint directory (see glm53.checkpoint.load_checkpoint)."""
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"path must be a checkpoint directory, got {type(path).__name__}")
@@ -280,11 +291,22 @@ class Glm53LMHeadModel(nn.Module):
         """A copy of a transformers Glm5NextForConditionalGeneration's text weights (glm53.checkpoint.convert)."""
         return from_transformers(hf_model, cls)
 
-    def save_pretrained(self, path: str | os.PathLike, max_shard_size: int | str = "5GB",
-                        dtype: torch.dtype | str | None = None, overwrite: bool = False,
-                        allow_non_finite: bool = False) -> str:  # fmt: skip
+    def save_pretrained(
+        self,
+        path: str | os.PathLike,
+        max_shard_size: int | str = "5GB",
+        dtype: torch.dtype | str | None = None,
+        overwrite: bool = False,
+        allow_non_finite: bool = False,
+    ) -> str:
         """Write the official layout atomically (see glm53.checkpoint.save_checkpoint) -> the directory."""
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"path must be a directory to write, got {type(path).__name__}")
-        return save_checkpoint(self, path, max_shard_size=max_shard_size, dtype=dtype, overwrite=overwrite,
-                               allow_non_finite=allow_non_finite)  # fmt: skip
+        return save_checkpoint(
+            self,
+            path,
+            max_shard_size=max_shard_size,
+            dtype=dtype,
+            overwrite=overwrite,
+            allow_non_finite=allow_non_finite,
+        )

@@ -65,8 +65,13 @@ class MTPLayer(nn.Module):
 
     def init_weights(self) -> None:
         nn.init.normal_(self.eh_proj.weight, std=self.initializer_range)
-        for norm in (self.enorm, self.hnorm, self.input_layernorm, self.post_attention_layernorm,
-                     self.shared_head.norm):  # fmt: skip
+        for norm in (
+            self.enorm,
+            self.hnorm,
+            self.input_layernorm,
+            self.post_attention_layernorm,
+            self.shared_head.norm,
+        ):
             norm.init_weights()
         self.self_attn.init_weights()
         self.mlp.init_weights()
@@ -107,8 +112,14 @@ class MultiTokenPrediction(nn.Module):
             valid_d = ctx.valid & ahead(ctx.valid, d, False, ctx.cp)
             if ctx.segment_ids is not None:
                 valid_d = valid_d & (ahead(ctx.segment_ids, d, -1, ctx.cp) == ctx.segment_ids)
-            depth_ctx = ForwardContext(valid=valid_d, collect_stats=True, record_indexer=ctx.record_indexer,
-                                       cu_seqlens=ctx.cu_seqlens, segment_ids=ctx.segment_ids, cp=ctx.cp)  # fmt: skip
+            depth_ctx = ForwardContext(
+                valid=valid_d,
+                collect_stats=True,
+                record_indexer=ctx.record_indexer,
+                cu_seqlens=ctx.cu_seqlens,
+                segment_ids=ctx.segment_ids,
+                cp=ctx.cp,
+            )
             h, stats = run_block(self.gradient_checkpointing, layer, (h, ahead(embeds, d, 0.0, ctx.cp)), depth_ctx)
             out.append((layer.shared_head.norm(h), valid_d, stats))
         return out

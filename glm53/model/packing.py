@@ -26,8 +26,13 @@ from ..kernels.varlen import check_cu_seqlens, document_bounds, token_documents
 from ..utils import ceil_div
 
 
-def document_boundaries(B: int, T: int, device: torch.device, cu_seqlens: torch.Tensor | None = None,
-                        position_ids: torch.Tensor | None = None) -> torch.Tensor | None:  # fmt: skip
+def document_boundaries(
+    B: int,
+    T: int,
+    device: torch.device,
+    cu_seqlens: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+) -> torch.Tensor | None:
     """-> int64 cu_seqlens over the flattened B * T tokens (row starts included, empty documents dropped), or
     None when there is nothing packed (no boundaries given, or one document per row). Under torch.compile, never
     None: with `cu_seqlens` the boundaries and row starts sorted, duplicates kept; with `position_ids`
@@ -36,8 +41,10 @@ def document_boundaries(B: int, T: int, device: torch.device, cu_seqlens: torch.
         raise ValueError("pass at most one of cu_seqlens and position_ids (both describe document boundaries)")
     if position_ids is not None:
         if tuple(position_ids.shape) != (B, T) or position_ids.dtype.is_floating_point:
-            raise ValueError(f"position_ids must be an integer tensor of shape {(B, T)} (restarting at 0 at each "
-                             f"document), got {position_ids.dtype} {tuple(position_ids.shape)}")  # fmt: skip
+            raise ValueError(
+                f"position_ids must be an integer tensor of shape {(B, T)} (restarting at 0 at each "
+                f"document), got {position_ids.dtype} {tuple(position_ids.shape)}"
+            )
         cu = starts_to_cu_seqlens(position_starts(position_ids.to(device)))
         if torch.compiler.is_compiling():
             return cu
@@ -119,8 +126,9 @@ def first_valid_in_document(valid: torch.Tensor, cu_seqlens: torch.Tensor) -> to
     return torch.minimum(next_valid.gather(1, start.clamp(max=T - 1)), end)
 
 
-def document_pool_layout(valid: torch.Tensor, cu_seqlens: torch.Tensor,
-                         kpool: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def document_pool_layout(
+    valid: torch.Tensor, cu_seqlens: torch.Tensor, kpool: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Pools of `kpool` consecutive positions from each document's first valid token, never past its end.
 
     -> positions [B, P, L] (row-local; an empty slot holds T.., past every token) and which of them are valid
@@ -160,5 +168,13 @@ def document_pool_layout(valid: torch.Tensor, cu_seqlens: torch.Tensor,
     return positions, token_valid
 
 
-__all__ = ["document_boundaries", "document_labels", "document_pool_layout", "first_valid_in_document",
-           "position_starts", "segment_ids", "starts_to_cu_seqlens", "static_boundaries"]  # fmt: skip
+__all__ = [
+    "document_boundaries",
+    "document_labels",
+    "document_pool_layout",
+    "first_valid_in_document",
+    "position_starts",
+    "segment_ids",
+    "starts_to_cu_seqlens",
+    "static_boundaries",
+]

@@ -11,7 +11,14 @@ over the vocab-sharded `out.logits`.
 """
 
 from . import boundary as _boundary
+from . import expert as _expert
+from . import vocab_loss as _vocab_loss
 from .boundary import LocalShard, PlacementError, Whole, local_shard, materialize_full, set_boundary_rule
+from .context import CpShards
+from .cp_inputs import context_parallel_inputs
+from .expert import apply_expert_parallel, check_ep_size, clip_grad_norm_
+from .export import export_pretrained
+from .load import load_pretrained
 from .parallelize import (
     apply_fsdp,
     apply_tensor_parallel,
@@ -21,27 +28,46 @@ from .parallelize import (
     parallelize,
     zero_rows,
 )
-from . import expert as _expert
-from . import vocab_loss as _vocab_loss
-from .expert import apply_expert_parallel, check_ep_size, clip_grad_norm_
 from .plan import ExpertTensorParallel, LocalShardParams, ReplicateModule, ReplicateParams, check_tp_size, tp_plan
 from .runtime import full_optimizer_state, full_state, init_mesh, load_full_optimizer_state, loss_denominators
-from .load import load_pretrained
-from .export import export_pretrained
 from .train_state import read_training_state, write_training_state
-from .context import CpShards
-from .cp_inputs import context_parallel_inputs
 
 _boundary.install()
 _expert.install()
 _vocab_loss.install()
 
 __all__ = [
-    "materialize_full", "local_shard", "PlacementError", "Whole", "LocalShard", "set_boundary_rule",
-    "parallelize", "apply_tensor_parallel", "apply_fsdp", "loss_parallel_context", "init_weights", "zero_rows",
-    "expert_load_sum", "apply_expert_parallel", "check_ep_size", "clip_grad_norm_",
-    "init_mesh", "loss_denominators", "full_state", "full_optimizer_state", "load_full_optimizer_state",
-    "load_pretrained", "export_pretrained", "write_training_state", "read_training_state",
-    "context_parallel_inputs", "CpShards",
-    "tp_plan", "check_tp_size", "ReplicateParams", "ReplicateModule", "LocalShardParams", "ExpertTensorParallel",
-]  # fmt: skip
+    "materialize_full",
+    "local_shard",
+    "PlacementError",
+    "Whole",
+    "LocalShard",
+    "set_boundary_rule",
+    "parallelize",
+    "apply_tensor_parallel",
+    "apply_fsdp",
+    "loss_parallel_context",
+    "init_weights",
+    "zero_rows",
+    "expert_load_sum",
+    "apply_expert_parallel",
+    "check_ep_size",
+    "clip_grad_norm_",
+    "init_mesh",
+    "loss_denominators",
+    "full_state",
+    "full_optimizer_state",
+    "load_full_optimizer_state",
+    "load_pretrained",
+    "export_pretrained",
+    "write_training_state",
+    "read_training_state",
+    "context_parallel_inputs",
+    "CpShards",
+    "tp_plan",
+    "check_tp_size",
+    "ReplicateParams",
+    "ReplicateModule",
+    "LocalShardParams",
+    "ExpertTensorParallel",
+]

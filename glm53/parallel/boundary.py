@@ -32,9 +32,7 @@ def _describe(t: DTensor) -> str:
     return f"placements {tuple(t.placements)} on mesh {t.device_mesh}"
 
 
-def materialize_full(
-    t: torch.Tensor, name: str, *, grad_placements: Sequence[Placement] | None = None
-) -> torch.Tensor:
+def materialize_full(t: torch.Tensor, name: str, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
     """The whole tensor as a plain tensor, for a kernel that takes no DTensors.
 
     A plain tensor comes back unchanged (the same object). A DTensor that is Replicate on every mesh dimension
@@ -160,5 +158,16 @@ def install() -> None:
     set_input_resolver(head_parallel_input)
 
 
-__all__ = ["PlacementError", "materialize_full", "local_shard", "Whole", "LocalShard", "set_boundary_rule",
-           "boundary_rule", "name_modules", "install", "plain_value", "head_parallel_input"]  # fmt: skip
+__all__ = [
+    "PlacementError",
+    "materialize_full",
+    "local_shard",
+    "Whole",
+    "LocalShard",
+    "set_boundary_rule",
+    "boundary_rule",
+    "name_modules",
+    "install",
+    "plain_value",
+    "head_parallel_input",
+]

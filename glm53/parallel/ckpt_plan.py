@@ -109,7 +109,7 @@ def _module_name(model: Glm53ForCausalLM, name: str) -> str:
     """named_state's name (MTP as model.layers.{N+j}) -> the module path (mtp.layers.{j})."""
     n = model.config.num_hidden_layers
     if name.startswith("model.layers."):
-        layer, rest = name[len("model.layers."):].split(".", 1)
+        layer, rest = name[len("model.layers.") :].split(".", 1)
         if int(layer) >= n:
             return f"mtp.layers.{int(layer) - n}.{rest}"
     return name

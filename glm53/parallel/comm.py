@@ -31,7 +31,7 @@ _CPU_BACKENDS = ("gloo", "fake", "mpi")
 
 
 def _device_of_backend(backend: str) -> torch.device:
-    """"gloo" -> cpu; "nccl" -> the current accelerator; "cpu:gloo,cuda:nccl" -> the accelerator (the tensors a
+    """ "gloo" -> cpu; "nccl" -> the current accelerator; "cpu:gloo,cuda:nccl" -> the accelerator (the tensors a
     caller makes for a mixed group go where the data collectives run)."""
     parts = [p.split(":", 1) for p in str(backend).lower().split(",")]
     if all(len(p) == 2 for p in parts):
@@ -43,8 +43,10 @@ def _device_of_backend(backend: str) -> torch.device:
 def _accelerator() -> torch.device:
     accel = torch.accelerator.current_accelerator()
     if accel is None:
-        raise RuntimeError("the process group's backend needs an accelerator, but torch sees none (start the run "
-                           "with --device cpu, which uses gloo)")  # fmt: skip
+        raise RuntimeError(
+            "the process group's backend needs an accelerator, but torch sees none (start the run "
+            "with --device cpu, which uses gloo)"
+        )
     return torch.device(accel.type, torch.accelerator.current_device_index())
 
 
@@ -170,5 +172,13 @@ class CommBytes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-__all__ = ["CommBytes", "group_device", "all_reduce", "all_reduce_", "reduce_", "all_ranks_agree",
-           "all_to_all_single", "in_place_all_reduce"]  # fmt: skip
+__all__ = [
+    "CommBytes",
+    "group_device",
+    "all_reduce",
+    "all_reduce_",
+    "reduce_",
+    "all_ranks_agree",
+    "all_to_all_single",
+    "in_place_all_reduce",
+]

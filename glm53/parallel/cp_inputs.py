@@ -18,9 +18,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..kernels.varlen import position_in_document
 from ..losses import Glm53ForCausalLM
-from ..model.packing import document_boundaries
 from ..losses.counts import LossCounts
 from ..losses.parts import IGNORE_INDEX, next_token_targets
+from ..model.packing import document_boundaries
 from ..utils import ceil_div
 from .context import CpShards
 from .mesh import DATA_DIMS
@@ -79,8 +79,9 @@ def context_parallel_inputs(
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     positions = _document_positions(B, T, width, input_ids.device, cu_seqlens, position_ids)
     mine = slice(rank * local, (rank + 1) * local)
-    kwargs = dict(input_ids=(_pad(input_ids, width, pad_id) if width else input_ids)[:, mine],
-                  cp=CpShards(cp_mesh, local))  # fmt: skip
+    kwargs = dict(
+        input_ids=(_pad(input_ids, width, pad_id) if width else input_ids)[:, mine], cp=CpShards(cp_mesh, local)
+    )
     if mask is not None:
         kwargs["attention_mask"] = (_pad(mask, width, 0) if width else mask)[:, mine]
     if positions is not None:

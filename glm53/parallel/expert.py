@@ -46,6 +46,7 @@ def expert_param_names(module: nn.Module) -> list[str]:
     names += [f"{p}_lora_{x}" for p in EXPERT_PARAMS for x in "AB" if f"{p}_lora_{x}" in module._parameters]
     return names
 
+
 # Experts module -> its dispatcher; weak keys: dispatch dies with the model.
 _DISPATCH: "weakref.WeakKeyDictionary[nn.Module, ExpertParallelDispatch]" = weakref.WeakKeyDictionary()
 
@@ -78,8 +79,16 @@ class ExpertParallelDispatch:
         self.group = ep_mesh.get_group()
         self.ep = ep_mesh.size()
 
-    def __call__(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                 down: torch.Tensor, limit: float, lora=None) -> torch.Tensor:  # fmt: skip
+    def __call__(
+        self,
+        x: torch.Tensor,
+        indices: torch.Tensor,
+        weights: torch.Tensor,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        limit: float,
+        lora=None,
+    ) -> torch.Tensor:
         N, k = indices.shape
         El = gate_up.shape[0]
         expert_of = indices.flatten()  # [N*k]
@@ -94,11 +103,27 @@ class ExpertParallelDispatch:
         local_expert = torch.arange(El, device=x.device).repeat(self.ep).repeat_interleave(arriving_E)  # [M]
         scale = 1.0 / self.ep
         # LoRA terms (glm53.peft) shard with their experts: their factors are this rank's experts' too
-        local_lora = {} if lora is None else {"lora": tuple(None if lr is None else lr._replace(
-            A=_ScaleGrad.apply(lr.A, scale), B=_ScaleGrad.apply(lr.B, scale)) for lr in lora)}  # fmt: skip
-        y = kernel("moe_experts")(rows, local_expert[:, None], rows.new_ones(rows.shape[0], 1, dtype=weights.dtype),
-                                  _ScaleGrad.apply(gate_up, scale), _ScaleGrad.apply(down, scale), limit,
-                                  **local_lora)  # fmt: skip
+        local_lora = (
+            {}
+            if lora is None
+            else {
+                "lora": tuple(
+                    None
+                    if lr is None
+                    else lr._replace(A=_ScaleGrad.apply(lr.A, scale), B=_ScaleGrad.apply(lr.B, scale))
+                    for lr in lora
+                )
+            }
+        )
+        y = kernel("moe_experts")(
+            rows,
+            local_expert[:, None],
+            rows.new_ones(rows.shape[0], 1, dtype=weights.dtype),
+            _ScaleGrad.apply(gate_up, scale),
+            _ScaleGrad.apply(down, scale),
+            limit,
+            **local_lora,
+        )
         back = all_to_all_single_autograd(y, send, receive, self.group)  # [N*k, D] in `order`
         contrib = back * weights.flatten()[order, None]
         return torch.zeros_like(x).index_add(0, token, contrib.to(x.dtype))
@@ -117,8 +142,10 @@ def check_ep_size(model: nn.Module, ep: int) -> None:
 
 def _check_divisible(E: int, ep: int) -> None:
     if E % ep != 0:
-        raise ValueError(f"expert parallelism over {ep} ranks gives each rank n_routed_experts / ep experts, but "
-                         f"n_routed_experts={E} is not divisible by {ep}")  # fmt: skip
+        raise ValueError(
+            f"expert parallelism over {ep} ranks gives each rank n_routed_experts / ep experts, but "
+            f"n_routed_experts={E} is not divisible by {ep}"
+        )
 
 
 def expert_modules(model: nn.Module) -> list[nn.Module]:
@@ -141,13 +168,21 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, ep_tp_mesh: Dev
             param = getattr(module, name)
             if isinstance(param.data, DTensor):  # already split over tp: add the ep split of dim 0
                 if ep_tp_mesh is None:
-                    raise ValueError(f"{name} is already a DTensor ({tuple(param.placements)}); expert parallelism "
-                                     "over it needs the ('ep', 'tp') mesh (ep_tp_mesh)")  # fmt: skip
+                    raise ValueError(
+                        f"{name} is already a DTensor ({tuple(param.placements)}); expert parallelism "
+                        "over it needs the ('ep', 'tp') mesh (ep_tp_mesh)"
+                    )
                 local = param.data.to_local()
                 El = local.shape[0] // ep
                 placements = (Shard(0), *param.placements)
-                shard = DTensor.from_local(local[rank * El : (rank + 1) * El].clone(), ep_tp_mesh, placements,
-                                           run_check=False, shape=param.shape, stride=param.stride())  # fmt: skip
+                shard = DTensor.from_local(
+                    local[rank * El : (rank + 1) * El].clone(),
+                    ep_tp_mesh,
+                    placements,
+                    run_check=False,
+                    shape=param.shape,
+                    stride=param.stride(),
+                )
             else:
                 placements = (Shard(0),)
                 shard = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
@@ -171,9 +206,11 @@ def expert_shard_placement(dp_size: int, ep_sharded: bool):
             if shape[d] % dp_size == 0:
                 return Shard(d)
         if ep_sharded:
-            raise ValueError(f"FSDP over {dp_size} dp ranks cannot split a routed-expert parameter of local shape "
-                             f"{tuple(shape)} evenly on any dimension (n_routed_experts / ep, "
-                             f"moe_intermediate_size, hidden_size)")  # fmt: skip
+            raise ValueError(
+                f"FSDP over {dp_size} dp ranks cannot split a routed-expert parameter of local shape "
+                f"{tuple(shape)} evenly on any dimension (n_routed_experts / ep, "
+                f"moe_intermediate_size, hidden_size)"
+            )
         return Shard(0)
 
     return placement
@@ -203,5 +240,12 @@ def install() -> None:
     set_expert_dispatcher(_dispatcher_for)
 
 
-__all__ = ["ExpertParallelDispatch", "apply_expert_parallel", "check_ep_size", "expert_shard_placement",
-           "expert_param_names", "clip_grad_norm_", "expert_modules"]  # fmt: skip
+__all__ = [
+    "ExpertParallelDispatch",
+    "apply_expert_parallel",
+    "check_ep_size",
+    "expert_shard_placement",
+    "expert_param_names",
+    "clip_grad_norm_",
+    "expert_modules",
+]

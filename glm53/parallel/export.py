@@ -35,7 +35,7 @@ Region = tuple[slice, ...]
 def official_regions(model: torch.nn.Module) -> Iterator[tuple[str, str, Region, tuple[int, ...]]]:
     """(official key, glm53 name, region of the glm53 tensor, key shape) in the order save_pretrained writes."""
     for name, tensor in named_state(model):
-        local = name[len("model."):] if name != "lm_head.weight" else name
+        local = name[len("model.") :] if name != "lm_head.weight" else name
         shape = tuple(tensor.shape)
         if name.startswith(VISION_MODULE):  # the tower: its names are the on-disk ones under model.visual.
             yield "model." + name, name, tuple(slice(0, s) for s in shape), shape
@@ -68,8 +68,9 @@ def assign_writers(sizes: list[int], world: int) -> list[int]:
     return owner
 
 
-def _gather_key(tensor: torch.Tensor, region: Region, shape: tuple[int, ...], dtype: torch.dtype,
-                writer: int, rank: int) -> torch.Tensor | None:  # fmt: skip
+def _gather_key(
+    tensor: torch.Tensor, region: Region, shape: tuple[int, ...], dtype: torch.dtype, writer: int, rank: int
+) -> torch.Tensor | None:
     """The key's full values on `writer` (None elsewhere), summed from each element's primary holder."""
     device = local_tensor(tensor).device
     if not dist.is_initialized():
@@ -118,8 +119,9 @@ class _RankFiles:
         self.pending, self.pending_bytes = {}, 0
 
 
-def write_official(model: torch.nn.Module, directory: str, *, dtype: torch.dtype | None = None,
-                   max_shard_size: int | str = "5GB") -> dict[str, str]:  # fmt: skip
+def write_official(
+    model: torch.nn.Module, directory: str, *, dtype: torch.dtype | None = None, max_shard_size: int | str = "5GB"
+) -> dict[str, str]:
     """Write the official-layout tensors and config.json into the existing shared `directory` (every rank).
 
     -> the weight map (key -> file). `dtype` casts floating tensors except glm53.precision's fp32 keep-list.
@@ -173,8 +175,9 @@ def _name_files(directory: str, files: list[tuple[str, list[str]]], rank: int) -
     return weight_map
 
 
-def _write_metadata(model, directory: str, weight_map: dict[str, str], sizes: dict[str, int],
-                    dtype: torch.dtype | None) -> None:  # fmt: skip
+def _write_metadata(
+    model, directory: str, weight_map: dict[str, str], sizes: dict[str, int], dtype: torch.dtype | None
+) -> None:
     """config.json as save_pretrained writes it, and the index when there is more than one file."""
     write_config(model, directory, dtype)
     if len(set(weight_map.values())) > 1:
@@ -194,8 +197,9 @@ def write_config(model, directory: str, dtype: torch.dtype | None = None) -> Non
 
 
 @contextlib.contextmanager
-def shared_atomic_directory(path: str | os.PathLike, overwrite: bool = False,
-                            own: Callable[[str], bool] = checkpoint_owns) -> Iterator[str]:  # fmt: skip
+def shared_atomic_directory(
+    path: str | os.PathLike, overwrite: bool = False, own: Callable[[str], bool] = checkpoint_owns
+) -> Iterator[str]:
     """`atomic_directory` for all ranks: rank 0 creates the temporary directory and renames it when every rank
     left the block without error; the directory must be on a file system every rank sees. Only the entries `own`
     claims are replaced; every other file of an existing `path` (tokenizer, adapters, README, symlinks, earlier
@@ -233,8 +237,14 @@ def _agree(ok: bool) -> bool:
     return comm.all_ranks_agree(ok)
 
 
-def export_pretrained(model: torch.nn.Module, path: str | os.PathLike, *, dtype: torch.dtype | None = None,
-                      max_shard_size: int | str = "5GB", overwrite: bool = False) -> str:  # fmt: skip
+def export_pretrained(
+    model: torch.nn.Module,
+    path: str | os.PathLike,
+    *,
+    dtype: torch.dtype | None = None,
+    max_shard_size: int | str = "5GB",
+    overwrite: bool = False,
+) -> str:
     """Write a parallelized (or plain) Glm53ForCausalLM to `path` in the official layout; call on every rank.
 
     What `save_pretrained` writes (config.json, sharded safetensors, index), loadable by `from_pretrained` and
@@ -245,5 +255,11 @@ def export_pretrained(model: torch.nn.Module, path: str | os.PathLike, *, dtype:
     return os.path.abspath(os.fspath(path))
 
 
-__all__ = ["export_pretrained", "write_official", "write_config", "shared_atomic_directory", "official_regions",
-           "assign_writers"]  # fmt: skip
+__all__ = [
+    "export_pretrained",
+    "write_official",
+    "write_config",
+    "shared_atomic_directory",
+    "official_regions",
+    "assign_writers",
+]

@@ -75,8 +75,9 @@ class SliceReader:
         return dequantize_slice(part, scale, self.block_size, (r0, c0))
 
 
-def dequantize_slice(q: torch.Tensor, scale_blocks: torch.Tensor, block_size: tuple[int, int],
-                     origin: tuple[int, int]) -> torch.Tensor:  # fmt: skip
+def dequantize_slice(
+    q: torch.Tensor, scale_blocks: torch.Tensor, block_size: tuple[int, int], origin: tuple[int, int]
+) -> torch.Tensor:
     """The fp32 values of an FP8 slice q [rows, cols] starting at `origin` of the full weight.
 
     `scale_blocks` are the scales of the blocks the slice touches (from block origin // b); a slice that starts
@@ -141,8 +142,11 @@ def materialize(model: torch.nn.Module) -> None:
     if not any(t.is_meta for t in tensors):
         return
     mesh = next((t.device_mesh for t in tensors if isinstance(t, DTensor)), None)
-    device = "cpu" if mesh is None or mesh.device_type == "cpu" else torch.device(mesh.device_type,
-                                                                                   torch.cuda.current_device())
+    device = (
+        "cpu"
+        if mesh is None or mesh.device_type == "cpu"
+        else torch.device(mesh.device_type, torch.cuda.current_device())
+    )
     model.to_empty(device=device)
     if model.config.tie_word_embeddings:
         model.tie_weights()
@@ -159,8 +163,9 @@ def _raise_non_finite(bad: set[str]) -> None:
         raise CheckpointError(f"tensor {sorted(found)[0]!r} holds NaN or infinite values")
 
 
-def load_pretrained(model: torch.nn.Module, path: str | os.PathLike, *,
-                    reader: type[SliceReader] = SliceReader) -> torch.nn.Module:  # fmt: skip
+def load_pretrained(
+    model: torch.nn.Module, path: str | os.PathLike, *, reader: type[SliceReader] = SliceReader
+) -> torch.nn.Module:
     """Fill `model` (a Glm53ForCausalLM, usually built on meta and `parallelize`d) from the official layout at
     `path`; call on every rank. Returns the model, with `model.checkpoint_reader` (bytes read by this rank).
 
@@ -182,8 +187,9 @@ def load_pretrained(model: torch.nn.Module, path: str | os.PathLike, *,
             _fill(target, pieces, slices, bad)
     _raise_non_finite(bad)
     if model.mtp is not None and not plan.mtp_found:
-        logger.warning("%s has no MTP tensors (layers.%d.*): the MTP module is freshly initialised", path,
-                       config.num_hidden_layers)  # fmt: skip
+        logger.warning(
+            "%s has no MTP tensors (layers.%d.*): the MTP module is freshly initialised", path, config.num_hidden_layers
+        )
         with torch.no_grad():
             model.mtp.init_weights()
     model.mtp_checkpoint_keys = sorted(plan.mtp_set_aside)

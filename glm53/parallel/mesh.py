@@ -92,5 +92,15 @@ def coordinate(mesh: DeviceMesh, dims: Sequence[str]) -> int:
     return index
 
 
-__all__ = ["MESH_DIMS", "REPLICA_DIMS", "EXPERT_REPLICA_DIMS", "DATA_DIMS", "LOAD_DIMS", "mesh_layout", "present",
-           "flat_mesh", "size_over", "coordinate"]  # fmt: skip
+__all__ = [
+    "MESH_DIMS",
+    "REPLICA_DIMS",
+    "EXPERT_REPLICA_DIMS",
+    "DATA_DIMS",
+    "LOAD_DIMS",
+    "mesh_layout",
+    "present",
+    "flat_mesh",
+    "size_over",
+    "coordinate",
+]

@@ -23,10 +23,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from ..losses import Glm53ForCausalLM
 from ..model.compile import compile_blocks
 from ..model.context import ForwardContext
 from ..model.mla import MultiHeadLatentAttention
-from ..losses import Glm53ForCausalLM
 from ..model.mtp import MTPLayer
 from ..precision import keeps_fp32
 from . import comm
@@ -41,16 +41,21 @@ _VOCAB_PARALLEL: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 _CP_MESH: "weakref.WeakKeyDictionary[nn.Module, tuple[DeviceMesh, DeviceMesh]]" = weakref.WeakKeyDictionary()
 
 
-def _check_mesh(mesh: DeviceMesh, dp_dim: str, tp_dim: str, ep_dim: str = "ep",
-                cp_dim: str = "cp") -> tuple[bool, bool]:  # fmt: skip
+def _check_mesh(
+    mesh: DeviceMesh, dp_dim: str, tp_dim: str, ep_dim: str = "ep", cp_dim: str = "cp"
+) -> tuple[bool, bool]:
     names = mesh.mesh_dim_names
     if not names:
-        raise ValueError(f"parallelize needs a DeviceMesh with named dimensions ({dp_dim!r} and/or {tp_dim!r}); "
-                         f"got {mesh} without names (init_device_mesh(..., mesh_dim_names=...))")  # fmt: skip
+        raise ValueError(
+            f"parallelize needs a DeviceMesh with named dimensions ({dp_dim!r} and/or {tp_dim!r}); "
+            f"got {mesh} without names (init_device_mesh(..., mesh_dim_names=...))"
+        )
     unknown = [n for n in names if n not in (dp_dim, tp_dim, ep_dim, cp_dim)]
     if unknown:
-        raise ValueError(f"mesh dimensions {unknown} are neither dp_dim={dp_dim!r}, ep_dim={ep_dim!r}, "
-                         f"cp_dim={cp_dim!r} nor tp_dim={tp_dim!r}; the mesh has {list(names)}")  # fmt: skip
+        raise ValueError(
+            f"mesh dimensions {unknown} are neither dp_dim={dp_dim!r}, ep_dim={ep_dim!r}, "
+            f"cp_dim={cp_dim!r} nor tp_dim={tp_dim!r}; the mesh has {list(names)}"
+        )
     return dp_dim in names, tp_dim in names
 
 
@@ -62,8 +67,9 @@ def apply_tensor_parallel(model: Glm53ForCausalLM, tp_mesh: DeviceMesh) -> None:
     parallelize_module(model, tp_mesh, {**tp_plan(model), **vision_tp_plan(model)})
     missed = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
     if missed:
-        raise RuntimeError(f"the TP plan does not cover parameters {missed}; add their modules to "
-                           f"glm53.parallel.tp_plan")  # fmt: skip
+        raise RuntimeError(
+            f"the TP plan does not cover parameters {missed}; add their modules to glm53.parallel.tp_plan"
+        )
     _VOCAB_PARALLEL.add(model)
     for module in model.modules():
         if isinstance(module, MultiHeadLatentAttention):
@@ -83,8 +89,9 @@ def _sum_pool_mass_over_heads(tp_mesh: DeviceMesh, model: Glm53ForCausalLM):
             return
         group = tp_mesh.get_group()
         if model.config.indexer_loss_mode == "sparse":  # no gradient either way: a target
-            stats.pool_mass = sum_selected_pool_mass(stats.pool_mass, output[1], ctx.valid, module.kpool,
-                                                     ctx.cu_seqlens, comm.in_place_all_reduce(group))
+            stats.pool_mass = sum_selected_pool_mass(
+                stats.pool_mass, output[1], ctx.valid, module.kpool, ctx.cu_seqlens, comm.in_place_all_reduce(group)
+            )
         else:
             comm.all_reduce_(stats.pool_mass, group=group)
 
@@ -97,17 +104,27 @@ def _forward_context(args: tuple, kwargs: dict) -> ForwardContext | None:
 
 
 def _fp32_policy(mp_policy: MixedPrecisionPolicy) -> MixedPrecisionPolicy:
-    return MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
-                                output_dtype=mp_policy.output_dtype, cast_forward_inputs=False)  # fmt: skip
+    return MixedPrecisionPolicy(
+        param_dtype=torch.float32,
+        reduce_dtype=torch.float32,
+        output_dtype=mp_policy.output_dtype,
+        cast_forward_inputs=False,
+    )
 
 
 def _needs_fp32_units(mp_policy: MixedPrecisionPolicy | None) -> bool:
     return mp_policy is not None and mp_policy.param_dtype not in (None, torch.float32)
 
 
-def apply_fsdp(model: Glm53ForCausalLM, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None,
-               reshard_after_forward: bool, *, expert_parallel: bool = False,
-               expert_dp_mesh: DeviceMesh | None = None) -> None:  # fmt: skip
+def apply_fsdp(
+    model: Glm53ForCausalLM,
+    dp_mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy | None,
+    reshard_after_forward: bool,
+    *,
+    expert_parallel: bool = False,
+    expert_dp_mesh: DeviceMesh | None = None,
+) -> None:
     """fully_shard each decoder block (with fp32 sub-units under a low-precision policy), then the root.
 
     Routed experts are sharded on a dimension that splits evenly over the ranks (`expert_shard_placement`).
@@ -167,8 +184,13 @@ def _shard_experts(model, dp_mesh, policy, reshard_after_forward, expert_paralle
         return set(_expert_params(model))
     place = expert_shard_placement(expert_dp_mesh.size(), ep_sharded=True)
     for module in expert_modules(model):
-        fully_shard(module, mesh=expert_dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
-                    shard_placement_fn=place)  # fmt: skip
+        fully_shard(
+            module,
+            mesh=expert_dp_mesh,
+            reshard_after_forward=reshard_after_forward,
+            mp_policy=policy,
+            shard_placement_fn=place,
+        )
     return None
 
 
@@ -266,21 +288,34 @@ def expert_load_sum(mesh: DeviceMesh, dp_dim: str, tp_dim: str, ep_dim: str = "e
     return reduce
 
 
-def _check_options(mesh: DeviceMesh, names: tuple[str, str, str, str], has_dp: bool, has_tp: bool, compile: bool,
-                   activation_checkpointing: bool, mp_policy: MixedPrecisionPolicy | None) -> None:  # noqa: A002
+def _check_options(
+    mesh: DeviceMesh,
+    names: tuple[str, str, str, str],
+    has_dp: bool,
+    has_tp: bool,
+    compile: bool,
+    activation_checkpointing: bool,
+    mp_policy: MixedPrecisionPolicy | None,
+) -> None:  # noqa: A002
     """The combinations `parallelize` refuses, each with the reason (before anything is changed)."""
     dp_dim, tp_dim, ep_dim, cp_dim = names
     has_ep = ep_dim in mesh.mesh_dim_names
     has_cp = cp_dim in mesh.mesh_dim_names
     if compile and has_ep:
-        raise ValueError(f"compile=True with expert parallelism ({ep_dim}={mesh[ep_dim].size()}) is not supported: "
-                         "the all-to-all dispatch reads its split sizes on the host (a graph break per MoE block)")
+        raise ValueError(
+            f"compile=True with expert parallelism ({ep_dim}={mesh[ep_dim].size()}) is not supported: "
+            "the all-to-all dispatch reads its split sizes on the host (a graph break per MoE block)"
+        )
     if compile and activation_checkpointing and _needs_fp32_units(mp_policy):
-        raise ValueError("compile=True with activation checkpointing needs whole block graphs, but under a "
-                         "low-precision mp_policy the nested fp32 FSDP units split them (glm53/model/compile.py)")
+        raise ValueError(
+            "compile=True with activation checkpointing needs whole block graphs, but under a "
+            "low-precision mp_policy the nested fp32 FSDP units split them (glm53/model/compile.py)"
+        )
     if mp_policy is not None and not (has_dp or has_cp or has_ep):
-        raise ValueError(f"mp_policy is FSDP2's MixedPrecisionPolicy and needs a {dp_dim!r}, {cp_dim!r} or {ep_dim!r} "
-                         f"mesh dimension (FSDP's ranks); the mesh has {list(mesh.mesh_dim_names)}")  # fmt: skip
+        raise ValueError(
+            f"mp_policy is FSDP2's MixedPrecisionPolicy and needs a {dp_dim!r}, {cp_dim!r} or {ep_dim!r} "
+            f"mesh dimension (FSDP's ranks); the mesh has {list(mesh.mesh_dim_names)}"
+        )
 
 
 def parallelize(
@@ -298,46 +333,50 @@ def parallelize(
     compile_backend: str = "inductor",
 ) -> Glm53ForCausalLM:
     """Make `model` train on `mesh`: TP on mesh[tp_dim] if present, then activation checkpointing per block,
-    then FSDP2 on mesh[dp_dim] if present (per block, then the root). Returns the model (changed in place).
-    MTP layers are blocks like the decoder's. Sets `model.expert_load_reduce` to the sum of the expert loads over
-    the data-parallel ranks (`expert_load_sum`), so `update_router_bias` moves every rank's biases alike.
-A vision tower (Glm53ForConditionalGeneration) is replicated over tp (`vision_tp_plan`), FSDP-sharded per vision
-block over the data ranks like the text parameters, and run on every forward once sharded (a zero-weighted
-dummy image on a batch without one: `always_run_tower`), so FSDP's collectives match on every rank.
+        then FSDP2 on mesh[dp_dim] if present (per block, then the root). Returns the model (changed in place).
+        MTP layers are blocks like the decoder's. Sets `model.expert_load_reduce` to the sum of the expert loads over
+        the data-parallel ranks (`expert_load_sum`), so `update_router_bias` moves every rank's biases alike.
+    A vision tower (Glm53ForConditionalGeneration) is replicated over tp (`vision_tp_plan`), FSDP-sharded per vision
+    block over the data ranks like the text parameters, and run on every forward once sharded (a zero-weighted
+    dummy image on a batch without one: `always_run_tower`), so FSDP's collectives match on every rank.
 
-    With TP the head is vocab-sharded: the model's own losses combine the ranks' softmax statistics
-    (vocab_loss.py) and need no context; `out.logits` is a vocab-sharded DTensor, so a loss of your own over it
-    goes inside `loss_parallel_context(model)`.
+        With TP the head is vocab-sharded: the model's own losses combine the ranks' softmax statistics
+        (vocab_loss.py) and need no context; `out.logits` is a vocab-sharded DTensor, so a loss of your own over it
+        goes inside `loss_parallel_context(model)`.
 
-    With an `ep_dim` mesh dimension (expert parallelism, `expert.py`): routed experts Shard(0) over it with
-    all-to-all token dispatch, every dp x ep rank reads its own batches, the non-expert parameters are
-    FSDP-sharded over the flattened dp x ep ranks and the experts over dp. Clip gradients with
-    `glm53.parallel.clip_grad_norm_` (the gradients then live on two meshes). Not combined with tp > 1.
+        With an `ep_dim` mesh dimension (expert parallelism, `expert.py`): routed experts Shard(0) over it with
+        all-to-all token dispatch, every dp x ep rank reads its own batches, the non-expert parameters are
+        FSDP-sharded over the flattened dp x ep ranks and the experts over dp. Clip gradients with
+        `glm53.parallel.clip_grad_norm_` (the gradients then live on two meshes). Not combined with tp > 1.
 
-    With a `cp_dim` dimension (context parallelism): parameters are FSDP-sharded over the flattened dp x cp ranks
-    (cp alone without dp) and the mesh is recorded for `context_parallel_inputs(model, ...)`, which gives each
-    rank its slice of every sequence; expert loads are summed over cp too. Not combined with tp or ep.
+        With a `cp_dim` dimension (context parallelism): parameters are FSDP-sharded over the flattened dp x cp ranks
+        (cp alone without dp) and the mesh is recorded for `context_parallel_inputs(model, ...)`, which gives each
+        rank its slice of every sequence; expert loads are summed over cp too. Not combined with tp or ep.
 
-    `compile=True` compiles each block's forward with `compile_backend` (glm53.model.compile.compile_blocks) after
-    TP and activation checkpointing and before FSDP, so FSDP's all-gathers run eagerly around the compiled block.
-    Every block kind (KDA, MLA, MTP) compiles as one graph. Under a low-precision `mp_policy` the
-    fp32 units nested in each block (mHC, router, convs) split its graph, so every block compiles with graph
-    breaks allowed, and activation checkpointing is refused (a split block recomputes differently).
-    Checked on dp, tp and dp x tp meshes; not with expert parallelism (its all-to-all split sizes are read on the host).
+        `compile=True` compiles each block's forward with `compile_backend` (glm53.model.compile.compile_blocks) after
+        TP and activation checkpointing and before FSDP, so FSDP's all-gathers run eagerly around the compiled block.
+        Every block kind (KDA, MLA, MTP) compiles as one graph. Under a low-precision `mp_policy` the
+        fp32 units nested in each block (mHC, router, convs) split its graph, so every block compiles with graph
+        breaks allowed, and activation checkpointing is refused (a split block recomputes differently).
+        Checked on dp, tp and dp x tp meshes; not with expert parallelism (its all-to-all split sizes are read on the host).
     """
     if not isinstance(model, Glm53ForCausalLM):
         raise TypeError(f"parallelize expects a Glm53ForCausalLM, got {type(model).__name__}")
     already = isinstance(model, FSDPModule) or any(isinstance(p, DTensor) for p in model.parameters())
     if model in _PARALLELIZED or already:
-        raise RuntimeError("parallelize was already applied to this model (or it already holds DTensor parameters); "
-                           "build a fresh model and call parallelize once")  # fmt: skip
+        raise RuntimeError(
+            "parallelize was already applied to this model (or it already holds DTensor parameters); "
+            "build a fresh model and call parallelize once"
+        )
     has_dp, has_tp = _check_mesh(mesh, dp_dim, tp_dim, ep_dim, cp_dim)
     _check_options(mesh, (dp_dim, tp_dim, ep_dim, cp_dim), has_dp, has_tp, compile, activation_checkpointing, mp_policy)
     has_ep = ep_dim in mesh.mesh_dim_names
     has_cp = cp_dim in mesh.mesh_dim_names
     if has_tp and any("lora_" in n for n, _ in model.named_parameters()):
-        raise ValueError("LoRA adapters (glm53.peft) under tensor parallelism are not supported yet: train them on "
-                         "dp / dp x ep meshes")  # fmt: skip
+        raise ValueError(
+            "LoRA adapters (glm53.peft) under tensor parallelism are not supported yet: train them on "
+            "dp / dp x ep meshes"
+        )
     roles = dict(dp=dp_dim, cp=cp_dim, ep=ep_dim, tp=tp_dim)
     if has_tp:
         apply_tensor_parallel(model, mesh[tp_dim])
@@ -354,8 +393,9 @@ dummy image on a batch without one: `always_run_tower`), so FSDP's collectives m
     replicas = flat_mesh(mesh, [roles[d] for d in REPLICA_DIMS])  # dp x cp x ep: non-expert replicas
     if replicas is not None:
         expert_replicas = flat_mesh(mesh, [roles[d] for d in EXPERT_REPLICA_DIMS]) if has_ep else None
-        apply_fsdp(model, replicas, mp_policy, reshard_after_forward, expert_parallel=has_ep,
-                   expert_dp_mesh=expert_replicas)  # fmt: skip
+        apply_fsdp(
+            model, replicas, mp_policy, reshard_after_forward, expert_parallel=has_ep, expert_dp_mesh=expert_replicas
+        )
     if has_cp:
         _CP_MESH[model] = (mesh[cp_dim], mesh)
     model.expert_load_reduce = expert_load_sum(mesh, dp_dim, tp_dim, ep_dim, cp_dim)
@@ -372,8 +412,10 @@ def context_parallel_mesh(model: nn.Module, mesh: DeviceMesh | None = None) -> t
         names = mesh.mesh_dim_names or ()
         return (mesh["cp"], mesh) if "cp" in names and len(names) > 1 else (mesh, mesh)
     if model not in _CP_MESH:
-        raise ValueError("context_parallel_inputs needs a model parallelized with a cp dimension "
-                         "(parallelize(model, mesh, cp_dim=...)) or an explicit mesh=")  # fmt: skip
+        raise ValueError(
+            "context_parallel_inputs needs a model parallelized with a cp dimension "
+            "(parallelize(model, mesh, cp_dim=...)) or an explicit mesh="
+        )
     return _CP_MESH[model]
 
 
@@ -388,8 +430,9 @@ def zero_rows(weight: torch.Tensor, rows: list[int]) -> None:
             weight[rows] = 0
             return
         # The global row index of every local row: an index vector placed like the weight's dim 0.
-        placements = [p if isinstance(p, (Shard, _StridedShard)) and p.dim == 0 else Replicate()
-                      for p in weight.placements]  # fmt: skip
+        placements = [
+            p if isinstance(p, (Shard, _StridedShard)) and p.dim == 0 else Replicate() for p in weight.placements
+        ]
         index = torch.arange(weight.shape[0], device=weight.device)
         local_index = distribute_tensor(index, weight.device_mesh, placements, src_data_rank=None).to_local()
         local = weight.to_local()
@@ -417,5 +460,15 @@ def loss_parallel_context(model: nn.Module) -> contextlib.AbstractContextManager
     return loss_parallel() if model in _VOCAB_PARALLEL else contextlib.nullcontext()
 
 
-__all__ = ["parallelize", "apply_tensor_parallel", "apply_fsdp", "fp32_units", "loss_parallel_context",
-           "init_weights", "zero_rows", "expert_load_sum", "context_parallel_mesh", "vision_tp_plan"]
+__all__ = [
+    "parallelize",
+    "apply_tensor_parallel",
+    "apply_fsdp",
+    "fp32_units",
+    "loss_parallel_context",
+    "init_weights",
+    "zero_rows",
+    "expert_load_sum",
+    "context_parallel_mesh",
+    "vision_tp_plan",
+]

@@ -83,12 +83,17 @@ class ReplicateModule(ParallelStyle):
         replicate = [Replicate()] * device_mesh.ndim
 
         def partition(_name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
-            _distribute_own(mod, mesh, [n for n, _ in mod.named_parameters(recurse=False)], replicate,
-                            self.src_data_rank)  # fmt: skip
+            _distribute_own(
+                mod, mesh, [n for n, _ in mod.named_parameters(recurse=False)], replicate, self.src_data_rank
+            )
 
         def prepare_input(_mod, inputs, mesh):
-            return tuple(DTensor.from_local(x, mesh, replicate, run_check=False) if isinstance(x, torch.Tensor)
-                         and not isinstance(x, DTensor) else x for x in inputs)  # fmt: skip
+            return tuple(
+                DTensor.from_local(x, mesh, replicate, run_check=False)
+                if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+                else x
+                for x in inputs
+            )
 
         def prepare_output(_mod, output, _mesh):
             return output.to_local(grad_placements=replicate)
@@ -133,8 +138,12 @@ class ExpertTensorParallel(LocalShardParams):
         super()._apply(module, device_mesh)
 
         def enter(_mod, inputs):
-            return tuple(DTensor.from_local(t, device_mesh, [Replicate()], run_check=False)
-                         .to_local(grad_placements=[Partial()]) if _is_float(t) else t for t in inputs)  # fmt: skip
+            return tuple(
+                DTensor.from_local(t, device_mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+                if _is_float(t)
+                else t
+                for t in inputs
+            )
 
         def leave(_mod, _inputs, output):
             partial = DTensor.from_local(output, device_mesh, [Partial()], run_check=False)
@@ -236,16 +245,22 @@ def _mtp_plan(p: str) -> dict[str, ParallelStyle]:
 def check_tp_size(model: Glm53ForCausalLM, tp: int) -> None:
     """Raise ValueError naming the config field when heads or vocab do not split evenly over `tp` ranks."""
     config = model.config
-    for field, what in (("num_attention_heads", "MLA heads"), ("linear_num_heads", "KDA heads"),
-                        ("vocab_size", "vocabulary rows"), ("moe_intermediate_size", "routed-expert widths")):  # fmt: skip
+    for field, what in (
+        ("num_attention_heads", "MLA heads"),
+        ("linear_num_heads", "KDA heads"),
+        ("vocab_size", "vocabulary rows"),
+        ("moe_intermediate_size", "routed-expert widths"),
+    ):
         value = getattr(config, field)
         if value % tp != 0:
-            raise ValueError(f"tensor parallelism over {tp} ranks splits {what}, but {field}={value} is not "
-                             f"divisible by {tp}")  # fmt: skip
+            raise ValueError(
+                f"tensor parallelism over {tp} ranks splits {what}, but {field}={value} is not divisible by {tp}"
+            )
     if config.tie_word_embeddings:
-        raise ValueError("tensor parallelism does not support tie_word_embeddings=True yet (the vocab-parallel "
-                         "embedding and lm_head would become two separate DTensor parameters)")  # fmt: skip
+        raise ValueError(
+            "tensor parallelism does not support tie_word_embeddings=True yet (the vocab-parallel "
+            "embedding and lm_head would become two separate DTensor parameters)"
+        )
 
 
-__all__ = ["tp_plan", "check_tp_size", "ReplicateParams", "ReplicateModule", "LocalShardParams",
-           "ExpertTensorParallel"]
+__all__ = ["tp_plan", "check_tp_size", "ReplicateParams", "ReplicateModule", "LocalShardParams", "ExpertTensorParallel"]

@@ -31,16 +31,23 @@ import torch.nn.functional as F
 from ..model.indexer import kept_pools
 
 
-def slot_pools(topk: torch.Tensor, valid: torch.Tensor, kpool: int, cu_seqlens: torch.Tensor | None = None,
-               num_pools: int | None = None) -> torch.Tensor:  # fmt: skip
+def slot_pools(
+    topk: torch.Tensor,
+    valid: torch.Tensor,
+    kpool: int,
+    cu_seqlens: torch.Tensor | None = None,
+    num_pools: int | None = None,
+) -> torch.Tensor:
     """[B, T, J] key positions (-1 empty) -> [B, T, J] index of the indexer pool holding each (P where none).
     `num_pools`: the P of the mass this indexes; the layout rebuilt here must have the same width (a packed layout
     is narrower while compiling: both must come from the same mode, or the indices point at other pools)."""
     positions, _ = kept_pools(valid, kpool, cu_seqlens)  # [B, P, L], -1 where invalid
     B, P, L = positions.shape
     if num_pools is not None and P != num_pools:
-        raise RuntimeError(f"pool layout mismatch: the indexer's mass has {num_pools} pools per row, the layout "
-                           f"rebuilt for its reduction {P} (one traced, one eager?)")
+        raise RuntimeError(
+            f"pool layout mismatch: the indexer's mass has {num_pools} pools per row, the layout "
+            f"rebuilt for its reduction {P} (one traced, one eager?)"
+        )
     T = valid.shape[1]
     pool_of = torch.full((B, T + 1), P, dtype=torch.long, device=topk.device)  # column T: empty slots
     ids = torch.arange(P, device=topk.device).repeat_interleave(L).expand(B, -1)
@@ -50,9 +57,14 @@ def slot_pools(topk: torch.Tensor, valid: torch.Tensor, kpool: int, cu_seqlens: 
     return pool_of.gather(1, slots.flatten(1)).view_as(slots)
 
 
-def sum_selected_pool_mass(pool_mass: torch.Tensor, topk: torch.Tensor, valid: torch.Tensor, kpool: int,
-                           cu_seqlens: torch.Tensor | None,
-                           all_reduce: Callable[[torch.Tensor], None]) -> torch.Tensor:  # fmt: skip
+def sum_selected_pool_mass(
+    pool_mass: torch.Tensor,
+    topk: torch.Tensor,
+    valid: torch.Tensor,
+    kpool: int,
+    cu_seqlens: torch.Tensor | None,
+    all_reduce: Callable[[torch.Tensor], None],
+) -> torch.Tensor:
     """The mass [B, T, P] with its entries at the pools of `topk`'s slots summed by `all_reduce` (in place, on a
     [B, T, J] tensor); returns a new [B, T, P] tensor."""
     P = pool_mass.shape[-1]

@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from ..checkpoint.shards import checkpoint_owns
 from ..config import Glm53Config
 from ..losses import Glm53ForCausalLM
-from ..checkpoint.shards import checkpoint_owns
 from .export import shared_atomic_directory, write_config, write_official
 from .load import load_pretrained, materialize
 from .parallelize import parallelize
@@ -27,7 +27,7 @@ DCP_DIR = "train_state"
 
 
 def device_type(device: str) -> str:
-    """"cuda" (binding this process to torchrun's LOCAL_RANK GPU) when asked and available, else "cpu"."""
+    """ "cuda" (binding this process to torchrun's LOCAL_RANK GPU) when asked and available, else "cpu"."""
     if device == "cuda":
         if not torch.cuda.is_available():
             raise SystemExit("--device cuda: no CUDA device is available")
@@ -41,17 +41,29 @@ def bf16_policy() -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def parallel_model(config: Glm53Config, mesh, *, init: str | None = None, bf16: bool = False,
-                   activation_checkpointing: bool = False, compile: str | None = None,  # noqa: A002
-                   model_class: type = Glm53ForCausalLM) -> Glm53ForCausalLM:  # fmt: skip
+def parallel_model(
+    config: Glm53Config,
+    mesh,
+    *,
+    init: str | None = None,
+    bf16: bool = False,
+    activation_checkpointing: bool = False,
+    compile: str | None = None,  # noqa: A002
+    model_class: type = Glm53ForCausalLM,
+) -> Glm53ForCausalLM:
     """Build on meta, parallelize on `mesh`, materialise on its device; fill from the official checkpoint `init`
     (each rank reading its own slices) or leave the values to the caller (a DCP resume fills them). `compile`: the
     torch.compile backend for every block (None: eager). `model_class`: Glm53ForConditionalGeneration for a VL run."""
     with torch.device("meta"):
         model = model_class(config)
-    parallelize(model, mesh, mp_policy=bf16_policy() if bf16 else None,
-                activation_checkpointing=activation_checkpointing, compile=compile is not None,
-                compile_backend=compile or "inductor")  # fmt: skip
+    parallelize(
+        model,
+        mesh,
+        mp_policy=bf16_policy() if bf16 else None,
+        activation_checkpointing=activation_checkpointing,
+        compile=compile is not None,
+        compile_backend=compile or "inductor",
+    )
     if init is not None:
         return load_pretrained(model, init)
     materialize(model)
@@ -62,11 +74,14 @@ def has_run_state(path: str) -> bool:
     return os.path.isfile(os.path.join(path, DCP_DIR, ".metadata"))
 
 
-def save_run_state(model: Glm53ForCausalLM, optimizer: torch.optim.Optimizer, path: str, extra: dict, *,
-                   export: bool = True) -> None:  # fmt: skip
+def save_run_state(
+    model: Glm53ForCausalLM, optimizer: torch.optim.Optimizer, path: str, extra: dict, *, export: bool = True
+) -> None:
     """Write the run to `path` (replacing it, keeping foreign files): the official layout unless `export` is
     False (config.json always), and the DCP training state with `extra`; every rank writes its own part."""
-    with shared_atomic_directory(path, overwrite=True, own=lambda name: name == DCP_DIR or checkpoint_owns(name)) as tmp:
+    with shared_atomic_directory(
+        path, overwrite=True, own=lambda name: name == DCP_DIR or checkpoint_owns(name)
+    ) as tmp:
         if export:
             write_official(model, tmp)
         elif dist.get_rank() == 0:
@@ -79,5 +94,12 @@ def load_run_state(path: str, model: Glm53ForCausalLM, optimizer: torch.optim.Op
     return read_training_state(os.path.join(path, DCP_DIR), model, optimizer, extra)
 
 
-__all__ = ["DCP_DIR", "device_type", "bf16_policy", "parallel_model", "has_run_state", "save_run_state",
-           "load_run_state"]  # fmt: skip
+__all__ = [
+    "DCP_DIR",
+    "device_type",
+    "bf16_policy",
+    "parallel_model",
+    "has_run_state",
+    "save_run_state",
+    "load_run_state",
+]

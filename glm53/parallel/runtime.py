@@ -26,7 +26,6 @@ from ..losses.counts import LossCounts
 from . import comm
 from .mesh import DATA_DIMS, mesh_layout, present, size_over
 
-
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)  # a collective waits this long for its peers before failing
 
 
@@ -41,8 +40,9 @@ def _start_process_group(device_type: str, timeout: datetime.timedelta) -> None:
     dist.init_process_group("nccl" if device_type == "cuda" else None, timeout=timeout, device_id=device)
 
 
-def init_mesh(dp: int, tp: int, device_type: str = "cpu", ep: int = 1, cp: int = 1,
-              timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> DeviceMesh:  # fmt: skip
+def init_mesh(
+    dp: int, tp: int, device_type: str = "cpu", ep: int = 1, cp: int = 1, timeout: datetime.timedelta = DEFAULT_TIMEOUT
+) -> DeviceMesh:
     """Start the process group (gloo on CPU, nccl on CUDA; torchrun's environment) and return the mesh that
     `parallelize` expects: the dimensions in use in the order ("dp", "cp", "ep", "tp"), "dp" kept (even of size
     1) when ep > 1, ("dp",) when none is in use (glm53/parallel/mesh.py says why that order and which dimensions
@@ -52,8 +52,10 @@ def init_mesh(dp: int, tp: int, device_type: str = "cpu", ep: int = 1, cp: int =
     if not dist.is_initialized():
         _start_process_group(device_type, timeout)
     if dp * ep * tp * cp != dist.get_world_size():
-        raise ValueError(f"dp={dp} x cp={cp} x ep={ep} x tp={tp} = {dp * cp * ep * tp} ranks, but the world has "
-                         f"{dist.get_world_size()}")  # fmt: skip
+        raise ValueError(
+            f"dp={dp} x cp={cp} x ep={ep} x tp={tp} = {dp * cp * ep * tp} ranks, but the world has "
+            f"{dist.get_world_size()}"
+        )
     return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
 
@@ -135,5 +137,17 @@ def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
 
-__all__ = ["init_mesh", "shutdown", "rank", "local_rank", "mean_over", "sum_over", "loss_denominators", "barrier", "gather_objects", "full_state",
-           "full_optimizer_state", "load_full_optimizer_state"]  # fmt: skip
+__all__ = [
+    "init_mesh",
+    "shutdown",
+    "rank",
+    "local_rank",
+    "mean_over",
+    "sum_over",
+    "loss_denominators",
+    "barrier",
+    "gather_objects",
+    "full_state",
+    "full_optimizer_state",
+    "load_full_optimizer_state",
+]

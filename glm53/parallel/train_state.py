@@ -32,7 +32,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-
 from torch.distributed.tensor import DTensor
 
 from ..errors import CheckpointError
@@ -61,9 +60,14 @@ class _BoxChunks:
 
     def __create_write_items__(self, fqn: str, _obj) -> list[WriteItem]:
         properties = TensorProperties.create_from_tensor(self.local)
-        return [WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=chunk, properties=properties, size=self.global_size))
-                for chunk in self.__create_chunk_list__()]  # fmt: skip
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, chunk.offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(chunk=chunk, properties=properties, size=self.global_size),
+            )
+            for chunk in self.__create_chunk_list__()
+        ]
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
         return self.views[torch.Size(index.offset)][1]
@@ -112,8 +116,9 @@ def _no_dist() -> bool:
     return not dist.is_initialized()
 
 
-def write_training_state(directory: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                         extra: dict | None = None) -> None:  # fmt: skip
+def write_training_state(
+    directory: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict | None = None
+) -> None:
     """Write the state into `directory` (existing, shared by all ranks; call on every rank).
 
     `extra` maps names to picklable objects or tensors; give per-rank objects per-rank names.
@@ -129,8 +134,10 @@ def saved_keys(directory: str) -> set[str]:
     try:
         return set(FileSystemReader(directory).read_metadata().state_dict_metadata)
     except Exception as e:  # a truncated or foreign .metadata: EOFError, UnpicklingError, ...
-        raise CheckpointError(f"{directory}/.metadata cannot be read ({type(e).__name__}: {e}): the training "
-                              f"state is truncated or corrupt") from e  # fmt: skip
+        raise CheckpointError(
+            f"{directory}/.metadata cannot be read ({type(e).__name__}: {e}): the training "
+            f"state is truncated or corrupt"
+        ) from e
 
 
 def _read_failure(directory: str, error: BaseException) -> CheckpointError:
@@ -148,8 +155,9 @@ def _read_failure(directory: str, error: BaseException) -> CheckpointError:
     return CheckpointError(f"{directory}: the training state cannot be read, {meaning} ({said})")
 
 
-def read_training_state(directory: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                        extra: dict | None = None) -> dict:  # fmt: skip
+def read_training_state(
+    directory: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict | None = None
+) -> dict:
     """Load model (and optimizer) state from `directory` into `model` on its current layout (call on every rank).
 
     `extra` maps names to default objects (a tensor's shape must match the saved one); those present in the
@@ -165,8 +173,10 @@ def read_training_state(directory: str, model: torch.nn.Module, optimizer: torch
                 flat.pop(f"optim.{fqn}.{key}")
     missing = sorted(k for k, v in flat.items() if isinstance(v, (torch.Tensor, _BoxChunks)) and k not in stored)
     if missing:
-        raise KeyError(f"{directory} lacks training-state keys {missing[:5]}{' ...' if len(missing) > 5 else ''} "
-                       f"(saved from a different model or without the optimizer?)")  # fmt: skip
+        raise KeyError(
+            f"{directory} lacks training-state keys {missing[:5]}{' ...' if len(missing) > 5 else ''} "
+            f"(saved from a different model or without the optimizer?)"
+        )
     wanted = {f"extra.{n}": v for n, v in (extra or {}).items() if f"extra.{n}" in stored}
     flat.update(wanted)
     try:
@@ -180,7 +190,7 @@ def read_training_state(directory: str, model: torch.nn.Module, optimizer: torch
         _copy_scalars(flat, optim_sd)
         # strict=False: only for the parameters dropped above (the model's own keys were checked strictly)
         set_optimizer_state_dict(model, optimizer, optim_sd, options=StateDictOptions(strict=False))
-    return {**(extra or {}), **{k[len("extra."):]: flat[k] for k in wanted}}
+    return {**(extra or {}), **{k[len("extra.") :]: flat[k] for k in wanted}}
 
 
 def _copy_scalars(flat: dict, optim_sd: dict) -> None:

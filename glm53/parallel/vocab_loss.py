@@ -47,15 +47,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         hidden, weight, safe, hit, keep, lse = ctx.saved_tensors
-        d_hidden, d_weight = lce.chunk_gradients(hidden, weight, safe, hit, lse, grad * keep, ctx.chunk,
-                                                 ctx.needs_input_grad[0], ctx.needs_input_grad[1])  # fmt: skip
+        d_hidden, d_weight = lce.chunk_gradients(
+            hidden, weight, safe, hit, lse, grad * keep, ctx.chunk, ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        )
         if d_hidden is not None:
             d_hidden = _all_reduce(d_hidden, "sum", ctx.group)  # every rank's rows contribute to every token
         return d_hidden, d_weight, None, None, None, None
 
 
-def vocab_parallel_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, weight: DTensor,
-                                 chunk: int | None = None) -> torch.Tensor:  # fmt: skip
+def vocab_parallel_cross_entropy(
+    hidden: torch.Tensor, targets: torch.Tensor, weight: DTensor, chunk: int | None = None
+) -> torch.Tensor:
     """Sum over target tokens of -log softmax(hidden W^T)[target] in fp32, W [vocab, D] Shard(0) over a 1-D mesh.
 
     hidden [M, D] and targets [M] (IGNORE_INDEX contributes nothing) are plain tensors, the same on every rank;
@@ -63,15 +65,20 @@ def vocab_parallel_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor, we
     `chunk` tokens per logits block (default: the kernel's budget over this rank's rows).
     """
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
-        raise ValueError(f"vocab_parallel_cross_entropy takes hidden [M, D] and targets [M], got "
-                         f"{tuple(hidden.shape)} and {tuple(targets.shape)}")  # fmt: skip
+        raise ValueError(
+            f"vocab_parallel_cross_entropy takes hidden [M, D] and targets [M], got "
+            f"{tuple(hidden.shape)} and {tuple(targets.shape)}"
+        )
     mesh = weight.device_mesh
     if tuple(weight.placements) != (Shard(0),):
-        raise PlacementError(f"the vocab-parallel loss takes the head's weight Shard(0) on a 1-D mesh, got "
-                             f"placements {tuple(weight.placements)} on {mesh}")  # fmt: skip
+        raise PlacementError(
+            f"the vocab-parallel loss takes the head's weight Shard(0) on a 1-D mesh, got "
+            f"placements {tuple(weight.placements)} on {mesh}"
+        )
     if weight.shape[0] % mesh.size():
-        raise PlacementError(f"the vocab-parallel loss needs vocab rows ({weight.shape[0]}) divisible by the mesh "
-                             f"size ({mesh.size()})")  # fmt: skip
+        raise PlacementError(
+            f"the vocab-parallel loss needs vocab rows ({weight.shape[0]}) divisible by the mesh size ({mesh.size()})"
+        )
     local = weight.to_local(grad_placements=(Shard(0),))  # [vocab/tp, D]
     # This rank's first row as a [1] tensor sliced like the weight (no communication): exact under LocalTensorMode
     # too, where one process plays every rank and a Python int from get_local_rank() would be rank 0's.

@@ -8,16 +8,32 @@ from .files import load_lora, save_lora
 from .fp8_storage import fp8_bytes, quantize_model
 from .load import BASE_DTYPES, load_base
 from .lora import (
-           LoraLinear,
-           apply_lora,
-           freeze,
-           has_lora,
-           lora_parameters,
-           merge_lora,
-           trainable_parameters,
+    LoraLinear,
+    apply_lora,
+    freeze,
+    has_lora,
+    lora_parameters,
+    merge_lora,
+    trainable_parameters,
 )
 from .targets import DEFAULT_LORA_TARGETS, FREEZE_GROUPS, LORA_ALIASES, LORA_GROUPS
 
-__all__ = ["apply_lora", "merge_lora", "freeze", "save_lora", "load_lora", "load_base", "quantize_model",
-           "fp8_bytes", "has_lora", "lora_parameters", "trainable_parameters", "LoraLinear", "BASE_DTYPES",
-           "DEFAULT_LORA_TARGETS", "FREEZE_GROUPS", "LORA_GROUPS", "LORA_ALIASES"]  # fmt: skip
+__all__ = [
+    "apply_lora",
+    "merge_lora",
+    "freeze",
+    "save_lora",
+    "load_lora",
+    "load_base",
+    "quantize_model",
+    "fp8_bytes",
+    "has_lora",
+    "lora_parameters",
+    "trainable_parameters",
+    "LoraLinear",
+    "BASE_DTYPES",
+    "DEFAULT_LORA_TARGETS",
+    "FREEZE_GROUPS",
+    "LORA_GROUPS",
+    "LORA_ALIASES",
+]

@@ -65,17 +65,38 @@ def add_lora_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-rank", type=_rank, default=None, help="train LoRA adapters of this rank on a frozen base")
     g.add_argument("--lora-alpha", type=_number, default=None, help="LoRA scaling alpha / rank (default alpha = rank)")
     g.add_argument("--lora-dropout", type=_dropout, default=0.0)
-    g.add_argument("--lora-targets", nargs="+", default=None, metavar="TARGET",
-                   help=f"group names or module-name patterns (default {' '.join(DEFAULT_LORA_TARGETS)})")
-    g.add_argument("--base-dtype", choices=BASE_DTYPES, default=None,
-                   help="frozen base precision: bf16 (FP8 checkpoints dequantised) or fp8 (kept block-scaled)")
-    g.add_argument("--quantize-base", action="store_true",
-                   help="with --base-dtype fp8: quantise a bf16/fp32 checkpoint to 128x128-block FP8 on load")
-    g.add_argument("--freeze", nargs="+", default=None, metavar="GROUP",
-                   help=f"freeze these groups ({', '.join(FREEZE_GROUPS)}) or module-name patterns; with "
-                        "--lora-rank the rest of the base trains too (without it, the whole base is frozen)")  # fmt: skip
-    g.add_argument("--export-merged", default=None, metavar="DIR",
-                   help="after training, fold the adapters into the base and write the official layout (bf16)")
+    g.add_argument(
+        "--lora-targets",
+        nargs="+",
+        default=None,
+        metavar="TARGET",
+        help=f"group names or module-name patterns (default {' '.join(DEFAULT_LORA_TARGETS)})",
+    )
+    g.add_argument(
+        "--base-dtype",
+        choices=BASE_DTYPES,
+        default=None,
+        help="frozen base precision: bf16 (FP8 checkpoints dequantised) or fp8 (kept block-scaled)",
+    )
+    g.add_argument(
+        "--quantize-base",
+        action="store_true",
+        help="with --base-dtype fp8: quantise a bf16/fp32 checkpoint to 128x128-block FP8 on load",
+    )
+    g.add_argument(
+        "--freeze",
+        nargs="+",
+        default=None,
+        metavar="GROUP",
+        help=f"freeze these groups ({', '.join(FREEZE_GROUPS)}) or module-name patterns; with "
+        "--lora-rank the rest of the base trains too (without it, the whole base is frozen)",
+    )
+    g.add_argument(
+        "--export-merged",
+        default=None,
+        metavar="DIR",
+        help="after training, fold the adapters into the base and write the official layout (bf16)",
+    )
 
 
 FLAGS = ("lora_rank", "lora_alpha", "lora_targets", "base_dtype", "freeze", "export_merged")
@@ -83,8 +104,11 @@ FLAGS = ("lora_rank", "lora_alpha", "lora_targets", "base_dtype", "freeze", "exp
 
 def enabled(args: argparse.Namespace) -> bool:
     """Whether any flag of this file is set (dropout and quantize-base count when non-default)."""
-    return (any(getattr(args, f, None) is not None for f in FLAGS) or bool(getattr(args, "lora_dropout", 0))
-            or bool(getattr(args, "quantize_base", False)))  # fmt: skip
+    return (
+        any(getattr(args, f, None) is not None for f in FLAGS)
+        or bool(getattr(args, "lora_dropout", 0))
+        or bool(getattr(args, "quantize_base", False))
+    )
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -110,19 +134,28 @@ def build_model(args: argparse.Namespace, preset=None) -> Glm53ForCausalLM | Non
     resume = getattr(args, "resume", None)
     base = getattr(args, "init", None) or (_recorded_base(resume) if resume else None)
     if base:
-        model = load_base(Glm53ForCausalLM, base, args.base_dtype or "bf16", dtype=torch.float32,
-                          quantize=args.quantize_base)  # fmt: skip
+        model = load_base(
+            Glm53ForCausalLM, base, args.base_dtype or "bf16", dtype=torch.float32, quantize=args.quantize_base
+        )
     else:
         model = Glm53ForCausalLM.from_config(preset())
     if args.lora_rank is not None:
         if resume and os.path.isfile(os.path.join(resume, CONFIG_FILE)):
             load_lora(model, resume)
             if model.lora_settings["rank"] != args.lora_rank:
-                raise ConfigError(f"--resume {resume} holds rank-{model.lora_settings['rank']} adapters, "
-                                  f"--lora-rank is {args.lora_rank}")  # fmt: skip
+                raise ConfigError(
+                    f"--resume {resume} holds rank-{model.lora_settings['rank']} adapters, "
+                    f"--lora-rank is {args.lora_rank}"
+                )
         else:
-            apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, targets=args.lora_targets,
-                       freeze_base=args.freeze is None)  # fmt: skip
+            apply_lora(
+                model,
+                args.lora_rank,
+                args.lora_alpha,
+                args.lora_dropout,
+                targets=args.lora_targets,
+                freeze_base=args.freeze is None,
+            )
     if args.freeze is not None:
         freeze(model, args.freeze)
     if base and has_lora(model):
@@ -150,8 +183,10 @@ def resume_state(args: argparse.Namespace) -> dict | None:
         return None
     file = os.path.join(resume, TRAINER_STATE)
     if not os.path.isfile(os.path.join(resume, WEIGHTS_FILE)) or not os.path.isfile(file):
-        raise CheckpointError(f"--resume {resume}: a LoRA run resumes from a directory a LoRA run saved "
-                              f"({WEIGHTS_FILE} + {TRAINER_STATE})")  # fmt: skip
+        raise CheckpointError(
+            f"--resume {resume}: a LoRA run resumes from a directory a LoRA run saved "
+            f"({WEIGHTS_FILE} + {TRAINER_STATE})"
+        )
     try:
         state = torch.load(file, weights_only=True)
     except Exception as e:  # torch.load reports a bad file through many types
@@ -182,8 +217,12 @@ def export_merged(args: argparse.Namespace, model: torch.nn.Module) -> str | Non
 
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--adapter", default=None, metavar="DIR",
-                   help="a LoRA adapter directory (peft's format, glm53 or peft written), merged into --model")
+    p.add_argument(
+        "--adapter",
+        default=None,
+        metavar="DIR",
+        help="a LoRA adapter directory (peft's format, glm53 or peft written), merged into --model",
+    )
 
 
 def with_adapter(args: argparse.Namespace, model: Glm53ForCausalLM) -> Glm53ForCausalLM:
@@ -196,5 +235,13 @@ def with_adapter(args: argparse.Namespace, model: Glm53ForCausalLM) -> Glm53ForC
     return model
 
 
-__all__ = ["add_lora_arguments", "build_model", "resume_state", "save_run", "export_merged", "add_generate_arguments",
-           "with_adapter", "enabled"]  # fmt: skip
+__all__ = [
+    "add_lora_arguments",
+    "build_model",
+    "resume_state",
+    "save_run",
+    "export_merged",
+    "add_generate_arguments",
+    "with_adapter",
+    "enabled",
+]

@@ -38,12 +38,12 @@ _LAYER = re.compile(r"^layers\.(\d+)\.")
 def hf_module_name(name: str, num_layers: int) -> str:
     """A glm53 module name -> transformers' glm5_next module name."""
     if name.startswith("mtp."):
-        m = _LAYER.match(name[len("mtp."):])
-        return f"{TEXT_PREFIX}layers.{num_layers + int(m[1])}." + name[len("mtp.") + m.end():]
+        m = _LAYER.match(name[len("mtp.") :])
+        return f"{TEXT_PREFIX}layers.{num_layers + int(m[1])}." + name[len("mtp.") + m.end() :]
     if name.startswith("model.visual.") or name.startswith("visual."):
         return VISION_PREFIX + name.split("visual.", 1)[1]
     if name.startswith("model."):
-        local = name[len("model."):]
+        local = name[len("model.") :]
         if m := _GATE.match(local):
             local = f"{m[1]}forget_gate.{m[2]}"
         return TEXT_PREFIX + local
@@ -53,13 +53,13 @@ def hf_module_name(name: str, num_layers: int) -> str:
 def glm53_module_name(hf: str, num_layers: int, vision_prefix: str = "model.visual.") -> str:
     """transformers' module name -> glm53's (the inverse of `hf_module_name`)."""
     if hf.startswith(VISION_PREFIX):
-        return vision_prefix + hf[len(VISION_PREFIX):]
+        return vision_prefix + hf[len(VISION_PREFIX) :]
     if hf.startswith(TEXT_PREFIX):
-        local = hf[len(TEXT_PREFIX):]
+        local = hf[len(TEXT_PREFIX) :]
         if m := _HF_GATE.match(local):
             local = f"{m[1]}{m[2]}"
         if (m := _LAYER.match(local)) and int(m[1]) >= num_layers:
-            return f"mtp.layers.{int(m[1]) - num_layers}." + local[m.end():]
+            return f"mtp.layers.{int(m[1]) - num_layers}." + local[m.end() :]
         return "model." + local
     return hf
 
@@ -100,15 +100,32 @@ def save_lora(model: nn.Module, path: str | os.PathLike) -> str:
     n = model.config.num_hidden_layers
     adapted = _adapted(model)
     modules = sorted(hf_module_name(k, n) for k, m in adapted.items() if not isinstance(m, Experts))
-    params = sorted(f"{hf_module_name(k, n)}.{p}" for k, m in adapted.items() if isinstance(m, Experts)
-                    for p in EXPERT_WEIGHTS if hasattr(m, f"{p}_lora_A"))  # fmt: skip
+    params = sorted(
+        f"{hf_module_name(k, n)}.{p}"
+        for k, m in adapted.items()
+        if isinstance(m, Experts)
+        for p in EXPERT_WEIGHTS
+        if hasattr(m, f"{p}_lora_A")
+    )
     config = {
-        "peft_type": "LORA", "task_type": None, "base_model_name_or_path": settings.get("base"), "r": settings["rank"],
-        "lora_alpha": settings["alpha"], "lora_dropout": settings["dropout"], "target_modules": modules or None,
-        "target_parameters": params or None, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
-        "use_dora": False, "init_lora_weights": True, "rank_pattern": {}, "alpha_pattern": {},
-        "modules_to_save": None, "inference_mode": True,
-    }  # fmt: skip
+        "peft_type": "LORA",
+        "task_type": None,
+        "base_model_name_or_path": settings.get("base"),
+        "r": settings["rank"],
+        "lora_alpha": settings["alpha"],
+        "lora_dropout": settings["dropout"],
+        "target_modules": modules or None,
+        "target_parameters": params or None,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "modules_to_save": None,
+        "inference_mode": True,
+    }
     identity = _identity(model)
     os.makedirs(path, exist_ok=True)
     tmp = os.path.join(path, WEIGHTS_FILE + ".tmp")
@@ -162,7 +179,7 @@ def _group_keys(state: dict[str, torch.Tensor], file: str) -> dict[str, dict[str
         if not m or not key.startswith(PEFT_PREFIX):
             bad.append(key)
             continue
-        groups.setdefault(m[1][len(PEFT_PREFIX):], {})[m[2]] = tensor
+        groups.setdefault(m[1][len(PEFT_PREFIX) :], {})[m[2]] = tensor
     bad += [f"{k}.lora_{'B' if 'A' in g else 'A'}.weight (missing)" for k, g in groups.items() if len(g) != 2]
     if bad:
         raise CheckpointError(f"{file}: keys that are not LoRA factors of a module:\n  " + "\n  ".join(sorted(bad)))
@@ -212,8 +229,9 @@ def _place(groups, names, n, vision, file) -> dict[tuple[str, str | None], tuple
             E = getattr(module, param).shape[0]
             A, B = g["A"], g["B"]
             if A.shape[0] % E or B.shape[1] % E:
-                raise CheckpointError(f"{file}: {prefix}: factors {tuple(A.shape)}, {tuple(B.shape)} do not split "
-                                      f"over {E} experts")  # fmt: skip
+                raise CheckpointError(
+                    f"{file}: {prefix}: factors {tuple(A.shape)}, {tuple(B.shape)} do not split over {E} experts"
+                )
             r = A.shape[0] // E
             placed[(name, param)] = (A.reshape(E, r, -1), B.reshape(B.shape[0], r, E).permute(2, 0, 1))
         elif isinstance(module, nn.Linear) and depth == 0:
@@ -221,8 +239,10 @@ def _place(groups, names, n, vision, file) -> dict[tuple[str, str | None], tuple
         else:
             unknown.append(f"{PEFT_PREFIX}{prefix} (glm53 module {name!r})")
     if unknown:
-        raise CheckpointError(f"{file}: adapters for modules this model does not have (another model?):\n  "
-                              + "\n  ".join(sorted(unknown)))  # fmt: skip
+        raise CheckpointError(
+            f"{file}: adapters for modules this model does not have (another model?):\n  "
+            + "\n  ".join(sorted(unknown))
+        )
     return placed
 
 
@@ -234,8 +254,9 @@ def _lone_expert_param(module: Experts, g: dict) -> str:
 
 def _check_same(model: nn.Module, placed: dict, rank, file: str) -> None:
     if rank != model.lora_settings["rank"]:
-        raise CheckpointError(f"{file}: adapter rank r={rank!r}, but the model's adapters have rank "
-                              f"{model.lora_settings['rank']}")  # fmt: skip
+        raise CheckpointError(
+            f"{file}: adapter rank r={rank!r}, but the model's adapters have rank {model.lora_settings['rank']}"
+        )
     have = set(_adapted(model))
     extra = sorted({m for m, _ in placed} - have)
     if extra:
@@ -251,12 +272,21 @@ def _copy(module: nn.Module, param: str | None, A: torch.Tensor, B: torch.Tensor
         targets = (getattr(module, f"{param}_lora_A"), getattr(module, f"{param}_lora_B"))
     for label, src, dst in zip("AB", (A, B), targets):
         if tuple(src.shape) != tuple(dst.shape):
-            raise CheckpointError(f"{where}: lora_{label} has shape {tuple(src.shape)}, the model expects "
-                                  f"{tuple(dst.shape)} (another model or rank?)")  # fmt: skip
+            raise CheckpointError(
+                f"{where}: lora_{label} has shape {tuple(src.shape)}, the model expects "
+                f"{tuple(dst.shape)} (another model or rank?)"
+            )
         if not bool(torch.isfinite(src).all()):
             raise CheckpointError(f"{where}: lora_{label} holds NaN or infinite values")
         dst.copy_(src)
 
 
-__all__ = ["save_lora", "load_lora", "adapter_state", "hf_module_name", "glm53_module_name", "CONFIG_FILE",
-           "WEIGHTS_FILE"]  # fmt: skip
+__all__ = [
+    "save_lora",
+    "load_lora",
+    "adapter_state",
+    "hf_module_name",
+    "glm53_module_name",
+    "CONFIG_FILE",
+    "WEIGHTS_FILE",
+]

@@ -26,8 +26,9 @@ def is_fp8_base(module: nn.Module, name: str) -> bool:
     return getattr(module, name).dtype == fp8_format.FP8_DTYPE
 
 
-def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype,
-                      parts: int = 1) -> torch.Tensor:  # fmt: skip
+def dequantize_blocks(
+    q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype, parts: int = 1
+) -> torch.Tensor:
     """q [..., O, I] e4m3, scale [..., parts * go, gi] -> [..., O, I] in `dtype` (one fp32 multiply per element,
     as glm53.checkpoint.fp8.dequantize); `parts` row groups (gate, up) each have their own block grid."""
     if parts > 1:
@@ -47,10 +48,17 @@ def dequantized(module: nn.Module, name: str, local: torch.Tensor, dtype: torch.
     """`module.<name>` (FP8, given as `local`) dequantised in the module's compute dtype (or `dtype`)."""
     scale = getattr(module, name + SCALE)
     if local.shape[:-2] != scale.shape[:-2]:
-        raise ValueError(f"FP8 base {name} {tuple(local.shape)} with scales {tuple(scale.shape)}: its scales were "
-                         "not sharded with it (an FP8 base under expert parallelism is not supported yet)")
-    return dequantize_blocks(local, getattr(module, name + SCALE), module.fp8_block,
-                             dtype or module.fp8_compute_dtype, module.fp8_parts.get(name, 1))  # fmt: skip
+        raise ValueError(
+            f"FP8 base {name} {tuple(local.shape)} with scales {tuple(scale.shape)}: its scales were "
+            "not sharded with it (an FP8 base under expert parallelism is not supported yet)"
+        )
+    return dequantize_blocks(
+        local,
+        getattr(module, name + SCALE),
+        module.fp8_block,
+        dtype or module.fp8_compute_dtype,
+        module.fp8_parts.get(name, 1),
+    )
 
 
 class _Fp8Linear(torch.autograd.Function):

@@ -15,8 +15,15 @@ from .fp8 import SCALE
 from .views import EXPERT_WEIGHTS, install_view
 
 
-def set_fp8(module: nn.Module, name: str, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
-            compute_dtype: torch.dtype, parts: int = 1) -> None:  # fmt: skip
+def set_fp8(
+    module: nn.Module,
+    name: str,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int],
+    compute_dtype: torch.dtype,
+    parts: int = 1,
+) -> None:
     """Hold `module.<name>` as FP8 `q` with `scale` (replacing the parameter; no gradient) and route its readers
     through the dequantising view."""
     if q.dtype != fp8_format.FP8_DTYPE:
@@ -63,8 +70,9 @@ def quantize_blocks(w: torch.Tensor, block: tuple[int, int], parts: int = 1) -> 
     return torch.stack(qs).view(w.shape), torch.stack(ss).view(*w.shape[:-2], *ss[0].shape)
 
 
-def quantize_model(model: nn.Module, block: tuple[int, int] = fp8_format.DEFAULT_BLOCK_SIZE,
-                   compute_dtype: torch.dtype | None = None) -> list[str]:  # fmt: skip
+def quantize_model(
+    model: nn.Module, block: tuple[int, int] = fp8_format.DEFAULT_BLOCK_SIZE, compute_dtype: torch.dtype | None = None
+) -> list[str]:
     """Quantise every `fp8_modules` base of `model` in place (an FP8 base from a bf16/fp32 model) -> names."""
     done = []
     for name, module in fp8_modules(model).items():

@@ -27,8 +27,15 @@ from .fp8_storage import fp8_modules, quantize_blocks, set_fp8
 BASE_DTYPES = ("bf16", "fp8")
 
 
-def load_base(cls, path: str | os.PathLike, base_dtype: str = "bf16", *, dtype: torch.dtype | str = torch.bfloat16,
-              quantize: bool = False, device: str | torch.device = "cpu"):  # fmt: skip
+def load_base(
+    cls,
+    path: str | os.PathLike,
+    base_dtype: str = "bf16",
+    *,
+    dtype: torch.dtype | str = torch.bfloat16,
+    quantize: bool = False,
+    device: str | torch.device = "cpu",
+):
     """`cls` (Glm53ForCausalLM) from an official-layout directory with its base in `base_dtype`.
 
     dtype: the training precision of everything not held in FP8 (adapters added later follow it too).
@@ -52,9 +59,11 @@ def load_base(cls, path: str | os.PathLike, base_dtype: str = "bf16", *, dtype: 
     keys = _module_keys(model, plan)
     stored = {name: all(fp8_format.is_fp8(reader.dtype(k)) for k in ks) for name, ks in keys.items()}
     if not any(stored.values()) and not quantize:
-        raise ConfigError(f"{path}: base_dtype='fp8' but the checkpoint has no block-scaled FP8 weights "
-                          f"(no '*{SCALE}' tensors); pass quantize=True (--quantize-base) to quantise it on load, "
-                          "or use base_dtype='bf16'")  # fmt: skip
+        raise ConfigError(
+            f"{path}: base_dtype='fp8' but the checkpoint has no block-scaled FP8 weights "
+            f"(no '*{SCALE}' tensors); pass quantize=True (--quantize-base) to quantise it on load, "
+            "or use base_dtype='bf16'"
+        )
     fp8_names = [name for name in keys if stored[name] or quantize]
     modules = dict(model.named_modules())
     for name in fp8_names:  # meta FP8 placeholders: materialised as FP8 below

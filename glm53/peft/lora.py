@@ -71,9 +71,16 @@ def _add_expert_adapters(module: Experts, rank: int, dtype: torch.dtype | None) 
         install_view(module, name)
 
 
-def apply_lora(model: nn.Module, rank: int, alpha: float | None = None, dropout: float = 0.0,
-               targets: Iterable[str] | str | None = None, *, freeze_base: bool = True,
-               dtype: torch.dtype | None = None) -> list[str]:  # fmt: skip
+def apply_lora(
+    model: nn.Module,
+    rank: int,
+    alpha: float | None = None,
+    dropout: float = 0.0,
+    targets: Iterable[str] | str | None = None,
+    *,
+    freeze_base: bool = True,
+    dtype: torch.dtype | None = None,
+) -> list[str]:
     """Add LoRA adapters of `rank` (scaling alpha / rank; alpha None means alpha = rank) to the modules `targets`
     select (group names in glm53.peft.targets, or module-name patterns; None: DEFAULT_LORA_TARGETS, groups the
     model lacks skipped) -> the adapted module names.
@@ -168,5 +175,13 @@ def merge_lora(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> list[st
     return merged
 
 
-__all__ = ["LoraLinear", "apply_lora", "freeze", "merge_lora", "has_lora", "lora_parameters", "trainable_parameters",
-           "EXPERT_WEIGHTS"]  # fmt: skip
+__all__ = [
+    "LoraLinear",
+    "apply_lora",
+    "freeze",
+    "merge_lora",
+    "has_lora",
+    "lora_parameters",
+    "trainable_parameters",
+    "EXPERT_WEIGHTS",
+]

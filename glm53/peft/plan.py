@@ -82,8 +82,9 @@ def rows(args: argparse.Namespace, model: nn.Module, size: int, gather_bytes: in
             split = ep if isinstance(module, Experts) else 1
             numels = [getattr(module, p).numel() // split for p in names]
             dequant = max(dequant, sum(numels) * size + max(numels) * FP32)
-    return dict(params=frozen + scales + trainable, grads=trainable, adamw=2 * trainable,
-                transient=2 * gather_bytes + dequant)  # fmt: skip
+    return dict(
+        params=frozen + scales + trainable, grads=trainable, adamw=2 * trainable, transient=2 * gather_bytes + dequant
+    )
 
 
 def adapter_activations(args: argparse.Namespace, model: nn.Module, size: int, tokens: int) -> int:

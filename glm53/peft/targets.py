@@ -48,14 +48,23 @@ def _linear_in(kind: type) -> Callable[[nn.Module, str, nn.Module], bool]:
 def _dense_mlp(model: nn.Module, name: str, module: nn.Module) -> bool:
     parent = _parent(model, name)
     grand = _parent(model, name.rsplit(".", 1)[0]) if parent is not None else None
-    return (isinstance(module, nn.Linear) and _in_main(name) and isinstance(parent, MLP)
-            and not isinstance(grand, MoE) and not _VISION.search(name))  # fmt: skip
+    return (
+        isinstance(module, nn.Linear)
+        and _in_main(name)
+        and isinstance(parent, MLP)
+        and not isinstance(grand, MoE)
+        and not _VISION.search(name)
+    )
 
 
 def _shared_mlp(model: nn.Module, name: str, module: nn.Module) -> bool:
     parent = _parent(model, name)
-    return (isinstance(module, nn.Linear) and _in_main(name) and isinstance(parent, MLP)
-            and isinstance(_parent(model, name.rsplit(".", 1)[0]), MoE))  # fmt: skip
+    return (
+        isinstance(module, nn.Linear)
+        and _in_main(name)
+        and isinstance(parent, MLP)
+        and isinstance(_parent(model, name.rsplit(".", 1)[0]), MoE)
+    )
 
 
 # LoRA target groups: module -> whether the group holds it (linears, or fused routed experts).
@@ -91,8 +100,9 @@ FREEZE_GROUPS: dict[str, Callable[[nn.Module, str], bool]] = {
     "router": _under((Router,)),
     "mlp": lambda model, n: _under((MLP,))(model, n) and not _VISION.search(n),
     "mHC": _under((HyperConnection,)),
-    "norms": lambda model, n: _under((RMSNorm, GatedRMSNorm, LayerNorm))(model, n) or bool(
-        re.search(r"norm[^.]*\.(weight|bias)$", n)),
+    "norms": lambda model, n: (
+        _under((RMSNorm, GatedRMSNorm, LayerNorm))(model, n) or bool(re.search(r"norm[^.]*\.(weight|bias)$", n))
+    ),
     "mtp": lambda model, n: n.startswith("mtp."),
     "vision_tower": lambda model, n: bool(_VISION.search(n)) and not _PROJECTOR.search(n),
     "projector": lambda model, n: bool(_PROJECTOR.search(n)),
@@ -137,8 +147,10 @@ def lora_modules(model: nn.Module, targets: Iterable[str] | str | None) -> dict[
             else:
                 hit = bool(name) and matches_pattern(name, target)
                 if hit and not isinstance(module, (nn.Linear, Experts)):
-                    raise ConfigError(f"LoRA target {target!r} matches {name!r}, a {type(module).__name__}: adapters "
-                                      "go on nn.Linear modules and routed experts only")  # fmt: skip
+                    raise ConfigError(
+                        f"LoRA target {target!r} matches {name!r}, a {type(module).__name__}: adapters "
+                        "go on nn.Linear modules and routed experts only"
+                    )
             if not hit and isinstance(module, Experts) and "." in target:  # one fused parameter: `<experts>.down_proj`
                 prefix, param = target.rsplit(".", 1)
                 if param in EXPERT_PARAMS and matches_pattern(name, prefix):
@@ -154,8 +166,10 @@ def lora_modules(model: nn.Module, targets: Iterable[str] | str | None) -> dict[
     if not chosen and not empty:
         empty = list(DEFAULT_LORA_TARGETS)
     if empty:
-        raise ConfigError(f"LoRA targets matching no module of this model: {empty} (groups: "
-                          f"{sorted([*LORA_GROUPS, *LORA_ALIASES])}, or a module-name pattern)")  # fmt: skip
+        raise ConfigError(
+            f"LoRA targets matching no module of this model: {empty} (groups: "
+            f"{sorted([*LORA_GROUPS, *LORA_ALIASES])}, or a module-name pattern)"
+        )
     return {n: m for n, m in model.named_modules() if n in chosen}
 
 
@@ -174,10 +188,19 @@ def frozen_parameters(model: nn.Module, groups: Iterable[str] | str) -> list[str
             unknown.append(group)
         out.update(hits)
     if unknown:
-        raise ConfigError(f"unknown freeze groups {unknown} (groups: {sorted(FREEZE_GROUPS)}, or a module-name "
-                          "pattern matching some parameter)")  # fmt: skip
+        raise ConfigError(
+            f"unknown freeze groups {unknown} (groups: {sorted(FREEZE_GROUPS)}, or a module-name "
+            "pattern matching some parameter)"
+        )
     return [n for n in params if n in out]
 
 
-__all__ = ["LORA_GROUPS", "LORA_ALIASES", "DEFAULT_LORA_TARGETS", "FREEZE_GROUPS", "lora_modules",
-           "frozen_parameters", "matches_pattern"]  # fmt: skip
+__all__ = [
+    "LORA_GROUPS",
+    "LORA_ALIASES",
+    "DEFAULT_LORA_TARGETS",
+    "FREEZE_GROUPS",
+    "lora_modules",
+    "frozen_parameters",
+    "matches_pattern",
+]

@@ -46,29 +46,43 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = Glm53Config.from_pretrained(args.config) if args.config else Glm53Config()
         if args.num_layers:
-            config = Glm53Config(**{**_fields(config), "num_hidden_layers": args.num_layers,
-                                    "layer_types": None, "mlp_layer_types": None, "indexer_types": None},
-                                 extra={"_outer": config.extra.get("_outer", {})})  # a vision tower stays  # fmt: skip
+            config = Glm53Config(
+                **{
+                    **_fields(config),
+                    "num_hidden_layers": args.num_layers,
+                    "layer_types": None,
+                    "mlp_layer_types": None,
+                    "indexer_types": None,
+                },
+                extra={"_outer": config.extra.get("_outer", {})},
+            )  # a vision tower stays
     except (Glm53Error, OSError) as e:
         print(f"{p.prog}: error: --config {args.config}: {e}", file=sys.stderr)
         return 1
     file_bytes = args.max_shard_size
-    print(f"{config.num_hidden_layers} layers, {config.n_routed_experts} experts, dp {args.dp} x tp {args.tp} "
-          f"= {world} ranks (meta device, fake process group)")  # fmt: skip
-    print(f"{'rank':>5} {'load reads GB':>14} {'of ckpt':>8} {'replicated GB':>14} {'shard GB':>9} "
-          f"{'export peak GB':>15}")  # fmt: skip
+    print(
+        f"{config.num_hidden_layers} layers, {config.n_routed_experts} experts, dp {args.dp} x tp {args.tp} "
+        f"= {world} ranks (meta device, fake process group)"
+    )
+    print(
+        f"{'rank':>5} {'load reads GB':>14} {'of ckpt':>8} {'replicated GB':>14} {'shard GB':>9} {'export peak GB':>15}"
+    )
     params = None
     for rank in ranks:
         plan = plan_rank(config, rank, args.dp, args.tp)
         peak = plan.shard_bytes + plan.largest_key_bytes + file_bytes
-        print(f"{rank:>5} {plan.read_bytes / GB:>14.2f} {plan.read_bytes / plan.checkpoint_bytes:>8.2%} "
-              f"{plan.replicated_bytes / GB:>14.4f} {plan.shard_bytes / GB:>9.2f} {peak / GB:>15.2f}")  # fmt: skip
+        print(
+            f"{rank:>5} {plan.read_bytes / GB:>14.2f} {plan.read_bytes / plan.checkpoint_bytes:>8.2%} "
+            f"{plan.replicated_bytes / GB:>14.4f} {plan.shard_bytes / GB:>9.2f} {peak / GB:>15.2f}"
+        )
         params = plan
     if params is not None:
         n = sum(p.numel() for p in _meta_model(config).parameters())
-        print(f"checkpoint {params.checkpoint_bytes / GB:.1f} GB (FP8 layout); largest official tensor "
-              f"{params.largest_key_bytes / GB:.2f} GB in fp32; {n / 1e9:.1f}B parameters: gathering the fp32 model "
-              f"and AdamW state on a rank would take {12 * n / GB:,.0f} GB")  # fmt: skip
+        print(
+            f"checkpoint {params.checkpoint_bytes / GB:.1f} GB (FP8 layout); largest official tensor "
+            f"{params.largest_key_bytes / GB:.2f} GB in fp32; {n / 1e9:.1f}B parameters: gathering the fp32 model "
+            f"and AdamW state on a rank would take {12 * n / GB:,.0f} GB"
+        )
     return 0
 
 

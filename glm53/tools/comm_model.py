@@ -57,8 +57,9 @@ def _add(*parts: dict[str, int]) -> dict[str, int]:
     return out
 
 
-def moe_layer_bytes(c: Glm53Config, dp: int, ep: int, tokens: int, dtype_bytes: int, tp: int = 1,
-                    cp: int = 1, fsdp: bool = True) -> dict[str, int]:  # fmt: skip
+def moe_layer_bytes(
+    c: Glm53Config, dp: int, ep: int, tokens: int, dtype_bytes: int, tp: int = 1, cp: int = 1, fsdp: bool = True
+) -> dict[str, int]:
     """Bytes one rank sends for one MoE layer in one training step (`tokens`: N, this rank's); `fsdp=False`:
     the model-parallel collectives only (EP, TP)."""
     E, k, D, I = c.n_routed_experts, c.num_experts_per_tok, c.hidden_size, c.moe_intermediate_size
@@ -95,9 +96,19 @@ def kda_params(c: Glm53Config, tp: int) -> int:
     return split + 2 * D * r + K
 
 
-def mla_layer_bytes(c: Glm53Config, dp: int, ep: int, batch: int, seq_len: int, dtype_bytes: int, tp: int = 1,
-                    cp: int = 1, indexer: bool = True, indexer_kl: bool = False,
-                    fsdp: bool = True) -> dict[str, int]:  # fmt: skip
+def mla_layer_bytes(
+    c: Glm53Config,
+    dp: int,
+    ep: int,
+    batch: int,
+    seq_len: int,
+    dtype_bytes: int,
+    tp: int = 1,
+    cp: int = 1,
+    indexer: bool = True,
+    indexer_kl: bool = False,
+    fsdp: bool = True,
+) -> dict[str, int]:
     """Bytes one rank sends for one MLA layer (with its own indexer when `indexer`) in one training step."""
     b, D, R, C, Ki = dtype_bytes, c.hidden_size, c.q_lora_rank, c.kv_lora_rank, c.index_head_dim
     N, S = batch * -(-seq_len // cp), batch * seq_len
@@ -105,8 +116,9 @@ def mla_layer_bytes(c: Glm53Config, dp: int, ep: int, batch: int, seq_len: int, 
     if tp > 1:
         latent_rows = N * cp  # the gathered latent under cp
         slots = N * min(c.index_topk, seq_len) * FP32 if indexer and indexer_kl else 0
-        parts.append({"all_reduce": _ar(N * D * b, tp) + _ar(N * R * b, tp) + _ar(latent_rows * C * b, tp)
-                      + _ar(slots, tp)})  # fmt: skip
+        parts.append(
+            {"all_reduce": _ar(N * D * b, tp) + _ar(N * R * b, tp) + _ar(latent_rows * C * b, tp) + _ar(slots, tp)}
+        )
     if cp > 1:  # the latent and the indexer's keys and gate (+ the uint8 mask); gradients: the latent's, and
         # the indexer's with its KL loss (the indexer runs without gradient otherwise)
         width = C + (2 * Ki if indexer else 0)
@@ -115,8 +127,17 @@ def mla_layer_bytes(c: Glm53Config, dp: int, ep: int, batch: int, seq_len: int, 
     return _add(*parts)
 
 
-def kda_layer_bytes(c: Glm53Config, dp: int, ep: int, batch: int, seq_len: int, dtype_bytes: int, tp: int = 1,
-                    cp: int = 1, fsdp: bool = True) -> dict[str, int]:  # fmt: skip
+def kda_layer_bytes(
+    c: Glm53Config,
+    dp: int,
+    ep: int,
+    batch: int,
+    seq_len: int,
+    dtype_bytes: int,
+    tp: int = 1,
+    cp: int = 1,
+    fsdp: bool = True,
+) -> dict[str, int]:
     """Bytes one rank sends for one KDA layer in one training step."""
     b, D, H, K = dtype_bytes, c.hidden_size, c.linear_num_heads, c.linear_head_dim
     N = batch * -(-seq_len // cp)

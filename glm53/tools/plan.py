@@ -115,8 +115,7 @@ def gathered_elements(c: Glm53Config, seq_len: int) -> int:
     return seq_len * (c.kv_lora_rank + 2 * c.index_head_dim)
 
 
-def activation_elements(c: Glm53Config, kind: tuple[str, str], tp: int, ep: int, seq_len: int,
-                        dtype_bytes: int) -> int:  # fmt: skip
+def activation_elements(c: Glm53Config, kind: tuple[str, str], tp: int, ep: int, seq_len: int, dtype_bytes: int) -> int:
     """Elements kept per token by one block of `kind` (two mHC sites, attention, MLP)."""
     attn = _kda(c, tp) if kind[0] == "kda" else _mla(c, tp, seq_len, dtype_bytes)
     mlp = _moe(c, tp, ep, dtype_bytes) if kind[1] == "moe" else _mlp(c, tp)
@@ -137,8 +136,11 @@ def moe_comm_bytes(c: Glm53Config, dp: int, ep: int, tokens: int, dtype_bytes: i
     experts = E // ep * 3 * I * D * dtype_bytes
     rest = E * D * FP32 + 3 * c.moe_intermediate_size * c.n_shared_experts * D * dtype_bytes
     shard_e, shard_r = (dp if ep > 1 else dp * ep), dp * ep
-    out = {"all_gather": 2 * (experts * (shard_e - 1) // shard_e + rest * (shard_r - 1) // shard_r),
-           "reduce_scatter": experts * (shard_e - 1) // shard_e + rest * (shard_r - 1) // shard_r, "all_to_all": 0}
+    out = {
+        "all_gather": 2 * (experts * (shard_e - 1) // shard_e + rest * (shard_r - 1) // shard_r),
+        "reduce_scatter": experts * (shard_e - 1) // shard_e + rest * (shard_r - 1) // shard_r,
+        "all_to_all": 0,
+    }
     if ep > 1:
         out["all_to_all"] = 4 * tokens * k * D * dtype_bytes * (ep - 1) // ep + E * INDEX_BYTES * (ep - 1) // ep
     return out
@@ -164,8 +166,10 @@ def measure(c: Glm53Config, dp: int, ep: int, tp: int, dtype: torch.dtype, cp: i
         total = sum(p.numel() for p in model.parameters())
         extra = {}
         if peft is not None and peft_plan.enabled(peft):
-            extra = dict(peft_rows=peft_plan.rows(peft, model, size, gather.bytes),
-                         adapter_acts=peft_plan.adapter_activations(peft, model, size, 1))  # fmt: skip
+            extra = dict(
+                peft_rows=peft_plan.rows(peft, model, size, gather.bytes),
+                adapter_acts=peft_plan.adapter_activations(peft, model, size, 1),
+            )
     return dict(params=params, expert=expert, gather=gather, total_params=total, **extra)
 
 
@@ -176,38 +180,65 @@ def plan(args: argparse.Namespace, config: Glm53Config | None = None) -> dict:
     m = measure(c, args.dp, args.ep, args.tp, dtype, args.cp, peft=args)
     tokens = args.batch * -(-args.seq_len // args.cp)  # this rank's tokens
     gathered = args.batch * gathered_elements(c, args.seq_len) * size if args.cp > 1 else 0
-    per_kind = {kind: activation_elements(c, kind, args.tp, args.ep, args.seq_len, size) * size * tokens
-                + (gathered if kind[0] == "mla" else 0) for kind in layer_kinds(c)}  # fmt: skip
+    per_kind = {
+        kind: activation_elements(c, kind, args.tp, args.ep, args.seq_len, size) * size * tokens
+        + (gathered if kind[0] == "mla" else 0)
+        for kind in layer_kinds(c)
+    }
     counts = layer_kinds(c)
     head = tokens * (c.vocab_size // args.tp) * FP32 * 2  # fp32 logits and their gradient
     if args.activation_checkpointing:
         acts = sum(counts.values()) * c.hc_mult * c.hidden_size * size * tokens + max(per_kind.values())
     else:
         acts = sum(per_kind[k] * n for k, n in counts.items())
-    rows = dict(params=m["params"], grads=m["params"], adamw=2 * m["params"], transient=2 * m["gather"].bytes,
-                activations=acts + head)  # fmt: skip
+    rows = dict(
+        params=m["params"],
+        grads=m["params"],
+        adamw=2 * m["params"],
+        transient=2 * m["gather"].bytes,
+        activations=acts + head,
+    )
     if "peft_rows" in m:  # LoRA / frozen / FP8 base: glm53/peft/plan.py
         adapter = m["adapter_acts"] * tokens
-        rows.update(m["peft_rows"], activations=acts + head + (adapter if not args.activation_checkpointing else
-                                                               adapter // max(1, sum(counts.values()))))  # fmt: skip
+        rows.update(
+            m["peft_rows"],
+            activations=acts
+            + head
+            + (adapter if not args.activation_checkpointing else adapter // max(1, sum(counts.values()))),
+        )
     comm = moe_comm_bytes(c, args.dp, args.ep, tokens, size)
     layout = dict(tp=args.tp, cp=args.cp)
-    layers = {"moe": moe_layer_bytes(c, args.dp, args.ep, tokens, size, **layout),
-              "mla": mla_layer_bytes(c, args.dp, args.ep, args.batch, args.seq_len, size, **layout,
-                                     indexer_kl=c.indexer_loss_weight > 0),
-              "kda": kda_layer_bytes(c, args.dp, args.ep, args.batch, args.seq_len, size, **layout)}  # fmt: skip
-    return dict(rows=rows, total=sum(rows.values()), per_kind=per_kind, counts=counts, measured=m, head=head,
-                comm=comm, tokens=tokens, layers=layers)  # fmt: skip
+    layers = {
+        "moe": moe_layer_bytes(c, args.dp, args.ep, tokens, size, **layout),
+        "mla": mla_layer_bytes(
+            c, args.dp, args.ep, args.batch, args.seq_len, size, **layout, indexer_kl=c.indexer_loss_weight > 0
+        ),
+        "kda": kda_layer_bytes(c, args.dp, args.ep, args.batch, args.seq_len, size, **layout),
+    }
+    return dict(
+        rows=rows,
+        total=sum(rows.values()),
+        per_kind=per_kind,
+        counts=counts,
+        measured=m,
+        head=head,
+        comm=comm,
+        tokens=tokens,
+        layers=layers,
+    )
 
 
 def report(args: argparse.Namespace, result: dict, seconds: float) -> str:
     m, rows = result["measured"], result["rows"]
     world = args.dp * args.cp * args.ep * args.tp
-    lines = [f"layout dp {args.dp} x cp {args.cp} x ep {args.ep} x tp {args.tp} = {world} ranks; "
-             f"{m['total_params'] / 1e9:.1f}B parameters; {args.dtype}{_peft_label(args)}; batch {args.batch} x seq {args.seq_len} per "
-             f"data rank ({result['tokens']} tokens per rank); activation checkpointing "
-             f"{'on' if args.activation_checkpointing else 'off'}", "",
-             "per rank (rank 0's local shards)      GiB"]  # fmt: skip
+    lines = [
+        f"layout dp {args.dp} x cp {args.cp} x ep {args.ep} x tp {args.tp} = {world} ranks; "
+        f"{m['total_params'] / 1e9:.1f}B parameters; {args.dtype}{_peft_label(args)}; batch {args.batch} x seq {args.seq_len} per "
+        f"data rank ({result['tokens']} tokens per rank); activation checkpointing "
+        f"{'on' if args.activation_checkpointing else 'off'}",
+        "",
+        "per rank (rank 0's local shards)      GiB",
+    ]
     for name, value in rows.items():
         lines.append(f"  {name:<34} {value / GIB:9.2f}")
     lines.append(f"    of which routed experts (params) {m['expert'] / GIB:9.2f}")
@@ -221,8 +252,7 @@ def report(args: argparse.Namespace, result: dict, seconds: float) -> str:
         cells = ", ".join(f"{kind} {value / GIB:.3f}" for kind, value in sent.items())
         lines.append(f"  {layer}: {cells}; total {sum(sent.values()) / GIB:.3f}")
     fits = "fits" if result["total"] <= args.device_gib * GIB else "does NOT fit"
-    lines.append(f"total {result['total'] / GIB:.2f} GiB vs device {args.device_gib:g} GiB: {fits}  "
-                 f"({seconds:.1f} s)")  # fmt: skip
+    lines.append(f"total {result['total'] / GIB:.2f} GiB vs device {args.device_gib:g} GiB: {fits}  ({seconds:.1f} s)")
     return "\n".join(lines)
 
 

@@ -107,40 +107,104 @@ def nonempty_path(text: str) -> str:
 # group in one line; run.toml keys come from the parser (training/runconfig.py), so a new flag is a key too.
 def add_schedule_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("schedule and optimizer (training/optim.py)")
-    g.add_argument("--total-steps", type=positive_int, metavar="N",
-                   help="length of the lr schedule (default: --steps); --steps only says where this run stops")
-    g.add_argument("--warmup", type=non_negative_int, metavar="N",
-                   help="linear warm-up steps (default: 5%% of the schedule, at least 1)")
-    g.add_argument("--schedule", choices=("cosine", "linear", "constant"), default="cosine",
-                   help="decay after the warm-up (torch.optim.lr_scheduler)")
-    g.add_argument("--min-lr", type=non_negative_float, metavar="LR",
-                   help="lr at the end of the schedule (default: 0.1 x --lr)")
-    g.add_argument("--weight-decay", type=non_negative_float, default=0.01,
-                   help="AdamW decay (never on norms, biases, gates, A_log, dt_bias, mHC: optim.NO_DECAY)")
+    g.add_argument(
+        "--total-steps",
+        type=positive_int,
+        metavar="N",
+        help="length of the lr schedule (default: --steps); --steps only says where this run stops",
+    )
+    g.add_argument(
+        "--warmup",
+        type=non_negative_int,
+        metavar="N",
+        help="linear warm-up steps (default: 5%% of the schedule, at least 1)",
+    )
+    g.add_argument(
+        "--schedule",
+        choices=("cosine", "linear", "constant"),
+        default="cosine",
+        help="decay after the warm-up (torch.optim.lr_scheduler)",
+    )
+    g.add_argument(
+        "--min-lr", type=non_negative_float, metavar="LR", help="lr at the end of the schedule (default: 0.1 x --lr)"
+    )
+    g.add_argument(
+        "--weight-decay",
+        type=non_negative_float,
+        default=0.01,
+        help="AdamW decay (never on norms, biases, gates, A_log, dt_bias, mHC: optim.NO_DECAY)",
+    )
     g.add_argument("--betas", type=unit_interval, nargs=2, default=[0.9, 0.95], metavar=("B1", "B2"))
-    g.add_argument("--grad-clip", type=non_negative_float, default=1.0,
-                   help="max global gradient norm (0: no clipping; the norm is still logged)")
-    g.add_argument("--peak-tflops", type=positive_float, metavar="TFLOPS",
-                   help="the device's peak TFLOP/s, for the MFU in the metrics (default: known GPUs only)")
+    g.add_argument(
+        "--grad-clip",
+        type=non_negative_float,
+        default=1.0,
+        help="max global gradient norm (0: no clipping; the norm is still logged)",
+    )
+    g.add_argument(
+        "--peak-tflops",
+        type=positive_float,
+        metavar="TFLOPS",
+        help="the device's peak TFLOP/s, for the MFU in the metrics (default: known GPUs only)",
+    )
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("run configuration, metrics, evaluation (training/runconfig.py, metrics.py)")
-    g.add_argument("--config", metavar="RUN.toml", type=nonempty_path,
-                   help="TOML file whose keys are these flags (flags given here override it)")
-    g.add_argument("--override", action="append", metavar="KEY", default=None,
-                   help="with --resume: allow KEY (e.g. seed) to differ from the resumed run's run.toml")
-    g.add_argument("--keep-last", type=non_negative_int, default=0, metavar="K",
-                   help="with --save-every: keep only the K newest DIR/step-N checkpoints (0: keep all)")
+    g.add_argument(
+        "--config",
+        metavar="RUN.toml",
+        type=nonempty_path,
+        help="TOML file whose keys are these flags (flags given here override it)",
+    )
+    g.add_argument(
+        "--override",
+        action="append",
+        metavar="KEY",
+        default=None,
+        help="with --resume: allow KEY (e.g. seed) to differ from the resumed run's run.toml",
+    )
+    g.add_argument(
+        "--keep-last",
+        type=non_negative_int,
+        default=0,
+        metavar="K",
+        help="with --save-every: keep only the K newest DIR/step-N checkpoints (0: keep all)",
+    )
     g.add_argument("--tensorboard", action="store_true", help="also write TensorBoard events to DIR/tensorboard")
-    g.add_argument("--eval-data", metavar="FILE", type=nonempty_path,
-                   help="held-out data (formats of --data): loss and perplexity every --eval-every steps")
-    g.add_argument("--eval-every", type=non_negative_int, default=0, metavar="N",
-                   help="evaluate every N steps and at the end (default with --eval-data: every --log-every)")
-    g.add_argument("--cache-dir", metavar="DIR", type=nonempty_path,
-                   help="where tokenized --data is cached (default: DIR/cache of --save, else none)")
+    g.add_argument(
+        "--eval-data",
+        metavar="FILE",
+        type=nonempty_path,
+        help="held-out data (formats of --data): loss and perplexity every --eval-every steps",
+    )
+    g.add_argument(
+        "--eval-every",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help="evaluate every N steps and at the end (default with --eval-data: every --log-every)",
+    )
+    g.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        type=nonempty_path,
+        help="where tokenized --data is cached (default: DIR/cache of --save, else none)",
+    )
 
 
-__all__ = ["add_run_arguments", "add_schedule_arguments", "existing_dir", "non_negative_float", "non_negative_int",
-           "nonempty_path", "positive_float", "positive_int", "seed_int", "sequence_length", "thread_count",
-           "unit_interval", "writable_target"]
+__all__ = [
+    "add_run_arguments",
+    "add_schedule_arguments",
+    "existing_dir",
+    "non_negative_float",
+    "non_negative_int",
+    "nonempty_path",
+    "positive_float",
+    "positive_int",
+    "seed_int",
+    "sequence_length",
+    "thread_count",
+    "unit_interval",
+    "writable_target",
+]

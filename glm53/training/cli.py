@@ -1,8 +1,8 @@
 """`python -m glm53 train`: the command line of the trainer (trainer.py does the work).
 
-    python -m glm53 train --preset tiny --steps 120 --seed 0 --save runs/tiny
-    python -m glm53 train --resume runs/tiny --steps 200            # continues at step 121
-    torchrun --nproc-per-node 4 -m glm53 train --dp 2 --tp 2 ...     # through glm53.parallel
+python -m glm53 train --preset tiny --steps 120 --seed 0 --save runs/tiny
+python -m glm53 train --resume runs/tiny --steps 200            # continues at step 121
+torchrun --nproc-per-node 4 -m glm53 train --dp 2 --tp 2 ...     # through glm53.parallel
 """
 
 from __future__ import annotations
@@ -19,11 +19,21 @@ from ..errors import Glm53Error
 from ..model.compile import BACKENDS
 from ..peft import cli as peft_cli
 from . import finetune, runconfig, vl_finetune
-from .args import (add_run_arguments, add_schedule_arguments, non_negative_float, non_negative_int, nonempty_path,
-                   positive_float, positive_int, seed_int, sequence_length, thread_count, writable_target)
+from .args import (
+    add_run_arguments,
+    add_schedule_arguments,
+    non_negative_float,
+    non_negative_int,
+    nonempty_path,
+    positive_float,
+    positive_int,
+    seed_int,
+    sequence_length,
+    thread_count,
+    writable_target,
+)
 from .metrics import METRICS
 from .trainer import PRESETS, Interrupted, Trainer
-
 
 # Errors that mean "fix your input", reported as one line with exit status 1 (argparse's own are status 2).
 USER_ERRORS = (Glm53Error, OSError)
@@ -38,38 +48,76 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=positive_float, default=3e-3)
     p.add_argument("--bias-rate", type=non_negative_float, default=1e-3, help="aux-loss-free router bias update rate")
     p.add_argument("--log-every", type=positive_int, default=10)
-    p.add_argument("--save", type=nonempty_path,
-                   help="run directory: the final checkpoint, run.toml, metrics.jsonl (default with --resume: the "
-                        "resumed directory)")  # fmt: skip
-    p.add_argument("--save-every", type=non_negative_int, default=0,
-                   help="also save every N steps to DIR/step-N (needs --save)")
-    p.add_argument("--resume", type=nonempty_path,
-                   help="checkpoint directory to continue from (model, optimizer, schedule, step; its run.toml)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="let --save replace a checkpoint already in DIR (not needed when DIR is also --resume)")
+    p.add_argument(
+        "--save",
+        type=nonempty_path,
+        help="run directory: the final checkpoint, run.toml, metrics.jsonl (default with --resume: the "
+        "resumed directory)",
+    )
+    p.add_argument(
+        "--save-every", type=non_negative_int, default=0, help="also save every N steps to DIR/step-N (needs --save)"
+    )
+    p.add_argument(
+        "--resume",
+        type=nonempty_path,
+        help="checkpoint directory to continue from (model, optimizer, schedule, step; its run.toml)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="let --save replace a checkpoint already in DIR (not needed when DIR is also --resume)",
+    )
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute blocks in backward")
-    p.add_argument("--compile", nargs="?", const="inductor", choices=BACKENDS, metavar="BACKEND",
-                   help="torch.compile every block (glm53.model.compile.compile_blocks; parallel runs too); "
-                        "BACKEND defaults to inductor, aot_eager only traces")  # fmt: skip
-    p.add_argument("--threads", type=thread_count, default=1,
-                   help="CPU intra-op threads (tiny models run fastest on 1: thread hand-offs cost more than the ops)")
+    p.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        choices=BACKENDS,
+        metavar="BACKEND",
+        help="torch.compile every block (glm53.model.compile.compile_blocks; parallel runs too); "
+        "BACKEND defaults to inductor, aot_eager only traces",
+    )
+    p.add_argument(
+        "--threads",
+        type=thread_count,
+        default=1,
+        help="CPU intra-op threads (tiny models run fastest on 1: thread hand-offs cost more than the ops)",
+    )
     p.add_argument("--dp", type=positive_int, default=1, help="data-parallel degree (torchrun)")
     p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree (torchrun)")
-    p.add_argument("--ep", type=positive_int, default=1,
-                   help="expert-parallel degree (torchrun): routed experts over ep ranks, each reading its own batches")
-    p.add_argument("--cp", type=positive_int, default=1,
-                   help="context-parallel degree (torchrun): every rank one slice of each sequence")
+    p.add_argument(
+        "--ep",
+        type=positive_int,
+        default=1,
+        help="expert-parallel degree (torchrun): routed experts over ep ranks, each reading its own batches",
+    )
+    p.add_argument(
+        "--cp",
+        type=positive_int,
+        default=1,
+        help="context-parallel degree (torchrun): every rank one slice of each sequence",
+    )
     finetune.add_arguments(p)  # --init, --data, --tokenizer, --grad-accum
     peft_cli.add_lora_arguments(p)  # --lora-rank/-alpha/-dropout/-targets, --base-dtype, --freeze, --export-merged
     vl_finetune.add_arguments(p)  # --media-root, --strict, image/video budgets (--freeze: peft_cli's, also VL groups)
     # torchrun runs (glm53/training/distributed.py): GPUs, bf16, DCP checkpoints; --init reads only each rank's shards
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="cuda: one process on the current GPU, or under torchrun nccl with one GPU per rank")
-    p.add_argument("--bf16", action="store_true",
-                   help="bf16 compute, fp32 master weights and optimizer state (one process: autocast; torchrun "
-                        "--dp > 1: FSDP2's bf16 policy)")  # fmt: skip
-    p.add_argument("--no-export", action="store_true",
-                   help="torchrun --save: write only the DCP training state (no official-layout copy)")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: one process on the current GPU, or under torchrun nccl with one GPU per rank",
+    )
+    p.add_argument(
+        "--bf16",
+        action="store_true",
+        help="bf16 compute, fp32 master weights and optimizer state (one process: autocast; torchrun "
+        "--dp > 1: FSDP2's bf16 policy)",
+    )
+    p.add_argument(
+        "--no-export",
+        action="store_true",
+        help="torchrun --save: write only the DCP training state (no official-layout copy)",
+    )
     add_schedule_arguments(p)
     add_run_arguments(p)
 
@@ -84,13 +132,22 @@ def _check_world(args: argparse.Namespace) -> int:
     n = args.dp * args.cp * args.ep * args.tp
     if n != world:
         product = " x ".join(f"--{k} {v}" for k, v in dims.items())
-        raise SystemExit(f"{product} = {n} processes, but WORLD_SIZE is {world}: launch with "
-                         f"`torchrun --nproc-per-node {n} -m glm53 train ...`")  # fmt: skip
+        raise SystemExit(
+            f"{product} = {n} processes, but WORLD_SIZE is {world}: launch with "
+            f"`torchrun --nproc-per-node {n} -m glm53 train ...`"
+        )
     return world
 
 
-CHECKPOINT_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "trainer_state.pt",
-                    "train_state", runconfig.RUN_CONFIG, METRICS)  # fmt: skip
+CHECKPOINT_FILES = (
+    "config.json",
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "trainer_state.pt",
+    "train_state",
+    runconfig.RUN_CONFIG,
+    METRICS,
+)
 
 
 def _checkpoint_in(path: str) -> str | None:
@@ -135,8 +192,10 @@ def _check_paths(args: argparse.Namespace) -> None:
     found = _checkpoint_in(args.save) if args.save and not args.overwrite else None
     if found and not _same_dir(args.save, args.resume):
         # A fresh run must not silently replace another run's trained weights.
-        raise SystemExit(f"glm53 train: error: --save {args.save} already holds a checkpoint ({found}): continue it "
-                         "with --resume on the same directory, or pass --overwrite to replace it")  # fmt: skip
+        raise SystemExit(
+            f"glm53 train: error: --save {args.save} already holds a checkpoint ({found}): continue it "
+            "with --resume on the same directory, or pass --overwrite to replace it"
+        )
 
 
 def _check_experts(args: argparse.Namespace) -> None:
@@ -152,9 +211,11 @@ def _check_experts(args: argparse.Namespace) -> None:
     if experts % args.ep:
         if os.environ.get("RANK", "0") != "0":
             raise SystemExit(1)
-        raise SystemExit(f"glm53 train: error: --ep {args.ep} does not divide the {experts} routed experts "
-                         f"(n_routed_experts of {source or 'preset ' + args.preset}); use an --ep that divides "
-                         f"{experts}")  # fmt: skip
+        raise SystemExit(
+            f"glm53 train: error: --ep {args.ep} does not divide the {experts} routed experts "
+            f"(n_routed_experts of {source or 'preset ' + args.preset}); use an --ep that divides "
+            f"{experts}"
+        )
 
 
 def train(args: argparse.Namespace) -> int:

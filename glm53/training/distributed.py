@@ -22,12 +22,17 @@ from ..parallel import context_parallel_inputs, parallelize
 from ..parallel.run_checkpoint import bf16_policy, has_run_state, parallel_model
 
 
-def init_parallel_model(args: argparse.Namespace, mesh, preset, model_class: type = Glm53ForCausalLM
-                        ) -> Glm53ForCausalLM:  # fmt: skip
+def init_parallel_model(
+    args: argparse.Namespace, mesh, preset, model_class: type = Glm53ForCausalLM
+) -> Glm53ForCausalLM:
     """The parallelized model a torchrun run starts from (see the module docstring); `preset` builds the config;
     `model_class` is Glm53ForConditionalGeneration for a VL run (from --init or --resume only)."""
-    options = dict(bf16=args.bf16, activation_checkpointing=args.activation_checkpointing, compile=args.compile,
-                   model_class=model_class)  # fmt: skip
+    options = dict(
+        bf16=args.bf16,
+        activation_checkpointing=args.activation_checkpointing,
+        compile=args.compile,
+        model_class=model_class,
+    )
     if args.resume and has_run_state(args.resume):
         return parallel_model(Glm53Config.from_pretrained(args.resume), mesh, **options)
     if args.init:
@@ -37,9 +42,14 @@ def init_parallel_model(args: argparse.Namespace, mesh, preset, model_class: typ
     else:
         model = Glm53ForCausalLM(preset())
     model.to(mesh.device_type)
-    return parallelize(model, mesh, mp_policy=bf16_policy() if args.bf16 else None,
-                       activation_checkpointing=args.activation_checkpointing, compile=args.compile is not None,
-                       compile_backend=args.compile or "inductor")  # fmt: skip
+    return parallelize(
+        model,
+        mesh,
+        mp_policy=bf16_policy() if args.bf16 else None,
+        activation_checkpointing=args.activation_checkpointing,
+        compile=args.compile is not None,
+        compile_backend=args.compile or "inductor",
+    )
 
 
 def forward_inputs(model: Glm53ForCausalLM, inputs: dict[str, torch.Tensor], loss_denominators, cp: int) -> dict:

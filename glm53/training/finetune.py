@@ -17,24 +17,39 @@ import os
 import torch
 
 from ..losses import IGNORE_INDEX, Glm53ForCausalLM
-from .data.documents import DataError
 from .args import nonempty_path, positive_int
 from .data.cache import cached_tokens, tokenizer_digest
+from .data.documents import DataError
 from .data.pack import Batch, Mixer, Packer
 from .data.sources import parse_mixture, read_source, source_digest
 from .data.tokenize import TextTokenizer, encode_document
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--init", metavar="CHECKPOINT_DIR", type=nonempty_path,
-                   help="start from this official-layout checkpoint (with --data when it holds a tokenizer)")
-    p.add_argument("--data", metavar="FILE", type=nonempty_path,
-                   help=".txt (blank-line-separated documents), .jsonl ({'text'}, {'messages'} or {'prompt', "
-                        "'completion'} per line), .parquet, a directory of shards or a saved `datasets` dataset, "
-                        "hf:NAME[:SPLIT] (datasets.load_dataset, local); A:0.7,B:0.3 mixes sources by weight")  # fmt: skip
-    p.add_argument("--tokenizer", metavar="DIR", type=nonempty_path, help="tokenizer directory (default: --init, or --resume)")
-    p.add_argument("--grad-accum", type=positive_int, default=1, metavar="N",
-                   help="micro-batches of --batch-size rows per optimizer step, one loss over all of them")  # fmt: skip
+    p.add_argument(
+        "--init",
+        metavar="CHECKPOINT_DIR",
+        type=nonempty_path,
+        help="start from this official-layout checkpoint (with --data when it holds a tokenizer)",
+    )
+    p.add_argument(
+        "--data",
+        metavar="FILE",
+        type=nonempty_path,
+        help=".txt (blank-line-separated documents), .jsonl ({'text'}, {'messages'} or {'prompt', "
+        "'completion'} per line), .parquet, a directory of shards or a saved `datasets` dataset, "
+        "hf:NAME[:SPLIT] (datasets.load_dataset, local); A:0.7,B:0.3 mixes sources by weight",
+    )
+    p.add_argument(
+        "--tokenizer", metavar="DIR", type=nonempty_path, help="tokenizer directory (default: --init, or --resume)"
+    )
+    p.add_argument(
+        "--grad-accum",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="micro-batches of --batch-size rows per optimizer step, one loss over all of them",
+    )
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -45,8 +60,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit("--tokenizer needs --data FILE")
     if args.init and not args.data and _has_tokenizer(args.init):
         # a checkpoint with its own tokenizer was trained on its tokens: byte ids would be other tokens to it
-        raise SystemExit(f"--init {args.init} has a tokenizer: it needs --data FILE (the built-in corpus is byte "
-                         f"ids, not this checkpoint's tokens)")  # fmt: skip
+        raise SystemExit(
+            f"--init {args.init} has a tokenizer: it needs --data FILE (the built-in corpus is byte "
+            f"ids, not this checkpoint's tokens)"
+        )
     if args.data and not (args.init or args.resume):
         raise SystemExit("--data needs --init CHECKPOINT_DIR (or --resume of a run that used --data)")
 
@@ -90,8 +107,10 @@ def heldout_loss(model: Glm53ForCausalLM, path: str, tokenizer_dir: str, seq_len
     rows = []
     while packer.epoch == 0:
         rows.append(packer.row())
-    batches = [Batch(*(torch.tensor(c, dtype=torch.long) for c in zip(*rows[i : i + batch_size])))
-               for i in range(0, len(rows), batch_size)]  # fmt: skip
+    batches = [
+        Batch(*(torch.tensor(c, dtype=torch.long) for c in zip(*rows[i : i + batch_size])))
+        for i in range(0, len(rows), batch_size)
+    ]
     inputs = [model_inputs(model, b) for b in batches]
     counts = [model.loss_counts(i["labels"], i["attention_mask"], i.get("position_ids")) for i in inputs]
     den = sum(counts[1:], counts[0])
@@ -102,8 +121,9 @@ def heldout_loss(model: Glm53ForCausalLM, path: str, tokenizer_dir: str, seq_len
     return float(total)
 
 
-def eval_batches(path: str, tokenizer: TextTokenizer, seq_len: int, batch_size: int, dp: int, dp_rank: int
-                 ) -> list[Batch]:  # fmt: skip
+def eval_batches(
+    path: str, tokenizer: TextTokenizer, seq_len: int, batch_size: int, dp: int, dp_rank: int
+) -> list[Batch]:
     """Every document of held-out file `path` packed once into rows (as heldout_loss packs them); data rank `dp_rank` of `dp` takes
     rows dp_rank, dp_rank + dp, ...; a rank left without rows gets one row of padding (no targets), so every rank
     runs the same forwards."""
@@ -116,8 +136,10 @@ def eval_batches(path: str, tokenizer: TextTokenizer, seq_len: int, batch_size: 
     while packer.epoch == 0:
         rows.append(packer.row())
     mine = rows[dp_rank::dp] or [([pad] * seq_len, [IGNORE_INDEX] * seq_len, [0] * seq_len, list(range(seq_len)))]
-    return [Batch(*(torch.tensor(c, dtype=torch.long) for c in zip(*mine[i : i + batch_size])))
-            for i in range(0, len(mine), batch_size)]  # fmt: skip
+    return [
+        Batch(*(torch.tensor(c, dtype=torch.long) for c in zip(*mine[i : i + batch_size])))
+        for i in range(0, len(mine), batch_size)
+    ]
 
 
 MIX_SEED_STRIDE = 1_000_000_007  # the packing seed of mixture source i: --seed + i * this
@@ -126,13 +148,22 @@ MIX_SEED_STRIDE = 1_000_000_007  # the packing seed of mixture source i: --seed 
 class FileData:
     """Packed rows from --data; `next_step` -> this rank's micro-batches of one optimizer step."""
 
-    def __init__(self, args: argparse.Namespace, tokenizer_dir: str, vocab_size: int, pad_id: int, dp: int,
-                 dp_rank: int, par=None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        tokenizer_dir: str,
+        vocab_size: int,
+        pad_id: int,
+        dp: int,
+        dp_rank: int,
+        par=None,
+    ) -> None:
         self.path, self.dp, self.dp_rank = args.data, dp, dp_rank
         self.batch_size, self.grad_accum = args.batch_size, args.grad_accum
         self.tokenizer = TextTokenizer(tokenizer_dir)
-        cache_dir = getattr(args, "cache_dir", None) or (os.path.join(args.save, "cache") if getattr(args, "save", None)
-                                                         else None)  # fmt: skip
+        cache_dir = getattr(args, "cache_dir", None) or (
+            os.path.join(args.save, "cache") if getattr(args, "save", None) else None
+        )
         self.sources = parse_mixture(args.data)
         self.skipped = {"without text": 0, "without target tokens": 0}
         self.docs, self.digests, packers, self.how = [], [], [], []
@@ -163,8 +194,10 @@ class FileData:
         for doc in kept:
             top = max(doc.ids)
             if top >= vocab_size:
-                raise DataError(f"{doc.where}: token id {top} from --tokenizer {tokenizer_dir} is outside the "
-                                f"model's vocabulary (vocab_size {vocab_size})")  # fmt: skip
+                raise DataError(
+                    f"{doc.where}: token id {top} from --tokenizer {tokenizer_dir} is outside the "
+                    f"model's vocabulary (vocab_size {vocab_size})"
+                )
         return kept
 
     def _skip_text(self) -> str:
@@ -175,13 +208,17 @@ class FileData:
         tokens = sum(len(d.ids) for d in self.docs)
         targets = sum(sum(d.targets[1:]) for d in self.docs)
         long = [d for d in self.docs if len(d.ids) > self.seq_len]
-        text = (f"data {self.path}: {len(self.docs)} documents, {tokens:,} tokens ({targets:,} loss targets); "
-                f"skipped: {self._skip_text()}; {', '.join(dict.fromkeys(self.how))}")  # fmt: skip
+        text = (
+            f"data {self.path}: {len(self.docs)} documents, {tokens:,} tokens ({targets:,} loss targets); "
+            f"skipped: {self._skip_text()}; {', '.join(dict.fromkeys(self.how))}"
+        )
         if len(self.sources) > 1:
             text += "\nmixture: " + ", ".join(f"{s} {w:.3g}" for s, w in self.sources)
         if long:
-            text += (f"\n{len(long)} documents are longer than --seq-len {self.seq_len} and are split into pieces "
-                     f"(the first at {long[0].where})")  # fmt: skip
+            text += (
+                f"\n{len(long)} documents are longer than --seq-len {self.seq_len} and are split into pieces "
+                f"(the first at {long[0].where})"
+            )
         return text
 
     def summary(self) -> str:
@@ -206,20 +243,31 @@ class FileData:
         return len(self.docs)
 
     def state_dict(self) -> dict:
-        return {"file_sha256": self.digest, "documents": self._documents(), "seed": self.seed,
-                "tokenizer_sha256": self.tokenizer_sha256, **self.packer.state_dict()}  # fmt: skip
+        return {
+            "file_sha256": self.digest,
+            "documents": self._documents(),
+            "seed": self.seed,
+            "tokenizer_sha256": self.tokenizer_sha256,
+            **self.packer.state_dict(),
+        }
 
     def load_state_dict(self, state: dict, where: str) -> None:
         # the cursor indexes documents in the seed's order, tokenized by one tokenizer: another reinterprets it
-        for key, mine, flag in (("seed", self.seed, "--seed"), ("tokenizer_sha256", self.tokenizer_sha256,
-                                                                "--tokenizer")):  # fmt: skip
+        for key, mine, flag in (
+            ("seed", self.seed, "--seed"),
+            ("tokenizer_sha256", self.tokenizer_sha256, "--tokenizer"),
+        ):
             if key in state and state[key] != mine:
-                raise SystemExit(f"glm53 train: error: --resume {where} packed its data with another {flag} "
-                                 f"({key} {state[key]!r}, now {mine!r}); its data position would point at other "
-                                 f"tokens: resume with the run's {flag}")  # fmt: skip
+                raise SystemExit(
+                    f"glm53 train: error: --resume {where} packed its data with another {flag} "
+                    f"({key} {state[key]!r}, now {mine!r}); its data position would point at other "
+                    f"tokens: resume with the run's {flag}"
+                )
         if state.get("file_sha256") != self.digest or state.get("documents") != self._documents():
-            raise SystemExit(f"--resume {where} was trained on a different --data file than {self.path} (its "
-                             f"sha256 or document count differs); resume with the same file")  # fmt: skip
+            raise SystemExit(
+                f"--resume {where} was trained on a different --data file than {self.path} (its "
+                f"sha256 or document count differs); resume with the same file"
+            )
         try:
             self.packer.load_state_dict(state)
         except ValueError as e:  # a corrupt trainer state: one line naming it

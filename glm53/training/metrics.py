@@ -59,8 +59,11 @@ def expert_load_stats(model: torch.nn.Module) -> dict[str, float]:
     if not loads:
         return {}
     flat = torch.cat([torch.as_tensor(x).float().flatten().cpu() for x in loads])
-    return {"expert_load_min": float(flat.min()), "expert_load_max": float(flat.max()),
-            "expert_load_mean": float(flat.mean())}  # fmt: skip
+    return {
+        "expert_load_min": float(flat.min()),
+        "expert_load_max": float(flat.max()),
+        "expert_load_mean": float(flat.mean()),
+    }
 
 
 class Recorder:
@@ -77,7 +80,9 @@ class Recorder:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
-                raise SystemExit("--tensorboard needs the tensorboard package: pip install 'glm53[tensorboard]'")
+                raise SystemExit(
+                    "--tensorboard needs the tensorboard package: pip install 'glm53[tensorboard]'"
+                ) from None
             self.writer = SummaryWriter(os.path.join(run_dir, TENSORBOARD_DIR))
         if sys.stderr.isatty():
             from tqdm import tqdm
@@ -98,8 +103,9 @@ class Recorder:
         if self.writer is not None:
             for key, value in values.items():
                 if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self.writer.add_scalar(f"train/{key}" if not key.startswith("eval_") else f"eval/{key[5:]}",
-                                           value, values["step"])  # fmt: skip
+                    self.writer.add_scalar(
+                        f"train/{key}" if not key.startswith("eval_") else f"eval/{key[5:]}", value, values["step"]
+                    )
             self.writer.flush()
 
     def write_line(self, text: str) -> None:
@@ -116,5 +122,13 @@ class Recorder:
         self.bar = self.writer = self.file = None
 
 
-__all__ = ["METRICS", "Recorder", "TENSORBOARD_DIR", "active_matmul_params", "expert_load_stats",
-           "flops_per_token", "mfu", "peak_memory_bytes"]
+__all__ = [
+    "METRICS",
+    "Recorder",
+    "TENSORBOARD_DIR",
+    "active_matmul_params",
+    "expert_load_stats",
+    "flops_per_token",
+    "mfu",
+    "peak_memory_bytes",
+]

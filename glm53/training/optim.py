@@ -18,8 +18,16 @@ from torch.optim.lr_scheduler import ConstantLR, CosineAnnealingLR, LinearLR, LR
 WARMUP_FRACTION = 0.05  # default --warmup: this share of the schedule (at least one step)
 MIN_LR_FRACTION = 0.1  # default --min-lr: this fraction of --lr
 SCHEDULES = ("cosine", "linear", "constant")
-NO_DECAY = ("norm.weight", "norm.bias", ".bias", "mlp.gate.weight", "A_log", "dt_bias", "_hc.",
-            "e_score_correction_bias")  # fmt: skip
+NO_DECAY = (
+    "norm.weight",
+    "norm.bias",
+    ".bias",
+    "mlp.gate.weight",
+    "A_log",
+    "dt_bias",
+    "_hc.",
+    "e_score_correction_bias",
+)
 
 
 def decays(name: str) -> bool:
@@ -30,8 +38,10 @@ def decays(name: str) -> bool:
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Two AdamW groups (decay, no decay) over the trainable parameters, in model order."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    return [{"params": [p for n, p in named if decays(n)], "weight_decay": weight_decay, "name": "decay"},
-            {"params": [p for n, p in named if not decays(n)], "weight_decay": 0.0, "name": "no_decay"}]
+    return [
+        {"params": [p for n, p in named if decays(n)], "weight_decay": weight_decay, "name": "decay"},
+        {"params": [p for n, p in named if not decays(n)], "weight_decay": 0.0, "name": "no_decay"},
+    ]
 
 
 def total_steps(args: argparse.Namespace) -> int:
@@ -92,8 +102,9 @@ class _FlooredCosine(CosineAnnealingLR):
         return [base * shape for base in self.base_lrs]
 
 
-def lr_at(step: int, total: int, peak: float, warmup: int | None = None, floor: float = MIN_LR_FRACTION,
-          kind: str = "cosine") -> float:  # fmt: skip
+def lr_at(
+    step: int, total: int, peak: float, warmup: int | None = None, floor: float = MIN_LR_FRACTION, kind: str = "cosine"
+) -> float:
     """The default schedule's lr of 1-based `step`, written out (the reference the scheduler is tested against)."""
     import math
 
@@ -108,5 +119,15 @@ def lr_at(step: int, total: int, peak: float, warmup: int | None = None, floor: 
     return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-__all__ = ["NO_DECAY", "SCHEDULES", "build_optimizer", "build_scheduler", "decays", "lr_at", "min_lr",
-           "param_groups", "total_steps", "warmup_steps"]
+__all__ = [
+    "NO_DECAY",
+    "SCHEDULES",
+    "build_optimizer",
+    "build_scheduler",
+    "decays",
+    "lr_at",
+    "min_lr",
+    "param_groups",
+    "total_steps",
+    "warmup_steps",
+]

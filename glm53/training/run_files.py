@@ -18,8 +18,13 @@ import shutil
 import tempfile
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
-CHECKPOINT_MARKERS = ("config.json", "model.safetensors", "model.safetensors.index.json", "trainer_state.pt",
-                      "train_state")  # fmt: skip
+CHECKPOINT_MARKERS = (
+    "config.json",
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "trainer_state.pt",
+    "train_state",
+)
 
 
 def _written(tokenizer) -> tempfile.TemporaryDirectory:
@@ -36,9 +41,11 @@ def check_tokenizer_files(tokenizer, run_dir: str) -> None:
         for name in sorted(os.listdir(tmp)):
             mine, theirs = os.path.join(tmp, name), os.path.join(run_dir, name)
             if os.path.lexists(theirs) and not (os.path.isfile(theirs) and filecmp.cmp(mine, theirs, shallow=False)):
-                raise SystemExit(f"glm53 train: error: --save {run_dir} holds a {name} that is not this run's "
-                                 f"tokenizer's ({tokenizer.path}); saving would replace it: use another --save "
-                                 f"directory, or move the file")  # fmt: skip
+                raise SystemExit(
+                    f"glm53 train: error: --save {run_dir} holds a {name} that is not this run's "
+                    f"tokenizer's ({tokenizer.path}); saving would replace it: use another --save "
+                    f"directory, or move the file"
+                )
 
 
 def write_tokenizer(tokenizer, path: str) -> None:

@@ -19,12 +19,49 @@ RUN_CONFIG = "run.toml"
 # Never read from a file, never written: they say how to read the configuration or where this run goes.
 NOT_STORED = frozenset({"config", "override", "func", "command"})
 # Taken from the command line only (a resumed run's value is not inherited): where to go and how to run here.
-NOT_INHERITED = NOT_STORED | {"resume", "save", "overwrite", "dp", "tp", "ep", "cp", "device", "bf16", "threads",
-                              "compile", "no_export", "activation_checkpointing", "init"}  # fmt: skip
+NOT_INHERITED = NOT_STORED | {
+    "resume",
+    "save",
+    "overwrite",
+    "dp",
+    "tp",
+    "ep",
+    "cp",
+    "device",
+    "bf16",
+    "threads",
+    "compile",
+    "no_export",
+    "activation_checkpointing",
+    "init",
+}
 # May change on resume without --override (said in the log): they do not change what the run computes.
-HARMLESS = frozenset({"steps", "log_every", "save_every", "keep_last", "tensorboard", "eval_data", "eval_every",
-                      "cache_dir", "overwrite", "save", "resume", "threads", "compile", "activation_checkpointing",
-                      "dp", "tp", "ep", "cp", "device", "bf16", "no_export", "init"})  # fmt: skip
+HARMLESS = frozenset(
+    {
+        "steps",
+        "log_every",
+        "save_every",
+        "keep_last",
+        "tensorboard",
+        "eval_data",
+        "eval_every",
+        "cache_dir",
+        "overwrite",
+        "save",
+        "resume",
+        "threads",
+        "compile",
+        "activation_checkpointing",
+        "dp",
+        "tp",
+        "ep",
+        "cp",
+        "device",
+        "bf16",
+        "no_export",
+        "init",
+    }
+)
 
 
 class ConfigError(ValueError):
@@ -143,8 +180,9 @@ def _same(a: object, b: object) -> bool:
     return a == b
 
 
-def resolve(parser: argparse.ArgumentParser, argv: list[str], args: argparse.Namespace
-            ) -> tuple[argparse.Namespace, list[str]]:  # fmt: skip
+def resolve(
+    parser: argparse.ArgumentParser, argv: list[str], args: argparse.Namespace
+) -> tuple[argparse.Namespace, list[str]]:
     """Apply --config and the resumed run's run.toml to parsed `args` (module docstring) -> (args, notes to log).
 
     A resume that changes a key of the run (not HARMLESS) without `--override KEY` raises ConfigError."""
@@ -182,9 +220,11 @@ def resolve(parser: argparse.ArgumentParser, argv: list[str], args: argparse.Nam
         if dest in HARMLESS or dest in overrides:
             notes.append(f"{flag}: {old!r} -> {new!r}" + (" (--override)" if dest in overrides else ""))
         else:
-            raise ConfigError(f"--resume {resume}: {flag} {new!r} differs from the run's {old!r} (in {saved_file}); "
-                              f"it changes the run: keep it, or pass --override {dest.replace('_', '-')} to change "
-                              f"it anyway")  # fmt: skip
+            raise ConfigError(
+                f"--resume {resume}: {flag} {new!r} differs from the run's {old!r} (in {saved_file}); "
+                f"it changes the run: keep it, or pass --override {dest.replace('_', '-')} to change "
+                f"it anyway"
+            )
     return args, notes
 
 

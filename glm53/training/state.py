@@ -30,8 +30,14 @@ TRAINER_STATE = "trainer_state.pt"
 RUN_TAG = "glm53_run_tag"  # "<save id>:<step>", in every shard's header and in trainer_state.pt
 
 
-def trainer_state(step: int, optimizer: torch.optim.Optimizer, generator: torch.Generator, par,
-                  layout: tuple[int, int], data: dict | None = None) -> dict:  # fmt: skip
+def trainer_state(
+    step: int,
+    optimizer: torch.optim.Optimizer,
+    generator: torch.Generator,
+    par,
+    layout: tuple[int, int],
+    data: dict | None = None,
+) -> dict:
     """Single process: the optimizer's state dict and the RNG states. Distributed: the optimizer itself (save_run
     gathers its full state) and this rank's RNG states (gathered from every rank into `rank_rng`). `data`: the
     --data position (the same on every rank), when training on a file."""
@@ -77,17 +83,26 @@ def save_distributed(model: Glm53ForCausalLM, path: str, state: dict, par, expor
     rank, dp_rank = par.rank(), state["dp_rank"]  # dp_rank: set by the trainer
     # The TP ranks of one dp group hold the same data stream: one key per dp rank (DCP writes it once).
     layout = list(state["layout"]) + [1] * (3 - len(state["layout"]))  # [dp, tp, ep]
-    extra = {"step": state["step"], "layout": torch.tensor(layout),
-             f"data_rng.dp{dp_rank}": state["rank_rng"]["data_rng"],
-             f"torch_rng.rank{rank}": state["rank_rng"]["torch_rng"]}  # fmt: skip
+    extra = {
+        "step": state["step"],
+        "layout": torch.tensor(layout),
+        f"data_rng.dp{dp_rank}": state["rank_rng"]["data_rng"],
+        f"torch_rng.rank{rank}": state["rank_rng"]["torch_rng"],
+    }
     if state.get("data") is not None:  # the --data cursor, the same on every rank
         extra["data_state"] = _encode_data_state(state["data"])
     save_run_state(model, state["optimizer"], path, extra, export=export)
 
 
-def resume_distributed(path: str, model: Glm53ForCausalLM, optimizer: torch.optim.Optimizer, par,
-                       layout: tuple[int, int], dp_rank: int, generator: torch.Generator
-                       ) -> tuple[int, dict | None]:  # fmt: skip
+def resume_distributed(
+    path: str,
+    model: Glm53ForCausalLM,
+    optimizer: torch.optim.Optimizer,
+    par,
+    layout: tuple[int, int],
+    dp_rank: int,
+    generator: torch.Generator,
+) -> tuple[int, dict | None]:
     """Load a DCP run saved on any (dp, tp) layout; -> (its step, its --data cursor or None). This rank's data stream continues the saved one
     of the same dp index (the whole data order is the saved run's when --dp is unchanged) and its torch RNG state
     is restored when the saved run had this rank."""
@@ -95,8 +110,13 @@ def resume_distributed(path: str, model: Glm53ForCausalLM, optimizer: torch.opti
 
     rank = par.rank() if par is not None else 0
     data_key, rng_key = f"data_rng.dp{dp_rank}", f"torch_rng.rank{rank}"
-    defaults = {"step": 0, "layout": torch.tensor([0, 0, 0]), data_key: generator.get_state(),
-                rng_key: torch.get_rng_state(), "data_state": torch.zeros(DATA_STATE_BYTES, dtype=torch.uint8)}  # fmt: skip
+    defaults = {
+        "step": 0,
+        "layout": torch.tensor([0, 0, 0]),
+        data_key: generator.get_state(),
+        rng_key: torch.get_rng_state(),
+        "data_state": torch.zeros(DATA_STATE_BYTES, dtype=torch.uint8),
+    }
     got = load_run_state(path, model, optimizer, defaults)
     generator.set_state(got[data_key])
     torch.set_rng_state(got[rng_key])
@@ -104,10 +124,16 @@ def resume_distributed(path: str, model: Glm53ForCausalLM, optimizer: torch.opti
     layout = list(layout) + [1] * (3 - len(layout))
     if saved != layout and rank == 0:
         names = ("--dp", "--tp", "--ep")
-        print(f"resuming a run saved on {' '.join(f'{n} {v}' for n, v in zip(names, saved))} on "
-              f"{' '.join(f'{n} {v}' for n, v in zip(names, layout))}: model and optimizer resharded"
-              + ("" if (saved[0], saved[2]) == (layout[0], layout[2]) else "; the data order differs from the "
-                 "saved run's (it draws per data rank)"), flush=True)  # fmt: skip
+        print(
+            f"resuming a run saved on {' '.join(f'{n} {v}' for n, v in zip(names, saved))} on "
+            f"{' '.join(f'{n} {v}' for n, v in zip(names, layout))}: model and optimizer resharded"
+            + (
+                ""
+                if (saved[0], saved[2]) == (layout[0], layout[2])
+                else "; the data order differs from the saved run's (it draws per data rank)"
+            ),
+            flush=True,
+        )
     return int(got["step"]), _decode_data_state(got["data_state"])
 
 
@@ -138,21 +164,24 @@ def load_trainer_state(path: str) -> dict:
         state = torch.load(file, weights_only=True)
     # torch.load reports a truncated, corrupted or foreign file through many types (zip, pickle, EOF, runtime).
     except Exception as e:
-        raise CheckpointError(f"{file} cannot be read as a trainer state saved by `glm53 train`: "
-                              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e  # fmt: skip
+        raise CheckpointError(
+            f"{file} cannot be read as a trainer state saved by `glm53 train`: "
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        ) from e
     if not isinstance(state, dict) or "optimizer" not in state or not _is_step(state.get("step")):
         found = sorted(state) if isinstance(state, dict) else type(state).__name__
-        raise CheckpointError(f"{file} is not a trainer state saved by `glm53 train` (needs 'step' and "
-                              f"'optimizer'; found {found})")  # fmt: skip
+        raise CheckpointError(
+            f"{file} is not a trainer state saved by `glm53 train` (needs 'step' and 'optimizer'; found {found})"
+        )
     if "rank_rng" not in state:  # one process: the RNG states the trainer restores
         for key in ("data_rng", "torch_rng"):
             value = state.get(key)
             expected = torch.get_rng_state().shape  # the CPU generator's state (the data generator's too)
             if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8 or value.shape != expected:
-                found = (f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor)
-                         else type(value).__name__)  # fmt: skip
-                raise CheckpointError(f"{file}: {key!r} must be a CPU RNG state (uint8 {tuple(expected)}), got "
-                                      f"{found}")  # fmt: skip
+                found = (
+                    f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+                )
+                raise CheckpointError(f"{file}: {key!r} must be a CPU RNG state (uint8 {tuple(expected)}), got {found}")
     check_run_tag(path, state)
     return state
 
@@ -175,9 +204,11 @@ def check_run_tag(path: str, state: dict) -> None:
         return
     wrong = {name: tag for name, tag in tags.items() if tag != expected}
     if wrong:
-        raise CheckpointError(f"{path}: the weights and {TRAINER_STATE} were not written by the same save "
-                              f"({TRAINER_STATE} has run tag {expected!r}, {wrong}); resuming would mix steps. "
-                              f"Resume from a complete checkpoint")  # fmt: skip
+        raise CheckpointError(
+            f"{path}: the weights and {TRAINER_STATE} were not written by the same save "
+            f"({TRAINER_STATE} has run tag {expected!r}, {wrong}); resuming would mix steps. "
+            f"Resume from a complete checkpoint"
+        )
 
 
 def restore_optimizer(optimizer: torch.optim.Optimizer, saved: dict, path: str) -> None:
@@ -190,16 +221,30 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, saved: dict, path: str) 
     except (KeyError, TypeError) as e:
         raise CheckpointError(f"{file}: 'optimizer' is not an optimizer state dict (missing {e})") from e
     if len(ids) != len(params):
-        raise CheckpointError(f"{file}: the optimizer state is for {len(ids)} parameters, the model has "
-                              f"{len(params)}: a trainer state of another model")  # fmt: skip
+        raise CheckpointError(
+            f"{file}: the optimizer state is for {len(ids)} parameters, the model has "
+            f"{len(params)}: a trainer state of another model"
+        )
     for index, (i, p) in enumerate(zip(ids, params)):
         for name, value in per_param.get(i, {}).items():
             if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != p.shape:
-                raise CheckpointError(f"{file}: optimizer state {name!r} of parameter {index} has shape "
-                                      f"{tuple(value.shape)}, the parameter {tuple(p.shape)}: a trainer state of "
-                                      f"another model")  # fmt: skip
+                raise CheckpointError(
+                    f"{file}: optimizer state {name!r} of parameter {index} has shape "
+                    f"{tuple(value.shape)}, the parameter {tuple(p.shape)}: a trainer state of "
+                    f"another model"
+                )
     optimizer.load_state_dict(saved)
 
 
-__all__ = ["TRAINER_STATE", "RUN_TAG", "trainer_state", "save_run", "save_single", "save_distributed",
-           "resume_distributed", "load_trainer_state", "check_run_tag", "restore_optimizer"]  # fmt: skip
+__all__ = [
+    "TRAINER_STATE",
+    "RUN_TAG",
+    "trainer_state",
+    "save_run",
+    "save_single",
+    "save_distributed",
+    "resume_distributed",
+    "load_trainer_state",
+    "check_run_tag",
+    "restore_optimizer",
+]

@@ -30,8 +30,11 @@ class SignalStop:
             raise KeyboardInterrupt  # a second Ctrl-C: stop now
         self.signum = signum
         if self.announce:
-            print(f"\nglm53 train: {signal.Signals(signum).name}: finishing this step, then saving and stopping",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"\nglm53 train: {signal.Signals(signum).name}: finishing this step, then saving and stopping",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def __enter__(self) -> "SignalStop":
         try:

@@ -27,24 +27,23 @@ from collections.abc import Callable
 import torch
 
 from ..config import Glm53Config
-from ..model.compile import compile_blocks
 from ..losses import Glm53ForCausalLM
+from ..model.compile import compile_blocks
 from ..parallel import clip_grad_norm_ as parallel_clip_grad_norm_
 from ..parallel import loss_parallel_context
 from ..parallel.run_checkpoint import device_type, has_run_state
 from ..peft import cli as peft_cli
 from ..utils import ceil_div
+from . import runconfig, vl_finetune
 from .data import VOCAB_SIZE, batches, corpus_text, encode
 from .data.documents import DataError
-from . import vl_finetune
 from .distributed import forward_inputs, init_parallel_model
 from .finetune import FileData, eval_batches, init_model, model_inputs
-from . import runconfig
 from .metrics import Recorder, expert_load_stats, flops_per_token, mfu, peak_memory_bytes
 from .optim import MIN_LR_FRACTION, WARMUP_FRACTION, build_optimizer, build_scheduler, lr_at, total_steps
 from .run_files import check_tokenizer_files, prune_steps, save_conflict, write_tokenizer
-from .stopping import Interrupted, SignalStop
 from .state import TRAINER_STATE, load_trainer_state, restore_optimizer, resume_distributed, save_run, trainer_state
+from .stopping import Interrupted, SignalStop
 
 GRAD_CLIP = 1.0  # the default --grad-clip: max global gradient norm
 BAR_WIDTH = 24
@@ -54,8 +53,11 @@ LOSS_PARTS = ("loss", "lm_loss", "mtp_loss", "aux_loss", "indexer_loss")
 VOCAB_MULTIPLE = 64  # the byte vocabulary rounded up so it splits evenly over --tp 2, 4, 8 (rows never used)
 PRESETS: dict[str, Callable[[], Glm53Config]] = {
     # Every training feature on: one MTP layer, indexer KL (dense warm-up), balance loss (default coefficient).
-    "tiny": lambda: Glm53Config.tiny(vocab_size=ceil_div(VOCAB_SIZE, VOCAB_MULTIPLE) * VOCAB_MULTIPLE,
-                                     num_nextn_predict_layers=1, indexer_loss_weight=1.0),
+    "tiny": lambda: Glm53Config.tiny(
+        vocab_size=ceil_div(VOCAB_SIZE, VOCAB_MULTIPLE) * VOCAB_MULTIPLE,
+        num_nextn_predict_layers=1,
+        indexer_loss_weight=1.0,
+    ),
 }
 
 
@@ -82,7 +84,11 @@ class Trainer:
 
     def __init__(self, args: argparse.Namespace, par=None) -> None:
         self.args, self.par = args, par
-        self.mesh = par.init_mesh(args.dp, args.tp, device_type(args.device), ep=args.ep, cp=args.cp) if par is not None else None
+        self.mesh = (
+            par.init_mesh(args.dp, args.tp, device_type(args.device), ep=args.ep, cp=args.cp)
+            if par is not None
+            else None
+        )
         self.device = self.mesh.device_type if par is not None else args.device
         self.rank = par.rank() if par is not None else 0
         self.log_rank = self.rank == 0
@@ -98,8 +104,9 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, args)
         # Each data-parallel rank draws its own batches; the TP ranks of one dp group draw the same ones.
         # Expert-parallel ranks read their own batches too (data rank = dp_rank * ep + ep_rank).
-        self.dp_rank = (par.local_rank(self.mesh, "dp") * args.ep + par.local_rank(self.mesh, "ep")
-                        if par is not None else 0)  # fmt: skip
+        self.dp_rank = (
+            par.local_rank(self.mesh, "dp") * args.ep + par.local_rank(self.mesh, "ep") if par is not None else 0
+        )
         self.generator = torch.Generator().manual_seed(args.seed * 1_000_003 + self.dp_rank)
         self.start = self._resume()
         self.data = self._file_data(self.dp_rank)
@@ -121,8 +128,10 @@ class Trainer:
         state = load_trainer_state(args.resume)
         saved = state.get("layout", [1, 1])  # [dp, tp] (+ [ep] when ep > 1)
         if list(saved) != _layout(args):
-            raise SystemExit(f"--resume {args.resume} was saved with layout {list(saved)} ([dp, tp] or [dp, tp, ep]; "
-                             f"its data and RNG states are per rank); resume with the same layout")  # fmt: skip
+            raise SystemExit(
+                f"--resume {args.resume} was saved with layout {list(saved)} ([dp, tp] or [dp, tp, ep]; "
+                f"its data and RNG states are per rank); resume with the same layout"
+            )
         return state
 
     def _build_model(self) -> Glm53ForCausalLM:
@@ -168,8 +177,15 @@ class Trainer:
         if self.state is None:
             return 0
         if "dcp" in self.state:
-            step, data = resume_distributed(self.state["dcp"], self.model, self.optimizer, self.par,
-                                            tuple(_layout(self.args)), self.dp_rank, self.generator)  # fmt: skip
+            step, data = resume_distributed(
+                self.state["dcp"],
+                self.model,
+                self.optimizer,
+                self.par,
+                tuple(_layout(self.args)),
+                self.dp_rank,
+                self.generator,
+            )
             if data is not None:
                 self.state["data"] = data
             self._replay_schedule(step)
@@ -208,11 +224,19 @@ class Trainer:
         config = self.model.config
         try:
             if self.vl_record is not None:
-                data = vl_finetune.VLFileData(args, args.tokenizer or args.init or args.resume, self.model,
-                                              args.dp * args.ep, dp_rank)  # fmt: skip
+                data = vl_finetune.VLFileData(
+                    args, args.tokenizer or args.init or args.resume, self.model, args.dp * args.ep, dp_rank
+                )
             else:
-                data = FileData(args, args.tokenizer or args.init or args.resume, config.vocab_size,
-                                config.pad_token_id or 0, args.dp * args.ep, dp_rank, par=self.par)  # fmt: skip
+                data = FileData(
+                    args,
+                    args.tokenizer or args.init or args.resume,
+                    config.vocab_size,
+                    config.pad_token_id or 0,
+                    args.dp * args.ep,
+                    dp_rank,
+                    par=self.par,
+                )
         except DataError as e:  # a bad file or record: the message (file and line), not a traceback
             raise SystemExit(f"glm53 train: {e}") from None
         if resumed_data:
@@ -227,8 +251,9 @@ class Trainer:
         if self.data is None:
             raise SystemExit("--eval-data needs --data (it is tokenized with the run's tokenizer)")
         try:
-            return eval_batches(args.eval_data, self.data.tokenizer, args.seq_len, args.batch_size,
-                                args.dp * args.ep, self.dp_rank)  # fmt: skip
+            return eval_batches(
+                args.eval_data, self.data.tokenizer, args.seq_len, args.batch_size, args.dp * args.ep, self.dp_rank
+            )
         except DataError as e:
             raise SystemExit(f"glm53 train: {e}") from None
 
@@ -312,16 +337,23 @@ class Trainer:
     def _announce(self) -> None:
         args = self.args
         params = sum(p.numel() for p in self.model.parameters())
-        how = f"resuming {args.resume} at step {self.start}" if self.state else f"preset {args.preset}, seed {args.seed}"
+        how = (
+            f"resuming {args.resume} at step {self.start}" if self.state else f"preset {args.preset}, seed {args.seed}"
+        )
         how = f"fine-tuning {args.init}, seed {args.seed}" if args.init else how
         ep = f" x ep {args.ep}" if args.ep > 1 else ""
         ep += f" x cp {args.cp}" if args.cp > 1 else ""
         layout = f", dp {args.dp} x tp {args.tp}{ep}" if self.par is not None else ""
         accum = f"{args.grad_accum}x" if args.grad_accum > 1 else ""
-        print(f"glm53 train: {how}, {params:,} parameters{layout}, {args.steps} steps of {accum}{args.batch_size}x"
-              f"{args.seq_len} tokens", flush=True)  # fmt: skip
-        print(f"dtype: {self._dtype_text()}; device {self.device}; schedule {args.schedule}, "
-              f"{total_steps(args)} steps", flush=True)  # fmt: skip
+        print(
+            f"glm53 train: {how}, {params:,} parameters{layout}, {args.steps} steps of {accum}{args.batch_size}x"
+            f"{args.seq_len} tokens",
+            flush=True,
+        )
+        print(
+            f"dtype: {self._dtype_text()}; device {self.device}; schedule {args.schedule}, {total_steps(args)} steps",
+            flush=True,
+        )
         for note in getattr(args, "config_notes", []):
             print(f"changed on resume: {note}", flush=True)
         if getattr(args, "save_from_resume", False):
@@ -347,8 +379,9 @@ class Trainer:
             if self.recorder.bar is None:
                 print(_progress(step, args.steps, loss, rate), file=sys.stderr, flush=True)
             media = f"  {self.data.step_media_tokens} image tokens" if self.vl_record is not None else ""
-            self.recorder.write_line(f"step {step:5d}  loss {loss:.4f}  {_describe(parts)}  lr {self.lr:.2e}  "
-                                     f"{rate:,.0f} tok/s{media}")  # fmt: skip
+            self.recorder.write_line(
+                f"step {step:5d}  loss {loss:.4f}  {_describe(parts)}  lr {self.lr:.2e}  {rate:,.0f} tok/s{media}"
+            )
 
     def _is_log_step(self, step: int) -> bool:
         return step % self.args.log_every == 0 or step == self.args.steps or step == self.start + 1
@@ -361,13 +394,25 @@ class Trainer:
             return next((t * 1e12 for k, t in PEAK_TFLOPS.items() if k in name), None)
         return None
 
-    def _metrics(self, step: int, parts: dict[str, float], tokens: int, rates: list[float], padding: float,
-                 elapsed: float) -> dict:  # fmt: skip
+    def _metrics(
+        self, step: int, parts: dict[str, float], tokens: int, rates: list[float], padding: float, elapsed: float
+    ) -> dict:
         rate = sum(rates)
-        return {"step": step, **parts, "lr": self.lr, "grad_norm": float(self.grad_norm), "tokens": tokens,
-                "tokens_per_s": rate, "tokens_per_s_rank": rates, "flops_per_token": self.flops_per_token,
-                "mfu": mfu(self.flops_per_token, rate, self._peak_flops()), "time": elapsed,
-                "peak_memory_bytes": peak_memory_bytes(self.device), "padding": padding, **self.expert_loads}
+        return {
+            "step": step,
+            **parts,
+            "lr": self.lr,
+            "grad_norm": float(self.grad_norm),
+            "tokens": tokens,
+            "tokens_per_s": rate,
+            "tokens_per_s_rank": rates,
+            "flops_per_token": self.flops_per_token,
+            "mfu": mfu(self.flops_per_token, rate, self._peak_flops()),
+            "time": elapsed,
+            "peak_memory_bytes": peak_memory_bytes(self.device),
+            "padding": padding,
+            **self.expert_loads,
+        }
 
     # ------------------------------------------------------------------------------------------------- save
     def save(self, path: str, step: int) -> str:
@@ -376,8 +421,12 @@ class Trainer:
         if self._agree(save_conflict(path, self.run_config_stat, self.last_saved)):
             path = f"{path.rstrip(os.sep)}.step-{step}-{os.getpid()}"
             if self.log_rank:
-                print(f"glm53 train: {args.save} now holds a checkpoint this run did not write; saving into {path} "
-                      f"instead", file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"glm53 train: {args.save} now holds a checkpoint this run did not write; saving into {path} "
+                    f"instead",
+                    file=sys.stderr,
+                    flush=True,
+                )
         data = self.data.state_dict() if self.data is not None else None
         state = trainer_state(step, self.optimizer, self.generator, self.par, tuple(_layout(args)), data)
         if self.par is not None:
@@ -434,8 +483,9 @@ class Trainer:
     def _loop(self) -> int:
         args, par = self.args, self.par
         # the built-in corpus only when it is the data (its length must not limit a --data run's --seq-len)
-        corpus = batches(encode(corpus_text()), args.batch_size, args.seq_len, self.generator) if self.data is None \
-            else None
+        corpus = (
+            batches(encode(corpus_text()), args.batch_size, args.seq_len, self.generator) if self.data is None else None
+        )
         began, tokens, step, rank_tokens = time.perf_counter(), 0, self.start, None
         eval_every = args.eval_every or args.log_every
         for step in range(self.start + 1, args.steps + 1):
@@ -466,11 +516,14 @@ class Trainer:
             extra = self.evaluate() if evaluated else {}
             if (self._is_log_step(step) or evaluated) and self.log_rank:
                 rates = (rank_tokens / elapsed).tolist()
-                self.recorder.record({**self._metrics(step, parts, step_tokens, rates, 1 - mine / max(slots, 1),
-                                                      elapsed), **extra})  # fmt: skip
+                self.recorder.record(
+                    {**self._metrics(step, parts, step_tokens, rates, 1 - mine / max(slots, 1), elapsed), **extra}
+                )
                 if evaluated:
-                    self.recorder.write_line(f"eval  step {step:5d}  loss {extra['eval_loss']:.4f}  perplexity "
-                                             f"{extra['eval_perplexity']:.3f}")  # fmt: skip
+                    self.recorder.write_line(
+                        f"eval  step {step:5d}  loss {extra['eval_loss']:.4f}  perplexity "
+                        f"{extra['eval_perplexity']:.3f}"
+                    )
             if self._agree(self.stopper.signum is not None):
                 return self._stop(step)
             if args.save and args.save_every and step % args.save_every == 0 and step != args.steps:
@@ -480,8 +533,11 @@ class Trainer:
         if args.save:
             self.save(args.save, max(self.start, args.steps))
             if self.log_rank:
-                what = f"official layout + {TRAINER_STATE}" if par is None else \
-                    ("DCP train_state/" if args.no_export else "official layout + DCP train_state/")
+                what = (
+                    f"official layout + {TRAINER_STATE}"
+                    if par is None
+                    else ("DCP train_state/" if args.no_export else "official layout + DCP train_state/")
+                )
                 print(f"saved {args.save} ({what})", flush=True)
         if self.data is not None and self.log_rank:
             print(self.data.summary(), flush=True)

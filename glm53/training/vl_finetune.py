@@ -38,21 +38,43 @@ from .data.vl_tokenize import (
 from .finetune import file_digest
 
 DEFAULT_FREEZE = "vision_tower"  # what users expect of VL fine-tuning (xtuner's default) when --freeze is not given
-TOKEN_FIELDS = {IMAGE: "image_token_id", VIDEO: "video_token_id", IMAGE_START: "image_start_token_id",
-                IMAGE_END: "image_end_token_id", VIDEO_START: "video_start_token_id",
-                VIDEO_END: "video_end_token_id"}  # fmt: skip
+TOKEN_FIELDS = {
+    IMAGE: "image_token_id",
+    VIDEO: "video_token_id",
+    IMAGE_START: "image_start_token_id",
+    IMAGE_END: "image_end_token_id",
+    VIDEO_START: "video_start_token_id",
+    VIDEO_END: "video_end_token_id",
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--media-root", metavar="DIR", help="image/video paths of --data are resolved under DIR and must "
-                   "stay inside it (default: the --data file's directory)")  # fmt: skip
-    p.add_argument("--strict", action="store_true",
-                   help="VL runs: an image/video record longer than --seq-len is an error (default: skipped, counted)")
+    p.add_argument(
+        "--media-root",
+        metavar="DIR",
+        help="image/video paths of --data are resolved under DIR and must "
+        "stay inside it (default: the --data file's directory)",
+    )
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="VL runs: an image/video record longer than --seq-len is an error (default: skipped, counted)",
+    )
     p.add_argument("--image-min-tokens", type=positive_int, default=MIN_IMAGE_TOKENS, metavar="N")
-    p.add_argument("--image-max-tokens", type=positive_int, default=MAX_IMAGE_TOKENS, metavar="N",
-                   help="language-model tokens per image at most (larger images are scaled down)")
-    p.add_argument("--video-max-tokens", type=positive_int, default=MAX_VIDEO_TOKENS, metavar="N",
-                   help="language-model tokens per video at most (all sampled frames together)")
+    p.add_argument(
+        "--image-max-tokens",
+        type=positive_int,
+        default=MAX_IMAGE_TOKENS,
+        metavar="N",
+        help="language-model tokens per image at most (larger images are scaled down)",
+    )
+    p.add_argument(
+        "--video-max-tokens",
+        type=positive_int,
+        default=MAX_VIDEO_TOKENS,
+        metavar="N",
+        help="language-model tokens per video at most (all sampled frames together)",
+    )
 
 
 def first_vl_record(path: str | None) -> str | None:
@@ -89,12 +111,16 @@ def check_vl_checkpoint(path: str | None, vl_record: str) -> None:
     from ..vision.config import has_vision
 
     if path is None:
-        raise SystemExit(f"glm53 train: error: --data has image/video records (the first at {vl_record}): start from "
-                         f"a vision-language checkpoint with --init DIR")  # fmt: skip
+        raise SystemExit(
+            f"glm53 train: error: --data has image/video records (the first at {vl_record}): start from "
+            f"a vision-language checkpoint with --init DIR"
+        )
     if not has_vision(Glm53Config.from_pretrained(path)):
-        raise SystemExit(f"glm53 train: error: --data has image/video records (the first at {vl_record}) but {path} "
-                         f"is a text-only checkpoint (its config.json has no vision_config); start from a "
-                         f"vision-language checkpoint")  # fmt: skip
+        raise SystemExit(
+            f"glm53 train: error: --data has image/video records (the first at {vl_record}) but {path} "
+            f"is a text-only checkpoint (its config.json has no vision_config); start from a "
+            f"vision-language checkpoint"
+        )
 
 
 def init_model(path: str, vl_record: str):
@@ -115,14 +141,20 @@ def check_no_lora(args: argparse.Namespace) -> None:
     """LoRA and frozen-base options on the VL model are not wired yet: an error, never a text-only run."""
     for flag in ("lora_rank", "base_dtype", "export_merged"):
         if getattr(args, flag, None) is not None:
-            raise SystemExit(f"glm53 train: error: --{flag.replace('_', '-')} with image/video --data is not supported "
-                             f"yet (LoRA on Glm53ForConditionalGeneration); fine-tune with --freeze groups instead")
+            raise SystemExit(
+                f"glm53 train: error: --{flag.replace('_', '-')} with image/video --data is not supported "
+                f"yet (LoRA on Glm53ForConditionalGeneration); fine-tune with --freeze groups instead"
+            )
 
 
 def model_inputs(model, batch: Batch) -> dict[str, torch.Tensor]:
     """The VL forward's keyword arguments: ids, labels, mask, the documents' position_ids, the vision inputs."""
-    inputs = dict(input_ids=batch.input_ids, labels=batch.labels, attention_mask=batch.attention_mask,
-                  position_ids=batch.position_ids)  # fmt: skip
+    inputs = dict(
+        input_ids=batch.input_ids,
+        labels=batch.labels,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+    )
     if isinstance(batch, VLBatch):
         inputs.update(batch.vision_inputs())
     return inputs
@@ -141,8 +173,10 @@ def check_token_ids(encoder: VLEncoder, model, tokenizer_dir: str) -> None:
     """The tokenizer's media tokens must be the model's (config token ids), or every splice would misfire."""
     for text, name in TOKEN_FIELDS.items():
         if encoder.ids[text] != getattr(model.token_ids, name):
-            raise DataError(f"--tokenizer {tokenizer_dir}: {text} is id {encoder.ids[text]} but the model's config "
-                            f"has {name} {getattr(model.token_ids, name)}; use the checkpoint's own tokenizer")
+            raise DataError(
+                f"--tokenizer {tokenizer_dir}: {text} is id {encoder.ids[text]} but the model's config "
+                f"has {name} {getattr(model.token_ids, name)}; use the checkpoint's own tokenizer"
+            )
 
 
 class VLFileData:
@@ -161,8 +195,10 @@ class VLFileData:
         vocab = model.config.vocab_size
         for doc in docs:
             if max(doc.ids) >= vocab:
-                raise DataError(f"{doc.where}: token id {max(doc.ids)} from --tokenizer {tokenizer_dir} is outside "
-                                f"the model's vocabulary (vocab_size {vocab})")  # fmt: skip
+                raise DataError(
+                    f"{doc.where}: token id {max(doc.ids)} from --tokenizer {tokenizer_dir} is outside "
+                    f"the model's vocabulary (vocab_size {vocab})"
+                )
         kept, long = fit_records(docs, args.seq_len, args.strict)
         self.skipped["longer than --seq-len"] = len(long)
         if not kept:
@@ -183,25 +219,32 @@ class VLFileData:
         images = sum(1 for d in self.docs for s in d.media if s.kind == "image")
         videos = sum(1 for d in self.docs for s in d.media if s.kind == "video")
         media = sum(s.grid[0] * s.grid[1] * s.grid[2] for d in self.docs for s in d.media) // (
-            self.encoder.images.merge_size**2)
+            self.encoder.images.merge_size**2
+        )
         tokens = sum(len(d.ids) for d in self.docs)
         targets = sum(sum(d.targets[1:]) for d in self.docs)
-        return (f"data {self.path}: {len(self.docs)} records ({sum(1 for d in self.docs if d.media)} with media: "
-                f"{images} images, {videos} videos), {tokens:,} tokens ({media:,} image/video tokens, {targets:,} "
-                f"loss targets); skipped: {self._skip_text()}")  # fmt: skip
+        return (
+            f"data {self.path}: {len(self.docs)} records ({sum(1 for d in self.docs if d.media)} with media: "
+            f"{images} images, {videos} videos), {tokens:,} tokens ({media:,} image/video tokens, {targets:,} "
+            f"loss targets); skipped: {self._skip_text()}"
+        )
 
     def summary(self) -> str:
         s = self.packer.stats
         pos = self.packer.state_dict()
-        return (f"data: packed {s.rows} rows ({s.padding / max(1, s.rows * self.seq_len):.1%} padding); next: epoch "
-                f"{pos['epoch']}, record {pos['index']} of {len(self.docs)}; skipped: {self._skip_text()}")
+        return (
+            f"data: packed {s.rows} rows ({s.padding / max(1, s.rows * self.seq_len):.1%} padding); next: epoch "
+            f"{pos['epoch']}, record {pos['index']} of {len(self.docs)}; skipped: {self._skip_text()}"
+        )
 
     def next_step(self) -> list[VLBatch]:
         """All dp ranks pack the step's rows alike (token lists only); this rank decodes its own rows' pixels."""
         per_rank = self.batch_size * self.grad_accum
         mine = self.packer.rows(per_rank * self.dp, slice(self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank))
-        batches = [make_batch(mine[m * self.batch_size : (m + 1) * self.batch_size], self.encoder)
-                   for m in range(self.grad_accum)]  # fmt: skip
+        batches = [
+            make_batch(mine[m * self.batch_size : (m + 1) * self.batch_size], self.encoder)
+            for m in range(self.grad_accum)
+        ]
         self.step_media_tokens = sum(b.media_tokens() for b in batches)
         return batches
 
@@ -210,8 +253,10 @@ class VLFileData:
 
     def load_state_dict(self, state: dict, where: str) -> None:
         if state.get("file_sha256") != self.digest or state.get("documents") != len(self.docs):
-            raise SystemExit(f"--resume {where} was trained on a different --data file than {self.path} (its "
-                             f"sha256 or record count differs); resume with the same file")  # fmt: skip
+            raise SystemExit(
+                f"--resume {where} was trained on a different --data file than {self.path} (its "
+                f"sha256 or record count differs); resume with the same file"
+            )
         try:
             self.packer.load_state_dict(state)
         except ValueError as e:
@@ -219,12 +264,14 @@ class VLFileData:
 
 
 @torch.no_grad()
-def heldout_loss(model, path: str, tokenizer_dir: str, seq_len: int, media_root: str | None = None,
-                 batch_size: int = 8) -> tuple[float, int]:  # fmt: skip
+def heldout_loss(
+    model, path: str, tokenizer_dir: str, seq_len: int, media_root: str | None = None, batch_size: int = 8
+) -> tuple[float, int]:
     """(next-token loss over every target token of every record of `path`, image/video tokens seen), packed as
     for training in file order (eval mode). Records longer than `seq_len` are skipped, as in training."""
-    args = argparse.Namespace(image_min_tokens=MIN_IMAGE_TOKENS, image_max_tokens=MAX_IMAGE_TOKENS,
-                              video_max_tokens=MAX_VIDEO_TOKENS)  # fmt: skip
+    args = argparse.Namespace(
+        image_min_tokens=MIN_IMAGE_TOKENS, image_max_tokens=MAX_IMAGE_TOKENS, video_max_tokens=MAX_VIDEO_TOKENS
+    )
     encoder = VLEncoder(TextTokenizer(tokenizer_dir), *processors(model, args))
     docs = [encoder.encode(r) for r in read_vl_records(path, media_root)[0]]
     docs, _ = fit_records([d for d in docs if any(d.targets[1:])], seq_len, strict=False)
@@ -243,5 +290,14 @@ def heldout_loss(model, path: str, tokenizer_dir: str, seq_len: int, media_root:
     return float(total), sum(b.media_tokens() for b in batches)
 
 
-__all__ = ["DEFAULT_FREEZE", "VLFileData", "add_arguments", "apply_freeze", "check_args", "first_vl_record",
-           "heldout_loss", "init_model", "model_inputs"]  # fmt: skip
+__all__ = [
+    "DEFAULT_FREEZE",
+    "VLFileData",
+    "add_arguments",
+    "apply_freeze",
+    "check_args",
+    "first_vl_record",
+    "heldout_loss",
+    "init_model",
+    "model_inputs",
+]

@@ -21,6 +21,17 @@ from .image_processing import ImageProcessor
 from .tower import VisionOutput, VisionTower
 from .video_processing import VideoProcessor
 
-__all__ = ["FREEZE_GROUPS", "Glm53VisionConfig", "ImageProcessor", "MultimodalTokenIds", "VideoProcessor",
-           "VisionOutput", "VisionTower", "group_parameter_names", "has_vision", "vision_parts", "with_vision",
-           "without_vision"]  # fmt: skip
+__all__ = [
+    "FREEZE_GROUPS",
+    "Glm53VisionConfig",
+    "ImageProcessor",
+    "MultimodalTokenIds",
+    "VideoProcessor",
+    "VisionOutput",
+    "VisionTower",
+    "group_parameter_names",
+    "has_vision",
+    "vision_parts",
+    "with_vision",
+    "without_vision",
+]

@@ -29,8 +29,9 @@ class VisionAttention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.initializer_range = config.initializer_range
 
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor,
-                rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self, x: torch.Tensor, cu_seqlens: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
         N = x.shape[0]
         q, k, v = self.qkv(x).view(N, 3, -1, self.head_dim).unbind(1)  # [N, H, hd] each
         cos, sin = rope

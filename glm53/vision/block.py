@@ -42,11 +42,17 @@ class VisionBlock(nn.Module):
         self.norm1 = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.norm2 = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn = VisionAttention(config)
-        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, config.attention_bias, config.swiglu_limit,
-                          config.initializer_range)  # fmt: skip
+        self.mlp = SwiGLU(
+            config.hidden_size,
+            config.intermediate_size,
+            config.attention_bias,
+            config.swiglu_limit,
+            config.initializer_range,
+        )
 
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor,
-                rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self, x: torch.Tensor, cu_seqlens: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cu_seqlens, rope)
         return x + self.mlp(self.norm2(x))
 

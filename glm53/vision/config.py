@@ -22,9 +22,18 @@ from ..errors import ConfigError
 VISION_MODEL_TYPE = "glm5_next_vision"
 DEFAULT_ROPE = {"rope_theta": 10000.0, "rope_type": "axial"}
 ALIASES = {"num_attention_heads": "num_heads", "num_hidden_layers": "depth"}
-_POSITIVE_INTS = ("depth", "hidden_size", "num_heads", "in_channels", "patch_size", "spatial_merge_size",
-                  "temporal_patch_size", "out_hidden_size", "intermediate_size",
-                  "projection_intermediate_size")  # fmt: skip
+_POSITIVE_INTS = (
+    "depth",
+    "hidden_size",
+    "num_heads",
+    "in_channels",
+    "patch_size",
+    "spatial_merge_size",
+    "temporal_patch_size",
+    "out_hidden_size",
+    "intermediate_size",
+    "projection_intermediate_size",
+)
 
 
 @dataclass
@@ -85,24 +94,30 @@ class Glm53VisionConfig:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise ConfigError(f"vision_config.initializer_range must be a finite number >= 0, got {value!r}")
         if isinstance(self.attention_dropout, bool) or self.attention_dropout != 0:
-            raise ConfigError(f"vision_config.attention_dropout must be 0 (the tower has no dropout in glm53), got "
-                              f"{self.attention_dropout!r}")  # fmt: skip
+            raise ConfigError(
+                f"vision_config.attention_dropout must be 0 (the tower has no dropout in glm53), got "
+                f"{self.attention_dropout!r}"
+            )
         if not isinstance(self.attention_bias, bool):
             raise ConfigError(f"vision_config.attention_bias must be true or false, got {self.attention_bias!r}")
         if self.hidden_act != "silu":
             raise ConfigError(f"vision_config.hidden_act must be 'silu', got {self.hidden_act!r}")
         if self.hidden_size % self.num_heads != 0:
-            raise ConfigError(f"vision_config.num_heads ({self.num_heads}) must divide vision_config.hidden_size "
-                              f"({self.hidden_size})")  # fmt: skip
+            raise ConfigError(
+                f"vision_config.num_heads ({self.num_heads}) must divide vision_config.hidden_size ({self.hidden_size})"
+            )
         if self.head_dim % 4 != 0:
-            raise ConfigError(f"vision_config head width hidden_size / num_heads = {self.head_dim} must be divisible "
-                              f"by 4 (the axial rope splits it into row and column halves of pairs)")  # fmt: skip
+            raise ConfigError(
+                f"vision_config head width hidden_size / num_heads = {self.head_dim} must be divisible "
+                f"by 4 (the axial rope splits it into row and column halves of pairs)"
+            )
         rope = self.rope_parameters
         if not isinstance(rope, dict):
             raise ConfigError(f"vision_config.rope_parameters must be a dict, got {rope!r}")
         if rope.get("rope_type") != "axial":
-            raise ConfigError(f"vision_config.rope_parameters['rope_type'] must be 'axial', got "
-                              f"{rope.get('rope_type')!r}")  # fmt: skip
+            raise ConfigError(
+                f"vision_config.rope_parameters['rope_type'] must be 'axial', got {rope.get('rope_type')!r}"
+            )
         theta = rope.get("rope_theta")
         if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 1:
             raise ConfigError(f"vision_config.rope_parameters['rope_theta'] must be a finite number > 1, got {theta!r}")
@@ -122,14 +137,17 @@ class Glm53VisionConfig:
             target = ALIASES.get(key, key)
             if target in names:
                 if target in kwargs and kwargs[target] != value:
-                    raise ConfigError(f"vision_config sets {target}={kwargs[target]!r} and its alias "
-                                      f"{key}={value!r}; they disagree")  # fmt: skip
+                    raise ConfigError(
+                        f"vision_config sets {target}={kwargs[target]!r} and its alias {key}={value!r}; they disagree"
+                    )
                 kwargs[target] = value
             else:
                 extra[key] = value
         if "head_dim" in extra and extra["head_dim"] != kwargs.get("hidden_size", 1024) // kwargs.get("num_heads", 16):
-            raise ConfigError(f"vision_config.head_dim={extra['head_dim']!r} disagrees with hidden_size / num_heads "
-                              f"(transformers would use head_dim; glm53 does not support that)")  # fmt: skip
+            raise ConfigError(
+                f"vision_config.head_dim={extra['head_dim']!r} disagrees with hidden_size / num_heads "
+                f"(transformers would use head_dim; glm53 does not support that)"
+            )
         return cls(**kwargs, extra=extra)
 
     def to_dict(self) -> dict[str, Any]:
@@ -141,8 +159,14 @@ class Glm53VisionConfig:
         return out
 
 
-TOKEN_FIELDS = ("image_token_id", "video_token_id", "image_start_token_id", "image_end_token_id",
-                "video_start_token_id", "video_end_token_id")  # fmt: skip
+TOKEN_FIELDS = (
+    "image_token_id",
+    "video_token_id",
+    "image_start_token_id",
+    "image_end_token_id",
+    "video_start_token_id",
+    "video_end_token_id",
+)
 
 
 @dataclass(frozen=True)
@@ -177,8 +201,10 @@ def vision_parts(config: Glm53Config) -> tuple[Glm53VisionConfig, MultimodalToke
     """The vision config and token ids a VL text config carries; raises ConfigError when they do not fit it."""
     outer = config.extra.get("_outer", {})
     if "vision_config" not in outer:
-        raise ConfigError("config has no vision_config: a text-only checkpoint (use Glm53ForCausalLM, or "
-                          "glm53.vision.with_vision to add a tower)")  # fmt: skip
+        raise ConfigError(
+            "config has no vision_config: a text-only checkpoint (use Glm53ForCausalLM, or "
+            "glm53.vision.with_vision to add a tower)"
+        )
     vision = Glm53VisionConfig.from_dict(outer["vision_config"])
     tokens = MultimodalTokenIds.from_outer(outer)
     check_fits(config, vision, tokens)
@@ -187,14 +213,17 @@ def vision_parts(config: Glm53Config) -> tuple[Glm53VisionConfig, MultimodalToke
 
 def check_fits(config: Glm53Config, vision: Glm53VisionConfig, tokens: MultimodalTokenIds) -> None:
     if vision.out_hidden_size != config.hidden_size:
-        raise ConfigError(f"vision_config.out_hidden_size ({vision.out_hidden_size!r}) must equal the text "
-                          f"hidden_size ({config.hidden_size}): the merged image features replace token "
-                          f"embeddings")  # fmt: skip
+        raise ConfigError(
+            f"vision_config.out_hidden_size ({vision.out_hidden_size!r}) must equal the text "
+            f"hidden_size ({config.hidden_size}): the merged image features replace token "
+            f"embeddings"
+        )
     tokens.check(config.vocab_size)
 
 
-def with_vision(config: Glm53Config, vision: Glm53VisionConfig | dict,
-                tokens: MultimodalTokenIds | dict | None = None) -> Glm53Config:  # fmt: skip
+def with_vision(
+    config: Glm53Config, vision: Glm53VisionConfig | dict, tokens: MultimodalTokenIds | dict | None = None
+) -> Glm53Config:
     """A copy of the text `config` declaring `vision` and the token ids (validated against it)."""
     vision = vision if isinstance(vision, Glm53VisionConfig) else Glm53VisionConfig.from_dict(vision)
     if tokens is None:
@@ -211,5 +240,13 @@ def without_vision(config: Glm53Config) -> Glm53Config:
     return config.replace(extra={**config.extra, "_outer": outer})
 
 
-__all__ = ["Glm53VisionConfig", "MultimodalTokenIds", "TOKEN_FIELDS", "check_fits", "has_vision", "vision_parts",
-           "with_vision", "without_vision"]  # fmt: skip
+__all__ = [
+    "Glm53VisionConfig",
+    "MultimodalTokenIds",
+    "TOKEN_FIELDS",
+    "check_fits",
+    "has_vision",
+    "vision_parts",
+    "with_vision",
+    "without_vision",
+]

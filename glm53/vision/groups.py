@@ -21,8 +21,10 @@ def group_parameter_names(model: nn.Module, group: str) -> list[str]:
     if group not in FREEZE_GROUPS:
         raise ValueError(f"unknown parameter group {group!r}; the vision groups are {sorted(FREEZE_GROUPS)}")
     if not hasattr(model, VISION_MODULE):
-        raise ValueError(f"group {group!r} needs a model with a vision tower (Glm53ForConditionalGeneration), got "
-                         f"{type(model).__name__}")  # fmt: skip
+        raise ValueError(
+            f"group {group!r} needs a model with a vision tower (Glm53ForConditionalGeneration), got "
+            f"{type(model).__name__}"
+        )
     prefixes = tuple(f"{VISION_MODULE}.{child}." for child in FREEZE_GROUPS[group])
     return [name for name, _ in model.named_parameters() if name.startswith(prefixes)]
 

@@ -46,8 +46,15 @@ def _align(value: int, factor: int) -> int:
     return math.ceil(value / factor) * factor
 
 
-def canvas_size(frames: int, height: int, width: int, min_tokens: int, max_tokens: int, factor: int = 28,
-                temporal: int = TEMPORAL_PATCH_SIZE) -> tuple[int, int]:  # fmt: skip
+def canvas_size(
+    frames: int,
+    height: int,
+    width: int,
+    min_tokens: int,
+    max_tokens: int,
+    factor: int = 28,
+    temporal: int = TEMPORAL_PATCH_SIZE,
+) -> tuple[int, int]:
     """The padded canvas (height, width), multiples of `factor`, for `frames` frames of height x width within
     [min_tokens, max_tokens] tokens of temporal·factor² pixels (transformers' `smart_resize`). A content whose
     aspect ratio cannot fit the maximum at any height is a BudgetError (transformers silently squashes it into
@@ -56,8 +63,9 @@ def canvas_size(frames: int, height: int, width: int, min_tokens: int, max_token
     low_px, high_px = min_tokens * per_token, max_tokens * per_token
     aligned_frames = max(temporal, round(frames / temporal) * temporal)
     if high_px < aligned_frames * factor**2:
-        raise BudgetError(f"max tokens {max_tokens} cannot hold even one {factor}x{factor} block per slice of "
-                          f"{aligned_frames} frames")  # fmt: skip
+        raise BudgetError(
+            f"max tokens {max_tokens} cannot hold even one {factor}x{factor} block per slice of {aligned_frames} frames"
+        )
     canvas_h, canvas_w = _align(height, factor), _align(width, factor)
     if aligned_frames * canvas_h * canvas_w < low_px:
         scale = math.sqrt(low_px / (frames * height * width))
@@ -66,8 +74,10 @@ def canvas_size(frames: int, height: int, width: int, min_tokens: int, max_token
     if aligned_frames * canvas_h * canvas_w > high_px:
         fit = _fit_within(aligned_frames, height, width, high_px, factor)
         if fit is None:
-            raise BudgetError(f"a {height}x{width} (height x width) picture cannot fit {max_tokens} tokens at any "
-                              f"scale (its aspect ratio is too extreme for that budget)")  # fmt: skip
+            raise BudgetError(
+                f"a {height}x{width} (height x width) picture cannot fit {max_tokens} tokens at any "
+                f"scale (its aspect ratio is too extreme for that budget)"
+            )
         canvas_h, canvas_w = fit
     return canvas_h, canvas_w
 
@@ -86,8 +96,15 @@ def _fit_within(aligned_frames: int, height: int, width: int, high_px: int, fact
     return best
 
 
-def content_size(frames: int, height: int, width: int, canvas: tuple[int, int], min_tokens: int, factor: int = 28,
-                 temporal: int = TEMPORAL_PATCH_SIZE) -> tuple[int, int]:  # fmt: skip
+def content_size(
+    frames: int,
+    height: int,
+    width: int,
+    canvas: tuple[int, int],
+    min_tokens: int,
+    factor: int = 28,
+    temporal: int = TEMPORAL_PATCH_SIZE,
+) -> tuple[int, int]:
     """The size the pixels are resized to inside `canvas` (their own size unless the budget forces a scale)."""
     scale = min(canvas[0] / height, canvas[1] / width)
     if frames * height * width >= temporal * factor**2 * min_tokens:  # not below the minimum: never enlarge
@@ -116,13 +133,21 @@ def normalize(pixels: torch.Tensor) -> torch.Tensor:
     return (x - mean) / std
 
 
-def patchify(frames: torch.Tensor, patch: int = PATCH_SIZE, merge: int = MERGE_SIZE,
-             temporal: int = TEMPORAL_PATCH_SIZE) -> tuple[torch.Tensor, tuple[int, int, int]]:  # fmt: skip
+def patchify(
+    frames: torch.Tensor, patch: int = PATCH_SIZE, merge: int = MERGE_SIZE, temporal: int = TEMPORAL_PATCH_SIZE
+) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """frames [F, C, H, W] (F a multiple of T; H, W multiples of P·m) -> (rows [t·h·w, C·T·P·P], (t, h, w))."""
     n, _, height, width = frames.shape
     t, h, w = n // temporal, height // patch, width // patch
-    rows = rearrange(frames, "(t T) C (hb m1 P1) (wb m2 P2) -> (t hb wb m1 m2) (C T P1 P2)", T=temporal, m1=merge,
-                     m2=merge, P1=patch, P2=patch)  # fmt: skip
+    rows = rearrange(
+        frames,
+        "(t T) C (hb m1 P1) (wb m2 P2) -> (t hb wb m1 m2) (C T P1 P2)",
+        T=temporal,
+        m1=merge,
+        m2=merge,
+        P1=patch,
+        P2=patch,
+    )
     return rows, (t, h, w)
 
 
@@ -153,8 +178,15 @@ class ImageProcessor:
 
     def canvas(self, height: int, width: int) -> tuple[int, int]:
         """The padded canvas of a height x width image."""
-        return canvas_size(self.temporal_patch_size, height, width, self.min_tokens, self.max_tokens, self.factor,
-                           self.temporal_patch_size)  # fmt: skip
+        return canvas_size(
+            self.temporal_patch_size,
+            height,
+            width,
+            self.min_tokens,
+            self.max_tokens,
+            self.factor,
+            self.temporal_patch_size,
+        )
 
     def num_tokens(self, height: int, width: int) -> int:
         """Language-model tokens (`<|image|>` placeholders) of a height x width image: h·w/m²."""
@@ -166,8 +198,9 @@ class ImageProcessor:
         chw = pixels.permute(2, 0, 1)
         height, width = chw.shape[-2:]
         canvas = self.canvas(height, width)
-        size = content_size(self.temporal_patch_size, height, width, canvas, self.min_tokens, self.factor,
-                            self.temporal_patch_size)  # fmt: skip
+        size = content_size(
+            self.temporal_patch_size, height, width, canvas, self.min_tokens, self.factor, self.temporal_patch_size
+        )
         if size != (height, width):
             chw = resize_bicubic(chw, size)
         chw = F.pad(chw, (0, canvas[1] - size[1], 0, canvas[0] - size[0]))  # black, bottom/right, before normalising
@@ -198,4 +231,4 @@ __all__ = [
     "normalize",
     "patchify",
     "resize_bicubic",
-]  # fmt: skip
+]

@@ -80,13 +80,16 @@ def as_rgb(image, what: str) -> torch.Tensor:
         return load_image(os.fspath(image))
     if isinstance(image, torch.Tensor):
         if image.dtype != torch.uint8 or image.dim() != 3 or image.shape[-1] != 3 or 0 in image.shape:
-            raise InputError(f"{what}: a tensor image must be uint8 [H, W, 3] (RGB, channels last), got "
-                             f"{image.dtype} {tuple(image.shape)}")  # fmt: skip
+            raise InputError(
+                f"{what}: a tensor image must be uint8 [H, W, 3] (RGB, channels last), got "
+                f"{image.dtype} {tuple(image.shape)}"
+            )
         return image
     if type(image).__module__.startswith("PIL."):
         return pil_to_rgb(image)
-    raise InputError(f"{what}: expected a PIL image, a uint8 [H, W, 3] tensor or a file path, got "
-                     f"{type(image).__name__}")  # fmt: skip
+    raise InputError(
+        f"{what}: expected a PIL image, a uint8 [H, W, 3] tensor or a file path, got {type(image).__name__}"
+    )
 
 
 def load_video(path: str) -> tuple[list[torch.Tensor], float]:
@@ -119,4 +122,4 @@ __all__ = [
     "pil_to_rgb",
     "require_av",
     "require_pillow",
-]  # fmt: skip
+]

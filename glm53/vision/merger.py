@@ -47,8 +47,7 @@ class PatchMerger(SwiGLU):
 
     def __init__(self, config: Glm53VisionConfig) -> None:
         out = config.out_hidden_size  # O
-        super().__init__(out, config.projection_intermediate_size, False, config.swiglu_limit,
-                         config.initializer_range)  # fmt: skip
+        super().__init__(out, config.projection_intermediate_size, False, config.swiglu_limit, config.initializer_range)
         self.proj = nn.Linear(out, out, bias=False)
         self.post_projection_norm = LayerNorm(out, MERGER_NORM_EPS)
 

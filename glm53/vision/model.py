@@ -24,8 +24,10 @@ from .tower import VisionTower, check_vision_inputs
 class Glm53ForConditionalGeneration(Glm53ForCausalLM):
     def __init__(self, config: Glm53Config) -> None:
         if not isinstance(config, Glm53Config):
-            raise TypeError(f"config must be a Glm53Config with a vision_config (glm53.vision.with_vision), got "
-                            f"{type(config).__name__}")  # fmt: skip
+            raise TypeError(
+                f"config must be a Glm53Config with a vision_config (glm53.vision.with_vision), got "
+                f"{type(config).__name__}"
+            )
         vision, tokens = vision_parts(config)
         super().__init__(config)
         self.vision_config = vision
@@ -50,16 +52,21 @@ class Glm53ForConditionalGeneration(Glm53ForCausalLM):
         super().gradient_checkpointing_disable()
         self.visual.gradient_checkpointing = False
 
-    def vision_features(self, pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None,
-                        pixel_values_videos: torch.Tensor | None = None,
-                        video_grid_thw: torch.Tensor | None = None) -> tuple[torch.Tensor | None, ...]:  # fmt: skip
+    def vision_features(
+        self,
+        pixel_values: torch.Tensor | None,
+        image_grid_thw: torch.Tensor | None,
+        pixel_values_videos: torch.Tensor | None = None,
+        video_grid_thw: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor | None, ...]:
         """(image features, video features), merged rows [G, D] in order (None where absent): ONE tower call over
         the images and the videos together (every rank of a sharded model then runs the tower exactly once)."""
         parts = []
-        for kind, pixels, grid in (("image", pixel_values, image_grid_thw),
-                                   ("video", pixel_values_videos, video_grid_thw)):  # fmt: skip
-            names = ("pixel_values", "image_grid_thw") if kind == "image" else ("pixel_values_videos",
-                                                                                "video_grid_thw")  # fmt: skip
+        for kind, pixels, grid in (
+            ("image", pixel_values, image_grid_thw),
+            ("video", pixel_values_videos, video_grid_thw),
+        ):
+            names = ("pixel_values", "image_grid_thw") if kind == "image" else ("pixel_values_videos", "video_grid_thw")
             if pixels is None and grid is not None:
                 raise InputError(f"{names[1]} was given without its pixels ({names[0]})")
             if pixels is not None:
@@ -77,9 +84,14 @@ class Glm53ForConditionalGeneration(Glm53ForCausalLM):
         features = dict(zip([kind for kind, _, _ in parts], pooled.split(sizes)))
         return features.get("image"), features.get("video")
 
-    def embed_multimodal(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
-                         image_grid_thw: torch.Tensor | None = None, pixel_values_videos: torch.Tensor | None = None,
-                         video_grid_thw: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    def embed_multimodal(
+        self,
+        input_ids: torch.Tensor,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        pixel_values_videos: torch.Tensor | None = None,
+        video_grid_thw: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The text model's input embeddings [B, T, D] with the vision features spliced in."""
         embeds = self.model.embed(input_ids, None)
         image_mask, video_mask = placeholder_masks(input_ids, self.token_ids)
@@ -117,22 +129,32 @@ class Glm53ForConditionalGeneration(Glm53ForCausalLM):
         visual = pixel_values is not None or pixel_values_videos is not None
         if inputs_embeds is not None:
             if visual:
-                raise InputError("pass input_ids (not inputs_embeds) with pixel_values / pixel_values_videos: the "
-                                 "placeholders are found in the ids")  # fmt: skip
+                raise InputError(
+                    "pass input_ids (not inputs_embeds) with pixel_values / pixel_values_videos: the "
+                    "placeholders are found in the ids"
+                )
             return super().forward(input_ids, attention_mask, labels, inputs_embeds, **kwargs)
         if input_ids is None:
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         if visual and kwargs.get("cp") is not None:
-            raise InputError("images under context parallelism (cp) are not supported: splice the features into "
-                             "inputs_embeds before slicing the sequence")  # fmt: skip
+            raise InputError(
+                "images under context parallelism (cp) are not supported: splice the features into "
+                "inputs_embeds before slicing the sequence"
+            )
         embeds = self.embed_multimodal(input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
         return super().forward(None, attention_mask, labels, embeds, **kwargs)
 
-
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                 pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None,
-                 pixel_values_videos: torch.Tensor | None = None, video_grid_thw: torch.Tensor | None = None,
-                 **kwargs) -> torch.Tensor:  # fmt: skip
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        pixel_values_videos: torch.Tensor | None = None,
+        video_grid_thw: torch.Tensor | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
         """glm53.generation.generate with images / videos: the tower runs once, its features are spliced into
         the prompt's embeddings for the prefill; decode steps are text only."""
         if pixel_values is None and pixel_values_videos is None:
@@ -140,8 +162,7 @@ class Glm53ForConditionalGeneration(Glm53ForCausalLM):
         from ..generation.loop import generate  # the loop imports nothing from the model packages
 
         with torch.inference_mode():
-            embeds = self.embed_multimodal(input_ids, pixel_values, image_grid_thw, pixel_values_videos,
-                                           video_grid_thw)  # fmt: skip
+            embeds = self.embed_multimodal(input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
         return generate(self, input_ids, attention_mask, inputs_embeds=embeds, **kwargs)
 
 

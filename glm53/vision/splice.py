@@ -32,9 +32,11 @@ def splice(embeds: torch.Tensor, mask: torch.Tensor, features: torch.Tensor | No
     given = 0 if features is None else features.shape[0]
     if count != given:
         source = "pixel_values" if kind == "image" else "pixel_values_videos"
-        raise InputError(f"input_ids hold {count} {kind} placeholder tokens but {source} give {given} {kind} "
-                         f"feature rows (t*h*w / merge^2 summed over the {kind} grids): they must be "
-                         f"equal")  # fmt: skip
+        raise InputError(
+            f"input_ids hold {count} {kind} placeholder tokens but {source} give {given} {kind} "
+            f"feature rows (t*h*w / merge^2 summed over the {kind} grids): they must be "
+            f"equal"
+        )
     if features is None:
         return embeds
     return embeds.masked_scatter(mask[..., None], features.to(embeds.dtype))

@@ -42,15 +42,21 @@ class VisionTower(nn.Module):
         self.merger = PatchMerger(config)
         self.gradient_checkpointing = False  # recompute each block in backward
 
-    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, name: str = "pixel_values",
-                grid_name: str = "image_grid_thw") -> VisionOutput:  # fmt: skip
+    def forward(
+        self,
+        pixel_values: torch.Tensor,
+        grid_thw: torch.Tensor,
+        name: str = "pixel_values",
+        grid_name: str = "image_grid_thw",
+    ) -> VisionOutput:
         """`name` / `grid_name`: how the caller calls the two inputs, for the error messages."""
         grid_thw = check_vision_inputs(pixel_values, grid_thw, self.config, name, grid_name)
         t, h, w = grid_thw.unbind(-1)
         slices = torch.repeat_interleave(h * w, t)  # [segments] one per temporal slice
         cu_seqlens = torch.nn.functional.pad(torch.cumsum(slices, 0), (1, 0))
-        rope = axial_cos_sin(patch_positions(grid_thw, self.config.spatial_merge_size), self.config.head_dim,
-                             self.config.rope_theta)  # fmt: skip
+        rope = axial_cos_sin(
+            patch_positions(grid_thw, self.config.spatial_merge_size), self.config.head_dim, self.config.rope_theta
+        )
         x = self.patch_embed(pixel_values)  # [N, D]
         for block in self.blocks:
             if self.gradient_checkpointing and torch.is_grad_enabled():
@@ -70,19 +76,26 @@ class VisionTower(nn.Module):
         self.merger.init_weights()
 
 
-def check_vision_inputs(pixel_values: object, grid_thw: object, config: Glm53VisionConfig, name: str,
-                        grid_name: str) -> torch.Tensor:  # fmt: skip
+def check_vision_inputs(
+    pixel_values: object, grid_thw: object, config: Glm53VisionConfig, name: str, grid_name: str
+) -> torch.Tensor:
     """Validate the pixel rows against their grids -> grid_thw as int64 on the pixels' device."""
     if not isinstance(pixel_values, torch.Tensor) or not pixel_values.is_floating_point():
-        raise TypeError(f"{name} must be a floating torch.Tensor [patches, {config.patch_width}], got "
-                        f"{getattr(pixel_values, 'dtype', type(pixel_values).__name__)}")  # fmt: skip
+        raise TypeError(
+            f"{name} must be a floating torch.Tensor [patches, {config.patch_width}], got "
+            f"{getattr(pixel_values, 'dtype', type(pixel_values).__name__)}"
+        )
     if pixel_values.dim() != 2 or pixel_values.shape[1] != config.patch_width:
-        raise InputError(f"{name} must be [patches, C*T*P*P = {config.patch_width}] (in_channels "
-                         f"{config.in_channels} x temporal_patch_size {config.temporal_patch_size} x patch_size "
-                         f"{config.patch_size}^2), got shape {tuple(pixel_values.shape)}")  # fmt: skip
+        raise InputError(
+            f"{name} must be [patches, C*T*P*P = {config.patch_width}] (in_channels "
+            f"{config.in_channels} x temporal_patch_size {config.temporal_patch_size} x patch_size "
+            f"{config.patch_size}^2), got shape {tuple(pixel_values.shape)}"
+        )
     if not isinstance(grid_thw, torch.Tensor) or grid_thw.is_floating_point() or grid_thw.dtype == torch.bool:
-        raise TypeError(f"{grid_name} must be an integer torch.Tensor [items, 3] of (t, h, w), got "
-                        f"{getattr(grid_thw, 'dtype', type(grid_thw).__name__)}")  # fmt: skip
+        raise TypeError(
+            f"{grid_name} must be an integer torch.Tensor [items, 3] of (t, h, w), got "
+            f"{getattr(grid_thw, 'dtype', type(grid_thw).__name__)}"
+        )
     if grid_thw.dim() != 2 or grid_thw.shape[1] != 3 or grid_thw.shape[0] == 0:
         raise InputError(f"{grid_name} must be [items >= 1, 3] of (t, h, w), got shape {tuple(grid_thw.shape)}")
     rows = grid_thw.tolist()  # NOTE: syncs
@@ -91,12 +104,13 @@ def check_vision_inputs(pixel_values: object, grid_thw: object, config: Glm53Vis
         if min(t, h, w) < 1:
             raise InputError(f"{grid_name}[{i}] = {(t, h, w)}: t, h and w must be >= 1")
         if h % m or w % m:
-            raise InputError(f"{grid_name}[{i}] = {(t, h, w)}: h and w must be divisible by spatial_merge_size "
-                             f"{m}")  # fmt: skip
+            raise InputError(f"{grid_name}[{i}] = {(t, h, w)}: h and w must be divisible by spatial_merge_size {m}")
     patches = sum(t * h * w for t, h, w in rows)
     if patches != pixel_values.shape[0]:
-        raise InputError(f"{name} has {pixel_values.shape[0]} rows but {grid_name} describes {patches} patches "
-                         f"(sum of t*h*w over {len(rows)} items)")  # fmt: skip
+        raise InputError(
+            f"{name} has {pixel_values.shape[0]} rows but {grid_name} describes {patches} patches "
+            f"(sum of t*h*w over {len(rows)} items)"
+        )
     return grid_thw.to(device=pixel_values.device, dtype=torch.long)
 
 

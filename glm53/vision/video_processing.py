@@ -51,8 +51,13 @@ DEFAULT_FPS = 24.0  # a clip's frame rate when nothing gives it (transformers' f
 FRAME_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 
 
-def sample_frames(total: int, clip_fps: float, sample_fps: float = SAMPLE_FPS, max_frames: int = MAX_FRAMES,
-                  duration: float | None = None) -> list[int]:  # fmt: skip
+def sample_frames(
+    total: int,
+    clip_fps: float,
+    sample_fps: float = SAMPLE_FPS,
+    max_frames: int = MAX_FRAMES,
+    duration: float | None = None,
+) -> list[int]:
     """Indices of the frames to keep from a clip of `total` frames at `clip_fps` (transformers'
     `Glm5NextVideoProcessor.sample_frames`, max_duration 0): an even count."""
     duration = duration or round((total - 1) / clip_fps) + 1
@@ -111,8 +116,9 @@ def frame_files(folder: str) -> list[str]:
         raise MediaError(f"{folder}: no such frames folder")
     names = [n for n in os.listdir(folder) if n.lower().endswith(FRAME_EXTENSIONS)]
     if not names:
-        raise MediaError(f"{folder}: the frames folder holds no frames (image files ending in "
-                         f"{', '.join(FRAME_EXTENSIONS)})")  # fmt: skip
+        raise MediaError(
+            f"{folder}: the frames folder holds no frames (image files ending in {', '.join(FRAME_EXTENSIONS)})"
+        )
     return [os.path.join(folder, n) for n in sorted(names, key=_natural_key)]
 
 
@@ -166,8 +172,9 @@ class VideoProcessor:
     # ------------------------------------------------------------------------------------------- decoding
     def load(self, video, fps: float | None = None, what: str = "video") -> Clip:
         """One video input -> its sampled frames (see the class docstring for the kinds)."""
-        if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float)) or not
-                                math.isfinite(fps) or fps <= 0):  # fmt: skip
+        if fps is not None and (
+            isinstance(fps, bool) or not isinstance(fps, (int, float)) or not math.isfinite(fps) or fps <= 0
+        ):
             raise InputError(f"{what}: fps must be a positive number, got {fps!r}")
         if isinstance(video, (str, os.PathLike)):
             path = os.fspath(video)
@@ -176,14 +183,17 @@ class VideoProcessor:
             return self._from_file(path)
         if isinstance(video, torch.Tensor):
             if video.dtype != torch.uint8 or video.dim() != 4 or video.shape[-1] != 3 or 0 in video.shape:
-                raise InputError(f"{what}: a tensor video must be uint8 [F, H, W, 3], got {video.dtype} "
-                                 f"{tuple(video.shape)}")  # fmt: skip
+                raise InputError(
+                    f"{what}: a tensor video must be uint8 [F, H, W, 3], got {video.dtype} {tuple(video.shape)}"
+                )
             frames = video
         elif isinstance(video, (list, tuple)) and video:
             frames = _stack([as_rgb(f, f"{what} frame {i}") for i, f in enumerate(video)], what)
         else:
-            raise InputError(f"{what}: expected a frames folder, a video file, a uint8 [F, H, W, 3] tensor or a "
-                             f"non-empty list of frames, got {type(video).__name__}")  # fmt: skip
+            raise InputError(
+                f"{what}: expected a frames folder, a video file, a uint8 [F, H, W, 3] tensor or a "
+                f"non-empty list of frames, got {type(video).__name__}"
+            )
         clip_fps = float(fps or self.default_fps)
         indices = self.sample(frames.shape[0], clip_fps, what=what)
         return Clip(frames[indices], indices, clip_fps)
@@ -194,8 +204,10 @@ class VideoProcessor:
         indices = sample_frames(total, clip_fps, self.sample_fps, self.max_frames, duration)
         if not indices:
             seconds = duration or round((total - 1) / clip_fps) + 1
-            raise MediaError(f"{what}: a {seconds:.2f} s clip ({total} frames at {clip_fps:g} fps) is too short to "
-                             f"sample at {self.sample_fps:g} fps")  # fmt: skip
+            raise MediaError(
+                f"{what}: a {seconds:.2f} s clip ({total} frames at {clip_fps:g} fps) is too short to "
+                f"sample at {self.sample_fps:g} fps"
+            )
         return indices
 
     def _from_folder(self, folder: str, clip_fps: float) -> Clip:
@@ -242,8 +254,9 @@ class VideoProcessor:
 
     # ------------------------------------------------------------------------------------------ processing
     def canvas(self, frames: int, height: int, width: int) -> tuple[int, int]:
-        return canvas_size(frames, height, width, self.min_tokens, self.max_tokens, self.factor,
-                           self.temporal_patch_size)  # fmt: skip
+        return canvas_size(
+            frames, height, width, self.min_tokens, self.max_tokens, self.factor, self.temporal_patch_size
+        )
 
     def layout(self, clip: Clip) -> tuple[tuple[int, int, int], list[float], tuple[int, int], tuple[int, int]]:
         """A clip's (grid (t, h, w), one timestamp per temporal slice, canvas, content size), without pixels."""
@@ -279,15 +292,20 @@ class VideoProcessor:
             rows.append(r)
             grids.append(grid)
             stamps.append(s)
-        return {"pixel_values_videos": torch.cat(rows), "video_grid_thw": torch.tensor(grids, dtype=torch.long),
-                "timestamps": stamps}  # fmt: skip
+        return {
+            "pixel_values_videos": torch.cat(rows),
+            "video_grid_thw": torch.tensor(grids, dtype=torch.long),
+            "timestamps": stamps,
+        }
 
 
 def _stack(frames: list[torch.Tensor], what: str) -> torch.Tensor:
     sizes = {tuple(f.shape) for f in frames}
     if len(sizes) > 1:
-        raise MediaError(f"{what}: the frames differ in size ({', '.join(map(str, sorted(sizes)))}); a clip's frames "
-                         f"must all be one size")  # fmt: skip
+        raise MediaError(
+            f"{what}: the frames differ in size ({', '.join(map(str, sorted(sizes)))}); a clip's frames "
+            f"must all be one size"
+        )
     return torch.stack(frames)
 
 
@@ -299,4 +317,4 @@ __all__ = [
     "normalize_fused",
     "resize_video",
     "sample_frames",
-]  # fmt: skip
+]

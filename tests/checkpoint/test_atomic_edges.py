@@ -84,8 +84,15 @@ def test_temporaries_of_another_host_or_a_live_process_are_kept(tmp_path, monkey
     gone = 2**22 + 12345  # above the default pid_max: no such process
     other_user = gone + 1  # reported alive but not ours to signal (EPERM)
     real_kill = os.kill
-    monkeypatch.setattr(os, "kill", lambda pid, sig: (_ for _ in ()).throw(PermissionError(1, "Operation not "
-                        "permitted")) if pid == other_user else real_kill(pid, sig))  # fmt: skip
+    monkeypatch.setattr(
+        os,
+        "kill",
+        lambda pid, sig: (
+            (_ for _ in ()).throw(PermissionError(1, "Operation not permitted"))
+            if pid == other_user
+            else real_kill(pid, sig)
+        ),
+    )
     other_host = tmp_path / f".ckpt.tmp-{'0' * 8 if atomic._host_tag() != '0' * 8 else '1' * 8}-{gone}-0123abcd"
     live = tmp_path / f".ckpt.tmp-{atomic._host_tag()}-{os.getpid()}-0123abcd"
     foreign_owner = tmp_path / f".ckpt.tmp-{atomic._host_tag()}-{other_user}-0123abcd"

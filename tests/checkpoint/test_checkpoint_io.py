@@ -8,10 +8,10 @@ import torch
 from safetensors import safe_open
 
 import glm53.checkpoint.shards as shards
-from tests.helpers.checkpoints import TEXT, random_model, read_all, tiny_config
 from glm53 import Glm53ForCausalLM
 from glm53.checkpoint import to_transformers_state_dict
 from glm53.precision import keeps_fp32
+from tests.helpers.checkpoints import TEXT, random_model, read_all, tiny_config
 from tests.helpers.oracle import hf_model
 
 IDS = torch.randint(1, 320, (2, 13), generator=torch.Generator().manual_seed(7))  # T > index_topk: sparse
@@ -44,8 +44,9 @@ def test_round_trip_glm53_transformers_glm53(tmp_path):
     assert f"{TEXT}layers.0.self_attn.k_conv1d.weight" in keys
     assert f"{TEXT}layers.2.hc_ffn_scale" in keys and not any("gate_up_proj" in k or "attn_hc" in k for k in keys)
 
-    hf, info = Glm5NextForConditionalGeneration.from_pretrained(path, output_loading_info=True,
-                                                                attn_implementation="eager")  # fmt: skip
+    hf, info = Glm5NextForConditionalGeneration.from_pretrained(
+        path, output_loading_info=True, attn_implementation="eager"
+    )
     # transformers' Glm5NextModel always builds a (default) tower: its keys are the only missing ones
     assert info["missing_keys"] and all(k.startswith("model.visual.") for k in info["missing_keys"])
     assert not info["unexpected_keys"] and not info["mismatched_keys"]
@@ -85,9 +86,21 @@ def test_save_bf16_keeps_transformers_fp32_tensors(tmp_path):
     assert {k for k, v in stored.items() if v.dtype not in (torch.float32, torch.bfloat16)} == set()
     # 2 KDA layers: 3 convs, dt_bias, A_log; 3 routers: bias and weight; 4 blocks x 2 mHC sites: fn, base, scale
     assert len(fp32) == 2 * (3 + 2) + 3 * 2 + 4 * 2 * 3
-    assert all(k.endswith(("conv1d.weight", "dt_bias", "A_log", "e_score_correction_bias", "_base", "_scale", "_fn",
-                           "mlp.gate.weight"))
-               for k in fp32)  # fmt: skip
+    assert all(
+        k.endswith(
+            (
+                "conv1d.weight",
+                "dt_bias",
+                "A_log",
+                "e_score_correction_bias",
+                "_base",
+                "_scale",
+                "_fn",
+                "mlp.gate.weight",
+            )
+        )
+        for k in fp32
+    )
     assert stored[f"{TEXT}layers.0.hc_attn_fn"].dtype == torch.float32  # glm53 reads it in fp32 (precision.py)
     assert stored[f"{TEXT}layers.0.mlp.gate_proj.weight"].dtype == torch.bfloat16
     with open(tmp_path / "bf16" / "config.json") as f:
@@ -163,8 +176,9 @@ def test_mtp_module_is_written_under_layer_n(tmp_path):
     layer = model.mtp.layers[0]
     assert torch.equal(stored[f"{TEXT}layers.4.eh_proj.weight"], layer.eh_proj.weight.detach())
     assert torch.equal(stored[f"{TEXT}layers.4.shared_head.norm.weight"], layer.shared_head.norm.weight.detach())
-    assert torch.equal(stored[f"{TEXT}layers.4.mlp.experts.1.up_proj.weight"],
-                       layer.mlp.experts.gate_up_proj.detach()[1, 16:])  # fmt: skip
+    assert torch.equal(
+        stored[f"{TEXT}layers.4.mlp.experts.1.up_proj.weight"], layer.mlp.experts.gate_up_proj.detach()[1, 16:]
+    )
     assert not any(".mtp." in k or k.startswith("mtp.") or "hc_" in k and "layers.4." in k for k in stored)
     back = Glm53ForCausalLM.from_pretrained(tmp_path / "mtp")
     for (name, a), (_, b) in zip(model.state_dict().items(), back.state_dict().items()):

@@ -10,12 +10,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import glm53.checkpoint.shards as shards
 import glm53.checkpoint.crop as crop_mod
-from tests.helpers.checkpoints import BLOCK, TEXT, fp8_source, random_model, read_all, tiny_config
+import glm53.checkpoint.shards as shards
 from glm53 import Glm53ForCausalLM
 from glm53.checkpoint import fp8
 from glm53.checkpoint.crop import CropError, crop, main, rewrite_config
+from tests.helpers.checkpoints import BLOCK, TEXT, fp8_source, random_model, read_all, tiny_config
 
 IDS = torch.randint(1, 320, (2, 13), generator=torch.Generator().manual_seed(11))
 LAYER3_SHARD = "model-00004-of-00006.safetensors"  # the source groups one layer per shard; layer 3 is cropped
@@ -24,7 +24,7 @@ LAYER3_SHARD = "model-00004-of-00006.safetensors"  # the source groups one layer
 def _source_key(key: str, n: int = 3, total: int = 4) -> str:
     """Output key -> source key (the MTP layer moved from layers.{total} to layers.{n})."""
     prefix = f"{TEXT}layers.{n}."
-    return f"{TEXT}layers.{total}." + key[len(prefix):] if key.startswith(prefix) else key
+    return f"{TEXT}layers.{total}." + key[len(prefix) :] if key.startswith(prefix) else key
 
 
 def test_crop_fp8_to_three_layers(tmp_path, monkeypatch):
@@ -60,8 +60,9 @@ def test_crop_fp8_to_three_layers(tmp_path, monkeypatch):
 
     ours = Glm53ForCausalLM.from_pretrained(dst, dtype=torch.float32)
     assert ours.mtp_checkpoint_keys == sorted(k for k in out if k.startswith(f"{TEXT}layers.3."))
-    hf, info = Glm5NextForConditionalGeneration.from_pretrained(dst, dtype=torch.float32, output_loading_info=True,
-                                                                attn_implementation="eager")  # fmt: skip
+    hf, info = Glm5NextForConditionalGeneration.from_pretrained(
+        dst, dtype=torch.float32, output_loading_info=True, attn_implementation="eager"
+    )
     assert not info["missing_keys"] and not info["mismatched_keys"]  # vision tower kept
     assert info["unexpected_keys"] and all(k.startswith(f"{TEXT}layers.3.") for k in info["unexpected_keys"])
     with torch.no_grad():
@@ -102,20 +103,47 @@ def test_bf16_checkpoint_passes_through_bit_exact(tmp_path):
 
 
 RELEASE_LIKE = {
-    "architectures": ["Glm5NextForConditionalGeneration"], "model_type": "glm5_next", "dtype": "bfloat16",
-    "tie_word_embeddings": False, "image_token_id": 151363, "vision_config": {"depth": 1, "hidden_size": 16},
+    "architectures": ["Glm5NextForConditionalGeneration"],
+    "model_type": "glm5_next",
+    "dtype": "bfloat16",
+    "tie_word_embeddings": False,
+    "image_token_id": 151363,
+    "vision_config": {"depth": 1, "hidden_size": 16},
     "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]},
     "text_config": {
-        "model_type": "glm5_next_text", "vocab_size": 320, "hidden_size": 32, "intermediate_size": 64,
-        "moe_intermediate_size": 16, "num_hidden_layers": 8, "num_attention_heads": 2, "num_key_value_heads": 2,
-        "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 0, "v_head_dim": 8,
-        "index_topk": 8, "index_head_dim": 8, "index_n_heads": 4, "n_routed_experts": 8, "num_experts_per_tok": 2,
-        "first_k_dense_replace": 3, "num_nextn_predict_layers": 1, "rope_theta": 1e6, "pad_token_id": 0,
-        "mlp_layer_types": ["dense"] * 3 + ["sparse"] * 5, "indexer_types": ["full"] * 4 + ["shared"] + ["full"] * 3,
-        "linear_attn_config": {"head_dim": 8, "num_heads": 2, "short_conv_kernel_size": 4,
-                               "kda_layers": [1, 2, 3, 5, 6, 7], "full_attn_layers": [4, 8]},
+        "model_type": "glm5_next_text",
+        "vocab_size": 320,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "moe_intermediate_size": 16,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "q_lora_rank": 24,
+        "kv_lora_rank": 16,
+        "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 0,
+        "v_head_dim": 8,
+        "index_topk": 8,
+        "index_head_dim": 8,
+        "index_n_heads": 4,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "first_k_dense_replace": 3,
+        "num_nextn_predict_layers": 1,
+        "rope_theta": 1e6,
+        "pad_token_id": 0,
+        "mlp_layer_types": ["dense"] * 3 + ["sparse"] * 5,
+        "indexer_types": ["full"] * 4 + ["shared"] + ["full"] * 3,
+        "linear_attn_config": {
+            "head_dim": 8,
+            "num_heads": 2,
+            "short_conv_kernel_size": 4,
+            "kda_layers": [1, 2, 3, 5, 6, 7],
+            "full_attn_layers": [4, 8],
+        },
     },
-}  # fmt: skip
+}
 
 
 def test_rewrite_config_nested_field_by_field():
@@ -140,16 +168,23 @@ def test_rewrite_config_nested_field_by_field():
 
 def test_rewrite_config_flat():
     flat = {k: v for k, v in RELEASE_LIKE["text_config"].items() if k not in ("linear_attn_config", "indexer_types")}
-    flat.update(num_hidden_layers=6, mlp_layer_types=["dense"] * 3 + ["sparse"] * 3, index_topk_pattern="FFFFFS",
-                layer_types=["linear_attention"] * 3 + ["full_attention", "linear_attention", "full_attention"],
-                quantization_config={"weight_block_size": [4, 8]})  # fmt: skip
+    flat.update(
+        num_hidden_layers=6,
+        mlp_layer_types=["dense"] * 3 + ["sparse"] * 3,
+        index_topk_pattern="FFFFFS",
+        layer_types=["linear_attention"] * 3 + ["full_attention", "linear_attention", "full_attention"],
+        quantization_config={"weight_block_size": [4, 8]},
+    )
     out = rewrite_config(flat, 4)
     assert out["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]  # legacy spelling kept
     assert out["index_topk_pattern"] == "FFFF" and out["mlp_layer_types"] == ["dense"] * 3 + ["sparse"]
     assert out["num_hidden_layers"] == 4 and out["first_k_dense_replace"] == 3 and "quantization_config" not in out
     assert {k: v for k, v in out.items() if k not in flat or flat[k] != v} == {
-        "num_hidden_layers": 4, "layer_types": out["layer_types"], "index_topk_pattern": "FFFF",
-        "mlp_layer_types": out["mlp_layer_types"]}  # fmt: skip
+        "num_hidden_layers": 4,
+        "layer_types": out["layer_types"],
+        "index_topk_pattern": "FFFF",
+        "mlp_layer_types": out["mlp_layer_types"],
+    }
     assert rewrite_config(flat, 1)["first_k_dense_replace"] == 1
 
 
@@ -220,8 +255,11 @@ def test_missing_or_misshaped_scale_raises_naming_the_key(tmp_path):
     _move_scale(src, tmp_path / "apart", key, scale)
     plan = crop(tmp_path / "apart", tmp_path / "out", 1, log=io.StringIO())
     assert [os.path.basename(f) for f in plan.shards] == [
-        "model-00001-of-00006.safetensors", "scales.safetensors", "model-00005-of-00006.safetensors",
-        "model-00006-of-00006.safetensors"]  # layer 0, its moved scale, the MTP layer, the rest
+        "model-00001-of-00006.safetensors",
+        "scales.safetensors",
+        "model-00005-of-00006.safetensors",
+        "model-00006-of-00006.safetensors",
+    ]  # layer 0, its moved scale, the MTP layer, the rest
     want = fp8.dequantize_reference(read_all(src)[key], scale, BLOCK, torch.bfloat16)
     assert torch.equal(read_all(tmp_path / "out")[key], want)
     assert sorted(os.listdir(tmp_path)) == ["apart", "badscale", "noscale", "out"]

@@ -66,8 +66,10 @@ def test_keeping_every_layer_dequantises_the_whole_checkpoint(tmp_path):
     assert {t.dtype for k, t in out.items() if stored[k].dtype == fp8.FP8_DTYPE} == {torch.bfloat16}
 
 
-@pytest.mark.parametrize("nbytes,shown", [(999, "999 B"), (1000, "1.0 KB"), (1023, "1.0 KB"), (1_500_000, "1.5 MB"),
-                                          (2 * 10**15, "2000.0 TB")])  # fmt: skip
+@pytest.mark.parametrize(
+    "nbytes,shown",
+    [(999, "999 B"), (1000, "1.0 KB"), (1023, "1.0 KB"), (1_500_000, "1.5 MB"), (2 * 10**15, "2000.0 TB")],
+)
 def test_progress_sizes_use_decimal_units(nbytes, shown):
     assert _human(nbytes) == shown
 

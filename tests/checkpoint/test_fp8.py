@@ -9,11 +9,20 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tests.helpers.checkpoints import (BLOCK, TEXT, fp8_config_dict, fp8_error_bound, fp8_source, quantize_state,
-                          random_model, read_all, tiny_config, write_checkpoint)  # fmt: skip
 from glm53 import Glm53ForCausalLM
-from glm53.checkpoint import fp8
-from glm53.checkpoint import CheckpointError, iter_official_state
+from glm53.checkpoint import CheckpointError, fp8, iter_official_state
+from tests.helpers.checkpoints import (
+    BLOCK,
+    TEXT,
+    fp8_config_dict,
+    fp8_error_bound,
+    fp8_source,
+    quantize_state,
+    random_model,
+    read_all,
+    tiny_config,
+    write_checkpoint,
+)
 
 
 @pytest.mark.parametrize(
@@ -73,8 +82,9 @@ def test_sharded_fp8_checkpoint_loads_directly():
             assert torch.equal(tensor, original[key]), key  # not quantised: exact
     assert n_fp8 > 40
     # The MTP layer (layers.4) and the vision tower are recognised, not loaded.
-    assert len(model.mtp_checkpoint_keys) == sum(k.startswith(f"{TEXT}layers.4.") for k in stored
-                                                 if not k.endswith("_scale_inv"))  # fmt: skip
+    assert len(model.mtp_checkpoint_keys) == sum(
+        k.startswith(f"{TEXT}layers.4.") for k in stored if not k.endswith("_scale_inv")
+    )
     # bf16 request: the dequantised values rounded once to bf16; fp32-kept tensors stay fp32.
     bf16 = Glm53ForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     key = f"{TEXT}layers.1.self_attn.q_a_proj.weight"
@@ -122,10 +132,13 @@ def test_missing_misshaped_and_nonfinite_scales_raise_naming_the_key(tmp_path):
     key = f"{TEXT}layers.1.self_attn.kv_b_proj.weight"
     for name, fn, pattern in [
         ("missing", lambda s: s.pop(key + "_scale_inv"), rf"'{key}' has no '{key}_scale_inv'"),
-        ("shape", lambda s: s.__setitem__(key + "_scale_inv", torch.ones(2, 2)),
-         rf"'{key}_scale_inv' has shape \(2, 2\), expected \(8, 2\)"),
+        (
+            "shape",
+            lambda s: s.__setitem__(key + "_scale_inv", torch.ones(2, 2)),
+            rf"'{key}_scale_inv' has shape \(2, 2\), expected \(8, 2\)",
+        ),
         ("inf", lambda s: s[key + "_scale_inv"].__setitem__((0, 0), float("inf")), rf"'{key}' holds NaN or infinite"),
-    ]:  # fmt: skip
+    ]:
         broken = str(tmp_path / name)
         shutil.copytree(path, broken)
         _edit(broken, fn)

@@ -10,8 +10,7 @@ from glm53.checkpoint import fp8
 from glm53.errors import ConfigError
 
 
-@pytest.mark.parametrize("block", [[0, 8], [4, -1], [True, 8], [4.0, 8], [128], [4, 8, 2], "4x8", 128],
-                         ids=repr)  # fmt: skip
+@pytest.mark.parametrize("block", [[0, 8], [4, -1], [True, 8], [4.0, 8], [128], [4, 8, 2], "4x8", 128], ids=repr)
 def test_bad_block_size_is_a_config_error(block):
     with pytest.raises(ConfigError, match=r"quantization_config\.weight_block_size must be two positive ints"):
         fp8.weight_block_size({"weight_block_size": block})

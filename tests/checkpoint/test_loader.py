@@ -14,11 +14,11 @@ import shutil
 
 import pytest
 import torch
-from tests.helpers.oracle import hf_model
 from safetensors.torch import load_file, save_file
 
 from glm53 import Glm53Config, Glm53ForCausalLM
 from glm53.checkpoint import CheckpointError, iter_official_state
+from tests.helpers.oracle import hf_model
 
 PREFIX = "model.language_model."
 SINGLE = "model.safetensors"
@@ -125,9 +125,13 @@ def test_dtype_keeps_fp32_parameters(saved):
     model = Glm53ForCausalLM.from_pretrained(saved / "single", dtype=torch.bfloat16)
     params = dict(model.named_parameters())
     assert params["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
-    for name in ("model.layers.0.self_attn.A_log", "model.layers.0.self_attn.dt_bias",
-                 "model.layers.0.self_attn.q_conv1d.weight", "model.layers.0.attn_hc.base",
-                 "model.layers.0.ffn_hc.scale"):  # fmt: skip
+    for name in (
+        "model.layers.0.self_attn.A_log",
+        "model.layers.0.self_attn.dt_bias",
+        "model.layers.0.self_attn.q_conv1d.weight",
+        "model.layers.0.attn_hc.base",
+        "model.layers.0.ffn_hc.scale",
+    ):
         assert params[name].dtype == torch.float32, name
     assert dict(model.named_buffers())["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
 
@@ -173,14 +177,22 @@ def test_no_config(tmp_path):
 
 
 MISSING = {
-    "norm": (f"{PREFIX}layers.2.post_attention_layernorm.weight", r"layers\.2\.post_attention_layernorm\.weight \(32,\)"),
+    "norm": (
+        f"{PREFIX}layers.2.post_attention_layernorm.weight",
+        r"layers\.2\.post_attention_layernorm\.weight \(32,\)",
+    ),
     "hc": (f"{PREFIX}layers.0.hc_ffn_base", r"layers\.0\.hc_ffn_base \(24,\)"),
     "kda-conv": (f"{PREFIX}layers.1.self_attn.k_conv1d.weight", r"layers\.1\.self_attn\.k_conv1d\.weight \(16, 1, 4\)"),
-    "expert": (f"{PREFIX}layers.2.mlp.experts.5.up_proj.weight", r"layers\.2\.mlp\.experts\.5\.up_proj\.weight \(16, 32\)"),
-    "router-bias": (f"{PREFIX}layers.3.mlp.gate.e_score_correction_bias",
-                    r"layers\.3\.mlp\.gate\.e_score_correction_bias \(8,\)"),
+    "expert": (
+        f"{PREFIX}layers.2.mlp.experts.5.up_proj.weight",
+        r"layers\.2\.mlp\.experts\.5\.up_proj\.weight \(16, 32\)",
+    ),
+    "router-bias": (
+        f"{PREFIX}layers.3.mlp.gate.e_score_correction_bias",
+        r"layers\.3\.mlp\.gate\.e_score_correction_bias \(8,\)",
+    ),
     "lm_head": ("lm_head.weight", r"lm_head\.weight \(320, 32\)"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("key,message", MISSING.values(), ids=MISSING.keys())

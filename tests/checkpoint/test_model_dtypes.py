@@ -26,9 +26,13 @@ def saved(tmp_path_factory):
 def test_narrow_dtypes_are_refused_everywhere(saved, tmp_path, dtype):
     model = Glm53ForCausalLM(tiny_config())
     before = {k: v.dtype for k, v in model.state_dict().items()}
-    calls = [lambda: Glm53ForCausalLM.from_pretrained(saved, dtype=dtype), lambda: model.to_dtype(dtype),
-             lambda: cast_model(model, dtype), lambda: Glm53ForCausalLM.from_config(tiny_config(), dtype=dtype),
-             lambda: model.save_pretrained(tmp_path / "out", dtype=dtype)]  # fmt: skip
+    calls = [
+        lambda: Glm53ForCausalLM.from_pretrained(saved, dtype=dtype),
+        lambda: model.to_dtype(dtype),
+        lambda: cast_model(model, dtype),
+        lambda: Glm53ForCausalLM.from_config(tiny_config(), dtype=dtype),
+        lambda: model.save_pretrained(tmp_path / "out", dtype=dtype),
+    ]
     for call in calls:
         with pytest.raises(TypeError, match=r"dtype must be one of \['float32', 'bfloat16', 'float16', 'float64'\]"):
             call()

@@ -6,9 +6,9 @@ import shutil
 import pytest
 import torch
 
+from glm53 import Glm53ForCausalLM
 from glm53.config import Glm53Config
 from glm53.errors import CheckpointError
-from glm53 import Glm53ForCausalLM
 
 
 @pytest.mark.parametrize("stale", ["single", "index"])

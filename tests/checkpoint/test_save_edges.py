@@ -96,8 +96,9 @@ def test_empty_writer_still_writes_one_file(tmp_path):
     assert sorted(os.listdir(tmp_path)) == [shards.SINGLE_FILE]
 
 
-@pytest.mark.parametrize("size,expected", [("1KB", 1000), ("1.5kb", 1500), ("3 KiB", 3072), ("7", 7), (12, 12),
-                                           ("2gb", 2 * 10**9)])  # fmt: skip
+@pytest.mark.parametrize(
+    "size,expected", [("1KB", 1000), ("1.5kb", 1500), ("3 KiB", 3072), ("7", 7), (12, 12), ("2gb", 2 * 10**9)]
+)
 def test_parse_size(size, expected):
     assert shards.parse_size(size) == expected
 
@@ -111,6 +112,12 @@ def test_parse_size_refuses(size):
 def test_checkpoint_owns_only_its_own_names():
     """Overwriting replaces these; anything else in the directory (a user's adapter or export) is kept."""
     own = ["config.json", "model.safetensors", "model.safetensors.index.json", "model-00002-of-00017.safetensors"]
-    kept = ["adapter_model.safetensors", "model-final.safetensors", "model-1-of-2.safetensors", "tokenizer.json",
-            "model.safetensors.bak", "generation_config.json"]  # fmt: skip
+    kept = [
+        "adapter_model.safetensors",
+        "model-final.safetensors",
+        "model-1-of-2.safetensors",
+        "tokenizer.json",
+        "model.safetensors.bak",
+        "generation_config.json",
+    ]
     assert [shards.checkpoint_owns(n) for n in own + kept] == [True] * len(own) + [False] * len(kept)

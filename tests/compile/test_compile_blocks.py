@@ -11,9 +11,11 @@ import torch
 from glm53 import Glm53Config, Glm53ForCausalLM
 from glm53.model.context import ForwardContext
 
-BLOCKS = {"KDA-MoE": (1, True),  # KDA chunk kernel, causal convs, mHC, router, grouped experts
-          "MLA-MoE": (3, True),  # indexer, absorbed sparse attention (custom op), router, grouped experts
-          "MLA-per-head-MoE": (3, False)}  # the per-head sparse attention (custom op) instead
+BLOCKS = {
+    "KDA-MoE": (1, True),  # KDA chunk kernel, causal convs, mHC, router, grouped experts
+    "MLA-MoE": (3, True),  # indexer, absorbed sparse attention (custom op), router, grouped experts
+    "MLA-per-head-MoE": (3, False),
+}  # the per-head sparse attention (custom op) instead
 
 
 @pytest.fixture(scope="module")
@@ -85,9 +87,14 @@ def test_compile_blocks_on_packed_documents_matches_eager():
     from glm53.model.compile import compile_blocks
 
     torch.manual_seed(0)
-    config = Glm53Config.tiny(num_hidden_layers=2, layer_types=["linear_attention", "indexed_attention"],
-                              mlp_layer_types=["dense", "sparse"], router_z_loss_coef=1e-2,
-                              num_nextn_predict_layers=1, indexer_loss_weight=0.5)  # fmt: skip
+    config = Glm53Config.tiny(
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "indexed_attention"],
+        mlp_layer_types=["dense", "sparse"],
+        router_z_loss_coef=1e-2,
+        num_nextn_predict_layers=1,
+        indexer_loss_weight=0.5,
+    )
     eager = Glm53ForCausalLM(config)
     with torch.no_grad():
         for p in eager.parameters():

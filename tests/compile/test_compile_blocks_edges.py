@@ -78,8 +78,9 @@ def test_fullgraph_false_compiles_through_a_break_and_matches_eager():
 @pytest.mark.parametrize("fullgraph", [True, False])
 def test_graph_breaking_blocks_stay_eager_under_fullgraph_only(monkeypatch, fullgraph):
     monkeypatch.setattr(compile_mod, "GRAPH_BREAKING", (BreakingBlock,))
-    model = compile_blocks(stand_in(Block(), BreakingBlock(), mtp=(BreakingBlock(),)), backend="eager",
-                           fullgraph=fullgraph)  # fmt: skip
+    model = compile_blocks(
+        stand_in(Block(), BreakingBlock(), mtp=(BreakingBlock(),)), backend="eager", fullgraph=fullgraph
+    )
     assert [is_compiled(b) for b in model_blocks(model)] == [True, not fullgraph, not fullgraph]
     x = torch.randn(2, 4, D)
     for block in model_blocks(model):

@@ -23,8 +23,12 @@ COMMON = dict(num_hidden_layers=2, mlp_layer_types=["dense", "sparse"], router_z
 CONFIGS = {
     "KDA-MoE": dict(COMMON, layer_types=["linear_attention"] * 2),
     # every loss part on: MTP (an MLA + MoE layer), indexer KL, balance and z-loss
-    "hybrid-MLA-MTP": dict(COMMON, layer_types=["linear_attention", "indexed_attention"],
-                           num_nextn_predict_layers=1, indexer_loss_weight=0.5),  # fmt: skip
+    "hybrid-MLA-MTP": dict(
+        COMMON,
+        layer_types=["linear_attention", "indexed_attention"],
+        num_nextn_predict_layers=1,
+        indexer_loss_weight=0.5,
+    ),
 }
 # bf16: eager and compiled run the same bf16 ops (aot_eager generates no code), so they agree to a few roundings
 TOLERANCES = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
@@ -65,8 +69,9 @@ def run(model: Glm53ForCausalLM, fn, batch, inference: bool) -> dict[str, object
     params = [p for p in model.parameters() if p.requires_grad]
     grads = torch.autograd.grad(out.loss, params, allow_unused=True)
     loads = [r.counted_load for r in model.routers() if r.counted_load is not None]
-    return dict(logits=logits, train_logits=out.logits, grads=grads, loads=loads,
-                **{k: getattr(out, k) for k in LOSS_PARTS})  # fmt: skip
+    return dict(
+        logits=logits, train_logits=out.logits, grads=grads, loads=loads, **{k: getattr(out, k) for k in LOSS_PARTS}
+    )
 
 
 def check_parity(name: str, dtype: torch.dtype, fullgraph: bool, inference: bool = True) -> int:

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from glm53 import Glm53ForCausalLM
-from glm53.model.packing import document_boundaries, segment_ids
 from glm53.losses import balance_loss
+from glm53.model.packing import document_boundaries, segment_ids
 from tests.helpers.modules import PACKED_LOSS_PARTS, assert_same_packed_run, packed_loss_batch, packed_loss_model
 
 LOSS_PARTS = PACKED_LOSS_PARTS
@@ -69,8 +69,9 @@ def run(model: Glm53ForCausalLM, fn, cu: list[int]) -> dict[str, object]:
     params = [p for p in model.parameters() if p.requires_grad]
     grads = torch.autograd.grad(out.loss, params, allow_unused=True)
     loads = [r.counted_load for r in model.routers() if r.counted_load is not None]
-    return dict(logits=logits, train_logits=out.logits, grads=grads, loads=loads,
-                **{k: getattr(out, k) for k in LOSS_PARTS})  # fmt: skip
+    return dict(
+        logits=logits, train_logits=out.logits, grads=grads, loads=loads, **{k: getattr(out, k) for k in LOSS_PARTS}
+    )
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -129,11 +130,18 @@ def test_document_balance_loss_with_slot_counts_from_shapes():
         torch.testing.assert_close(got, expected.mean(), rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("bad,match", [(0, "positive int"), (2.0, "positive int"), (True, "positive int"),
-                                       (3, "too small: segment_ids go up to 3")])  # fmt: skip
+@pytest.mark.parametrize(
+    "bad,match",
+    [(0, "positive int"), (2.0, "positive int"), (True, "positive int"), (3, "too small: segment_ids go up to 3")],
+)
 def test_document_balance_loss_rejects_a_bad_document_count(bad, match):
     logits = torch.randn(B * T, 8, generator=torch.Generator().manual_seed(3))
     ids = segment_ids(document_boundaries(B, T, torch.device("cpu"), torch.tensor(PACKED)), B, T)
     with pytest.raises(ValueError, match=f"num_documents.*{match}|{match}"):
-        balance_loss(logits, logits.topk(2, dim=-1).indices, torch.ones(B, T, dtype=torch.bool), segment_ids=ids,
-                     num_documents=bad)
+        balance_loss(
+            logits,
+            logits.topk(2, dim=-1).indices,
+            torch.ones(B, T, dtype=torch.bool),
+            segment_ids=ids,
+            num_documents=bad,
+        )

@@ -25,14 +25,22 @@ from tests.helpers.compile_jobs import refused, step, vocab_loss_compiled
 # KDA layers 0-2 (dense, MoE, MoE), MLA layer 3 and the MTP layer (MLA + MoE) all compiled; every loss part on
 HYBRID = Glm53Config.tiny(num_nextn_predict_layers=1, indexer_loss_weight=0.5, router_z_loss_coef=1e-2)
 # under FSDP one KDA + MoE block: each compiled block kind costs seconds per rank
-ONE_BLOCK = Glm53Config.tiny(num_hidden_layers=1, layer_types=["linear_attention"], mlp_layer_types=["sparse"],
-                             router_z_loss_coef=1e-2)  # fmt: skip
+ONE_BLOCK = Glm53Config.tiny(
+    num_hidden_layers=1, layer_types=["linear_attention"], mlp_layer_types=["sparse"], router_z_loss_coef=1e-2
+)
 # one MLA + MoE block (indexer, sparse attention, every loss part but MTP)
-ONE_MLA_BLOCK = Glm53Config.tiny(num_hidden_layers=1, layer_types=["indexed_attention"], mlp_layer_types=["sparse"],
-                                 router_z_loss_coef=1e-2, indexer_loss_weight=0.5)  # fmt: skip
+ONE_MLA_BLOCK = Glm53Config.tiny(
+    num_hidden_layers=1,
+    layer_types=["indexed_attention"],
+    mlp_layer_types=["sparse"],
+    router_z_loss_coef=1e-2,
+    indexer_loss_weight=0.5,
+)
 # fp32: whole block graphs. bf16 policy: the nested fp32 FSDP units (mHC, router, convs) split each block's graph.
-CASES = {"fp32-checkpointing-MLA": dict(config=ONE_MLA_BLOCK, checkpointing=True),
-         "bf16-policy-KDA": dict(config=ONE_BLOCK, bf16=True)}  # fmt: skip
+CASES = {
+    "fp32-checkpointing-MLA": dict(config=ONE_MLA_BLOCK, checkpointing=True),
+    "bf16-policy-KDA": dict(config=ONE_BLOCK, bf16=True),
+}
 
 
 def make_inputs(config: Glm53Config) -> dict:
@@ -45,8 +53,9 @@ def make_inputs(config: Glm53Config) -> dict:
     ids = torch.randint(1, config.vocab_size, (4, 17), generator=g)
     mask = torch.ones_like(ids)
     mask[1, :5] = 0
-    return dict(config=config.to_dict(), state=model.state_dict(), ids=ids, mask=mask,
-                labels=ids.masked_fill(mask == 0, -100))  # fmt: skip
+    return dict(
+        config=config.to_dict(), state=model.state_dict(), ids=ids, mask=mask, labels=ids.masked_fill(mask == 0, -100)
+    )
 
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
@@ -87,8 +96,9 @@ def test_compiled_blocks_under_tp_match_one_eager_process(pool2, pool4, dp):
         assert got["grads"].keys() == {n for n, p in model.named_parameters() if p.grad is not None}
         for name, p in model.named_parameters():
             if p.grad is not None:
-                torch.testing.assert_close(got["grads"][name], p.grad, rtol=1e-4, atol=1e-6,
-                                           msg=lambda m: f"{name}: {m}")  # fmt: skip
+                torch.testing.assert_close(
+                    got["grads"][name], p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}"
+                )
 
 
 def test_vocab_parallel_loss_compiles_fullgraph_and_matches_eager(pool2):

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from glm53 import Glm53ForCausalLM
+from glm53.losses import balance_loss
 from glm53.model.inputs import packing_fields
 from glm53.model.packing import document_boundaries, document_pool_layout, segment_ids, static_boundaries
-from glm53.losses import balance_loss
 from tests.helpers.modules import PACKED_LOSS_PARTS, assert_same_packed_run, packed_loss_batch, packed_loss_model
 
 LOSS_PARTS = PACKED_LOSS_PARTS
@@ -68,8 +68,9 @@ def run(model: Glm53ForCausalLM, fn, packing: dict[str, torch.Tensor]) -> dict[s
     params = [p for p in model.parameters() if p.requires_grad]
     grads = torch.autograd.grad(out.loss, params, allow_unused=True)
     loads = [r.counted_load for r in model.routers() if r.counted_load is not None]
-    return dict(logits=logits, train_logits=out.logits, grads=grads, loads=loads,
-                **{k: getattr(out, k) for k in LOSS_PARTS})  # fmt: skip
+    return dict(
+        logits=logits, train_logits=out.logits, grads=grads, loads=loads, **{k: getattr(out, k) for k in LOSS_PARTS}
+    )
 
 
 def as_cu_seqlens(pos: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -82,8 +83,12 @@ def as_cu_seqlens(pos: torch.Tensor) -> dict[str, torch.Tensor]:
 def eager(model) -> dict[str, dict[str, dict[str, object]]]:
     """Eager results (position_ids, and the equivalent cu_seqlens) of every case, before anything compiles: an eager
     kernel logging its first use changes a global the compiled graphs guard on (glm53/kernels/dispatch.py)."""
-    return {name: dict(position_ids=run(model, model, dict(position_ids=pos)), cu_seqlens=run(model, model,
-                       as_cu_seqlens(pos))) for name, pos in CASES.items()}  # fmt: skip
+    return {
+        name: dict(
+            position_ids=run(model, model, dict(position_ids=pos)), cu_seqlens=run(model, model, as_cu_seqlens(pos))
+        )
+        for name, pos in CASES.items()
+    }
 
 
 def assert_same_run(got: dict, ref: dict, what: str) -> None:
@@ -134,8 +139,9 @@ def test_compiled_pool_layout_holds_the_whole_pools_in_T_over_L_slots():
     eager_pos, eager_valid = document_pool_layout(valid, document_boundaries(B, T, pos.device, position_ids=pos), kpool)
     starts = torch.ones(B, T, dtype=torch.bool)
     starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
-    layout = torch.compile(lambda v, s: document_pool_layout(v, static_boundaries(s), kpool), backend="eager",
-                           fullgraph=True)  # fmt: skip
+    layout = torch.compile(
+        lambda v, s: document_pool_layout(v, static_boundaries(s), kpool), backend="eager", fullgraph=True
+    )
     got_pos, got_valid = layout(valid, starts)
     assert got_pos.shape == got_valid.shape == (B, T // kpool, kpool)
     for b in range(B):
@@ -168,8 +174,8 @@ def test_document_balance_loss_with_B_times_T_document_slots():
 def test_context_parallel_boundaries_compile_to_static_boundaries():
     """Context parallelism's boundaries (a slice's document starts, model/cp.py; the gathered ids, key_sequence.py)
     compiled (fullgraph): eager's boundaries, then empty documents up to B * T + 1 entries, never None."""
-    from glm53.model.packing import starts_to_cu_seqlens
     from glm53.model.key_sequence import segment_boundaries
+    from glm53.model.packing import starts_to_cu_seqlens
 
     pos = CASES["mid-document-and-length-1"]
     starts = torch.ones(B, T, dtype=torch.bool)

@@ -39,12 +39,18 @@ ELSEWHERE = {
     "python -m glm53 train --resume runs/lora": "tests/peft/test_cli.py::test_lora_run_saves_adapter_resumes_exactly_and_exports_merged",
     "python -m glm53 generate --model CKPT --adapter": "tests/peft/test_cli.py",
     "python -m glm53 train --preset tiny --compile": "tests/compile/test_compile_parallel.py::test_train_cli_compile_flag_compiles_every_block",
-}  # fmt: skip
+}
 # docs/mutation.md's commands run the mutation audit by hand (hours); they are not part of CI by design.
 # The others take minutes or a world of 4 processes: too slow for the suite, for .ci/run to run (lead: pending).
-NOT_RUN = ("pip install mutmut", "cd <repository root>", "export OMP_NUM_THREADS", "mutmut ",
-           "torchrun --nproc-per-node 4 examples/train_distributed.py", "python benchmarks/bench_parallel.py",
-           "python benchmarks/bench_model.py --quick --compile")  # fmt: skip
+NOT_RUN = (
+    "pip install mutmut",
+    "cd <repository root>",
+    "export OMP_NUM_THREADS",
+    "mutmut ",
+    "torchrun --nproc-per-node 4 examples/train_distributed.py",
+    "python benchmarks/bench_parallel.py",
+    "python benchmarks/bench_model.py --quick --compile",
+)
 SMALL_STEPS = {"--steps": "3", "--max-new-tokens": "4"}
 
 
@@ -86,8 +92,9 @@ def test_every_shown_command_is_covered():
         if name:
             assert f"def {name}(" in open(os.path.join(ROOT, path)).read(), (doc, command, where)
     here = [c for _, c in shown_commands() if is_run_here(c)]
-    assert all(c.startswith(("python -m glm53 ", "python examples/", "python benchmarks/", "pip install")) for c in
-               here), here  # fmt: skip
+    assert all(
+        c.startswith(("python -m glm53 ", "python examples/", "python benchmarks/", "pip install")) for c in here
+    ), here
 
 
 def run(words: list[str], cwd: str) -> None:
@@ -100,8 +107,7 @@ def run(words: list[str], cwd: str) -> None:
             os.chdir(old)
         return
     assert words[0] == "python", words
-    proc = subprocess.run([sys.executable, *words[1:]], cwd=cwd, env=ENV, capture_output=True, text=True,
-                          timeout=900)  # fmt: skip
+    proc = subprocess.run([sys.executable, *words[1:]], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (words, proc.stdout[-2000:], proc.stderr[-2000:])
 
 
@@ -120,11 +126,18 @@ def test_shown_commands_run(tmp_path, capsys):
     assert (tmp_path / "runs" / "finetune-example" / "mine" / "metrics.jsonl").is_file()
 
 
-@pytest.mark.parametrize("command,expected", [
-    ("pip install x && python -m glm53 train --steps 120 --save runs/t", ["python", "-m", "glm53", "train", "--steps",
-                                                                          "3", "--save", "runs/t"]),
-    ('python -m glm53 generate --prompt "a b" --max-new-tokens 64 [--mtp 3]',
-     ["python", "-m", "glm53", "generate", "--prompt", "a b", "--max-new-tokens", "4"]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "command,expected",
+    [
+        (
+            "pip install x && python -m glm53 train --steps 120 --save runs/t",
+            ["python", "-m", "glm53", "train", "--steps", "3", "--save", "runs/t"],
+        ),
+        (
+            'python -m glm53 generate --prompt "a b" --max-new-tokens 64 [--mtp 3]',
+            ["python", "-m", "glm53", "generate", "--prompt", "a b", "--max-new-tokens", "4"],
+        ),
+    ],
+)
 def test_shrink(command, expected):
     assert shrink(command) == expected

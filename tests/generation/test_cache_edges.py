@@ -151,7 +151,12 @@ def test_bad_cache_uses(model):
 def test_rewind_through_the_users_forward(model):
     """mark, a user forward (model.model(..., cache=...)) of true then wrong tokens, rewind to the true ones, then
     more such forwards: the logits equal the full forward."""
-    _, got, full, mask = verify_rewind_decode(model, lambda c, chunk: model.model(chunk, cache=c),
-                                              lambda c, ids: model.model(ids[:, None], cache=c),
-                                              [(1, 2), (3, 1), (2, 0)], P=9, N=10)  # fmt: skip
+    _, got, full, mask = verify_rewind_decode(
+        model,
+        lambda c, chunk: model.model(chunk, cache=c),
+        lambda c, ids: model.model(ids[:, None], cache=c),
+        [(1, 2), (3, 1), (2, 0)],
+        P=9,
+        N=10,
+    )
     assert_matches_full(got, full, mask, 1e-5)

@@ -23,14 +23,41 @@ def test_generate_streams_and_reports_speed(checkpoint, capsys):
     out = capsys.readouterr().out
     assert out.startswith("Hello")
     assert "6 new tokens" in out and "decode" in out and "tok/s" in out
-    assert main(["generate", "--model", checkpoint, "--prompt", "Hi", "--max-new-tokens", "5", "--temperature",
-                 "0.8", "--top-p", "0.9", "--seed", "4"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                checkpoint,
+                "--prompt",
+                "Hi",
+                "--max-new-tokens",
+                "5",
+                "--temperature",
+                "0.8",
+                "--top-p",
+                "0.9",
+                "--seed",
+                "4",
+            ]
+        )
+        == 0
+    )
     assert main(["generate", "--model", checkpoint, "--prompt", "Hi", "--max-new-tokens", "5", "--mtp", "2"]) == 0
     assert "acceptance rate" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("flag,value", [("--max-new-tokens", "-1"), ("--temperature", "-0.5"), ("--top-p", "0"),
-                                        ("--top-p", "1.5"), ("--seed", "x"), ("--mtp", "0")])  # fmt: skip
+@pytest.mark.parametrize(
+    "flag,value",
+    [
+        ("--max-new-tokens", "-1"),
+        ("--temperature", "-0.5"),
+        ("--top-p", "0"),
+        ("--top-p", "1.5"),
+        ("--seed", "x"),
+        ("--mtp", "0"),
+    ],
+)
 def test_bad_numbers_are_usage_errors(checkpoint, capsys, flag, value):
     with pytest.raises(SystemExit) as exit_info:
         main(["generate", "--model", checkpoint, "--prompt", "Hi", flag, value])
@@ -90,16 +117,26 @@ def test_prompts_file_is_one_left_padded_batch(checkpoint, capsys, tmp_path):
         assert got == alone
 
 
-BAD_PROMPTS = {"p.txt": ("\n\n", "holds no prompt"), "p.jsonl": ("{bad\n", "line 1: not JSON"),
-               "q.jsonl": ('"ok"\n{"text": "x"}\n', "line 2: expected a JSON string"), "ok.txt": ("Hi\n", "")}  # fmt: skip
+BAD_PROMPTS = {
+    "p.txt": ("\n\n", "holds no prompt"),
+    "p.jsonl": ("{bad\n", "line 1: not JSON"),
+    "q.jsonl": ('"ok"\n{"text": "x"}\n', "line 2: expected a JSON string"),
+    "ok.txt": ("Hi\n", ""),
+}
 
 
-@pytest.mark.parametrize("argv,error", [
-    (["--prompts", "p.txt"], BAD_PROMPTS["p.txt"][1]), (["--prompts", "p.jsonl"], BAD_PROMPTS["p.jsonl"][1]),
-    (["--prompts", "q.jsonl"], BAD_PROMPTS["q.jsonl"][1]), (["--prompts", "missing.txt"], "cannot read"),
-    (["--prompt", "Hi", "--prompts", "ok.txt"], "not allowed with"), (["--prompt", "Hi", "--device", "tpu:0"], "tpu"),
-    (["--prompt", "Hi", "--device", "cuda:7" if not torch.cuda.is_available() else "meta"], "not available"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv,error",
+    [
+        (["--prompts", "p.txt"], BAD_PROMPTS["p.txt"][1]),
+        (["--prompts", "p.jsonl"], BAD_PROMPTS["p.jsonl"][1]),
+        (["--prompts", "q.jsonl"], BAD_PROMPTS["q.jsonl"][1]),
+        (["--prompts", "missing.txt"], "cannot read"),
+        (["--prompt", "Hi", "--prompts", "ok.txt"], "not allowed with"),
+        (["--prompt", "Hi", "--device", "tpu:0"], "tpu"),
+        (["--prompt", "Hi", "--device", "cuda:7" if not torch.cuda.is_available() else "meta"], "not available"),
+    ],
+)
 def test_bad_batch_and_device_flags_are_usage_errors(checkpoint, capsys, tmp_path, argv, error):
     for name, (content, _) in BAD_PROMPTS.items():
         (tmp_path / name).write_text(content)
@@ -117,14 +154,30 @@ def test_chat_applies_the_tokenizers_template(checkpoint, capsys, tmp_path):
     import importlib.util
     import os
 
-    spec = importlib.util.spec_from_file_location("finetune_example", os.path.join(os.path.dirname(__file__), "..",
-                                                                                    "..", "examples", "finetune.py"))
+    spec = importlib.util.spec_from_file_location(
+        "finetune_example", os.path.join(os.path.dirname(__file__), "..", "..", "examples", "finetune.py")
+    )
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     tok_dir = tmp_path / "tok"
     example.build_tokenizer().save_pretrained(tok_dir)
-    assert main(["generate", "--model", checkpoint, "--tokenizer", str(tok_dir), "--prompt", "Hi", "--chat",
-                 "--max-new-tokens", "3"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                checkpoint,
+                "--tokenizer",
+                str(tok_dir),
+                "--prompt",
+                "Hi",
+                "--chat",
+                "--max-new-tokens",
+                "3",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert out.startswith("<|user|>\nHi\n<|assistant|>\n")
     assert main(["generate", "--model", checkpoint, "--prompt", "Hi", "--chat"]) == 1
@@ -132,6 +185,7 @@ def test_chat_applies_the_tokenizers_template(checkpoint, capsys, tmp_path):
 
 
 def test_device_flag_places_the_model(checkpoint, capsys):
-    assert main(["generate", "--model", checkpoint, "--prompt", "Hello", "--max-new-tokens", "3", "--device",
-                 "cpu"]) == 0  # fmt: skip
+    assert (
+        main(["generate", "--model", checkpoint, "--prompt", "Hello", "--max-new-tokens", "3", "--device", "cpu"]) == 0
+    )
     assert "3 new tokens" in capsys.readouterr().out

@@ -64,8 +64,17 @@ def test_seed_top_k_and_top_p_each_sample(checkpoint, capsys):
     assert p[0] == p[1] != greedy
 
 
-@pytest.mark.parametrize("flag,value", [("--max-new-tokens", "0"), ("--top-p", "1"), ("--top-k", "1"),
-                                        ("--temperature", "0"), ("--mtp", "1"), ("--seed", "0")])  # fmt: skip
+@pytest.mark.parametrize(
+    "flag,value",
+    [
+        ("--max-new-tokens", "0"),
+        ("--top-p", "1"),
+        ("--top-k", "1"),
+        ("--temperature", "0"),
+        ("--mtp", "1"),
+        ("--seed", "0"),
+    ],
+)
 def test_numbers_at_their_limits_are_accepted(checkpoint, capsys, flag, value):
     new = "0" if flag == "--max-new-tokens" else "2"
     out = text(checkpoint, capsys, "--max-new-tokens", new, flag, value)
@@ -104,8 +113,9 @@ def test_streamer_holds_back_an_incomplete_character():
     assert codec.decode([ord("H") + BYTE_OFFSET, VOCAB_SIZE, ord("i") + BYTE_OFFSET]) == "Hi"
 
 
-@pytest.mark.parametrize("flags,compile_kw", [([], None), (["--compile"], True), (["--compile", "aot_eager"],
-                                                                                   "aot_eager")])  # fmt: skip
+@pytest.mark.parametrize(
+    "flags,compile_kw", [([], None), (["--compile"], True), (["--compile", "aot_eager"], "aot_eager")]
+)
 def test_what_reaches_generate(checkpoint, capsys, monkeypatch, flags, compile_kw):
     """The options handed to generate, and the speed line reporting generate's count (fewer than asked: an EOS)."""
     seen = {}

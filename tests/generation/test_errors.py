@@ -28,9 +28,19 @@ def model():
         (dict(speculative="mtp"), "MTP layer"),
         (dict(speculative="medusa"), "speculative"),
     ],
-    ids=["negative-new", "float-new", "too-long", "eos-vocab", "eos-negative", "temperature", "top-p", "top-k",
-         "no-mtp", "unknown-speculative"],
-)  # fmt: skip
+    ids=[
+        "negative-new",
+        "float-new",
+        "too-long",
+        "eos-vocab",
+        "eos-negative",
+        "temperature",
+        "top-p",
+        "top-k",
+        "no-mtp",
+        "unknown-speculative",
+    ],
+)
 def test_bad_arguments(model, kwargs, match):
     ids = torch.randint(1, 320, (1, 5))
     with pytest.raises(GenerationError, match=match):

@@ -65,7 +65,7 @@ BAD = {
     "mask-two": (dict(attention_mask=torch.full((2, 4), 2)), "attention_mask must hold only 0"),
     "mask-half": (dict(attention_mask=torch.full((2, 4), 0.5)), "attention_mask must hold only 0"),
     "mask-negative": (dict(attention_mask=-torch.ones(2, 4)), "attention_mask must hold only 0"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
@@ -79,8 +79,18 @@ def test_bad_arguments_name_the_argument(model, case):
 def test_good_values_of_the_same_arguments_still_work(model):
     """Ints for float options, a float mask of 0/1, the same generator device: accepted, and equal to greedy."""
     greedy = generate(model, IDS, max_new_tokens=2)
-    same = generate(model, IDS, attention_mask=torch.ones(2, 4), max_new_tokens=2, do_sample=True, temperature=1,
-                    top_k=1, top_p=1, pad_token_id=0, generator=torch.Generator().manual_seed(0))  # fmt: skip
+    same = generate(
+        model,
+        IDS,
+        attention_mask=torch.ones(2, 4),
+        max_new_tokens=2,
+        do_sample=True,
+        temperature=1,
+        top_k=1,
+        top_p=1,
+        pad_token_id=0,
+        generator=torch.Generator().manual_seed(0),
+    )
     assert torch.equal(same, greedy)
 
 
@@ -93,10 +103,15 @@ def test_generator_on_another_device_than_the_model():
 
 
 @pytest.mark.parametrize("step", ["decode", "verify"])
-@pytest.mark.parametrize("case,match", [
-    ("float", "takes integer ids"), ("list", "takes ids as a torch.Tensor, got list"),
-    ("meta", "ids is on the meta device"), ("not-a-cache", "takes a GenerationCache, got dict"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "case,match",
+    [
+        ("float", "takes integer ids"),
+        ("list", "takes ids as a torch.Tensor, got list"),
+        ("meta", "ids is on the meta device"),
+        ("not-a-cache", "takes a GenerationCache, got dict"),
+    ],
+)
 def test_step_inputs(model, step, case, match):
     """The generation step (decode and verify shapes): a meta ids tensor decoded NaNs, a float one failed in
     F.embedding."""

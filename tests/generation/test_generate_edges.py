@@ -10,8 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from glm53.generation import GenerationCache, GenerationError, loop
-from glm53.generation import step
+from glm53.generation import GenerationCache, GenerationError, loop, step
 from glm53.model.cache import MlaCache
 from tests.helpers.generation import left_padded, tiny_model
 
@@ -128,8 +127,10 @@ def test_generate_reserves_the_buffers_once(run, monkeypatch):
 
 BAD = {
     "hole-in-mask": (dict(attention_mask=torch.tensor([[1, 0, 1, 1]])), "left-padded"),
-    "all-padding-row": (dict(input_ids=torch.ones(2, 4).long(),
-                             attention_mask=torch.tensor([[0, 0, 0, 0], [1, 1, 1, 1]])), "a token last"),
+    "all-padding-row": (
+        dict(input_ids=torch.ones(2, 4).long(), attention_mask=torch.tensor([[0, 0, 0, 0], [1, 1, 1, 1]])),
+        "a token last",
+    ),
     "float-ids": (dict(input_ids=torch.ones(1, 4)), "non-empty integer"),
     "1d-ids": (dict(input_ids=torch.ones(4, dtype=torch.long)), "non-empty integer"),
     "mask-shape": (dict(attention_mask=torch.ones(1, 3)), r"attention_mask has shape \(1, 3\)"),
@@ -141,7 +142,7 @@ BAD = {
     "zero-top-p": (dict(do_sample=True, top_p=0.0), "top_p"),
     "pad-equals-vocab": (dict(pad_token_id=320), "pad_token_id 320"),
     "negative-pad": (dict(pad_token_id=-1), "pad_token_id -1"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", list(BAD), ids=list(BAD))

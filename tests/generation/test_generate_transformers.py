@@ -15,15 +15,17 @@ from tests.helpers.generation import left_padded
 from tests.helpers.oracle import hf_model
 
 NEW = 10
-SHARED = dict(num_hidden_layers=5, layer_types=["linear_attention", "indexed_attention", "indexed_attention",
-                                                "linear_attention", "indexed_attention"],
-              mlp_layer_types=["dense", "sparse", "sparse", "dense", "sparse"],
-              indexer_types=["full", "full", "shared", "full", "full"])  # fmt: skip
+SHARED = dict(
+    num_hidden_layers=5,
+    layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention", "indexed_attention"],
+    mlp_layer_types=["dense", "sparse", "sparse", "dense", "sparse"],
+    indexer_types=["full", "full", "shared", "full", "full"],
+)
 CASES = {
     "leftpad-23-18-7": dict(config=dict(index_topk=64), lengths=[23, 18, 7], eos=True),
     # adjacent attention layers: the only shared top-k pattern transformers supports
     "shared-topk": dict(config=dict(index_topk=64, **SHARED), lengths=[15, 9]),
-}  # fmt: skip
+}
 
 
 def load_pair(tmp_path, overrides: dict):
@@ -49,8 +51,9 @@ def test_greedy_equals_transformers(tmp_path, case):
 def check_eos(hf, ours, ids, mask, free):
     """Each row stops at its first EOS; later positions hold pad_token_id; as transformers does."""
     eos = int(free[0, ids.shape[1] + 4])  # row 0 stops after 5 new tokens; the others run on unless they meet it
-    ref = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0,
-                      eos_token_id=eos)  # fmt: skip
+    ref = hf.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0, eos_token_id=eos
+    )
     got = ours.generate(ids, mask, max_new_tokens=NEW, eos_token_id=eos)
     assert torch.equal(got, ref)
     assert got[0, ids.shape[1] + 4] == eos and (got[0, ids.shape[1] + 5 :] == 0).all()

@@ -17,23 +17,24 @@ from tests.helpers.generation import assert_matches_full, case_inputs, greedy_by
 
 REL_TOL = 1e-5
 REL_TOL_RANDOM = 1e-4  # unit-gain random weights (see the module docstring)
-GLM_SHARED = dict(num_hidden_layers=4, layer_types=["indexed_attention", "linear_attention", "indexed_attention",
-                                                    "linear_attention"],
-                  mlp_layer_types=["dense", "sparse", "sparse", "dense"], indexer_types=["full", "full", "shared",
-                                                                                          "full"])  # fmt: skip
+GLM_SHARED = dict(
+    num_hidden_layers=4,
+    layer_types=["indexed_attention", "linear_attention", "indexed_attention", "linear_attention"],
+    mlp_layer_types=["dense", "sparse", "sparse", "dense"],
+    indexer_types=["full", "full", "shared", "full"],
+)
 KDA_ONLY = dict(num_hidden_layers=2, layer_types=["linear_attention"] * 2, mlp_layer_types=["dense", "sparse"])
 CASES = {
     "sparse-P13-N12": dict(config={}, P=13, N=12),
     "sparse-P13-N12-random-weights": dict(config={}, P=13, N=12, random=True),
     "per-head-attention": dict(config={}, P=13, N=12, absorb=False),
-    "kpool1-no-tail": dict(config=dict(index_kpool=1, index_topk=6, index_kpool_always_select_tail=False), P=9,
-                           N=10),
+    "kpool1-no-tail": dict(config=dict(index_kpool=1, index_topk=6, index_kpool_always_select_tail=False), P=9, N=10),
     # a shared layer reusing the top-k of a full layer across a KDA layer (glm53 carries it; transformers cannot)
     "shared-across-kda": dict(config=GLM_SHARED, P=11, N=9),
     "prompt-past-kda-chunk-P70": dict(config={}, P=70, N=5),
     "softplus-gate": dict(config=dict(linear_lower_bound=None), P=10, N=6),
     "kda-only": dict(config=KDA_ONLY, P=9, N=7),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))

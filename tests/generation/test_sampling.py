@@ -41,8 +41,14 @@ def test_samples_stay_in_the_allowed_set(top_k, top_p, temperature):
 def test_generate_sampling_reproducible_and_filtered():
     model = tiny_model()
     ids, mask = left_padded(model.config.vocab_size, [7, 4])
-    run = lambda seed, **kw: model.generate(ids, mask, max_new_tokens=6, do_sample=True,  # noqa: E731
-                                            generator=torch.Generator().manual_seed(seed), **kw)  # fmt: skip
+    run = lambda seed, **kw: model.generate(
+        ids,
+        mask,
+        max_new_tokens=6,
+        do_sample=True,  # noqa: E731
+        generator=torch.Generator().manual_seed(seed),
+        **kw,
+    )
     a, b, c = run(0, top_p=0.9), run(0, top_p=0.9), run(1, top_p=0.9)
     assert torch.equal(a, b)
     assert not torch.equal(a, c)

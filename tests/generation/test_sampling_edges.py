@@ -65,8 +65,14 @@ def test_sampled_frequencies_follow_the_tempered_distribution(temperature):
     same seed."""
     logits = torch.tensor([1.0, 0.0, -1.0, 0.5]).log_softmax(-1).expand(4000, 4)
     want = (logits[0] / temperature).softmax(-1)
-    draw = lambda seed: next_tokens(logits, True, temperature, None, None,  # noqa: E731
-                                    torch.Generator().manual_seed(seed))  # fmt: skip
+    draw = lambda seed: next_tokens(
+        logits,
+        True,
+        temperature,
+        None,
+        None,  # noqa: E731
+        torch.Generator().manual_seed(seed),
+    )
     picks = draw(0)
     freq = torch.bincount(picks, minlength=4).float() / picks.numel()
     torch.testing.assert_close(freq, want, atol=0.025, rtol=0)

@@ -26,8 +26,9 @@ def greedy_run():
 def test_speculative_equals_greedy(greedy_run, k):
     """Sparse regime (index_topk 8), left-padded batch, per-row EOS."""
     model, ids, mask, eos, plain = greedy_run
-    fast, stats = model.generate(ids, mask, max_new_tokens=NEW, eos_token_id=eos, speculative="mtp",
-                                 num_speculative_tokens=k, return_stats=True)  # fmt: skip
+    fast, stats = model.generate(
+        ids, mask, max_new_tokens=NEW, eos_token_id=eos, speculative="mtp", num_speculative_tokens=k, return_stats=True
+    )
     assert torch.equal(fast, plain)
     assert stats.drafted > 0 and 0.0 <= stats.acceptance_rate <= 1.0
 
@@ -55,8 +56,9 @@ def test_acceptance_is_one_with_an_exact_draft_model(k):
     model = oracle_mtp_model()
     ids, mask = left_padded(model.config.vocab_size, [9, 5], seed=3)
     plain = model.generate(ids, mask, max_new_tokens=NEW)
-    fast, stats = model.generate(ids, mask, max_new_tokens=NEW, speculative="mtp", num_speculative_tokens=k,
-                                 return_stats=True)  # fmt: skip
+    fast, stats = model.generate(
+        ids, mask, max_new_tokens=NEW, speculative="mtp", num_speculative_tokens=k, return_stats=True
+    )
     assert torch.equal(fast, plain)
     assert stats.acceptance_rate == 1.0
     # the first token comes from the prefill, then k + 1 per verify forward
@@ -71,5 +73,6 @@ def test_speculative_equals_greedy_other_stacks(config):
     ids, mask = left_padded(model.config.vocab_size, [9, 6], seed=5)
     plain = model.generate(ids, mask, max_new_tokens=NEW)
     for k in (1, 2, 3):
-        assert torch.equal(model.generate(ids, mask, max_new_tokens=NEW, speculative="mtp", num_speculative_tokens=k),
-                           plain)  # fmt: skip
+        assert torch.equal(
+            model.generate(ids, mask, max_new_tokens=NEW, speculative="mtp", num_speculative_tokens=k), plain
+        )

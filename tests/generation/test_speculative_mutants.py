@@ -67,8 +67,9 @@ def test_acceptance_counts_only_leading_matches_of_active_rows(monkeypatch):
         return torch.stack(chain, dim=1)
 
     _recording_drafter(monkeypatch, forge)
-    fast, stats = model.generate(ids, mask, max_new_tokens=NEW, eos_token_id=eos, speculative="mtp",
-                                 num_speculative_tokens=s, return_stats=True)  # fmt: skip
+    fast, stats = model.generate(
+        ids, mask, max_new_tokens=NEW, eos_token_id=eos, speculative="mtp", num_speculative_tokens=s, return_stats=True
+    )
     assert torch.equal(fast, model.generate(ids, mask, max_new_tokens=NEW, eos_token_id=eos))
     assert stats.verify_forwards == NEW - 1  # a = 0 each step: the pick after the token only
     assert stats.accepted == s * k  # row 0 in steps 1 .. k (it emits EOS in step k)

@@ -59,8 +59,9 @@ def test_rewind_after_a_verify_with_wrong_tokens(config):
     and decode steps, across pool boundaries; the logits of the kept tokens equal the full forward."""
     model = tiny_model(random_weights=False, **config)
     plan = [(1, 2), (3, 0), (2, 1), (1, 3), (4, 0), (2, 2)]  # kept true tokens, then wrong ones (none: keep all)
-    cache, got, full, mask = verify_rewind_decode(model, lambda c, chunk: step(model, c, chunk),
-                                                  lambda c, ids: step(model, c, ids[:, None]), plan, P=9, N=14)
+    cache, got, full, mask = verify_rewind_decode(
+        model, lambda c, chunk: step(model, c, chunk), lambda c, ids: step(model, c, ids[:, None]), plan, P=9, N=14
+    )
     assert_matches_full(got, full, mask, REL_TOL)
     assert cache.seq_len == 9 + 14
 
@@ -165,11 +166,20 @@ def test_cache_bytes_are_the_latent_and_one_pooled_key_per_pool():
         step(model, cache, ids, mask.bool())
     B, S, L, Z, Ki = 2, 13, cfg.index_kpool, cfg.kv_lora_rank, cfg.index_head_dim
     C, W = cfg.linear_num_heads * cfg.linear_head_dim, cfg.linear_conv_kernel_dim
-    full_mla = sum(1 for i, t in enumerate(cfg.indexer_types) if cfg.layer_types[i] != "linear_attention" and t == "full")
+    full_mla = sum(
+        1 for i, t in enumerate(cfg.indexer_types) if cfg.layer_types[i] != "linear_attention" and t == "full"
+    )
     shared_mla = len(cfg.attention_layers) - full_mla
     kda = cfg.num_hidden_layers - len(cfg.attention_layers)
-    want = 4 * B * (full_mla * (S * Z + (S // L) * Ki) + shared_mla * S * Z
-                    + kda * (cfg.linear_num_heads * cfg.linear_head_dim**2 + 3 * C * (W - 1)))  # fmt: skip
+    want = (
+        4
+        * B
+        * (
+            full_mla * (S * Z + (S // L) * Ki)
+            + shared_mla * S * Z
+            + kda * (cfg.linear_num_heads * cfg.linear_head_dim**2 + 3 * C * (W - 1))
+        )
+    )
     assert cache.nbytes() == want
     assert cache.seq_len == S
 
@@ -215,5 +225,6 @@ def test_generate_compiled_with_inductor_equals_eager():
     ids, mask = left_padded(model.config.vocab_size, [7, 5])
     plain = model.generate(ids, mask, max_new_tokens=4)
     assert torch.equal(model.generate(ids, mask, max_new_tokens=4, compile=True), plain)
-    assert torch.equal(model.generate(ids, mask, max_new_tokens=4, compile=True, speculative="mtp",
-                                      num_speculative_tokens=2), plain)  # fmt: skip
+    assert torch.equal(
+        model.generate(ids, mask, max_new_tokens=4, compile=True, speculative="mtp", num_speculative_tokens=2), plain
+    )

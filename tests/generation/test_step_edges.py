@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from glm53.generation import GenerationCache
-from glm53.generation import step
+from glm53.generation import GenerationCache, step
 from tests.generation.test_incremental import REL_TOL
 from tests.helpers.generation import assert_matches_full, left_padded, tiny_model
 
@@ -23,7 +22,9 @@ def _decoded(model, ids, mask) -> torch.Tensor:
     with torch.inference_mode():
         cache = GenerationCache(model)
         model.model(ids[:, :P], mask[:, :P], cache=cache)
-        return torch.stack([model.lm_head(step(model, cache, ids[:, t : t + 1]))[:, 0] for t in range(P, P + N)], 1).float()
+        return torch.stack(
+            [model.lm_head(step(model, cache, ids[:, t : t + 1]))[:, 0] for t in range(P, P + N)], 1
+        ).float()
 
 
 def test_decode_step_of_a_bf16_model():

@@ -10,11 +10,11 @@ import torch
 
 from glm53.__main__ import main
 from glm53.generation.loop import generate
-from glm53.training.vl_prompt import vl_prompt
 from glm53.training.data.tokenize import TextTokenizer
 from glm53.training.data.vl_records import Media
 from glm53.training.data.vl_tokenize import VLEncoder
 from glm53.training.vl_finetune import processors
+from glm53.training.vl_prompt import vl_prompt
 from glm53.vision.model import Glm53ForConditionalGeneration
 from tests.helpers.vl_data import tiny_vl_model, vl_tokenizer, write_frames, write_image
 
@@ -50,19 +50,43 @@ def test_cached_generation_equals_full_forward(vl_dir, placeholders):
     # media first: the image leads; with placeholders the video comes first, after "Here "
     assert (row.index(t.video_start_token_id) < row.index(t.image_start_token_id)) == placeholders
     out = generate(model, ids, None, max_new_tokens=4, inputs_embeds=embeds, eos_token_id=[])
-    enc = VLEncoder(TextTokenizer(ckpt), *processors(model, argparse.Namespace(
-        image_min_tokens=16, image_max_tokens=8000, video_max_tokens=240000)))  # fmt: skip
+    enc = VLEncoder(
+        TextTokenizer(ckpt),
+        *processors(model, argparse.Namespace(image_min_tokens=16, image_max_tokens=8000, video_max_tokens=240000)),
+    )
     spans = [enc.span(Media("image", image, "i"), "t"), enc.span(Media("video", clip, "v", 2.0), "t")]
-    vision = dict(pixel_values=enc.pixels(spans[0]), image_grid_thw=torch.tensor([list(spans[0].grid)]),
-                  pixel_values_videos=enc.pixels(spans[1]), video_grid_thw=torch.tensor([list(spans[1].grid)]))
+    vision = dict(
+        pixel_values=enc.pixels(spans[0]),
+        image_grid_thw=torch.tensor([list(spans[0].grid)]),
+        pixel_values_videos=enc.pixels(spans[1]),
+        video_grid_thw=torch.tensor([list(spans[1].grid)]),
+    )
     with torch.no_grad():
         assert out[0, ids.shape[1] :].tolist() == _greedy_full(model, ids, vision, 4)
 
 
 def test_cli_streams_an_answer(vl_dir, capsys):
     tmp, ckpt, image, clip = vl_dir
-    assert main(["generate", "--model", ckpt, "--image", image, "--video", clip, "--video-fps", "2", "--prompt",
-                 "Describe <image> and <video>.", "--max-new-tokens", "4"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                ckpt,
+                "--image",
+                image,
+                "--video",
+                clip,
+                "--video-fps",
+                "2",
+                "--prompt",
+                "Describe <image> and <video>.",
+                "--max-new-tokens",
+                "4",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert out.startswith("Describe <image> and <video>.") and "4 new tokens" in out
 

@@ -35,9 +35,13 @@ atexit.register(shutil.rmtree, _TMP, True)
 
 def tiny_config(**overrides) -> Glm53Config:
     """4 layers [KDA, MLA full, MLA shared, KDA] (a pattern transformers runs), nested with a tiny vision tower."""
-    base = dict(hidden_size=36, q_lora_rank=20, kv_lora_rank=12,
-                layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"],
-                indexer_types=["full", "full", "shared", "full"])  # fmt: skip
+    base = dict(
+        hidden_size=36,
+        q_lora_rank=20,
+        kv_lora_rank=12,
+        layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"],
+        indexer_types=["full", "full", "shared", "full"],
+    )
     base.update(overrides)
     text = Glm53Config.tiny(**base).to_dict()
     return Glm53Config.from_dict({"text_config": text, "vision_config": dict(TINY_VISION)})
@@ -64,8 +68,9 @@ def read_all(path: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def mtp_tensors(state: dict[str, torch.Tensor], config: Glm53Config, with_indexer: bool = True,
-                seed: int = 1) -> dict[str, torch.Tensor]:  # fmt: skip
+def mtp_tensors(
+    state: dict[str, torch.Tensor], config: Glm53Config, with_indexer: bool = True, seed: int = 1
+) -> dict[str, torch.Tensor]:
     """A release-style MTP layer at layers.{N}: eh_proj, enorm, hnorm, shared_head.norm and an MLA+MoE block."""
     n, h = config.num_hidden_layers, config.hidden_size
     gen = torch.Generator().manual_seed(seed)
@@ -78,7 +83,7 @@ def mtp_tensors(state: dict[str, torch.Tensor], config: Glm53Config, with_indexe
     src = f"{TEXT}layers.{config.attention_layers[0]}."
     for key, tensor in state.items():
         if key.startswith(src) and ".hc_" not in key and (with_indexer or ".indexer." not in key):
-            out[f"{TEXT}layers.{n}." + key[len(src):]] = tensor + 0.01 * torch.randn(tensor.shape, generator=gen)
+            out[f"{TEXT}layers.{n}." + key[len(src) :]] = tensor + 0.01 * torch.randn(tensor.shape, generator=gen)
     return out
 
 
@@ -108,8 +113,11 @@ def write_checkpoint(path: str, state: dict[str, torch.Tensor], config: dict, sh
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     if not sharded:
-        save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(path, "model.safetensors"),
-                  metadata={"format": "pt"})  # fmt: skip
+        save_file(
+            {k: v.contiguous() for k, v in state.items()},
+            os.path.join(path, "model.safetensors"),
+            metadata={"format": "pt"},
+        )
         return
     groups: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in state.items():
@@ -126,14 +134,18 @@ def write_checkpoint(path: str, state: dict[str, torch.Tensor], config: dict, sh
 
 def fp8_config_dict(config: Glm53Config, block=BLOCK) -> dict:
     d = config.to_official_dict()
-    d["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                "weight_block_size": list(block),
-                                "modules_to_not_convert": list(NOT_CONVERTED)}  # fmt: skip
+    d["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(block),
+        "modules_to_not_convert": list(NOT_CONVERTED),
+    }
     d["dtype"] = "bfloat16"
     return d
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _official_state() -> dict[str, torch.Tensor]:
     """A random tiny model's official state (written and read back) plus a real transformers vision tower."""
     config = tiny_config()
@@ -144,7 +156,7 @@ def _official_state() -> dict[str, torch.Tensor]:
     return {**read_all(base), **vision}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def fp8_source(mtp_indexer: bool = True) -> tuple[str, dict[str, torch.Tensor]]:
     """(directory of the sharded FP8 checkpoint, the unquantised official state it was made from)."""
     config = tiny_config()

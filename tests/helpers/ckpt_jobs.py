@@ -22,16 +22,22 @@ from glm53.checkpoint.reader import checkpoint_files
 from glm53.parallel import context_parallel_inputs, loss_parallel_context, parallelize
 from glm53.parallel.load import SliceReader, load_pretrained
 from tests.helpers.checkpoints import BLOCK, fp8_config_dict, quantize_state, read_all, write_checkpoint
-from tests.helpers.oracle import TINY_VISION, randomize
 from tests.helpers.expert_jobs import build_ep_mesh
+from tests.helpers.oracle import TINY_VISION, randomize
 from tests.helpers.parallel_jobs import build_mesh, full
 
 
 def ckpt_config(**overrides) -> Glm53Config:
-    base = dict(hidden_size=36, num_attention_heads=4, num_key_value_heads=4, linear_num_heads=4,
-                num_nextn_predict_layers=1, indexer_loss_weight=1.0,
-                layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"],
-                indexer_types=["full", "full", "shared", "full"])  # fmt: skip
+    base = dict(
+        hidden_size=36,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        linear_num_heads=4,
+        num_nextn_predict_layers=1,
+        indexer_loss_weight=1.0,
+        layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"],
+        indexer_types=["full", "full", "shared", "full"],
+    )
     base.update(overrides)
     # Nested with a tiny vision tower, as the release's config.json is, so transformers builds a small model.
     text = Glm53Config.tiny(**base).to_dict()
@@ -140,8 +146,16 @@ def sharded_load_step(path: str, ids: torch.Tensor, dp: int, tp: int, to_empty: 
     grads = {n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
     params = {n: full(p) for n, p in model.named_parameters()}
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
-    return dict(loss=loss, grads=grads, params=params, buffers=buffers, bytes_read=reader.bytes_read,
-                counted=reader.counted, expected=expected_bytes(model, path), keys=sorted(reader.keys))  # fmt: skip
+    return dict(
+        loss=loss,
+        grads=grads,
+        params=params,
+        buffers=buffers,
+        bytes_read=reader.bytes_read,
+        counted=reader.counted,
+        expected=expected_bytes(model, path),
+        keys=sorted(reader.keys),
+    )
 
 
 def reference_load_step(path: str, ids: torch.Tensor, dp: int) -> dict:
@@ -192,8 +206,9 @@ def _train_step(model, mesh, optimizer, ids: torch.Tensor, step: bool = True) ->
     return mean_over_data_ranks(full(loss), mesh)
 
 
-def save_then_continue(init: str, save: str, batches: list[torch.Tensor], dp: int, tp: int,
-                       ep: int = 1, cp: int = 1) -> list[float]:  # fmt: skip
+def save_then_continue(
+    init: str, save: str, batches: list[torch.Tensor], dp: int, tp: int, ep: int = 1, cp: int = 1
+) -> list[float]:
     """Step on batches[0], save the training state (DCP) to `save`, then step on batches[1] and read the loss on
     batches[2] -> [loss 1, loss 2, loss 3]."""
     from glm53.parallel.export import shared_atomic_directory
@@ -209,8 +224,9 @@ def save_then_continue(init: str, save: str, batches: list[torch.Tensor], dp: in
     return [first.item(), second.item(), third.item()]
 
 
-def resume_and_continue(init: str, save: str, batches: list[torch.Tensor], dp: int, tp: int,
-                        ep: int = 1, cp: int = 1) -> list[float]:  # fmt: skip
+def resume_and_continue(
+    init: str, save: str, batches: list[torch.Tensor], dp: int, tp: int, ep: int = 1, cp: int = 1
+) -> list[float]:
     """Build on another layout (dp = 0: one process), load the training state, step on batches[1], read the
     loss on batches[2] -> [loss 2, loss 3, restored step]."""
     from glm53.parallel.train_state import read_training_state

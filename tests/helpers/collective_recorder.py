@@ -20,8 +20,19 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from glm53.parallel import comm
 
-COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-               "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "scatter", "gather")  # fmt: skip
+COLLECTIVES = (
+    "all_reduce",
+    "reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "scatter",
+    "gather",
+)
 
 
 def _tensors(x):

@@ -19,8 +19,18 @@ from tests.helpers.parallel_jobs import build_mesh, full
 PARTS = ("loss", "lm_loss", "mtp_loss", "aux_loss", "indexer_loss")
 
 
-def step(config: dict, state: dict, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor, dp: int,
-         compile: bool, bf16: bool = False, checkpointing: bool = False, tp: int = 1) -> dict:  # fmt: skip
+def step(
+    config: dict,
+    state: dict,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    labels: torch.Tensor,
+    dp: int,
+    compile: bool,
+    bf16: bool = False,
+    checkpointing: bool = False,
+    tp: int = 1,
+) -> dict:
     """This rank's dp share of the rows through a parallelized model (a dp x tp mesh) -> loss parts, full
     gradients, graph breaks."""
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
@@ -30,8 +40,14 @@ def step(config: dict, state: dict, ids: torch.Tensor, mask: torch.Tensor, label
     model = Glm53ForCausalLM(Glm53Config(**config))
     model.load_state_dict(state)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
-    parallelize(model, mesh, mp_policy=policy, activation_checkpointing=checkpointing, compile=compile,
-                compile_backend="aot_eager")  # fmt: skip
+    parallelize(
+        model,
+        mesh,
+        mp_policy=policy,
+        activation_checkpointing=checkpointing,
+        compile=compile,
+        compile_backend="aot_eager",
+    )
     rows = slice(mesh.get_local_rank("dp") * (ids.shape[0] // dp) if dp > 1 else 0, None)
     rows = slice(rows.start, rows.start + ids.shape[0] // dp)
     with loss_parallel_context(model):
@@ -39,8 +55,12 @@ def step(config: dict, state: dict, ids: torch.Tensor, mask: torch.Tensor, label
         out.loss.backward()
     grads = {n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
     parts = {n: full(getattr(out, n)) for n in PARTS if getattr(out, n) is not None}
-    return dict(parts=parts, grads=grads, graph_breaks=sum(counters["graph_break"].values()),
-                graphs=counters["stats"]["unique_graphs"])  # fmt: skip
+    return dict(
+        parts=parts,
+        grads=grads,
+        graph_breaks=sum(counters["graph_break"].values()),
+        graphs=counters["stats"]["unique_graphs"],
+    )
 
 
 def refused(config: dict) -> list[str]:
@@ -48,8 +68,10 @@ def refused(config: dict) -> list[str]:
     from torch.distributed.device_mesh import init_device_mesh
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    cases = [(build_mesh(2, 1), dict(mp_policy=policy, activation_checkpointing=True)),
-             (init_device_mesh("cpu", (2,), mesh_dim_names=("ep",)), {})]  # fmt: skip
+    cases = [
+        (build_mesh(2, 1), dict(mp_policy=policy, activation_checkpointing=True)),
+        (init_device_mesh("cpu", (2,), mesh_dim_names=("ep",)), {}),
+    ]
     errors = []
     for mesh, options in cases:
         model = Glm53ForCausalLM(Glm53Config(**config))

@@ -9,12 +9,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from glm53.parallel import CpShards
 from glm53.losses import sharded_balance_loss
+from glm53.parallel import CpShards
 
 
-def sharded_balance_job(logits: torch.Tensor, indices: torch.Tensor, valid: torch.Tensor, segment_ids: torch.Tensor,
-                        num_sequences: torch.Tensor | None = None, explain: bool = False) -> dict:  # fmt: skip
+def sharded_balance_job(
+    logits: torch.Tensor,
+    indices: torch.Tensor,
+    valid: torch.Tensor,
+    segment_ids: torch.Tensor,
+    num_sequences: torch.Tensor | None = None,
+    explain: bool = False,
+) -> dict:
     """This rank's slice of [B, T, E] logits, [B, T, k] indices, valid and global segment ids through
     `sharded_balance_loss` -> its share, the gradient of its share w.r.t. its logits (the stack's backward adds the
     other ranks' parts) and, with `explain`, torch._dynamo.explain's graph-break count of the same call."""

@@ -41,9 +41,18 @@ def kda_sharded_job(leaves: list[torch.Tensor], cot: torch.Tensor, doc_starts: t
     return dict(o=o.detach(), grads=[g.detach() for g in grads])
 
 
-def cp_step(config: dict, state: dict, ids: torch.Tensor, dp: int, cp: int, checkpointing: bool = False,
-            mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-            cu_seqlens: torch.Tensor | None = None, bf16: bool = False) -> dict:  # fmt: skip
+def cp_step(
+    config: dict,
+    state: dict,
+    ids: torch.Tensor,
+    dp: int,
+    cp: int,
+    checkpointing: bool = False,
+    mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    bf16: bool = False,
+) -> dict:
     """Forward/backward/bias update on a (dp, cp) mesh: this rank's dp block of rows, its cp slice of them.
     Packed documents as `position_ids` [B, T], or (dp 1) as `cu_seqlens` over the flattened batch."""
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
@@ -57,9 +66,14 @@ def cp_step(config: dict, state: dict, ids: torch.Tensor, dp: int, cp: int, chec
     rank_dp = mesh.get_local_rank("dp") if dp > 1 else 0
     rows = slice(rank_dp * per, (rank_dp + 1) * per)
     row_mask = None if mask is None else mask[rows]
-    kwargs = context_parallel_inputs(model, ids[rows], labels=labels_for(ids[rows], row_mask), attention_mask=row_mask,
-                                     position_ids=None if position_ids is None else position_ids[rows],
-                                     cu_seqlens=cu_seqlens)  # fmt: skip
+    kwargs = context_parallel_inputs(
+        model,
+        ids[rows],
+        labels=labels_for(ids[rows], row_mask),
+        attention_mask=row_mask,
+        position_ids=None if position_ids is None else position_ids[rows],
+        cu_seqlens=cu_seqlens,
+    )
     out = model(**kwargs)
     out.loss.backward()
     loss, parts = full(out.loss), loss_parts(out)
@@ -69,12 +83,23 @@ def cp_step(config: dict, state: dict, ids: torch.Tensor, dp: int, cp: int, chec
             value /= dp
     grads = {n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
     model.update_router_bias(BIAS_RATE)
-    return dict(loss=loss, parts=parts, grads=grads, biases=router_biases(model), logits=out.logits.detach(),
-                offset=kwargs["cp"].offset)  # fmt: skip
+    return dict(
+        loss=loss,
+        parts=parts,
+        grads=grads,
+        biases=router_biases(model),
+        logits=out.logits.detach(),
+        offset=kwargs["cp"].offset,
+    )
 
 
-def cp_reference(config: dict, state: dict, ids: torch.Tensor, mask: torch.Tensor | None = None,
-                 position_ids: torch.Tensor | None = None) -> dict:  # fmt: skip
+def cp_reference(
+    config: dict,
+    state: dict,
+    ids: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+) -> dict:
     """One process on the whole batch: losses, gradients, the router biases after one update, logits."""
     model = Glm53ForCausalLM(Glm53Config(**config))
     model.load_state_dict(state)
@@ -82,11 +107,13 @@ def cp_reference(config: dict, state: dict, ids: torch.Tensor, mask: torch.Tenso
     out.loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.update_router_bias(BIAS_RATE)
-    return dict(loss=out.loss.detach(), parts=loss_parts(out), grads=grads, biases=router_biases(model),
-                logits=out.logits.detach())
-
-
-
+    return dict(
+        loss=out.loss.detach(),
+        parts=loss_parts(out),
+        grads=grads,
+        biases=router_biases(model),
+        logits=out.logits.detach(),
+    )
 
 
 class OneRank:
@@ -111,6 +138,7 @@ class OneRank:
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
         return x.detach()
+
 
 __all__ = ["OneRank", "cp_reference", "cp_step", "kda_sharded_job"]
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -48,8 +47,9 @@ def run_pair(full, shared, inputs: dict, cp=None, record: bool = True, checkpoin
     x2 = local["x2"].clone().requires_grad_()
     segment_ids = local["segment_ids"]
     cu = None if segment_ids is None else segment_boundaries(segment_ids)  # as the model builds it (rank-local)
-    ctx = ForwardContext(valid=local["valid"], collect_stats=record, record_indexer=record, cu_seqlens=cu,
-                         segment_ids=segment_ids, cp=cp)  # fmt: skip
+    ctx = ForwardContext(
+        valid=local["valid"], collect_stats=record, record_indexer=record, cu_seqlens=cu, segment_ids=segment_ids, cp=cp
+    )
     (out1, topk1), s1 = run_block(checkpointing, full, (x1,), ctx)
     ctx2 = dataclasses.replace(ctx, shared_topk=topk1)
     (out2, topk2), s2 = run_block(checkpointing, shared, (x2,), ctx2)
@@ -57,19 +57,32 @@ def run_pair(full, shared, inputs: dict, cp=None, record: bool = True, checkpoin
     recorded = {}
     if record:
         loss = loss + (s1.index_scores * local["h"][..., : s1.index_scores.shape[-1]]).sum()
-        recorded = dict(index_scores=s1.index_scores.detach(), candidate=s1.candidate, selected=s1.selected,
-                        pool_mass1=s1.pool_mass, pool_mass2=s2.pool_mass)  # fmt: skip
+        recorded = dict(
+            index_scores=s1.index_scores.detach(),
+            candidate=s1.candidate,
+            selected=s1.selected,
+            pool_mass1=s1.pool_mass,
+            pool_mass2=s2.pool_mass,
+        )
     loss.backward()
-    params = {f"full.{n}": p for n, p in full.named_parameters()} | {f"shared.{n}": p for n, p in
-                                                                     shared.named_parameters()}  # fmt: skip
+    params = {f"full.{n}": p for n, p in full.named_parameters()} | {
+        f"shared.{n}": p for n, p in shared.named_parameters()
+    }
     return dict(
-        out1=out1.detach(), out2=out2.detach(), topk1=topk1, topk2=topk2, x1_grad=x1.grad, x2_grad=x2.grad,
-        grads={n: p.grad.clone() for n, p in params.items() if p.grad is not None}, **recorded,
-    )  # fmt: skip
+        out1=out1.detach(),
+        out2=out2.detach(),
+        topk1=topk1,
+        topk2=topk2,
+        x1_grad=x1.grad,
+        x2_grad=x2.grad,
+        grads={n: p.grad.clone() for n, p in params.items() if p.grad is not None},
+        **recorded,
+    )
 
 
-def cp_pair_job(config: dict, state: dict, inputs: dict, absorb: bool, record: bool = True,
-                checkpointing: bool = False) -> dict:  # fmt: skip
+def cp_pair_job(
+    config: dict, state: dict, inputs: dict, absorb: bool, record: bool = True, checkpointing: bool = False
+) -> dict:
     """`run_pair` on this rank's slice over a 1-D "cp" mesh of the whole world."""
     size = dist.get_world_size()
     mesh = init_device_mesh("cpu", (size,), mesh_dim_names=("cp",))

@@ -26,8 +26,17 @@ def build_ep_mesh(dp: int, ep: int, one_dim: bool = False):
     return init_device_mesh("cpu", (dp, ep), mesh_dim_names=("dp", "ep"))
 
 
-def ep_step(config: dict, state: dict, ids: torch.Tensor, dp: int, ep: int, checkpointing: bool = False,
-            mask: torch.Tensor | None = None, one_dim: bool = False, bf16: bool = False) -> dict:  # fmt: skip
+def ep_step(
+    config: dict,
+    state: dict,
+    ids: torch.Tensor,
+    dp: int,
+    ep: int,
+    checkpointing: bool = False,
+    mask: torch.Tensor | None = None,
+    one_dim: bool = False,
+    bf16: bool = False,
+) -> dict:
     """Forward/backward/clip/SGD/bias update on a (dp, ep) mesh; this rank runs slice `rank` of `ids`."""
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
@@ -51,10 +60,20 @@ def ep_step(config: dict, state: dict, ids: torch.Tensor, dp: int, ep: int, chec
     torch.optim.SGD(model.parameters(), lr=LR).step()
     model.update_router_bias(BIAS_RATE)
     params = {n: full(p) for n, p in model.named_parameters()}
-    placements = {n: (tuple(p.placements), tuple(p.to_local().shape)) for n, p in model.named_parameters()
-                  if isinstance(p, DTensor) and ".experts." in n}  # fmt: skip
-    return dict(loss=loss, parts=parts, grads=grads, norm=norm, params=params, biases=router_biases(model),
-                placements=placements)
+    placements = {
+        n: (tuple(p.placements), tuple(p.to_local().shape))
+        for n, p in model.named_parameters()
+        if isinstance(p, DTensor) and ".experts." in n
+    }
+    return dict(
+        loss=loss,
+        parts=parts,
+        grads=grads,
+        norm=norm,
+        params=params,
+        biases=router_biases(model),
+        placements=placements,
+    )
 
 
 __all__ = ["ep_step", "build_ep_mesh"]

@@ -47,7 +47,7 @@ def _step(model, pieces, world) -> dict:
 def lora_reference(config: dict, state: dict, lora_state: dict, ids: torch.Tensor, world: int) -> dict:
     model = lora_model(config, state, lora_state)
     per = ids.shape[0] // world
-    return _step(model, [ids[k * per:(k + 1) * per] for k in range(world)], 1)
+    return _step(model, [ids[k * per : (k + 1) * per] for k in range(world)], 1)
 
 
 def lora_step(config: dict, state: dict, lora_state: dict, ids: torch.Tensor, dp: int, ep: int = 1) -> dict:
@@ -58,7 +58,7 @@ def lora_step(config: dict, state: dict, lora_state: dict, ids: torch.Tensor, dp
     parallelize(model, mesh)
     world, rank = dp * ep, dist.get_rank()
     per = ids.shape[0] // world
-    out = _step(model, [ids[rank * per:(rank + 1) * per]], world)
+    out = _step(model, [ids[rank * per : (rank + 1) * per]], world)
     dist.all_reduce(out["loss"])
     out["loss"] /= world
     frozen_grads = [n for n, p in model.named_parameters() if "lora_" not in n and p.grad is not None]

@@ -27,8 +27,16 @@ def single_process(config: dict, state: dict, ids: torch.Tensor, mask: torch.Ten
     return dict(parts={n: getattr(out, n).detach() for n in PARTS}, grads=grads)
 
 
-def accumulated_step(config: dict, state: dict, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor,
-                     dp: int, tp: int = 1, micro: int = 1) -> dict:  # fmt: skip
+def accumulated_step(
+    config: dict,
+    state: dict,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    labels: torch.Tensor,
+    dp: int,
+    tp: int = 1,
+    micro: int = 1,
+) -> dict:
     """This rank's dp share of the rows in `micro` micro-batches, each normalised by the global counts."""
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
     mesh = build_mesh(dp, tp)

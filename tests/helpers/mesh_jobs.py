@@ -23,7 +23,6 @@ from glm53.parallel import clip_grad_norm_, context_parallel_inputs, init_mesh, 
 from glm53.parallel.mesh import coordinate, present, size_over
 from tests.helpers.parallel_jobs import BIAS_RATE, CLIP_NORM, LR, full, labels_for, loss_parts, router_biases
 
-
 READERS = ("dp", "ep")  # the ranks that read their own rows, spelled here (not glm53's DATA_DIMS) so the test checks it
 
 
@@ -31,9 +30,18 @@ def _rows(x: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
     return None if x is None else x[rows]
 
 
-def composed_step(config: dict, state: dict, ids: torch.Tensor, dp: int = 1, tp: int = 1, ep: int = 1, cp: int = 1,
-                  mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                  checkpointing: bool = False) -> dict:  # fmt: skip
+def composed_step(
+    config: dict,
+    state: dict,
+    ids: torch.Tensor,
+    dp: int = 1,
+    tp: int = 1,
+    ep: int = 1,
+    cp: int = 1,
+    mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    checkpointing: bool = False,
+) -> dict:
     """Forward/backward/clip/SGD/bias update on init_mesh(dp, tp, ep=ep, cp=cp); -> full tensors of this rank."""
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
@@ -48,11 +56,13 @@ def composed_step(config: dict, state: dict, ids: torch.Tensor, dp: int = 1, tp:
     labels = labels_for(row_ids, row_mask)
     den = loss_denominators(model.loss_counts(labels, row_mask, row_pos), mesh)
     if cp > 1:
-        kwargs = context_parallel_inputs(model, row_ids, labels=labels, attention_mask=row_mask,
-                                         position_ids=row_pos, loss_denominators=den)  # fmt: skip
+        kwargs = context_parallel_inputs(
+            model, row_ids, labels=labels, attention_mask=row_mask, position_ids=row_pos, loss_denominators=den
+        )
     else:
-        kwargs = dict(input_ids=row_ids, attention_mask=row_mask, labels=labels, position_ids=row_pos,
-                      loss_denominators=den)  # fmt: skip
+        kwargs = dict(
+            input_ids=row_ids, attention_mask=row_mask, labels=labels, position_ids=row_pos, loss_denominators=den
+        )
     out = model(**kwargs)
     out.loss.backward()
     loss, parts = full(out.loss), loss_parts(out)
@@ -65,17 +75,33 @@ def composed_step(config: dict, state: dict, ids: torch.Tensor, dp: int = 1, tp:
     torch.optim.SGD(model.parameters(), lr=LR).step()
     model.update_router_bias(BIAS_RATE)
     params = {name: full(p) for name, p in model.named_parameters()}
-    placements = {name: (tuple(p.placements), tuple(p.to_local().shape), p.device_mesh.mesh_dim_names)
-                  for name, p in model.named_parameters() if isinstance(p, DTensor)}  # fmt: skip
-    result = dict(loss=loss, parts=parts, grads=grads, norm=norm, params=params, biases=router_biases(model),
-                  placements=placements, mesh=(tuple(mesh.mesh_dim_names), tuple(mesh.shape)))  # fmt: skip
+    placements = {
+        name: (tuple(p.placements), tuple(p.to_local().shape), p.device_mesh.mesh_dim_names)
+        for name, p in model.named_parameters()
+        if isinstance(p, DTensor)
+    }
+    result = dict(
+        loss=loss,
+        parts=parts,
+        grads=grads,
+        norm=norm,
+        params=params,
+        biases=router_biases(model),
+        placements=placements,
+        mesh=(tuple(mesh.mesh_dim_names), tuple(mesh.shape)),
+    )
     del model, out
     gc.collect()
     return result
 
 
-def composed_reference(config: dict, state: dict, ids: torch.Tensor, mask: torch.Tensor | None = None,
-                       position_ids: torch.Tensor | None = None) -> dict:  # fmt: skip
+def composed_reference(
+    config: dict,
+    state: dict,
+    ids: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+) -> dict:
     """One process on the whole batch: the same step as `composed_step`."""
     model = Glm53ForCausalLM(Glm53Config(**config))
     model.load_state_dict(state)
@@ -86,8 +112,14 @@ def composed_reference(config: dict, state: dict, ids: torch.Tensor, mask: torch
     torch.optim.SGD(model.parameters(), lr=LR).step()
     model.update_router_bias(BIAS_RATE)
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return dict(loss=out.loss.detach(), parts=loss_parts(out), grads=grads, norm=norm, params=params,
-                biases=router_biases(model))
+    return dict(
+        loss=out.loss.detach(),
+        parts=loss_parts(out),
+        grads=grads,
+        norm=norm,
+        params=params,
+        biases=router_biases(model),
+    )
 
 
 __all__ = ["composed_step", "composed_reference"]

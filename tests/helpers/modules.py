@@ -38,9 +38,15 @@ def packed_loss_model() -> Glm53ForCausalLM:
     """One KDA + one MLA layer (dense, then sparse MLP), MTP, every loss part on, random weights (default inits
     hide bugs): the model the packed-batch compile tests run."""
     torch.manual_seed(0)
-    config = Glm53Config.tiny(num_hidden_layers=2, layer_types=["linear_attention", "indexed_attention"],
-                              mlp_layer_types=["dense", "sparse"], num_nextn_predict_layers=1,
-                              indexer_loss_weight=0.5, router_aux_loss_coef=0.1, router_z_loss_coef=1e-2)  # fmt: skip
+    config = Glm53Config.tiny(
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "indexed_attention"],
+        mlp_layer_types=["dense", "sparse"],
+        num_nextn_predict_layers=1,
+        indexer_loss_weight=0.5,
+        router_aux_loss_coef=0.1,
+        router_z_loss_coef=1e-2,
+    )
     m = Glm53ForCausalLM(config)
     with torch.no_grad():
         for p in m.parameters():

@@ -8,8 +8,9 @@ import torch
 
 from glm53 import Glm53Config
 
-TINY_VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=16, out_hidden_size=32,
-                   projection_intermediate_size=16)  # fmt: skip
+TINY_VISION = dict(
+    depth=1, hidden_size=16, num_heads=2, intermediate_size=16, out_hidden_size=32, projection_intermediate_size=16
+)
 
 
 def hf_text_kwargs(config: Glm53Config) -> dict:
@@ -23,8 +24,9 @@ def hf_model(config: Glm53Config, seed: int = 0):
     """A Glm5NextForConditionalGeneration with every parameter and buffer randomised (fp32, eager)."""
     from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
 
-    hf_config = Glm5NextConfig(text_config=hf_text_kwargs(config), vision_config=TINY_VISION,
-                               tie_word_embeddings=config.tie_word_embeddings)  # fmt: skip
+    hf_config = Glm5NextConfig(
+        text_config=hf_text_kwargs(config), vision_config=TINY_VISION, tie_word_embeddings=config.tie_word_embeddings
+    )
     hf_config._attn_implementation = "eager"
     hf_config.text_config._attn_implementation = "eager"
     torch.manual_seed(seed)

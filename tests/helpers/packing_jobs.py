@@ -26,8 +26,15 @@ def packed_reference(config: dict, state: dict, ids: torch.Tensor, position_ids:
     return dict(loss=out.loss.detach(), parts=loss_parts(out), grads=grads)
 
 
-def packed_step(config: dict, state: dict, ids: torch.Tensor, position_ids: torch.Tensor, dp: int, tp: int,
-                checkpointing: bool = False) -> dict:  # fmt: skip
+def packed_step(
+    config: dict,
+    state: dict,
+    ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    dp: int,
+    tp: int,
+    checkpointing: bool = False,
+) -> dict:
     """Forward/backward of this rank's rows; loss parts averaged over dp ranks (each rank's share holds the same
     document lengths, so that is the global batch's loss), full gradients."""
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)

@@ -27,8 +27,13 @@ def _worker(rank: int, world_size: int, init_file: str, jobs, results, timeout_s
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
     try:
         while True:
             job = jobs.get()
@@ -52,9 +57,14 @@ class WorkerPool:
         init_file = os.path.join(self._dir.name, "init")
         self._results = ctx.Queue()
         self._jobs = [ctx.Queue() for _ in range(world_size)]
-        self._procs = [ctx.Process(target=_worker, daemon=True,
-                                   args=(r, world_size, init_file, self._jobs[r], self._results, job_timeout_s))
-                       for r in range(world_size)]  # fmt: skip
+        self._procs = [
+            ctx.Process(
+                target=_worker,
+                daemon=True,
+                args=(r, world_size, init_file, self._jobs[r], self._results, job_timeout_s),
+            )
+            for r in range(world_size)
+        ]
         for p in self._procs:
             p.start()
 

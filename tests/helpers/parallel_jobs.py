@@ -40,8 +40,7 @@ def labels_for(ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return ids if mask is None else ids.masked_fill(mask == 0, IGNORE_INDEX)
 
 
-def reference_step(config: dict, state: dict, ids: torch.Tensor, mask: torch.Tensor | None = None,
-                   dp: int = 1) -> dict:  # fmt: skip
+def reference_step(config: dict, state: dict, ids: torch.Tensor, mask: torch.Tensor | None = None, dp: int = 1) -> dict:
     """The single-process run every parallel run is compared with (run by the parent).
 
     The loss is the mean over the `dp` equal slices of the batch of each slice's mean token loss: what
@@ -86,8 +85,16 @@ def mean_over_dp(mesh, dp: int, loss: torch.Tensor, parts: dict) -> tuple[torch.
     return loss, parts
 
 
-def parallel_step(config: dict, state: dict, ids: torch.Tensor, dp: int, tp: int, bf16: bool = False,
-                  checkpointing: bool = False, mask: torch.Tensor | None = None) -> dict:  # fmt: skip
+def parallel_step(
+    config: dict,
+    state: dict,
+    ids: torch.Tensor,
+    dp: int,
+    tp: int,
+    bf16: bool = False,
+    checkpointing: bool = False,
+    mask: torch.Tensor | None = None,
+) -> dict:
     """One forward/backward/clip/SGD step on a (dp, tp) mesh; this rank runs its dp share of `ids`."""
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)  # 2-D gather notices
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")  # FSDP2: module outputs are views
@@ -122,10 +129,22 @@ def parallel_step(config: dict, state: dict, ids: torch.Tensor, dp: int, tp: int
     model.update_router_bias(BIAS_RATE)  # expert loads summed over dp by parallelize's expert_load_reduce
     params = {n: full(p) for n, p in model.named_parameters()}
     # This rank's piece of every parameter with its placements, to check replicas agree across ranks.
-    locals_ = {n: (tuple(isinstance(pl, Replicate) for pl in p.placements), p.to_local().detach().clone())
-               for n, p in model.named_parameters() if isinstance(p, DTensor)}  # fmt: skip
-    return dict(loss=loss, parts=parts, grads=grads, norm=norm, params=params, locals=locals_,
-                coord=mesh.get_coordinate(), dtypes=seen_dtypes, biases=router_biases(model))
+    locals_ = {
+        n: (tuple(isinstance(pl, Replicate) for pl in p.placements), p.to_local().detach().clone())
+        for n, p in model.named_parameters()
+        if isinstance(p, DTensor)
+    }
+    return dict(
+        loss=loss,
+        parts=parts,
+        grads=grads,
+        norm=norm,
+        params=params,
+        locals=locals_,
+        coord=mesh.get_coordinate(),
+        dtypes=seen_dtypes,
+        biases=router_biases(model),
+    )
 
 
 def meta_init(config: dict, dp: int, tp: int, seed: int = 0) -> dict:

@@ -17,8 +17,17 @@ import numpy as np
 import torch
 
 METHODS = ("sample_frames", "get_num_of_video_patches", "patchify")
-DEFAULTS = dict(fps=2, max_duration=0, max_frames=2048, patch_size=14, temporal_patch_size=2, merge_size=2,
-                patch_expand_factor=1, min_image_tokens=16, max_image_tokens=240000)  # fmt: skip
+DEFAULTS = dict(
+    fps=2,
+    max_duration=0,
+    max_frames=2048,
+    patch_size=14,
+    temporal_patch_size=2,
+    merge_size=2,
+    patch_expand_factor=1,
+    min_image_tokens=16,
+    max_image_tokens=240000,
+)
 
 
 @functools.cache

@@ -11,12 +11,28 @@ import math
 
 import torch
 
-TOWER = dict(depth=2, hidden_size=16, num_heads=2, intermediate_size=24, out_hidden_size=36,
-             projection_intermediate_size=20, patch_size=2, temporal_patch_size=2, in_channels=3,
-             spatial_merge_size=2, swiglu_limit=1.5)  # fmt: skip
+TOWER = dict(
+    depth=2,
+    hidden_size=16,
+    num_heads=2,
+    intermediate_size=24,
+    out_hidden_size=36,
+    projection_intermediate_size=20,
+    patch_size=2,
+    temporal_patch_size=2,
+    in_channels=3,
+    spatial_merge_size=2,
+    swiglu_limit=1.5,
+)
 # ids inside the tiny text vocabularies (320): placeholders and span markers
-TOKENS = dict(image_token_id=300, video_token_id=301, image_start_token_id=302, image_end_token_id=303,
-              video_start_token_id=304, video_end_token_id=305)  # fmt: skip
+TOKENS = dict(
+    image_token_id=300,
+    video_token_id=301,
+    image_start_token_id=302,
+    image_end_token_id=303,
+    video_start_token_id=304,
+    video_end_token_id=305,
+)
 
 
 def randomize_parameters(module: torch.nn.Module, seed: int = 0) -> None:
@@ -76,8 +92,12 @@ def hf_vl_model(config, seed: int = 0, **tower):
 
     from tests.helpers.oracle import hf_text_kwargs, randomize
 
-    hf_config = Glm5NextConfig(text_config=hf_text_kwargs(config), vision_config={**TOWER, **tower}, **TOKENS,
-                               tie_word_embeddings=config.tie_word_embeddings)  # fmt: skip
+    hf_config = Glm5NextConfig(
+        text_config=hf_text_kwargs(config),
+        vision_config={**TOWER, **tower},
+        **TOKENS,
+        tie_word_embeddings=config.tie_word_embeddings,
+    )
     for c in (hf_config, hf_config.text_config, hf_config.vision_config):
         c._attn_implementation = "eager"
     torch.manual_seed(seed)
@@ -116,8 +136,12 @@ def vl_batch(rows: list[list], merge: int = 2, seed: int = 0) -> dict:
                 videos.append((t, h, w))
                 out.append(T["video_start_token_id"])
                 for _ in range(t):
-                    out += [T["image_start_token_id"], *[T["image_token_id"]] * (h * w // merge**2),
-                            T["image_end_token_id"], 7]  # fmt: skip
+                    out += [
+                        T["image_start_token_id"],
+                        *[T["image_token_id"]] * (h * w // merge**2),
+                        T["image_end_token_id"],
+                        7,
+                    ]
                 out.append(T["video_end_token_id"])
         ids.append(out)
     width = max(len(r) for r in ids)

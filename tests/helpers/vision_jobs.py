@@ -30,9 +30,12 @@ def sharded_vl_step(path: str, batches: list[dict], dp: int, tp: int) -> dict:
         loss = _loss(model, batch)
         loss.backward()
     loss = mean_over_data_ranks(full(loss.detach()), mesh)
-    return dict(loss=loss, always_run_tower=model.always_run_tower,
-                grads={n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None},
-                params={n: full(p.detach()) for n, p in model.named_parameters()})  # fmt: skip
+    return dict(
+        loss=loss,
+        always_run_tower=model.always_run_tower,
+        grads={n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None},
+        params={n: full(p.detach()) for n, p in model.named_parameters()},
+    )
 
 
 def reference_vl_step(path: str, batches: list[dict]) -> dict:
@@ -40,6 +43,8 @@ def reference_vl_step(path: str, batches: list[dict]) -> dict:
     model = Glm53ForConditionalGeneration.from_pretrained(path)
     loss = sum(_loss(model, b) for b in batches) / len(batches)
     loss.backward()
-    return dict(loss=loss.detach(), grads={n: p.grad.clone() for n, p in model.named_parameters()
-                                           if p.grad is not None},
-                params={n: p.detach().clone() for n, p in model.named_parameters()})  # fmt: skip
+    return dict(
+        loss=loss.detach(),
+        grads={n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+        params={n: p.detach().clone() for n, p in model.named_parameters()},
+    )

@@ -40,9 +40,11 @@ def errors_job(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
     replicated_head.weight = torch.nn.Parameter(cases["replicated"][2])
     sharded_head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
     sharded_head.weight = torch.nn.Parameter(sharded)
-    lookups = {"plain": vocab_loss._lookup(torch.nn.Linear(2, 3, bias=False)) is None,
-               "replicated": vocab_loss._lookup(replicated_head) is None,
-               "sharded": vocab_loss._lookup(sharded_head) is None}  # fmt: skip
+    lookups = {
+        "plain": vocab_loss._lookup(torch.nn.Linear(2, 3, bias=False)) is None,
+        "replicated": vocab_loss._lookup(replicated_head) is None,
+        "sharded": vocab_loss._lookup(sharded_head) is None,
+    }
     return dict(errors=errors, lookup_is_none=lookups)
 
 

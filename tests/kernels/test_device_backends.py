@@ -62,8 +62,9 @@ def test_fla_backend_registered_exactly_when_installed():
     assert ("fla" in dispatch.backends("kda")) == fla_backend.AVAILABLE
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() and fla_backend.AVAILABLE),
-                    reason="needs a GPU and flash-linear-attention")  # fmt: skip
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and fla_backend.AVAILABLE), reason="needs a GPU and flash-linear-attention"
+)
 @pytest.mark.parametrize("packed", [False, True])
 def test_fla_backend_matches_recurrent_reference_on_gpu(packed):
     # fla's Triton dots may run in TF32 (2^-11 relative per product) over K = 64 and C = 64 accumulations:

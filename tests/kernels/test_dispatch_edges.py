@@ -27,8 +27,10 @@ def test_each_choice_is_logged_once_at_info(fresh_log, caplog):
             kernel("sinkhorn")
         kernel("sinkhorn")
     messages = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "glm53.kernels"]
-    assert messages == [(logging.INFO, "glm53 kernel sinkhorn: using the fast implementation"),
-                        (logging.INFO, "glm53 kernel sinkhorn: using the reference implementation")]  # fmt: skip
+    assert messages == [
+        (logging.INFO, "glm53 kernel sinkhorn: using the fast implementation"),
+        (logging.INFO, "glm53 kernel sinkhorn: using the reference implementation"),
+    ]
 
 
 def test_compiled_call_neither_logs_nor_records(fresh_log, caplog):

@@ -12,23 +12,46 @@ import glm53.model  # noqa: F401  (registers the model's custom ops)
 from glm53.kernels.moe import grouped_mm_supported
 
 
-@pytest.mark.parametrize("device,dtype,cap,expected", [
-    ("cuda", torch.bfloat16, (9, 0), True), ("cuda", torch.bfloat16, (10, 0), True),
-    ("cuda", torch.bfloat16, (8, 0), False), ("cuda", torch.bfloat16, (12, 0), False),
-    ("cuda", torch.float32, (9, 0), False), ("cuda", torch.float16, (9, 0), False),
-    ("cpu", torch.float32, None, True), ("cpu", torch.bfloat16, None, True), ("cpu", torch.float64, None, False),
-    ("mps", torch.bfloat16, None, False),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "device,dtype,cap,expected",
+    [
+        ("cuda", torch.bfloat16, (9, 0), True),
+        ("cuda", torch.bfloat16, (10, 0), True),
+        ("cuda", torch.bfloat16, (8, 0), False),
+        ("cuda", torch.bfloat16, (12, 0), False),
+        ("cuda", torch.float32, (9, 0), False),
+        ("cuda", torch.float16, (9, 0), False),
+        ("cpu", torch.float32, None, True),
+        ("cpu", torch.bfloat16, None, True),
+        ("cpu", torch.float64, None, False),
+        ("mps", torch.bfloat16, None, False),
+    ],
+)
 def test_grouped_mm_gate(device, dtype, cap, expected):
     assert grouped_mm_supported(device, dtype, cap) is expected
 
 
-HOST_READING_OPS = {"causal_conv1d_packed", "causal_conv1d_packed_backward", "indexer_scores_packed",
-                    "indexer_scores_packed_backward", "indexer_topk_pools", "kda_chunk", "kda_chunk_backward",
-                    "select_pools", "sparse_attention", "sparse_attention_backward", "sparse_mqa_attention",
-                    "sparse_mqa_attention_backward"}  # fmt: skip
-CAPTURABLE_OPS = {"conv_taps_as_rows", "grouped_mm", "grouped_mm_weight_grad", "indexer_scores",
-                  "indexer_scores_backward"}  # fmt: skip
+HOST_READING_OPS = {
+    "causal_conv1d_packed",
+    "causal_conv1d_packed_backward",
+    "indexer_scores_packed",
+    "indexer_scores_packed_backward",
+    "indexer_topk_pools",
+    "kda_chunk",
+    "kda_chunk_backward",
+    "select_pools",
+    "sparse_attention",
+    "sparse_attention_backward",
+    "sparse_mqa_attention",
+    "sparse_mqa_attention_backward",
+}
+CAPTURABLE_OPS = {
+    "conv_taps_as_rows",
+    "grouped_mm",
+    "grouped_mm_weight_grad",
+    "indexer_scores",
+    "indexer_scores_backward",
+}
 
 
 @pytest.mark.parametrize("name", sorted(HOST_READING_OPS | CAPTURABLE_OPS))

@@ -38,8 +38,11 @@ def inputs(T: int, P: int, kpool: int, seed: int = 0):
 
 
 @pytest.mark.parametrize("offset", [0, 13])
-@pytest.mark.parametrize("T,P,select", [(1, 1, 1), (37, 10, 2), (70, 17, 4), (70, 17, 17), (9, 5, 0)],
-                         ids=["T1-P1", "T37-P10", "T70-P17", "select-all", "select-none"])  # fmt: skip
+@pytest.mark.parametrize(
+    "T,P,select",
+    [(1, 1, 1), (37, 10, 2), (70, 17, 4), (70, 17, 17), (9, 5, 0)],
+    ids=["T1-P1", "T37-P10", "T70-P17", "select-all", "select-none"],
+)
 def test_blocked_equals_reference_exactly(T, P, select, offset, monkeypatch):
     monkeypatch.setattr(topk_mod, "TOPK_BUDGET", 3 * B * H * P)  # 3 queries per block ...
     monkeypatch.setattr(topk_mod, "MIN_TOPK_CHUNK", 3)  # ... many blocks, with partial causal horizons

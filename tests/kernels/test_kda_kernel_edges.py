@@ -25,7 +25,14 @@ def test_empty_sequence_returns_the_initial_state(fn):
     B, H, K, V = 2, 3, 8, 4
     q = k = torch.zeros(B, 0, H, K)
     S0 = torch.randn(B, H, K, V)
-    o, S = fn(q, k, torch.zeros(B, 0, H, V), torch.zeros(B, 0, H, K), torch.zeros(B, 0, H), initial_state=S0,
-              output_final_state=True)  # fmt: skip
+    o, S = fn(
+        q,
+        k,
+        torch.zeros(B, 0, H, V),
+        torch.zeros(B, 0, H, K),
+        torch.zeros(B, 0, H),
+        initial_state=S0,
+        output_final_state=True,
+    )
     assert o.shape == (B, 0, H, V)
     torch.testing.assert_close(S, S0, rtol=0, atol=0)

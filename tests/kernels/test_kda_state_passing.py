@@ -10,8 +10,16 @@ from glm53.kernels.kda.state_passing import kda_pieces, kda_transition
 T = 4 * 32 + 7  # four fast-kernel chunks and an odd remainder
 
 
-def _inputs(seed: int, B: int = 2, H: int = 2, K: int = 8, V: int = 6, dtype=torch.float64, length: int = T,
-            max_decay: float = 2.0):
+def _inputs(
+    seed: int,
+    B: int = 2,
+    H: int = 2,
+    K: int = 8,
+    V: int = 6,
+    dtype=torch.float64,
+    length: int = T,
+    max_decay: float = 2.0,
+):
     g = torch.Generator().manual_seed(seed)
     q = l2norm(torch.randn(B, length, H, K, generator=g, dtype=dtype))
     k = l2norm(torch.randn(B, length, H, K, generator=g, dtype=dtype))

@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 
 from glm53.kernels import indexer_scores as idx_mod
-from glm53.kernels.kda import chunk as kda_mod
-from glm53.kernels.kda import decay as kda_decay
 from glm53.kernels import sparse_attention as sa_mod
 from glm53.kernels.hc_collapse import hc_collapse, hc_collapse_reference
 from glm53.kernels.indexer_scores import indexer_scores, indexer_scores_reference
+from glm53.kernels.kda import chunk as kda_mod
+from glm53.kernels.kda import decay as kda_decay
 from glm53.kernels.kda import kda_chunk, kda_recurrent_reference
 from glm53.kernels.moe import (
     moe_experts_grouped,
@@ -38,8 +38,9 @@ def grads(out, inputs, seed=1):
 def assert_all_close(got, ref, tol, names):
     for name, a, b in zip(names, got, ref):
         scale = max(1.0, b.abs().max().item())
-        torch.testing.assert_close(a.float(), b.float(), rtol=tol["rtol"], atol=tol["atol"] * scale,
-                                   msg=lambda m, name=name: f"{name}: {m}")  # fmt: skip
+        torch.testing.assert_close(
+            a.float(), b.float(), rtol=tol["rtol"], atol=tol["atol"] * scale, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 # --------------------------------------------------------------------------------------------------------- KDA
@@ -106,8 +107,9 @@ def test_kda_large_decay_fp32_stays_finite():
     xs = kda_inputs(1, 200, 2, 16, 16, "softplus-large", dtype=torch.float32)
     o, S = kda_chunk(*xs[:5], initial_state=xs[5], output_final_state=True)
     assert all(torch.isfinite(t).all() for t in (o, S, *grads((o, S), xs)))
-    chunked = kda_chunk_reference(*xs[:5], initial_state=xs[5], output_final_state=True,
-                                  chunk_size=kda_mod.FAST_CHUNK_SIZE)  # same chunking: same fp32 WY solve
+    chunked = kda_chunk_reference(
+        *xs[:5], initial_state=xs[5], output_final_state=True, chunk_size=kda_mod.FAST_CHUNK_SIZE
+    )  # same chunking: same fp32 WY solve
     assert_all_close((o, S), chunked, FP32_TOL, ["o", "final_state"])
     recurrent = kda_recurrent_reference(*xs[:5], initial_state=xs[5], output_final_state=True)
     assert_all_close((o, S), recurrent, dict(rtol=1e-3, atol=2e-4), ["o", "final_state"])
@@ -147,7 +149,9 @@ CHUNKINGS = {"min-chunk": (64, 16), "small-chunks": (64, 3), "one-chunk": (1 << 
 
 @pytest.mark.parametrize("span_ratio", [-1, 1 << 30], ids=["gather", "masked-dense"])
 @pytest.mark.parametrize("chunking", CHUNKINGS.values(), ids=CHUNKINGS.keys())
-@pytest.mark.parametrize("shape", SPARSE_SHAPES, ids=[f"B{s[0]}-T{s[1]}-S{s[2]}-H{s[3]}-J{s[6]}" for s in SPARSE_SHAPES])
+@pytest.mark.parametrize(
+    "shape", SPARSE_SHAPES, ids=[f"B{s[0]}-T{s[1]}-S{s[2]}-H{s[3]}-J{s[6]}" for s in SPARSE_SHAPES]
+)
 def test_sparse_attention_matches_dense_reference(shape, chunking, span_ratio, monkeypatch):
     monkeypatch.setattr(sa_mod, "GATHER_BUDGET", chunking[0])
     monkeypatch.setattr(sa_mod, "MIN_QUERY_CHUNK", chunking[1])
@@ -170,8 +174,11 @@ def test_sparse_attention_bf16():
 
 
 # -------------------------------------------------------------------------------------------------------- MoE
-MOE_CASES = {"N50-E6-k3-one-idle-expert": (50, 64, 32, 6, 3), "N1-E4-k2": (1, 16, 8, 4, 2),
-             "N33-E8-k2-unaligned": (33, 12, 6, 8, 2)}  # fmt: skip
+MOE_CASES = {
+    "N50-E6-k3-one-idle-expert": (50, 64, 32, 6, 3),
+    "N1-E4-k2": (1, 16, 8, 4, 2),
+    "N33-E8-k2-unaligned": (33, 12, 6, 8, 2),
+}
 
 
 @pytest.mark.parametrize("fast", [moe_experts_grouped, moe_experts_padded], ids=["grouped", "padded"])
@@ -212,8 +219,8 @@ def test_indexer_scores_chunked_equals_reference(T, P, min_chunk, monkeypatch):
 def test_indexer_selects_same_pools_on_both_backends(monkeypatch):
     """The indexer's chosen index sets do not depend on the scores backend (sets: topk order may differ on ties)."""
     from glm53 import Glm53Config
-    from glm53.model.indexer import Indexer
     from glm53.kernels import use_backend
+    from glm53.model.indexer import Indexer
 
     config = Glm53Config.tiny(index_topk=8, index_kpool=4)
     indexer = Indexer(config)
@@ -240,8 +247,12 @@ def test_hc_collapse_equals_reference(dtype):
     ref = hc_collapse_reference(pre, streams)
     got = hc_collapse(pre, streams)
     torch.testing.assert_close(got, ref, rtol=0, atol=0)
-    assert_all_close(grads(got, [pre, streams]), grads(ref, [pre, streams]),
-                     FP32_TOL if dtype == torch.float32 else BF16_TOL, ["dpre", "dstreams"])  # fmt: skip
+    assert_all_close(
+        grads(got, [pre, streams]),
+        grads(ref, [pre, streams]),
+        FP32_TOL if dtype == torch.float32 else BF16_TOL,
+        ["dpre", "dstreams"],
+    )
 
 
 # ------------------------------------------------------------------------------------------------- RMS norms
@@ -286,7 +297,9 @@ def test_gated_rms_norm_equals_reference(shape, dtype):
 
 # ---------------------------------------------------------------------------------------------- mHC mix
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("shape", [(2, 7, 4, 16), (1, 1, 3, 5), (3, 5, 1, 8)], ids=["B2-T7-N4-D16", "B1-T1-N3-D5", "B3-T5-N1-D8"])
+@pytest.mark.parametrize(
+    "shape", [(2, 7, 4, 16), (1, 1, 3, 5), (3, 5, 1, 8)], ids=["B2-T7-N4-D16", "B1-T1-N3-D5", "B3-T5-N1-D8"]
+)
 def test_hc_mix_equals_reference(shape, dtype):
     from glm53.kernels.hc_mix import hc_mix, hc_mix_reference
 
@@ -324,7 +337,9 @@ def test_hc_project_equals_reference(shape):
 # ------------------------------------------------------------------------ absorbed (latent, multi-query) attention
 @pytest.mark.parametrize("span_ratio", [-1, 1 << 30], ids=["gather", "masked-dense"])
 @pytest.mark.parametrize("chunking", CHUNKINGS.values(), ids=CHUNKINGS.keys())
-@pytest.mark.parametrize("shape", SPARSE_SHAPES, ids=[f"B{s[0]}-T{s[1]}-S{s[2]}-H{s[3]}-J{s[6]}" for s in SPARSE_SHAPES])
+@pytest.mark.parametrize(
+    "shape", SPARSE_SHAPES, ids=[f"B{s[0]}-T{s[1]}-S{s[2]}-H{s[3]}-J{s[6]}" for s in SPARSE_SHAPES]
+)
 def test_sparse_mqa_attention_matches_dense_reference(shape, chunking, span_ratio, monkeypatch):
     from glm53.kernels.sparse_attention import (
         sparse_mqa_attention,
@@ -364,7 +379,7 @@ def test_clamped_swiglu_backward_equals_autograd():
     got, ref = clamped_swiglu(gate, up, 1.5), _clamped_swiglu_forward(gate, up, 1.5)
     torch.testing.assert_close(got, ref, rtol=0, atol=0)
     torch.testing.assert_close(grads(got, [gate, up]), grads(ref, [gate, up]), rtol=1e-12, atol=1e-12)
-    assert ((gate > 1.5).any() and (up.abs() > 1.5).any()), "both clamps must be exercised"
+    assert (gate > 1.5).any() and (up.abs() > 1.5).any(), "both clamps must be exercised"
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["fp64", "bf16"])

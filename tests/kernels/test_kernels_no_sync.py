@@ -123,8 +123,11 @@ def test_absorbed_loop_reads_no_device_value(small_chunks, span_ratio, monkeypat
 
 
 def test_indexer_scores_loop_reads_no_device_value(small_chunks):
-    q, w, keys = torch.empty(2, 40, 4, 8, device="meta"), torch.empty(2, 40, 4, device="meta"), torch.empty(
-        2, 11, 8, device="meta")  # fmt: skip
+    q, w, keys = (
+        torch.empty(2, 40, 4, 8, device="meta"),
+        torch.empty(2, 40, 4, device="meta"),
+        torch.empty(2, 11, 8, device="meta"),
+    )
     assert idx_mod._scores_forward(q, w, keys, 0.3).shape == (2, 40, 11)
     dq, dw, dkeys = idx_mod._scores_backward(q, w, keys, torch.empty(2, 40, 11, device="meta"), 0.3)
     assert (dq.shape, dw.shape, dkeys.shape) == (q.shape, w.shape, keys.shape)
@@ -159,8 +162,11 @@ def test_packed_indexer_scores_reads_pool_ranges_once(monkeypatch):
     monkeypatch.setattr(idx_mod, "_owned_pools", lambda *a: calls.append(len(owned(*a))) or owned(*a))
     starts = pool_starts_for(lengths, B, T, 4)
     g = torch.Generator().manual_seed(0)
-    q, w, keys = torch.randn(B, T, 4, 8, generator=g), torch.randn(B, T, 4, generator=g), torch.randn(
-        B, starts.shape[1], 8, generator=g)  # fmt: skip
+    q, w, keys = (
+        torch.randn(B, T, 4, 8, generator=g),
+        torch.randn(B, T, 4, generator=g),
+        torch.randn(B, starts.shape[1], 8, generator=g),
+    )
     got = idx_mod.indexer_scores(q, w, keys, 0.35, cu_seqlens=cu_for(lengths), pool_start=starts)
     ref = idx_mod.indexer_scores_reference(q, w, keys, 0.35, cu_seqlens=cu_for(lengths), pool_start=starts)
     assert_all_close((got,), (ref,), FP32_TOL, ["scores"])

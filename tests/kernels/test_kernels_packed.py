@@ -191,8 +191,15 @@ def test_kernels_reject_bad_boundaries():
         causal_conv1d(x, w, cu_seqlens=torch.tensor([0.0, 5.0, 10.0]))
     q = F.normalize(torch.randn(1, 5, 2, 4), dim=-1)
     with pytest.raises(ValueError, match="S == T"):
-        sparse_attention(q, torch.randn(1, 6, 2, 4), torch.randn(1, 6, 2, 4), torch.zeros(1, 5, 2, dtype=torch.long),
-                         1.0, cu_seqlens=torch.tensor([0, 5]))  # fmt: skip
+        sparse_attention(
+            q,
+            torch.randn(1, 6, 2, 4),
+            torch.randn(1, 6, 2, 4),
+            torch.zeros(1, 5, 2, dtype=torch.long),
+            1.0,
+            cu_seqlens=torch.tensor([0, 5]),
+        )
     with pytest.raises(ValueError, match="pool_start"):
-        indexer_scores(torch.randn(1, 5, 2, 4), torch.randn(1, 5, 2), torch.randn(1, 2, 4), 1.0,
-                       cu_seqlens=torch.tensor([0, 5]))  # fmt: skip
+        indexer_scores(
+            torch.randn(1, 5, 2, 4), torch.randn(1, 5, 2), torch.randn(1, 2, 4), 1.0, cu_seqlens=torch.tensor([0, 5])
+        )

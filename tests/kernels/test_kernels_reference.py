@@ -105,8 +105,9 @@ def test_kda_state_continuity():
     for fn in (kda_recurrent_reference, kda_chunk_reference):
         full, S_full = fn(q, k, v, g, beta, output_final_state=True)
         a, S_a = fn(q[:, :11], k[:, :11], v[:, :11], g[:, :11], beta[:, :11], output_final_state=True)
-        b, S_b = fn(q[:, 11:], k[:, 11:], v[:, 11:], g[:, 11:], beta[:, 11:], initial_state=S_a,
-                    output_final_state=True)  # fmt: skip
+        b, S_b = fn(
+            q[:, 11:], k[:, 11:], v[:, 11:], g[:, 11:], beta[:, 11:], initial_state=S_a, output_final_state=True
+        )
         torch.testing.assert_close(torch.cat([a, b], 1), full, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(S_b, S_full, rtol=1e-4, atol=1e-5)
 
@@ -118,8 +119,7 @@ def test_kda_matches_transformers(with_state):
 
     q, k, v, g, beta, S0 = kda_inputs(2, 67, 2, 8, 8, "bounded", with_state)
     o_hf, S_hf = hf.chunk_kimi_delta_attention(q, k, v, g=g, beta=beta, initial_state=S0, output_final_state=True)
-    o_hf_rec, _ = hf.recurrent_kimi_delta_attention(q, k, v, g=g, beta=beta, initial_state=S0,
-                                                    output_final_state=True)  # fmt: skip
+    o_hf_rec, _ = hf.recurrent_kimi_delta_attention(q, k, v, g=g, beta=beta, initial_state=S0, output_final_state=True)
     for fn in (kda_recurrent_reference, kda_chunk_reference):
         o, S = run_kda(fn, (q, k, v, g, beta, S0))
         torch.testing.assert_close(o, o_hf, rtol=1e-4, atol=1e-5)
@@ -129,10 +129,16 @@ def test_kda_matches_transformers(with_state):
 
 @settings(deadline=None, max_examples=12, derandomize=True)
 @given(
-    B=st.integers(1, 2), T=st.integers(1, 20), H=st.integers(1, 2), K=st.integers(1, 6), V=st.integers(1, 5),
-    chunk=st.integers(1, 9), gate=st.sampled_from(["bounded", "softplus"]), with_state=st.booleans(),
+    B=st.integers(1, 2),
+    T=st.integers(1, 20),
+    H=st.integers(1, 2),
+    K=st.integers(1, 6),
+    V=st.integers(1, 5),
+    chunk=st.integers(1, 9),
+    gate=st.sampled_from(["bounded", "softplus"]),
+    with_state=st.booleans(),
     seed=st.integers(0, 2**16),
-)  # fmt: skip
+)
 def test_kda_recurrent_equals_chunk_property(B, T, H, K, V, chunk, gate, with_state, seed):
     inputs = kda_inputs(B, T, H, K, V, gate, with_state, seed)
     o_ref, S_ref = run_kda(kda_recurrent_reference, inputs)
@@ -231,8 +237,9 @@ def test_sparse_attention_all_selected_is_dense_causal(T, extra_slots):
     topk = topk[:, torch.randperm(T)]
     topk = torch.cat([topk, torch.full((T, extra_slots), -1)], dim=-1).expand(B, -1, -1)
     out = sparse_attention_reference(q, k, v, topk, scale)
-    dense = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           is_causal=True, scale=scale).transpose(1, 2)  # fmt: skip
+    dense = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale
+    ).transpose(1, 2)
     torch.testing.assert_close(out, dense, rtol=1e-5, atol=1e-6)
 
 

@@ -96,6 +96,9 @@ def test_busiest_expert_last_and_first_idle(fast):
     ref = moe_experts_reference(x, idx, w, gate_up, down, 1.0)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
     cot = torch.randn(M, D, generator=torch.Generator().manual_seed(4))
-    for name, a, b in zip(["dx", "dweight", "dgate_up", "ddown"], torch.autograd.grad(got, leaves, cot),
-                          torch.autograd.grad(ref, leaves, cot)):  # fmt: skip
+    for name, a, b in zip(
+        ["dx", "dweight", "dgate_up", "ddown"],
+        torch.autograd.grad(got, leaves, cot),
+        torch.autograd.grad(ref, leaves, cot),
+    ):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)

@@ -43,11 +43,16 @@ def chunking(monkeypatch):
 
 PLANS = {
     # 8 queries x 12 keys fit 400; chunks 3+4 (7 keys) fit, adding chunk 5 (12 x 9 x 4 = 432) does not
-    400: [(0, 8, 14, 26, True), (8, 12, 0, 30, False), (12, 20, 30, 37, True), (20, 24, 28, 32, True),
-          (24, 28, 0, 12, True)],
+    400: [
+        (0, 8, 14, 26, True),
+        (8, 12, 0, 30, False),
+        (12, 20, 30, 37, True),
+        (20, 24, 28, 32, True),
+        (24, 28, 0, 12, True),
+    ],
     # no budget limit: chunks 3-5 merge (9 keys); chunk 6 would stretch the span to 37 > 12 keys
     1 << 20: [(0, 8, 14, 26, True), (8, 12, 0, 30, False), (12, 24, 28, 37, True), (24, 28, 0, 12, True)],
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("budget", PLANS, ids=["budget-400", "no-budget"])

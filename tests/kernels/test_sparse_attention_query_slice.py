@@ -44,8 +44,10 @@ def test_query_slices_equal_full_rows(backend, op, J, monkeypatch):
     monkeypatch.setattr(sa_mod, "PER_HEAD_DENSE_SPAN_RATIO", sa_mod.DENSE_SPAN_RATIO)
     g = torch.Generator().manual_seed(0)
     if op == "sparse_attention":
-        q, kvs = torch.randn(B, S, H, K, generator=g), [torch.randn(B, S, H, K, generator=g),
-                                                        torch.randn(B, S, H, V, generator=g)]  # fmt: skip
+        q, kvs = (
+            torch.randn(B, S, H, K, generator=g),
+            [torch.randn(B, S, H, K, generator=g), torch.randn(B, S, H, V, generator=g)],
+        )
     else:
         q, kvs = torch.randn(B, S, H, Z, generator=g), [torch.randn(B, S, Z, generator=g)]
     q, kvs = q.double(), [t.double() for t in kvs]

@@ -42,13 +42,25 @@ def test_per_token_forms_equal_loops():
 def test_own_document_pools_equal_loop(offset, n):
     pool_start = torch.tensor([[0, 1, 2, 4, 5, 6], [0, 2, 3, 5, 6, 6]])  # 6: a slot past the row
     mask = own_document_pools(pool_start, torch.tensor(CU), T, offset, n)
-    want = [[[CU[owner(b * T + offset + t)] <= b * T + s < CU[owner(b * T + offset + t) + 1] if s < T else False
-              for s in pool_start[b].tolist()] for t in range(n)] for b in range(B)]  # fmt: skip
+    want = [
+        [
+            [
+                CU[owner(b * T + offset + t)] <= b * T + s < CU[owner(b * T + offset + t) + 1] if s < T else False
+                for s in pool_start[b].tolist()
+            ]
+            for t in range(n)
+        ]
+        for b in range(B)
+    ]
     assert mask.tolist() == want
 
 
-BAD = [([1, 6, 12], "start at 0"), ([0, 6, 11], "end at 12"), ([0, 7, 5, 12], "non-decreasing"),
-       ([0, 4, 12], "every row start")]
+BAD = [
+    ([1, 6, 12], "start at 0"),
+    ([0, 6, 11], "end at 12"),
+    ([0, 7, 5, 12], "non-decreasing"),
+    ([0, 4, 12], "every row start"),
+]
 
 
 @pytest.mark.parametrize("cu,message", BAD)

@@ -9,9 +9,14 @@ KDA, MLA = "linear_attention", "indexed_attention"
 
 
 def all_losses_config():
-    return Glm53Config.tiny(layer_types=[KDA, MLA, KDA, MLA], indexer_types=["full", "full", "full", "shared"],
-                            num_nextn_predict_layers=1, mtp_depth=2, indexer_loss_weight=1.0,
-                            router_z_loss_coef=1e-3)  # fmt: skip
+    return Glm53Config.tiny(
+        layer_types=[KDA, MLA, KDA, MLA],
+        indexer_types=["full", "full", "full", "shared"],
+        num_nextn_predict_layers=1,
+        mtp_depth=2,
+        indexer_loss_weight=1.0,
+        router_z_loss_coef=1e-3,
+    )
 
 
 def run(model, ids, mask):

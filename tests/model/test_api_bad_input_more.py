@@ -7,9 +7,9 @@ import os
 import pytest
 import torch
 
+from glm53 import Glm53ForCausalLM
 from glm53.config import Glm53Config
 from glm53.errors import ConfigError, InputError
-from glm53 import Glm53ForCausalLM
 from glm53.precision import cast_model, resolve_device
 
 
@@ -22,10 +22,16 @@ def saved(tmp_path_factory):
     return model, path
 
 
-@pytest.mark.parametrize("device,match", [
-    ("foo", "device='foo' is not a device"), (3.5, "device must be a torch.device.* got 3.5 \\(float\\)"),
-    (None, "got None"), (True, "got True"), ("cuda:x", "device='cuda:x' is not a device"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "device,match",
+    [
+        ("foo", "device='foo' is not a device"),
+        (3.5, "device must be a torch.device.* got 3.5 \\(float\\)"),
+        (None, "got None"),
+        (True, "got True"),
+        ("cuda:x", "device='cuda:x' is not a device"),
+    ],
+)
 def test_from_pretrained_device(saved, device, match):
     with pytest.raises(TypeError, match=match):
         Glm53ForCausalLM.from_pretrained(saved[1], device=device)
@@ -53,10 +59,14 @@ def test_max_shard_size_of_another_type(saved, tmp_path, size):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("dtype,match", [
-    ("bf16", "dtype='bf16' is not a torch dtype name"), (torch.int8, "must be a floating dtype"),
-    (3, "must be a torch.dtype or its name"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "dtype,match",
+    [
+        ("bf16", "dtype='bf16' is not a torch dtype name"),
+        (torch.int8, "must be a floating dtype"),
+        (3, "must be a torch.dtype or its name"),
+    ],
+)
 def test_cast_model_dtype(dtype, match):
     model = Glm53ForCausalLM(Glm53Config.tiny(num_hidden_layers=1, mlp_layer_types=["dense"]))
     with pytest.raises(TypeError, match=match):
@@ -64,12 +74,15 @@ def test_cast_model_dtype(dtype, match):
     assert all(p.dtype == torch.float32 for p in model.parameters())  # nothing half-cast
 
 
-@pytest.mark.parametrize("labels,error,match", [
-    ([[1, 2, 3]], TypeError, "labels must be a torch.Tensor"),
-    (torch.ones(2, 3), InputError, "labels must hold integer token ids"),
-    (torch.ones(3, dtype=torch.long), InputError, r"labels must be \[batch, seq\]"),
-    (torch.tensor([[1, 320]]), InputError, "labels holds 320, outside"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "labels,error,match",
+    [
+        ([[1, 2, 3]], TypeError, "labels must be a torch.Tensor"),
+        (torch.ones(2, 3), InputError, "labels must hold integer token ids"),
+        (torch.ones(3, dtype=torch.long), InputError, r"labels must be \[batch, seq\]"),
+        (torch.tensor([[1, 320]]), InputError, "labels holds 320, outside"),
+    ],
+)
 def test_loss_counts_labels(saved, labels, error, match):
     with pytest.raises(error, match=match):
         saved[0].loss_counts(labels)
@@ -81,11 +94,14 @@ def test_model_needs_a_config(config):
         Glm53ForCausalLM(config)
 
 
-@pytest.mark.parametrize("field,value,match", [
-    ("hidden_size", "32", "hidden_size must be a positive int, got '32'"),
-    ("num_experts_per_tok", 100, r"num_experts_per_tok \(100\) must not exceed n_routed_experts"),
-    ("layer_types", ["linear_attention"], "layer_types has 1 entries but num_hidden_layers is 4"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("hidden_size", "32", "hidden_size must be a positive int, got '32'"),
+        ("num_experts_per_tok", 100, r"num_experts_per_tok \(100\) must not exceed n_routed_experts"),
+        ("layer_types", ["linear_attention"], "layer_types has 1 entries but num_hidden_layers is 4"),
+    ],
+)
 def test_config_changed_after_construction_is_checked_by_the_model(field, value, match):
     config = Glm53Config.tiny()
     setattr(config, field, value)

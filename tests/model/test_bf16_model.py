@@ -28,8 +28,9 @@ def test_bf16_logits_within_a_few_roundings_of_fp32_on_the_same_weights(tmp_path
     Glm53ForCausalLM(config).save_pretrained(path)
     low = Glm53ForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     same_weights = copy.deepcopy(low).float()  # the exact answer for these weights, up to fp32 noise
-    hf_low = Glm5NextForConditionalGeneration.from_pretrained(path, dtype=torch.bfloat16,
-                                                              attn_implementation="eager").eval()  # fmt: skip
+    hf_low = Glm5NextForConditionalGeneration.from_pretrained(
+        path, dtype=torch.bfloat16, attn_implementation="eager"
+    ).eval()
     ids, mask = make_inputs(config.vocab_size, 2, 40, "left")
     with torch.no_grad():
         ref = same_weights(ids, attention_mask=mask).logits

@@ -9,20 +9,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.helpers.oracle import hf_text_kwargs, randomize
 from transformers.models.glm5_next import modeling_glm5_next as hf
 
 from glm53 import Glm53Config
+from glm53.kernels import use_backend
 from glm53.model.block import DecoderBlock
 from glm53.model.context import ForwardContext
 from glm53.model.hyper_connection import HyperConnection
 from glm53.model.indexer import Indexer
 from glm53.model.kda import KimiDeltaAttention
-from glm53.kernels import use_backend
 from glm53.model.mla import MultiHeadLatentAttention
 from glm53.model.mlp import MLP
 from glm53.model.moe import MoE
 from glm53.model.norm import GatedRMSNorm, RMSNorm
+from tests.helpers.oracle import hf_text_kwargs, randomize
 
 RTOL, ATOL = 1e-5, 1e-5
 
@@ -152,8 +152,9 @@ def test_hyper_connection_one_stream_is_a_residual():
     block = torch.nn.Linear(config.hidden_size, config.hidden_size)
     x = torch.randn(2, 5, 1, config.hidden_size)
     collapsed, mix = hc.enter(x)
-    torch.testing.assert_close(hc.exit(x, block(collapsed), mix), block(x[:, :, 0])[:, :, None] + x, rtol=1e-5,
-                               atol=1e-5)  # fmt: skip
+    torch.testing.assert_close(
+        hc.exit(x, block(collapsed), mix), block(x[:, :, 0])[:, :, None] + x, rtol=1e-5, atol=1e-5
+    )
 
 
 # ----------------------------------------------------------------------------------------------------- KDA

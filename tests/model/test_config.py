@@ -44,8 +44,14 @@ def test_defaults_are_the_released_model():
 
 
 # Training fields transformers does not have (issue 6); their defaults keep inference behaviour.
-TRAINING_FIELDS = {"router_z_loss_coef", "num_nextn_predict_layers", "mtp_depth", "mtp_loss_weight",
-                   "indexer_loss_weight", "indexer_loss_mode"}  # fmt: skip
+TRAINING_FIELDS = {
+    "router_z_loss_coef",
+    "num_nextn_predict_layers",
+    "mtp_depth",
+    "mtp_loss_weight",
+    "indexer_loss_weight",
+    "indexer_loss_mode",
+}
 
 
 def test_defaults_agree_with_transformers_except_kpool():
@@ -82,8 +88,9 @@ def test_nested_outer_tie_word_embeddings_wins():
 
 
 def test_from_dict_keeps_unknown_keys_and_drops_derived_ones():
-    c = Glm53Config.from_dict(dict(num_hidden_layers=4, some_future_key=[1, 2], head_dim=0, qk_head_dim=256,
-                                   transformers_version="5.23.0"))  # fmt: skip
+    c = Glm53Config.from_dict(
+        dict(num_hidden_layers=4, some_future_key=[1, 2], head_dim=0, qk_head_dim=256, transformers_version="5.23.0")
+    )
     assert c.extra == {"some_future_key": [1, 2]}
     assert c.to_dict()["some_future_key"] == [1, 2]
     assert "head_dim" not in c.to_dict() and "transformers_version" not in c.to_dict()
@@ -155,10 +162,18 @@ def test_linear_attn_config(linear):
 def test_linear_attn_config_expected_values():
     c = Glm53Config.from_dict(dict(num_hidden_layers=4, linear_attn_config=LINEAR_CASES["sizes-bound"]))
     assert (c.linear_head_dim, c.linear_num_heads, c.linear_conv_kernel_dim, c.linear_lower_bound) == (16, 3, 2, -3.0)
-    assert Glm53Config.from_dict(dict(num_hidden_layers=4, linear_attn_config=LINEAR_CASES["no-bound-unsafe"])
-                                 ).linear_lower_bound is None  # fmt: skip
-    assert Glm53Config.from_dict(dict(num_hidden_layers=4, linear_attn_config=LINEAR_CASES["no-bound-safe"])
-                                 ).linear_lower_bound == -5.0  # fmt: skip
+    assert (
+        Glm53Config.from_dict(
+            dict(num_hidden_layers=4, linear_attn_config=LINEAR_CASES["no-bound-unsafe"])
+        ).linear_lower_bound
+        is None
+    )
+    assert (
+        Glm53Config.from_dict(
+            dict(num_hidden_layers=4, linear_attn_config=LINEAR_CASES["no-bound-safe"])
+        ).linear_lower_bound
+        == -5.0
+    )
 
 
 def test_linear_attn_config_layer_lists_are_one_based():
@@ -186,10 +201,15 @@ def test_linear_attn_config_safe_gate_bounds_a_flat_none_like_transformers():
 ROUND_TRIP = {
     "defaults": {},
     "tiny": dict(vocab_size=320, hidden_size=32, num_hidden_layers=4, q_lora_rank=24, pad_token_id=0),
-    "schedules": dict(num_hidden_layers=4, layer_types=[KDA, MLA, KDA, MLA], mlp_layer_types=["dense", "sparse"] * 2,
-                      indexer_types=["full", "full", "full", "shared"], linear_lower_bound=None,
-                      tie_word_embeddings=True),
-}  # fmt: skip
+    "schedules": dict(
+        num_hidden_layers=4,
+        layer_types=[KDA, MLA, KDA, MLA],
+        mlp_layer_types=["dense", "sparse"] * 2,
+        indexer_types=["full", "full", "full", "shared"],
+        linear_lower_bound=None,
+        tie_word_embeddings=True,
+    ),
+}
 
 
 @pytest.mark.parametrize("kwargs", ROUND_TRIP.values(), ids=ROUND_TRIP.keys())
@@ -243,9 +263,18 @@ def test_from_pretrained_errors(tmp_path):
 def test_config_saved_by_transformers(tmp_path, kpool):
     from transformers import Glm5NextConfig
 
-    text = dict(num_hidden_layers=6, hidden_size=48, vocab_size=300, index_kpool=kpool, index_topk=32,
-                indexer_types=["full", "full", "full", "full", "full", "full"], n_group=2, topk_group=1,
-                linear_lower_bound=None, pad_token_id=1)  # fmt: skip
+    text = dict(
+        num_hidden_layers=6,
+        hidden_size=48,
+        vocab_size=300,
+        index_kpool=kpool,
+        index_topk=32,
+        indexer_types=["full", "full", "full", "full", "full", "full"],
+        n_group=2,
+        topk_group=1,
+        linear_lower_bound=None,
+        pad_token_id=1,
+    )
     hf = Glm5NextConfig(text_config=text, vision_config=dict(depth=1), tie_word_embeddings=True)
     hf.save_pretrained(tmp_path)
     c = Glm53Config.from_pretrained(tmp_path)
@@ -264,45 +293,63 @@ def tiny(**overrides):
 
 
 ERRORS = {
-    "layer_types-length": (dict(layer_types=[KDA, MLA, KDA]),
-                           r"layer_types has 3 entries but num_hidden_layers is 4"),
-    "mlp_layer_types-length": (dict(mlp_layer_types=["dense"] * 5),
-                               r"mlp_layer_types has 5 entries but num_hidden_layers is 4"),
+    "layer_types-length": (dict(layer_types=[KDA, MLA, KDA]), r"layer_types has 3 entries but num_hidden_layers is 4"),
+    "mlp_layer_types-length": (
+        dict(mlp_layer_types=["dense"] * 5),
+        r"mlp_layer_types has 5 entries but num_hidden_layers is 4",
+    ),
     "indexer_types-length": (dict(indexer_types=["full"]), r"indexer_types has 1 entries but num_hidden_layers is 4"),
-    "unknown-layer-type": (dict(layer_types=[KDA, "mamba", KDA, MLA]),
-                           r"layer_types\[1\] is 'mamba'; expected one of \['linear_attention', 'indexed_attention'\]"),
-    "unknown-mlp-type": (dict(mlp_layer_types=["dense", "moe", "sparse", "sparse"]),
-                         r"mlp_layer_types\[1\] is 'moe'; expected one of \['dense', 'sparse'\]"),
-    "unknown-indexer-type": (dict(indexer_types=["full", "full", "full", "half"]),
-                             r"indexer_types\[3\] is 'half'; expected one of \['full', 'shared'\]"),
-    "topk-not-divisible-by-kpool": (dict(index_topk=10, index_kpool=4),
-                                    r"index_topk \(10\) must be divisible by index_kpool \(4\)"),
+    "unknown-layer-type": (
+        dict(layer_types=[KDA, "mamba", KDA, MLA]),
+        r"layer_types\[1\] is 'mamba'; expected one of \['linear_attention', 'indexed_attention'\]",
+    ),
+    "unknown-mlp-type": (
+        dict(mlp_layer_types=["dense", "moe", "sparse", "sparse"]),
+        r"mlp_layer_types\[1\] is 'moe'; expected one of \['dense', 'sparse'\]",
+    ),
+    "unknown-indexer-type": (
+        dict(indexer_types=["full", "full", "full", "half"]),
+        r"indexer_types\[3\] is 'half'; expected one of \['full', 'shared'\]",
+    ),
+    "topk-not-divisible-by-kpool": (
+        dict(index_topk=10, index_kpool=4),
+        r"index_topk \(10\) must be divisible by index_kpool \(4\)",
+    ),
     "q_lora_rank-None": (dict(q_lora_rank=None), r"q_lora_rank is required by the DSA indexer .* got None"),
     "qk_rope_head_dim-positive": (dict(qk_rope_head_dim=64), r"qk_rope_head_dim must be 0 .* got 64"),
-    "kv-heads-differ": (dict(num_key_value_heads=1),
-                        r"num_key_value_heads \(1\) must equal num_attention_heads \(2\)"),
-    "shared-before-full": (dict(indexer_types=["shared", "shared", "shared", "shared"]),
-                           r"indexer_types\[3\] is 'shared' but no earlier indexed_attention layer has a 'full'"),
-    "shared-after-shared-only": (dict(layer_types=[MLA, KDA, KDA, MLA], indexer_types=["shared", "full", "full", "full"]),
-                                 r"indexer_types\[0\] is 'shared' but no earlier"),
-    "num_hidden_layers-zero": (dict(num_hidden_layers=0, layer_types=[], mlp_layer_types=[]),
-                               r"num_hidden_layers must be a positive int, got 0"),
+    "kv-heads-differ": (dict(num_key_value_heads=1), r"num_key_value_heads \(1\) must equal num_attention_heads \(2\)"),
+    "shared-before-full": (
+        dict(indexer_types=["shared", "shared", "shared", "shared"]),
+        r"indexer_types\[3\] is 'shared' but no earlier indexed_attention layer has a 'full'",
+    ),
+    "shared-after-shared-only": (
+        dict(layer_types=[MLA, KDA, KDA, MLA], indexer_types=["shared", "full", "full", "full"]),
+        r"indexer_types\[0\] is 'shared' but no earlier",
+    ),
+    "num_hidden_layers-zero": (
+        dict(num_hidden_layers=0, layer_types=[], mlp_layer_types=[]),
+        r"num_hidden_layers must be a positive int, got 0",
+    ),
     "hidden_size-zero": (dict(hidden_size=0), r"hidden_size must be a positive int, got 0"),
     "index_kpool-zero": (dict(index_kpool=0), r"index_kpool must be a positive int, got 0"),
     "hc_mult-bool": (dict(hc_mult=True), r"hc_mult must be a positive int, got True"),
     "experts-float": (dict(n_routed_experts=8.0), r"n_routed_experts must be a positive int, got 8.0"),
     "experts-not-divisible-by-groups": (dict(n_group=3), r"n_routed_experts \(8\) must be divisible by n_group \(3\)"),
     "topk_group-exceeds-groups": (dict(n_group=2, topk_group=3), r"topk_group \(3\) must not exceed n_group \(2\)"),
-    "experts_per_tok-exceeds-experts": (dict(num_experts_per_tok=9),
-                                        r"num_experts_per_tok \(9\) must not exceed n_routed_experts \(8\)"),
+    "experts_per_tok-exceeds-experts": (
+        dict(num_experts_per_tok=9),
+        r"num_experts_per_tok \(9\) must not exceed n_routed_experts \(8\)",
+    ),
     "one-expert-per-group": (dict(n_group=8), r"n_group \(8\) leaves fewer than 2 experts per group"),
-    "groups-too-few-experts": (dict(n_group=4, topk_group=1, num_experts_per_tok=3),
-                               r"topk_group \(1\) groups hold fewer experts than num_experts_per_tok \(3\)"),
+    "groups-too-few-experts": (
+        dict(n_group=4, topk_group=1, num_experts_per_tok=3),
+        r"topk_group \(1\) groups hold fewer experts than num_experts_per_tok \(3\)",
+    ),
     "hidden_act": (dict(hidden_act="gelu"), r"hidden_act must be 'silu', got 'gelu'"),
     "lower-bound-positive": (dict(linear_lower_bound=5.0), r"linear_lower_bound must be negative or None, got 5.0"),
     "swiglu_limit-zero": (dict(swiglu_limit=0.0), r"swiglu_limit must be positive, got 0.0"),
     "pad_token_id-out-of-range": (dict(pad_token_id=320), r"pad_token_id \(320\) must lie in \[0, vocab_size=320\)"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("overrides,message", ERRORS.values(), ids=ERRORS.keys())
@@ -318,16 +365,24 @@ def test_validation_also_runs_on_replace():
 
 DICT_ERRORS = {
     "not-a-dict": ([1, 2], r"config must be a dict, got list"),
-    "pattern-bad-letter": (dict(num_hidden_layers=4, index_topk_pattern="FSXF"),
-                           r"index_topk_pattern 'FSXF' has characters other than 'F' and 'S': \['X'\]"),
+    "pattern-bad-letter": (
+        dict(num_hidden_layers=4, index_topk_pattern="FSXF"),
+        r"index_topk_pattern 'FSXF' has characters other than 'F' and 'S': \['X'\]",
+    ),
     "freq-not-int": (dict(num_hidden_layers=4, index_topk_freq="2"), r"index_topk_freq must be an int, got '2'"),
-    "linear_attn_config-not-dict": (dict(num_hidden_layers=4, linear_attn_config=[1]),
-                                    r"linear_attn_config must be a dict, got \[1\]"),
-    "linear_attn_config-layer-unlisted": (dict(num_hidden_layers=4, linear_attn_config=dict(kda_layers=[1, 2, 4])),
-                                          r"linear_attn_config lists layer 3 in neither kda_layers nor full_attn_layers"),
-    "pattern-length": (dict(num_hidden_layers=4, index_topk_pattern="FS"),
-                       r"indexer_types has 2 entries but num_hidden_layers is 4"),
-}  # fmt: skip
+    "linear_attn_config-not-dict": (
+        dict(num_hidden_layers=4, linear_attn_config=[1]),
+        r"linear_attn_config must be a dict, got \[1\]",
+    ),
+    "linear_attn_config-layer-unlisted": (
+        dict(num_hidden_layers=4, linear_attn_config=dict(kda_layers=[1, 2, 4])),
+        r"linear_attn_config lists layer 3 in neither kda_layers nor full_attn_layers",
+    ),
+    "pattern-length": (
+        dict(num_hidden_layers=4, index_topk_pattern="FS"),
+        r"indexer_types has 2 entries but num_hidden_layers is 4",
+    ),
+}
 
 
 @pytest.mark.parametrize("d,message", DICT_ERRORS.values(), ids=DICT_ERRORS.keys())
@@ -366,7 +421,9 @@ def test_outer_text_fields_that_text_config_contradicts_are_named_and_not_writte
     from glm53 import Glm53Config as C
 
     text = C.tiny().to_dict()
-    with pytest.warns(UserWarning, match=r"vocab_size=999 outside text_config contradicts text_config's vocab_size=320"):
+    with pytest.warns(
+        UserWarning, match=r"vocab_size=999 outside text_config contradicts text_config's vocab_size=320"
+    ):
         config = C.from_dict({"text_config": text, "vocab_size": 999, "model_type": "glm5_next"})
     assert config.vocab_size == 320
     official = config.to_official_dict()

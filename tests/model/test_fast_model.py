@@ -10,8 +10,21 @@ from glm53.kernels import backends, chosen_backend, use_backend
 from tests.helpers.oracle import hf_model
 
 REL_TOL = 1e-4
-FAST_OPS = ("kda", "sparse_attention", "sparse_mqa_attention", "moe_experts", "indexer_scores", "indexer_topk_pools",
-            "hc_collapse", "hc_mix", "hc_project", "sinkhorn", "causal_conv1d", "rms_norm", "gated_rms_norm")
+FAST_OPS = (
+    "kda",
+    "sparse_attention",
+    "sparse_mqa_attention",
+    "moe_experts",
+    "indexer_scores",
+    "indexer_topk_pools",
+    "hc_collapse",
+    "hc_mix",
+    "hc_project",
+    "sinkhorn",
+    "causal_conv1d",
+    "rms_norm",
+    "gated_rms_norm",
+)
 
 CASES = {
     # T=70 > one KDA chunk (64), not a multiple of it or of the k-pool (4); sparse since T >> index_topk (8)
@@ -74,8 +87,13 @@ def test_fast_training_gradients_match_reference_kernels():
     torch.testing.assert_close(fast_loss, ref_loss, rtol=1e-5, atol=1e-6)
     assert fast_grads.keys() == ref_grads.keys()
     for name, ref in ref_grads.items():
-        torch.testing.assert_close(fast_grads[name], ref, rtol=1e-3, atol=1e-5 * max(1.0, ref.abs().max().item()),
-                                   msg=lambda m, name=name: f"{name}: {m}")  # fmt: skip
+        torch.testing.assert_close(
+            fast_grads[name],
+            ref,
+            rtol=1e-3,
+            atol=1e-5 * max(1.0, ref.abs().max().item()),
+            msg=lambda m, name=name: f"{name}: {m}",
+        )
 
 
 @pytest.mark.parametrize("absorb", [True, False], ids=["absorbed", "per-head"])

@@ -4,9 +4,9 @@ name the argument (they failed in a host read or an attribute lookup). Legend: B
 import pytest
 import torch
 
+from glm53 import Glm53ForCausalLM
 from glm53.config import Glm53Config
 from glm53.errors import InputError
-from glm53 import Glm53ForCausalLM
 
 B, T = 2, 8
 
@@ -21,15 +21,18 @@ CU = torch.tensor([0, 3, 8, 16])
 POS = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]] * B)
 
 
-@pytest.mark.parametrize("kwargs,error,match", [
-    (dict(cu_seqlens=CU.tolist()), TypeError, "cu_seqlens must be a torch.Tensor .* got list"),
-    (dict(cu_seqlens=CU.numpy()), TypeError, "cu_seqlens must be a torch.Tensor .* got ndarray"),
-    (dict(cu_seqlens=CU.to("meta")), InputError, "cu_seqlens is on the meta device"),
-    (dict(position_ids=POS.tolist()), TypeError, "position_ids must be a torch.Tensor .* got list"),
-    (dict(position_ids=POS.to("meta")), InputError, "position_ids is on the meta device"),
-    (dict(labels=POS, loss_denominators=3), TypeError, "loss_denominators must be a LossCounts .* got int"),
-    (dict(labels=POS, loss_denominators={"lm": 3}), TypeError, "loss_denominators must be a LossCounts"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        (dict(cu_seqlens=CU.tolist()), TypeError, "cu_seqlens must be a torch.Tensor .* got list"),
+        (dict(cu_seqlens=CU.numpy()), TypeError, "cu_seqlens must be a torch.Tensor .* got ndarray"),
+        (dict(cu_seqlens=CU.to("meta")), InputError, "cu_seqlens is on the meta device"),
+        (dict(position_ids=POS.tolist()), TypeError, "position_ids must be a torch.Tensor .* got list"),
+        (dict(position_ids=POS.to("meta")), InputError, "position_ids is on the meta device"),
+        (dict(labels=POS, loss_denominators=3), TypeError, "loss_denominators must be a LossCounts .* got int"),
+        (dict(labels=POS, loss_denominators={"lm": 3}), TypeError, "loss_denominators must be a LossCounts"),
+    ],
+)
 def test_bad_boundaries_and_denominators(model, kwargs, error, match):
     ids = torch.randint(1, 320, (B, T))
     with pytest.raises(error, match=match):

@@ -23,7 +23,7 @@ from glm53.model.kda import KimiDeltaAttention
 from glm53.model.mla import MultiHeadLatentAttention
 from glm53.model.moe import MoE
 from tests.helpers.oracle import hf_model
-from tests.model.test_blocks import hf_to_glm53_state, pair, padding
+from tests.model.test_blocks import hf_to_glm53_state, padding, pair
 
 BLOCK_RTOL = 1e-5  # relative L2 error of one gradient tensor (MLA, MoE, mHC: measured <= 7e-7)
 KDA_RTOL = 1e-4  # KDA: two different fp32 chunked forms (measured <= 1e-5, on dt_bias / A_log)
@@ -37,7 +37,7 @@ def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def assert_grads_match(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor], rtol: float):
     """Same names with a non-zero gradient on both sides, and each within `rtol` relative L2 error."""
     nonzero = lambda g: {n for n, t in g.items() if t.abs().max() > 0}  # noqa: E731
-    assert nonzero(ours) == nonzero(theirs), (nonzero(ours) ^ nonzero(theirs))
+    assert nonzero(ours) == nonzero(theirs), nonzero(ours) ^ nonzero(theirs)
     assert nonzero(ours), "nothing got a gradient"
     errors = {n: rel_l2(ours[n], theirs[n]) for n in nonzero(ours)}
     bad = {n: f"{e:.1e}" for n, e in errors.items() if e > rtol}
@@ -102,9 +102,10 @@ def test_mla_with_indexer_gradients(case, absorb):
 # ----------------------------------------------------------------------------------- MoE, grouped router
 MOE_CASES = {
     "groups4-top2-norm": dict(n_group=4, topk_group=2, norm_topk_prob=True, swiglu_limit=0.5),
-    "groups2-top1-nonorm-k3": dict(n_group=2, topk_group=1, norm_topk_prob=False, num_experts_per_tok=3,
-                                   routed_scaling_factor=1.5),
-}  # fmt: skip
+    "groups2-top1-nonorm-k3": dict(
+        n_group=2, topk_group=1, norm_topk_prob=False, num_experts_per_tok=3, routed_scaling_factor=1.5
+    ),
+}
 
 
 @pytest.mark.parametrize("case", list(MOE_CASES))

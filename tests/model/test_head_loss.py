@@ -16,10 +16,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import glm53.kernels.linear_cross_entropy as lce
 from glm53 import Glm53Config, Glm53ForCausalLM
 from glm53.kernels import dispatch, use_backend
+from glm53.losses import IGNORE_INDEX, causal_lm_loss
 from glm53.model.inputs import packing_fields
 from glm53.model.mtp import mtp_labels
 from glm53.model.packing import document_labels
-from glm53.losses import IGNORE_INDEX, causal_lm_loss
 
 B, T, VOCAB = 2, 13, 320
 CHUNK_TOKENS = 5  # rows per forced logits block: 26 tokens -> 6 chunks, the last of 1 token

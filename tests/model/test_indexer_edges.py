@@ -16,7 +16,7 @@ import transformers.models.glm5_next.modeling_glm5_next as hf
 
 from glm53 import Glm53Config
 from glm53.model.indexer import Indexer
-from tests.model.test_blocks import pair, padding
+from tests.model.test_blocks import padding, pair
 
 
 def _transformers_scores(theirs, x, q_resid, mask):

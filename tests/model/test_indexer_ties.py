@@ -45,10 +45,15 @@ def test_fused_and_reference_kernels_pick_the_earliest_tied_pools():
 
 def tie_model(seed: int, dtype: torch.dtype = torch.float32, zero_queries: bool = False) -> Glm53ForCausalLM:
     """Two indexer heads (ReLU sums tie at 0 often); `zero_queries`: every score is exactly 0 (all pools tie)."""
-    config = Glm53Config.tiny(index_n_heads=2, index_topk=8, index_kpool=2,
-                              layer_types=["indexed_attention", "linear_attention", "indexed_attention"],
-                              mlp_layer_types=["dense", "sparse", "dense"], indexer_types=["full", "full", "shared"],
-                              num_hidden_layers=3)  # fmt: skip
+    config = Glm53Config.tiny(
+        index_n_heads=2,
+        index_topk=8,
+        index_kpool=2,
+        layer_types=["indexed_attention", "linear_attention", "indexed_attention"],
+        mlp_layer_types=["dense", "sparse", "dense"],
+        indexer_types=["full", "full", "shared"],
+        num_hidden_layers=3,
+    )
     torch.manual_seed(seed)
     model = Glm53ForCausalLM(config).eval()
     randomize(model, seed)
@@ -99,8 +104,10 @@ def test_packed_equals_documents_alone_with_ties(dtype, zero):
     lengths = [13, 9, 17]
     for seed in range(4):
         model = tie_model(seed, DTYPES[dtype], zero)
-        docs = [torch.randint(1, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(seed + n))
-                for n in lengths]  # fmt: skip
+        docs = [
+            torch.randint(1, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(seed + n))
+            for n in lengths
+        ]
         cu = torch.tensor([0, 13, 22, 39])
         with torch.inference_mode():
             packed = model(torch.cat(docs, dim=1), cu_seqlens=cu).logits[0]

@@ -33,6 +33,9 @@ def test_forget_gate_initialisation_ranges(lower_bound):
         assert torch.equal(rate, torch.ones_like(rate))
     x = torch.zeros(1, 1, layer.f_a_proj.in_features)  # no input: the gate is the bias's alone
     g = layer.forget_gate(x)[0, 0]  # [H, K]
-    expected = lower_bound * torch.sigmoid(rate[:, None] * layer.dt_bias.view_as(g)) if lower_bound is not None \
-        else -rate[:, None] * dt.view_as(g)  # fmt: skip
+    expected = (
+        lower_bound * torch.sigmoid(rate[:, None] * layer.dt_bias.view_as(g))
+        if lower_bound is not None
+        else -rate[:, None] * dt.view_as(g)
+    )
     torch.testing.assert_close(g, expected.detach())

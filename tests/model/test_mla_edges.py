@@ -18,7 +18,7 @@ from glm53 import Glm53Config
 from glm53.model.context import ForwardContext
 from glm53.model.indexer import kept_pools
 from glm53.model.mla import MultiHeadLatentAttention
-from tests.model.test_blocks import pair, padding
+from tests.model.test_blocks import padding, pair
 
 
 @pytest.mark.parametrize("absorb", [True, False], ids=["absorbed", "per-head"])

@@ -16,19 +16,31 @@ CASES = {
     "rightpad-T23": dict(config={}, T=23, pad="right"),
     "T1": dict(config={}, T=1, pad=None),
     "dense-regime-topk-ge-T": dict(config=dict(index_topk=64, index_kpool=4), T=30, pad="left"),
-    "kpool1-no-tail": dict(config=dict(index_kpool=1, index_topk=6, index_kpool_always_select_tail=False), T=19,
-                           pad="left"),
+    "kpool1-no-tail": dict(
+        config=dict(index_kpool=1, index_topk=6, index_kpool_always_select_tail=False), T=19, pad="left"
+    ),
     # adjacent attention layers: the only sharing pattern transformers supports
     "shared-topk": dict(
-        config=dict(num_hidden_layers=5, layer_types=["linear_attention", "indexed_attention", "indexed_attention",
-                                                      "linear_attention", "indexed_attention"],
-                    mlp_layer_types=["dense", "sparse", "sparse", "dense", "sparse"],
-                    indexer_types=["full", "full", "shared", "full", "full"]),
-        T=37, pad="left"),
+        config=dict(
+            num_hidden_layers=5,
+            layer_types=[
+                "linear_attention",
+                "indexed_attention",
+                "indexed_attention",
+                "linear_attention",
+                "indexed_attention",
+            ],
+            mlp_layer_types=["dense", "sparse", "sparse", "dense", "sparse"],
+            indexer_types=["full", "full", "shared", "full", "full"],
+        ),
+        T=37,
+        pad="left",
+    ),
     "softplus-gate": dict(config=dict(linear_lower_bound=None), T=45, pad="left"),
     "tied-embeddings": dict(config=dict(tie_word_embeddings=True), T=21, pad="right"),
-    "n_group4-topk_group2": dict(config=dict(n_group=4, topk_group=2, n_routed_experts=8, num_experts_per_tok=3),
-                                 T=26, pad="left"),
+    "n_group4-topk_group2": dict(
+        config=dict(n_group=4, topk_group=2, n_routed_experts=8, num_experts_per_tok=3), T=26, pad="left"
+    ),
     "no-norm-topk": dict(config=dict(norm_topk_prob=False), T=26, pad=None),
     "hc1": dict(config=dict(hc_mult=1), T=33, pad="left"),
     "hc2": dict(config=dict(hc_mult=2), T=33, pad="left"),
@@ -36,7 +48,7 @@ CASES = {
     # value width != query/key width: the attention scale is qk_head_dim^-0.5 (a v_head_dim^-0.5 mutant passed
     # while every config had equal widths)
     "v-width-ne-qk-width": dict(config=dict(v_head_dim=4, qk_nope_head_dim=12), T=26, pad="left"),
-}  # fmt: skip
+}
 
 
 def make_inputs(vocab: int, B: int, T: int, pad: str | None, seed: int = 0):
@@ -129,6 +141,7 @@ def test_shared_layer_reuses_full_layer_indices_across_kda():
     def record(name):
         def hook(module, args, output):
             seen[name] = output[1].clone()
+
         return hook
 
     model.model.layers[0].self_attn.register_forward_hook(record("full"))
@@ -152,8 +165,9 @@ def test_bf16_close_to_fp32(tmp_path):
     assert low.model.layers[0].attn_hc.base.dtype == torch.float32
     assert low.model.layers[1].mlp.gate.e_score_correction_bias.dtype == torch.float32
     assert low.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
-    hf_low = Glm5NextForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.bfloat16,
-                                                              attn_implementation="eager").eval()  # fmt: skip
+    hf_low = Glm5NextForConditionalGeneration.from_pretrained(
+        tmp_path, dtype=torch.bfloat16, attn_implementation="eager"
+    ).eval()
     ids, mask = make_inputs(ours.config.vocab_size, 2, 40, "left")
     with torch.no_grad():
         ref = ours(ids, attention_mask=mask).logits
@@ -166,7 +180,9 @@ def test_bf16_close_to_fp32(tmp_path):
     assert err.max() > 0 and torch.isfinite(err).all()  # it ran in bf16
     # Random tiny models are sensitive (a bf16 rounding can flip a router or indexer choice), so the bound is
     # relative to transformers' bf16 error on the same weights: glm53 must be no less accurate on average.
-    assert err.mean() <= 1.25 * hf_err.mean(), f"glm53 bf16 mean error {err.mean():.3e} vs transformers {hf_err.mean():.3e}"
+    assert err.mean() <= 1.25 * hf_err.mean(), (
+        f"glm53 bf16 mean error {err.mean():.3e} vs transformers {hf_err.mean():.3e}"
+    )
     assert err.max() <= 1.25 * hf_err.max(), f"glm53 bf16 max error {err.max():.3e} vs transformers {hf_err.max():.3e}"
     # (test_bf16_model.py bounds the error in bf16 roundings where no routing or top-k choice can flip)
 

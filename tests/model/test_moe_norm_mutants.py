@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from glm53.config import Glm53Config
 from glm53.model.context import ForwardContext, LayerStats
-from glm53.model.moe import MoE
 from glm53.model.mlp import MLP
+from glm53.model.moe import MoE
 from glm53.model.norm import LayerNorm
 
 
@@ -62,6 +62,7 @@ def test_moe_gradients_reach_the_router_through_the_stats_and_the_shared_expert_
     (gshared,) = torch.autograd.grad(moe.shared_experts(x3).sum(), x3)
     assert gshared.abs().max() > 0
     torch.testing.assert_close(gall, gshared)
+
 
 def test_layer_norm_uses_its_eps():
     """A near-constant row: its variance is far below 1e-3, so the eps sets the output scale."""

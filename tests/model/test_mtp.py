@@ -94,10 +94,21 @@ def test_official_layout_save_and_load(tmp_path):
     keys = dict(mtp_official_state(model))
     n = config.num_hidden_layers
     prefix = f"model.language_model.layers.{n}."
-    for name in ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight",
-                 "input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_a_proj.weight",
-                 "self_attn.indexer.wk.weight", "mlp.gate.weight", "mlp.gate.e_score_correction_bias",
-                 "mlp.experts.7.down_proj.weight", "mlp.experts.0.up_proj.weight", "mlp.shared_experts.up_proj.weight"):
+    for name in (
+        "eh_proj.weight",
+        "enorm.weight",
+        "hnorm.weight",
+        "shared_head.norm.weight",
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+        "self_attn.q_a_proj.weight",
+        "self_attn.indexer.wk.weight",
+        "mlp.gate.weight",
+        "mlp.gate.e_score_correction_bias",
+        "mlp.experts.7.down_proj.weight",
+        "mlp.experts.0.up_proj.weight",
+        "mlp.shared_experts.up_proj.weight",
+    ):
         assert prefix + name in keys, name
     assert all(k.startswith(prefix) for k in keys)
     assert not any("hc_" in k for k in keys)  # the MTP block has no mHC

@@ -44,8 +44,13 @@ def test_mtp_norms_are_not_interchangeable():
     model = Glm53ForCausalLM(Glm53Config.tiny(num_nextn_predict_layers=1, mtp_depth=1, router_aux_loss_coef=0.0))
     layer = model.mtp.layers[0]
     with torch.no_grad():
-        for norm in (layer.enorm, layer.hnorm, layer.input_layernorm, layer.post_attention_layernorm,
-                     layer.shared_head.norm):  # fmt: skip
+        for norm in (
+            layer.enorm,
+            layer.hnorm,
+            layer.input_layernorm,
+            layer.post_attention_layernorm,
+            layer.shared_head.norm,
+        ):
             norm.weight.uniform_(0.5, 1.5)
     B, T = 2, 9
     ids = torch.randint(1, 320, (B, T))

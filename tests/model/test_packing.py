@@ -24,8 +24,11 @@ LENGTHS = [1, 2, 31, 33, 70, 9, 13, 6]
 REL = 1e-5
 # 16 indexer heads: a pool scores exactly 0 (every head's ReLU at 0) with odds ~2^-16, not ~2^-4, so tied top
 # scores, which torch.topk may break differently in a longer row (README, "Indexer ties"), practically vanish.
-LAYERS = dict(layer_types=["linear_attention", "indexed_attention", "linear_attention", "indexed_attention"],
-              indexer_types=["full", "full", "full", "shared"], index_n_heads=16)  # fmt: skip
+LAYERS = dict(
+    layer_types=["linear_attention", "indexed_attention", "linear_attention", "indexed_attention"],
+    indexer_types=["full", "full", "full", "shared"],
+    index_n_heads=16,
+)
 
 
 def build(seed: int = 0, **overrides) -> Glm53ForCausalLM:
@@ -112,8 +115,12 @@ def test_position_ids_match_cu_seqlens_with_padding():
                 t += n
         # rows of one document each (position_ids 0..T-1) are the ordinary, unpacked forward
         plain = torch.arange(T).expand(2, T)
-        torch.testing.assert_close(model(ids, attention_mask=mask, position_ids=plain).logits,
-                                   model(ids, attention_mask=mask).logits, rtol=0, atol=0)  # fmt: skip
+        torch.testing.assert_close(
+            model(ids, attention_mask=mask, position_ids=plain).logits,
+            model(ids, attention_mask=mask).logits,
+            rtol=0,
+            atol=0,
+        )
 
 
 def test_bad_boundaries_raise():
@@ -128,8 +135,14 @@ def test_bad_boundaries_raise():
 
 
 # ------------------------------------------------------------------------------------------ loss and gradients
-TRAINING = dict(num_nextn_predict_layers=1, mtp_depth=2, mtp_loss_weight=0.3, indexer_loss_weight=1.0,
-                router_aux_loss_coef=0.01, router_z_loss_coef=1e-3)  # fmt: skip
+TRAINING = dict(
+    num_nextn_predict_layers=1,
+    mtp_depth=2,
+    mtp_loss_weight=0.3,
+    indexer_loss_weight=1.0,
+    router_aux_loss_coef=0.01,
+    router_z_loss_coef=1e-3,
+)
 GRAD_LENGTHS = [1, 2, 9, 31, 33, 6]
 
 
@@ -154,8 +167,11 @@ def document_parts(model, doc: torch.Tensor, mode: str) -> dict:
     """One document alone: every loss part as (numerator, count) per term, from its own forward."""
     out, seen = captured_forward(model, doc)
     n = doc.shape[1]
-    ce_sum = lambda logits, d: F.cross_entropy(logits[0, : max(n - 1 - d, 0)], doc[0, d + 1 :],  # noqa: E731
-                                               reduction="sum")
+    ce_sum = lambda logits, d: F.cross_entropy(
+        logits[0, : max(n - 1 - d, 0)],
+        doc[0, d + 1 :],  # noqa: E731
+        reduction="sum",
+    )
     parts = {"lm": [(ce_sum(out.logits, 0), n - 1)]}
     # each MTP run carries the normed hidden state the shared lm_head reads
     parts["mtp"] = [(ce_sum(model.lm_head(h), d), max(n - 1 - d, 0)) for d, (h, _, _) in enumerate(seen["mtp"], 1)]
@@ -183,8 +199,12 @@ def combine(per_doc: list[dict], config: Glm53Config) -> dict[str, torch.Tensor]
         return [sum(num for num, _ in t) / max(1, sum(cnt for _, cnt in t)) for t in terms]
 
     mtp = torch.stack(pooled("mtp")).mean()
-    aux = torch.stack([config.router_aux_loss_coef * b + config.router_z_loss_coef * z
-                       for b, z in zip(pooled("balance"), pooled("z"))]).mean()  # fmt: skip
+    aux = torch.stack(
+        [
+            config.router_aux_loss_coef * b + config.router_z_loss_coef * z
+            for b, z in zip(pooled("balance"), pooled("z"))
+        ]
+    ).mean()
     indexer = torch.stack(pooled("indexer")).mean()
     lm = pooled("lm")[0]
     loss = lm + config.mtp_loss_weight * mtp + aux + config.indexer_loss_weight * indexer
@@ -215,8 +235,11 @@ def test_packed_gradients_match_token_weighted_documents(mode):
     assert packed.keys() == reference.keys()
     assert any(n.startswith("mtp.") for n in packed) and any(".indexer." in n for n in packed)
     floor = 1e-4 * max(g.abs().max().item() for g in reference.values())  # fp32 sums in another order
-    bad = {n: rel_err(g, reference[n]) for n, g in packed.items()
-           if (g - reference[n]).abs().max() > 1e-4 * max(reference[n].abs().max().item(), floor)}  # fmt: skip
+    bad = {
+        n: rel_err(g, reference[n])
+        for n, g in packed.items()
+        if (g - reference[n]).abs().max() > 1e-4 * max(reference[n].abs().max().item(), floor)
+    }
     assert not bad, bad
     for got, want in zip(packed_loads, doc_loads):  # expert loads: real tokens only, as the documents alone
         assert torch.equal(got, want)
@@ -230,8 +253,9 @@ def test_packed_forward_divides_by_its_loss_counts():
     ids = torch.randint(1, 320, (2, T), generator=torch.Generator().manual_seed(4))
     mask = torch.ones(2, T, dtype=torch.long)
     mask[0, 47:] = 0  # row 0 ends in padding (one more, invalid, document)
-    position_ids = torch.cat([torch.cat([torch.arange(n) for n in row + [T - sum(row)] * (sum(row) < T)])[None]
-                              for row in rows])  # fmt: skip
+    position_ids = torch.cat(
+        [torch.cat([torch.arange(n) for n in row + [T - sum(row)] * (sum(row) < T)])[None] for row in rows]
+    )
     labels = ids.masked_fill(mask == 0, -100)
     own = model(ids, attention_mask=mask, labels=labels, position_ids=position_ids)
     counts = model.loss_counts(labels, mask, position_ids)

@@ -77,11 +77,15 @@ def test_document_pool_layout_written_out():
     invalid), no pool for an all-padding document, the slots past a row's pools empty (T + slot, invalid)."""
     positions, token_valid = document_pool_layout(pool_case(), POOL_CU, POOL_KPOOL)
     empty = [8, 9, 10]
-    assert positions.tolist() == [[[0, 1, 2], [3, 4, 5], [5, 6, 7], empty, empty, empty],
-                                  [[3, 4, 5], [6, 7, 8], empty, empty, empty, empty]]  # fmt: skip
+    assert positions.tolist() == [
+        [[0, 1, 2], [3, 4, 5], [5, 6, 7], empty, empty, empty],
+        [[3, 4, 5], [6, 7, 8], empty, empty, empty, empty],
+    ]
     full, none = [True] * 3, [False] * 3
-    assert token_valid.tolist() == [[full, [True, True, False], full, none, none, none],
-                                    [full, [True, True, False], none, none, none, none]]  # fmt: skip
+    assert token_valid.tolist() == [
+        [full, [True, True, False], full, none, none, none],
+        [full, [True, True, False], none, none, none, none],
+    ]
 
 
 def test_document_pool_layout_compile_form_written_out(monkeypatch):

@@ -18,12 +18,13 @@ import torch
 
 from glm53 import Glm53Config
 from glm53.kernels.sparse_attention import same_document_only
+from glm53.model import attention_mass as losses
 from glm53.model.context import ForwardContext
 from glm53.model.indexer import Indexer, own_document_pools, pool_starts
 from glm53.model.key_sequence import KeySequence, same_document_slots, segment_boundaries
 from glm53.model.mla import MultiHeadLatentAttention
-from glm53.model.packing import document_boundaries, segment_ids as segment_ids_of
-from glm53.model import attention_mass as losses
+from glm53.model.packing import document_boundaries
+from glm53.model.packing import segment_ids as segment_ids_of
 from tests.helpers.modules import random_indexer
 
 B, S = 2, 37

@@ -7,8 +7,9 @@ from glm53 import Glm53Config
 from glm53.parallel.ckpt_plan import plan_rank
 from glm53.tools.ckpt_plan import main
 
-CONFIG = Glm53Config.tiny(num_attention_heads=4, num_key_value_heads=4, linear_num_heads=4, hidden_size=64,
-                          moe_intermediate_size=32)  # fmt: skip
+CONFIG = Glm53Config.tiny(
+    num_attention_heads=4, num_key_value_heads=4, linear_num_heads=4, hidden_size=64, moe_intermediate_size=32
+)
 
 
 def test_ranks_read_their_share_and_together_everything():

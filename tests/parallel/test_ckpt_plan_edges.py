@@ -16,8 +16,14 @@ from glm53.precision import keeps_fp32
 from glm53.utils import ceil_div
 from tests.parallel.test_ckpt_plan import CONFIG
 
-MTP_CONFIG = Glm53Config.tiny(num_attention_heads=4, num_key_value_heads=4, linear_num_heads=4, hidden_size=64,
-                              moe_intermediate_size=32, num_nextn_predict_layers=1)  # fmt: skip
+MTP_CONFIG = Glm53Config.tiny(
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    linear_num_heads=4,
+    hidden_size=64,
+    moe_intermediate_size=32,
+    num_nextn_predict_layers=1,
+)
 NOT_FP8 = ("embed_tokens", "layernorm", "norm", "lm_head", "hc_", "gate.weight")
 
 
@@ -61,8 +67,10 @@ def test_four_ranks_hold_a_quarter_each():
     assert sum(p.shard_bytes for p in plans) == params + 4 * buffers
 
 
-@pytest.mark.parametrize("rows,cols,blocks", [((0, 128), (0, 64), 1), ((96, 160), (0, 64), 2),
-                                              ((96, 160), (120, 136), 4), ((128, 256), (256, 257), 1)])  # fmt: skip
+@pytest.mark.parametrize(
+    "rows,cols,blocks",
+    [((0, 128), (0, 64), 1), ((96, 160), (0, 64), 2), ((96, 160), (120, 136), 4), ((128, 256), (256, 257), 1)],
+)
 def test_scale_blocks_of_a_slice_count_every_block_it_touches(rows, cols, blocks):
     assert _scale_bytes((slice(*rows), slice(*cols))) == 4 * blocks
 

@@ -40,8 +40,11 @@ def test_backend_device_rule(monkeypatch):
 def test_shared_directory_flag_on_the_group_device(tmp_path, monkeypatch):
     """The export bug, without a GPU: the success flag agreed on after the shards are written lives on the
     (simulated accelerator) group's device, and the directory is renamed into place."""
-    with fake_world(2), record_collectives(monkeypatch, simulate="meta") as records, \
-            shared_atomic_directory(tmp_path / "out") as tmp:
+    with (
+        fake_world(2),
+        record_collectives(monkeypatch, simulate="meta") as records,
+        shared_atomic_directory(tmp_path / "out") as tmp,
+    ):
         (pathlib.Path(tmp) / "config.json").write_text("{}")
     assert [r[0] for r in records] == ["all_reduce"]
     assert misplaced(records) == []
@@ -85,9 +88,15 @@ def test_recorder_catches_a_host_flag_on_an_accelerator_group(monkeypatch):
 
 def _direct_collective_calls(path: pathlib.Path) -> list[str]:
     tree = ast.parse(path.read_text())
-    return [f"{path.relative_to(ROOT.parent)}:{node.lineno} dist.{node.func.attr}" for node in ast.walk(tree)
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in COLLECTIVES
-            and isinstance(node.func.value, ast.Name) and node.func.value.id == "dist"]  # fmt: skip
+    return [
+        f"{path.relative_to(ROOT.parent)}:{node.lineno} dist.{node.func.attr}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in COLLECTIVES
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == "dist"
+    ]
 
 
 def test_every_tensor_collective_goes_through_comm():

@@ -62,7 +62,11 @@ def test_composed_mesh_matches_one_process(pool4, name):
     assert {"mtp_loss", "aux_loss", "indexer_loss"} <= set(reference["parts"])
     results = pool4.run(composed_step, checkpointing=True, **degrees, **case)
     check_parity(results, reference)
-    E, I2, D = case["config"]["n_routed_experts"], 2 * case["config"]["moe_intermediate_size"], case["config"]["hidden_size"]
+    E, I2, D = (
+        case["config"]["n_routed_experts"],
+        2 * case["config"]["moe_intermediate_size"],
+        case["config"]["hidden_size"],
+    )
     placements, shape, mesh = results[0]["placements"][f"{EXPERT}.gate_up_proj"]
     if "ep" in degrees and "tp" in degrees:  # (dp_cp_ep FSDP of size 1 is dropped) ep on dim 0, tp on the width
         assert placements[-2] == Shard(0) and shape[0] == E // 2 and shape[1] == I2 // 2, (placements, shape)

@@ -12,7 +12,6 @@ from tests.helpers.parallel_harness import WorkerPool
 from tests.parallel.test_composed_mesh import make_case
 from tests.parallel.test_parallel_gloo import check_parity
 
-
 WORLD8_JOB_TIMEOUT_S = 600.0  # 8 ranks on the CI's 2 cores: one step can outlast the harness's default wait
 
 

@@ -37,9 +37,13 @@ EXPERTS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
 
 def tiny(**overrides) -> Glm53Config:
     """KDA + MoE, MLA (full indexer) + MoE, MLA (shared top-k) + dense, one MTP layer: heads divide by 2."""
-    base = dict(num_hidden_layers=3, layer_types=["linear_attention", "indexed_attention", "indexed_attention"],
-                mlp_layer_types=["sparse", "sparse", "dense"], indexer_types=["full", "full", "shared"],
-                num_nextn_predict_layers=1)  # fmt: skip
+    base = dict(
+        num_hidden_layers=3,
+        layer_types=["linear_attention", "indexed_attention", "indexed_attention"],
+        mlp_layer_types=["sparse", "sparse", "dense"],
+        indexer_types=["full", "full", "shared"],
+        num_nextn_predict_layers=1,
+    )
     base.update(overrides)
     return Glm53Config.tiny(**base)
 
@@ -65,8 +69,9 @@ def expected_layout(name: str, dp: int, cp: int, ep: int, tp: int) -> tuple[tupl
 
 
 @settings(max_examples=14, **SETTINGS)
-@given(dp=st.sampled_from([1, 2]), cp=st.sampled_from([1, 2]), ep=st.sampled_from([1, 2, 4]),
-       tp=st.sampled_from([1, 2]))  # fmt: skip
+@given(
+    dp=st.sampled_from([1, 2]), cp=st.sampled_from([1, 2]), ep=st.sampled_from([1, 2, 4]), tp=st.sampled_from([1, 2])
+)
 def test_every_parameter_has_its_placement_on_every_dimension(dp, cp, ep, tp):
     world = dp * cp * ep * tp
     if world == 1 or dist.is_initialized():
@@ -119,9 +124,17 @@ def ep_tp_mesh():
 @given(per_rank_experts=st.integers(1, 3), I=st.sampled_from([4, 8]), seed=st.integers(0, 2**16))
 def test_tp_x_ep_experts_hold_whole_experts_and_their_width_slice(ep_tp_mesh, per_rank_experts, I, seed):
     E, ep, tp = 2 * per_rank_experts, 2, 2
-    config = Glm53Config.tiny(n_routed_experts=E, moe_intermediate_size=I, n_group=1, topk_group=1,
-                              num_experts_per_tok=1, num_nextn_predict_layers=0, num_hidden_layers=1,
-                              layer_types=["linear_attention"], mlp_layer_types=["sparse"])  # fmt: skip
+    config = Glm53Config.tiny(
+        n_routed_experts=E,
+        moe_intermediate_size=I,
+        n_group=1,
+        topk_group=1,
+        num_experts_per_tok=1,
+        num_nextn_predict_layers=0,
+        num_hidden_layers=1,
+        layer_types=["linear_attention"],
+        mlp_layer_types=["sparse"],
+    )
     torch.manual_seed(seed)
     model = Glm53ForCausalLM(config)
     experts = model.model.layers[0].mlp.experts
@@ -152,6 +165,7 @@ def test_tp_x_ep_experts_hold_whole_experts_and_their_width_slice(ep_tp_mesh, pe
         torch.testing.assert_close(shard, expected, rtol=0, atol=0)
     for rank, shard in local_down._local_tensors.items():
         r, t = divmod(rank, tp)
-        torch.testing.assert_close(shard, full["down_proj"][r * El:(r + 1) * El, :, t * Il:(t + 1) * Il],
-                                   rtol=0, atol=0)  # fmt: skip
+        torch.testing.assert_close(
+            shard, full["down_proj"][r * El : (r + 1) * El, :, t * Il : (t + 1) * Il], rtol=0, atol=0
+        )
     assert Replicate() not in gate_up.placements

@@ -28,10 +28,18 @@ BF16_REL = 5e-2  # bf16 parameters in compute: relative L2 error over all gradie
 T = 4 * 32 + 5
 B = 2
 
-KDA_ONLY = dict(layer_types=["linear_attention"] * 3, mlp_layer_types=["dense", "sparse", "sparse"],
-                num_hidden_layers=3, num_nextn_predict_layers=0)  # fmt: skip
-HYBRID = dict(layer_types=["linear_attention", "indexed_attention", "linear_attention", "indexed_attention"],
-              indexer_types=["full", "full", "full", "shared"], num_nextn_predict_layers=1, indexer_loss_weight=1.0)
+KDA_ONLY = dict(
+    layer_types=["linear_attention"] * 3,
+    mlp_layer_types=["dense", "sparse", "sparse"],
+    num_hidden_layers=3,
+    num_nextn_predict_layers=0,
+)
+HYBRID = dict(
+    layer_types=["linear_attention", "indexed_attention", "linear_attention", "indexed_attention"],
+    indexer_types=["full", "full", "full", "shared"],
+    num_nextn_predict_layers=1,
+    indexer_loss_weight=1.0,
+)
 LOSSES = dict(router_aux_loss_coef=0.01, router_z_loss_coef=1e-3)
 TOPK = {"dense": 160, "sparse": 8}
 
@@ -67,8 +75,9 @@ def test_kda_sharded_equals_whole_sequence(pool2, pool4, cp, packed):
         o = kda_chunk(*leaves[:5], initial_state=leaves[5])[0]
     wrt = leaves[:5] if packed else leaves
     expected = torch.autograd.grad((o * cot).sum(), wrt)
-    results = (pool2 if cp == 2 else pool4).run(kda_sharded_job, leaves=[x.detach() for x in leaves], cot=cot,
-                                                doc_starts=starts)  # fmt: skip
+    results = (pool2 if cp == 2 else pool4).run(
+        kda_sharded_job, leaves=[x.detach() for x in leaves], cot=cot, doc_starts=starts
+    )
     torch.testing.assert_close(torch.cat([r["o"] for r in results], 1), o.detach(), rtol=1e-10, atol=1e-12)
     for i, name in enumerate(["dq", "dk", "dv", "dg", "dbeta"]):
         got = torch.cat([r["grads"][i] for r in results], 1)
@@ -169,8 +178,7 @@ def test_one_rank_equals_the_plain_model():
     plain = model(ids, attention_mask=mask, labels=labels, position_ids=pos)
     targets = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
     counts = model.loss_counts(labels, mask, pos)
-    sharded = model(ids, attention_mask=mask, labels=targets, position_ids=pos, cp=OneRank(T),
-                    loss_denominators=counts)  # fmt: skip
+    sharded = model(ids, attention_mask=mask, labels=targets, position_ids=pos, cp=OneRank(T), loss_denominators=counts)
     for name in ("loss", "lm_loss", "mtp_loss", "aux_loss", "indexer_loss"):
         torch.testing.assert_close(getattr(sharded, name), getattr(plain, name), msg=name)
     torch.testing.assert_close(sharded.logits, plain.logits)
@@ -188,8 +196,13 @@ def test_errors_name_the_problem():
 
 def test_setup_errors_name_the_problem(pool2):
     messages = pool2.run(cp_errors_job, config=Glm53Config.tiny(**KDA_ONLY).to_dict())[0]
-    expected = ["parallelized with a cp dimension", "input_ids must be [batch, seq]", "labels must have the shape",
-                "too short for 2 context-parallel ranks", "= 4 ranks, but the world has 2",
-                "mesh dimensions ['dq'] are neither"]
+    expected = [
+        "parallelized with a cp dimension",
+        "input_ids must be [batch, seq]",
+        "labels must have the shape",
+        "too short for 2 context-parallel ranks",
+        "= 4 ranks, but the world has 2",
+        "mesh dimensions ['dq'] are neither",
+    ]
     for message, part in zip(messages, expected, strict=True):
         assert part in message, (part, message)

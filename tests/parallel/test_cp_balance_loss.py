@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from glm53.model.packing import document_boundaries, segment_ids
 from glm53.losses import balance_loss
+from glm53.model.packing import document_boundaries, segment_ids
 from tests.helpers.cp_balance_jobs import sharded_balance_job
 
 B, T, E, K = 2, 24, 8, 2
@@ -34,8 +34,9 @@ def case() -> dict[str, torch.Tensor]:
 
 def reference(inputs: dict, num_sequences: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     x = inputs["logits"].reshape(-1, E).clone().requires_grad_()
-    loss = balance_loss(x, inputs["indices"].reshape(-1, K), inputs["valid"], num_sequences,
-                        segment_ids=inputs["segment_ids"])  # fmt: skip
+    loss = balance_loss(
+        x, inputs["indices"].reshape(-1, K), inputs["valid"], num_sequences, segment_ids=inputs["segment_ids"]
+    )
     return loss.detach(), torch.autograd.grad(loss, x)[0].view(B, T, E)
 
 

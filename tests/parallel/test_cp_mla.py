@@ -26,8 +26,12 @@ REL_TOL = 1e-5  # the indexer scores are fp32 (kernels/indexer_scores.py); every
 
 
 def config_dict(regime: str) -> dict:
-    config = Glm53Config.tiny(layer_types=["indexed_attention"] * 4, indexer_types=["full", "shared", "full", "full"],
-                              index_kpool=KPOOL, index_topk=TOPK[regime])  # fmt: skip
+    config = Glm53Config.tiny(
+        layer_types=["indexed_attention"] * 4,
+        indexer_types=["full", "shared", "full", "full"],
+        index_kpool=KPOOL,
+        index_topk=TOPK[regime],
+    )
     return {k: v for k, v in config.to_dict().items() if k in Glm53Config.__dataclass_fields__ and k != "extra"}
 
 
@@ -39,8 +43,10 @@ def random_state(config: dict) -> dict:
     with torch.no_grad():
         for layer in (full, shared):
             for p in layer.parameters():
-                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * (0.1 if p.dim() == 1 else 0.3)
-                        + (1.0 if p.dim() == 1 else 0.0))  # fmt: skip
+                p.copy_(
+                    torch.randn(p.shape, generator=g, dtype=p.dtype) * (0.1 if p.dim() == 1 else 0.3)
+                    + (1.0 if p.dim() == 1 else 0.0)
+                )
     return {"full": full.state_dict(), "shared": shared.state_dict()}
 
 
@@ -55,8 +61,9 @@ def layout(name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     docs = [[7, 13, 16], [9, 2, 25]]  # row 1: a document starts at the rank boundary 9; [9, 11) is all padding
     valid[0, 0] = False
     valid[1, 9:11] = False
-    segment_ids = torch.cat([torch.repeat_interleave(torch.arange(len(d)) + 10 * r, torch.tensor(d))[None]
-                             for r, d in enumerate(docs)])  # fmt: skip
+    segment_ids = torch.cat(
+        [torch.repeat_interleave(torch.arange(len(d)) + 10 * r, torch.tensor(d))[None] for r, d in enumerate(docs)]
+    )
     return valid, segment_ids
 
 
@@ -65,8 +72,15 @@ def make_inputs(config: dict, name: str) -> dict:
     D = config["hidden_size"]
     valid, segment_ids = layout(name)
     rand = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)  # noqa: E731
-    return dict(x1=rand(B, T, D), x2=rand(B, T, D), g1=rand(B, T, D), g2=rand(B, T, D), h=rand(B, T, T),
-                valid=valid, segment_ids=segment_ids)  # fmt: skip
+    return dict(
+        x1=rand(B, T, D),
+        x2=rand(B, T, D),
+        g1=rand(B, T, D),
+        g2=rand(B, T, D),
+        h=rand(B, T, T),
+        valid=valid,
+        segment_ids=segment_ids,
+    )
 
 
 _STATES: dict[str, dict] = {}

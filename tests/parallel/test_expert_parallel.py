@@ -37,8 +37,6 @@ def make_case(seed: int = 0, bias: dict[int, float] | None = None, **training) -
     return dict(config=config, state=state, ids=ids)
 
 
-
-
 def run_and_check(pool, case, dp, ep, **kwargs):
     results = pool.run(ep_step, config=case["config"], state=case["state"], ids=case["ids"], dp=dp, ep=ep, **kwargs)
     check_parity(results, reference_step(case["config"], case["state"], case["ids"], dp=dp * ep))
@@ -71,8 +69,9 @@ def test_ep_with_checkpointing_and_mtp_matches_one_process(pool2, pool4, layout)
     dp, pool = (1, pool2) if layout == "ep2" else (2, pool4)
     reference = reference_step(case["config"], case["state"], case["ids"], dp=dp * 2)
     assert {"mtp_loss", "aux_loss", "indexer_loss"} <= set(reference["parts"])
-    results = pool.run(ep_step, config=case["config"], state=case["state"], ids=case["ids"], dp=dp, ep=2,
-                       checkpointing=True)  # fmt: skip
+    results = pool.run(
+        ep_step, config=case["config"], state=case["state"], ids=case["ids"], dp=dp, ep=2, checkpointing=True
+    )
     check_parity(results, reference)
 
 
@@ -85,8 +84,7 @@ def test_uneven_routing_matches_one_process(pool2, pool4, target):
     """All tokens to one rank's experts (the other receives nothing, and some experts get no token), or every
     token to the same two experts on different ranks."""
     E = case_experts()
-    bias = {"rank1": {e: 5.0 for e in range(E // 2, E)},
-            "one_expert_each": {0: 5.0, E - 1: 5.0}}[target]  # fmt: skip
+    bias = {"rank1": {e: 5.0 for e in range(E // 2, E)}, "one_expert_each": {0: 5.0, E - 1: 5.0}}[target]
     case = make_case(seed=4, bias=bias)
     dp = 2 if target == "one_expert_each" else 1
     results = run_and_check(pool4 if dp == 2 else pool2, case, dp=dp, ep=2)

@@ -22,7 +22,7 @@ from glm53 import Glm53Config
 from glm53.boundary import as_local, expert_dispatcher
 from glm53.model.moe import Experts
 from glm53.parallel import PlacementError, apply_expert_parallel, check_ep_size
-from glm53.parallel.boundary import set_boundary_rule, LocalShard
+from glm53.parallel.boundary import LocalShard, set_boundary_rule
 from glm53.parallel.expert import expert_shard_placement
 from tests.parallel.test_parallel_boundary import SETTINGS, per_rank
 
@@ -56,10 +56,14 @@ def experts_module(E: int, D: int, I: int, seed: int) -> torch.nn.Module:
 
 
 @settings(max_examples=20, **SETTINGS)
-@given(mesh_name=st.sampled_from(["ep4", "dp2xep2", "dp1xep4"]), per_rank_experts=st.integers(1, 3),
-       D=st.sampled_from([8, 12]), I=st.sampled_from([4, 6]), seed=st.integers(0, 2**16))  # fmt: skip
-def test_experts_shard0_over_ep_and_as_local_gives_this_ranks_experts(meshes, mesh_name, per_rank_experts, D, I,
-                                                                      seed):  # fmt: skip
+@given(
+    mesh_name=st.sampled_from(["ep4", "dp2xep2", "dp1xep4"]),
+    per_rank_experts=st.integers(1, 3),
+    D=st.sampled_from([8, 12]),
+    I=st.sampled_from([4, 6]),
+    seed=st.integers(0, 2**16),
+)
+def test_experts_shard0_over_ep_and_as_local_gives_this_ranks_experts(meshes, mesh_name, per_rank_experts, D, I, seed):
     mesh = meshes[mesh_name]
     ep_mesh = mesh["ep"] if mesh.ndim > 1 else mesh
     ep = ep_mesh.size()
@@ -88,7 +92,7 @@ def test_experts_shard0_over_ep_and_as_local_gives_this_ranks_experts(meshes, me
     El = E // ep
     for rank, shard in local._local_tensors.items():
         r = rank % ep
-        torch.testing.assert_close(shard, full["gate_up_proj"][r * El:(r + 1) * El])
+        torch.testing.assert_close(shard, full["gate_up_proj"][r * El : (r + 1) * El])
 
 
 def test_experts_boundary_rejects_other_placements(meshes):
@@ -105,8 +109,11 @@ def test_experts_boundary_rejects_other_placements(meshes):
 
 
 @settings(max_examples=40, **SETTINGS)
-@given(shape=st.tuples(st.integers(1, 40), st.integers(1, 40), st.integers(1, 40)), dp=st.integers(1, 9),
-       ep_sharded=st.booleans())  # fmt: skip
+@given(
+    shape=st.tuples(st.integers(1, 40), st.integers(1, 40), st.integers(1, 40)),
+    dp=st.integers(1, 9),
+    ep_sharded=st.booleans(),
+)
 def test_expert_fsdp_dim_splits_evenly(shape, dp, ep_sharded):
     """FSDP shards routed experts on a dim that splits evenly (dims 1, 2 first under EP); FSDP's padded dim 0 only
     when none does (without EP), an error under EP."""
@@ -132,7 +139,8 @@ def test_ep_with_tp_needs_the_ep_tp_mesh(meshes):
     mesh = meshes["dp1xep2xtp2"]
     with LocalTensorMode(WORLD):
         param = module.experts.gate_up_proj
-        module.experts.register_parameter("gate_up_proj", torch.nn.Parameter(
-            distribute_tensor(param.data, mesh["tp"], [Replicate()])))  # fmt: skip
+        module.experts.register_parameter(
+            "gate_up_proj", torch.nn.Parameter(distribute_tensor(param.data, mesh["tp"], [Replicate()]))
+        )
         with pytest.raises(ValueError, match=r"gate_up_proj is already a DTensor .* needs the \('ep', 'tp'\) mesh"):
             apply_expert_parallel(module, mesh["ep"])

@@ -38,8 +38,9 @@ def test_export_from_2x2_reloads_exactly_and_in_transformers(pool4, tmp_path):
     ours = Glm53ForCausalLM.from_pretrained(out, dtype=torch.float32)
     from transformers import Glm5NextForConditionalGeneration
 
-    hf, info = Glm5NextForConditionalGeneration.from_pretrained(out, output_loading_info=True,
-                                                                attn_implementation="eager")  # fmt: skip
+    hf, info = Glm5NextForConditionalGeneration.from_pretrained(
+        out, output_loading_info=True, attn_implementation="eager"
+    )
     assert not info["mismatched_keys"]
     assert all(k.startswith("model.visual.") for k in info["missing_keys"]), info["missing_keys"]
     hf.eval()

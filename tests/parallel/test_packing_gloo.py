@@ -23,9 +23,13 @@ T = 20
 def config_dict() -> dict:
     config = Glm53Config.tiny(
         layer_types=["linear_attention", "indexed_attention", "linear_attention", "indexed_attention"],
-        indexer_types=["full", "full", "full", "shared"], index_n_heads=16, num_nextn_predict_layers=1,
-        indexer_loss_weight=1.0, router_aux_loss_coef=0.01, router_z_loss_coef=1e-3,
-    )  # fmt: skip
+        indexer_types=["full", "full", "full", "shared"],
+        index_n_heads=16,
+        num_nextn_predict_layers=1,
+        indexer_loss_weight=1.0,
+        router_aux_loss_coef=0.01,
+        router_z_loss_coef=1e-3,
+    )
     return {k: v for k, v in config.to_dict().items() if k in Glm53Config.__dataclass_fields__ and k != "extra"}
 
 
@@ -61,8 +65,16 @@ def test_packed_batch_matches_one_process(pool4, case, layout):
     ids, position_ids = packed_batch(shares=dp)
     reference = packed_reference(case["config"], case["state"], ids, position_ids)
     assert {"mtp_loss", "aux_loss", "indexer_loss"} <= set(reference["parts"])
-    results = pool4.run(packed_step, config=case["config"], state=case["state"], ids=ids,
-                        position_ids=position_ids, dp=dp, tp=tp, checkpointing=tp > 1)  # fmt: skip
+    results = pool4.run(
+        packed_step,
+        config=case["config"],
+        state=case["state"],
+        ids=ids,
+        position_ids=position_ids,
+        dp=dp,
+        tp=tp,
+        checkpointing=tp > 1,
+    )
     floor = GRAD_FLOOR * max(g.abs().max().item() for g in reference["grads"].values())
     for rank, res in enumerate(results):
         assert rel_err(res["loss"], reference["loss"]) <= REL_TOL, (rank, res["loss"], reference["loss"])

@@ -31,8 +31,8 @@ from glm53.model.hyper_connection import expand_streams
 from glm53.parallel import (
     LocalShardParams,
     PlacementError,
-    init_weights,
     ReplicateParams,
+    init_weights,
     local_shard,
     materialize_full,
     parallelize,
@@ -41,15 +41,26 @@ from glm53.parallel import (
 
 WORLD = 4
 TOL = 1e-5  # fp32, relative to the largest reference magnitude
-SETTINGS = dict(deadline=None, database=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
-                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])  # fmt: skip
+SETTINGS = dict(
+    deadline=None,
+    database=None,
+    derandomize=True,
+    phases=[Phase.explicit, Phase.generate],
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 
 
 def tiny(**overrides) -> Glm53Config:
     """Heads divisible by 4; one KDA+MoE layer and one MLA(indexer)+dense layer (+ a shared-top-k MLA layer)."""
-    base = dict(num_attention_heads=4, num_key_value_heads=4, linear_num_heads=4, num_hidden_layers=3,
-                layer_types=["linear_attention", "indexed_attention", "indexed_attention"],
-                mlp_layer_types=["sparse", "dense", "sparse"], indexer_types=["full", "full", "shared"])  # fmt: skip
+    base = dict(
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        linear_num_heads=4,
+        num_hidden_layers=3,
+        layer_types=["linear_attention", "indexed_attention", "indexed_attention"],
+        mlp_layer_types=["sparse", "dense", "sparse"],
+        indexer_types=["full", "full", "shared"],
+    )
     base.update(overrides)
     return Glm53Config.tiny(**base)
 
@@ -95,14 +106,21 @@ PLACEMENT_KINDS = ("replicate", "shard", "strided", "partial")
 
 
 @settings(max_examples=25, **SETTINGS)
-@given(mesh_name=st.sampled_from(["tp2", "tp4", "2d"]), shape=st.lists(st.sampled_from([8, 16]), min_size=1,
-       max_size=3), data=st.data())  # fmt: skip
+@given(
+    mesh_name=st.sampled_from(["tp2", "tp4", "2d"]),
+    shape=st.lists(st.sampled_from([8, 16]), min_size=1, max_size=3),
+    data=st.data(),
+)
 def test_materialize_full_accepts_only_replicate(meshes, mesh_name, shape, data):
     mesh = meshes[mesh_name]
     kinds = [data.draw(st.sampled_from(PLACEMENT_KINDS)) for _ in range(mesh.ndim)]
     dims = [data.draw(st.integers(0, len(shape) - 1)) for _ in range(mesh.ndim)]
-    make = {"replicate": lambda d: Replicate(), "shard": Shard, "partial": lambda d: Partial(),
-            "strided": lambda d: _StridedShard(d, split_factor=2)}  # fmt: skip
+    make = {
+        "replicate": lambda d: Replicate(),
+        "shard": Shard,
+        "partial": lambda d: Partial(),
+        "strided": lambda d: _StridedShard(d, split_factor=2),
+    }
     placements = [make[k](d) for k, d in zip(kinds, dims)]
     full = torch.randn(shape, generator=torch.Generator().manual_seed(len(shape)))
     cotangent = torch.randn(shape, generator=torch.Generator().manual_seed(7))
@@ -200,8 +218,13 @@ def tiny_model():
 @pytest.mark.parametrize("placed", ["as-planned", "misplaced"])
 @pytest.mark.parametrize("kind", sorted(SITES))
 @settings(max_examples=2, **SETTINGS)
-@given(mesh_name=st.sampled_from(["tp2", "tp4"]), batch=st.integers(1, 2), seq=st.sampled_from([5, 9]),
-       seed=st.integers(0, 2**16), data=st.data())  # fmt: skip
+@given(
+    mesh_name=st.sampled_from(["tp2", "tp4"]),
+    batch=st.integers(1, 2),
+    seq=st.sampled_from([5, 9]),
+    seed=st.integers(0, 2**16),
+    data=st.data(),
+)
 def test_kernel_boundaries_exact_or_clear_error(meshes, tiny_model, kind, placed, mesh_name, batch, seq, seed, data):
     """Boundary parameters get the plan's placements, or some get Replicate or Shard(d) instead: the module
     then gives the single-process output and gradients, or raises PlacementError naming a misplaced parameter."""
@@ -259,14 +282,25 @@ def test_kernel_boundaries_exact_or_clear_error(meshes, tiny_model, kind, placed
 
 
 # ------------------------------------------------------------------------------------------------ plan and errors
-@pytest.mark.parametrize("config", [tiny(), Glm53Config.tiny(), tiny(num_nextn_predict_layers=2, mtp_depth=2)],
-                         ids=["kda-mla-shared", "tiny-preset", "mtp"])  # fmt: skip
+@pytest.mark.parametrize(
+    "config",
+    [tiny(), Glm53Config.tiny(), tiny(num_nextn_predict_layers=2, mtp_depth=2)],
+    ids=["kda-mla-shared", "tiny-preset", "mtp"],
+)
 def test_every_plan_key_resolves_and_covers_every_parameter(config):
     model = Glm53ForCausalLM(config)
     plan = tp_plan(model)
     if config.num_nextn_predict_layers:
-        for name in ("eh_proj", "enorm", "hnorm", "shared_head.norm", "self_attn.q_b_proj", "self_attn.indexer",
-                     "mlp.experts", "mlp.gate"):  # fmt: skip
+        for name in (
+            "eh_proj",
+            "enorm",
+            "hnorm",
+            "shared_head.norm",
+            "self_attn.q_b_proj",
+            "self_attn.indexer",
+            "mlp.experts",
+            "mlp.gate",
+        ):
             assert f"mtp.layers.1.{name}" in plan
     for key in plan:
         model.get_submodule(key)  # raises AttributeError for a key that names no module

@@ -43,8 +43,7 @@ def case():
 
 
 # Every training loss on: one MTP layer (its own MLA + indexer + MoE), indexer KL, balance loss and z-loss.
-TRAINING = dict(num_nextn_predict_layers=1, indexer_loss_weight=1.0, router_aux_loss_coef=0.01,
-                router_z_loss_coef=1e-3)  # fmt: skip
+TRAINING = dict(num_nextn_predict_layers=1, indexer_loss_weight=1.0, router_aux_loss_coef=0.01, router_z_loss_coef=1e-3)
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +61,6 @@ def training_case():
     state = {k: v.clone() for k, v in model.state_dict().items()}
     ids = torch.randint(1, config["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(2))
     return dict(config=config, state=state, ids=ids, reference=reference_step(config, state, ids, dp=2))
-
-
 
 
 # A gradient is compared relative to its own largest entry, but never relative to less than GRAD_FLOOR x the largest
@@ -134,20 +131,27 @@ def test_tp2_matches_one_process(pool2, case):
 
 
 def test_fsdp_tp_2x2_with_checkpointing_matches_one_process(pool4, case):
-    results = pool4.run(parallel_step, config=case["config"], state=case["state"], ids=case["ids"], dp=2, tp=2,
-                        checkpointing=True)  # fmt: skip
+    results = pool4.run(
+        parallel_step, config=case["config"], state=case["state"], ids=case["ids"], dp=2, tp=2, checkpointing=True
+    )
     check_parity(results, case["reference"])
     assert check_replicas_identical(results) > 0
 
 
 def test_bf16_mixed_precision_2x2_is_finite_and_close(pool4, case):
-    results = pool4.run(parallel_step, config=case["config"], state=case["state"], ids=case["ids"], dp=2, tp=2,
-                        bf16=True)  # fmt: skip
+    results = pool4.run(
+        parallel_step, config=case["config"], state=case["state"], ids=case["ids"], dp=2, tp=2, bf16=True
+    )
     reference = case["reference"]
     for res in results:
         # the parameters the model needs in fp32 stay fp32 inside forward; the rest computes in bf16
-        assert res["dtypes"] == {"attn_hc.fn": torch.float32, "A_log": torch.float32, "router": torch.float32,
-                                 "router bias": torch.float32, "q_proj": torch.bfloat16}  # fmt: skip
+        assert res["dtypes"] == {
+            "attn_hc.fn": torch.float32,
+            "A_log": torch.float32,
+            "router": torch.float32,
+            "router bias": torch.float32,
+            "q_proj": torch.bfloat16,
+        }
         assert torch.isfinite(res["loss"]) and all(torch.isfinite(g).all() for g in res["grads"].values())
         assert abs(res["loss"] - reference["loss"]) / reference["loss"] <= BF16_REL
         diff = torch.cat([(res["grads"][n] - g).flatten() for n, g in reference["grads"].items()])
@@ -159,11 +163,20 @@ def test_bf16_mixed_precision_2x2_is_finite_and_close(pool4, case):
 # index_topk 8 with k-pools of 4 (the tiny preset): a query sees at most 8 + 3 keys, so sequences of 12 or more
 # tokens are in the sparse regime. The explicit example always runs: sparse, with padding on both dp halves.
 @pytest.mark.parametrize("layout", ["dp2", "tp2", "2x2"])
-@settings(max_examples=3, deadline=None, database=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=3,
+    deadline=None,
+    database=None,
+    derandomize=True,
+    phases=[Phase.explicit, Phase.generate],
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 @example(seq=21, seed=11, pads=[0, 5, 2, 9])
-@given(seq=st.sampled_from([6, 11, 15, 21]), seed=st.integers(0, 2**16),
-       pads=st.lists(st.integers(0, 9), min_size=BATCH, max_size=BATCH))  # fmt: skip
+@given(
+    seq=st.sampled_from([6, 11, 15, 21]),
+    seed=st.integers(0, 2**16),
+    pads=st.lists(st.integers(0, 9), min_size=BATCH, max_size=BATCH),
+)
 def test_generated_batches_with_padding_match_one_process(pool2, pool4, case, layout, seq, seed, pads):
     """Generated in this process, sent unchanged to every rank: lengths, left padding (row 1 always padded) and
     tokens, in the dense and the sparse indexer regime."""
@@ -213,8 +226,9 @@ def test_training_features_2x2_match_one_process(pool4, training_case):
 def test_training_features_on_two_ranks_match_one_process(pool2, training_case, layout):
     case = training_case
     dp, tp = (2, 1) if layout == "dp2" else (1, 2)
-    results = pool2.run(parallel_step, config=case["config"], state=case["state"], ids=case["ids"], dp=dp, tp=tp,
-                        checkpointing=tp > 1)  # fmt: skip
+    results = pool2.run(
+        parallel_step, config=case["config"], state=case["state"], ids=case["ids"], dp=dp, tp=tp, checkpointing=tp > 1
+    )
     check_parity(results, reference_step(case["config"], case["state"], case["ids"], dp=dp))
     check_replicas_identical(results)
 

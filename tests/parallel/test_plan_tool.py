@@ -71,8 +71,10 @@ def test_context_parallel_shards_parameters_and_tokens():
 
 
 def test_released_config_at_128k_tokens_fits_with_cp(capsys):
-    assert main(["--dp", "2", "--cp", "16", "--seq-len", "131072", "--activation-checkpointing",
-                 "--device-gib", "141"]) == 0  # fmt: skip
+    assert (
+        main(["--dp", "2", "--cp", "16", "--seq-len", "131072", "--activation-checkpointing", "--device-gib", "141"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "dp 2 x cp 16" in out and "8192 tokens per rank" in out and "fits" in out
     assert main(["--dp", "32", "--seq-len", "131072", "--activation-checkpointing", "--device-gib", "141"]) == 1
@@ -81,8 +83,21 @@ def test_released_config_at_128k_tokens_fits_with_cp(capsys):
 def test_composed_layout_at_128k_tokens(capsys):
     """The README's composed command: tp x ep x cp planned from the real parallelize, with the bytes each rank
     sends per MoE, MLA and KDA layer (glm53.tools.comm_model)."""
-    code = main(["--tp", "2", "--ep", "8", "--cp", "4", "--seq-len", "131072", "--activation-checkpointing",
-                 "--device-gib", "141"])  # fmt: skip
+    code = main(
+        [
+            "--tp",
+            "2",
+            "--ep",
+            "8",
+            "--cp",
+            "4",
+            "--seq-len",
+            "131072",
+            "--activation-checkpointing",
+            "--device-gib",
+            "141",
+        ]
+    )
     out = capsys.readouterr().out
     assert "dp 1 x cp 4 x ep 8 x tp 2 = 64 ranks" in out and "32768 tokens per rank" in out
     for layer in ("moe", "mla", "kda"):

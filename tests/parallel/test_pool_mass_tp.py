@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from glm53 import Glm53Config, Glm53ForCausalLM
+from glm53.losses import normalized_target
 from glm53.model.indexer import Indexer
 from glm53.parallel.pool_mass import sum_selected_pool_mass
-from glm53.losses import normalized_target
 from tests.helpers.parallel_jobs import parallel_step, reference_step
 from tests.parallel.test_parallel_gloo import BATCH, SEQ, TRAINING, check_parity, config_dict
 

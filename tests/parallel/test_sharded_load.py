@@ -10,10 +10,10 @@ import re
 import pytest
 import torch
 
-from glm53.parallel.load import dequantize_slice
-from glm53.checkpoint import fp8
 from glm53 import Glm53Config, Glm53ForCausalLM
+from glm53.checkpoint import fp8
 from glm53.errors import CheckpointError
+from glm53.parallel.load import dequantize_slice
 from tests.helpers.checkpoints import read_all, write_checkpoint
 from tests.helpers.ckpt_jobs import (
     file_bytes,

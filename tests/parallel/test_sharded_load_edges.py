@@ -30,8 +30,10 @@ def fp8_file(tmp_path_factory):
     return dict(files={"w": path, "w" + fp8.SCALE_SUFFIX: path}, full=fp8.dequantize(q, s, BLOCK))
 
 
-@pytest.mark.parametrize("rows,cols,blocks", [((0, 8), (0, 16), 4), ((4, 8), (8, 16), 1), ((3, 5), (7, 9), 4),
-                                              ((12, 13), (24, 29), 1), ((0, 13), (0, 29), 16)])  # fmt: skip
+@pytest.mark.parametrize(
+    "rows,cols,blocks",
+    [((0, 8), (0, 16), 4), ((4, 8), (8, 16), 1), ((3, 5), (7, 9), 4), ((12, 13), (24, 29), 1), ((0, 13), (0, 29), 16)],
+)
 def test_fp8_slice_reads_its_bytes_and_the_blocks_it_touches(fp8_file, rows, cols, blocks):
     reader = SliceReader(fp8_file["files"], BLOCK)
     index = (slice(*rows), slice(*cols))
@@ -63,8 +65,13 @@ def test_checkpoint_without_mtp_initialises_the_meta_mtp_module(tmp_path):
     Glm53ForCausalLM(Glm53Config.tiny()).save_pretrained(tmp_path / "no-mtp")
     model = load_pretrained(_meta_model(Glm53Config.tiny(num_nextn_predict_layers=1)), tmp_path / "no-mtp")
     layer = model.mtp.layers[0]
-    for norm in (layer.enorm, layer.hnorm, layer.input_layernorm, layer.post_attention_layernorm,
-                 layer.shared_head.norm):  # fmt: skip
+    for norm in (
+        layer.enorm,
+        layer.hnorm,
+        layer.input_layernorm,
+        layer.post_attention_layernorm,
+        layer.shared_head.norm,
+    ):
         assert torch.equal(norm.weight, torch.ones_like(norm.weight))
     std = layer.eh_proj.weight.std().item()
     assert 0.5 * model.config.initializer_range < std < 1.5 * model.config.initializer_range

@@ -26,23 +26,38 @@ def setup(tmp_path_factory):
     return dict(root=root, init=init, batches=batches)
 
 
-CASES = [((4, 1, 1), [(2, 2, 1), (0, 0, 1), (2, 1, 2)]), ((2, 2, 1), [(1, 4, 1)]), ((2, 1, 2), [(4, 1, 1), (0, 0, 1)]),
-         ((2, 1, 2, 1), [(1, 2, 1, 2), (0, 0, 1)]), ((1, 2, 2, 1), [(2, 1, 1, 2)])]  # fmt: skip
+CASES = [
+    ((4, 1, 1), [(2, 2, 1), (0, 0, 1), (2, 1, 2)]),
+    ((2, 2, 1), [(1, 4, 1)]),
+    ((2, 1, 2), [(4, 1, 1), (0, 0, 1)]),
+    ((2, 1, 2, 1), [(1, 2, 1, 2), (0, 0, 1)]),
+    ((1, 2, 2, 1), [(2, 1, 1, 2)]),
+]
 
 
 @pytest.mark.parametrize("saved,resumed", CASES, ids=["dp4", "2x2", "dp2xep2", "dp2xep2-tp2xcp2", "tp2xep2-dp2xcp2"])
 def test_resume_on_another_layout(pool4, setup, saved, resumed):
     save = str(setup["root"] / ("state-" + "x".join(map(str, saved))))
-    straight = pool4.run(save_then_continue, init=setup["init"], save=save, batches=setup["batches"],
-                         **dict(zip(("dp", "tp", "ep", "cp"), saved)))[0]  # fmt: skip
+    straight = pool4.run(
+        save_then_continue,
+        init=setup["init"],
+        save=save,
+        batches=setup["batches"],
+        **dict(zip(("dp", "tp", "ep", "cp"), saved)),
+    )[0]
     assert not [f for f in os.listdir(setup["root"]) if f.startswith(".")]  # no temporary directory left
     assert sorted(os.listdir(save))[0] == ".metadata" and len(os.listdir(save)) == 5  # one file per rank
     for layout in resumed:
         if layout[0] == 0:
             again = resume_and_continue(init=setup["init"], save=save, batches=setup["batches"], dp=0, tp=0)
         else:
-            again = pool4.run(resume_and_continue, init=setup["init"], save=save, batches=setup["batches"],
-                              **dict(zip(("dp", "tp", "ep", "cp"), layout)))[0]  # fmt: skip
+            again = pool4.run(
+                resume_and_continue,
+                init=setup["init"],
+                save=save,
+                batches=setup["batches"],
+                **dict(zip(("dp", "tp", "ep", "cp"), layout)),
+            )[0]
         assert again[2] == 1
         assert again[0] == pytest.approx(straight[1], rel=REL), (layout, again, straight)
         assert again[1] == pytest.approx(straight[2], rel=REL), (layout, again, straight)

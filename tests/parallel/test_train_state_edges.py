@@ -45,8 +45,9 @@ def saved(tmp_path_factory):
 def test_resume_restores_weights_moments_lr_and_extras(saved, steps):
     """Into a fresh optimizer (no state yet) or one with other moments; with 3x the saved lr."""
     model, optimizer = _stepped(Glm53Config.tiny(), seed=1, lr=3e-2, steps=steps)
-    extra = read_training_state(saved["directory"], model, optimizer,
-                                {"step": 0, "rng": torch.zeros(5, dtype=torch.uint8), "absent": "default"})  # fmt: skip
+    extra = read_training_state(
+        saved["directory"], model, optimizer, {"step": 0, "rng": torch.zeros(5, dtype=torch.uint8), "absent": "default"}
+    )
     assert extra["step"] == 7 and extra["absent"] == "default"
     assert torch.equal(extra["rng"], torch.arange(5, dtype=torch.uint8))
     for (name, p), q in zip(model.named_parameters(), saved["model"].parameters()):

@@ -64,8 +64,10 @@ def test_bad_inputs_raise_naming_the_problem_and_the_lookup_takes_sharded_heads_
         errors = res["errors"]
         assert errors["replicated"][0] == "PlacementError" and "Shard(0)" in errors["replicated"][1]
         assert errors["replicated"][1].count("Replicate") == 1
-        assert errors["uneven"] == ("PlacementError", "the vocab-parallel loss needs vocab rows (63) divisible by "
-                                                      "the mesh size (2)")  # fmt: skip
+        assert errors["uneven"] == (
+            "PlacementError",
+            "the vocab-parallel loss needs vocab rows (63) divisible by the mesh size (2)",
+        )
         assert errors["targets"][0] == "ValueError" and "(37, 12) and (36,)" in errors["targets"][1]
         assert errors["hidden3d"][0] == "ValueError" and "(1, 37, 12) and (37,)" in errors["hidden3d"][1]
         assert res["lookup_is_none"] == {"plain": True, "replicated": True, "sharded": False}

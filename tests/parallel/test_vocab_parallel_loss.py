@@ -35,8 +35,9 @@ def test_kernel_matches_one_process_fp64(pool2, pool4, tp):
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     want = linear_cross_entropy_reference(h, w, targets)
     (want * 0.7).backward()
-    results = (pool2 if tp == 2 else pool4).run(kernel_job, hidden=hidden, weight=weight, targets=targets,
-                                                chunk=CHUNK, scale=0.7)  # fmt: skip
+    results = (pool2 if tp == 2 else pool4).run(
+        kernel_job, hidden=hidden, weight=weight, targets=targets, chunk=CHUNK, scale=0.7
+    )
     for res in results:
         torch.testing.assert_close(res["loss"], want.detach(), rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(res["hidden"], h.grad, rtol=1e-10, atol=1e-12)

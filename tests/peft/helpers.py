@@ -15,9 +15,13 @@ VOCAB = 320  # Glm53Config.tiny's vocabulary
 def tiny_model(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides) -> Glm53ForCausalLM:
     """4 layers [KDA + dense MLP, MLA full + MoE, MLA shared + MoE, KDA + MoE] (tests/helpers/checkpoints.py);
     kv_lora_rank 12 <= qk + v head width 16, so MLA runs absorbed by default."""
-    base = dict(hidden_size=36, q_lora_rank=20, kv_lora_rank=12,
-                layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"],
-                indexer_types=["full", "full", "shared", "full"])  # fmt: skip
+    base = dict(
+        hidden_size=36,
+        q_lora_rank=20,
+        kv_lora_rank=12,
+        layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"],
+        indexer_types=["full", "full", "shared", "full"],
+    )
     base.update(overrides)
     return random_model(Glm53Config.tiny(**base), seed).to(dtype).eval()
 

@@ -22,8 +22,10 @@ from tests.peft.helpers import ids, randomize_adapters, rel_err
 
 peft = pytest.importorskip("peft")
 
-TEXT_TARGETS = (r"model\.language_model\..*\.(q_a_proj|kv_b_proj|o_proj|q_proj|f_a_proj|g_b_proj|gate_proj"
-                r"|down_proj|wq_b)")  # fmt: skip
+TEXT_TARGETS = (
+    r"model\.language_model\..*\.(q_a_proj|kv_b_proj|o_proj|q_proj|f_a_proj|g_b_proj|gate_proj"
+    r"|down_proj|wq_b)"
+)
 
 
 def _pair(seed: int = 1):
@@ -55,8 +57,13 @@ def test_glm53_adapter_loads_in_peft_with_the_same_logits(tmp_path):
 
 def test_peft_adapter_loads_in_glm53_with_peft_logits(tmp_path):
     hf, model = _pair(seed=2)
-    config = peft.LoraConfig(r=4, lora_alpha=16, target_modules=TEXT_TARGETS, init_lora_weights=False,
-                             target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])  # fmt: skip
+    config = peft.LoraConfig(
+        r=4,
+        lora_alpha=16,
+        target_modules=TEXT_TARGETS,
+        init_lora_weights=False,
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    )
     wrapped = peft.get_peft_model(hf, config)
     x = ids(T=19, seed=3)
     with torch.no_grad():
@@ -74,8 +81,9 @@ def test_peft_adapter_loads_in_glm53_with_peft_logits(tmp_path):
 
 def test_peft_adapter_on_one_expert_parameter(tmp_path):
     hf, model = _pair(seed=4)
-    config = peft.LoraConfig(r=2, lora_alpha=2, target_modules=None, init_lora_weights=False,
-                             target_parameters=["mlp.experts.down_proj"])  # fmt: skip
+    config = peft.LoraConfig(
+        r=2, lora_alpha=2, target_modules=None, init_lora_weights=False, target_parameters=["mlp.experts.down_proj"]
+    )
     wrapped = peft.get_peft_model(hf, config)
     x = ids(T=11, seed=5)
     with torch.no_grad():
@@ -98,8 +106,9 @@ def test_glm53_round_trip_is_exact(tmp_path):
     saved = {n: p for n, p in model.named_parameters() if "lora_" in n}
     loaded = {n: p for n, p in fresh.named_parameters() if "lora_" in n}
     assert saved.keys() == loaded.keys() and all(torch.equal(saved[n], loaded[n]) for n in saved)
-    assert fresh.lora_settings["alpha"] == 5.5 and not any(p.requires_grad for n, p in fresh.named_parameters()
-                                                          if "lora_" not in n)  # fmt: skip
+    assert fresh.lora_settings["alpha"] == 5.5 and not any(
+        p.requires_grad for n, p in fresh.named_parameters() if "lora_" not in n
+    )
     x = ids()
     with torch.no_grad():
         assert torch.equal(fresh(x).logits, model(x).logits)
@@ -117,8 +126,14 @@ def test_adapter_for_another_model_or_rank(tmp_path):
     glm53.apply_lora(ranked, 2, 8, targets=["q_a_proj", "experts"])
     with pytest.raises(CheckpointError, match="rank r=4.*rank 2"):
         glm53.load_lora(ranked, tmp_path)
-    shallow = Glm53ForCausalLM.from_config(tiny_config(num_hidden_layers=2, layer_types=["linear_attention",
-                                           "indexed_attention"], indexer_types=["full", "full"], mlp_layer_types=["dense", "sparse"]))  # fmt: skip
+    shallow = Glm53ForCausalLM.from_config(
+        tiny_config(
+            num_hidden_layers=2,
+            layer_types=["linear_attention", "indexed_attention"],
+            indexer_types=["full", "full"],
+            mlp_layer_types=["dense", "sparse"],
+        )
+    )
     with pytest.raises(CheckpointError, match=r"(?s)does not have.*language_model\.layers\.2\."):
         glm53.load_lora(shallow, tmp_path)
 
@@ -132,12 +147,17 @@ def test_bad_adapter_files(tmp_path):
     glm53.apply_lora(model, 4, 8, targets=["q_a_proj"])
     glm53.save_lora(model, tmp_path / "a")
     config = json.loads((tmp_path / "a" / CONFIG_FILE).read_text())
-    for key, value, message in [("use_dora", True, "use_dora"), ("peft_type", "IA3", "peft_type"),
-                                ("rank_pattern", {"q_a_proj": 8}, "rank_pattern"), ("bias", "all", "bias")]:
+    for key, value, message in [
+        ("use_dora", True, "use_dora"),
+        ("peft_type", "IA3", "peft_type"),
+        ("rank_pattern", {"q_a_proj": 8}, "rank_pattern"),
+        ("bias", "all", "bias"),
+    ]:
         (tmp_path / "b").mkdir(exist_ok=True)
         (tmp_path / "b" / CONFIG_FILE).write_text(json.dumps({**config, key: value}))
         os.replace(tmp_path / "a" / WEIGHTS_FILE, tmp_path / "b" / WEIGHTS_FILE) if not (
-            tmp_path / "b" / WEIGHTS_FILE).exists() else None  # fmt: skip
+            tmp_path / "b" / WEIGHTS_FILE
+        ).exists() else None
         fresh = Glm53ForCausalLM.from_config(tiny_config())
         with pytest.raises(CheckpointError, match=message):
             glm53.load_lora(fresh, tmp_path / "b")

@@ -12,8 +12,25 @@ from tests.test_benchmark_cli import BENCH
 
 def test_bench_lora_runs(tmp_path):
     out = tmp_path / "bench_lora.json"
-    run = subprocess.run([sys.executable, os.path.join(BENCH, "bench_lora.py"), "--reps", "1", "--steps", "1",
-                          "--seq", "8", "--preset", "tiny", "--out", str(out)], capture_output=True, text=True, timeout=600)  # fmt: skip
+    run = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(BENCH, "bench_lora.py"),
+            "--reps",
+            "1",
+            "--steps",
+            "1",
+            "--seq",
+            "8",
+            "--preset",
+            "tiny",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr
     result = json.loads(out.read_text())
     assert set(result["rows"]) == {"full", "lora", "lora-bf16", "lora-fp8"}

@@ -30,8 +30,11 @@ from tests.peft.helpers import EPS32, ids, randomize_adapters, rel_err
 @pytest.fixture(scope="module")
 def fp8_pair():
     path, _ = fp8_source()
-    return path, load_base(Glm53ForCausalLM, path, "fp8", dtype=torch.float32).eval(), \
-        Glm53ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()  # fmt: skip
+    return (
+        path,
+        load_base(Glm53ForCausalLM, path, "fp8", dtype=torch.float32).eval(),
+        Glm53ForCausalLM.from_pretrained(path, dtype=torch.float32).eval(),
+    )
 
 
 def _bytes(model):
@@ -121,8 +124,10 @@ def test_bf16_checkpoint_quantised_on_load_round_trips(tmp_path):
     again = load_base(Glm53ForCausalLM, tmp_path / "deq", "fp8", dtype=torch.float32, quantize=True)
     model2 = load_base(Glm53ForCausalLM, tmp_path / "bf16", "fp8", dtype=torch.float32, quantize=True)
     for (n, a), (_, b) in zip(again.named_parameters(), model2.named_parameters()):
-        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8) if a.dtype == fp8_format.FP8_DTYPE else a,
-                                                  b.view(torch.uint8) if b.dtype == fp8_format.FP8_DTYPE else b), n
+        assert a.dtype == b.dtype and torch.equal(
+            a.view(torch.uint8) if a.dtype == fp8_format.FP8_DTYPE else a,
+            b.view(torch.uint8) if b.dtype == fp8_format.FP8_DTYPE else b,
+        ), n
     experts = again.model.layers[1].mlp.experts
     assert experts.gate_up_proj.dtype == fp8_format.FP8_DTYPE
     assert tuple(getattr(experts, "gate_up_proj" + SCALE).shape) == (8, 2, 1)  # gate and up grids: [E, 2*1, 1]
@@ -134,8 +139,10 @@ def test_merged_export_from_fp8_base_is_bf16(fp8_pair, tmp_path):
     glm53.apply_lora(model, 4, 8)
     randomize_adapters(model)
     kv_b = model.model.layers[1].self_attn.kv_b_proj
-    expected = (dequantize_blocks(kv_b.weight, kv_b.weight_scale_inv, BLOCK, torch.float32)
-                + kv_b.lora_scale * kv_b.lora_B.weight @ kv_b.lora_A.weight).to(torch.bfloat16)  # fmt: skip
+    expected = (
+        dequantize_blocks(kv_b.weight, kv_b.weight_scale_inv, BLOCK, torch.float32)
+        + kv_b.lora_scale * kv_b.lora_B.weight @ kv_b.lora_A.weight
+    ).to(torch.bfloat16)
     glm53.merge_lora(model)  # dequantise, merge, bf16
     assert kv_b.weight.dtype == torch.bfloat16 and not hasattr(kv_b, "weight" + SCALE)
     # one fp32 product per element plus the r-long B A sum: within (r + 2) eps32 of the fp32 result before the cast

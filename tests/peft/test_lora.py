@@ -85,16 +85,23 @@ def test_freeze_groups_leave_the_rest_training():
     for name in frozen:
         assert torch.equal(params[name], before[name]) and params[name].grad is None, name
     # unfrozen base: the dense and shared-expert MLPs, the final norm
-    for name in ("model.layers.0.mlp.up_proj.weight", "model.layers.1.mlp.shared_experts.down_proj.weight",
-                 "model.norm.weight"):  # fmt: skip
+    for name in (
+        "model.layers.0.mlp.up_proj.weight",
+        "model.layers.1.mlp.shared_experts.down_proj.weight",
+        "model.norm.weight",
+    ):
         assert not torch.equal(params[name], before[name]), name
 
 
 def test_freeze_norms_and_vision_groups_by_name():
     model = tiny_model()
     norms = set(glm53.freeze(model, "norms"))
-    assert {"model.norm.weight", "model.layers.0.input_layernorm.weight", "model.layers.0.self_attn.o_norm.weight",
-            "model.layers.1.self_attn.indexer.k_norm.bias"} <= norms  # fmt: skip
+    assert {
+        "model.norm.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.0.self_attn.o_norm.weight",
+        "model.layers.1.self_attn.indexer.k_norm.bias",
+    } <= norms
     assert all("norm" in n for n in norms)
     assert glm53.freeze(model, ["vision_tower", "projector"]) == []  # known groups, absent from a text model
 
@@ -157,8 +164,12 @@ def test_expert_kernels_agree_with_the_loop_reference_forward_and_backward():
     E, D, I, r = 8, 36, 16, RANK
     x, idx, w = _expert_inputs()
     gate_up, down = torch.randn(E, 2 * I, D, generator=gen) / 6, torch.randn(E, D, I, generator=gen) / 4
-    factors = [torch.randn(E, r, D, generator=gen) / 6, torch.randn(E, 2 * I, r, generator=gen) / 2,
-               torch.randn(E, r, I, generator=gen) / 4, torch.randn(E, D, r, generator=gen) / 2]  # fmt: skip
+    factors = [
+        torch.randn(E, r, D, generator=gen) / 6,
+        torch.randn(E, 2 * I, r, generator=gen) / 2,
+        torch.randn(E, r, I, generator=gen) / 4,
+        torch.randn(E, D, r, generator=gen) / 2,
+    ]
 
     def run(fn):
         leaves = [t.clone().requires_grad_() for t in (x, gate_up, down, *factors)]

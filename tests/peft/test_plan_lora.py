@@ -8,8 +8,18 @@ import pytest
 
 from glm53.tools.plan import main
 
-LORA = ["--seq-len", "8192", "--batch", "1", "--activation-checkpointing", "--lora-rank", "16", "--lora-targets",
-        "attention", "experts"]  # fmt: skip
+LORA = [
+    "--seq-len",
+    "8192",
+    "--batch",
+    "1",
+    "--activation-checkpointing",
+    "--lora-rank",
+    "16",
+    "--lora-targets",
+    "attention",
+    "experts",
+]
 
 
 def _rows(out: str) -> dict[str, float]:

@@ -51,8 +51,11 @@ def outside_entries(tmp_path):
     outside = tmp_path / "outside"
     outside.mkdir()
     save_file({"x": torch.zeros(1)}, outside / "x.safetensors")
-    return {"dotdot": "../outside/x.safetensors", "absolute": str(outside / "x.safetensors"),
-            "passwd": "../../../../../../../../etc/passwd"}  # fmt: skip
+    return {
+        "dotdot": "../outside/x.safetensors",
+        "absolute": str(outside / "x.safetensors"),
+        "passwd": "../../../../../../../../etc/passwd",
+    }
 
 
 @pytest.mark.parametrize("kind", ["dotdot", "absolute", "passwd", "symlink"])
@@ -153,9 +156,12 @@ def _bad_index(path):
     return rf"{INDEX_FILE} cannot be read as JSON"
 
 
-READ_ERRORS = {"truncated": (_truncate, SafetensorError), "bad-header": (_bad_header, SafetensorError),
-               "key-in-wrong-shard": (_wrong_shard, SafetensorError),
-               "malformed-index": (_bad_index, json.JSONDecodeError)}  # fmt: skip
+READ_ERRORS = {
+    "truncated": (_truncate, SafetensorError),
+    "bad-header": (_bad_header, SafetensorError),
+    "key-in-wrong-shard": (_wrong_shard, SafetensorError),
+    "malformed-index": (_bad_index, json.JSONDecodeError),
+}
 
 
 @pytest.mark.parametrize("kind", READ_ERRORS)
@@ -250,7 +256,10 @@ def test_layer_count_is_compared_before_building(tmp_path, monkeypatch):
     built = []
     monkeypatch.setattr(Glm53ForCausalLM, "__init__", lambda self, cfg: built.append(cfg) or 1 / 0)
     began = time.perf_counter()
-    with pytest.raises(CheckpointError, match=r"num_hidden_layers=200000 but the checkpoint has no tensors for "
-                                              r"199996 of those layers .* it holds layers 0..3"):  # fmt: skip
+    with pytest.raises(
+        CheckpointError,
+        match=r"num_hidden_layers=200000 but the checkpoint has no tensors for "
+        r"199996 of those layers .* it holds layers 0..3",
+    ):
         Glm53ForCausalLM.from_pretrained(path)
     assert not built and time.perf_counter() - began < 10

@@ -22,12 +22,19 @@ def usage_error(run, argv, flag, message, capsys):
     assert f"argument {flag}: " in err and message in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("flag,value,message", [
-    ("--steps", "-1", "must be >= 1, got -1"), ("--steps", "x", "expected an integer, got 'x'"),
-    ("--batch-size", "0", "must be >= 1, got 0"), ("--seq-len", "1", "must be >= 2, got 1"),
-    ("--seq-len", "0", "must be >= 2, got 0"), ("--lr", "nan", "expected a finite number"),
-    ("--lr", "0", "must be > 0"), ("--seed", "-5", "must be in [0, 4294967295]"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "flag,value,message",
+    [
+        ("--steps", "-1", "must be >= 1, got -1"),
+        ("--steps", "x", "expected an integer, got 'x'"),
+        ("--batch-size", "0", "must be >= 1, got 0"),
+        ("--seq-len", "1", "must be >= 2, got 1"),
+        ("--seq-len", "0", "must be >= 2, got 0"),
+        ("--lr", "nan", "expected a finite number"),
+        ("--lr", "0", "must be > 0"),
+        ("--seed", "-5", "must be in [0, 4294967295]"),
+    ],
+)
 def test_train_number_flags(flag, value, message, capsys):
     usage_error(main, ["train", f"{flag}={value}"], flag, message, capsys)
 
@@ -38,11 +45,14 @@ def test_train_sequence_longer_than_the_corpus(capsys):
     assert err.startswith("glm53 train: error: --seq-len 10000000") and len(err.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("flag,value,message", [
-    ("--seq-len", "1", "must be >= 2, got 1"),  # one token: no next-token target, a loss of nothing
-    ("--threads", str((os.cpu_count() or 1) + 1), "this machine's CPU count"),  # torch crashes on huge counts
-    ("--threads", "100000", "this machine's CPU count"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "flag,value,message",
+    [
+        ("--seq-len", "1", "must be >= 2, got 1"),  # one token: no next-token target, a loss of nothing
+        ("--threads", str((os.cpu_count() or 1) + 1), "this machine's CPU count"),  # torch crashes on huge counts
+        ("--threads", "100000", "this machine's CPU count"),
+    ],
+)
 def test_train_numbers(flag, value, message, capsys):
     usage_error(main, ["train", f"{flag}={value}"], flag, message, capsys)
 
@@ -55,11 +65,16 @@ def test_train_save_below_a_file_fails_before_training(tmp_path, below, capsys):
     assert "step" not in capsys.readouterr().out  # nothing trained
 
 
-@pytest.mark.parametrize("flag,value,message", [
-    ("--temperature", "inf", "must lie in [0.0, inf]"), ("--temperature", "nan", "must lie in"),
-    ("--top-p", "inf", "must lie in (0.0, 1.0]"), ("--seed", str(2**70), "must be in [0, 4294967295]"),
-    ("--seed", "-1", "must be in [0, 4294967295]"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "flag,value,message",
+    [
+        ("--temperature", "inf", "must lie in [0.0, inf]"),
+        ("--temperature", "nan", "must lie in"),
+        ("--top-p", "inf", "must lie in (0.0, 1.0]"),
+        ("--seed", str(2**70), "must be in [0, 4294967295]"),
+        ("--seed", "-1", "must be in [0, 4294967295]"),
+    ],
+)
 def test_generate_numbers(flag, value, message, tmp_path, capsys):
     usage_error(main, GENERATE + ["--model", str(tmp_path), f"{flag}={value}"], flag, message, capsys)
 
@@ -88,9 +103,14 @@ def bad_checkpoints(tmp_path):
     return dirs
 
 
-@pytest.mark.parametrize("name,message", [
-    ("empty", "no config.json"), ("not-json", "is not valid JSON"), ("truncated", "model.safetensors"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "name,message",
+    [
+        ("empty", "no config.json"),
+        ("not-json", "is not valid JSON"),
+        ("truncated", "model.safetensors"),
+    ],
+)
 def test_generate_unreadable_checkpoint_is_one_line(bad_checkpoints, name, message, capsys):
     assert main(GENERATE + ["--model", str(bad_checkpoints[name])]) == 1
     err = capsys.readouterr().err
@@ -107,22 +127,37 @@ def test_generate_tokenizer_directory_without_tokenizer(bad_checkpoints, tmp_pat
         cli._Codec(str(tmp_path), str(tmp_path))
 
 
-@pytest.mark.parametrize("flag,value,message", [
-    ("--dp", "0", "must be >= 1, got 0"), ("--cp", "x", "expected an integer"), ("--batch", "-2", "must be >= 1"),
-    ("--device-gib", "nan", "expected a finite number"), ("--device-gib", "-1", "must be > 0"),
-    ("--device-gib", "inf", "expected a finite number"), ("--seq-len", "0", "must be >= 1"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "flag,value,message",
+    [
+        ("--dp", "0", "must be >= 1, got 0"),
+        ("--cp", "x", "expected an integer"),
+        ("--batch", "-2", "must be >= 1"),
+        ("--device-gib", "nan", "expected a finite number"),
+        ("--device-gib", "-1", "must be > 0"),
+        ("--device-gib", "inf", "expected a finite number"),
+        ("--seq-len", "0", "must be >= 1"),
+    ],
+)
 def test_plan_numbers(flag, value, message, capsys):
     usage_error(plan.main, [f"{flag}={value}"], flag, message, capsys)
 
 
-@pytest.mark.parametrize("flag,value,message", [
-    ("--dp", "0", "must be >= 1, got 0"), ("--tp", "-1", "must be >= 1, got -1"),
-    ("--num-layers", "0", "must be >= 1, got 0"), ("--num-layers", "-3", "must be >= 1"),
-    ("--ranks", "a", "expected comma-separated integer ranks"), ("--ranks", "0,,1", "expected comma-separated"),
-    ("--ranks", "4", "[4] outside the 4 ranks of --dp 2 x --tp 2"), ("--ranks", "-5", "[-5] outside the 4 ranks"),
-    ("--max-shard-size", "xx", "size like '5GB'"), ("--max-shard-size", "0", "must be positive"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "flag,value,message",
+    [
+        ("--dp", "0", "must be >= 1, got 0"),
+        ("--tp", "-1", "must be >= 1, got -1"),
+        ("--num-layers", "0", "must be >= 1, got 0"),
+        ("--num-layers", "-3", "must be >= 1"),
+        ("--ranks", "a", "expected comma-separated integer ranks"),
+        ("--ranks", "0,,1", "expected comma-separated"),
+        ("--ranks", "4", "[4] outside the 4 ranks of --dp 2 x --tp 2"),
+        ("--ranks", "-5", "[-5] outside the 4 ranks"),
+        ("--max-shard-size", "xx", "size like '5GB'"),
+        ("--max-shard-size", "0", "must be positive"),
+    ],
+)
 def test_ckpt_plan_numbers(flag, value, message, capsys):
     usage_error(ckpt_plan.main, ["--dp", "2", "--tp", "2", f"{flag}={value}"], flag, message, capsys)
 

@@ -63,14 +63,18 @@ def test_ints_are_accepted_where_floats_are_meant():
     assert (c.routed_scaling_factor, c.swiglu_limit, c.initializer_range) == (2, 7, 0)
 
 
-@pytest.mark.parametrize("name,value,message", [
-    ("layer_types", "linear_attention", r"layer_types must be a list of strings"),
-    ("mlp_layer_types", ["dense", 1, "sparse", "sparse"], r"mlp_layer_types\[1\] must be a string, got 1"),
-    ("eos_token_id", [1, "2"], r"eos_token_id must be a non-negative int"),
-    ("bos_token_id", -1, r"bos_token_id must be a non-negative int or None, got -1"),
-    ("hidden_act", 5, r"hidden_act must be a string, got 5"),
-    ("n_shared_experts", -1, r"n_shared_experts must be an int >= 0, got -1"),
-], ids=["layer_types-str", "mlp-item", "eos", "bos", "hidden_act", "n_shared"])  # fmt: skip
+@pytest.mark.parametrize(
+    "name,value,message",
+    [
+        ("layer_types", "linear_attention", r"layer_types must be a list of strings"),
+        ("mlp_layer_types", ["dense", 1, "sparse", "sparse"], r"mlp_layer_types\[1\] must be a string, got 1"),
+        ("eos_token_id", [1, "2"], r"eos_token_id must be a non-negative int"),
+        ("bos_token_id", -1, r"bos_token_id must be a non-negative int or None, got -1"),
+        ("hidden_act", 5, r"hidden_act must be a string, got 5"),
+        ("n_shared_experts", -1, r"n_shared_experts must be an int >= 0, got -1"),
+    ],
+    ids=["layer_types-str", "mlp-item", "eos", "bos", "hidden_act", "n_shared"],
+)
 def test_other_field_types(name, value, message):
     with pytest.raises(ConfigError, match=message):
         Glm53Config.from_dict(tiny_dict(**{name: value}))
@@ -116,25 +120,32 @@ def test_config_file_read_errors_name_the_file(tmp_path, monkeypatch):
     assert isinstance(info.value.__cause__, PermissionError)
 
 
-@pytest.mark.parametrize("d,message", [
-    (dict(index_topk_freq=True), r"index_topk_freq must be an int, got True"),
-    (dict(index_skip_topk_offset="2"), r"index_skip_topk_offset must be an int, got '2'"),
-    (dict(index_topk_pattern=7), r"index_topk_pattern must be a string of 'F'/'S' or a list, got 7"),
-    (dict(linear_attn_config={"safe_gate": "false"}), r"linear_attn_config\['safe_gate'\] must be a bool"),
-    (dict(linear_attn_config={"kda_layers": "1,2"}), r"linear_attn_config\['kda_layers'\] must be a list"),
-    (dict(linear_attn_config={"head_dim": "8"}), r"linear_head_dim must be a positive int, got '8'"),
-], ids=["freq-bool", "offset-str", "pattern-int", "safe_gate-str", "kda_layers-str", "linear-head_dim-str"])  # fmt: skip
+@pytest.mark.parametrize(
+    "d,message",
+    [
+        (dict(index_topk_freq=True), r"index_topk_freq must be an int, got True"),
+        (dict(index_skip_topk_offset="2"), r"index_skip_topk_offset must be an int, got '2'"),
+        (dict(index_topk_pattern=7), r"index_topk_pattern must be a string of 'F'/'S' or a list, got 7"),
+        (dict(linear_attn_config={"safe_gate": "false"}), r"linear_attn_config\['safe_gate'\] must be a bool"),
+        (dict(linear_attn_config={"kda_layers": "1,2"}), r"linear_attn_config\['kda_layers'\] must be a list"),
+        (dict(linear_attn_config={"head_dim": "8"}), r"linear_head_dim must be a positive int, got '8'"),
+    ],
+    ids=["freq-bool", "offset-str", "pattern-int", "safe_gate-str", "kda_layers-str", "linear-head_dim-str"],
+)
 def test_release_schedule_keys_are_typed(d, message):
     base = {k: v for k, v in tiny_dict().items() if k not in ("indexer_types", "linear_head_dim")}
     with pytest.raises(ConfigError, match=message):
         Glm53Config.from_dict({**base, **d})
 
 
-@pytest.mark.parametrize("quant,message", [
-    ({"weight_block_size": 128}, r"weight_block_size must be two positive ints, got 128"),
-    ({"weight_block_size": [True, 8]}, r"weight_block_size must be two positive ints, got \[True, 8\]"),
-    ("fp8", r"quantization_config must be a dict, got 'fp8'"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "quant,message",
+    [
+        ({"weight_block_size": 128}, r"weight_block_size must be two positive ints, got 128"),
+        ({"weight_block_size": [True, 8]}, r"weight_block_size must be two positive ints, got \[True, 8\]"),
+        ("fp8", r"quantization_config must be a dict, got 'fp8'"),
+    ],
+)
 def test_quantization_block_size_is_typed(quant, message):
     from glm53.checkpoint.fp8 import weight_block_size
 

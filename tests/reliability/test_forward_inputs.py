@@ -15,8 +15,11 @@ def model():
 
 IDS = torch.tensor([[1, 2, 3, 4]])
 CASES = {
-    "oov-high": (dict(input_ids=torch.tensor([[1, 2, 320]])), InputError,
-                 r"input_ids holds 320, outside \[0, vocab_size=320\)"),
+    "oov-high": (
+        dict(input_ids=torch.tensor([[1, 2, 320]])),
+        InputError,
+        r"input_ids holds 320, outside \[0, vocab_size=320\)",
+    ),
     "oov-negative": (dict(input_ids=torch.tensor([[1, -3]])), InputError, r"input_ids holds -3, .*vocab_size=320"),
     "T0": (dict(input_ids=torch.zeros(2, 0, dtype=torch.long)), InputError, r"input_ids is empty \(shape \(2, 0\)\)"),
     "B0": (dict(input_ids=torch.zeros(0, 5, dtype=torch.long)), InputError, r"input_ids is empty \(shape \(0, 5\)\)"),
@@ -24,18 +27,33 @@ CASES = {
     "uint8-ids": (dict(input_ids=IDS.to(torch.uint8)), InputError, r"input_ids must hold integer token ids.*uint8"),
     "list": (dict(input_ids=[[1, 2, 3]]), TypeError, r"input_ids must be a torch.Tensor .* got list"),
     "meta-ids": (dict(input_ids=IDS.to("meta")), InputError, r"input_ids is on the meta device .* the model is on cpu"),
-    "meta-mask": (dict(input_ids=IDS, attention_mask=torch.ones(1, 4, device="meta")), InputError,
-                  r"attention_mask is on the meta device .* the model is on cpu"),
-    "embeds-dtype": (dict(inputs_embeds=torch.randn(1, 4, 32, dtype=torch.float64)), InputError,
-                     r"inputs_embeds is torch.float64 but the model's embeddings are torch.float32"),
-    "embeds-width": (dict(inputs_embeds=torch.randn(1, 4, 31)), InputError,
-                     r"inputs_embeds must be \[batch, seq, hidden_size=32\], got shape \(1, 4, 31\)"),
-    "embeds-meta": (dict(inputs_embeds=torch.randn(1, 4, 32, device="meta")), InputError,
-                    r"inputs_embeds is on the meta device .* cpu"),
+    "meta-mask": (
+        dict(input_ids=IDS, attention_mask=torch.ones(1, 4, device="meta")),
+        InputError,
+        r"attention_mask is on the meta device .* the model is on cpu",
+    ),
+    "embeds-dtype": (
+        dict(inputs_embeds=torch.randn(1, 4, 32, dtype=torch.float64)),
+        InputError,
+        r"inputs_embeds is torch.float64 but the model's embeddings are torch.float32",
+    ),
+    "embeds-width": (
+        dict(inputs_embeds=torch.randn(1, 4, 31)),
+        InputError,
+        r"inputs_embeds must be \[batch, seq, hidden_size=32\], got shape \(1, 4, 31\)",
+    ),
+    "embeds-meta": (
+        dict(inputs_embeds=torch.randn(1, 4, 32, device="meta")),
+        InputError,
+        r"inputs_embeds is on the meta device .* cpu",
+    ),
     "embeds-T0": (dict(inputs_embeds=torch.randn(1, 0, 32)), InputError, r"inputs_embeds is empty"),
-    "labels-oov": (dict(input_ids=IDS, labels=torch.tensor([[1, 2, 999, -100]])), InputError,
-                   r"labels holds 999, outside \[0, vocab_size=320\) or -100"),
-}  # fmt: skip
+    "labels-oov": (
+        dict(input_ids=IDS, labels=torch.tensor([[1, 2, 999, -100]])),
+        InputError,
+        r"labels holds 999, outside \[0, vocab_size=320\) or -100",
+    ),
+}
 
 
 @pytest.mark.parametrize("kwargs,error,message", CASES.values(), ids=CASES.keys())
@@ -59,9 +77,11 @@ def test_dtype_as_a_string(tmp_path, model):
     assert loaded.model.embed_tokens.weight.dtype == torch.bfloat16
     fp64 = Glm53ForCausalLM.from_pretrained(tmp_path / "ckpt", dtype="torch.float64")
     assert fp64.lm_head.weight.dtype == torch.float64
-    for bad, message in ((5, r"dtype must be a torch.dtype or its name, got 5"),
-                         ("bfloat17", r"dtype='bfloat17' is not a torch dtype name"),
-                         (torch.int8, r"dtype must be a floating dtype .* got torch.int8")):  # fmt: skip
+    for bad, message in (
+        (5, r"dtype must be a torch.dtype or its name, got 5"),
+        ("bfloat17", r"dtype='bfloat17' is not a torch dtype name"),
+        (torch.int8, r"dtype must be a floating dtype .* got torch.int8"),
+    ):
         with pytest.raises(TypeError, match=message):
             Glm53ForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=bad)
 

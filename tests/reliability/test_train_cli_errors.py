@@ -10,14 +10,24 @@ from glm53.training.state import RUN_TAG, TRAINER_STATE
 SMALL = ["train", "--preset", "tiny", "--batch-size", "2", "--seq-len", "16", "--log-every", "1"]
 
 
-@pytest.mark.parametrize("flag,value,message", [
-    ("--batch-size", "0", "must be >= 1, got 0"), ("--seq-len", "0", "must be >= 2, got 0"),
-    ("--log-every", "0", "must be >= 1, got 0"), ("--steps", "-5", "must be >= 1, got -5"),
-    ("--save-every", "-1", "must be >= 0, got -1"), ("--lr", "-1e-3", "must be > 0, got -1e-3"),
-    ("--lr", "nan", "expected a finite number, got 'nan'"), ("--bias-rate", "nan", "expected a finite number"),
-    ("--bias-rate", "-1", "must be >= 0"), ("--threads", "0", "must be >= 1"), ("--dp", "0", "must be >= 1"),
-    ("--steps", "ten", "expected an integer, got 'ten'"), ("--seed", str(2**70), "must be in [0, 4294967295]"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "flag,value,message",
+    [
+        ("--batch-size", "0", "must be >= 1, got 0"),
+        ("--seq-len", "0", "must be >= 2, got 0"),
+        ("--log-every", "0", "must be >= 1, got 0"),
+        ("--steps", "-5", "must be >= 1, got -5"),
+        ("--save-every", "-1", "must be >= 0, got -1"),
+        ("--lr", "-1e-3", "must be > 0, got -1e-3"),
+        ("--lr", "nan", "expected a finite number, got 'nan'"),
+        ("--bias-rate", "nan", "expected a finite number"),
+        ("--bias-rate", "-1", "must be >= 0"),
+        ("--threads", "0", "must be >= 1"),
+        ("--dp", "0", "must be >= 1"),
+        ("--steps", "ten", "expected an integer, got 'ten'"),
+        ("--seed", str(2**70), "must be in [0, 4294967295]"),
+    ],
+)
 def test_bad_numbers_are_usage_errors(flag, value, message, capsys):
     with pytest.raises(SystemExit) as info:
         main(SMALL + [f"{flag}={value}"])

@@ -13,8 +13,11 @@ SMALL = ["train", "--preset", "tiny", "--batch-size", "2", "--seq-len", "16", "-
 
 
 def _digest(path) -> dict[str, str]:
-    return {name: hashlib.sha256(open(os.path.join(path, name), "rb").read()).hexdigest()
-            for name in sorted(os.listdir(path)) if os.path.isfile(os.path.join(path, name))}  # fmt: skip
+    return {
+        name: hashlib.sha256(open(os.path.join(path, name), "rb").read()).hexdigest()
+        for name in sorted(os.listdir(path))
+        if os.path.isfile(os.path.join(path, name))
+    }
 
 
 @pytest.fixture

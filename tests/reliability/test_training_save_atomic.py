@@ -31,9 +31,17 @@ def run_state(seed: int, step: int):
 
 
 # (object, attribute) of every write, rename, link or sync a training save goes through.
-POINTS = {"save_file": (shards_mod, "save_file"), "write_json": (save_mod, "write_json"), "torch.save": (torch, "save"),
-          "rename": (os, "rename"), "fsync": (os, "fsync"), "link": (os, "link"), "chmod": (os, "chmod"),
-          "exchange": (atomic, "_exchange"), "rmtree": (shutil, "rmtree")}  # fmt: skip
+POINTS = {
+    "save_file": (shards_mod, "save_file"),
+    "write_json": (save_mod, "write_json"),
+    "torch.save": (torch, "save"),
+    "rename": (os, "rename"),
+    "fsync": (os, "fsync"),
+    "link": (os, "link"),
+    "chmod": (os, "chmod"),
+    "exchange": (atomic, "_exchange"),
+    "rmtree": (shutil, "rmtree"),
+}
 
 
 @pytest.fixture(scope="module")

@@ -66,8 +66,9 @@ def z_by_hand(logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("mtp_depth", [1, 2])
 def test_aux_loss_value_from_recorded_router_logits(mtp_depth):
-    config = Glm53Config.tiny(router_aux_loss_coef=BALANCE, router_z_loss_coef=Z, num_nextn_predict_layers=1,
-                              mtp_depth=mtp_depth)  # fmt: skip
+    config = Glm53Config.tiny(
+        router_aux_loss_coef=BALANCE, router_z_loss_coef=Z, num_nextn_predict_layers=1, mtp_depth=mtp_depth
+    )
     model = Glm53ForCausalLM(config)
     randomize(model, 3)  # peaked router logits: every layer's balance and z terms differ
     calls = record_router_logits(model)
@@ -86,8 +87,9 @@ def test_aux_loss_value_from_recorded_router_logits(mtp_depth):
 
 
 def test_mtp_validity_loads_and_indexer_rows_follow_the_depth_shifted_mask():
-    config = Glm53Config.tiny(num_nextn_predict_layers=1, mtp_depth=2, indexer_loss_weight=1.0,
-                              router_aux_loss_coef=0.0)  # fmt: skip
+    config = Glm53Config.tiny(
+        num_nextn_predict_layers=1, mtp_depth=2, indexer_loss_weight=1.0, router_aux_loss_coef=0.0
+    )
     model = Glm53ForCausalLM(config)
     randomize(model, 4)
     seen = []  # (layer, its ForwardContext) per block / MTP-depth call, in order
@@ -131,5 +133,6 @@ def test_balance_and_z_loss_of_sequences_with_one_or_no_real_token():
     counts = torch.zeros(E, dtype=torch.float64).index_fill(0, indices[2], 1.0)
     expected = (counts * E / k * s / s.sum()).sum()
     torch.testing.assert_close(balance_loss(logits, indices, valid).double(), expected, rtol=1e-6, atol=0)
-    torch.testing.assert_close(z_loss(logits, valid).double(), torch.logsumexp(logits[2].double(), 0) ** 2,
-                               rtol=1e-6, atol=0)  # fmt: skip
+    torch.testing.assert_close(
+        z_loss(logits, valid).double(), torch.logsumexp(logits[2].double(), 0) ** 2, rtol=1e-6, atol=0
+    )

@@ -10,8 +10,9 @@ import torch
 from glm53 import Glm53Config, Glm53ForCausalLM, Glm53LMHeadModel
 from glm53.losses import CausalLMOutput, add_causal_lm_losses
 
-CONFIG = dict(num_nextn_predict_layers=1, mtp_depth=2, indexer_loss_weight=1.0, router_aux_loss_coef=0.01,
-              router_z_loss_coef=1e-3)  # fmt: skip
+CONFIG = dict(
+    num_nextn_predict_layers=1, mtp_depth=2, indexer_loss_weight=1.0, router_aux_loss_coef=0.01, router_z_loss_coef=1e-3
+)
 
 
 def pair():
@@ -34,7 +35,9 @@ def test_the_computing_model_returns_statistics_only_when_asked():
     moe = [s for s, layer in zip(run.stats, computing.model.layers) if layer.is_moe]
     assert moe and all(s.router_logits is not None and s.router_indices is not None for s in moe)
     assert any(s.index_scores is not None and s.pool_mass is not None for s in run.stats)
-    assert len(run.mtp) == scored.config.mtp_depth and all(h.shape == (2, 19, scored.config.hidden_size) for h, _, _ in run.mtp)
+    assert len(run.mtp) == scored.config.mtp_depth and all(
+        h.shape == (2, 19, scored.config.hidden_size) for h, _, _ in run.mtp
+    )
     assert all(r.counted_load is None for r in computing.routers())  # eval mode counts nothing
     computing.train()
     computing(ids)
@@ -53,8 +56,9 @@ def test_labels_call_is_the_computing_output_scored():
     run = computing(ids, position_ids=position_ids, collect_stats=True, record_indexer=True, run_mtp=True)
     got = CausalLMOutput(logits=run.logits, last_hidden_state=run.last_hidden_state)
     n_docs = run.ctx.cu_seqlens.shape[0] - 1
-    add_causal_lm_losses(got, computing, labels, run.ctx.valid, run.stats, run.mtp, None, run.ctx.segment_ids,
-                         None, n_docs)  # fmt: skip
+    add_causal_lm_losses(
+        got, computing, labels, run.ctx.valid, run.stats, run.mtp, None, run.ctx.segment_ids, None, n_docs
+    )
     for part in ("loss", "lm_loss", "mtp_loss", "aux_loss", "indexer_loss"):
         assert getattr(want, part) is not None and getattr(want, part) > 0, part
         torch.testing.assert_close(getattr(got, part), getattr(want, part), rtol=0, atol=0)

@@ -11,12 +11,12 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 
 from glm53.errors import InputError
+from glm53.losses import IGNORE_INDEX
 from glm53.training.data import batches, decode, encode
 from glm53.training.data.documents import DataError, Document, read_documents
 from glm53.training.data.pack import Batch, Packer
 from glm53.training.data.tokenize import TextTokenizer, TokenDoc, encode_document
 from glm53.training.finetune import FileData, heldout_loss, model_inputs
-from glm53.losses import IGNORE_INDEX
 
 
 def write(path, text: str) -> str:
@@ -122,7 +122,7 @@ def test_file_data_skips_single_token_documents_and_reports_exact_numbers(tmp_pa
 
 
 def test_file_data_dp_rank_takes_its_own_rows(tmp_path, word_tokenizer):
-    lines = [" ".join("abcdefgh"[k:k + 2]) for k in range(7)]  # 7 two-token documents, one per row of T 2
+    lines = [" ".join("abcdefgh"[k : k + 2]) for k in range(7)]  # 7 two-token documents, one per row of T 2
     ref = file_data(tmp_path, word_tokenizer, lines, seq_len=2).packer.batch(8).input_ids
     fd = file_data(tmp_path, word_tokenizer, lines, dp=2, rank=1, batch_size=2, grad_accum=2, seq_len=2)
     micro = fd.next_step()
@@ -150,8 +150,12 @@ def test_targets_without_a_chat_template_but_with_an_eos():
     got = encode_document(chat, tok)
     assert got.ids == [ord(c) for c in "user: Hi\nassistant: Yo"] + [99]
     assert "".join("1" if t else "0" for t in got.targets) == "0" * 20 + "111"
-    pair = encode_document(Document("f:2", messages=[{"role": "user", "content": "q"},
-                                                     {"role": "assistant", "content": "c"}], plain_prompt=True), tok)
+    pair = encode_document(
+        Document(
+            "f:2", messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": "c"}], plain_prompt=True
+        ),
+        tok,
+    )
     assert (pair.ids, pair.targets) == ([ord("q"), ord("c"), 99], [False, True, True])
     text = encode_document(Document("f:3", text="ab"), tok)
     assert (text.ids, text.targets) == ([97, 98, 99], [True] * 3)
@@ -165,8 +169,9 @@ def test_transformers_tokenizer_without_a_pad_token_pads_with_eos(tmp_path, word
     PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<eos>").save_pretrained(str(tmp_path))
     tok = TextTokenizer(str(tmp_path))
     assert tok.hf.pad_token_id is None and tok.eos_id == 9 and tok.pad_id == 9
-    args = argparse.Namespace(data=write(tmp_path / "d.jsonl", '{"text": "a b"}\n'), batch_size=1, grad_accum=1,
-                              seq_len=4, seed=0)  # fmt: skip
+    args = argparse.Namespace(
+        data=write(tmp_path / "d.jsonl", '{"text": "a b"}\n'), batch_size=1, grad_accum=1, seq_len=4, seed=0
+    )
     assert FileData(args, str(tmp_path), 16, 0, 1, 0).packer.pad_id == 9  # the tokenizer's, not the config's 0
 
 

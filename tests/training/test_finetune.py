@@ -18,11 +18,11 @@ import torch
 
 from glm53 import Glm53ForCausalLM
 from glm53.__main__ import main
+from glm53.losses import IGNORE_INDEX
 from glm53.training.data.documents import DataError, read_documents
 from glm53.training.data.pack import Packer
 from glm53.training.data.tokenize import TextTokenizer, TokenDoc, encode_document
 from glm53.training.finetune import heldout_loss
-from glm53.losses import IGNORE_INDEX
 from glm53.training.state import TRAINER_STATE
 from tests.training.test_train_cli import losses
 
@@ -54,21 +54,40 @@ def write(path, lines: list[str]) -> str:
 
 
 def train_args(paths: dict, *extra: str) -> list[str]:
-    return ["train", "--init", paths["base"], "--data", paths["train"], "--seq-len", str(SEQ), "--batch-size", "2",
-            "--lr", "1e-2", "--log-every", "1", "--seed", "5", *extra]  # fmt: skip
+    return [
+        "train",
+        "--init",
+        paths["base"],
+        "--data",
+        paths["train"],
+        "--seq-len",
+        str(SEQ),
+        "--batch-size",
+        "2",
+        "--lr",
+        "1e-2",
+        "--log-every",
+        "1",
+        "--seed",
+        "5",
+        *extra,
+    ]
 
 
 # ---------------------------------------------------------------------------------------------------- reading
-@pytest.mark.parametrize("lines, match", [
-    (['{"text": "a"}', "", '{"text": "b"'], r"data.jsonl:3: invalid JSON"),
-    (['{"text": "a"}', '{"label": 1}'], r"data.jsonl:2: the record has neither 'text' nor 'messages'"),
-    (['{"prompt": "q"}'], r"data.jsonl:1: .*'completion' is missing"),
-    (['{"messages": [{"role": "user"}]}'], r"data.jsonl:1: messages\[0\] must be an object"),
-    (['{"messages": [{"role": "bot", "content": "x"}]}'], r"data.jsonl:1: .*role 'bot'"),
-    (['{"text": 3}'], r"data.jsonl:1: 'text' must be a string"),
-    (['[1, 2]'], r"data.jsonl:1: expected a JSON object"),
-    (["", "  "], r"data.jsonl: the file is empty"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "lines, match",
+    [
+        (['{"text": "a"}', "", '{"text": "b"'], r"data.jsonl:3: invalid JSON"),
+        (['{"text": "a"}', '{"label": 1}'], r"data.jsonl:2: the record has neither 'text' nor 'messages'"),
+        (['{"prompt": "q"}'], r"data.jsonl:1: .*'completion' is missing"),
+        (['{"messages": [{"role": "user"}]}'], r"data.jsonl:1: messages\[0\] must be an object"),
+        (['{"messages": [{"role": "bot", "content": "x"}]}'], r"data.jsonl:1: .*role 'bot'"),
+        (['{"text": 3}'], r"data.jsonl:1: 'text' must be a string"),
+        (["[1, 2]"], r"data.jsonl:1: expected a JSON object"),
+        (["", "  "], r"data.jsonl: the file is empty"),
+    ],
+)
 def test_bad_records_name_the_file_and_line(tmp_path, lines, match):
     with pytest.raises(DataError, match=match):
         read_documents(write(tmp_path / "data.jsonl", lines))
@@ -96,13 +115,24 @@ def decoded_targets(tok: TextTokenizer, doc: TokenDoc) -> str:
 
 
 def test_sft_targets_are_the_completion_only(tmp_path, prepared, example):
-    data = write(tmp_path / "sft.jsonl", [
-        json.dumps({"prompt": "Finish: the river", "completion": " town woke early"}),
-        json.dumps({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                                 {"role": "assistant", "content": "Hello there"}, {"role": "user", "content": "Bye"},
-                                 {"role": "assistant", "content": "Goodbye"}]}),
-        json.dumps({"text": "Bakers lit their ovens"}),
-    ])  # fmt: skip
+    data = write(
+        tmp_path / "sft.jsonl",
+        [
+            json.dumps({"prompt": "Finish: the river", "completion": " town woke early"}),
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "system", "content": "Be brief."},
+                        {"role": "user", "content": "Hi"},
+                        {"role": "assistant", "content": "Hello there"},
+                        {"role": "user", "content": "Bye"},
+                        {"role": "assistant", "content": "Goodbye"},
+                    ]
+                }
+            ),
+            json.dumps({"text": "Bakers lit their ovens"}),
+        ],
+    )
     docs = read_documents(data).documents
     chat = TextTokenizer(prepared["base"])  # the checkpoint's tokenizer, with a chat template
     enc = [encode_document(d, chat) for d in docs]
@@ -186,12 +216,31 @@ def test_finetune_lowers_heldout_loss_and_resume_equals_uninterrupted(tmp_path, 
     assert (save / "tokenizer.json").is_file() and (save / "step-4" / "tokenizer_config.json").is_file()
     state = torch.load(save / "step-4" / TRAINER_STATE, weights_only=True)["data"]
     assert state["index"] > 0 and len(state["file_sha256"]) == 64
-    before = heldout_loss(Glm53ForCausalLM.from_pretrained(prepared["base"]), prepared["heldout"], prepared["base"], SEQ)
+    before = heldout_loss(
+        Glm53ForCausalLM.from_pretrained(prepared["base"]), prepared["heldout"], prepared["base"], SEQ
+    )
     after = heldout_loss(Glm53ForCausalLM.from_pretrained(save), prepared["heldout"], str(save), SEQ)
     assert after < before - 0.2, (before, after)
 
-    resume = ["train", "--resume", str(save / "step-4"), "--data", prepared["train"], "--seq-len", str(SEQ),
-              "--batch-size", "2", "--lr", "1e-2", "--log-every", "1", "--seed", "5", "--steps", "8"]  # fmt: skip
+    resume = [
+        "train",
+        "--resume",
+        str(save / "step-4"),
+        "--data",
+        prepared["train"],
+        "--seq-len",
+        str(SEQ),
+        "--batch-size",
+        "2",
+        "--lr",
+        "1e-2",
+        "--log-every",
+        "1",
+        "--seed",
+        "5",
+        "--steps",
+        "8",
+    ]
     assert main(resume) == 0
     again = losses(capsys.readouterr().out)
     assert sorted(again) == [5, 6, 7, 8]
@@ -216,12 +265,15 @@ def test_grad_accum_equals_the_larger_batch(prepared, capsys):
         assert accumulated[step] == pytest.approx(whole[step], rel=1e-5), (accumulated, whole)
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--grad-accum", "0"], None),
-    (["--grad-accum", "x"], None),
-    (["--data", "x.jsonl"], "--data needs --init"),
-    (["--tokenizer", "t"], "--tokenizer needs --data"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--grad-accum", "0"], None),
+        (["--grad-accum", "x"], None),
+        (["--data", "x.jsonl"], "--data needs --init"),
+        (["--tokenizer", "t"], "--tokenizer needs --data"),
+    ],
+)
 def test_flag_errors(flags, message, capsys):
     with pytest.raises(SystemExit, match=message) as err:
         main(["train", "--steps", "1", *flags])

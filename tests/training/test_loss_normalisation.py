@@ -23,9 +23,14 @@ def config_dict(**overrides) -> dict:
     """Every loss part on: MTP over two depths, indexer KL, balance loss and z-loss; a full and a shared indexer."""
     fields = dict(
         layer_types=["linear_attention", "indexed_attention", "linear_attention", "indexed_attention"],
-        indexer_types=["full", "full", "full", "shared"], index_topk=T, num_nextn_predict_layers=1, mtp_depth=2,
-        indexer_loss_weight=1.0, router_aux_loss_coef=0.01, router_z_loss_coef=1e-3,
-    )  # fmt: skip
+        indexer_types=["full", "full", "full", "shared"],
+        index_topk=T,
+        num_nextn_predict_layers=1,
+        mtp_depth=2,
+        indexer_loss_weight=1.0,
+        router_aux_loss_coef=0.01,
+        router_z_loss_coef=1e-3,
+    )
     config = Glm53Config.tiny(**{**fields, **overrides})
     d = config.to_dict()
     return {k: v for k, v in d.items() if k in Glm53Config.__dataclass_fields__ and k != "extra"}
@@ -57,8 +62,14 @@ def case():
                 p.normal_(std=0.3, generator=torch.Generator().manual_seed(1))
     state = {k: v.clone() for k, v in model.state_dict().items()}
     ids, mask, labels = unequal_batch()
-    return dict(config=config, state=state, ids=ids, mask=mask, labels=labels,
-                reference=single_process(config, state, ids, mask, labels))  # fmt: skip
+    return dict(
+        config=config,
+        state=state,
+        ids=ids,
+        mask=mask,
+        labels=labels,
+        reference=single_process(config, state, ids, mask, labels),
+    )
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -101,7 +112,9 @@ def test_micro_batches_sum_to_the_global_batch(case):
     model.load_state_dict(case["state"])
     ids, mask, labels = case["ids"], case["mask"], case["labels"]
     rows = torch.arange(B).chunk(4)
-    den = sum((model.loss_counts(labels[r], mask[r]) for r in rows[1:]), model.loss_counts(labels[rows[0]], mask[rows[0]]))
+    den = sum(
+        (model.loss_counts(labels[r], mask[r]) for r in rows[1:]), model.loss_counts(labels[rows[0]], mask[rows[0]])
+    )
     for r in rows:
         out = model(ids[r], attention_mask=mask[r], labels=labels[r], loss_denominators=den)
         out.loss.backward()
@@ -114,8 +127,6 @@ def test_micro_batches_sum_to_the_global_batch(case):
         check_grads({n: p.grad for n, p in model.named_parameters() if p.grad is not None}, case["reference"])
 
 
-
-
 @pytest.mark.parametrize("layout", ["dp2", "dp2-accum2", "2x2-accum2"])
 def test_data_parallel_with_unequal_masks_equals_one_process(request, case, layout):
     """FSDP2 over two dp ranks whose halves hold 4 vs 100 targets (with TP 2 inside each in 2x2): every loss
@@ -123,8 +134,17 @@ def test_data_parallel_with_unequal_masks_equals_one_process(request, case, layo
     micro = 2 if "accum2" in layout else 1
     tp = 2 if layout.startswith("2x2") else 1
     pool = request.getfixturevalue("pool4" if tp == 2 else "pool2")
-    results = pool.run(accumulated_step, config=case["config"], state=case["state"], ids=case["ids"],
-                       mask=case["mask"], labels=case["labels"], dp=2, tp=tp, micro=micro)  # fmt: skip
+    results = pool.run(
+        accumulated_step,
+        config=case["config"],
+        state=case["state"],
+        ids=case["ids"],
+        mask=case["mask"],
+        labels=case["labels"],
+        dp=2,
+        tp=tp,
+        micro=micro,
+    )
     reference = case["reference"]
     for name in PARTS:
         mean = sum(res["parts"][name] for res in results) / len(results)

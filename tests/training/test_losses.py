@@ -84,8 +84,9 @@ def test_router_bias_update_direction_and_reduce_hook():
 
 # ---------------------------------------------------------------------------------------------- indexer KL
 def shared_config(**kw):
-    base = dict(layer_types=[KDA, MLA, KDA, MLA], indexer_types=["full", "full", "full", "shared"],
-                router_aux_loss_coef=0.0)  # fmt: skip
+    base = dict(
+        layer_types=[KDA, MLA, KDA, MLA], indexer_types=["full", "full", "full", "shared"], router_aux_loss_coef=0.0
+    )
     return Glm53Config.tiny(**{**base, **kw})
 
 
@@ -211,9 +212,12 @@ def test_every_parameter_gets_a_gradient_with_all_losses_on():
 
 
 def test_training_config_validation():
-    for bad, match in ((dict(indexer_loss_mode="topk"), "indexer_loss_mode"), (dict(mtp_depth=0), "mtp_depth"),
-                       (dict(num_nextn_predict_layers=2), "num_nextn_predict_layers"),
-                       (dict(router_z_loss_coef=-1.0), "router_z_loss_coef")):  # fmt: skip
+    for bad, match in (
+        (dict(indexer_loss_mode="topk"), "indexer_loss_mode"),
+        (dict(mtp_depth=0), "mtp_depth"),
+        (dict(num_nextn_predict_layers=2), "num_nextn_predict_layers"),
+        (dict(router_z_loss_coef=-1.0), "router_z_loss_coef"),
+    ):
         with pytest.raises(ValueError, match=match):
             Glm53Config.tiny(**bad)
 

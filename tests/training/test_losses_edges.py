@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from glm53.model.context import LayerStats
 from glm53.losses import (
     IGNORE_INDEX,
     balance_loss,
@@ -24,6 +23,7 @@ from glm53.losses import (
     pool_kl,
     z_loss,
 )
+from glm53.model.context import LayerStats
 
 B, T, E, K = 2, 5, 6, 2
 
@@ -103,8 +103,12 @@ def test_causal_lm_loss_is_the_mean_over_kept_next_tokens():
     logits = torch.randn(B, T, 9, generator=g)
     labels = torch.randint(0, 9, (B, T), generator=g)
     labels[0, 2] = labels[1, 4] = IGNORE_INDEX
-    terms = [torch.logsumexp(logits[b, t], 0) - logits[b, t, labels[b, t + 1]]
-             for b in range(B) for t in range(T - 1) if labels[b, t + 1] != IGNORE_INDEX]  # fmt: skip
+    terms = [
+        torch.logsumexp(logits[b, t], 0) - logits[b, t, labels[b, t + 1]]
+        for b in range(B)
+        for t in range(T - 1)
+        if labels[b, t + 1] != IGNORE_INDEX
+    ]
     assert len(terms) == B * (T - 1) - 2
     torch.testing.assert_close(causal_lm_loss(logits, labels), torch.stack(terms).mean())
 
@@ -121,8 +125,11 @@ def test_every_head_loss_rejects_a_label_outside_the_vocabulary(bad):
     head = torch.nn.Linear(4, 7, bias=False)
     hidden = torch.randn(2, 5, 4)
     labels = torch.tensor([[0, 6, IGNORE_INDEX, 3, 1], [2, 2, 5, IGNORE_INDEX, 6]])
-    good = [causal_lm_loss(head(hidden), labels), causal_lm_head_loss(hidden, head, labels),
-            head_target_loss(hidden, head, labels)]
+    good = [
+        causal_lm_loss(head(hidden), labels),
+        causal_lm_head_loss(hidden, head, labels),
+        head_target_loss(hidden, head, labels),
+    ]
     assert all(torch.isfinite(x) and x > 0 for x in good)
     labels[1, 2] = bad
     match = rf"labels holds {bad}, outside \[0, vocab_size=7\) or -100 \(at index \(1, 2\)\)"

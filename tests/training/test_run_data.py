@@ -81,8 +81,10 @@ def test_parquet_row_errors_name_the_row(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pq.write_table(pa.Table.from_pylist([{"text": "fine", "prompt": None}, {"text": None, "prompt": "x"}]),
-                   tmp_path / "bad.parquet")  # fmt: skip
+    pq.write_table(
+        pa.Table.from_pylist([{"text": "fine", "prompt": None}, {"text": None, "prompt": "x"}]),
+        tmp_path / "bad.parquet",
+    )
     with pytest.raises(DataError, match=r"bad.parquet:row 1: a prompt/completion record needs both"):
         read_source(str(tmp_path / "bad.parquet"))
 
@@ -160,8 +162,21 @@ def test_tokenization_is_cached_and_reused(prepared, tmp_path, monkeypatch):
 
 def test_run_caches_in_the_run_directory(prepared, tmp_path, capsys):
     run = tmp_path / "run"
-    base = ["train", "--init", prepared["base"], "--data", prepared["train"], "--seq-len", str(SEQ),
-            "--batch-size", "2", "--steps", "1", "--save", str(run)]  # fmt: skip
+    base = [
+        "train",
+        "--init",
+        prepared["base"],
+        "--data",
+        prepared["train"],
+        "--seq-len",
+        str(SEQ),
+        "--batch-size",
+        "2",
+        "--steps",
+        "1",
+        "--save",
+        str(run),
+    ]
     assert main(base) == 0
     assert "cached in" in capsys.readouterr().out and list((run / "cache").glob("tokens-*.pt"))
     assert main(["train", "--resume", str(run), "--steps", "2"]) == 0
@@ -170,8 +185,20 @@ def test_run_caches_in_the_run_directory(prepared, tmp_path, capsys):
 
 # ------------------------------------------------------------------------------------------- evaluation
 def test_eval_loss_equals_a_manual_computation(prepared, tmp_path):
-    args = parse("--init", prepared["base"], "--data", prepared["train"], "--eval-data", prepared["heldout"],
-                 "--seq-len", str(SEQ), "--batch-size", "3", "--steps", "1")  # fmt: skip
+    args = parse(
+        "--init",
+        prepared["base"],
+        "--data",
+        prepared["train"],
+        "--eval-data",
+        prepared["heldout"],
+        "--seq-len",
+        str(SEQ),
+        "--batch-size",
+        "3",
+        "--steps",
+        "1",
+    )
     args.config_notes, args.train_parser = [], None
     trainer = Trainer(args)
     got = trainer.evaluate()
@@ -182,8 +209,11 @@ def test_eval_loss_equals_a_manual_computation(prepared, tmp_path):
         for b in trainer.eval_rows:
             logits = model(b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids).logits
             labels = b.labels[:, 1:]
-            total += float(F.cross_entropy(logits[:, :-1].flatten(0, 1).double(), labels.flatten(), reduction="sum",
-                                           ignore_index=-100))  # fmt: skip
+            total += float(
+                F.cross_entropy(
+                    logits[:, :-1].flatten(0, 1).double(), labels.flatten(), reduction="sum", ignore_index=-100
+                )
+            )
             count += int(labels.ne(-100).sum())
     model.train()
     # the same rows and formula in another batch grouping: fp32 rounding of a mean over ~1e3 tokens (eps 1.2e-7 x
@@ -196,9 +226,32 @@ def test_eval_loss_equals_a_manual_computation(prepared, tmp_path):
 
 def test_eval_runs_in_training_and_is_recorded(prepared, tmp_path, capsys):
     run = tmp_path / "run"
-    assert main(["train", "--init", prepared["base"], "--data", prepared["train"], "--eval-data", prepared["heldout"],
-                 "--eval-every", "2", "--seq-len", str(SEQ), "--batch-size", "2", "--steps", "3", "--log-every", "5",
-                 "--save", str(run)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "train",
+                "--init",
+                prepared["base"],
+                "--data",
+                prepared["train"],
+                "--eval-data",
+                prepared["heldout"],
+                "--eval-every",
+                "2",
+                "--seq-len",
+                str(SEQ),
+                "--batch-size",
+                "2",
+                "--steps",
+                "3",
+                "--log-every",
+                "5",
+                "--save",
+                str(run),
+            ]
+        )
+        == 0
+    )
     got = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     evals = [m["step"] for m in got if "eval_loss" in m]
     assert evals == [2, 3] and "eval  step     2" in capsys.readouterr().out
@@ -215,11 +268,14 @@ def test_bom_and_line_separators(tmp_path):
     assert [d.text for d in read_documents(str(jl)).documents] == ["a\x0cb"]
 
 
-@pytest.mark.parametrize("record,message", [
-    ({"text": "a", "messages": [{"role": "user", "content": "b"}]}, "both 'text' and 'messages'"),
-    ({"text": "a", "prompt": "b", "completion": "c"}, "both 'text' and 'prompt'"),
-    ({"messages": [{"role": "user", "content": "b", "weight": 1}]}, "unknown key 'weight'"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "record,message",
+    [
+        ({"text": "a", "messages": [{"role": "user", "content": "b"}]}, "both 'text' and 'messages'"),
+        ({"text": "a", "prompt": "b", "completion": "c"}, "both 'text' and 'prompt'"),
+        ({"messages": [{"role": "user", "content": "b", "weight": 1}]}, "unknown key 'weight'"),
+    ],
+)
 def test_ambiguous_records_are_refused(tmp_path, record, message):
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps(record) + "\n")
@@ -227,8 +283,12 @@ def test_ambiguous_records_are_refused(tmp_path, record, message):
         read_documents(str(path))
 
 
-TOOL_CALL = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
-    "name": "get_weather", "arguments": {"city": "Paris"}}}], "reasoning_content": "I should look it up"}
+TOOL_CALL = {
+    "role": "assistant",
+    "content": "",
+    "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+    "reasoning_content": "I should look it up",
+}
 
 
 def conversation(tmp_path, *messages) -> str:
@@ -241,9 +301,11 @@ def test_tool_calls_and_reasoning_through_the_template(prepared, tmp_path):
     tok = TextTokenizer(prepared["base"])
     doc = read_documents(conversation(tmp_path, TOOL_CALL)).documents[0]
     assert doc.messages[1]["tool_calls"] == TOOL_CALL["tool_calls"]  # kept, not dropped
-    template = ("{% for m in messages %}<|{{ m.role }}|>{% if m.reasoning_content %}<think>{{ m.reasoning_content }}"
-                "</think>{% endif %}{{ m.content }}{% for c in m.tool_calls or [] %}<call>{{ c.function.name }}"
-                "</call>{% endfor %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")  # fmt: skip
+    template = (
+        "{% for m in messages %}<|{{ m.role }}|>{% if m.reasoning_content %}<think>{{ m.reasoning_content }}"
+        "</think>{% endif %}{{ m.content }}{% for c in m.tool_calls or [] %}<call>{{ c.function.name }}"
+        "</call>{% endfor %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
     tok.hf.chat_template = tok.chat_template = template
     ids = encode_document(doc, tok).ids
     assert tok.hf.decode(ids).count("get_weather") == 1 and "I should look it up" in tok.hf.decode(ids)
@@ -262,8 +324,24 @@ def test_init_without_data_and_long_seq_len_with_data(prepared, capsys):
     with pytest.raises(SystemExit, match="has a tokenizer: it needs --data"):
         main(["train", "--init", prepared["base"], "--steps", "1"])
     # the built-in corpus's length does not bound a --data run's rows
-    assert main(["train", "--init", prepared["base"], "--data", prepared["train"], "--seq-len", "40000",
-                 "--batch-size", "1", "--steps", "1"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "train",
+                "--init",
+                prepared["base"],
+                "--data",
+                prepared["train"],
+                "--seq-len",
+                "40000",
+                "--batch-size",
+                "1",
+                "--steps",
+                "1",
+            ]
+        )
+        == 0
+    )
 
 
 def test_save_over_other_tokenizer_files_is_refused(prepared, tmp_path, capsys):
@@ -271,11 +349,22 @@ def test_save_over_other_tokenizer_files_is_refused(prepared, tmp_path, capsys):
     run.mkdir()
     (run / "tokenizer.json").write_text("{}")  # the user's own file
     with pytest.raises(SystemExit, match=r"holds a tokenizer.json that is not this run's"):
-        main(["train", "--init", prepared["base"], "--data", prepared["train"], "--seq-len", str(SEQ),
-              "--steps", "1", "--save", str(run)])  # fmt: skip
+        main(
+            [
+                "train",
+                "--init",
+                prepared["base"],
+                "--data",
+                prepared["train"],
+                "--seq-len",
+                str(SEQ),
+                "--steps",
+                "1",
+                "--save",
+                str(run),
+            ]
+        )
     assert (run / "tokenizer.json").read_text() == "{}"
-
-
 
 
 def test_data_cursor_refuses_another_seed_or_tokenizer(prepared, tmp_path):

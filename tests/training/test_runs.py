@@ -40,8 +40,9 @@ def step_of(path) -> int:
 # ----------------------------------------------------------------------------------------------- run.toml
 def test_config_file_flags_override_and_resume_checks(tmp_path, capsys):
     config, run = tmp_path / "run.toml", tmp_path / "run"
-    config.write_text('seed = 3\nseq-len = 16\nbatch_size = 1\nsteps = 2\nlog-every = 1\nlr = 0.01\n'
-                      'betas = [0.8, 0.9]\n')  # fmt: skip
+    config.write_text(
+        "seed = 3\nseq-len = 16\nbatch_size = 1\nsteps = 2\nlog-every = 1\nlr = 0.01\nbetas = [0.8, 0.9]\n"
+    )
     assert main(["train", "--config", str(config), "--steps", "3", "--save", str(run)]) == 0
     saved = (run / "run.toml").read_text()
     assert "seed = 3" in saved and "steps = 3" in saved and "betas = [0.8, 0.9]" in saved  # the flag won
@@ -63,12 +64,18 @@ def test_config_file_flags_override_and_resume_checks(tmp_path, capsys):
     assert [m["step"] for m in lines(run)] == [1, 2, 3, 4, 5]  # one metrics file for the whole run
 
 
-@pytest.mark.parametrize("text,message", [
-    ("sed = 1\n", "unknown key 'sed'"), ("steps = -1\n", "steps = -1: must be >= 1"),
-    ("steps = [1, 2]\n", "steps takes one value"), ("bf16 = 1\n", "bf16 must be true or false"),
-    ("schedule = 'cosin'\n", "expected one of cosine, linear, constant"), ("steps = \n", "not valid TOML"),
-    ("seq-len = 8\nseq_len = 9\n", "given twice"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("sed = 1\n", "unknown key 'sed'"),
+        ("steps = -1\n", "steps = -1: must be >= 1"),
+        ("steps = [1, 2]\n", "steps takes one value"),
+        ("bf16 = 1\n", "bf16 must be true or false"),
+        ("schedule = 'cosin'\n", "expected one of cosine, linear, constant"),
+        ("steps = \n", "not valid TOML"),
+        ("seq-len = 8\nseq_len = 9\n", "given twice"),
+    ],
+)
 def test_bad_config_file_is_a_usage_error_naming_the_key(tmp_path, capsys, text, message):
     config = tmp_path / "bad.toml"
     config.write_text(text)
@@ -150,7 +157,7 @@ def test_decay_groups_follow_the_one_list():
     ids = {id(p): g["weight_decay"] for g in groups for p in g["params"]}
     assert len(ids) == len(list(model.parameters()))
     for name, p in model.named_parameters():
-        no_decay = (p.dim() == 1 or "_hc." in name or name.endswith("mlp.gate.weight"))  # norms, biases, A_log,
+        no_decay = p.dim() == 1 or "_hc." in name or name.endswith("mlp.gate.weight")  # norms, biases, A_log,
         assert ids[id(p)] == (0.0 if no_decay else 0.1), name  # dt_bias, mHC base/scale/fn, the router gate
     assert not any("e_score_correction_bias" in n for n, _ in model.named_parameters())  # a buffer: never decayed
 
@@ -187,8 +194,10 @@ def test_bf16_one_process_keeps_fp32_masters(tmp_path, capsys):
     trainer.scheduler = optim.build_scheduler(trainer.optimizer, args)
     ids = torch.randint(1, 256, (1, 8))
     with torch.autocast("cpu", dtype=torch.bfloat16):  # what the step runs under: bf16 compute
-        assert model.model.embed_tokens(ids).dtype == torch.float32 and model.lm_head(torch.ones(1, 32)).dtype \
-            == torch.bfloat16  # fmt: skip
+        assert (
+            model.model.embed_tokens(ids).dtype == torch.float32
+            and model.lm_head(torch.ones(1, 32)).dtype == torch.bfloat16
+        )
     before = [p.detach().clone() for p in model.train().parameters()]  # (Trainer.__init__ sets train mode)
     Trainer.step(trainer, 1, [dict(input_ids=ids, labels=ids)])
     states = [s for s in trainer.optimizer.state.values()]
@@ -299,7 +308,15 @@ def test_one_process_save_replaces_a_torchrun_train_state(tmp_path):
     (run / "notes.txt").write_text("mine")
     model = Glm53ForCausalLM(PRESETS["tiny"]())
     opt = torch.optim.AdamW(model.parameters())
-    save_single(model, str(run), {"step": 3, "optimizer": opt.state_dict(), "data_rng": torch.get_rng_state(),
-                                  "torch_rng": torch.get_rng_state()})  # fmt: skip
+    save_single(
+        model,
+        str(run),
+        {
+            "step": 3,
+            "optimizer": opt.state_dict(),
+            "data_rng": torch.get_rng_state(),
+            "torch_rng": torch.get_rng_state(),
+        },
+    )
     assert not (run / "train_state").exists()  # a later resume cannot pick the older DCP state
     assert (run / "notes.txt").read_text() == "mine" and step_of(run) == 3

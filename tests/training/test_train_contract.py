@@ -25,8 +25,22 @@ RATE = 0.01  # large enough that a missing or wrong-signed update is far from ro
 def make_trainer(steps: int = 20) -> Trainer:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    args = parser.parse_args(["--steps", str(steps), "--seed", "0", "--batch-size", "2", "--seq-len", "24",
-                              "--lr", "1e-2", "--bias-rate", str(RATE)])  # fmt: skip
+    args = parser.parse_args(
+        [
+            "--steps",
+            str(steps),
+            "--seed",
+            "0",
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "24",
+            "--lr",
+            "1e-2",
+            "--bias-rate",
+            str(RATE),
+        ]
+    )
     return Trainer(args)
 
 

@@ -26,8 +26,7 @@ SMALL = ["train", "--preset", "tiny", "--batch-size", "2", "--seq-len", "32", "-
 
 def torchrun(*args: str) -> str:
     """Run `python -m glm53 <args>` on two local ranks; -> rank 0's stdout (fails with both outputs)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "glm53",
-           *args]  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "glm53", *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
@@ -58,8 +57,9 @@ def test_dp2_trains_saves_and_resumes(tmp_path):
 
 def test_tp2_matches_one_process_and_resumes_in_one(tmp_path, capsys):
     save = tmp_path / "tp"
-    parallel = losses(torchrun(*SMALL, "--dp", "1", "--tp", "2", "--steps", "3", "--save", str(save),
-                               "--save-every", "1"))  # fmt: skip
+    parallel = losses(
+        torchrun(*SMALL, "--dp", "1", "--tp", "2", "--steps", "3", "--save", str(save), "--save-every", "1")
+    )
     assert main([*SMALL, "--steps", "3"]) == 0
     single = losses(capsys.readouterr().out)
     assert sorted(parallel) == sorted(single) == [1, 2, 3]
@@ -78,8 +78,21 @@ def test_init_fills_meta_model_bf16_no_export(tmp_path):
     init = tmp_path / "init"
     trained = losses(torchrun(*SMALL, "--dp", "2", "--steps", "6", "--lr", "1e-2", "--save", str(init)))
     out = tmp_path / "from-init"
-    text = torchrun(*SMALL, "--dp", "2", "--steps", "1", "--lr", "1e-2", "--init", str(init), "--bf16", "--save",
-                    str(out), "--no-export")  # fmt: skip
+    text = torchrun(
+        *SMALL,
+        "--dp",
+        "2",
+        "--steps",
+        "1",
+        "--lr",
+        "1e-2",
+        "--init",
+        str(init),
+        "--bf16",
+        "--save",
+        str(out),
+        "--no-export",
+    )
     started = losses(text)
     # Starts from the trained weights (a fresh tiny model starts near 6.35), within bf16 of the trained loss.
     assert started[1] < trained[1] - 0.2 and started[1] == pytest.approx(trained[6], abs=0.15), (started, trained)
@@ -100,8 +113,21 @@ def test_dp2_fine_tuning_with_accumulation_matches_one_process(tmp_path, capsys)
     from tests.training.test_finetune import load_example
 
     paths = load_example().prepare(str(tmp_path))
-    common = ["train", "--init", paths["base"], "--data", paths["train"], "--seq-len", "96", "--log-every", "1",
-              "--seed", "2", "--steps", "3"]  # fmt: skip
+    common = [
+        "train",
+        "--init",
+        paths["base"],
+        "--data",
+        paths["train"],
+        "--seq-len",
+        "96",
+        "--log-every",
+        "1",
+        "--seed",
+        "2",
+        "--steps",
+        "3",
+    ]
     save = tmp_path / "run"
     dp2 = ["--dp", "2", "--batch-size", "1", "--grad-accum", "2"]
     parallel = losses(torchrun(*common, *dp2, "--save", str(save), "--save-every", "2"))

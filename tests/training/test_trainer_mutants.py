@@ -23,7 +23,9 @@ def test_save_every_counts_global_steps_and_resume_edges(tmp_path, capsys):
     run, again, kept = tmp_path / "run", tmp_path / "again", tmp_path / "kept"
     assert main(SMALL + ["--steps", "2", "--save", str(run), "--save-every", "1"]) == 0
     assert checkpoints(run) == ["step-1"]  # the last step is the final checkpoint itself, no step-2 copy
-    assert main(SMALL + ["--steps", "3", "--resume", str(run / "step-1"), "--save", str(again), "--save-every", "2"]) == 0
+    assert (
+        main(SMALL + ["--steps", "3", "--resume", str(run / "step-1"), "--save", str(again), "--save-every", "2"]) == 0
+    )
     assert checkpoints(again) == ["step-2"]  # every 2nd global step, not every 2nd step since the resume
     assert torch.load(again / "step-2" / TRAINER_STATE, weights_only=True)["step"] == 2
     capsys.readouterr()
@@ -41,8 +43,12 @@ def test_save_every_counts_global_steps_and_resume_edges(tmp_path, capsys):
 
 
 def test_log_steps_progress_bar_and_loss_parts(capsys):
-    fake = SimpleNamespace(args=argparse.Namespace(steps=10, log_every=4), start=5, lr=1.0,
-                           recorder=Recorder(None, False, 10, 5, active=True))  # not a TTY: no bar
+    fake = SimpleNamespace(
+        args=argparse.Namespace(steps=10, log_every=4),
+        start=5,
+        lr=1.0,
+        recorder=Recorder(None, False, 10, 5, active=True),
+    )  # not a TTY: no bar
     fake._is_log_step = lambda step: Trainer._is_log_step(fake, step)
     parts = {"loss": 2.0, "lm_loss": 1.5, "mtp_loss": 0.25, "aux_loss": 0.125}
     for step in range(6, 11):

@@ -48,24 +48,45 @@ def tok_dir(request, tmp_path_factory):
 
 
 CONVERSATIONS = {
-    "several-images": [{"role": "user", "content": [{"type": "image", "image": "a.png"}, {"type": "text", "text": "and"},
-                                                    {"type": "image_url", "image_url": {"url": "sub/c.png"}},
-                                                    {"type": "text", "text": " differ how?"}]},
-                       {"role": "assistant", "content": [{"type": "text", "text": "Colours."}]}],
-    "video": [{"role": "system", "content": "Be brief."},
-              {"role": "user", "content": [{"type": "video", "video": "clip", "fps": 3},
-                                           {"type": "text", "text": "What happens?"}]},
-              {"role": "assistant", "content": [{"type": "text", "text": "Noise moves."}]}],
+    "several-images": [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "image": "a.png"},
+                {"type": "text", "text": "and"},
+                {"type": "image_url", "image_url": {"url": "sub/c.png"}},
+                {"type": "text", "text": " differ how?"},
+            ],
+        },
+        {"role": "assistant", "content": [{"type": "text", "text": "Colours."}]},
+    ],
+    "video": [
+        {"role": "system", "content": "Be brief."},
+        {
+            "role": "user",
+            "content": [{"type": "video", "video": "clip", "fps": 3}, {"type": "text", "text": "What happens?"}],
+        },
+        {"role": "assistant", "content": [{"type": "text", "text": "Noise moves."}]},
+    ],
     "interleaved-multi-turn": [
         {"role": "user", "content": [{"type": "text", "text": "Look: "}, {"type": "image", "image": "b.jpg"}]},
         {"role": "assistant", "content": [{"type": "text", "text": "A small one."}]},
-        {"role": "user", "content": [{"type": "text", "text": "Now "}, {"type": "video", "video": "clip", "fps": 6},
-                                     {"type": "text", "text": " then "}, {"type": "image", "image": "a.png"}]},
-        {"role": "assistant", "content": [{"type": "text", "text": "Both seen."}]}],
-    "image-in-answer": [{"role": "user", "content": "Show me one."},
-                        {"role": "assistant", "content": [{"type": "text", "text": "Here: "},
-                                                          {"type": "image", "image": "a.png"}]}],
-}  # fmt: skip
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Now "},
+                {"type": "video", "video": "clip", "fps": 6},
+                {"type": "text", "text": " then "},
+                {"type": "image", "image": "a.png"},
+            ],
+        },
+        {"role": "assistant", "content": [{"type": "text", "text": "Both seen."}]},
+    ],
+    "image-in-answer": [
+        {"role": "user", "content": "Show me one."},
+        {"role": "assistant", "content": [{"type": "text", "text": "Here: "}, {"type": "image", "image": "a.png"}]},
+    ],
+}
 
 
 def _oracle_ids(tok, root, messages, template_renders_media: bool) -> list[int]:
@@ -91,8 +112,10 @@ def _oracle_ids(tok, root, messages, template_renders_media: bool) -> list[int]:
         if template_renders_media:
             hf_messages.append({"role": m["role"], "content": out})
         else:
-            text = "".join(p["text"] if p["type"] == "text" else IMAGE_MARKER if p["type"] == "image" else VIDEO_MARKER
-                           for p in out)  # fmt: skip
+            text = "".join(
+                p["text"] if p["type"] == "text" else IMAGE_MARKER if p["type"] == "image" else VIDEO_MARKER
+                for p in out
+            )
             hf_messages.append({"role": m["role"], "content": text})
     text = tok.apply_chat_template(hf_messages, tokenize=False)
     processor = hf_processor(tok, layouts)
@@ -115,8 +138,11 @@ def test_ids_equal_glm5next_processor(name, media, tok_dir, tmp_path):
     media_ids = {tok.hf.convert_tokens_to_ids(t) for t in MEDIA_TOKENS}
     assert not any(t for i, t in zip(doc.ids, doc.targets) if i in media_ids)
     trained = tok.hf.decode([i for i, t in zip(doc.ids, doc.targets) if t])
-    answers = ["".join(p["text"] for p in m["content"] if p["type"] == "text")
-               for m in CONVERSATIONS[name] if m["role"] == "assistant"]  # fmt: skip
+    answers = [
+        "".join(p["text"] for p in m["content"] if p["type"] == "text")
+        for m in CONVERSATIONS[name]
+        if m["role"] == "assistant"
+    ]
     assert trained == "".join(a + "<|endoftext|>\n" for a in answers)
 
 
@@ -149,10 +175,16 @@ def test_plain_form_targets(media, tmp_path):
 def test_llamafactory_equals_content_lists(media, tmp_path):
     """The same conversation as LLaMA-Factory images/videos lists with placeholders: identical ids and targets."""
     tok = TextTokenizer(save_tokenizer(vl_tokenizer("markers"), str(tmp_path / "tok")))
-    lf = {"messages": [{"role": "user", "content": "Look: <image>"}, {"role": "assistant", "content": "A small one."},
-                       {"role": "user", "content": "Now <video> then <image>"},
-                       {"role": "assistant", "content": "Both seen."}],
-          "images": ["b.jpg", "a.png"], "videos": [{"path": "clip", "fps": 6}]}  # fmt: skip
+    lf = {
+        "messages": [
+            {"role": "user", "content": "Look: <image>"},
+            {"role": "assistant", "content": "A small one."},
+            {"role": "user", "content": "Now <video> then <image>"},
+            {"role": "assistant", "content": "Both seen."},
+        ],
+        "images": ["b.jpg", "a.png"],
+        "videos": [{"path": "clip", "fps": 6}],
+    }
     data = write_jsonl(str(tmp_path / "d.jsonl"), [{"messages": CONVERSATIONS["interleaved-multi-turn"]}, lf])
     docs, _ = read_vl_records(data, str(media))
     enc = VLEncoder(tok)
@@ -163,8 +195,10 @@ def test_llamafactory_equals_content_lists(media, tmp_path):
 
 def test_text_only_records_in_vl_file(media, tmp_path):
     tok = TextTokenizer(save_tokenizer(vl_tokenizer("markers"), str(tmp_path / "tok")))
-    data = write_jsonl(str(tmp_path / "d.jsonl"), [{"text": "plain text"}, {"prompt": "Q?", "completion": "A."},
-                                                    {"messages": CONVERSATIONS["several-images"]}])  # fmt: skip
+    data = write_jsonl(
+        str(tmp_path / "d.jsonl"),
+        [{"text": "plain text"}, {"prompt": "Q?", "completion": "A."}, {"messages": CONVERSATIONS["several-images"]}],
+    )
     docs, _ = read_vl_records(data, str(media))
     enc = VLEncoder(tok)
     out = [enc.encode(d) for d in docs]

@@ -31,14 +31,28 @@ def corpus(tmp_path_factory):
     write_frames(str(root / "clip"), 4, 56, 56, 9)
     records = [{"text": "plain words " * 3}]
     for k in range(len(SIZES)):
-        records.append({"messages": [{"role": "user", "content": f"<image>look {k}<image>"},
-                                     {"role": "assistant", "content": f"answer {k}"}],
-                        "images": [f"i{k}.png", f"i{(k + 1) % len(SIZES)}.png"]})  # fmt: skip
-    records.append({"messages": [{"role": "user", "content": "<video> and <image>"},
-                                 {"role": "assistant", "content": "both"}],
-                    "videos": [{"path": "clip", "fps": 4}], "images": ["i0.png"]})  # fmt: skip
-    records.append({"messages": [{"role": "user", "content": "<image>" * 8}, {"role": "assistant", "content": "many"}],
-                    "images": [f"i{k % 6}.png" for k in range(8)]})  # ~180 tokens: skipped at T = 128
+        records.append(
+            {
+                "messages": [
+                    {"role": "user", "content": f"<image>look {k}<image>"},
+                    {"role": "assistant", "content": f"answer {k}"},
+                ],
+                "images": [f"i{k}.png", f"i{(k + 1) % len(SIZES)}.png"],
+            }
+        )
+    records.append(
+        {
+            "messages": [{"role": "user", "content": "<video> and <image>"}, {"role": "assistant", "content": "both"}],
+            "videos": [{"path": "clip", "fps": 4}],
+            "images": ["i0.png"],
+        }
+    )
+    records.append(
+        {
+            "messages": [{"role": "user", "content": "<image>" * 8}, {"role": "assistant", "content": "many"}],
+            "images": [f"i{k % 6}.png" for k in range(8)],
+        }
+    )  # ~180 tokens: skipped at T = 128
     data = write_jsonl(str(tmp / "d.jsonl"), records)
     enc = VLEncoder(TextTokenizer(save_tokenizer(vl_tokenizer(), str(tmp / "tok"))))
     docs, _ = read_vl_records(data, str(root))
@@ -87,8 +101,9 @@ def test_rows_keep_records_whole_with_media_in_order(corpus):
         if not doc.media:
             continue
         n = len(doc.ids)
-        found = [(r, c) for r in range(12) for c in range(T - n + 1)
-                 if batch.input_ids[r, c : c + n].tolist() == doc.ids]  # fmt: skip
+        found = [
+            (r, c) for r in range(12) for c in range(T - n + 1) if batch.input_ids[r, c : c + n].tolist() == doc.ids
+        ]
         seen = sum(1 for row in batch.spans for s in row if s is doc.media[0])
         assert len(found) >= seen  # each time the record was packed, it is whole in a row
 
@@ -132,8 +147,9 @@ def test_dp_ranks_decode_only_their_rows(corpus, monkeypatch):
         assert [r for r, _ in mine] == [r for r, _ in full[rank * 4 : (rank + 1) * 4]]
         decoded.clear()
         make_batch(mine, enc)
-        assert decoded == [s for _, sp in mine for s in sp if s.kind == "image"] + \
-            [s for _, sp in mine for s in sp if s.kind == "video"]  # fmt: skip
+        assert decoded == [s for _, sp in mine for s in sp if s.kind == "image"] + [
+            s for _, sp in mine for s in sp if s.kind == "video"
+        ]
 
 
 def test_fit_records_boundary(corpus):

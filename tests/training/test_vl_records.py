@@ -39,49 +39,102 @@ def _read(tmp_path, root, records):
 
 
 def test_conventions_and_paths(tmp_path, root):
-    docs, empty = _read(tmp_path, root, [
-        {"messages": [{"role": "user", "content": [{"type": "image", "image": "a.png"},
-                                                   {"type": "video_url", "video_url": {"url": "file://clip"}}]},
-                      {"role": "assistant", "content": "ok"}]},
-        {"messages": [{"role": "user", "content": "<video> vs <image><image>"}, {"role": "assistant", "content": "x"}],
-         "images": ["b.png", str(root / "a.png")], "videos": ["clip"]},
-        {"conversations": [{"from": "human", "value": "<image>hi"}, {"from": "gpt", "value": "yo"}], "images": ["a.png"]},
-        {"text": "only text"}, {"text": "  "}])  # fmt: skip
+    docs, empty = _read(
+        tmp_path,
+        root,
+        [
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image", "image": "a.png"},
+                            {"type": "video_url", "video_url": {"url": "file://clip"}},
+                        ],
+                    },
+                    {"role": "assistant", "content": "ok"},
+                ]
+            },
+            {
+                "messages": [
+                    {"role": "user", "content": "<video> vs <image><image>"},
+                    {"role": "assistant", "content": "x"},
+                ],
+                "images": ["b.png", str(root / "a.png")],
+                "videos": ["clip"],
+            },
+            {
+                "conversations": [{"from": "human", "value": "<image>hi"}, {"from": "gpt", "value": "yo"}],
+                "images": ["a.png"],
+            },
+            {"text": "only text"},
+            {"text": "  "},
+        ],
+    )
     assert [type(d) for d in docs] == [VLDocument, VLDocument, VLDocument, Document] and empty == 1
     assert [(m.kind, os.path.basename(m.path), m.field) for m in docs[0].media] == [
-        ("image", "a.png", "messages[0].content[0].image"), ("video", "clip", "messages[0].content[1].video_url.url")]
-    assert [(m.kind, os.path.basename(m.path)) for m in docs[1].media] == [("video", "clip"), ("image", "b.png"),
-                                                                          ("image", "a.png")]  # fmt: skip
+        ("image", "a.png", "messages[0].content[0].image"),
+        ("video", "clip", "messages[0].content[1].video_url.url"),
+    ]
+    assert [(m.kind, os.path.basename(m.path)) for m in docs[1].media] == [
+        ("video", "clip"),
+        ("image", "b.png"),
+        ("image", "a.png"),
+    ]
     assert docs[1].messages[0]["parts"][1] == " vs "
     assert docs[2].messages[1]["role"] == "assistant" and docs[2].media[0].field == "images[0]"
 
 
 BAD = [
-    ({"messages": [{"role": "user", "content": [{"type": "image", "image": "../outside.png"}]}]},
-     r"d.jsonl:1: messages\[0\].content\[0\].image '../outside.png' resolves to .*outside --media-root"),
-    ({"messages": [{"role": "user", "content": "<image>"}], "images": ["link.png"]},
-     r"d.jsonl:1: images\[0\] 'link.png' resolves to .*outside.png, outside --media-root"),
-    ({"messages": [{"role": "user", "content": "<image> <image>"}], "images": ["a.png"]},
-     r"d.jsonl:1: images: the record lists 1 images but its messages hold 2 <image> placeholders"),
-    ({"messages": [{"role": "user", "content": "no placeholder"}], "images": ["a.png"]},
-     r"d.jsonl:1: images: the record lists 1 images but its messages hold 0 <image> placeholders"),
-    ({"messages": [{"role": "user", "content": "<video>"}], "videos": []},
-     r"d.jsonl:1: videos: the record lists 0 videos but its messages hold 1 <video> placeholders"),
-    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]},
-     r"d.jsonl:1: messages\[0\].content\[0\].text must be a string, got int"),
-    ({"messages": [{"role": "user", "content": [{"type": "audio", "audio": "x"}]}]},
-     r"d.jsonl:1: messages\[0\].content\[0\] must be an object with 'type' one of .*got 'audio'"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}]},
-     r"d.jsonl:1: messages\[0\].content\[0\].image_url.url is a URL .*local files only"),
-    ({"messages": [{"role": "user", "content": [{"type": "video", "video": "clip", "fps": -2}]}]},
-     r"d.jsonl:1: messages\[0\].content\[0\].fps must be a positive number"),
-    ({"messages": [{"role": "robot", "content": [{"type": "text", "text": "x"}]}]},
-     r"d.jsonl:1: messages\[0\].role is 'robot'"),
-    ({"messages": [{"role": "user", "content": [{"type": "image", "image": "a.png"}]}], "images": ["a.png"]},
-     r"d.jsonl:1: messages\[0\].content is a list of parts while the record also has 'images'"),
-    ({"messages": [{"role": "user", "content": "<image>"}], "images": [7]},
-     r"d.jsonl:1: images\[0\] must be a non-empty path string, got 7"),
-]  # fmt: skip
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image", "image": "../outside.png"}]}]},
+        r"d.jsonl:1: messages\[0\].content\[0\].image '../outside.png' resolves to .*outside --media-root",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "<image>"}], "images": ["link.png"]},
+        r"d.jsonl:1: images\[0\] 'link.png' resolves to .*outside.png, outside --media-root",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "<image> <image>"}], "images": ["a.png"]},
+        r"d.jsonl:1: images: the record lists 1 images but its messages hold 2 <image> placeholders",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "no placeholder"}], "images": ["a.png"]},
+        r"d.jsonl:1: images: the record lists 1 images but its messages hold 0 <image> placeholders",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "<video>"}], "videos": []},
+        r"d.jsonl:1: videos: the record lists 0 videos but its messages hold 1 <video> placeholders",
+    ),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]},
+        r"d.jsonl:1: messages\[0\].content\[0\].text must be a string, got int",
+    ),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "audio", "audio": "x"}]}]},
+        r"d.jsonl:1: messages\[0\].content\[0\] must be an object with 'type' one of .*got 'audio'",
+    ),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}]},
+        r"d.jsonl:1: messages\[0\].content\[0\].image_url.url is a URL .*local files only",
+    ),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "video", "video": "clip", "fps": -2}]}]},
+        r"d.jsonl:1: messages\[0\].content\[0\].fps must be a positive number",
+    ),
+    (
+        {"messages": [{"role": "robot", "content": [{"type": "text", "text": "x"}]}]},
+        r"d.jsonl:1: messages\[0\].role is 'robot'",
+    ),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image", "image": "a.png"}]}], "images": ["a.png"]},
+        r"d.jsonl:1: messages\[0\].content is a list of parts while the record also has 'images'",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "<image>"}], "images": [7]},
+        r"d.jsonl:1: images\[0\] must be a non-empty path string, got 7",
+    ),
+]
 
 
 @pytest.mark.parametrize("record,message", BAD, ids=[str(i) for i in range(len(BAD))])
@@ -102,8 +155,11 @@ MEDIA_BAD = [
 def test_bad_media_named_at_encoding(tmp_path, root, path, kind, message):
     """Media are decoded when the record is encoded: the error names the line and the field."""
     placeholder = "<image>" if kind == "image" else "<video>"
-    docs, _ = _read(tmp_path, root, [{"text": "first"}, {"messages": [{"role": "user", "content": placeholder}],
-                                                         f"{kind}s": [path]}])  # fmt: skip
+    docs, _ = _read(
+        tmp_path,
+        root,
+        [{"text": "first"}, {"messages": [{"role": "user", "content": placeholder}], f"{kind}s": [path]}],
+    )
     enc = VLEncoder(TextTokenizer(save_tokenizer(vl_tokenizer(), str(tmp_path / "tok"))))
     with pytest.raises(DataError, match=message):
         enc.encode(docs[1])

@@ -21,8 +21,19 @@ from tests.helpers.vl_data import (
 
 
 def _args(data: str, root: str, **overrides) -> argparse.Namespace:
-    base = dict(data=data, media_root=root, batch_size=2, grad_accum=1, seq_len=96, seed=0, strict=False,
-                image_min_tokens=16, image_max_tokens=64, video_max_tokens=64, freeze=None)  # fmt: skip
+    base = dict(
+        data=data,
+        media_root=root,
+        batch_size=2,
+        grad_accum=1,
+        seq_len=96,
+        seed=0,
+        strict=False,
+        image_min_tokens=16,
+        image_max_tokens=64,
+        video_max_tokens=64,
+        freeze=None,
+    )
     return argparse.Namespace(**{**base, **overrides})
 
 

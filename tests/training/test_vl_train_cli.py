@@ -26,8 +26,24 @@ def prepared(tmp_path_factory):
 
 def _train(prepared, *extra):
     _, ckpt, data, root = prepared
-    return ["train", "--init", ckpt, "--data", data, "--media-root", root, "--seq-len", "96", "--batch-size", "2",
-            "--lr", "3e-3", "--log-every", "1", *extra]  # fmt: skip
+    return [
+        "train",
+        "--init",
+        ckpt,
+        "--data",
+        data,
+        "--media-root",
+        root,
+        "--seq-len",
+        "96",
+        "--batch-size",
+        "2",
+        "--lr",
+        "3e-3",
+        "--log-every",
+        "1",
+        *extra,
+    ]
 
 
 def _losses(text: str) -> list[float]:
@@ -66,8 +82,11 @@ def test_text_checkpoint_with_vl_data_is_an_error(prepared, tmp_path, capsys):
     _, ckpt, data, root = prepared
     text_only = str(tmp_path / "text")
     Glm53ForCausalLM(Glm53Config.from_pretrained(ckpt)).save_pretrained(text_only)
-    with pytest.raises(SystemExit, match=r"--data has image/video records \(the first at .*vl.jsonl:1\) but .*text "
-                                         r"is a text-only checkpoint"):  # fmt: skip
+    with pytest.raises(
+        SystemExit,
+        match=r"--data has image/video records \(the first at .*vl.jsonl:1\) but .*text "
+        r"is a text-only checkpoint",
+    ):
         main(["train", "--init", text_only, "--tokenizer", ckpt, "--data", data, "--media-root", root, "--steps", "1"])
 
 

@@ -19,12 +19,33 @@ def test_dp2_vl_with_a_text_only_rank(tmp_path):
     tok.save_pretrained(ckpt)
     records = vl_corpus(str(tmp_path / "media"), n=2) + [{"text": f"words and more words {k} " * 4} for k in range(6)]
     data = write_jsonl(str(tmp_path / "vl.jsonl"), records)
-    flags = ["--init", ckpt, "--data", data, "--media-root", str(tmp_path / "media"), "--seq-len", "64",
-             "--batch-size", "1", "--seed", "2"]  # fmt: skip
+    flags = [
+        "--init",
+        ckpt,
+        "--data",
+        data,
+        "--media-root",
+        str(tmp_path / "media"),
+        "--seq-len",
+        "64",
+        "--batch-size",
+        "1",
+        "--seed",
+        "2",
+    ]
     # the steps' rows per rank, packed as the run packs them: some step has images on one rank only
-    ns = argparse.Namespace(data=data, media_root=str(tmp_path / "media"), batch_size=1, grad_accum=1, seq_len=64,
-                            seed=2, strict=False, image_min_tokens=16, image_max_tokens=8000,
-                            video_max_tokens=240000)  # fmt: skip
+    ns = argparse.Namespace(
+        data=data,
+        media_root=str(tmp_path / "media"),
+        batch_size=1,
+        grad_accum=1,
+        seq_len=64,
+        seed=2,
+        strict=False,
+        image_min_tokens=16,
+        image_max_tokens=8000,
+        video_max_tokens=240000,
+    )
     model = tiny_vl_model(tok, seed=4)
     ranks = [VLFileData(ns, ckpt, model, 2, r) for r in range(2)]
     media = [[r.next_step()[0].media_tokens() > 0 for r in ranks] for _ in range(3)]

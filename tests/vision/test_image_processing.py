@@ -61,8 +61,9 @@ def _ours(images, **kwargs):
 
 
 # ------------------------------------------------------------------------------------------------- no resize
-@pytest.mark.parametrize("hw", [(448, 448), (112, 140), (100, 150), (1080, 1920), (3000, 2000), (29, 555)],
-                         ids=lambda hw: f"{hw[0]}x{hw[1]}")  # fmt: skip
+@pytest.mark.parametrize(
+    "hw", [(448, 448), (112, 140), (100, 150), (1080, 1920), (3000, 2000), (29, 555)], ids=lambda hw: f"{hw[0]}x{hw[1]}"
+)
 def test_no_resize_bit_equal(hw):
     """Within budget: pixels kept, padded bottom/right with black to multiples of 28, bit-equal to transformers."""
     h, w = hw
@@ -117,12 +118,25 @@ def test_patch_row_layout():
 
 
 # ----------------------------------------------------------------------------------------------------- resize
-RESIZED = [((10, 10), {}), ((7, 300), {}), ((56, 84), {}), ((3000, 3000), {}), ((600, 400), dict(max_tokens=64)),
-           ((50, 5000), dict(max_tokens=64)), ((5000, 61), dict(max_tokens=100)), ((300, 300), dict(min_tokens=500))]
+RESIZED = [
+    ((10, 10), {}),
+    ((7, 300), {}),
+    ((56, 84), {}),
+    ((3000, 3000), {}),
+    ((600, 400), dict(max_tokens=64)),
+    ((50, 5000), dict(max_tokens=64)),
+    ((5000, 61), dict(max_tokens=100)),
+    ((300, 300), dict(min_tokens=500)),
+]
 
 
-@pytest.mark.parametrize("hw,budget", RESIZED, ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else
-                         "-".join(f"{k}{n}" for k, n in v.items()) or "default")  # fmt: skip
+@pytest.mark.parametrize(
+    "hw,budget",
+    RESIZED,
+    ids=lambda v: (
+        "x".join(map(str, v)) if isinstance(v, tuple) else "-".join(f"{k}{n}" for k, n in v.items()) or "default"
+    ),
+)
 def test_resize_within_tolerance(hw, budget):
     """Below the minimum, above the maximum, odd aspect ratios: same grid, pixels within RESIZE_ATOL."""
     h, w = hw
@@ -181,20 +195,38 @@ def test_clamped_passes(size):
         assert ours.min() == 0 and ours.max() == 255  # the overshoot was clamped, not wrapped
         # Exact wherever the unrounded value is not within 0.01 of a .5 boundary: Pillow's 22-bit fixed-point
         # weights move a value by at most taps x 255 x 2^-22 (< 2e-3 for these <= 30-tap filters).
-        raw = torch.nn.functional.interpolate(torch.from_numpy(a).permute(2, 0, 1)[None].float(), size=target,
-                                              mode="bicubic", antialias=True)[0].permute(1, 2, 0)  # fmt: skip
+        raw = torch.nn.functional.interpolate(
+            torch.from_numpy(a).permute(2, 0, 1)[None].float(), size=target, mode="bicubic", antialias=True
+        )[0].permute(1, 2, 0)
         far = ((raw - raw.floor() - 0.5).abs() > 0.01) | (raw < 0) | (raw > 255)
         assert torch.equal(ours[far], ref[far])
 
 
 # ------------------------------------------------------------------------------------------------ token count
-@pytest.mark.parametrize("budget", [{}, dict(min_tokens=4, max_tokens=100), dict(min_tokens=64, max_tokens=64)],
-                         ids=["default", "4-100", "64-64"])  # fmt: skip
+@pytest.mark.parametrize(
+    "budget",
+    [{}, dict(min_tokens=4, max_tokens=100), dict(min_tokens=64, max_tokens=64)],
+    ids=["default", "4-100", "64-64"],
+)
 def test_token_counts_equal_get_number_of_image_patches(budget):
     hf = _oracle(**{f"{k[:3]}_image_tokens": v for k, v in budget.items()})
     ours = ImageProcessor(**budget)
-    sizes = [(1, 1), (1, 27), (28, 28), (29, 29), (224, 224), (448, 448), (480, 640), (1080, 1920), (2160, 3840),
-             (17, 911), (911, 17), (3000, 3000), (5000, 100), (123, 4567)]  # fmt: skip
+    sizes = [
+        (1, 1),
+        (1, 27),
+        (28, 28),
+        (29, 29),
+        (224, 224),
+        (448, 448),
+        (480, 640),
+        (1080, 1920),
+        (2160, 3840),
+        (17, 911),
+        (911, 17),
+        (3000, 3000),
+        (5000, 100),
+        (123, 4567),
+    ]
     sizes += [(int(h), int(w)) for h, w in np.random.default_rng(0).integers(1, 4000, (40, 2))]
     for h, w in sizes:
         assert ours.num_tokens(h, w) * 4 == hf.get_number_of_image_patches(h, w), (h, w)

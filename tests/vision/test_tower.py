@@ -78,8 +78,9 @@ def test_clamps_bite_and_norms_are_not_trivial(towers):
         return lambda mod, inp, out: seen.__setitem__(name, (out.abs() > TOWER["swiglu_limit"]).float().mean().item())
 
     handles = [m.gate_proj.register_forward_hook(hook(n)) for n, m in ours.named_modules() if hasattr(m, "gate_proj")]
-    handles += [m.up_proj.register_forward_hook(hook(n + ".up")) for n, m in ours.named_modules()
-                if hasattr(m, "up_proj")]  # fmt: skip
+    handles += [
+        m.up_proj.register_forward_hook(hook(n + ".up")) for n, m in ours.named_modules() if hasattr(m, "up_proj")
+    ]
     x, g = pixels(GRIDS["mixed-sizes"])
     with torch.no_grad():
         ours(x, g)
@@ -124,12 +125,14 @@ BAD = {
     "row-width": (lambda x, g: (x[:, :20], g), "must be [patches, C*T*P*P = 24]"),
     "rows-vs-grid": (lambda x, g: (x[:-4], g), "pixel_values has 20 rows but image_grid_thw describes 24 patches"),
     "zero-in-grid": (lambda x, g: (x, torch.tensor([[1, 0, 6]])), "image_grid_thw[0] = (1, 0, 6): t, h and w"),
-    "merge-size": (lambda x, g: (x[:18], torch.tensor([[1, 3, 6]])), "h and w must be divisible by "
-                                                                       "spatial_merge_size 2"),
+    "merge-size": (
+        lambda x, g: (x[:18], torch.tensor([[1, 3, 6]])),
+        "h and w must be divisible by spatial_merge_size 2",
+    ),
     "float-grid": (lambda x, g: (x, g.float()), "integer torch.Tensor"),
     "grid-shape": (lambda x, g: (x, g[0]), "must be [items >= 1, 3]"),
     "int-pixels": (lambda x, g: (x.long(), g), "floating torch.Tensor"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", list(BAD), ids=list(BAD))

@@ -35,8 +35,19 @@ def _frames(n: int, h: int, w: int, seed: int = 0) -> torch.Tensor:
 
 
 # -------------------------------------------------------------------------------------------------- sampling
-CLIPS = [(100, 30.0, None), (100, 30.0, 100 / 30), (7, 24.0, None), (3, 1.0, None), (1, 24.0, None), (500, 2.0, None),
-         (61, 29.97, 61 / 29.97), (10, 0.5, 20.0), (5000, 60.0, None), (9, 4.0, 9 / 4), (2, 30.0, None)]  # fmt: skip
+CLIPS = [
+    (100, 30.0, None),
+    (100, 30.0, 100 / 30),
+    (7, 24.0, None),
+    (3, 1.0, None),
+    (1, 24.0, None),
+    (500, 2.0, None),
+    (61, 29.97, 61 / 29.97),
+    (10, 0.5, 20.0),
+    (5000, 60.0, None),
+    (9, 4.0, 9 / 4),
+    (2, 30.0, None),
+]
 
 
 @pytest.mark.parametrize("total,fps,duration", CLIPS, ids=lambda v: str(v))
@@ -57,8 +68,15 @@ def test_token_counts_equal_get_num_of_video_patches(budget):
     oracle = video_oracle(**{f"{k[:3]}_image_tokens": v for k, v in budget.items()})
     ours = VideoProcessor(**budget)
     rng = np.random.default_rng(0)
-    cases = [(2, 448, 448), (16, 1080, 1920), (64, 720, 1280), (2048, 360, 640), (2, 10, 10), (4, 30, 2000),
-             *((int(2 * f), int(h), int(w)) for f, h, w in rng.integers(1, 800, (30, 3)))]  # fmt: skip
+    cases = [
+        (2, 448, 448),
+        (16, 1080, 1920),
+        (64, 720, 1280),
+        (2048, 360, 640),
+        (2, 10, 10),
+        (4, 30, 2000),
+        *((int(2 * f), int(h), int(w)) for f, h, w in rng.integers(1, 800, (30, 3))),
+    ]
     for frames, h, w in cases:
         canvas = ours.canvas(frames, h, w)
         patches = (frames // 2) * (canvas[0] // 14) * (canvas[1] // 14)
@@ -88,8 +106,14 @@ def test_fused_normalisation_is_transformers():
     from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
     mean, std, _ = TorchvisionBackend._fuse_mean_std_and_rescale_factor(
-        None, do_normalize=True, image_mean=tuple(OPENAI_CLIP_MEAN), image_std=tuple(OPENAI_CLIP_STD), do_rescale=True,
-        rescale_factor=1 / 255, device="cpu")  # fmt: skip
+        None,
+        do_normalize=True,
+        image_mean=tuple(OPENAI_CLIP_MEAN),
+        image_std=tuple(OPENAI_CLIP_STD),
+        do_rescale=True,
+        rescale_factor=1 / 255,
+        device="cpu",
+    )
     x = torch.arange(256, dtype=torch.uint8).view(1, 1, 256).expand(3, 2, 256)
     ref = (x.float() - mean.view(-1, 1, 1)) / std.view(-1, 1, 1)
     assert torch.equal(normalize_fused(x), ref)
@@ -138,8 +162,13 @@ def test_frames_folder_natural_order_and_fps(tmp_path):
     for k, name in zip(order, names):
         Image.fromarray(frames[k].numpy()).save(tmp_path / name)
     (tmp_path / "notes.txt").write_text("not a frame")
-    assert [p.rsplit("/", 1)[1] for p in frame_files(str(tmp_path))] == ["f_1.png", "f_2.png", "f_3.png", "f_10.png",
-                                                                         "f_20.png"]  # fmt: skip
+    assert [p.rsplit("/", 1)[1] for p in frame_files(str(tmp_path))] == [
+        "f_1.png",
+        "f_2.png",
+        "f_3.png",
+        "f_10.png",
+        "f_20.png",
+    ]
     proc = VideoProcessor()
     clip = proc.load(str(tmp_path), fps=2.0)
     assert clip.indices == sample_frames(5, 2.0, duration=2.5) and clip.fps == 2.0

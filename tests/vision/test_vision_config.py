@@ -25,8 +25,9 @@ def test_defaults_equal_transformers():
 
 
 def test_aliases_and_round_trip():
-    config = Glm53VisionConfig.from_dict({"num_attention_heads": 4, "num_hidden_layers": 3, "hidden_size": 32,
-                                          "transformers_version": "5.23.0"})  # fmt: skip
+    config = Glm53VisionConfig.from_dict(
+        {"num_attention_heads": 4, "num_hidden_layers": 3, "hidden_size": 32, "transformers_version": "5.23.0"}
+    )
     assert (config.num_heads, config.depth, config.head_dim) == (4, 3, 8)
     assert config.extra == {"transformers_version": "5.23.0"}
     again = Glm53VisionConfig.from_dict(config.to_dict())
@@ -38,20 +39,28 @@ def test_aliases_and_round_trip():
 
 BAD = {
     "depth-0": (dict(depth=0), "vision_config.depth must be a positive int, got 0"),
-    "heads-divide": (dict(hidden_size=30, num_heads=4), "vision_config.num_heads (4) must divide "
-                                                        "vision_config.hidden_size (30)"),
+    "heads-divide": (
+        dict(hidden_size=30, num_heads=4),
+        "vision_config.num_heads (4) must divide vision_config.hidden_size (30)",
+    ),
     "head-dim-4": (dict(hidden_size=12, num_heads=2), "head width hidden_size / num_heads = 6 must be divisible by 4"),
-    "rope-type": (dict(rope_parameters={"rope_type": "default"}), "rope_parameters['rope_type'] must be 'axial', "
-                                                                  "got 'default'"),
-    "rope-theta": (dict(rope_parameters={"rope_type": "axial", "rope_theta": "big"}), "rope_theta'] must be a "
-                                                                                     "finite number > 1, got 'big'"),
+    "rope-type": (
+        dict(rope_parameters={"rope_type": "default"}),
+        "rope_parameters['rope_type'] must be 'axial', got 'default'",
+    ),
+    "rope-theta": (
+        dict(rope_parameters={"rope_type": "axial", "rope_theta": "big"}),
+        "rope_theta'] must be a finite number > 1, got 'big'",
+    ),
     "eps": (dict(rms_norm_eps=-1.0), "vision_config.rms_norm_eps must be a positive finite number, got -1.0"),
-    "alias-conflict": (dict(num_heads=2, num_attention_heads=4), "sets num_heads=2 and its alias "
-                                                                 "num_attention_heads=4"),
+    "alias-conflict": (
+        dict(num_heads=2, num_attention_heads=4),
+        "sets num_heads=2 and its alias num_attention_heads=4",
+    ),
     "act": (dict(hidden_act="gelu"), "vision_config.hidden_act must be 'silu', got 'gelu'"),
     "bias-type": (dict(attention_bias="yes"), "vision_config.attention_bias must be true or false, got 'yes'"),
     "patch-list": (dict(patch_size=[14, 14]), "vision_config.patch_size must be a positive int, got [14, 14]"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
@@ -63,15 +72,17 @@ def test_bad_fields_raise_naming_field_and_value(case):
 
 def test_out_hidden_size_must_equal_text_hidden_size():
     text = text_config()
-    with pytest.raises(ConfigError, match=re.escape("vision_config.out_hidden_size (1536) must equal the text "
-                                                    "hidden_size (36)")):  # fmt: skip
+    with pytest.raises(
+        ConfigError, match=re.escape("vision_config.out_hidden_size (1536) must equal the text hidden_size (36)")
+    ):
         with_vision(text, Glm53VisionConfig(), TOKENS)
 
 
 def test_token_ids_must_lie_in_the_vocabulary():
     text = text_config()
-    with pytest.raises(ConfigError, match=re.escape("image_token_id must be a token id in [0, vocab_size=320), got "
-                                                    "154854")):  # fmt: skip
+    with pytest.raises(
+        ConfigError, match=re.escape("image_token_id must be a token id in [0, vocab_size=320), got 154854")
+    ):
         with_vision(text, TOWER)
 
 

@@ -63,7 +63,8 @@ def test_glm53_save_loads_in_transformers_with_no_missing_keys(hf_dir, tmp_path)
     out = ours.save_pretrained(tmp_path / "ours")
     stored = read_all(out)
     assert sorted(k for k in stored if k.startswith("model.visual.")) == sorted(
-        k for k in hf.state_dict() if k.startswith("model.visual."))  # fmt: skip
+        k for k in hf.state_dict() if k.startswith("model.visual.")
+    )
     back, info = Glm5NextForConditionalGeneration.from_pretrained(out, output_loading_info=True)
     assert info["missing_keys"] == set() or not info["missing_keys"], info
     assert not info["unexpected_keys"] and not info["mismatched_keys"], info

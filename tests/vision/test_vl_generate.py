@@ -25,9 +25,15 @@ def test_greedy_equals_transformers_and_the_tower_runs_once():
     assert batch["input_ids"].shape[1] + NEW <= 64
     ref = hf.generate(**batch, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
     calls = count_tower_calls(ours)
-    got = ours.generate(batch["input_ids"], batch["attention_mask"], pixel_values=batch["pixel_values"],
-                        image_grid_thw=batch["image_grid_thw"], pixel_values_videos=batch["pixel_values_videos"],
-                        video_grid_thw=batch["video_grid_thw"], max_new_tokens=NEW)  # fmt: skip
+    got = ours.generate(
+        batch["input_ids"],
+        batch["attention_mask"],
+        pixel_values=batch["pixel_values"],
+        image_grid_thw=batch["image_grid_thw"],
+        pixel_values_videos=batch["pixel_values_videos"],
+        video_grid_thw=batch["video_grid_thw"],
+        max_new_tokens=NEW,
+    )
     assert got.shape == ref.shape == (2, batch["input_ids"].shape[1] + NEW)
     assert torch.equal(got, ref)
     assert len(calls) == 1

@@ -135,7 +135,7 @@ def test_packed_vl_documents_equal_each_alone(dense_pair):
         together = ours(**packed, cu_seqlens=cu, labels=labels)
         alone = [ours(**{k: v for k, v in d.items() if k != "attention_mask"}) for d in docs]
     assert_logits_close(together.logits[0, : lengths[0]], alone[0].logits[0], torch.ones(lengths[0]))
-    assert_logits_close(together.logits[0, lengths[0]:], alone[1].logits[0], torch.ones(lengths[1]))
+    assert_logits_close(together.logits[0, lengths[0] :], alone[1].logits[0], torch.ones(lengths[1]))
     pos = torch.cat([torch.arange(n) for n in lengths])[None]
     with torch.no_grad():
         by_positions = ours(**packed, position_ids=pos, labels=labels)
@@ -178,10 +178,17 @@ def test_video_spans_decide_image_vs_video(dense_pair):
     turns the later image placeholders into video ones."""
     _, ours = dense_pair
     batch = vl_batch(ROWS)
-    swapped = dict(batch, pixel_values=batch["pixel_values_videos"], image_grid_thw=batch["video_grid_thw"],
-                   pixel_values_videos=batch["pixel_values"], video_grid_thw=batch["image_grid_thw"])  # fmt: skip
-    with pytest.raises(InputError, match=re.escape("input_ids hold 7 image placeholder tokens but pixel_values give "
-                                                   "4 image feature rows")):  # fmt: skip
+    swapped = dict(
+        batch,
+        pixel_values=batch["pixel_values_videos"],
+        image_grid_thw=batch["video_grid_thw"],
+        pixel_values_videos=batch["pixel_values"],
+        video_grid_thw=batch["image_grid_thw"],
+    )
+    with pytest.raises(
+        InputError,
+        match=re.escape("input_ids hold 7 image placeholder tokens but pixel_values give 4 image feature rows"),
+    ):
         ours(**swapped)
     from glm53.vision.splice import placeholder_masks
 
@@ -192,22 +199,42 @@ def test_video_spans_decide_image_vs_video(dense_pair):
 
 
 BAD = {
-    "count-mismatch": (lambda b: dict(b, input_ids=b["input_ids"].masked_fill(
-        (b["input_ids"] == 300).cumsum(-1) == 1, 9)), InputError,
-        "input_ids hold 6 image placeholder tokens but pixel_values give 7 image feature rows"),  # row 0 lost one
-    "grid-without-pixels": (lambda b: dict(b, pixel_values=None), InputError,
-                            "image_grid_thw was given without its pixels (pixel_values)"),
-    "pixels-without-grid": (lambda b: dict(b, image_grid_thw=None), InputError,
-                            "pixel_values was given without image_grid_thw"),
-    "placeholders-without-pixels": (lambda b: dict(b, pixel_values=None, image_grid_thw=None), InputError,
-                                    "input_ids hold 7 image placeholder tokens but pixel_values give 0"),
-    "rows-vs-grid": (lambda b: dict(b, pixel_values=b["pixel_values"][:-1]), InputError,
-                     "pixel_values has 27 rows but image_grid_thw describes 28 patches"),
-    "merge-size": (lambda b: dict(b, video_grid_thw=torch.tensor([[2, 1, 8]])), InputError,
-                   "video_grid_thw[0] = (2, 1, 8): h and w must be divisible by spatial_merge_size 2"),
-    "embeds-with-pixels": (lambda b: dict(b, inputs_embeds=torch.zeros(2, 3, 36), input_ids=None), InputError,
-                           "pass input_ids (not inputs_embeds) with pixel_values"),
-}  # fmt: skip
+    "count-mismatch": (
+        lambda b: dict(b, input_ids=b["input_ids"].masked_fill((b["input_ids"] == 300).cumsum(-1) == 1, 9)),
+        InputError,
+        "input_ids hold 6 image placeholder tokens but pixel_values give 7 image feature rows",
+    ),  # row 0 lost one
+    "grid-without-pixels": (
+        lambda b: dict(b, pixel_values=None),
+        InputError,
+        "image_grid_thw was given without its pixels (pixel_values)",
+    ),
+    "pixels-without-grid": (
+        lambda b: dict(b, image_grid_thw=None),
+        InputError,
+        "pixel_values was given without image_grid_thw",
+    ),
+    "placeholders-without-pixels": (
+        lambda b: dict(b, pixel_values=None, image_grid_thw=None),
+        InputError,
+        "input_ids hold 7 image placeholder tokens but pixel_values give 0",
+    ),
+    "rows-vs-grid": (
+        lambda b: dict(b, pixel_values=b["pixel_values"][:-1]),
+        InputError,
+        "pixel_values has 27 rows but image_grid_thw describes 28 patches",
+    ),
+    "merge-size": (
+        lambda b: dict(b, video_grid_thw=torch.tensor([[2, 1, 8]])),
+        InputError,
+        "video_grid_thw[0] = (2, 1, 8): h and w must be divisible by spatial_merge_size 2",
+    ),
+    "embeds-with-pixels": (
+        lambda b: dict(b, inputs_embeds=torch.zeros(2, 3, 36), input_ids=None),
+        InputError,
+        "pass input_ids (not inputs_embeds) with pixel_values",
+    ),
+}
 
 
 @pytest.mark.parametrize("case", list(BAD), ids=list(BAD))

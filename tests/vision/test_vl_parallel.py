@@ -21,11 +21,14 @@ def vl_ckpt(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("vl-parallel") / "ckpt")
     hf_vl_model(text_config(index_topk=64), seed=7).save_pretrained(path)
     images = vl_batch([[1, 2, ("image", 4, 6), 3, 4], [5, ("video", 2, 2, 4), 6, 8]])
-    text = dict(input_ids=torch.randint(1, 290, images["input_ids"].shape, generator=torch.Generator().manual_seed(2)),
-                attention_mask=torch.ones_like(images["input_ids"]))  # fmt: skip
+    text = dict(
+        input_ids=torch.randint(1, 290, images["input_ids"].shape, generator=torch.Generator().manual_seed(2)),
+        attention_mask=torch.ones_like(images["input_ids"]),
+    )
     batches = [images, text]
-    return dict(path=path, batches=batches, refs={1: reference_vl_step(path, batches[:1]),
-                                                  2: reference_vl_step(path, batches)})  # fmt: skip
+    return dict(
+        path=path, batches=batches, refs={1: reference_vl_step(path, batches[:1]), 2: reference_vl_step(path, batches)}
+    )
 
 
 def rel_err(a, b):

@@ -6,5 +6,11 @@ from . import fla_backend  # noqa: F401  (registers "fla" when flash-linear-atte
 from .chunk import DEFAULT_CHUNK_SIZE, kda_chunk, kda_chunk_reference, kda_recurrent_reference, l2norm
 from .recurrent import kda_recurrent_states
 
-__all__ = ["DEFAULT_CHUNK_SIZE", "kda_chunk", "kda_chunk_reference", "kda_recurrent_reference", "kda_recurrent_states",
-           "l2norm"]
+__all__ = [
+    "DEFAULT_CHUNK_SIZE",
+    "kda_chunk",
+    "kda_chunk_reference",
+    "kda_recurrent_reference",
+    "kda_recurrent_states",
+    "l2norm",
+]

@@ -66,8 +66,9 @@ def kda_recurrent_reference(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The delta rule one token at a time: the definition every other form is tested against."""
     if cu_seqlens is not None:
-        return per_document(kda_recurrent_reference, (q, k, v, g, beta), scale, initial_state, output_final_state,
-                            cu_seqlens)  # fmt: skip
+        return per_document(
+            kda_recurrent_reference, (q, k, v, g, beta), scale, initial_state, output_final_state, cu_seqlens
+        )
     out_dtype = q.dtype
     q, k, v, g, beta, S = _prepare(q, k, v, g, beta, scale, initial_state)
     outputs = []
@@ -166,9 +167,17 @@ def _kda_core(q, k, v, g, beta, S0, cu_seqlens=None, static_rebase: bool = False
 # recomputed under autograd and differentiated.
 # q is saved unscaled (the caller's tensor, usually already kept by autograd) and scaled inside.
 @torch.library.custom_op("glm53::kda_chunk", mutates_args=(), tags=HOST_READING)
-def _kda_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-            S0: torch.Tensor, scale: float, cu_seqlens: torch.Tensor | None = None, static_rebase: bool = False
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+def _kda_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    S0: torch.Tensor,
+    scale: float,
+    cu_seqlens: torch.Tensor | None = None,
+    static_rebase: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     o, S, boundaries = _kda_core(q * scale, k, v, g, beta, S0, cu_seqlens, static_rebase)
     return o.contiguous(), S.contiguous(), boundaries  # the strides the fake implementation promises
 
@@ -181,10 +190,20 @@ def _(q, k, v, g, beta, S0, scale, cu_seqlens=None, static_rebase=False):
 
 
 @torch.library.custom_op("glm53::kda_chunk_backward", mutates_args=(), tags=HOST_READING)
-def _kda_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     S0: torch.Tensor, boundaries: torch.Tensor, do: torch.Tensor, dS: torch.Tensor, scale: float,
-                     cu_seqlens: torch.Tensor | None = None, static_rebase: bool = False
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+def _kda_backward_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    S0: torch.Tensor,
+    boundaries: torch.Tensor,
+    do: torch.Tensor,
+    dS: torch.Tensor,
+    scale: float,
+    cu_seqlens: torch.Tensor | None = None,
+    static_rebase: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if q.shape[1] > RECURRENT_MAX_T:
         grads = kda_chunk_backward(q * scale, k, v, g, beta, do, dS, boundaries, cu_seqlens, static_rebase)
         if grads is not None:  # None: decays too steep for the rebased factors

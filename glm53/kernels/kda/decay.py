@@ -49,7 +49,9 @@ def _pairwise_base(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor, s: int) ->
     """[..., C, K] -> [..., C/s, s, s] blocks M[t, j] = sum_c a_tc b_jc exp(G_tc - G_jc), j <= t (0 above)."""
     a, b, G = (x.unflatten(-2, (-1, s)) for x in (a, b, G))  # [..., C/s, s, K]
     causal = torch.ones(s, s, dtype=torch.bool, device=G.device).tril()
-    diff = (G[..., :, None, :] - G[..., None, :, :]).clamp(min=-EXP_FLOOR).masked_fill(~causal[:, :, None], float("-inf"))
+    diff = (
+        (G[..., :, None, :] - G[..., None, :, :]).clamp(min=-EXP_FLOOR).masked_fill(~causal[:, :, None], float("-inf"))
+    )
     return torch.einsum("...tc,...jc,...tjc->...tj", a, b, diff.exp())
 
 

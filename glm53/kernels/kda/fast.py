@@ -221,8 +221,12 @@ def _walk_back(ch: _WyChunks, starts, U, dU, dS_o, dS):
         dU_i = torch.baddbmm(dU[:, i], Kd[:, i], dS)
         dKds.append(torch.bmm(U[:, i], dS.transpose(-1, -2)))
         dEs.append((dS * S[:, i]).sum(-1))
-        dS = torch.baddbmm(torch.addcmul(dS_o[:, i], dS, E_end[:, i].transpose(-1, -2)),
-                           WU[:, i, :, :K].transpose(-1, -2), dU_i, alpha=-1.0)  # fmt: skip
+        dS = torch.baddbmm(
+            torch.addcmul(dS_o[:, i], dS, E_end[:, i].transpose(-1, -2)),
+            WU[:, i, :, :K].transpose(-1, -2),
+            dU_i,
+            alpha=-1.0,
+        )
         dUs.append(dU_i)
     stacked = lambda xs, *shape: torch.stack(xs[::-1], dim=1).view(B, H, n, *shape)  # noqa: E731
     return stacked(dUs, C, V), stacked(dKds, C, K), stacked(dEs, 1, K), dS.view(B, H, K, V)
@@ -234,14 +238,14 @@ def _block_backward(q, k, beta, do, ch: _WyChunks, starts, U, dS, masks) -> tupl
     o = qE S_n + QK U, U = Ub - W S_n; the WY solve: dR = L^-T d[W | Ub], dL = -dR [W | Ub]^T; then the decay
     factors, the decayed products (`_rebased_adjoint`) and the cumulative sum G = cumsum(g)."""
     K = k.shape[-1]
-    W = ch.WU[..., :K]
     qE = q * ch.E
     dQK = _bmm(do, U.transpose(-1, -2)).tril()
     if masks is not None:  # the products between documents are constants (zero): no gradient reaches them
         dQK = dQK * masks.same
     dqE = _bmm(do, starts.transpose(-1, -2))
-    dU, dKd, dE_end, dS = _walk_back(ch, starts, U, _bmm(ch.QK.transpose(-1, -2), do),
-                                     _bmm(qE.transpose(-1, -2), do), dS)  # fmt: skip
+    dU, dKd, dE_end, dS = _walk_back(
+        ch, starts, U, _bmm(ch.QK.transpose(-1, -2), do), _bmm(qE.transpose(-1, -2), do), dS
+    )
     dWU = torch.cat([-_bmm(dU, starts.transpose(-1, -2)), dU], dim=-1)  # [dW | dUb]
     dR = _bmm(ch.L_inv.transpose(-1, -2), dWU)  # [B, H, n, C, K+V]
     dL = -_bmm(dR, ch.WU.transpose(-1, -2)).tril(-1)

@@ -19,22 +19,39 @@ from ..dispatch import register
 AVAILABLE = importlib.util.find_spec("fla") is not None
 
 
-def kda_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
-            scale: float | None = None, initial_state: torch.Tensor | None = None, output_final_state: bool = False,
-            cu_seqlens: torch.Tensor | None = None,
-            gate_floor: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+def kda_fla(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    gate_floor: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     from fla.ops.kda import chunk_kda  # the optional package (pip install flash-linear-attention)
 
     if q.device.type != "cuda":
-        raise RuntimeError(f"the fla KDA backend runs on CUDA tensors only, got {q.device}; choose it per device "
-                           f"with dispatch.set_device_backend('kda', 'cuda', 'fla')")  # fmt: skip
+        raise RuntimeError(
+            f"the fla KDA backend runs on CUDA tensors only, got {q.device}; choose it per device "
+            f"with dispatch.set_device_backend('kda', 'cuda', 'fla')"
+        )
     B, T = q.shape[:2]
     if cu_seqlens is None:
-        return chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                         output_final_state=output_final_state)  # fmt: skip
+        return chunk_kda(
+            q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state
+        )
     flat = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta)]
-    o, S = chunk_kda(*flat, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                     cu_seqlens=cu_seqlens.long())  # fmt: skip
+    o, S = chunk_kda(
+        *flat,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens.long(),
+    )
     return o.view(B, T, *o.shape[2:]), S
 
 

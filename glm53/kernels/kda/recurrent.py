@@ -16,9 +16,16 @@ from ..dispatch import register
 from .chunk import _prepare, kda_recurrent_reference
 
 
-def kda_recurrent_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
-                         scale: float | None = None,
-                         initial_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def kda_recurrent_states(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The delta rule token by token, keeping each state: S_t = diag(exp(g_t)) S_{t-1} + k_t u_t^T."""
     out_dtype = q.dtype
     q, k, v, g, beta, S = _prepare(q, k, v, g, beta, scale, initial_state)
@@ -36,8 +43,16 @@ def kda_recurrent_states_reference(q, k, v, g, beta, *, scale=None, initial_stat
     """The definition (kda_recurrent_reference) run one token at a time, keeping each final state."""
     outputs, states, S = [], [], initial_state
     for t in range(q.shape[1]):
-        o, S = kda_recurrent_reference(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], g[:, t : t + 1],
-                                       beta[:, t : t + 1], scale=scale, initial_state=S, output_final_state=True)
+        o, S = kda_recurrent_reference(
+            q[:, t : t + 1],
+            k[:, t : t + 1],
+            v[:, t : t + 1],
+            g[:, t : t + 1],
+            beta[:, t : t + 1],
+            scale=scale,
+            initial_state=S,
+            output_final_state=True,
+        )
         outputs.append(o)
         states.append(S)
     return torch.cat(outputs, dim=1), torch.stack(states, dim=1)

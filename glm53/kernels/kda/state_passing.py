@@ -58,8 +58,18 @@ def prefix_states(As: list[torch.Tensor], Bss: list[torch.Tensor], S0: torch.Ten
     return states
 
 
-def kda_pieces(q, k, v, g, beta, *, pieces: int, scale: float | None = None,
-               initial_state: torch.Tensor | None = None, kernel=kda_chunk):  # fmt: skip
+def kda_pieces(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    pieces: int,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    kernel=kda_chunk,
+):
     """The sequence as `pieces` contiguous pieces composed through their transitions -> (o, final state)."""
     B, T, H, K = k.shape
     V = v.shape[-1]
@@ -74,9 +84,20 @@ def kda_pieces(q, k, v, g, beta, *, pieces: int, scale: float | None = None,
     return torch.cat(outs, dim=1), final
 
 
-def kda_sharded(q, k, v, g, beta, shards, *, scale: float | None = None,
-                initial_state: torch.Tensor | None = None, starts: torch.Tensor | None = None,
-                cu_seqlens: torch.Tensor | None = None, kernel=kda_chunk):  # fmt: skip
+def kda_sharded(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    shards,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    starts: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    kernel=kda_chunk,
+):
     """This rank's piece of a sequence split over `shards` (a SequenceShards) -> o [B, T, H, V] (T local).
 
     `initial_state` [B, H, K, V] is the whole sequence's, the same on every rank (each rank's gradient of it is

@@ -19,8 +19,10 @@ from ..varlen import check_cu_seqlens, document_slices, position_in_document, to
 
 def no_states(initial_state, output_final_state) -> None:
     if initial_state is not None or output_final_state:
-        raise ValueError("kda: initial_state / output_final_state are not supported with cu_seqlens "
-                         "(every packed document starts from a zero state)")  # fmt: skip
+        raise ValueError(
+            "kda: initial_state / output_final_state are not supported with cu_seqlens "
+            "(every packed document starts from a zero state)"
+        )
 
 
 def per_document(kda, xs, scale, initial_state, output_final_state, cu_seqlens):
@@ -62,8 +64,9 @@ def doc_masks(cu_seqlens: torch.Tensor, B: int, T: int, C: int, dtype: torch.dty
     carry = (doc == doc[..., :1]) & ~starts[..., :1] & (starts.long().cumsum(-1) == 0)  # [B, N, C]
     last = doc == doc[..., -1:]
     as_factor = lambda m: m.to(dtype)[:, None]  # noqa: E731  [B, 1, N, ...]: broadcast over heads
-    return DocMasks(as_factor(same), as_factor(carry[..., None]), as_factor(last[..., None]),
-                    as_factor(carry[..., -1:, None]))  # fmt: skip
+    return DocMasks(
+        as_factor(same), as_factor(carry[..., None]), as_factor(last[..., None]), as_factor(carry[..., -1:, None])
+    )
 
 
 __all__ = ["DocMasks", "doc_masks", "no_states", "per_document"]

@@ -28,14 +28,17 @@ def decode(tokens: torch.Tensor) -> str:
 def batches(tokens: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator):
     """Endless random windows [batch_size, seq_len] from the token stream (checked here, before the first one)."""
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or tokens.dtype != torch.long:
-        raise InputError(f"tokens must be a 1-D torch.long tensor (the token stream), got "
-                         f"{getattr(tokens, 'dtype', type(tokens).__name__)} {tuple(getattr(tokens, 'shape', ()))}")
+        raise InputError(
+            f"tokens must be a 1-D torch.long tensor (the token stream), got "
+            f"{getattr(tokens, 'dtype', type(tokens).__name__)} {tuple(getattr(tokens, 'shape', ()))}"
+        )
     for name, value in (("--batch-size", batch_size), ("--seq-len", seq_len)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InputError(f"{name} must be a positive int, got {value!r}")
     if not 1 <= seq_len < tokens.numel():
-        raise InputError(f"--seq-len {seq_len} needs a corpus of more than {seq_len} tokens; this one has "
-                         f"{tokens.numel()}")  # fmt: skip
+        raise InputError(
+            f"--seq-len {seq_len} needs a corpus of more than {seq_len} tokens; this one has {tokens.numel()}"
+        )
     return _windows(tokens, batch_size, seq_len, generator)
 
 

@@ -41,10 +41,14 @@ def tokenize_source(path: str, tok: TextTokenizer) -> tuple[list[TokenDoc], int]
 
 
 def _pack(docs: list[TokenDoc], empty: int) -> dict:
-    return {"version": CACHE_VERSION, "empty": empty, "where": [d.where for d in docs],
-            "lengths": torch.tensor([len(d.ids) for d in docs], dtype=torch.long),
-            "ids": torch.tensor([i for d in docs for i in d.ids], dtype=torch.int32),
-            "targets": torch.tensor([t for d in docs for t in d.targets], dtype=torch.bool)}  # fmt: skip
+    return {
+        "version": CACHE_VERSION,
+        "empty": empty,
+        "where": [d.where for d in docs],
+        "lengths": torch.tensor([len(d.ids) for d in docs], dtype=torch.long),
+        "ids": torch.tensor([i for d in docs for i in d.ids], dtype=torch.int32),
+        "targets": torch.tensor([t for d in docs for t in d.targets], dtype=torch.bool),
+    }
 
 
 def _unpack(state: dict, file: str) -> tuple[list[TokenDoc], int]:

@@ -47,8 +47,10 @@ def read_documents(path: str) -> ReadReport:
         raise DataError(f"--data {path}: no such file")
     ext = os.path.splitext(path)[1].lower()
     if ext not in (".txt", ".jsonl"):
-        raise DataError(f"--data {path}: unknown format {ext or '(no extension)'}; use .txt (documents separated "
-                        f"by blank lines) or .jsonl (one JSON object per line)")  # fmt: skip
+        raise DataError(
+            f"--data {path}: unknown format {ext or '(no extension)'}; use .txt (documents separated "
+            f"by blank lines) or .jsonl (one JSON object per line)"
+        )
     # utf-8-sig: a byte-order mark is not text. Lines end only at \n (\r\n and \r are read as \n): a form
     # feed or U+2028 inside a document is content, not a line break as str.splitlines would make it.
     with open(path, encoding="utf-8-sig") as f:
@@ -105,8 +107,10 @@ def _document(record: object, where: str) -> Document | None:
         raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
     kinds = [k for k in ("text", "messages", "prompt") if k in record or (k == "prompt" and "completion" in record)]
     if len(kinds) > 1:
-        raise DataError(f"{where}: the record has both {kinds[0]!r} and {kinds[1]!r}; one record is one kind of "
-                        f"document (split it into two records)")  # fmt: skip
+        raise DataError(
+            f"{where}: the record has both {kinds[0]!r} and {kinds[1]!r}; one record is one kind of "
+            f"document (split it into two records)"
+        )
     if "text" in record:
         text = _string(record, "text", where)
         return Document(where=where, text=text) if text.strip() else None
@@ -116,11 +120,14 @@ def _document(record: object, where: str) -> Document | None:
         missing = [k for k in ("prompt", "completion") if k not in record]
         if missing:
             raise DataError(f"{where}: a prompt/completion record needs both fields; {missing[0]!r} is missing")
-        messages = [{"role": "user", "content": _string(record, "prompt", where)},
-                    {"role": TRAINED_ROLE, "content": _string(record, "completion", where)}]  # fmt: skip
+        messages = [
+            {"role": "user", "content": _string(record, "prompt", where)},
+            {"role": TRAINED_ROLE, "content": _string(record, "completion", where)},
+        ]
         return Document(where=where, messages=messages, plain_prompt=True)
-    raise DataError(f"{where}: the record has neither 'text' nor 'messages' nor 'prompt'/'completion' "
-                    f"(keys: {sorted(record)})")  # fmt: skip
+    raise DataError(
+        f"{where}: the record has neither 'text' nor 'messages' nor 'prompt'/'completion' (keys: {sorted(record)})"
+    )
 
 
 OPTIONAL_MESSAGE_KEYS = ("tool_calls", "reasoning_content", "name", "tool_call_id")  # passed to the chat template
@@ -138,8 +145,10 @@ def _messages(messages: object, where: str) -> list[dict]:
     for i, m in enumerate(messages):
         extra = sorted(set(m) - {"role", "content", *OPTIONAL_MESSAGE_KEYS})
         if extra:
-            raise DataError(f"{where}: messages[{i}] has unknown key {extra[0]!r}; known: role, content, "
-                            f"{', '.join(OPTIONAL_MESSAGE_KEYS)}")  # fmt: skip
+            raise DataError(
+                f"{where}: messages[{i}] has unknown key {extra[0]!r}; known: role, content, "
+                f"{', '.join(OPTIONAL_MESSAGE_KEYS)}"
+            )
         out.append({k: m[k] for k in ("role", "content", *OPTIONAL_MESSAGE_KEYS) if k in m and m[k] is not None})
     return out
 

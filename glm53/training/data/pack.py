@@ -55,8 +55,10 @@ class Packer:
             raise ValueError(f"pad_id must be a token id (an int >= 0), got {pad_id!r}")
         for doc in docs:  # an empty document would never fill a row: row() would loop forever
             if not doc.ids or len(doc.ids) != len(doc.targets):
-                raise ValueError(f"{doc.where}: a packed document needs tokens and one target flag per token, got "
-                                 f"{len(doc.ids)} ids and {len(doc.targets)} flags")  # fmt: skip
+                raise ValueError(
+                    f"{doc.where}: a packed document needs tokens and one target flag per token, got "
+                    f"{len(doc.ids)} ids and {len(doc.targets)} flags"
+                )
         self.docs, self.seq_len, self.seed, self.pad_id = docs, seq_len, seed, pad_id
         self.epoch, self.index, self.offset = 0, 0, 0
         self.order = self._order(0)
@@ -85,8 +87,10 @@ class Packer:
             raise ValueError(f"data position: 'index' {state['index']} is past the {len(self.docs)} documents")
         order = self._order(state["epoch"])
         if state["offset"] >= len(self.docs[order[state["index"]]].ids):
-            raise ValueError(f"data position: 'offset' {state['offset']} is past the end of document "
-                             f"{state['index']} ({len(self.docs[order[state['index']]].ids)} tokens)")  # fmt: skip
+            raise ValueError(
+                f"data position: 'offset' {state['offset']} is past the end of document "
+                f"{state['index']} ({len(self.docs[order[state['index']]].ids)} tokens)"
+            )
         self.epoch, self.index, self.offset, self.order = state["epoch"], state["index"], state["offset"], order
 
     def _advance(self) -> None:
@@ -110,8 +114,9 @@ class Packer:
                 self.stats.split += 1
             piece = slice(self.offset, self.offset + take)
             ids += doc.ids[piece]
-            labels += [IGNORE_INDEX] + [t if m else IGNORE_INDEX for t, m in
-                                        zip(doc.ids[piece][1:], doc.targets[piece][1:])]  # fmt: skip
+            labels += [IGNORE_INDEX] + [
+                t if m else IGNORE_INDEX for t, m in zip(doc.ids[piece][1:], doc.targets[piece][1:])
+            ]
             positions += range(take)
             self.offset += take
             if self.offset == len(doc.ids):
@@ -119,14 +124,16 @@ class Packer:
         real, pad = len(ids), T - len(ids)
         self.stats.rows += 1
         self.stats.padding += pad
-        return (ids + [self.pad_id] * pad, labels + [IGNORE_INDEX] * pad, [1] * real + [0] * pad,
-                positions + list(range(pad)))  # fmt: skip
+        return (
+            ids + [self.pad_id] * pad,
+            labels + [IGNORE_INDEX] * pad,
+            [1] * real + [0] * pad,
+            positions + list(range(pad)),
+        )
 
     def batch(self, rows: int) -> Batch:
         """The next `rows` rows as tensors [rows, T]."""
         return Batch(*(torch.tensor(column, dtype=torch.long) for column in zip(*(self.row() for _ in range(rows)))))
-
-
 
 
 class Mixer:
@@ -165,8 +172,12 @@ class Mixer:
 
     def load_state_dict(self, state: dict) -> None:
         drawn, sources = state.get("drawn"), state.get("sources")
-        if not isinstance(drawn, list) or not isinstance(sources, list) or len(drawn) != len(self.packers) \
-                or len(sources) != len(self.packers):
+        if (
+            not isinstance(drawn, list)
+            or not isinstance(sources, list)
+            or len(drawn) != len(self.packers)
+            or len(sources) != len(self.packers)
+        ):
             raise ValueError(f"data position: the mixture state does not have {len(self.packers)} sources")
         for p, s in zip(self.packers, sources):
             p.load_state_dict(s)

@@ -84,8 +84,9 @@ def _dataset(dataset, where: str) -> ReadReport:
     datasets = _datasets()
     if isinstance(dataset, datasets.DatasetDict):
         if "train" not in dataset:
-            raise DataError(f"--data {where}: a DatasetDict without a 'train' split (splits: {sorted(dataset)}); "
-                            f"use hf:NAME:SPLIT")  # fmt: skip
+            raise DataError(
+                f"--data {where}: a DatasetDict without a 'train' split (splits: {sorted(dataset)}); use hf:NAME:SPLIT"
+            )
         dataset = dataset["train"]
     return _records(dataset, where)
 
@@ -95,8 +96,11 @@ def _is_saved_dataset(path: str) -> bool:
 
 
 def shards(path: str) -> list[str]:
-    return sorted(os.path.join(path, n) for n in os.listdir(path)
-                  if n.lower().endswith(SHARD_EXTENSIONS) and os.path.isfile(os.path.join(path, n)))  # fmt: skip
+    return sorted(
+        os.path.join(path, n)
+        for n in os.listdir(path)
+        if n.lower().endswith(SHARD_EXTENSIONS) and os.path.isfile(os.path.join(path, n))
+    )
 
 
 def read_source(path: str) -> ReadReport:
@@ -118,8 +122,9 @@ def read_source(path: str) -> ReadReport:
             return _dataset(dataset, path)
         files = shards(path)
         if not files:
-            raise DataError(f"--data {path}: a directory without {', '.join(SHARD_EXTENSIONS)} shards or a saved "
-                            f"dataset")  # fmt: skip
+            raise DataError(
+                f"--data {path}: a directory without {', '.join(SHARD_EXTENSIONS)} shards or a saved dataset"
+            )
         report = ReadReport()
         for file in files:
             part = read_source(file)

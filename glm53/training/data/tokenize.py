@@ -33,8 +33,10 @@ class TextTokenizer:
             try:
                 from transformers import AutoTokenizer  # only for tokenizer directories written by transformers
             except ImportError:
-                raise DataError(f"--tokenizer {path}: a transformers tokenizer directory needs transformers: "
-                                f"pip install 'glm53[data]'") from None
+                raise DataError(
+                    f"--tokenizer {path}: a transformers tokenizer directory needs transformers: "
+                    f"pip install 'glm53[data]'"
+                ) from None
 
             try:
                 self.hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -49,8 +51,9 @@ class TextTokenizer:
             try:
                 from tokenizers import Tokenizer
             except ImportError:
-                raise DataError(f"--tokenizer {path}: needs the tokenizers package: pip install 'glm53[data]'") \
-                    from None
+                raise DataError(
+                    f"--tokenizer {path}: needs the tokenizers package: pip install 'glm53[data]'"
+                ) from None
 
             try:
                 self.hf, self.raw = None, Tokenizer.from_file(os.path.join(path, TOKENIZER_JSON))
@@ -60,8 +63,10 @@ class TextTokenizer:
             self.vocab_size = self.raw.get_vocab_size(with_added_tokens=True)
             self.chat_template = None
         else:
-            raise DataError(f"--tokenizer {path}: no tokenizer there (neither {HF_CONFIG} nor {TOKENIZER_JSON}); "
-                            f"pass --tokenizer DIR with the checkpoint's tokenizer files")  # fmt: skip
+            raise DataError(
+                f"--tokenizer {path}: no tokenizer there (neither {HF_CONFIG} nor {TOKENIZER_JSON}); "
+                f"pass --tokenizer DIR with the checkpoint's tokenizer files"
+            )
 
     def encode(self, text: str) -> list[int]:
         if not text:
@@ -74,8 +79,10 @@ class TextTokenizer:
         try:
             return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
         except Exception as e:  # jinja2 raises its own types (TemplateError, UndefinedError, TypeError, ...)
-            raise DataError(f"the chat template of {self.path} raised on a conversation of {len(messages)} "
-                            f"messages: {type(e).__name__}: {e}") from e
+            raise DataError(
+                f"the chat template of {self.path} raised on a conversation of {len(messages)} "
+                f"messages: {type(e).__name__}: {e}"
+            ) from e
 
     def save(self, path: str) -> None:
         """Write the tokenizer files into checkpoint directory `path` (a resumed run finds them there)."""
@@ -118,8 +125,10 @@ def _check_rendered(doc: Document, tok: TextTokenizer, pieces: list[tuple[str, b
             wanted.append(("tool_calls", str(fn.get("name", "")) if isinstance(fn, dict) else ""))
         for key, needle in wanted:
             if needle and needle not in text:
-                raise DataError(f"{doc.where}: the chat template of {tok.path} does not render messages[{i}]'s "
-                                f"{key!r}; training would drop it silently (use a template that renders it)")
+                raise DataError(
+                    f"{doc.where}: the chat template of {tok.path} does not render messages[{i}]'s "
+                    f"{key!r}; training would drop it silently (use a template that renders it)"
+                )
 
 
 def _pieces(doc: Document, tok: TextTokenizer) -> list[tuple[str | list[int], bool]]:
@@ -137,8 +146,10 @@ def _pieces(doc: Document, tok: TextTokenizer) -> list[tuple[str | list[int], bo
     for i, m in enumerate(doc.messages):
         key = next((k for k in RENDERED_KEYS if m.get(k)), None)
         if key:
-            raise DataError(f"{doc.where}: messages[{i}] has {key!r}, which only a chat template can render; "
-                            f"{tok.path} has none (pass --tokenizer DIR with a chat_template)")  # fmt: skip
+            raise DataError(
+                f"{doc.where}: messages[{i}] has {key!r}, which only a chat template can render; "
+                f"{tok.path} has none (pass --tokenizer DIR with a chat_template)"
+            )
     out = []
     for m in doc.messages:
         trained = m["role"] == TRAINED_ROLE
@@ -171,8 +182,10 @@ def _chat_pieces(doc: Document, tok: TextTokenizer) -> list[tuple[str, bool]]:
 
 def _check_prefix(prefix: str, text: str, doc: Document, tok: TextTokenizer) -> None:
     if not text.startswith(prefix):
-        raise DataError(f"{doc.where}: the chat template of {tok.path} renders this conversation differently as it "
-                        f"grows (an earlier turn changes), so the assistant tokens cannot be told apart")  # fmt: skip
+        raise DataError(
+            f"{doc.where}: the chat template of {tok.path} renders this conversation differently as it "
+            f"grows (an earlier turn changes), so the assistant tokens cannot be told apart"
+        )
 
 
 __all__ = ["TextTokenizer", "TokenDoc", "encode_document"]

@@ -53,9 +53,11 @@ def fit_records(docs: list[VLTokenDoc], seq_len: int, strict: bool) -> tuple[lis
     for doc in docs:
         if doc.media and len(doc.ids) > seq_len:
             if strict:
-                raise DataError(f"{doc.where}: the record is {len(doc.ids)} tokens with its images/videos expanded, "
-                                f"longer than --seq-len {seq_len}; image/video records are never cut (raise "
-                                f"--seq-len, lower the image budget, or drop --strict to skip such records)")
+                raise DataError(
+                    f"{doc.where}: the record is {len(doc.ids)} tokens with its images/videos expanded, "
+                    f"longer than --seq-len {seq_len}; image/video records are never cut (raise "
+                    f"--seq-len, lower the image budget, or drop --strict to skip such records)"
+                )
             skipped.append(doc)
         else:
             kept.append(doc)
@@ -68,16 +70,19 @@ class VLPacker(Packer):
     def __init__(self, docs: list[VLTokenDoc], seq_len: int, seed: int, pad_id: int) -> None:
         long = next((d for d in docs if d.media and len(d.ids) > seq_len), None)
         if long is not None:  # fit_records removes them first; a packer must never cut one
-            raise ValueError(f"{long.where}: an image/video record of {len(long.ids)} tokens cannot be packed into "
-                             f"rows of {seq_len}")  # fmt: skip
+            raise ValueError(
+                f"{long.where}: an image/video record of {len(long.ids)} tokens cannot be packed into rows of {seq_len}"
+            )
         super().__init__(docs, seq_len, seed, pad_id)
         self._finished: list[int] = []
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         if self.offset and self.docs[self.order[self.index]].media:
-            raise ValueError(f"data position: 'offset' {self.offset} is inside an image/video record (they are never "
-                             f"cut): the saved state does not come from this data")  # fmt: skip
+            raise ValueError(
+                f"data position: 'offset' {self.offset} is inside an image/video record (they are never "
+                f"cut): the saved state does not come from this data"
+            )
 
     def _advance(self) -> None:
         self._finished.append(self.order[self.index])
@@ -100,8 +105,10 @@ def make_batch(rows: list[tuple[tuple, list[MediaSpan]]], encoder: VLEncoder) ->
     columns = [torch.tensor(c, dtype=torch.long) for c in zip(*(r for r, _ in rows))]
     spans = [s for _, s in rows]
     out = {}
-    for kind, names in (("image", ("pixel_values", "image_grid_thw")),
-                        ("video", ("pixel_values_videos", "video_grid_thw"))):  # fmt: skip
+    for kind, names in (
+        ("image", ("pixel_values", "image_grid_thw")),
+        ("video", ("pixel_values_videos", "video_grid_thw")),
+    ):
         chosen = [s for row in spans for s in row if s.kind == kind]
         if chosen:
             out[names[0]] = torch.cat([encoder.pixels(s) for s in chosen])

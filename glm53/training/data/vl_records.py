@@ -26,8 +26,15 @@ from .documents import ROLES, DataError, Document, _document
 
 IMAGE_PLACEHOLDER = "<image>"  # LLaMA-Factory's placeholders, one per listed item
 VIDEO_PLACEHOLDER = "<video>"
-SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant",
-                  "tool": "tool", "observation": "tool"}  # fmt: skip
+SHAREGPT_ROLES = {
+    "human": "user",
+    "gpt": "assistant",
+    "system": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+    "observation": "tool",
+}
 PART_TYPES = ("text", "image", "image_url", "video", "video_url")
 
 
@@ -93,8 +100,9 @@ def _is_vl(record: object) -> bool:
     if "images" in record or "videos" in record or "conversations" in record:
         return True
     messages = record.get("messages")
-    return isinstance(messages, list) and any(isinstance(m, dict) and isinstance(m.get("content"), list)
-                                              for m in messages)  # fmt: skip
+    return isinstance(messages, list) and any(
+        isinstance(m, dict) and isinstance(m.get("content"), list) for m in messages
+    )
 
 
 def vl_document(record: dict, where: str, root: str) -> VLDocument:
@@ -109,14 +117,17 @@ def vl_document(record: dict, where: str, root: str) -> VLDocument:
         role, content = _role_and_content(m, key, i, where)
         if isinstance(content, list):
             if listed:
-                raise DataError(f"{where}: {key}[{i}].content is a list of parts while the record also has "
-                                f"'images'/'videos' lists; use one convention per record")  # fmt: skip
+                raise DataError(
+                    f"{where}: {key}[{i}].content is a list of parts while the record also has "
+                    f"'images'/'videos' lists; use one convention per record"
+                )
             parts = [_part(p, f"{key}[{i}].content[{j}]", where, root) for j, p in enumerate(content)]
         elif isinstance(content, str):
             parts = [content]
         else:
-            raise DataError(f"{where}: {key}[{i}].content must be a string or a list of parts, got "
-                            f"{type(content).__name__}")  # fmt: skip
+            raise DataError(
+                f"{where}: {key}[{i}].content must be a string or a list of parts, got {type(content).__name__}"
+            )
         doc.messages.append({"role": role, "parts": parts})
     if listed:
         _place_listed(doc, record, key, where, root)
@@ -129,8 +140,9 @@ def _role_and_content(m: object, key: str, i: int, where: str) -> tuple[str, obj
     if key == "conversations":
         role, content, role_field = SHAREGPT_ROLES.get(m.get("from")), m.get("value"), "from"
         if role is None:
-            raise DataError(f"{where}: {key}[{i}].from is {m.get('from')!r}; expected one of "
-                            f"{', '.join(SHAREGPT_ROLES)}")  # fmt: skip
+            raise DataError(
+                f"{where}: {key}[{i}].from is {m.get('from')!r}; expected one of {', '.join(SHAREGPT_ROLES)}"
+            )
     else:
         role, content, role_field = m.get("role"), m.get("content"), "role"
         if role not in ROLES:
@@ -171,12 +183,16 @@ def _place_listed(doc: VLDocument, record: dict, key: str, where: str, root: str
         if not isinstance(items, list):
             raise DataError(f"{where}: {name!r} must be a list of paths, got {type(items).__name__}")
         lists[kind] = [_listed(item, f"{name}[{k}]", kind, where, root) for k, item in enumerate(items)]
-    counts = {kind: sum(p.count(ph) for m in doc.messages for p in m["parts"])
-              for kind, ph in (("image", IMAGE_PLACEHOLDER), ("video", VIDEO_PLACEHOLDER))}  # fmt: skip
+    counts = {
+        kind: sum(p.count(ph) for m in doc.messages for p in m["parts"])
+        for kind, ph in (("image", IMAGE_PLACEHOLDER), ("video", VIDEO_PLACEHOLDER))
+    }
     for kind, ph in (("image", IMAGE_PLACEHOLDER), ("video", VIDEO_PLACEHOLDER)):
         if counts[kind] != len(lists[kind]):
-            raise DataError(f"{where}: {kind}s: the record lists {len(lists[kind])} {kind}s but its {key} hold "
-                            f"{counts[kind]} {ph} placeholders (one per item, in order)")  # fmt: skip
+            raise DataError(
+                f"{where}: {kind}s: the record lists {len(lists[kind])} {kind}s but its {key} hold "
+                f"{counts[kind]} {ph} placeholders (one per item, in order)"
+            )
     queues = {kind: iter(items) for kind, items in lists.items()}
     for m in doc.messages:
         m["parts"] = _split_placeholders(m["parts"][0], queues)
@@ -185,8 +201,11 @@ def _place_listed(doc: VLDocument, record: dict, key: str, where: str, root: str
 def _split_placeholders(text: str, queues: dict) -> list[str | Media]:
     parts, rest = [], text
     while True:
-        hits = [(rest.find(ph), kind, ph) for kind, ph in (("image", IMAGE_PLACEHOLDER), ("video", VIDEO_PLACEHOLDER))
-                if ph in rest]  # fmt: skip
+        hits = [
+            (rest.find(ph), kind, ph)
+            for kind, ph in (("image", IMAGE_PLACEHOLDER), ("video", VIDEO_PLACEHOLDER))
+            if ph in rest
+        ]
         if not hits:
             break
         at, kind, ph = min(hits)
@@ -211,8 +230,10 @@ def resolve_media(value: object, root: str, where: str, name: str) -> str:
     if not isinstance(value, str) or not value:
         raise DataError(f"{where}: {name} must be a non-empty path string, got {value!r}")
     if value.startswith(("http://", "https://", "data:")):
-        raise DataError(f"{where}: {name} is a URL ({value[:40]}); glm53 reads local files only: download it under "
-                        f"--media-root and give its path")  # fmt: skip
+        raise DataError(
+            f"{where}: {name} is a URL ({value[:40]}); glm53 reads local files only: download it under "
+            f"--media-root and give its path"
+        )
     path = value.removeprefix("file://")
     real = os.path.realpath(os.path.join(root, path))  # an absolute path stays itself
     if os.path.commonpath([real, root]) != root:
@@ -228,4 +249,4 @@ __all__ = [
     "read_vl_records",
     "resolve_media",
     "vl_document",
-]  # fmt: skip
+]

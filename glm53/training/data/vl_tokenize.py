@@ -68,8 +68,10 @@ def media_token_ids(tok: TextTokenizer) -> dict[str, int]:
             value = tok.hf.convert_tokens_to_ids(text)
             value = None if value == tok.hf.unk_token_id else value
         if value is None:
-            raise DataError(f"--tokenizer {tok.path} has no {text} token: image/video records need a GLM-5.3 "
-                            f"tokenizer (with {', '.join(MEDIA_TOKENS)})")  # fmt: skip
+            raise DataError(
+                f"--tokenizer {tok.path} has no {text} token: image/video records need a GLM-5.3 "
+                f"tokenizer (with {', '.join(MEDIA_TOKENS)})"
+            )
         ids[text] = value
     return ids
 
@@ -77,8 +79,9 @@ def media_token_ids(tok: TextTokenizer) -> dict[str, int]:
 class VLEncoder:
     """Records -> VLTokenDocs; `pixels(span)` -> that span's pixel rows."""
 
-    def __init__(self, tok: TextTokenizer, images: ImageProcessor | None = None,
-                 videos: VideoProcessor | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, tok: TextTokenizer, images: ImageProcessor | None = None, videos: VideoProcessor | None = None
+    ) -> None:
         self.tok, self.images, self.videos = tok, images or ImageProcessor(), videos or VideoProcessor()
         self.ids = media_token_ids(tok)
         self.template_renders_media = bool(tok.chat_template) and IMAGE_START in tok.chat_template
@@ -103,8 +106,10 @@ class VLEncoder:
         else:
             rows, grid, _ = self.videos.process(self.videos.load(span.media.path, span.media.fps, span.media.path))
         if tuple(grid) != tuple(span.grid):
-            raise DataError(f"{span.media.path}: changed on disk since the data was read (grid {tuple(grid)}, was "
-                            f"{tuple(span.grid)})")  # fmt: skip
+            raise DataError(
+                f"{span.media.path}: changed on disk since the data was read (grid {tuple(grid)}, was "
+                f"{tuple(span.grid)})"
+            )
         return rows
 
     # ------------------------------------------------------------------------------------------- tokens
@@ -116,8 +121,9 @@ class VLEncoder:
             self._check_no_media_tokens(plain.ids, doc.where)
             return VLTokenDoc(plain.ids, plain.targets, plain.where)
         spans = [self.span(m, doc.where) for m in doc.media]
-        rendered = Document(where=doc.where, messages=[{"role": m["role"], "content": self._content(m["parts"])}
-                                                       for m in doc.messages])  # fmt: skip
+        rendered = Document(
+            where=doc.where, messages=[{"role": m["role"], "content": self._content(m["parts"])} for m in doc.messages]
+        )
         queue, ids, targets = list(spans), [], []
         for piece, trained in _pieces(rendered, self.tok):
             if isinstance(piece, list):
@@ -135,22 +141,25 @@ class VLEncoder:
                     ids += tokens
                     targets += [trained] * len(tokens)
         if queue:
-            raise DataError(f"{doc.where}: the chat template of {self.tok.path} wrote {len(spans) - len(queue)} media "
-                            f"markers for the record's {len(spans)} images/videos")  # fmt: skip
+            raise DataError(
+                f"{doc.where}: the chat template of {self.tok.path} wrote {len(spans) - len(queue)} media "
+                f"markers for the record's {len(spans)} images/videos"
+            )
         return VLTokenDoc(ids, targets, doc.where, spans)
 
     def _content(self, parts: list) -> str | list[dict]:
         if self.template_renders_media:
             return [{"type": "text", "text": p} if isinstance(p, str) else {"type": p.kind} for p in parts]
-        return "".join(p if isinstance(p, str) else IMAGE_MARKER if p.kind == "image" else VIDEO_MARKER
-                       for p in parts)  # fmt: skip
+        return "".join(p if isinstance(p, str) else IMAGE_MARKER if p.kind == "image" else VIDEO_MARKER for p in parts)
 
     def _expand(self, marker: str, queue: list[MediaSpan], where: str) -> list[int]:
         kind = "image" if marker == IMAGE_MARKER else "video"
         if not queue or queue[0].kind != kind:
             got = queue[0].kind if queue else "nothing"
-            raise DataError(f"{where}: the chat template of {self.tok.path} wrote a {kind} marker where the record "
-                            f"has {got} next (text that spells a media marker, or a template that reorders media)")
+            raise DataError(
+                f"{where}: the chat template of {self.tok.path} wrote a {kind} marker where the record "
+                f"has {got} next (text that spells a media marker, or a template that reorders media)"
+            )
         span = queue.pop(0)
         t, h, w = span.grid
         per_slice = h * w // self.images.merge_size**2
@@ -167,8 +176,10 @@ class VLEncoder:
         found = set(tokens) & set(self.ids.values())
         if found:
             name = next(t for t, i in self.ids.items() if i in found)
-            raise DataError(f"{where}: the text holds the media token {name} outside an image/video item; media "
-                            f"go in 'images'/'videos' lists or content parts")  # fmt: skip
+            raise DataError(
+                f"{where}: the text holds the media token {name} outside an image/video item; media "
+                f"go in 'images'/'videos' lists or content parts"
+            )
 
 
 __all__ = [
@@ -179,4 +190,4 @@ __all__ = [
     "VLEncoder",
     "VLTokenDoc",
     "media_token_ids",
-]  # fmt: skip
+]
