@@ -31,8 +31,11 @@ import torch
 from bench_config import RESULTS_DIR, bench_config, machine  # noqa: E402  (also puts the repository on sys.path)
 
 from glm53 import Glm53ForCausalLM  # noqa: E402
-from glm53.training.metrics import flops_per_token  # noqa: E402
-from glm53.training.trainer import PEAK_TFLOPS, PRESETS  # noqa: E402
+from glm53.training.metrics import (
+    PEAK_TFLOPS,  # noqa: E402
+    flops_per_token,  # noqa: E402
+)
+from glm53.training.trainer import PRESETS  # noqa: E402
 
 # fp32 parity bound: eps (1.2e-7) x a reduction depth of ~1e3 terms (hidden 32 x 8 layers x 4 ops, as a generous
 # depth for the tiny model's longest dependency chain) ~ 1.2e-4, and GPU GEMMs reorder sums (TF32 is off here).

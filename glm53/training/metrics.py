@@ -22,6 +22,8 @@ import torch
 
 METRICS = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
+BAR_WIDTH = 24  # the printed progress bar's width (the line printed when stderr is not a TTY)
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense bf16 peaks, for the MFU on known GPUs
 
 
 def active_matmul_params(model: torch.nn.Module) -> int:
@@ -63,6 +65,63 @@ def expert_load_stats(model: torch.nn.Module) -> dict[str, float]:
         "expert_load_min": float(flat.min()),
         "expert_load_max": float(flat.max()),
         "expert_load_mean": float(flat.mean()),
+    }
+
+
+def progress_text(step: int, total: int, loss: float, rate: float) -> str:
+    done = BAR_WIDTH * step // max(total, 1)
+    return f"[{'#' * done}{'.' * (BAR_WIDTH - done)}] {step}/{total} loss {loss:.4f} {rate:,.0f} tok/s"
+
+
+def describe_parts(parts: dict[str, float]) -> str:
+    """The loss parts of a log line: `lm 2.3456  mtp 2.5  aux 0.01  indexer 0.3` (the parts the run has)."""
+    text = [f"lm {parts['lm_loss']:.4f}"]
+    for name in ("mtp_loss", "aux_loss", "indexer_loss"):
+        if name in parts:
+            text.append(f"{name.removesuffix('_loss')} {parts[name]:.4g}")
+    return "  ".join(text)
+
+
+def peak_flops(peak_tflops: float | None, device: str) -> float | None:
+    """The device's dense bf16 peak in FLOP/s for the MFU: --peak-tflops, else a known GPU's, else None."""
+    if peak_tflops:
+        return peak_tflops * 1e12
+    if device == "cuda":
+        name = torch.cuda.get_device_name()
+        return next((t * 1e12 for k, t in PEAK_TFLOPS.items() if k in name), None)
+    return None
+
+
+def step_record(
+    step: int,
+    parts: dict,
+    lr: float,
+    grad_norm: float,
+    tokens: int,
+    rates: list[float],
+    flops_per_tok: int,
+    peak: float | None,
+    elapsed: float,
+    peak_memory: int,
+    padding: float,
+    expert_loads: dict,
+) -> dict:
+    """One metrics.jsonl line: the loss parts, lr, grad norm before clipping, tokens/s (global, per rank), MFU..."""
+    rate = sum(rates)
+    return {
+        "step": step,
+        **parts,
+        "lr": lr,
+        "grad_norm": grad_norm,
+        "tokens": tokens,
+        "tokens_per_s": rate,
+        "tokens_per_s_rank": rates,
+        "flops_per_token": flops_per_tok,
+        "mfu": mfu(flops_per_tok, rate, peak),
+        "time": elapsed,
+        "peak_memory_bytes": peak_memory,
+        "padding": padding,
+        **expert_loads,
     }
 
 

@@ -35,19 +35,27 @@ from ..parallel.run_checkpoint import device_type, has_run_state
 from ..peft import cli as peft_cli
 from ..utils import ceil_div
 from . import runconfig, vl_finetune
+from .announce import announce
 from .data import VOCAB_SIZE, batches, corpus_text, encode
 from .data.documents import DataError
 from .distributed import forward_inputs, init_parallel_model
 from .finetune import FileData, eval_batches, init_model, model_inputs
-from .metrics import Recorder, expert_load_stats, flops_per_token, mfu, peak_memory_bytes
-from .optim import MIN_LR_FRACTION, WARMUP_FRACTION, build_optimizer, build_scheduler, lr_at, total_steps
+from .metrics import (
+    Recorder,
+    describe_parts,
+    expert_load_stats,
+    flops_per_token,
+    peak_flops,
+    peak_memory_bytes,
+    progress_text,
+    step_record,
+)
+from .optim import MIN_LR_FRACTION, WARMUP_FRACTION, build_optimizer, build_scheduler, lr_at
 from .run_files import check_tokenizer_files, prune_steps, save_conflict, write_tokenizer
 from .state import TRAINER_STATE, load_trainer_state, restore_optimizer, resume_distributed, save_run, trainer_state
 from .stopping import Interrupted, SignalStop
 
 GRAD_CLIP = 1.0  # the default --grad-clip: max global gradient norm
-BAR_WIDTH = 24
-PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense bf16 peaks, for the MFU on known GPUs
 LOSS_PARTS = ("loss", "lm_loss", "mtp_loss", "aux_loss", "indexer_loss")
 
 VOCAB_MULTIPLE = 64  # the byte vocabulary rounded up so it splits evenly over --tp 2, 4, 8 (rows never used)
@@ -59,19 +67,6 @@ PRESETS: dict[str, Callable[[], Glm53Config]] = {
         indexer_loss_weight=1.0,
     ),
 }
-
-
-def _progress(step: int, total: int, loss: float, rate: float) -> str:
-    done = BAR_WIDTH * step // max(total, 1)
-    return f"[{'#' * done}{'.' * (BAR_WIDTH - done)}] {step}/{total} loss {loss:.4f} {rate:,.0f} tok/s"
-
-
-def _describe(parts: dict[str, float]) -> str:
-    text = [f"lm {parts['lm_loss']:.4f}"]
-    for name in ("mtp_loss", "aux_loss", "indexer_loss"):
-        if name in parts:
-            text.append(f"{name.removesuffix('_loss')} {parts[name]:.4g}")
-    return "  ".join(text)
 
 
 def _layout(args: argparse.Namespace) -> list[int]:
@@ -334,85 +329,25 @@ class Trainer:
         return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0))}
 
     # -------------------------------------------------------------------------------------------------- log
-    def _announce(self) -> None:
-        args = self.args
-        params = sum(p.numel() for p in self.model.parameters())
-        how = (
-            f"resuming {args.resume} at step {self.start}" if self.state else f"preset {args.preset}, seed {args.seed}"
-        )
-        how = f"fine-tuning {args.init}, seed {args.seed}" if args.init else how
-        ep = f" x ep {args.ep}" if args.ep > 1 else ""
-        ep += f" x cp {args.cp}" if args.cp > 1 else ""
-        layout = f", dp {args.dp} x tp {args.tp}{ep}" if self.par is not None else ""
-        accum = f"{args.grad_accum}x" if args.grad_accum > 1 else ""
-        print(
-            f"glm53 train: {how}, {params:,} parameters{layout}, {args.steps} steps of {accum}{args.batch_size}x"
-            f"{args.seq_len} tokens",
-            flush=True,
-        )
-        print(
-            f"dtype: {self._dtype_text()}; device {self.device}; schedule {args.schedule}, {total_steps(args)} steps",
-            flush=True,
-        )
-        for note in getattr(args, "config_notes", []):
-            print(f"changed on resume: {note}", flush=True)
-        if getattr(args, "save_from_resume", False):
-            print(f"saving into the resumed directory {args.save} (no --save given)", flush=True)
-        if self.data is not None:
-            print(self.data.describe(), flush=True)
-        if self.start >= args.steps:
-            print(f"already at step {self.start} >= --steps {args.steps}; nothing to do", flush=True)
-
-    def _dtype_text(self) -> str:
-        if self.par is not None:
-            return "bf16 compute, fp32 master weights (FSDP2 policy)" if self.args.bf16 else "fp32"
-        loaded = getattr(self, "loaded_dtypes", ["float32"])
-        source = "" if loaded == ["float32"] else f" (checkpoint {'/'.join(loaded)}, trained as fp32 masters)"
-        if self.autocast is not None:
-            return f"bf16 compute (autocast), fp32 master weights and optimizer state{source}"
-        return f"fp32{source}"
-
     def _log(self, step: int, parts: dict[str, float], loss: float, rate: float) -> None:
         args = self.args
         self.recorder.progress(step, loss, rate)
         if self._is_log_step(step):
             if self.recorder.bar is None:
-                print(_progress(step, args.steps, loss, rate), file=sys.stderr, flush=True)
+                print(progress_text(step, args.steps, loss, rate), file=sys.stderr, flush=True)
             media = f"  {self.data.step_media_tokens} image tokens" if self.vl_record is not None else ""
             self.recorder.write_line(
-                f"step {step:5d}  loss {loss:.4f}  {_describe(parts)}  lr {self.lr:.2e}  {rate:,.0f} tok/s{media}"
+                f"step {step:5d}  loss {loss:.4f}  {describe_parts(parts)}  lr {self.lr:.2e}  {rate:,.0f} tok/s{media}"
             )
 
     def _is_log_step(self, step: int) -> bool:
         return step % self.args.log_every == 0 or step == self.args.steps or step == self.start + 1
 
-    def _peak_flops(self) -> float | None:
-        if self.args.peak_tflops:
-            return self.args.peak_tflops * 1e12
-        if self.device == "cuda":
-            name = torch.cuda.get_device_name()
-            return next((t * 1e12 for k, t in PEAK_TFLOPS.items() if k in name), None)
-        return None
-
-    def _metrics(
-        self, step: int, parts: dict[str, float], tokens: int, rates: list[float], padding: float, elapsed: float
-    ) -> dict:
-        rate = sum(rates)
-        return {
-            "step": step,
-            **parts,
-            "lr": self.lr,
-            "grad_norm": float(self.grad_norm),
-            "tokens": tokens,
-            "tokens_per_s": rate,
-            "tokens_per_s_rank": rates,
-            "flops_per_token": self.flops_per_token,
-            "mfu": mfu(self.flops_per_token, rate, self._peak_flops()),
-            "time": elapsed,
-            "peak_memory_bytes": peak_memory_bytes(self.device),
-            "padding": padding,
-            **self.expert_loads,
-        }
+    def _metrics(self, step: int, parts: dict, tokens: int, rates: list[float], padding: float, elapsed: float) -> dict:
+        peak = peak_flops(self.args.peak_tflops, self.device)
+        memory, loads = peak_memory_bytes(self.device), self.expert_loads
+        values = (self.lr, float(self.grad_norm), tokens, rates, self.flops_per_token, peak, elapsed, memory)
+        return step_record(step, parts, *values, padding, loads)
 
     # ------------------------------------------------------------------------------------------------- save
     def save(self, path: str, step: int) -> str:
@@ -473,7 +408,7 @@ class Trainer:
         self._start_run_dir()
         self.recorder = Recorder(self.args.save, self.args.tensorboard, self.args.steps, self.start, self.log_rank)
         if self.log_rank:
-            self._announce()
+            announce(self)
         try:
             with self.stopper:
                 return self._loop()

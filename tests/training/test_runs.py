@@ -20,6 +20,7 @@ from glm53 import Glm53ForCausalLM
 from glm53.__main__ import main
 from glm53.training import metrics as metrics_mod
 from glm53.training import optim
+from glm53.training.announce import dtype_text
 from glm53.training.cli import add_arguments
 from glm53.training.metrics import METRICS, flops_per_token, mfu
 from glm53.training.state import TRAINER_STATE
@@ -189,7 +190,7 @@ def test_bf16_one_process_keeps_fp32_masters(tmp_path, capsys):
     assert torch.bfloat16 in {p.dtype for p in model.parameters()}  # (a keep-list stays fp32)
     model = Trainer._build_model(trainer)
     assert {p.dtype for p in model.parameters()} == {torch.float32}  # fp32 masters, whatever the file holds
-    assert "trained as fp32 masters" in Trainer._dtype_text(trainer) and "bf16 compute" in Trainer._dtype_text(trainer)
+    assert "trained as fp32 masters" in dtype_text(trainer) and "bf16 compute" in dtype_text(trainer)
     trainer.model, trainer.optimizer = model, optim.build_optimizer(model, args)
     trainer.scheduler = optim.build_scheduler(trainer.optimizer, args)
     ids = torch.randint(1, 256, (1, 8))

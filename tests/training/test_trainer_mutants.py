@@ -9,8 +9,10 @@ import torch
 
 from glm53.__main__ import main
 from glm53.training.metrics import Recorder
+from glm53.training.metrics import describe_parts as _describe
+from glm53.training.metrics import progress_text as _progress
 from glm53.training.state import TRAINER_STATE
-from glm53.training.trainer import Trainer, _describe, _progress
+from glm53.training.trainer import Trainer
 
 SMALL = ["train", "--preset", "tiny", "--batch-size", "1", "--seq-len", "16", "--log-every", "1", "--lr", "1e-2"]
 
@@ -47,6 +49,7 @@ def test_log_steps_progress_bar_and_loss_parts(capsys):
         args=argparse.Namespace(steps=10, log_every=4),
         start=5,
         lr=1.0,
+        vl_record=None,  # a text run: no image-token count on the line
         recorder=Recorder(None, False, 10, 5, active=True),
     )  # not a TTY: no bar
     fake._is_log_step = lambda step: Trainer._is_log_step(fake, step)
