@@ -126,7 +126,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", type=_device, default=torch.device("cpu"), help="where the model runs (default cpu)")
     p.add_argument("--max-new-tokens", type=_int_at_least(0), default=64)
     p.add_argument(
-        "--temperature", type=_float_in(0.0, math.inf, False), default=0.0, help="0 = greedy (default); > 0 samples"
+        "--temperature",
+        type=_float_in(0.0, math.inf, False),
+        default=None,
+        help="0 = greedy (the default, unless --top-p/--top-k sample at temperature 1); > 0 samples",
     )
     p.add_argument("--top-p", type=_float_in(0.0, 1.0, True), default=None)
     p.add_argument("--top-k", type=_int_at_least(1), default=None)
@@ -219,7 +222,26 @@ class _TextStreamer:
         self.out.flush()
 
 
+def _check_options(args: argparse.Namespace) -> str | None:
+    """-> the usage error of option combinations that would silently do something else, else None."""
+    sampling = [f for f, v in (("--top-p", args.top_p), ("--top-k", args.top_k)) if v is not None]
+    if args.temperature == 0 and sampling:  # said explicitly (the default is None)
+        return f"--temperature 0 is greedy decoding, which ignores {' and '.join(sampling)}: give --temperature > 0"
+    if args.mtp is not None and ((args.temperature or 0) > 0 or sampling):
+        flags = (["--temperature"] if (args.temperature or 0) > 0 else []) + sampling
+        return f"--mtp decodes greedily (speculative decoding is exact for greedy only): drop {', '.join(flags)}"
+    if args.prompt is not None:
+        try:
+            args.prompt.encode("utf-8")
+        except UnicodeEncodeError:  # bytes that are not UTF-8 arrive as lone surrogates (surrogateescape)
+            return "--prompt is not valid UTF-8 text"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
+    if (problem := _check_options(args)) is not None:
+        print(f"glm53 generate: error: {problem}", file=sys.stderr, flush=True)
+        return 2
     try:
         return _run(args)
     except (Glm53Error, OSError) as e:
@@ -267,7 +289,7 @@ def _run(args: argparse.Namespace) -> int:
                 model, args.tokenizer or args.model, texts[0], args.image, args.video, args.video_fps
             )
         mask = torch.ones_like(ids)
-    sample = args.temperature > 0 or args.top_p is not None or args.top_k is not None
+    sample = (args.temperature or 0) > 0 or args.top_p is not None or args.top_k is not None
     options = dict(max_new_tokens=args.max_new_tokens, return_stats=True)
     if not batch:
         print(texts[0], end="", flush=True)

@@ -8,6 +8,8 @@ moves every bias by rate * sign(mean load - load) and clears the counts. Neither
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Callable, Iterable
 
 import torch
@@ -44,6 +46,9 @@ def update_router_bias(
     that ran MTP): without their counts there is nothing to balance. `reduce` sums the stacked loads [routers, E]
     over data-parallel ranks (the parallel layer supplies it; model code holds no collectives).
     """
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate) or rate < 0:
+        # a NaN rate turned every bias into NaN; a negative one pushed load toward the busiest experts
+        raise ValueError(f"update_router_bias: rate must be a finite number >= 0, got {rate!r}")
     if not routers:
         return
     if any(r.counted_load is None for r in required):

@@ -234,6 +234,9 @@ class Glm53LMHeadModel(nn.Module):
         hc_recompute: recompute the mHC coefficients in backward instead of storing them (None in a module means
         "only for non-fp32 streams", its default).
         """
+        for name, value in (("mla_absorb", mla_absorb), ("hc_recompute", hc_recompute)):
+            if value is not None and not isinstance(value, bool):  # "no" is truthy: it would switch the form on
+                raise TypeError(f"set_numerics: {name} must be True, False or None, got {value!r}")
         for module in self.modules():
             if isinstance(module, MultiHeadLatentAttention) and mla_absorb is not None:
                 module.absorb = mla_absorb

@@ -128,3 +128,30 @@ def test_what_reaches_generate(checkpoint, capsys, monkeypatch, flags, compile_k
     out = text(checkpoint, capsys, "--max-new-tokens", "6", *flags)
     assert seen.get("compile") == compile_kw and seen["max_new_tokens"] == 6 and "do_sample" not in seen
     assert "[3 new tokens in 1.50 s" in out and "decode 3.0 tok/s" in out
+
+
+@pytest.mark.parametrize(
+    "flags, said",
+    [
+        (["--temperature", "0", "--top-p", "0.9"], "--temperature 0 is greedy decoding, which ignores --top-p"),
+        (["--temperature", "0", "--top-k", "5"], "--temperature 0 is greedy decoding, which ignores --top-k"),
+        (["--mtp", "2", "--temperature", "0.7"], "--mtp decodes greedily .*: drop --temperature"),
+        (["--mtp", "2", "--top-p", "0.9"], "--mtp decodes greedily .*: drop --top-p"),
+    ],
+)
+def test_contradicting_decoding_options_are_usage_errors(checkpoint, capsys, flags, said):
+    """`--temperature 0 --top-p 0.9` sampled at temperature 1 although the help says 0 is greedy, and `--mtp` with a
+    temperature decoded greedily without a word: both are now usage errors (exit 2) naming the flags, decoding
+    nothing."""
+    import re
+
+    assert main(["generate", "--model", checkpoint, "--prompt", "Hi", *flags]) == 2
+    captured = capsys.readouterr()
+    assert re.search(said, captured.err) and captured.out == ""
+
+
+def test_a_prompt_that_is_not_utf8_is_one_line(checkpoint, capsys):
+    """Undecodable argv bytes arrive as lone surrogates (surrogateescape): one line, no traceback."""
+    prompt = b"caf\xe9".decode("utf-8", "surrogateescape")
+    assert main(["generate", "--model", checkpoint, "--prompt", prompt]) == 2
+    assert "--prompt is not valid UTF-8 text" in capsys.readouterr().err
