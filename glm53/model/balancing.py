@@ -9,7 +9,6 @@ moves every bias by rate * sign(mean load - load) and clears the counts. Neither
 from __future__ import annotations
 
 import math
-
 from collections.abc import Callable, Iterable
 
 import torch
