@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from types import SimpleNamespace
 
 import torch
 
@@ -22,6 +23,7 @@ from ..config import Glm53Config
 from ..errors import Glm53Error
 from ..losses import Glm53ForCausalLM
 from ..parallel.ckpt_plan import plan_rank
+from ..parallel.plan import check_tp_size
 from ..training.args import positive_int
 from ..vision.model import model_class_for
 
@@ -59,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     except (Glm53Error, OSError) as e:
         print(f"{p.prog}: error: --config {args.config}: {e}", file=sys.stderr)
         return 1
+    try:  # heads, KDA heads and the vocabulary must split over tp: said before any planning, as parallelize says it
+        check_tp_size(SimpleNamespace(config=config), args.tp)
+    except ValueError as e:
+        p.error(f"argument --tp: {e}")
     file_bytes = args.max_shard_size
     print(
         f"{config.num_hidden_layers} layers, {config.n_routed_experts} experts, dp {args.dp} x tp {args.tp} "

@@ -40,6 +40,7 @@ from ..vision.model import model_class_for
 from .comm_model import kda_layer_bytes, mla_layer_bytes, moe_layer_bytes
 
 GIB = 1024**3
+MAX_WORLD = 4096  # ranks the fake-process-group plan builds in about a minute on one core
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 FP32 = 4  # bytes: router logits, indexer scores and the loss's logits are fp32
 INDEX_BYTES = 8  # int64 top-k slot indices
@@ -57,7 +58,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="parameter / gradient / compute dtype")
     p.add_argument("--device-gib", type=positive_float, default=80.0, help="device memory to compare with (GiB)")
     peft_plan.add_plan_arguments(p)  # --lora-rank, --lora-targets, --base-dtype, --freeze
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    world = args.dp * args.cp * args.ep * args.tp
+    if world > MAX_WORLD:
+        p.error(
+            f"--dp {args.dp} x --cp {args.cp} x --ep {args.ep} x --tp {args.tp} = {world} ranks; the plan builds "
+            f"the whole world on a fake process group (time grows with it: 4096 ranks take about a minute), so at "
+            f"most {MAX_WORLD} ranks"
+        )
+    return args
 
 
 # ------------------------------------------------------------------------------------- activations per token

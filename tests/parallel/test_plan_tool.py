@@ -121,3 +121,27 @@ def test_comm_model_composes_the_dimensions():
     width = c.kv_lora_rank + 2 * c.index_head_dim
     assert cp2["all_gather"] - plain["all_gather"] == 32 * width * 4 + 32
     assert kda_layer_bytes(c, 1, 1, 1, 64, 4, tp=2)["all_gather"] == 0  # tp alone: no FSDP, no cp
+
+
+def test_a_world_too_large_to_plan_is_a_usage_error_not_a_hang(capsys):
+    """The plan builds every rank of the fake world (O(world)): `--dp 1000000` ran for minutes. A world above
+    MAX_WORLD is refused at once, naming the product."""
+    from glm53.tools import plan as plan_tool
+
+    with pytest.raises(SystemExit) as e:
+        plan_tool.parse_args(["--dp", "1000000"])
+    assert e.value.code == 2
+    assert "--dp 1000000 x --cp 1 x --ep 1 x --tp 1 = 1000000 ranks" in capsys.readouterr().err
+    assert plan_tool.parse_args(["--dp", str(plan_tool.MAX_WORLD)]).dp == plan_tool.MAX_WORLD
+
+
+def test_ckpt_plan_with_a_tp_that_splits_no_heads_is_a_usage_error(capsys):
+    """`ckpt_plan --tp 3` (64 heads) was a traceback from every fake rank; now one usage line naming the field."""
+    from glm53.tools import ckpt_plan
+
+    with pytest.raises(SystemExit) as e:
+        ckpt_plan.main(["--dp", "1", "--tp", "3"])
+    assert e.value.code == 2
+    assert "argument --tp: tensor parallelism over 3 ranks splits MLA heads, but num_attention_heads=64" in (
+        capsys.readouterr().err
+    )
