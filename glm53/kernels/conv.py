@@ -80,6 +80,8 @@ _EDGES: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 def _edges(cu_seqlens: torch.Tensor, total: int, W: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The tokens closer than W-1 to their document's start [n_e] and which of their taps stay inside it [n_e, W]."""
+    if cu_seqlens.is_inference():  # no version counter to key a cache on: found again
+        return _find_edges(cu_seqlens, total, W)
     cached = _EDGES.get(cu_seqlens)
     if cached is not None and cached[:3] == (total, W, cu_seqlens._version):
         return cached[3]

@@ -25,6 +25,9 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, B: int, T: int) -> torch.Tensor:
     cu = cu_seqlens.long()
     if torch.compiler.is_compiling():  # the value checks read the data on the host (a graph break each); the model
         return cu  # made these boundaries itself (model/packing.py document_boundaries), eagerly
+    if cu.is_inference():  # inference tensors keep no version counter: checked every call (no in-place edits seen)
+        _check_values(cu, B, T)
+        return cu
     if _VALIDATED.get(cu) == (B, T, cu._version):
         return cu
     _check_values(cu, B, T)

@@ -138,6 +138,7 @@ class Trainer:
             return model
         if self.par is not None:
             return init_parallel_model(args, self.mesh, PRESETS[args.preset])
+        lora = None
         if self.vl_record is not None:
             model = vl_finetune.init_model(args.init or args.resume, self.vl_record)
             vl_finetune.apply_freeze(model, args.freeze)

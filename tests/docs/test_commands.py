@@ -42,6 +42,7 @@ ELSEWHERE = {
     "python examples/finetune_vl.py": "tests/training/test_finetune_vl_example.py::test_example_runs_and_learns",
     "python -m glm53 train --init VL_DIR": "tests/training/test_vl_train_cli.py::test_train_resume_and_freeze",
     "python -m glm53 generate --model runs/vl --image": "tests/generation/test_vl_generate.py::test_cli_streams_an_answer",
+    "python -m glm53 generate --model runs/tiny --prompts": "tests/generation/test_cli.py::test_prompts_file_is_one_left_padded_batch",
     "python -m glm53 train --preset tiny --compile": "tests/compile/test_compile_parallel.py::test_train_cli_compile_flag_compiles_every_block",
 }
 # docs/mutation.md's commands run the mutation audit by hand (hours); they are not part of CI by design.

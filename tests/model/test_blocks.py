@@ -232,7 +232,9 @@ INDEXER_CASES = {
 @pytest.mark.parametrize("case", INDEXER_CASES.values(), ids=INDEXER_CASES.keys())
 def test_indexer_topk_sets(case):
     T, pad, index_topk, tail = case
-    config = Glm53Config.tiny(index_topk=index_topk, index_kpool_always_select_tail=tail)
+    # 16 indexer heads: tie-free ReLU scores, where torch.topk's order and glm53's one tie rule (ties to the earliest
+    # pool, tests/model/test_indexer_ties.py) agree; ties are tested on purpose there
+    config = Glm53Config.tiny(index_topk=index_topk, index_kpool_always_select_tail=tail, index_n_heads=16)
     ours, theirs = pair(config, hf.Glm5NextTextIndexer, Indexer, 3)
     x = torch.randn(2, T, config.hidden_size)
     q_resid = torch.randn(2, T, config.q_lora_rank)
@@ -366,7 +368,7 @@ def test_dense_mlp(limit):
 @pytest.mark.parametrize("layer_idx", [0, 1, 3], ids=["KDA-dense", "KDA-MoE", "MLA-MoE"])
 def test_decoder_block(layer_idx):
     T = 18
-    config = Glm53Config.tiny(index_topk=4)
+    config = Glm53Config.tiny(index_topk=4, index_n_heads=16)  # tie-free indexer scores (test_indexer_topk_sets)
     ours, theirs = pair(config, hf.Glm5NextTextDecoderLayer, DecoderBlock, layer_idx)
     streams = torch.randn(2, T, config.hc_mult, config.hidden_size)
     mask = padding(2, T, "left")

@@ -28,8 +28,9 @@ FAST_OPS = (
 
 CASES = {
     # T=70 > one KDA chunk (64), not a multiple of it or of the k-pool (4); sparse since T >> index_topk (8)
-    "bounded-gate-T70-leftpad": dict(config={}, T=70),
-    "softplus-gate-T70-leftpad": dict(config=dict(linear_lower_bound=None), T=70),
+    # 16 indexer heads: tie-free scores, so transformers' torch.topk and glm53's tie rule pick the same pools
+    "bounded-gate-T70-leftpad": dict(config=dict(index_n_heads=16), T=70),
+    "softplus-gate-T70-leftpad": dict(config=dict(linear_lower_bound=None, index_n_heads=16), T=70),
 }
 
 

@@ -196,7 +196,9 @@ def run_site(kind: str, model: Glm53ForCausalLM, module: torch.nn.Module, x: tor
         return module(x)
     if kind == "hc":  # an mHC site around the block's input norm
         norm = model.model.layers[0].input_layernorm
-        return module(expand_streams(x, model.config.hc_mult), lambda h: norm(h) * 2)
+        streams = expand_streams(x, model.config.hc_mult)
+        h, mix = module.enter(streams)  # the site's two halves around the block (model/hyper_connection.py)
+        return module.exit(streams, norm(h) * 2, mix)
     raise ValueError(kind)
 
 

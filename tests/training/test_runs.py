@@ -186,6 +186,7 @@ def test_bf16_one_process_keeps_fp32_masters(tmp_path, capsys):
     args = parser.parse_args(["--init", str(init), "--bf16", "--steps", "1", "--batch-size", "1", "--seq-len", "8"])
     trainer = Trainer.__new__(Trainer)  # the model, optimizer and step of a Trainer, without a data file
     trainer.args, trainer.par, trainer.device, trainer.autocast, trainer.state = args, None, "cpu", torch.bfloat16, None
+    trainer.vl_record = None  # a text run
     model = Glm53ForCausalLM.from_pretrained(init)
     assert torch.bfloat16 in {p.dtype for p in model.parameters()}  # (a keep-list stays fp32)
     model = Trainer._build_model(trainer)
