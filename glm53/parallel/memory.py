@@ -9,6 +9,7 @@ rank 0's. Used by `python -m glm53.tools.plan`.
 from __future__ import annotations
 
 import contextlib
+import gc
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache  # the documented way to empty it
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from .mesh import mesh_layout
@@ -24,14 +26,27 @@ from .mesh import mesh_layout
 
 @contextlib.contextmanager
 def fake_world(world_size: int):
-    """Rank 0 of a `world_size` fake process group for the duration of the block (none may be running)."""
+    """Rank 0 of a `world_size` fake process group for the duration of the block (none may be running).
+
+    A device mesh compares equal to any mesh of the same shape and dimension names, whatever its groups, so
+    DTensor's sharding-propagation cache, filled in an earlier world, would hand this world results that carry the
+    earlier world's meshes, whose group names ("0", "1", ... restarted per world) are not registered here ("Could
+    not resolve the process group registered under the name 7"). A world starts and ends with an empty cache and
+    a collection (a freed group unregisters its name; one caught in a cycle must go while no world exists)."""
     if dist.is_initialized():
         raise RuntimeError("fake_world needs a process without a process group; one is already initialised")
+    _forget_previous_worlds()
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
     try:
         yield
     finally:
         dist.destroy_process_group()
+        _forget_previous_worlds()
+
+
+def _forget_previous_worlds() -> None:
+    _clear_sharding_prop_cache()
+    gc.collect()
 
 
 def layout_mesh(dp: int, ep: int, tp: int, device_type: str = "cpu", cp: int = 1) -> DeviceMesh:

@@ -23,7 +23,6 @@ from torch.distributed._local_tensor import LocalTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from glm53 import Glm53Config, Glm53ForCausalLM
 from glm53.boundary import as_local
@@ -111,13 +110,10 @@ def test_every_parameter_has_its_placement_on_every_dimension(dp, cp, ep, tp):
 def ep_tp_mesh():
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
-    try:
+    with fake_world(4):  # collects the previous world's leftovers first
         with LocalTensorMode(4):
             mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp", "ep", "tp"))
         yield mesh
-    finally:
-        dist.destroy_process_group()
 
 
 @settings(max_examples=4, **SETTINGS)

@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 from torch.distributed._local_tensor import LocalTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from glm53 import Glm53Config
 from glm53.boundary import as_local, expert_dispatcher
@@ -24,6 +23,7 @@ from glm53.model.moe import Experts
 from glm53.parallel import PlacementError, apply_expert_parallel, check_ep_size
 from glm53.parallel.boundary import LocalShard, set_boundary_rule
 from glm53.parallel.expert import expert_shard_placement
+from glm53.parallel.memory import fake_world
 from tests.parallel.test_parallel_boundary import SETTINGS, per_rank
 
 WORLD = 4
@@ -33,16 +33,13 @@ WORLD = 4
 def meshes():
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("fake", rank=0, world_size=WORLD, store=FakeStore())
-    try:
+    with fake_world(WORLD):  # collects the previous world's leftovers first
         with LocalTensorMode(WORLD):
             ep4 = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("ep",))
             dp2ep2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
             dp1ep4 = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("dp", "ep"))
             dp1ep2tp2 = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp", "ep", "tp"))
         yield {"ep4": ep4, "dp2xep2": dp2ep2, "dp1xep4": dp1ep4, "dp1xep2xtp2": dp1ep2tp2}
-    finally:
-        dist.destroy_process_group()
 
 
 def experts_module(E: int, D: int, I: int, seed: int) -> torch.nn.Module:

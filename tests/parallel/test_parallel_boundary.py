@@ -22,7 +22,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import glm53
 from glm53 import Glm53Config, Glm53ForCausalLM
@@ -38,6 +37,7 @@ from glm53.parallel import (
     parallelize,
     tp_plan,
 )
+from glm53.parallel.memory import fake_world
 
 WORLD = 4
 TOL = 1e-5  # fp32, relative to the largest reference magnitude
@@ -70,14 +70,11 @@ def meshes():
     """{"tp2": the "tp" half of a (2, 2) mesh, "tp4": a (4,) mesh, "2d": the (2, 2) mesh}, all under one fake PG."""
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("fake", rank=0, world_size=WORLD, store=FakeStore())
-    try:
+    with fake_world(WORLD):  # collects the previous world's leftovers first
         with LocalTensorMode(WORLD):
             mesh2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
             tp4 = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
         yield {"tp2": mesh2d["tp"], "tp4": tp4, "2d": mesh2d}
-    finally:
-        dist.destroy_process_group()
 
 
 def per_rank(t: torch.Tensor) -> list[torch.Tensor]:
