@@ -24,7 +24,8 @@ from ..model.model import Glm53LMHeadModel
 from ..model.mtp import mtp_labels
 from ..model.packing import document_labels
 from .counts import LossCounts, count_loss_terms
-from .parts import IGNORE_INDEX, causal_lm_head_loss, head_target_loss, indexer_kl_terms, router_aux_loss
+from .indexer_kl import indexer_kl_terms
+from .parts import IGNORE_INDEX, causal_lm_head_loss, head_target_loss, router_aux_loss
 
 
 @dataclass

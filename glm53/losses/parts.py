@@ -289,26 +289,6 @@ def pool_kl(
     return per_term((kl * rows).sum(), rows.sum(), num_rows)
 
 
-def indexer_kl_terms(
-    stats: list[LayerStats], valid: torch.Tensor, mode: str, num_rows: torch.Tensor | None = None
-) -> list[torch.Tensor]:
-    """One KL term per full indexer in `stats` (attention layers in order; shared ones follow their full one),
-    each summed over its query rows / `num_rows` (default: its mean)."""
-    groups: list[tuple[LayerStats, list[torch.Tensor]]] = []
-    for s in stats:
-        if s.index_scores is not None:
-            groups.append((s, [s.pool_mass]))
-        elif s.pool_mass is not None:
-            if not groups:
-                raise ValueError("a shared indexer layer recorded attention mass before any full indexer layer")
-            groups[-1][1].append(s.pool_mass)
-    terms = []
-    for full, masses in groups:
-        mask = full.candidate if mode == "dense" else full.selected
-        terms.append(chunked_pool_kl(full.index_scores, masses, mask, valid, num_rows))
-    return terms
-
-
 def chunked_pool_kl(
     scores: torch.Tensor,
     masses: list[torch.Tensor],
@@ -327,11 +307,24 @@ KL_CHUNK = 256  # query rows per chunk of the indexer KL
 
 def _kl_chunk(scores, masses, mask, valid, t0, t1):
     """Rows [t0, t1) -> (KL per row [B, Tq], row weight [B, Tq], student probabilities, target) ([B, Tq, P])."""
-    m = mask[:, t0:t1]
-    target = torch.stack([normalized_target(x[:, t0:t1].float(), m) for x in masses]).mean(0)
-    logp = scores[:, t0:t1].float().masked_fill(~m, torch.finfo(torch.float32).min).log_softmax(-1)
+    return kl_rows(scores[:, t0:t1], [x[:, t0:t1] for x in masses], mask[:, t0:t1], valid[:, t0:t1])
+
+
+def kl_rows(scores, masses, mask, valid):
+    """A block of query rows: scores, masses [B, Tq, P], mask [B, Tq, P], valid [B, Tq] -> (KL per row [B, Tq],
+    row weight [B, Tq], student log-probabilities, target [B, Tq, P]). The one form of the indexer KL's rows
+    (chunked_pool_kl here and the recomputing op, losses/indexer_kl.py)."""
+    target = torch.stack([normalized_target(x.float(), mask) for x in masses]).mean(0)
+    logp = scores.float().masked_fill(~mask, torch.finfo(torch.float32).min).log_softmax(-1)
     kl = (torch.xlogy(target, target) - target * logp).sum(-1)
-    return kl, (valid[:, t0:t1] & m.any(-1)).float(), logp, target
+    return kl, (valid & mask.any(-1)).float(), logp, target
+
+
+def kl_rows_grad(logp: torch.Tensor, target: torch.Tensor, mask: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """d (sum of weight * KL per row) / d scores for `kl_rows`' logp, target, mask [B, Tq, P], weight [B, Tq]:
+    p - target over the mask (target sums to 1 there), 0 off it."""
+    d = (logp.exp() * target.sum(-1, keepdim=True) - target).masked_fill_(~mask, 0.0)
+    return d * weight[..., None]
 
 
 class _ChunkedPoolKl(torch.autograd.Function):
@@ -351,9 +344,9 @@ class _ChunkedPoolKl(torch.autograd.Function):
         d_scores = torch.zeros_like(scores, dtype=torch.float32)
         for t0 in range(0, scores.shape[1], KL_CHUNK):
             _, rows, logp, target = _kl_chunk(scores, masses, mask, valid, t0, t0 + KL_CHUNK)
-            # d KL / d scores = p - target over the mask (target sums to 1 there), 0 off it
-            d = (logp.exp() * target.sum(-1, keepdim=True) - target).masked_fill_(~mask[:, t0 : t0 + KL_CHUNK], 0.0)
-            d_scores[:, t0 : t0 + KL_CHUNK] = d * (rows * grad * ctx.per_row)[..., None]
+            d_scores[:, t0 : t0 + KL_CHUNK] = kl_rows_grad(
+                logp, target, mask[:, t0 : t0 + KL_CHUNK], rows * grad * ctx.per_row
+            )
         return (d_scores.to(scores.dtype), None, None, None, *(None for _ in masses))
 
 
@@ -365,7 +358,8 @@ __all__ = [
     "balance_loss",
     "sharded_balance_loss",
     "head_target_loss",
-    "indexer_kl_terms",
+    "kl_rows",
+    "kl_rows_grad",
     "next_token_targets",
     "per_term",
     "normalized_target",

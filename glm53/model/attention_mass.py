@@ -8,6 +8,9 @@ glm53/losses/parts.py (`indexer_kl_terms`). No gradient: it is the KL's target.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
 from ..kernels.varlen import document_bounds
@@ -70,4 +73,72 @@ def _mass_chunk(B: int, H: int, T: int) -> int:
     return max(1, min(QUERY_CHUNK, max(MIN_MASS_CHUNK, MASS_BUDGET // max(1, B * H * T))))
 
 
-__all__ = ["attention_pool_mass"]
+def slot_pools(
+    topk: torch.Tensor,
+    valid: torch.Tensor,
+    kpool: int,
+    cu_seqlens: torch.Tensor | None = None,
+    num_pools: int | None = None,
+) -> torch.Tensor:
+    """[B, T, J] key positions (-1 empty) -> [B, T, J] index of the indexer pool holding each (P where none).
+    `num_pools`: the P of the mass this indexes; the layout rebuilt here must have the same width (a packed layout
+    is narrower while compiling: both must come from the same mode, or the indices point at other pools).
+    topk may be a block of query rows: only its slots are mapped."""
+    positions, _ = kept_pools(valid, kpool, cu_seqlens)  # [B, P, L], -1 where invalid
+    B, P, L = positions.shape
+    if num_pools is not None and P != num_pools:
+        raise RuntimeError(
+            f"pool layout mismatch: the indexer's mass has {num_pools} pools per row, the layout "
+            f"rebuilt for its reduction {P} (one traced, one eager?)"
+        )
+    T = valid.shape[1]
+    pool_of = torch.full((B, T + 1), P, dtype=torch.long, device=topk.device)  # column T: empty slots
+    ids = torch.arange(P, device=topk.device).repeat_interleave(L).expand(B, -1)
+    pool_of.scatter_(1, torch.where(positions >= 0, positions, T).flatten(1), ids)
+    pool_of[:, T] = P
+    slots = torch.where((topk >= 0) & (topk < T), topk, T).long()
+    return pool_of.gather(1, slots.flatten(1)).view_as(slots)
+
+
+# ------------------------------------------------------------------ what the recomputing indexer KL records
+@dataclass
+class PoolMassInputs:
+    """What one MLA layer records for the recomputing indexer KL (losses/indexer_kl.py) instead of its [B, T, P]
+    pool mass: the inputs of `attention_pool_mass`, detached (the target has no gradient). O(T) memory.
+
+    `reduce` (tensor parallelism, set by glm53/parallel): (a block's mass [B, Tq, P] from this rank's heads,
+    its query rows' top-k [B, Tq, J]) -> that mass summed over the ranks wherever the loss reads it."""
+
+    q: torch.Tensor  # [B, T, H, K] MLA queries
+    k: torch.Tensor  # [B, T, H, K] MLA keys
+    valid: torch.Tensor  # [B, T] bool: the keys' padding mask
+    cu_seqlens: torch.Tensor | None
+    kpool: int
+    scale: float
+    reduce: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+    def mass(self, t0: int, t1: int, topk: torch.Tensor) -> torch.Tensor:
+        """Query rows [t0, t1)'s pool mass [B, Tq, P] (`topk` [B, T, J]: the full indexer's, for `reduce`)."""
+        out = attention_pool_mass(self.q[:, t0:t1], self.k, self.valid, self.kpool, self.scale, self.cu_seqlens, t0)
+        return out if self.reduce is None else self.reduce(out, topk[:, t0:t1])
+
+
+@dataclass
+class IndexerKlInputs:
+    """What a full indexer layer records for the recomputing indexer KL instead of its [B, T, P] scores and masks:
+    the indexer's queries, head weights and pool keys (with gradient to the indexer), the pool layout and the
+    layer's top-k (the sparse KL's selected pools are the pools of its slots). O(T * J) memory."""
+
+    q: torch.Tensor  # [B, T, H, K] indexer queries
+    weights: torch.Tensor  # [B, T, H] fp32
+    pool_keys: torch.Tensor  # [B, P, K]
+    positions: torch.Tensor  # [B, P, L] pool token positions, -1 invalid
+    complete: torch.Tensor  # [B, P]
+    topk: torch.Tensor  # [B, T, J]
+    valid: torch.Tensor  # [B, T] bool: the keys' padding mask
+    cu_seqlens: torch.Tensor | None
+    kpool: int
+    scale: float
+
+
+__all__ = ["IndexerKlInputs", "PoolMassInputs", "attention_pool_mass", "slot_pools"]

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-if TYPE_CHECKING:  # the annotation only: cache.py needs no context
+if TYPE_CHECKING:  # the annotations only: cache.py needs no context
+    from .attention_mass import IndexerKlInputs, PoolMassInputs
     from .cache import GenerationCache
 
 
@@ -35,6 +36,10 @@ class LayerStats:
     index_scores: torch.Tensor | None = None  # [B, T, P] fp32 (full indexer layers; gradient to the indexer)
     candidate: torch.Tensor | None = None  # [B, T, P] bool pools the query may pick
     selected: torch.Tensor | None = None  # [B, T, P] bool pools it picked
+    # The recomputing indexer KL (MultiHeadLatentAttention.kl_recompute, losses/indexer_kl.py) records these
+    # O(T) inputs instead of the four [B, T, P] tensors above (model/attention_mass.py):
+    mass_inputs: PoolMassInputs | None = None  # every MLA layer: its attention mass's inputs (no gradient)
+    indexer_inputs: IndexerKlInputs | None = None  # full indexer layers: the scores' inputs (gradient to the indexer)
 
 
 class SequenceShards(Protocol):

@@ -206,10 +206,7 @@ class Indexer(nn.Module):
         """
         offset = 0 if shards is None else shards.offset
         with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
-            keys, gate = self.token_keys(x.detach())
-            if shards is not None:
-                keys, gate = shards.all_gather(keys, dim=1), shards.all_gather(gate, dim=1)
-            pool_keys, positions, complete = self.pool(keys, gate, valid, cu_seqlens)
+            pool_keys, positions, complete = self.detached_pools(x, valid, cu_seqlens, shards)
             start = None if cu_seqlens is None else pool_starts(positions, valid.shape[1])
             if shards is None:
                 scores = self.scores(x.detach(), q_resid.detach(), pool_keys, cu_seqlens, start)
@@ -222,6 +219,31 @@ class Indexer(nn.Module):
                 scores.detach(), positions, complete, valid, cu_seqlens, query_offset=offset
             )
         return topk, scores, candidate, selected
+
+    def detached_pools(
+        self,
+        x: torch.Tensor,
+        valid: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        shards: SequenceShards | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`pools` of the detached x (gathered under `shards`, as `score_and_select`): gradient to this indexer's
+        own parameters only."""
+        keys, gate = self.token_keys(x.detach())
+        if shards is not None:
+            keys, gate = shards.all_gather(keys, dim=1), shards.all_gather(gate, dim=1)
+        return self.pool(keys, gate, valid, cu_seqlens)
+
+    def kl_inputs(
+        self, x: torch.Tensor, q_resid: torch.Tensor, valid: torch.Tensor, cu_seqlens: torch.Tensor | None = None
+    ) -> dict:
+        """What the recomputing indexer KL (losses/indexer_kl.py) scores query blocks from, with gradient to this
+        indexer's parameters only (inputs detached, as `score_and_select(grad=True)`): the per-head queries
+        [B, T, H, K], head weights [B, T, H] fp32, pool keys [B, P, K], the pools' token positions [B, P, L] and
+        completeness [B, P]. O(T) memory: the [B, T, P] scores are never made here."""
+        pool_keys, positions, complete = self.detached_pools(x, valid, cu_seqlens)
+        q, w = self._queries(x.detach(), q_resid.detach())
+        return dict(q=q, weights=w, pool_keys=pool_keys, positions=positions, complete=complete)
 
     def select(
         self,
@@ -337,22 +359,35 @@ def select_kept(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`Indexer.select` over pools that are all complete in some row (transformers' pool axis)."""
     num_slots = index_topk + (kpool - 1 if select_tail else 0)
-    B, S = valid.shape
+    S = valid.shape[1]
     T = scores.shape[1]
-    rows = slice(query_offset, query_offset + T)
-    query_pos = torch.arange(query_offset, query_offset + T, device=scores.device)
-    # Causal visibility from positions (s <= t; a complete pool's tokens are all valid), no [B, T, S] mask.
-    pool_end = positions[..., -1].clamp(0, S - 1)  # [B, P]
-    candidate = (pool_end[:, None, :] <= query_pos[None, :, None]) & complete[:, None]  # [B, T, P]
-    if cu_seqlens is not None:  # ... and a pool of the query's own document (it starts at or after the doc)
-        doc_start = document_bounds(cu_seqlens, B, S)[0][:, rows]
-        candidate &= pool_starts(positions, S)[:, None, :] >= doc_start[:, :, None]
+    candidate = candidate_pools(positions, complete, S, cu_seqlens, query_offset, T)  # [B, T, P]
     scores = scores.masked_fill(~candidate, torch.finfo(scores.dtype).min)
     chosen = rank_pools(scores, min(index_topk // kpool, scores.shape[-1]))  # [B, T, select]
     chosen_ok = candidate.gather(-1, chosen)
     selected = torch.zeros_like(candidate).scatter_(-1, chosen, chosen_ok)
     topk = pool_slots(chosen, chosen_ok, positions, valid, cu_seqlens, query_offset, kpool, select_tail, num_slots)
     return topk, candidate, selected
+
+
+def candidate_pools(
+    positions: torch.Tensor,
+    complete: torch.Tensor,
+    S: int,
+    cu_seqlens: torch.Tensor | None,
+    query_offset: int,
+    T: int,
+) -> torch.Tensor:
+    """[B, T, P] bool: the pools (token positions [B, P, L], -1 invalid; complete [B, P]) queries query_offset +
+    [0, T) of a keys' sequence of S positions may pick: complete, causally visible, of the query's own document."""
+    query_pos = torch.arange(query_offset, query_offset + T, device=positions.device)
+    # Causal visibility from positions (s <= t; a complete pool's tokens are all valid), no [B, T, S] mask.
+    pool_end = positions[..., -1].clamp(0, S - 1)  # [B, P]
+    candidate = (pool_end[:, None, :] <= query_pos[None, :, None]) & complete[:, None]  # [B, T, P]
+    if cu_seqlens is not None:  # ... and a pool of the query's own document (it starts at or after the doc)
+        doc_start = document_bounds(cu_seqlens, positions.shape[0], S)[0][:, query_offset : query_offset + T]
+        candidate &= pool_starts(positions, S)[:, None, :] >= doc_start[:, :, None]
+    return candidate
 
 
 def cached_slots(

@@ -25,7 +25,7 @@ from einops import rearrange
 from ..boundary import as_local, into_head_parallel
 from ..config import Glm53Config
 from ..kernels import kernel_op
-from .attention_mass import attention_pool_mass
+from .attention_mass import IndexerKlInputs, PoolMassInputs, attention_pool_mass
 from .context import ForwardContext
 from .indexer import Indexer
 from .key_sequence import key_sequence, same_document_slots
@@ -62,6 +62,10 @@ class MultiHeadLatentAttention(nn.Module):
         # numbers instead of H * (K + V); per (query, head, slot) it costs 2Z instead of K + V flops. kv_b_proj must
         # have no bias (it has none). An explicit numerics setting: Glm53ForCausalLM.set_numerics(mla_absorb=...).
         self.absorb = config.kv_lora_rank <= self.qk_head_dim + self.v_head_dim
+        # The indexer KL's record (ctx.stats.indexer): its O(T) inputs, the scores and pool mass recomputed per
+        # query block by the loss (losses/indexer_kl.py), or the [B, T, P] scores, masks and pool mass themselves
+        # (False; also always under context parallelism). Exact either way; Glm53ForCausalLM.set_numerics.
+        self.kl_recompute = True
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, D] -> (out [B, T, D], top-k [B, T, J]); reads ctx.valid, ctx.shared_topk (shared layers).
@@ -82,7 +86,15 @@ class MultiHeadLatentAttention(nn.Module):
         latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))  # [B, T, Z]
         if cp is not None:  # every rank's latent: Z numbers per key (its gradient is summed back to the owner)
             latent = cp.all_gather(latent, dim=1)  # [B, S, Z]
-        if self.indexer is not None and record:
+        recompute = record and self.kl_recompute and cp is None
+        if self.indexer is not None and recompute:
+            topk = self.indexer(x, q_resid, valid, cu_seqlens)  # blocked top-k: no [B, T, P] scores (unpacked)
+            scale = self.indexer.head_dim**-0.5
+            inputs = self.indexer.kl_inputs(x, q_resid, valid, cu_seqlens)
+            stats.indexer_inputs = IndexerKlInputs(
+                **inputs, topk=topk, valid=valid, cu_seqlens=cu_seqlens, kpool=self.kpool, scale=scale
+            )
+        elif self.indexer is not None and record:
             topk, stats.index_scores, stats.candidate, stats.selected = self.indexer.score_and_select(
                 x, q_resid, valid, grad=True, cu_seqlens=cu_seqlens, shards=cp
             )
@@ -96,7 +108,10 @@ class MultiHeadLatentAttention(nn.Module):
             o, k = self._attend(q, latent, topk, {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens})
         else:  # the packed kernels take queries at the keys' own positions: drop other documents' slots here
             o, k = self._attend(q, latent, same_document_slots(topk, keys), {})
-        if record:
+        if recompute:
+            k = self._expand_kv(latent)[0] if k is None else k
+            stats.mass_inputs = PoolMassInputs(q.detach(), k.detach(), valid, cu_seqlens, self.kpool, self.scale)
+        elif record:
             k = self._expand_kv(latent)[0] if k is None else k
             stats.pool_mass = attention_pool_mass(
                 q, k, valid, self.kpool, self.scale, cu_seqlens=cu_seqlens, query_offset=keys.offset

@@ -227,19 +227,30 @@ class Glm53LMHeadModel(nn.Module):
         main = [layer.mlp.gate for layer in self.model.layers if isinstance(layer.mlp, MoE)]
         balancing.update_router_bias(self.routers(), main, rate, self.expert_load_reduce)
 
-    def set_numerics(self, *, mla_absorb: bool | None = None, hc_recompute: bool | None = None) -> None:
+    def set_numerics(
+        self,
+        *,
+        mla_absorb: bool | None = None,
+        hc_recompute: bool | None = None,
+        indexer_kl_recompute: bool | None = None,
+    ) -> None:
         """Set the numerics choices explicitly (None leaves a setting as it is).
 
         mla_absorb: attend in the kv latent (the absorbed form) or per head, in every MLA layer (MTP included).
         hc_recompute: recompute the mHC coefficients in backward instead of storing them (None in a module means
         "only for non-fp32 streams", its default).
+        indexer_kl_recompute: the indexer KL's scores and attention pool mass recomputed per query block inside one
+        autograd op from O(T) inputs (default True) instead of recorded as [B, T, P] tensors (MLA.kl_recompute).
         """
-        for name, value in (("mla_absorb", mla_absorb), ("hc_recompute", hc_recompute)):
+        settings = (("mla_absorb", mla_absorb), ("hc_recompute", hc_recompute))
+        for name, value in (*settings, ("indexer_kl_recompute", indexer_kl_recompute)):
             if value is not None and not isinstance(value, bool):  # "no" is truthy: it would switch the form on
                 raise TypeError(f"set_numerics: {name} must be True, False or None, got {value!r}")
         for module in self.modules():
             if isinstance(module, MultiHeadLatentAttention) and mla_absorb is not None:
                 module.absorb = mla_absorb
+            if isinstance(module, MultiHeadLatentAttention) and indexer_kl_recompute is not None:
+                module.kl_recompute = indexer_kl_recompute
             if isinstance(module, HyperConnection) and hc_recompute is not None:
                 module.recompute = hc_recompute
 

@@ -85,6 +85,9 @@ def _sum_pool_mass_over_heads(tp_mesh: DeviceMesh, model: Glm53ForCausalLM):
     def hook(module: nn.Module, args: tuple, kwargs: dict, output) -> None:
         ctx = _forward_context(args, kwargs)
         stats = ctx.stats if ctx is not None else None
+        if stats is not None and stats.mass_inputs is not None:  # the recomputing KL: reduced per query block
+            stats.mass_inputs.reduce = _block_mass_reduce(tp_mesh, model.config.indexer_loss_mode, module, ctx)
+            return
         if stats is None or stats.pool_mass is None:
             return
         group = tp_mesh.get_group()
@@ -96,6 +99,18 @@ def _sum_pool_mass_over_heads(tp_mesh: DeviceMesh, model: Glm53ForCausalLM):
             comm.all_reduce_(stats.pool_mass, group=group)
 
     return hook
+
+
+def _block_mass_reduce(tp_mesh: DeviceMesh, mode: str, module: nn.Module, ctx: ForwardContext):
+    """PoolMassInputs.reduce for the recomputing indexer KL (losses/indexer_kl.py): a block of query rows' mass
+    [B, Tq, P] from this rank's heads, summed over the TP ranks where the loss reads it: the pools of the block's
+    top-k slots [B, Tq, J] when sparse (O(T * J) sent over the whole loss), every pool when dense. It runs in the
+    loss's forward and again in its backward recompute, on every TP rank alike (the indexer is replicated)."""
+    group = tp_mesh.get_group()
+    if mode == "sparse":
+        reduce = comm.in_place_all_reduce(group)
+        return lambda mass, topk: sum_selected_pool_mass(mass, topk, ctx.valid, module.kpool, ctx.cu_seqlens, reduce)
+    return lambda mass, topk: comm.all_reduce_(mass, group=group)
 
 
 def _forward_context(args: tuple, kwargs: dict) -> ForwardContext | None:

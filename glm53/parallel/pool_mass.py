@@ -28,33 +28,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ..model.indexer import kept_pools
-
-
-def slot_pools(
-    topk: torch.Tensor,
-    valid: torch.Tensor,
-    kpool: int,
-    cu_seqlens: torch.Tensor | None = None,
-    num_pools: int | None = None,
-) -> torch.Tensor:
-    """[B, T, J] key positions (-1 empty) -> [B, T, J] index of the indexer pool holding each (P where none).
-    `num_pools`: the P of the mass this indexes; the layout rebuilt here must have the same width (a packed layout
-    is narrower while compiling: both must come from the same mode, or the indices point at other pools)."""
-    positions, _ = kept_pools(valid, kpool, cu_seqlens)  # [B, P, L], -1 where invalid
-    B, P, L = positions.shape
-    if num_pools is not None and P != num_pools:
-        raise RuntimeError(
-            f"pool layout mismatch: the indexer's mass has {num_pools} pools per row, the layout "
-            f"rebuilt for its reduction {P} (one traced, one eager?)"
-        )
-    T = valid.shape[1]
-    pool_of = torch.full((B, T + 1), P, dtype=torch.long, device=topk.device)  # column T: empty slots
-    ids = torch.arange(P, device=topk.device).repeat_interleave(L).expand(B, -1)
-    pool_of.scatter_(1, torch.where(positions >= 0, positions, T).flatten(1), ids)
-    pool_of[:, T] = P
-    slots = torch.where((topk >= 0) & (topk < T), topk, T).long()
-    return pool_of.gather(1, slots.flatten(1)).view_as(slots)
+from ..model.attention_mass import slot_pools
 
 
 def sum_selected_pool_mass(

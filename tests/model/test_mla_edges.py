@@ -21,13 +21,15 @@ from glm53.model.mla import MultiHeadLatentAttention
 from tests.model.test_blocks import padding, pair
 
 
+@pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recomputed"])
 @pytest.mark.parametrize("absorb", [True, False], ids=["absorbed", "per-head"])
 @pytest.mark.parametrize("pad", ["left", "right"])
-def test_recorded_pool_mass_is_transformers_attention_summed_over_pools(pad, absorb):
+def test_recorded_pool_mass_is_transformers_attention_summed_over_pools(pad, absorb, recompute):
+    """The stored [B, T, P] mass, and the recomputing record's inputs evaluated on all rows, against transformers."""
     T = 13
     config = Glm53Config.tiny(layer_types=["indexed_attention"] * 4, index_topk=16)  # every visible key
     ours, theirs = pair(config, hf.Glm5NextTextAttention, MultiHeadLatentAttention, 0)
-    ours.absorb = absorb
+    ours.absorb, ours.kl_recompute = absorb, recompute
     x = torch.randn(2, T, config.hidden_size)
     mask = padding(2, T, pad)
     ctx = ForwardContext(valid=mask, collect_stats=True, record_indexer=True).for_layer()
@@ -38,7 +40,11 @@ def test_recorded_pool_mass_is_transformers_attention_summed_over_pools(pad, abs
     token_mass = probs.sum(1)  # [B, T, T]
     index = positions.clamp(min=0).flatten(1)[:, None, :].expand(-1, T, -1)
     expected = (token_mass.gather(-1, index) * (positions >= 0).flatten(1)[:, None]).view(2, T, -1, config.index_kpool)
-    got = ctx.stats.pool_mass
+    if recompute:
+        assert ctx.stats.pool_mass is None and ctx.stats.index_scores is None
+        got = ctx.stats.mass_inputs.mass(0, T, ctx.stats.indexer_inputs.topk)
+    else:
+        got = ctx.stats.pool_mass
     torch.testing.assert_close(got[mask], expected.sum(-1)[mask], rtol=1e-5, atol=1e-6)
     # every visible key lies in some pool (complete or not): each valid query's mass is one per head
     torch.testing.assert_close(got[mask].sum(-1), torch.full_like(got[mask][:, 0], config.num_attention_heads))

@@ -164,8 +164,13 @@ def captured_forward(model, ids, **kwargs):
 
 
 def document_parts(model, doc: torch.Tensor, mode: str) -> dict:
-    """One document alone: every loss part as (numerator, count) per term, from its own forward."""
-    out, seen = captured_forward(model, doc)
+    """One document alone: every loss part as (numerator, count) per term, from its own forward (the indexer KL
+    from the stored [B, T, P] record, read by hand here; the packed model's own loss recomputes it)."""
+    model.set_numerics(indexer_kl_recompute=False)
+    try:
+        out, seen = captured_forward(model, doc)
+    finally:
+        model.set_numerics(indexer_kl_recompute=True)
     n = doc.shape[1]
     ce_sum = lambda logits, d: F.cross_entropy(
         logits[0, : max(n - 1 - d, 0)],

@@ -92,6 +92,7 @@ def test_mtp_validity_loads_and_indexer_rows_follow_the_depth_shifted_mask():
     )
     model = Glm53ForCausalLM(config)
     randomize(model, 4)
+    model.set_numerics(indexer_kl_recompute=False)  # the [B, T, P] record this test reads by hand
     seen = []  # (layer, its ForwardContext) per block / MTP-depth call, in order
     for layer in [*model.model.layers, model.mtp.layers[0]]:
         layer.register_forward_pre_hook(lambda mod, args: seen.append((mod, args[-1])))

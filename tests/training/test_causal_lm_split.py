@@ -34,7 +34,9 @@ def test_the_computing_model_returns_statistics_only_when_asked():
     assert run.logits is None and len(run.stats) == scored.config.num_hidden_layers
     moe = [s for s, layer in zip(run.stats, computing.model.layers) if layer.is_moe]
     assert moe and all(s.router_logits is not None and s.router_indices is not None for s in moe)
-    assert any(s.index_scores is not None and s.pool_mass is not None for s in run.stats)
+    # the recomputing indexer KL's record (the default): O(T) inputs, no [B, T, P] tensor
+    assert any(s.indexer_inputs is not None and s.mass_inputs is not None for s in run.stats)
+    assert all(s.index_scores is None and s.pool_mass is None and s.candidate is None for s in run.stats)
     assert len(run.mtp) == scored.config.mtp_depth and all(
         h.shape == (2, 19, scored.config.hidden_size) for h, _, _ in run.mtp
     )
