@@ -1,0 +1,30 @@
+"""benchmarks/bench_indexer_kl_memory.py runs and writes its table at tiny sizes (memory and time not asserted; the
+two records' KL values must agree, as the parity tests require)."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_bench_runs_both_records_and_they_agree(tmp_path):
+    out = tmp_path / "kl.json"
+    args = ["--seqlens", "64", "--hidden", "32", "--heads", "2", "--head-dim", "8", "--q-lora", "24"]
+    args += ["--kv-lora", "16", "--index-heads", "2", "--index-head-dim", "8", "--topk", "8", "--threads", "1"]
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_indexer_kl_memory.py"), *args, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "recompute/stored" in proc.stdout
+    points = json.loads(out.read_text())["points"]
+    assert {(p["variant"], p["seqlen"]) for p in points} == {("stored", 64), ("recompute", 64)}
+    kl = {(p["variant"], p["seqlen"]): p["kl"] for p in points}
+    assert kl[("stored", 64)] > 0
+    assert abs(kl[("stored", 64)] - kl[("recompute", 64)]) <= 1e-4 * kl[("stored", 64)]  # two fp32 groupings of one sum
