@@ -70,7 +70,7 @@ class MultiHeadLatentAttention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, D] -> (out [B, T, D], top-k [B, T, J]); reads ctx.valid, ctx.shared_topk (shared layers).
 
-        With `ctx.stats.indexer`, records what the indexer KL loss needs (losses/parts.py); the output is
+        With `ctx.stats.indexer`, records what the indexer KL loss needs (losses/indexer_kl.py); the output is
         unchanged. With `ctx.cp` the queries are this rank's slice and the keys the whole sequence (see below).
         """
         if ctx.cache is not None and ctx.cp is not None:
@@ -87,30 +87,15 @@ class MultiHeadLatentAttention(nn.Module):
         if cp is not None:  # every rank's latent: Z numbers per key (its gradient is summed back to the owner)
             latent = cp.all_gather(latent, dim=1)  # [B, S, Z]
         recompute = record and self.kl_recompute and cp is None
-        if self.indexer is not None and recompute:
-            topk = self.indexer(x, q_resid, valid, cu_seqlens)  # blocked top-k: no [B, T, P] scores (unpacked)
-            scale = self.indexer.head_dim**-0.5
-            inputs = self.indexer.kl_inputs(x, q_resid, valid, cu_seqlens)
-            stats.indexer_inputs = IndexerKlInputs(
-                **inputs, topk=topk, valid=valid, cu_seqlens=cu_seqlens, kpool=self.kpool, scale=scale
-            )
-        elif self.indexer is not None and record:
-            topk, stats.index_scores, stats.candidate, stats.selected = self.indexer.score_and_select(
-                x, q_resid, valid, grad=True, cu_seqlens=cu_seqlens, shards=cp
-            )
-        elif self.indexer is not None:
-            topk = self.indexer(x, q_resid, valid, cu_seqlens, shards=cp)
-        elif ctx.shared_topk is None:
-            raise ValueError("a 'shared' indexer layer needs the top-k of an earlier 'full' layer (got none)")
-        else:
-            topk = ctx.shared_topk
+        topk = self._select(x, q_resid, ctx, keys, record, recompute)
         if cp is None:
             o, k = self._attend(q, latent, topk, {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens})
         else:  # the packed kernels take queries at the keys' own positions: drop other documents' slots here
             o, k = self._attend(q, latent, same_document_slots(topk, keys), {})
-        if recompute:
-            k = self._expand_kv(latent)[0] if k is None else k
-            stats.mass_inputs = PoolMassInputs(q.detach(), k.detach(), valid, cu_seqlens, self.kpool, self.scale)
+        if recompute:  # the mass's inputs only: the loss recomputes it per query block (losses/indexer_kl.py)
+            with torch.no_grad():
+                k = self._expand_kv(latent)[0] if k is None else k.detach()
+            stats.mass_inputs = PoolMassInputs(q.detach(), k, valid, cu_seqlens, self.kpool, self.scale)
         elif record:
             k = self._expand_kv(latent)[0] if k is None else k
             stats.pool_mass = attention_pool_mass(
@@ -119,6 +104,35 @@ class MultiHeadLatentAttention(nn.Module):
         if self.training and self.dropout > 0:
             o = nn.functional.dropout(o, self.dropout)
         return self.o_proj(rearrange(o, "b t h f -> b t (h f)")), topk
+
+    def _select(
+        self, x: torch.Tensor, q_resid: torch.Tensor, ctx: ForwardContext, keys, record: bool, recompute: bool
+    ) -> torch.Tensor:
+        """This layer's top-k [B, T, J] (its indexer's, or the shared one), recording the indexer KL's inputs
+        (`recompute`) or its [B, T, P] scores and masks (`record`) into ctx.stats for a full indexer."""
+        stats, cp, valid, cu_seqlens = ctx.stats, ctx.cp, keys.valid, keys.cu_seqlens
+        if self.indexer is not None and recompute:
+            topk = self.indexer(x, q_resid, valid, cu_seqlens)  # blocked top-k: no [B, T, P] scores (unpacked)
+            inputs = self.indexer.kl_inputs(x, q_resid, valid, cu_seqlens)
+            stats.indexer_inputs = IndexerKlInputs(
+                **inputs,
+                topk=topk,
+                valid=valid,
+                cu_seqlens=cu_seqlens,
+                kpool=self.kpool,
+                scale=self.indexer.head_dim**-0.5,
+            )
+            return topk
+        if self.indexer is not None and record:
+            topk, stats.index_scores, stats.candidate, stats.selected = self.indexer.score_and_select(
+                x, q_resid, valid, grad=True, cu_seqlens=cu_seqlens, shards=cp
+            )
+            return topk
+        if self.indexer is not None:
+            return self.indexer(x, q_resid, valid, cu_seqlens, shards=cp)
+        if ctx.shared_topk is None:
+            raise ValueError("a 'shared' indexer layer needs the top-k of an earlier 'full' layer (got none)")
+        return ctx.shared_topk
 
     def _cached(self, x: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward on a generation cache: this forward's latent rows are written at the cache's next positions,
