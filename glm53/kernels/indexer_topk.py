@@ -24,6 +24,7 @@ from .budgets import budget
 from .dispatch import register
 from .indexer_scores import indexer_scores_reference
 from .opaque import HOST_READING
+from .varlen import document_bounds
 
 TOPK_BUDGET = 1 << 20  # elements of one block's [B, Tq, H, P] logits (4 MiB in fp32: stays in cache)
 MIN_TOPK_CHUNK = 16  # queries per block at least (bounds the loop's length at long T)
@@ -32,6 +33,32 @@ MIN_TOPK_CHUNK = 16  # queries per block at least (bounds the loop's length at l
 def _candidates(pool_end: torch.Tensor, complete: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
     """pool_end, complete [B, P], query_pos [Tq] -> [B, Tq, P] bool: complete and causally visible."""
     return (pool_end[:, None, :] <= query_pos[None, :, None]) & complete[:, None, :]
+
+
+def pool_starts(positions: torch.Tensor, T: int) -> torch.Tensor:
+    """[B, P] position of each pool's first token from its valid token positions [B, P, L] (-1 invalid); T for a
+    pool without a valid token (it belongs to no query's document)."""
+    slot = torch.arange(positions.shape[-1], device=positions.device)
+    return torch.where(positions >= 0, positions - slot, T).amin(-1)
+
+
+def candidate_pools(
+    positions: torch.Tensor,
+    complete: torch.Tensor,
+    S: int,
+    cu_seqlens: torch.Tensor | None,
+    query_offset: int,
+    T: int,
+) -> torch.Tensor:
+    """[B, T, P] bool: the pools (token positions [B, P, L], -1 invalid; complete [B, P]) queries query_offset +
+    [0, T) of a keys' sequence of S positions may pick: complete, causally visible, of the query's own document."""
+    query_pos = torch.arange(query_offset, query_offset + T, device=positions.device)
+    # Causal visibility from positions (s <= t; a complete pool's tokens are all valid), no [B, T, S] mask.
+    candidate = _candidates(positions[..., -1].clamp(0, S - 1), complete, query_pos)  # [B, T, P]
+    if cu_seqlens is not None:  # ... and a pool of the query's own document (it starts at or after the doc)
+        doc_start = document_bounds(cu_seqlens, positions.shape[0], S)[0][:, query_offset : query_offset + T]
+        candidate &= pool_starts(positions, S)[:, None, :] >= doc_start[:, :, None]
+    return candidate
 
 
 def _check(q, pool_keys, pool_end, complete, select) -> None:

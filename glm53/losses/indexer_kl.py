@@ -25,10 +25,10 @@ import torch
 
 from ..kernels import kernel_op
 from ..kernels.dispatch import kernel, register
+from ..kernels.indexer_topk import candidate_pools, pool_starts
 from ..kernels.varlen import own_document_pools
 from ..model.attention_mass import IndexerKlInputs, PoolMassInputs, slot_pools
 from ..model.context import LayerStats
-from ..model.indexer import candidate_pools, pool_starts
 from .parts import chunked_pool_kl, kl_rows, kl_rows_grad, normalized_target, per_term, pool_kl
 
 KL_CHUNK = 256  # query rows per block of the recomputed indexer KL ([B, Tq, P] fp32 temporaries)
@@ -85,7 +85,7 @@ def block_mask(full: IndexerKlInputs, mode: str, t0: int, t1: int) -> torch.Tens
     if mode == "dense":
         return candidate
     B, Tq, P = candidate.shape
-    pools = slot_pools(full.topk[:, t0:t1], full.valid, full.kpool, full.cu_seqlens, P)  # [B, Tq, J], P: empty
+    pools = slot_pools(full.topk[:, t0:t1], full.valid, full.kpool, full.cu_seqlens, P, full.positions)  # P: empty
     picked = torch.zeros(B, Tq, P + 1, dtype=torch.bool, device=candidate.device).scatter_(-1, pools, True)
     return candidate & picked[..., :P]
 
@@ -93,7 +93,7 @@ def block_mask(full: IndexerKlInputs, mode: str, t0: int, t1: int) -> torch.Tens
 def _targets(full: IndexerKlInputs, masses: list[PoolMassInputs], mode: str, t0: int, t1: int):
     """-> (the blocks' pool masses, one [B, Tq, P] per layer; the mask [B, Tq, P]), without gradient."""
     with torch.no_grad():
-        return [m.mass(t0, t1, full.topk) for m in masses], block_mask(full, mode, t0, t1)
+        return [m.mass(t0, t1, full.topk, full.positions) for m in masses], block_mask(full, mode, t0, t1)
 
 
 class _RecomputedKl(torch.autograd.Function):

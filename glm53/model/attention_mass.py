@@ -30,6 +30,7 @@ def attention_pool_mass(
     scale: float,
     cu_seqlens: torch.Tensor | None = None,
     query_offset: int = 0,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dense causal attention probabilities summed over heads and within each pool: [B, T, P] fp32.
 
@@ -41,7 +42,8 @@ def attention_pool_mass(
     that k [B, S, H, K], valid [B, S] and cu_seqlens (over B * S) describe; the result is [B, Tq, P].
     """
     B, T = valid.shape
-    positions, _ = kept_pools(valid, kpool, cu_seqlens)  # [B, P, L]
+    if positions is None:  # given: the indexer's own layout (a packed one is wider when traced than eager)
+        positions, _ = kept_pools(valid, kpool, cu_seqlens)  # [B, P, L]
     P = positions.shape[1]
     key_pos = torch.arange(T, device=q.device)
     doc_start = None if cu_seqlens is None else document_bounds(cu_seqlens, B, T)[0]  # packed: own document only
@@ -79,12 +81,15 @@ def slot_pools(
     kpool: int,
     cu_seqlens: torch.Tensor | None = None,
     num_pools: int | None = None,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[B, T, J] key positions (-1 empty) -> [B, T, J] index of the indexer pool holding each (P where none).
+    `positions` [B, P, L]: the pools' layout when known (else rebuilt from valid and cu_seqlens).
     `num_pools`: the P of the mass this indexes; the layout rebuilt here must have the same width (a packed layout
     is narrower while compiling: both must come from the same mode, or the indices point at other pools).
     topk may be a block of query rows: only its slots are mapped."""
-    positions, _ = kept_pools(valid, kpool, cu_seqlens)  # [B, P, L], -1 where invalid
+    if positions is None:
+        positions, _ = kept_pools(valid, kpool, cu_seqlens)  # [B, P, L], -1 where invalid
     B, P, L = positions.shape
     if num_pools is not None and P != num_pools:
         raise RuntimeError(
@@ -117,9 +122,11 @@ class PoolMassInputs:
     scale: float
     reduce: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
-    def mass(self, t0: int, t1: int, topk: torch.Tensor) -> torch.Tensor:
-        """Query rows [t0, t1)'s pool mass [B, Tq, P] (`topk` [B, T, J]: the full indexer's, for `reduce`)."""
-        out = attention_pool_mass(self.q[:, t0:t1], self.k, self.valid, self.kpool, self.scale, self.cu_seqlens, t0)
+    def mass(self, t0: int, t1: int, topk: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Query rows [t0, t1)'s pool mass [B, Tq, P] over the full indexer's pools `positions` [B, P, L] (its
+        `topk` [B, T, J] for `reduce`)."""
+        q = self.q[:, t0:t1]
+        out = attention_pool_mass(q, self.k, self.valid, self.kpool, self.scale, self.cu_seqlens, t0, positions)
         return out if self.reduce is None else self.reduce(out, topk[:, t0:t1])
 
 

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:  # the annotations only: cache.py needs no context
-    from .attention_mass import IndexerKlInputs, PoolMassInputs
+if TYPE_CHECKING:  # the annotation only: cache.py needs no context
     from .cache import GenerationCache
 
 
@@ -38,8 +37,9 @@ class LayerStats:
     selected: torch.Tensor | None = None  # [B, T, P] bool pools it picked
     # The recomputing indexer KL (MultiHeadLatentAttention.kl_recompute, losses/indexer_kl.py) records these
     # O(T) inputs instead of the four [B, T, P] tensors above (model/attention_mass.py):
-    mass_inputs: PoolMassInputs | None = None  # every MLA layer: its attention mass's inputs (no gradient)
-    indexer_inputs: IndexerKlInputs | None = None  # full indexer layers: the scores' inputs (gradient to the indexer)
+    # (typed Any: attention_mass.py imports the indexer, which imports this module)
+    mass_inputs: Any = None  # PoolMassInputs, every MLA layer: its attention mass's inputs (no gradient)
+    indexer_inputs: Any = None  # IndexerKlInputs, full indexer layers: the scores' inputs (gradient to the indexer)
 
 
 class SequenceShards(Protocol):

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from ..boundary import as_local
 from ..config import Glm53Config
 from ..kernels import kernel_op
-from ..kernels.indexer_topk import rank_pools
+from ..kernels.indexer_topk import candidate_pools, pool_starts, rank_pools
 from ..kernels.opaque import HOST_READING
 from ..kernels.varlen import document_bounds, own_document_pools
 from ..utils import ceil_div
@@ -81,13 +81,6 @@ def kept_pools(
     and `Indexer.select` picks among the others exactly as transformers does."""
     positions, token_valid, _ = pool_layout(valid, kpool, cu_seqlens)
     return positions.masked_fill(~token_valid, -1), token_valid.all(-1)
-
-
-def pool_starts(positions: torch.Tensor, T: int) -> torch.Tensor:
-    """[B, P] position of each pool's first token from its valid token positions [B, P, L] (-1 invalid); T for a
-    pool without a valid token (it belongs to no query's document)."""
-    slot = torch.arange(positions.shape[-1], device=positions.device)
-    return torch.where(positions >= 0, positions - slot, T).amin(-1)
 
 
 class Indexer(nn.Module):
@@ -368,26 +361,6 @@ def select_kept(
     selected = torch.zeros_like(candidate).scatter_(-1, chosen, chosen_ok)
     topk = pool_slots(chosen, chosen_ok, positions, valid, cu_seqlens, query_offset, kpool, select_tail, num_slots)
     return topk, candidate, selected
-
-
-def candidate_pools(
-    positions: torch.Tensor,
-    complete: torch.Tensor,
-    S: int,
-    cu_seqlens: torch.Tensor | None,
-    query_offset: int,
-    T: int,
-) -> torch.Tensor:
-    """[B, T, P] bool: the pools (token positions [B, P, L], -1 invalid; complete [B, P]) queries query_offset +
-    [0, T) of a keys' sequence of S positions may pick: complete, causally visible, of the query's own document."""
-    query_pos = torch.arange(query_offset, query_offset + T, device=positions.device)
-    # Causal visibility from positions (s <= t; a complete pool's tokens are all valid), no [B, T, S] mask.
-    pool_end = positions[..., -1].clamp(0, S - 1)  # [B, P]
-    candidate = (pool_end[:, None, :] <= query_pos[None, :, None]) & complete[:, None]  # [B, T, P]
-    if cu_seqlens is not None:  # ... and a pool of the query's own document (it starts at or after the doc)
-        doc_start = document_bounds(cu_seqlens, positions.shape[0], S)[0][:, query_offset : query_offset + T]
-        candidate &= pool_starts(positions, S)[:, None, :] >= doc_start[:, :, None]
-    return candidate
 
 
 def cached_slots(

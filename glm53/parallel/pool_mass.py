@@ -16,9 +16,12 @@ rank could sum its own heads' share and only [B, T] would be reduced. The entrop
 head sum is no sum of per-head terms, so the loss value needs every m_c; and the student's gradient p_c - t_c
 needs t_c at every candidate pool as well (per-rank partial cross-entropies would give it only if the replicated
 indexer's gradients were summed over the TP ranks afterwards, and the reported KL would still lack the entropy).
-So the dense path all-reduces the whole [B, T, P]. Memory: the reduction runs in place on the recorded mass, which
-the loss holds in full anyway (it reads every candidate); reducing it in query chunks would split the message
-without lowering the bytes sent or the memory held, so it is one call.
+So the dense path all-reduces the whole [B, T, P]. Memory: with the stored record the reduction runs in place on the
+recorded mass, which the loss holds in full anyway (it reads every candidate), so it is one call. With the
+recomputing record (the default, losses/indexer_kl.py) no [B, T, P] mass exists: each block of query rows' mass is
+summed as the loss makes it (parallelize.py `_block_mass_reduce`), [B, Tq, J] slots when sparse (this file's
+`sum_selected_pool_mass` on the block's rows), [B, Tq, P] when dense: the same bytes as above in total (twice: the
+backward recomputes the blocks), O(Tq * P) memory.
 """
 
 from __future__ import annotations

@@ -42,7 +42,8 @@ def test_recorded_pool_mass_is_transformers_attention_summed_over_pools(pad, abs
     expected = (token_mass.gather(-1, index) * (positions >= 0).flatten(1)[:, None]).view(2, T, -1, config.index_kpool)
     if recompute:
         assert ctx.stats.pool_mass is None and ctx.stats.index_scores is None
-        got = ctx.stats.mass_inputs.mass(0, T, ctx.stats.indexer_inputs.topk)
+        full = ctx.stats.indexer_inputs
+        got = ctx.stats.mass_inputs.mass(0, T, full.topk, full.positions)
     else:
         got = ctx.stats.pool_mass
     torch.testing.assert_close(got[mask], expected.sum(-1)[mask], rtol=1e-5, atol=1e-6)
