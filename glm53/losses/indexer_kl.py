@@ -13,6 +13,9 @@ Two records feed it (MultiHeadLatentAttention.kl_recompute):
   top-k's slots, `slot_pools`), in forward for the value and again in backward for the gradient of that block.
   Kernel "indexer_kl": "fast" is that blocked op; "reference" the same inputs with every row in one block through
   plain autograd (the unchunked form: it materialises [B, T, P]).
+  Context parallelism and a traced forward (torch.compile: the op's Python-object arguments would break the
+  graph) record the stored form. The top-k itself is the blocked `indexer_topk_pools` (no [B, T, P]) except when
+  packed or traced, where `score_and_select` still makes (and frees) the [B, T, P] scores once per layer.
 Tensor parallelism: each rank's mass is over its own heads; `PoolMassInputs.reduce` (glm53/parallel) sums a
 block's mass over the ranks where the loss reads it ([B, Tq, J] slots when sparse, [B, Tq, P] when dense), in
 forward and again in the backward's recompute: the messages' total is O(T * J) sparse, O(T * P) dense (the dense

@@ -64,7 +64,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.absorb = config.kv_lora_rank <= self.qk_head_dim + self.v_head_dim
         # The indexer KL's record (ctx.stats.indexer): its O(T) inputs, the scores and pool mass recomputed per
         # query block by the loss (losses/indexer_kl.py), or the [B, T, P] scores, masks and pool mass themselves
-        # (False; also always under context parallelism). Exact either way; Glm53ForCausalLM.set_numerics.
+        # (False; also always under context parallelism and torch.compile). Exact either way; set_numerics.
         self.kl_recompute = True
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,7 +86,8 @@ class MultiHeadLatentAttention(nn.Module):
         latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))  # [B, T, Z]
         if cp is not None:  # every rank's latent: Z numbers per key (its gradient is summed back to the owner)
             latent = cp.all_gather(latent, dim=1)  # [B, S, Z]
-        recompute = record and self.kl_recompute and cp is None
+        # traced: the stored record (the recomputing op's Python-object arguments would break the graph)
+        recompute = record and self.kl_recompute and cp is None and not torch.compiler.is_compiling()
         topk = self._select(x, q_resid, ctx, keys, record, recompute)
         if cp is None:
             o, k = self._attend(q, latent, topk, {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens})
