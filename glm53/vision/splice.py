@@ -6,14 +6,32 @@ Legend: B batch, T time, D model width, F feature rows (merged patches) of all i
 count of `<|begin_of_video|>` so far exceeds the count of `<|end_of_video|>` (an unterminated span turns every
 later placeholder of the row into a video one). Image features (all images of the batch, concatenated in order)
 fill the image placeholders in row-major order over the flattened [B, T] ids; video features the video ones.
+
+Context parallelism (a forward over one slice [B, T'] of every row): `sliced_placeholders` finds the
+placeholders in the whole rows (a video's begin marker may lie on an earlier rank) and gives the slice's mask, the
+feature row each of its placeholders takes in the whole batch's order (an image whose run crosses a slice
+boundary is split exactly there) and the whole batch's count, which the check compares with the features.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from ..errors import InputError
 from .config import MultimodalTokenIds
+
+
+@dataclass(frozen=True)
+class Placeholders:
+    """One kind's placeholders in a forward's ids: `mask` [B, T'] bool; `rows` [mask.sum()] long, the feature row
+    each takes, in the mask's row-major order (None: 0, 1, 2, ..., the whole batch in one process); `count` the
+    whole batch's placeholders, which the features must number (None: the mask's)."""
+
+    mask: torch.Tensor
+    rows: torch.Tensor | None = None
+    count: int | None = None
 
 
 def placeholder_masks(input_ids: torch.Tensor, tokens: MultimodalTokenIds) -> tuple[torch.Tensor, torch.Tensor]:
@@ -25,10 +43,29 @@ def placeholder_masks(input_ids: torch.Tensor, tokens: MultimodalTokenIds) -> tu
     return placeholder & ~in_video, placeholder & in_video
 
 
-def splice(embeds: torch.Tensor, mask: torch.Tensor, features: torch.Tensor | None, kind: str) -> torch.Tensor:
-    """embeds [B, T, D] with the rows of `features` [F, D] written where `mask` [B, T] is set (F must equal the
-    mask's count). `kind` ("image" / "video") names the inputs in the error."""
-    count = int(mask.sum())  # NOTE: syncs
+def sliced_placeholders(
+    input_ids: torch.Tensor, tokens: MultimodalTokenIds, columns: slice
+) -> tuple[Placeholders, Placeholders]:
+    """(image, video) Placeholders of the columns `columns` of the whole rows `input_ids` [B, T]; columns past T
+    (a context-parallel slice of right padding) hold none."""
+    out = []
+    for mask in placeholder_masks(input_ids, tokens):
+        rows = mask.flatten().cumsum(0).view(mask.shape) - 1  # the feature row of every placeholder
+        width = max(0, columns.stop - mask.shape[1])
+        local = torch.nn.functional.pad(mask, (0, width), value=False)[:, columns]
+        rows = torch.nn.functional.pad(rows, (0, width), value=0)[:, columns]
+        out.append(Placeholders(local, rows[local], int(mask.sum())))  # NOTE: syncs
+    return out[0], out[1]
+
+
+def splice(
+    embeds: torch.Tensor, where: torch.Tensor | Placeholders, features: torch.Tensor | None, kind: str
+) -> torch.Tensor:
+    """embeds [B, T, D] with rows of `features` [F, D] written at the placeholders `where` (a mask [B, T]: every
+    row in order, F must equal its count; or Placeholders: the rows it names, F its whole-batch count). `kind`
+    ("image" / "video") names the inputs in the error."""
+    where = where if isinstance(where, Placeholders) else Placeholders(where)
+    count = int(where.mask.sum()) if where.count is None else where.count  # NOTE: syncs
     given = 0 if features is None else features.shape[0]
     if count != given:
         source = "pixel_values" if kind == "image" else "pixel_values_videos"
@@ -39,7 +76,8 @@ def splice(embeds: torch.Tensor, mask: torch.Tensor, features: torch.Tensor | No
         )
     if features is None:
         return embeds
-    return embeds.masked_scatter(mask[..., None], features.to(embeds.dtype))
+    picked = features if where.rows is None else features[where.rows]
+    return embeds.masked_scatter(where.mask[..., None], picked.to(embeds.dtype))
 
 
-__all__ = ["placeholder_masks", "splice"]
+__all__ = ["Placeholders", "placeholder_masks", "sliced_placeholders", "splice"]
