@@ -5,7 +5,8 @@ KL) on every rank, each rank's logits, every gradient (the tower's blocks, its m
 model), at cp2 and dp2 x cp2.
 
 The rows (T = 41, odd: cp pads one masked column; the slices are [0, 21) and [21, 42)): row 0 holds an image
-whose 8 placeholders run across the slice boundary (15..22) and a second image wholly on rank 1; row 1 a video
+whose 8 placeholders run across the slice boundary (15..22) and a second image wholly on rank 1; row 1 an image
+on rank 0 (so rank 0's feature rows are not one contiguous run: row-major order over the whole batch) and a video
 whose begin marker is on rank 0 and whose second temporal slice's placeholders are on rank 1 (a per-slice mask
 would take them for an image's); the dp2 rows add an image on one dp rank only and a text-only row.
 """
@@ -41,7 +42,7 @@ def _rows(items: list[list]) -> dict:
 
 
 ROW_IMAGE = [*_text(14, 1), ("image", 4, 8), *_text(4, 2), ("image", 2, 4), *_text(9, 3)]  # 14 + 10 + 4 + 4 + 9
-ROW_VIDEO = [*_text(15, 4), ("video", 2, 2, 4), *_text(14, 5)]  # 15 + 12 + 14
+ROW_VIDEO = [*_text(3, 9), ("image", 2, 4), *_text(8, 4), ("video", 2, 2, 4), *_text(14, 5)]  # 3 + 4 + 8 + 12 + 14
 ROW_SMALL = [*_text(30, 6), ("image", 2, 4), *_text(7, 7)]
 ROW_TEXT = _text(T, 8)
 
@@ -85,7 +86,7 @@ def test_the_rows_cross_the_slice_boundary(case):
     """The case is the one described: a placeholder run across the boundary, a video whose marker is on rank 0."""
     ids = case["batches"][1][0]["input_ids"]
     images, videos = placeholder_masks(ids, Glm53ForConditionalGeneration(case["config"]).token_ids)
-    assert images[0, 20] and images[0, 21] and not images[1].any()
+    assert images[0, 20] and images[0, 21] and images[1, :21].any() and not images[1, 21:].any()
     assert videos[1, 21:].any() and (ids[1, :21] == TOKENS["video_start_token_id"]).any()
 
 
@@ -123,7 +124,7 @@ def test_placeholder_count_error_is_the_one_process_error(pool2, case):
         model(**bad)
     messages = pool2.run(cp_vl_error_job, config=case["config"], state=case["state"], batch=bad)
     assert messages == [str(one.value)] * 2
-    assert "input_ids hold 11 image placeholder tokens but pixel_values give 10" in messages[0]
+    assert "input_ids hold 13 image placeholder tokens but pixel_values give 12" in messages[0]
 
 
 def test_sliced_splice_equals_the_whole_splice():
