@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from glm53 import Glm53ForConditionalGeneration
 from glm53.errors import InputError
-from glm53.parallel import context_parallel_inputs, init_mesh, parallelize
+from glm53.parallel import context_parallel_inputs, init_mesh, loss_parallel_context, parallelize
 from tests.helpers.parallel_jobs import full, labels_for, loss_parts
 
 VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
@@ -28,15 +28,17 @@ def _vision(batch: dict) -> dict:
     return {k: batch[k] for k in VISION_KEYS if batch.get(k) is not None}
 
 
-def cp_vl_step(config, state: dict, batches: list[dict], dp: int, cp: int) -> dict:
-    """This rank's dp batch (`batches[dp rank]`), its cp slice: loss and parts (means over dp), every gradient
-    (whole tensors), this slice's logits."""
+def cp_vl_step(config, state: dict, batches: list[dict], dp: int, cp: int, tp: int = 1) -> dict:
+    """This rank's dp batch (`batches[dp rank]`), its cp slice (tp: the tower replicated, the text model
+    tensor-parallel): loss and parts (means over dp), every gradient (whole tensors), this slice's logits and the
+    rank's (dp, cp) coordinates."""
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
-    mesh = init_mesh(dp, 1, cp=cp)
+    mesh = init_mesh(dp, tp, cp=cp)
     model = _model(config, state)
     parallelize(model, mesh, activation_checkpointing=True)
-    batch = batches[mesh.get_local_rank("dp") if dp > 1 else 0]
+    dp_rank = mesh.get_local_rank("dp") if dp > 1 else 0
+    batch = batches[dp_rank]
     kwargs = context_parallel_inputs(
         model,
         batch["input_ids"],
@@ -44,15 +46,16 @@ def cp_vl_step(config, state: dict, batches: list[dict], dp: int, cp: int) -> di
         attention_mask=batch["attention_mask"],
         **_vision(batch),
     )
-    out = model(**kwargs)
-    out.loss.backward()
+    with loss_parallel_context(model):
+        out = model(**kwargs)
+        out.loss.backward()
     loss, parts = full(out.loss), loss_parts(out)
     if dp > 1:
         for value in (loss, *parts.values()):
             dist.all_reduce(value, group=mesh.get_group("dp"))
             value /= dp
     grads = {n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
-    return dict(loss=loss, parts=parts, grads=grads, logits=out.logits.detach())
+    return dict(loss=loss, parts=parts, grads=grads, logits=full(out.logits), at=(dp_rank, mesh.get_local_rank("cp")))
 
 
 def cp_vl_reference(config, state: dict, batches: list[dict]) -> dict:

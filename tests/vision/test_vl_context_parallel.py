@@ -2,7 +2,7 @@
 batch's pixels) from `context_parallel_inputs`, runs the tower on every image and video and splices the feature rows
 its own placeholders take. Against one process on the same rows: loss and every part (lm, MTP, balance, indexer
 KL) on every rank, each rank's logits, every gradient (the tower's blocks, its merger and projector, the text
-model), at cp2 and dp2 x cp2.
+model), at cp2, dp2 x cp2 and cp2 x tp2 (the tower replicated over tp, the text model tensor-parallel).
 
 The rows (T = 41, odd: cp pads one masked column; the slices are [0, 21) and [21, 42)): row 0 holds an image
 whose 8 placeholders run across the slice boundary (15..22) and a second image wholly on rank 1; row 1 an image
@@ -90,11 +90,11 @@ def test_the_rows_cross_the_slice_boundary(case):
     assert videos[1, 21:].any() and (ids[1, :21] == TOKENS["video_start_token_id"]).any()
 
 
-@pytest.mark.parametrize("dp", [1, 2], ids=["cp2", "dp2xcp2"])
-def test_vl_under_cp_matches_one_process(pool2, pool4, case, dp):
-    pool = pool2 if dp == 1 else pool4
+@pytest.mark.parametrize("dp,tp", [(1, 1), (2, 1), (1, 2)], ids=["cp2", "dp2xcp2", "cp2xtp2"])
+def test_vl_under_cp_matches_one_process(pool2, pool4, case, dp, tp):
+    pool = pool2 if dp * tp == 1 else pool4
     batches = case["batches"][dp]
-    results = pool.run(cp_vl_step, config=case["config"], state=case["state"], batches=batches, dp=dp, cp=2)
+    results = pool.run(cp_vl_step, config=case["config"], state=case["state"], batches=batches, dp=dp, cp=2, tp=tp)
     ref = case["refs"][dp]
     assert {"lm_loss", "mtp_loss", "aux_loss", "indexer_loss"} <= set(ref["parts"])
     vision = [n for n in ref["grads"] if n.startswith("visual.")]
@@ -108,8 +108,10 @@ def test_vl_under_cp_matches_one_process(pool2, pool4, case, dp):
         bad = {n: rel_err(g, ref["grads"][n]) for n, g in r["grads"].items()}
         worst = sorted(bad.items(), key=lambda item: item[1])[-3:]
         assert max(bad.values()) <= REL_TOL, f"rank {rank}: gradients differ from one process: {worst}"
-    logits = [torch.cat([results[d * 2]["logits"], results[d * 2 + 1]["logits"]], 1)[:, :T] for d in range(dp)]
-    assert rel_err(torch.cat(logits), ref["logits"]) <= REL_TOL
+    for r in results:  # each rank's slice of its dp rank's rows (the tp ranks of a slice hold the same)
+        d, c = r["at"]
+        expected = torch.nn.functional.pad(ref["logits"][2 * d : 2 * d + 2], (0, 0, 0, 1))[:, 21 * c : 21 * (c + 1)]
+        assert rel_err(r["logits"][:, : 21 - c], expected[:, : 21 - c]) <= REL_TOL, r["at"]
 
 
 def test_placeholder_count_error_is_the_one_process_error(pool2, case):
