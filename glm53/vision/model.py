@@ -137,9 +137,9 @@ class Glm53ForConditionalGeneration(Glm53ForCausalLM):
         ..., pixel_values=...) makes all of them."""
         visual = pixel_values is not None or pixel_values_videos is not None
         if inputs_embeds is not None:
-            if visual:
+            if visual or placeholders is not None:
                 raise InputError(
-                    "pass input_ids (not inputs_embeds) with pixel_values / pixel_values_videos: the "
+                    "pass input_ids (not inputs_embeds) with pixel_values / pixel_values_videos / placeholders: the "
                     "placeholders are found in the ids"
                 )
             return super().forward(input_ids, attention_mask, labels, inputs_embeds, **kwargs)

@@ -156,6 +156,9 @@ def test_cp_without_placeholders_and_text_model_errors(case):
     batch = case["batches"][1][0]
     with pytest.raises(Exception, match="context_parallel_inputs"):
         model(**batch, cp=OneRank(T))
+    at = sliced_placeholders(batch["input_ids"], model.token_ids, slice(0, T))
+    with pytest.raises(Exception, match="not inputs_embeds"):
+        model(inputs_embeds=torch.zeros(2, T, model.config.hidden_size), placeholders=at)
     text = Glm53ForCausalLM(text_config())
     with pytest.raises(ValueError, match="text-only model"):
         context_parallel_inputs(text, batch["input_ids"], mesh=_FakeMesh(), pixel_values=batch["pixel_values"])
