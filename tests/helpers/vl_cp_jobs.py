@@ -55,7 +55,14 @@ def cp_vl_step(config, state: dict, batches: list[dict], dp: int, cp: int, tp: i
             dist.all_reduce(value, group=mesh.get_group("dp"))
             value /= dp
     grads = {n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
-    return dict(loss=loss, parts=parts, grads=grads, logits=full(out.logits), at=(dp_rank, mesh.get_local_rank("cp")))
+    return dict(
+        loss=loss,
+        parts=parts,
+        grads=grads,
+        logits=full(out.logits),
+        at=(dp_rank, mesh.get_local_rank("cp")),
+        media={k: kwargs[k] for k in VISION_KEYS if k in kwargs},  # what this rank's tower ran on
+    )
 
 
 def cp_vl_reference(config, state: dict, batches: list[dict]) -> dict:
@@ -76,10 +83,14 @@ def cp_vl_error_job(config, state: dict, batch: dict) -> str:
     mesh = init_mesh(1, 1, cp=dist.get_world_size())
     model = _model(config, state)
     parallelize(model, mesh)
-    kwargs = context_parallel_inputs(
-        model, batch["input_ids"], labels=batch["input_ids"], attention_mask=batch["attention_mask"], **_vision(batch)
-    )
-    try:
+    try:  # context_parallel_inputs checks the whole batch (each rank keeps only its slice's images)
+        kwargs = context_parallel_inputs(
+            model,
+            batch["input_ids"],
+            labels=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            **_vision(batch),
+        )
         model(**kwargs)
     except InputError as e:
         return str(e)

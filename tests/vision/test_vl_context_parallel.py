@@ -18,10 +18,11 @@ import torch
 
 from glm53 import Glm53ForConditionalGeneration
 from glm53.parallel import context_parallel_inputs
+from glm53.parallel.cp_inputs import PAIRS
 from glm53.vision import with_vision
-from glm53.vision.splice import placeholder_masks, sliced_placeholders, splice
+from glm53.vision.splice import media_for_slice, placeholder_masks, sliced_placeholders
 from tests.helpers.vision import TOKENS, TOWER, randomize_parameters, text_config, vl_batch
-from tests.helpers.vl_cp_jobs import cp_vl_error_job, cp_vl_reference, cp_vl_step
+from tests.helpers.vl_cp_jobs import VISION_KEYS, cp_vl_error_job, cp_vl_reference, cp_vl_step
 
 # fp32 with other summation orders (a sliced sequence, FSDP's reduce over cp, the all-gathered MLA keys): eps 1.2e-7
 # x the deepest reduction chain (~ 4 text layers + MTP + 2 tower blocks, each a few hundred-term sums, ~ 1e3 terms
@@ -108,6 +109,15 @@ def test_vl_under_cp_matches_one_process(pool2, pool4, case, dp, tp):
         bad = {n: rel_err(g, ref["grads"][n]) for n, g in r["grads"].items()}
         worst = sorted(bad.items(), key=lambda item: item[1])[-3:]
         assert max(bad.values()) <= REL_TOL, f"rank {rank}: gradients differ from one process: {worst}"
+    pixels = batches[0]["pixel_values"]  # images: A (crossing, rows 0-31), B (rank 1, 32-39), C (row 1, rank 0)
+    own = {0: torch.cat([pixels[:32], pixels[40:]]), 1: pixels[:40]}
+    for r in results:  # each cp rank's tower ran on the images and the video its slice's placeholders take
+        d, c = r["at"]
+        if d == 0:
+            assert torch.equal(r["media"]["pixel_values"], own[c]), r["at"]
+            assert torch.equal(r["media"]["pixel_values_videos"], batches[0]["pixel_values_videos"])
+        else:  # dp rank 1: its one image is on cp rank 1; cp rank 0 holds text only (the dummy tower run)
+            assert set(r["media"]) == ({"pixel_values", "image_grid_thw"} if c == 1 else set()), r["at"]
     for r in results:  # each rank's slice of its dp rank's rows (the tp ranks of a slice hold the same)
         d, c = r["at"]
         expected = torch.nn.functional.pad(ref["logits"][2 * d : 2 * d + 2], (0, 0, 0, 1))[:, 21 * c : 21 * (c + 1)]
@@ -129,22 +139,28 @@ def test_placeholder_count_error_is_the_one_process_error(pool2, case):
     assert "input_ids hold 13 image placeholder tokens but pixel_values give 12" in messages[0]
 
 
-def test_sliced_splice_equals_the_whole_splice():
-    """One process, no ranks: the slices' splices, concatenated, are the whole rows' (every cut, padding too)."""
-    config, _ = _case()
-    tokens = Glm53ForConditionalGeneration(config).token_ids
-    ids = _rows([ROW_IMAGE, ROW_VIDEO])["input_ids"]
-    image_mask, video_mask = placeholder_masks(ids, tokens)
-    embeds = torch.randn(2, T, 3)
-    features = [torch.randn(int(m.sum()), 3) for m in (image_mask, video_mask)]
-    whole = splice(splice(embeds, image_mask, features[0], "image"), video_mask, features[1], "video")
-    for cut in (1, 15, 16, 21, 22, 40):
-        parts = []
-        for columns in (slice(0, cut), slice(cut, T + 3)):
-            at = sliced_placeholders(ids, tokens, columns)
-            local = torch.nn.functional.pad(embeds, (0, 0, 0, 3))[:, columns]
-            parts.append(splice(splice(local, at[0], features[0], "image"), at[1], features[1], "video"))
-        assert torch.equal(torch.cat(parts, 1)[:, :T], whole), cut
+def test_sliced_splice_equals_the_whole_splice(case):
+    """One process, no ranks: at every cut (padding past T too) each slice's own images and videos
+    (`media_for_slice`) through the tower, spliced at its placeholders, give the whole rows' embeddings."""
+    model = Glm53ForConditionalGeneration(case["config"])
+    model.load_state_dict(case["state"])
+    batch = case["batches"][1][0]
+    ids, merge = batch["input_ids"], model.vision_config.spatial_merge_size
+    with torch.no_grad():
+        whole = model.embed_multimodal(ids, *(batch[k] for k in VISION_KEYS))
+        for cut in (1, 15, 16, 21, 22, 40):
+            parts = []
+            for columns in (slice(0, cut), slice(cut, T + 3)):
+                media, placeholders = [], []
+                for at, kind, (p, g) in zip(
+                    sliced_placeholders(ids, model.token_ids, columns), ("image", "video"), PAIRS
+                ):
+                    pixels, grid, at = media_for_slice(at, batch[p], batch[g], merge, kind)
+                    media += [pixels, grid]
+                    placeholders.append(at)
+                local = torch.nn.functional.pad(ids, (0, 3))[:, columns]
+                parts.append(model.embed_multimodal(local, *media, placeholders=tuple(placeholders)))
+            assert rel_err(torch.cat(parts, 1)[:, :T], whole) <= REL_TOL, cut
 
 
 def test_cp_without_placeholders_and_text_model_errors(case):
