@@ -3,8 +3,8 @@
 Legend: B batch, T time, D model width, N patch rows, G merged rows (N / m^2).
 It is a Glm53ForCausalLM with a VisionTower under `visual` (`model.visual.*` on disk). forward embeds the ids,
 runs the tower once over every image (and once over every video) of the batch, splices the merged features into
-the placeholder embeddings (splice.py; under context parallelism each rank's slice takes the feature rows of its
-own placeholders, every rank running the tower on the whole batch's pixels) and hands `inputs_embeds` to Glm53ForCausalLM's forward, so it returns
+the placeholder embeddings (splice.py; under context parallelism each rank runs the tower on the items its slice's
+placeholders take and splices its own rows) and hands `inputs_embeds` to Glm53ForCausalLM's forward, so it returns
 exactly what the text model returns (losses, MTP, indexer KL, balance, return_logits, packed documents). A batch
 without pixels is the text model's forward on the same embeddings. The config is the text Glm53Config whose
 outer part declares `vision_config` and the token ids (config.py `with_vision`; a VL checkpoint's config.json).
@@ -131,10 +131,9 @@ class Glm53ForConditionalGeneration(Glm53ForCausalLM):
         """transformers' meaning for the vision inputs: `pixel_values` [N, C*T*P*P] and `image_grid_thw` [images,
         3] (t, h, w); `pixel_values_videos` / `video_grid_thw` likewise. Every other keyword is
         Glm53ForCausalLM.forward's (loss_denominators, cu_seqlens, position_ids, return_logits, cp).
-        Under context parallelism (`cp`) `input_ids` are this rank's slice of every row and the pixels the whole
-        batch's: every cp rank runs the tower on all of them and splices the feature rows its slice's
-        placeholders take (`placeholders`, found in the whole rows); glm53.parallel.context_parallel_inputs(model,
-        ..., pixel_values=...) makes all of them."""
+        Under context parallelism (`cp`) `input_ids` are this rank's slice of every row, the pixels those of the
+        items its placeholders take, `placeholders` where they go (found in the whole rows, splice.py);
+        glm53.parallel.context_parallel_inputs(model, ..., pixel_values=...) makes all of them."""
         visual = pixel_values is not None or pixel_values_videos is not None
         if inputs_embeds is not None:
             if visual or placeholders is not None:

@@ -1,7 +1,8 @@
 """`torchrun -m glm53 train` on a VL jsonl (gloo). --dp 2: finite losses while one rank's micro-batch has no image
 (the tower's zero-weighted dummy forward keeps FSDP's collectives matched), each rank decoding its own rows.
---cp 2: the losses of one process on the same rows (every cp rank runs the tower on the whole rows' images and
-splices its slice's feature rows), with the tower trained too."""
+--cp 2: the losses of one process on the same rows (each cp rank runs the tower on the images its slice's
+placeholders take and splices its own feature rows), with the tower trained too; the first step has no image (the
+tower's dummy zero gradients are dropped, so AdamW skips the tower as one process does)."""
 
 from __future__ import annotations
 

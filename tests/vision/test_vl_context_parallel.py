@@ -1,6 +1,6 @@
-"""The VL model under context parallelism on gloo: every cp rank gets its slice of the whole rows (and the whole
-batch's pixels) from `context_parallel_inputs`, runs the tower on every image and video and splices the feature rows
-its own placeholders take. Against one process on the same rows: loss and every part (lm, MTP, balance, indexer
+"""The VL model under context parallelism on gloo: every cp rank gets its slice of the whole rows and the pixels of
+the images and videos its placeholders take from `context_parallel_inputs` (asserted: which pixels each rank's tower
+ran on), runs the tower on them and splices its own feature rows. Against one process on the same rows: loss and every part (lm, MTP, balance, indexer
 KL) on every rank, each rank's logits, every gradient (the tower's blocks, its merger and projector, the text
 model), at cp2, dp2 x cp2 and cp2 x tp2 (the tower replicated over tp, the text model tensor-parallel).
 
