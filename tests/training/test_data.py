@@ -150,7 +150,9 @@ def test_position_ids_go_only_to_a_forward_that_takes_them():
 def test_targets_without_a_chat_template_but_with_an_eos():
     """A tokenizer with an EOS and no chat template: 'role: content' lines, the assistant content and one EOS
     after it are the targets; prompt/completion as the raw texts; text: every token then EOS."""
-    tok = SimpleNamespace(eos_id=99, chat_template=None, encode=lambda s: [ord(c) for c in s])
+    tok = SimpleNamespace(
+        eos_id=99, chat_template=None, encode_batch=lambda texts: [[ord(c) for c in s] for s in texts]
+    )
     chat = Document("f:1", messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}])
     got = encode_document(chat, tok)
     assert got.ids == [ord(c) for c in "user: Hi\nassistant: Yo"] + [99]
