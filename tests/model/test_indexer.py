@@ -200,3 +200,31 @@ def test_packed_selection_breaks_ties_to_the_lowest_pool():
         doc_start = 13 if (b, t) == (0, 23) else 0
         first = sorted(i for i in chosen[b, t].tolist() if i >= 0)
         assert first == list(range(doc_start, doc_start + topk)), (b, t, first)
+
+
+# ------------------------------------------------------------------------------------ when a pool becomes a candidate
+@pytest.mark.parametrize("offset", [0, 5])
+def test_a_pool_becomes_a_candidate_at_its_last_token(offset):
+    """Pool p (tokens p*L .. p*L + L-1) is a candidate from query p*L + L-1 on: not one token early (its last key not
+    yet visible) nor one late. Checked on the model's selection (select_pools) and on both top-k kernels, at query
+    offset 0 (prefill) and 5 (a cache's later rows). Left padding shifts the pools of the padded row."""
+    from glm53.model.indexer import kept_pools
+
+    L, S, pad = 4, 19, 2
+    valid = torch.ones(2, S, dtype=torch.bool)
+    valid[1, :pad] = False
+    positions, complete = kept_pools(valid, L, None)
+    P, T = positions.shape[1], S - offset
+    t = torch.arange(offset, S)[:, None]
+    first = torch.tensor([0, pad])[:, None, None]  # each row's first valid token
+    last_token = first + (torch.arange(P)[None, None] + 1) * L - 1  # [B, 1, P]
+    expected = (last_token <= t[None]) & (last_token < S)
+    scores = torch.zeros(2, T, P)
+    _, candidate, _ = select_pools(scores, positions, complete, valid, None, offset, 4 * L, L, False)
+    assert torch.equal(candidate, expected)
+    q, w = torch.randn(2, T, 2, 8), torch.randn(2, T, 2)
+    pool_keys = torch.randn(2, P, 8)
+    pool_end = positions[..., -1].clamp(0, S - 1)
+    for topk in (indexer_topk_pools_reference, indexer_topk_pools):
+        chosen, ok = topk(q, w, pool_keys, 8**-0.5, pool_end, complete, offset, P)
+        assert torch.equal(torch.zeros_like(expected).scatter_(-1, chosen, ok), expected), topk.__name__
