@@ -297,8 +297,9 @@ class Trainer:
             for name in LOSS_PARTS:
                 if getattr(out, name) is not None:
                     parts[name] = parts.get(name, 0) + getattr(out, name).detach().float()
-        if self.par is not None and self.vl_record is not None:
-            self._drop_dummy_tower_grads(micro)
+        if self.par is not None and self.vl_record is not None:  # no image on any rank: None, as one process's
+            media = self._global_counts(vl_finetune.media_count(micro, self.device), self.par.sum_over)
+            vl_finetune.drop_dummy_tower_grads(self.model, media)
         clip = self.args.grad_clip if self.args.grad_clip > 0 else math.inf
         if self.par is not None:  # gradients on two meshes under EP
             self.grad_norm = parallel_clip_grad_norm_(self.model.parameters(), clip)
@@ -310,15 +311,6 @@ class Trainer:
         self.expert_loads = expert_load_stats(self.model)
         self.model.update_router_bias(self.args.bias_rate)  # loads summed over dp ranks by model.expert_load_reduce
         return parts
-
-    def _drop_dummy_tower_grads(self, micro: list[dict[str, torch.Tensor]]) -> None:
-        """A step without any image or video on any rank: the tower's gradients are the zeros of its dummy forward
-        (FSDP's collectives need it), where one process has none; dropped, so the optimizer skips the tower as
-        one process's does (no weight decay, no moment or step-count update) and every layout trains alike."""
-        media = sum(1 for m in micro if "pixel_values" in m or "pixel_values_videos" in m)
-        if self._global_counts(torch.tensor(float(media), device=self.device), self.par.sum_over).item() == 0:
-            for p in self.model.visual.parameters():
-                p.grad = None
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
