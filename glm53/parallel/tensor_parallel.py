@@ -20,7 +20,7 @@ Legend: tp the TP mesh size, H heads, K head width, B batch, T time, vocab the v
 Every parameter not sharded becomes a Replicate DTensor on the TP mesh (docs/parallel.md: a plain parameter
 beside DTensors breaks clip_grad_norm_ and mixed ops). MLA keeps its numerics setting under TP: the absorbed form reads
 its local heads' kv_b_proj rows (`ColwiseHeads`) and sums the shared latent's gradient over the ranks
-(`glm53.boundary.into_head_parallel`); the per-head form (`set_numerics(mla_absorb=False)`) runs through
+(`glm53.hooks.into_head_parallel`); the per-head form (`set_numerics(mla_absorb=False)`) runs through
 ColwiseParallel.
 """
 
@@ -37,7 +37,7 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from ..losses import Glm53ForCausalLM
 from ..model.moe import MoE
-from .boundary import LocalShard, Whole, set_boundary_rule
+from .placements import LocalShard, Whole, set_boundary_rule
 
 
 def _distribute_own(module: nn.Module, mesh: DeviceMesh, names: Sequence[str], placements, src_data_rank) -> None:

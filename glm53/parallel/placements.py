@@ -1,7 +1,7 @@
 """DTensor parameters at the kernel boundary: `materialize_full`, `local_shard` and the resolver behind `as_local`.
 
 Legend: a *boundary* is a place where a glm53 module hands one of its parameters to code that takes plain
-tensors (`glm53.boundary.as_local`). What a kernel may receive there depends on the plan, not on the module:
+tensors (`glm53.hooks.as_local`). What a kernel may receive there depends on the plan, not on the module:
 - `Whole(grad_placements)`: the whole parameter (it must be Replicate on every mesh dimension). When the
   activations it meets are sharded on the mesh (KDA's o_norm on head-sharded outputs) its gradient on each
   rank is a partial sum, declared with `grad_placements=[Partial()]` (docs/parallel.md).
@@ -21,7 +21,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.placement_types import Placement
 
-from ..boundary import set_input_resolver, set_param_resolver, set_value_resolver
+from ..hooks import set_input_resolver, set_param_resolver, set_value_resolver
 
 
 class PlacementError(ValueError):
@@ -138,7 +138,7 @@ def plain_value(t: torch.Tensor) -> torch.Tensor:
 
 
 def head_parallel_input(module: nn.Module, name: str, x: torch.Tensor) -> torch.Tensor:
-    """`glm53.boundary.into_head_parallel` under DTensor: when `module.<name>` is sharded over the mesh (this rank
+    """`glm53.hooks.into_head_parallel` under DTensor: when `module.<name>` is sharded over the mesh (this rank
     holds some heads), `x` (whole on every rank) gets a Partial gradient, so autograd sums it over the ranks
     (Megatron's "f"); for a plain or replicated parameter `x` passes unchanged."""
     param = getattr(module, name)
