@@ -27,7 +27,7 @@ from .parallelize import (
     parallelize,
     zero_rows,
 )
-from .placements import LocalShard, PlacementError, Whole, local_shard, materialize_full, set_boundary_rule
+from .placements import LocalShard, PlacementError, Whole, local_shard, materialize_full, set_placement_rule
 from .runtime import full_optimizer_state, full_state, init_mesh, load_full_optimizer_state, loss_denominators
 from .tensor_parallel import (
     ExpertTensorParallel,
@@ -49,7 +49,7 @@ __all__ = [
     "PlacementError",
     "Whole",
     "LocalShard",
-    "set_boundary_rule",
+    "set_placement_rule",
     "parallelize",
     "apply_tensor_parallel",
     "apply_fsdp",

@@ -34,7 +34,7 @@ from ..hooks import set_expert_dispatcher
 from ..kernels import kernel
 from ..model.moe import Experts
 from . import comm
-from .placements import LocalShard, set_boundary_rule
+from .placements import LocalShard, set_placement_rule
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")  # [E, 2I, D], [E, D, I]
 
@@ -187,7 +187,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, ep_tp_mesh: Dev
                 placements = (Shard(0),)
                 shard = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
             module.register_parameter(name, nn.Parameter(shard, requires_grad=param.requires_grad))
-            set_boundary_rule(module, name, LocalShard(placements))
+            set_placement_rule(module, name, LocalShard(placements))
         _DISPATCH[module] = ExpertParallelDispatch(ep_mesh)
 
 

@@ -98,7 +98,7 @@ _RULES: "weakref.WeakKeyDictionary[nn.Module, dict[str, Whole | LocalShard]]" = 
 _NAMES: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
 
 
-def set_boundary_rule(module: nn.Module, name: str, rule: Whole | LocalShard, fqn: str | None = None) -> None:
+def set_placement_rule(module: nn.Module, name: str, rule: Whole | LocalShard, fqn: str | None = None) -> None:
     """Declare what `as_local(module, name)` must hand to the kernel when the parameter is a DTensor."""
     if not isinstance(getattr(module, name, None), torch.Tensor):
         raise AttributeError(f"{type(module).__name__} has no parameter {name!r} to set a boundary rule for")
@@ -113,7 +113,7 @@ def name_modules(model: nn.Module) -> None:
         _NAMES[module] = fqn
 
 
-def boundary_rule(module: nn.Module, name: str) -> Whole | LocalShard:
+def placement_rule(module: nn.Module, name: str) -> Whole | LocalShard:
     return _RULES.get(module, {}).get(name, Whole())
 
 
@@ -121,7 +121,7 @@ def _resolve(module: nn.Module, name: str, param: torch.Tensor) -> torch.Tensor:
     if not isinstance(param, DTensor):
         return param
     prefix = _NAMES.get(module, type(module).__name__)
-    return boundary_rule(module, name)(param, f"{prefix}.{name}" if prefix else name)
+    return placement_rule(module, name)(param, f"{prefix}.{name}" if prefix else name)
 
 
 def plain_value(t: torch.Tensor) -> torch.Tensor:
@@ -164,8 +164,8 @@ __all__ = [
     "local_shard",
     "Whole",
     "LocalShard",
-    "set_boundary_rule",
-    "boundary_rule",
+    "set_placement_rule",
+    "placement_rule",
     "name_modules",
     "install",
     "plain_value",
