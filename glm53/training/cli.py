@@ -165,7 +165,7 @@ def resolve(parser: argparse.ArgumentParser, argv: list[str], args: argparse.Nam
     """Apply --config and a resumed run's run.toml (runconfig.py); errors exit with one line, status 2."""
     try:
         args, notes = runconfig.resolve(parser, argv, args)
-    except runconfig.ConfigError as e:
+    except runconfig.RunConfigError as e:
         parser.error(str(e))
     args.config_notes = notes
     args.train_parser = parser
