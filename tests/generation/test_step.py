@@ -218,12 +218,31 @@ def test_compiled_step_is_one_graph_and_equals_eager():
     torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-6 * eager.abs().max().item())  # same ops, same order
 
 
+ONE_LAYER = dict(num_hidden_layers=1, layer_types=["linear_attention"], mlp_layer_types=["dense"])  # quick traces
+
+
+def test_many_models_and_lengths_compile_in_one_process():
+    """torch.compile refuses a ninth graph of one code object (its recompile limit, 8; with fullgraph=True a hard
+    error): 3 models (different vocabularies) x 3 cache lengths = 9 static signatures compile in this process (after
+    every earlier test's compiles, no compiler reset), each one graph, reused by the next step, equal to eager."""
+    backend, graphs = _graph_counter()
+    stepper = Stepper(compile=backend)
+    for vocab in (320, 328, 336):
+        model = tiny_model(random_weights=False, vocab_size=vocab, **ONE_LAYER)
+        ids, mask = left_padded(vocab, [5, 4])
+        for extra in (2, 3, 4):
+            with torch.inference_mode():
+                _, eager = _steps(model, ids, mask, 3, 2, 1, max_length=5 + extra)
+                before = len(graphs)
+                _, compiled = _steps(model, ids, mask, 3, 2, 1, stepper, max_length=5 + extra)
+            assert len(graphs) == before + 1  # one graph for both decode steps of this signature
+            torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-6 * eager.abs().max().item())
+    assert len(graphs) == 9
+
+
 def test_generate_compiled_with_inductor_equals_eager():
     """compile=True (inductor, public torch.compile only) through generate: the same greedy tokens as eager, plain and
     speculative."""
-    # dynamo's recompile limit (8) counts per code object and process: the tests before this one compiled the same
-    # step for other models and shapes, so start from a clean compiler state
-    torch.compiler.reset()
     model = tiny_model(random_weights=False, num_nextn_predict_layers=1)
     ids, mask = left_padded(model.config.vocab_size, [7, 5])
     plain = model.generate(ids, mask, max_new_tokens=4)
