@@ -417,71 +417,67 @@ register("sparse_mqa_attention", "fast", sparse_mqa_attention)
 # Both fast forms run as custom ops (kernels/opaque.py): torch.compile sees one opaque call with a fake
 # implementation for the shapes, instead of a Python loop over chunks and the absorbed form's span sync; the
 # hand-written backward is the op's autograd formula, itself a custom op. Outputs are contiguous, as the fakes say.
-@torch.library.custom_op("glm53::sparse_attention", mutates_args=(), tags=HOST_READING)
-def _sparse_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk_indices: torch.Tensor, scale: float
-) -> torch.Tensor:
-    return _sparse_forward(q, k, v, topk_indices, scale)
+# `per_head_op` / `absorbed_op` make the pair (forward op, backward op) of one form under `name`; `static` plans the
+# chunks from shapes alone (kernels/sparse_static.py), `tags` are the forward and backward ops' tags.
+def per_head_op(name: str, static: bool, tags: tuple):
+    @torch.library.custom_op(f"glm53::{name}", mutates_args=(), tags=tags)
+    def op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk_indices: torch.Tensor, scale: float) -> torch.Tensor:
+        return _sparse_forward(q, k, v, topk_indices, scale, static)
+
+    @op.register_fake
+    def _(q, k, v, topk_indices, scale):
+        return q.new_empty(*q.shape[:-1], v.shape[-1])
+
+    @torch.library.custom_op(f"glm53::{name}_backward", mutates_args=(), tags=tags)
+    def backward_op(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk_indices: torch.Tensor, do: torch.Tensor, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _sparse_backward(q, k, v, topk_indices, do, scale, static)
+
+    @backward_op.register_fake
+    def _(q, k, v, topk_indices, do, scale):
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+    def setup(ctx, inputs, output) -> None:
+        q, k, v, topk_indices, ctx.scale = inputs
+        ctx.save_for_backward(q, k, v, topk_indices)
+
+    def grad(ctx, do):
+        return (*backward_op(*ctx.saved_tensors, do, ctx.scale), None, None)
+
+    op.register_autograd(grad, setup_context=setup)
+    return op
 
 
-@_sparse_op.register_fake
-def _(q, k, v, topk_indices, scale):
-    return q.new_empty(*q.shape[:-1], v.shape[-1])
+def absorbed_op(name: str, static: bool, tags: tuple):
+    @torch.library.custom_op(f"glm53::{name}", mutates_args=(), tags=tags)
+    def op(q: torch.Tensor, kv: torch.Tensor, topk_indices: torch.Tensor, scale: float) -> torch.Tensor:
+        return _mqa_forward(q, kv, topk_indices, scale, static)
+
+    @op.register_fake
+    def _(q, kv, topk_indices, scale):
+        return q.new_empty(q.shape)
+
+    @torch.library.custom_op(f"glm53::{name}_backward", mutates_args=(), tags=tags)
+    def backward_op(
+        q: torch.Tensor, kv: torch.Tensor, topk_indices: torch.Tensor, do: torch.Tensor, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return _mqa_backward(q, kv, topk_indices, do, scale, static)
+
+    @backward_op.register_fake
+    def _(q, kv, topk_indices, do, scale):
+        return q.new_empty(q.shape), kv.new_empty(kv.shape)
+
+    def setup(ctx, inputs, output) -> None:
+        q, kv, topk_indices, ctx.scale = inputs
+        ctx.save_for_backward(q, kv, topk_indices)
+
+    def grad(ctx, do):
+        return (*backward_op(*ctx.saved_tensors, do, ctx.scale), None, None)
+
+    op.register_autograd(grad, setup_context=setup)
+    return op
 
 
-@torch.library.custom_op("glm53::sparse_attention_backward", mutates_args=(), tags=HOST_READING)
-def _sparse_backward_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk_indices: torch.Tensor, do: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _sparse_backward(q, k, v, topk_indices, do, scale)
-
-
-@_sparse_backward_op.register_fake
-def _(q, k, v, topk_indices, do, scale):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-
-def _sparse_setup(ctx, inputs, output) -> None:
-    q, k, v, topk_indices, ctx.scale = inputs
-    ctx.save_for_backward(q, k, v, topk_indices)
-
-
-def _sparse_grad(ctx, do):
-    return (*_sparse_backward_op(*ctx.saved_tensors, do, ctx.scale), None, None)
-
-
-_sparse_op.register_autograd(_sparse_grad, setup_context=_sparse_setup)
-
-
-@torch.library.custom_op("glm53::sparse_mqa_attention", mutates_args=(), tags=HOST_READING)
-def _mqa_op(q: torch.Tensor, kv: torch.Tensor, topk_indices: torch.Tensor, scale: float) -> torch.Tensor:
-    return _mqa_forward(q, kv, topk_indices, scale)
-
-
-@_mqa_op.register_fake
-def _(q, kv, topk_indices, scale):
-    return q.new_empty(q.shape)
-
-
-@torch.library.custom_op("glm53::sparse_mqa_attention_backward", mutates_args=(), tags=HOST_READING)
-def _mqa_backward_op(
-    q: torch.Tensor, kv: torch.Tensor, topk_indices: torch.Tensor, do: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return _mqa_backward(q, kv, topk_indices, do, scale)
-
-
-@_mqa_backward_op.register_fake
-def _(q, kv, topk_indices, do, scale):
-    return q.new_empty(q.shape), kv.new_empty(kv.shape)
-
-
-def _mqa_setup(ctx, inputs, output) -> None:
-    q, kv, topk_indices, ctx.scale = inputs
-    ctx.save_for_backward(q, kv, topk_indices)
-
-
-def _mqa_grad(ctx, do):
-    return (*_mqa_backward_op(*ctx.saved_tensors, do, ctx.scale), None, None)
-
-
-_mqa_op.register_autograd(_mqa_grad, setup_context=_mqa_setup)
+_sparse_op = per_head_op("sparse_attention", False, HOST_READING)
+_mqa_op = absorbed_op("sparse_mqa_attention", False, HOST_READING)

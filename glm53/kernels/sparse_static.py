@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from .dispatch import register
-from .sparse_attention import _mqa_backward, _mqa_forward, _sparse_backward, _sparse_forward, same_document_only
+from .sparse_attention import absorbed_op, per_head_op, same_document_only
 
 
 def sparse_attention_static(
@@ -55,74 +55,7 @@ register("sparse_attention", "static", sparse_attention_static)
 register("sparse_mqa_attention", "static", sparse_mqa_attention_static)
 
 
-# ---------------------------------------------------------------------------------------- torch.compile boundary
-@torch.library.custom_op("glm53::sparse_attention_static", mutates_args=())
-def _sparse_static_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk_indices: torch.Tensor, scale: float
-) -> torch.Tensor:
-    return _sparse_forward(q, k, v, topk_indices, scale, static=True)
-
-
-@_sparse_static_op.register_fake
-def _(q, k, v, topk_indices, scale):
-    return q.new_empty(*q.shape[:-1], v.shape[-1])
-
-
-@torch.library.custom_op("glm53::sparse_attention_static_backward", mutates_args=())
-def _sparse_static_backward_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk_indices: torch.Tensor, do: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _sparse_backward(q, k, v, topk_indices, do, scale, static=True)
-
-
-@_sparse_static_backward_op.register_fake
-def _(q, k, v, topk_indices, do, scale):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-
-def _sparse_setup(ctx, inputs, output) -> None:
-    q, k, v, topk_indices, ctx.scale = inputs
-    ctx.save_for_backward(q, k, v, topk_indices)
-
-
-def _sparse_grad(ctx, do):
-    return (*_sparse_static_backward_op(*ctx.saved_tensors, do, ctx.scale), None, None)
-
-
-_sparse_static_op.register_autograd(_sparse_grad, setup_context=_sparse_setup)
-
-
-@torch.library.custom_op("glm53::sparse_mqa_attention_static", mutates_args=())
-def _mqa_static_op(q: torch.Tensor, kv: torch.Tensor, topk_indices: torch.Tensor, scale: float) -> torch.Tensor:
-    return _mqa_forward(q, kv, topk_indices, scale, static=True)
-
-
-@_mqa_static_op.register_fake
-def _(q, kv, topk_indices, scale):
-    return q.new_empty(q.shape)
-
-
-@torch.library.custom_op("glm53::sparse_mqa_attention_static_backward", mutates_args=())
-def _mqa_static_backward_op(
-    q: torch.Tensor, kv: torch.Tensor, topk_indices: torch.Tensor, do: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return _mqa_backward(q, kv, topk_indices, do, scale, static=True)
-
-
-@_mqa_static_backward_op.register_fake
-def _(q, kv, topk_indices, do, scale):
-    return q.new_empty(q.shape), kv.new_empty(kv.shape)
-
-
-def _mqa_setup(ctx, inputs, output) -> None:
-    q, kv, topk_indices, ctx.scale = inputs
-    ctx.save_for_backward(q, kv, topk_indices)
-
-
-def _mqa_grad(ctx, do):
-    return (*_mqa_static_backward_op(*ctx.saved_tensors, do, ctx.scale), None, None)
-
-
-_mqa_static_op.register_autograd(_mqa_grad, setup_context=_mqa_setup)
+_sparse_static_op = per_head_op("sparse_attention_static", True, ())
+_mqa_static_op = absorbed_op("sparse_mqa_attention_static", True, ())
 
 __all__ = ["sparse_attention_static", "sparse_mqa_attention_static"]
