@@ -16,9 +16,9 @@ setup(
         "vl": ["pillow", "av"],  # image decoding (glm53.vision.media) and video files through PyAV
         "tensorboard": ["tensorboard"],
         # everything the tests import (transformers is the numerical oracle, peft the adapter-file oracle), plus
-        # benchmarks/plot_run.py and the formatter/linter .ci/run calls (ruff pinned: the format check must not move
-        # with a new release)
-        "test": ["pytest", "hypothesis", "transformers==5.23.0", "expecttest", "peft", "pyarrow", "datasets", "pillow",
+        # pytest-xdist (the suite runs on two workers), benchmarks/plot_run.py and the formatter/linter .ci/run calls
+        # (ruff pinned: the format check must not move with a new release)
+        "test": ["pytest", "pytest-xdist", "hypothesis", "transformers==5.23.0", "expecttest", "peft", "pyarrow", "datasets", "pillow",
                  "av", "tensorboard", "matplotlib", "ruff==0.17.6"],
     },
 )

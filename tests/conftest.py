@@ -1,15 +1,19 @@
-"""Shared pytest setup: two intra-op threads (the CI machine has 2 cores) and a fixed seed per test.
+"""Shared pytest setup: two intra-op threads (the CI machine has 2 cores; one per worker when pytest-xdist runs two
+workers, `-n 2`) and a fixed seed per test.
 
 Helpers shared by several test files live in the `tests.helpers` package (tests/ is a package, so pytest puts
 the repository root on sys.path and they import as `tests.helpers.<module>`).
 """
+
+import os
 
 import pytest
 import torch
 
 from tests.helpers.parallel_harness import WorkerPool
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # set by pytest-xdist in each worker
+torch.set_num_threads(max(1, min(2, torch.get_num_threads()) // WORKERS))
 
 
 @pytest.fixture(autouse=True)

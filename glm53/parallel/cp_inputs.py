@@ -8,6 +8,11 @@ Labels become next-token targets before slicing (the target of a rank's last pos
 label), packed documents become per-document `position_ids` (restarting at 0; a rank tells a document that
 continues from the previous rank by its first position), and the loss denominators are counted on the whole
 sequences, so that every loss part on every cp rank is the one-process loss of the batch.
+The VL model (Glm53ForConditionalGeneration): each cp rank gets the pixels of the images and videos whose
+placeholders its slice holds (an image whose placeholder run crosses a slice boundary goes to both ranks, each
+splicing its own rows of the features) and `placeholders`: this slice's placeholders, found in the whole rows (a
+video's begin marker may lie on an earlier rank), and the feature row each takes (vision/splice.py). The tower's
+parameter gradients are then each rank's share, reduced over cp like every other parameter's.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from ..losses.counts import LossCounts
 from ..losses.parts import IGNORE_INDEX, next_token_targets
 from ..model.packing import document_boundaries
 from ..utils import ceil_div
+from ..vision.splice import media_for_slice, sliced_placeholders
+from ..vision.tower import check_vision_inputs
 from .context import CpShards
 from .mesh import DATA_DIMS
 from .parallelize import context_parallel_mesh
@@ -52,6 +59,7 @@ def context_parallel_inputs(
     *,
     mesh: DeviceMesh | None = None,
     loss_denominators: LossCounts | None = None,
+    **vision: torch.Tensor | None,
 ) -> dict:
     """This rank's slice of a batch of whole sequences [B, T] -> kwargs for `model(**kwargs)`.
 
@@ -60,6 +68,7 @@ def context_parallel_inputs(
     by default this batch's, summed over the ranks that read their own rows (dp and ep, mesh.DATA_DIMS) and
     divided by their number (`glm53.parallel.loss_denominators`), so every such rank passes its own whole
     sequences.
+    `vision` (the VL model): pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw of the whole batch.
     """
     cp_mesh, full_mesh = context_parallel_mesh(model, mesh)
     if input_ids.dim() != 2:
@@ -82,6 +91,7 @@ def context_parallel_inputs(
     kwargs = dict(
         input_ids=(_pad(input_ids, width, pad_id) if width else input_ids)[:, mine], cp=CpShards(cp_mesh, local)
     )
+    kwargs.update(_vision_inputs(model, input_ids, mine, vision))
     if mask is not None:
         kwargs["attention_mask"] = (_pad(mask, width, 0) if width else mask)[:, mine]
     if positions is not None:
@@ -95,5 +105,35 @@ def context_parallel_inputs(
         kwargs["loss_denominators"] = loss_denominators
     return kwargs
 
+
+def _vision_inputs(model: Glm53ForCausalLM, input_ids: torch.Tensor, mine: slice, vision: dict) -> dict:
+    """The VL model's vision keywords for this slice: the pixels and grids of the images / videos its placeholders
+    take, and `placeholders` (vision/splice.py); {} for a text model. Inputs the model would reject (pixels
+    without a grid, ...) pass through unchanged, so every rank raises the one-process error."""
+    unknown = sorted(set(vision) - set(VISION_INPUTS))
+    if unknown:
+        raise TypeError(f"context_parallel_inputs got unexpected keyword arguments {unknown}")
+    tokens = getattr(model, "token_ids", None)
+    if tokens is None:
+        given = sorted(name for name, x in vision.items() if x is not None)
+        if given:
+            raise ValueError(
+                f"{given} given for a text-only model ({type(model).__name__}): images need the VL model "
+                f"(Glm53ForConditionalGeneration)"
+            )
+        return {}
+    out, placeholders = {}, []
+    for at, kind, (pix_name, grid_name) in zip(sliced_placeholders(input_ids, tokens, mine), ("image", "video"), PAIRS):
+        pixels, grid = vision.get(pix_name), vision.get(grid_name)
+        if pixels is not None and grid is not None:
+            grid = check_vision_inputs(pixels, grid, model.vision_config, pix_name, grid_name)
+            pixels, grid, at = media_for_slice(at, pixels, grid, model.vision_config.spatial_merge_size, kind)
+        out.update({name: x for name, x in ((pix_name, pixels), (grid_name, grid)) if x is not None})
+        placeholders.append(at)
+    return dict(out, placeholders=tuple(placeholders))
+
+
+PAIRS = (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw"))
+VISION_INPUTS = tuple(name for pair in PAIRS for name in pair)
 
 __all__ = ["context_parallel_inputs"]

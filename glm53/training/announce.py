@@ -34,6 +34,8 @@ def announce(trainer) -> None:
         print(f"saving into the resumed directory {args.save} (no --save given)", flush=True)
     if trainer.data is not None:
         print(trainer.data.describe(), flush=True)
+    else:  # said, not silent: a user who forgot --data sees what the run trains on
+        print("data: the built-in byte corpus (token = byte + 1; --data FILE trains on your own)", flush=True)
     if trainer.start >= args.steps:
         print(f"already at step {trainer.start} >= --steps {args.steps}; nothing to do", flush=True)
 

@@ -111,7 +111,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--bf16",
         action="store_true",
         help="bf16 compute, fp32 master weights and optimizer state (one process: autocast; torchrun "
-        "--dp > 1: FSDP2's bf16 policy)",
+        "--dp, --cp or --ep > 1: FSDP2's bf16 policy)",
     )
     p.add_argument(
         "--no-export",
@@ -165,7 +165,7 @@ def resolve(parser: argparse.ArgumentParser, argv: list[str], args: argparse.Nam
     """Apply --config and a resumed run's run.toml (runconfig.py); errors exit with one line, status 2."""
     try:
         args, notes = runconfig.resolve(parser, argv, args)
-    except runconfig.ConfigError as e:
+    except runconfig.RunConfigError as e:
         parser.error(str(e))
     args.config_notes = notes
     args.train_parser = parser
@@ -229,8 +229,11 @@ def train(args: argparse.Namespace) -> int:
         raise SystemExit("--no-export is a torchrun option (run with --dp/--tp under torchrun)")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is available to torch here")
-    if args.bf16 and world > 1 and args.dp == 1:
-        raise SystemExit("--bf16 under torchrun is FSDP2's mixed precision: it needs --dp > 1")
+    if args.bf16 and world > 1 and args.dp * args.cp * args.ep == 1:  # FSDP runs over dp x cp x ep (mesh.py)
+        raise SystemExit(
+            "--bf16 under torchrun is FSDP2's mixed precision, and a --tp-only layout has no FSDP: add --dp, --cp "
+            "or --ep > 1"
+        )
     if world > 1 and args.ep > 1:
         _check_experts(args)
     threads = torch.get_num_threads()

@@ -22,7 +22,7 @@ from .data.cache import cached_tokens, tokenizer_digest
 from .data.documents import DataError
 from .data.pack import Batch, Mixer, Packer
 from .data.sources import parse_mixture, read_source, source_digest
-from .data.tokenize import TextTokenizer, encode_document
+from .data.tokenize import TextTokenizer, encode_documents
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -102,7 +102,7 @@ def heldout_loss(model: Glm53ForCausalLM, path: str, tokenizer_dir: str, seq_len
     """The next-token loss (mean over every target token) of `model` on every document of data file `path`,
     packed as for training (eval mode: no expert-load counting)."""
     tokenizer = TextTokenizer(tokenizer_dir)
-    docs = [encode_document(d, tokenizer) for d in read_source(path).documents]
+    docs = encode_documents(read_source(path).documents, tokenizer)
     packer = Packer([d for d in docs if any(d.targets[1:])], seq_len, 0, tokenizer.pad_id or 0)
     rows = []
     while packer.epoch == 0:
@@ -127,7 +127,7 @@ def eval_batches(
     """Every document of held-out file `path` packed once into rows (as heldout_loss packs them); data rank `dp_rank` of `dp` takes
     rows dp_rank, dp_rank + dp, ...; a rank left without rows gets one row of padding (no targets), so every rank
     runs the same forwards."""
-    docs = [encode_document(d, tokenizer) for d in read_source(path).documents]
+    docs = encode_documents(read_source(path).documents, tokenizer)
     docs = [d for d in docs if any(d.targets[1:])]
     if not docs:
         raise DataError(f"--eval-data {path}: no document has a token to evaluate")

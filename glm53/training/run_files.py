@@ -1,6 +1,6 @@
 """The run directory's files besides the checkpoint: tokenizer files, step-N pruning, another job's checkpoint.
 
-No tensors here. Rules (tests/training/test_run_files.py):
+No tensors here. Rules (tests/training/test_runs.py, test_run_data.py):
 - --save DIR holding tokenizer files that differ from this run's tokenizer is refused at the start (they would
   be replaced at the first save); identical ones are left as they are, missing ones are written.
 - --keep-last K removes the oldest DIR/step-N checkpoints after a save succeeded, so an earlier complete

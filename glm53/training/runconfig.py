@@ -64,7 +64,7 @@ HARMLESS = frozenset(
 )
 
 
-class ConfigError(ValueError):
+class RunConfigError(ValueError):
     """A bad --config file, key or value, or a resume that would change the run; the message names the key."""
 
 
@@ -89,29 +89,29 @@ def _convert(action: argparse.Action, key: str, value: object, where: str) -> ob
     """A TOML value -> what argparse would give for it (the flag's own type and choices check it)."""
     if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
         if not isinstance(value, bool):
-            raise ConfigError(f"{where}: {key} must be true or false, got {value!r}")
+            raise RunConfigError(f"{where}: {key} must be true or false, got {value!r}")
         return value
     if isinstance(value, dict):
-        raise ConfigError(f"{where}: {key} must be a value, not a table")
+        raise RunConfigError(f"{where}: {key} must be a value, not a table")
     many = action.nargs not in (None, "?")
     items = value if isinstance(value, list) else [value]
     if not many and isinstance(value, list):
-        raise ConfigError(f"{where}: {key} takes one value, got a list")
+        raise RunConfigError(f"{where}: {key} takes one value, got a list")
     if isinstance(action.nargs, int) and len(items) != action.nargs:
-        raise ConfigError(f"{where}: {key} takes {action.nargs} values, got {len(items)}")
+        raise RunConfigError(f"{where}: {key} takes {action.nargs} values, got {len(items)}")
     out = []
     for item in items:
         if action.nargs == "?" and item is True and action.const is not None:
             out.append(action.const)
             continue
         if isinstance(item, (bool, dict, list)) or item is None:
-            raise ConfigError(f"{where}: {key} must be a {'list of ' if many else ''}number or string, got {item!r}")
+            raise RunConfigError(f"{where}: {key} must be a {'list of ' if many else ''}number or string, got {item!r}")
         try:
             converted = action.type(str(item)) if action.type else str(item)
         except (argparse.ArgumentTypeError, ValueError, TypeError) as e:
-            raise ConfigError(f"{where}: {key} = {item!r}: {e}") from None
+            raise RunConfigError(f"{where}: {key} = {item!r}: {e}") from None
         if action.choices is not None and converted not in action.choices:
-            raise ConfigError(f"{where}: {key} = {item!r}: expected one of {', '.join(map(str, action.choices))}")
+            raise RunConfigError(f"{where}: {key} = {item!r}: expected one of {', '.join(map(str, action.choices))}")
         out.append(converted)
     return out if many else out[0]
 
@@ -122,18 +122,18 @@ def read(parser: argparse.ArgumentParser, path: str) -> dict[str, object]:
         with open(path, "rb") as f:
             raw = tomllib.load(f)
     except FileNotFoundError:
-        raise ConfigError(f"--config {path}: no such file") from None
+        raise RunConfigError(f"--config {path}: no such file") from None
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: not valid TOML ({e})") from None
+        raise RunConfigError(f"{path}: not valid TOML ({e})") from None
     except UnicodeDecodeError as e:
-        raise ConfigError(f"{path}: not UTF-8 text ({e})") from None
+        raise RunConfigError(f"{path}: not UTF-8 text ({e})") from None
     actions, out = _actions(parser), {}
     for key, value in raw.items():
         dest = key.replace("-", "_")
         if dest not in actions:
-            raise ConfigError(f"{path}: unknown key {key!r} (keys are the train flags without '--', e.g. seq-len)")
+            raise RunConfigError(f"{path}: unknown key {key!r} (keys are the train flags without '--', e.g. seq-len)")
         if dest in out:
-            raise ConfigError(f"{path}: {key!r} is given twice (as {dest.replace('_', '-')} and {dest})")
+            raise RunConfigError(f"{path}: {key!r} is given twice (as {dest.replace('_', '-')} and {dest})")
         out[dest] = _convert(actions[dest], key, value, path)
     return out
 
@@ -185,7 +185,7 @@ def resolve(
 ) -> tuple[argparse.Namespace, list[str]]:
     """Apply --config and the resumed run's run.toml to parsed `args` (module docstring) -> (args, notes to log).
 
-    A resume that changes a key of the run (not HARMLESS) without `--override KEY` raises ConfigError."""
+    A resume that changes a key of the run (not HARMLESS) without `--override KEY` raises RunConfigError."""
     given = explicit(parser, argv)
     actions = _actions(parser)
     from_file = read(parser, args.config) if getattr(args, "config", None) else {}
@@ -196,7 +196,7 @@ def resolve(
     overrides = {k.replace("-", "_") for k in (getattr(args, "override", None) or [])}
     unknown = sorted(overrides - set(actions))
     if unknown:
-        raise ConfigError(f"--override {unknown[0]}: not a train flag")
+        raise RunConfigError(f"--override {unknown[0]}: not a train flag")
     notes: list[str] = []
     resume = getattr(args, "resume", None)
     saved_file = os.path.join(resume, RUN_CONFIG) if resume else None
@@ -204,8 +204,8 @@ def resolve(
         return args, notes
     try:
         saved = read(parser, saved_file)
-    except ConfigError as e:
-        raise ConfigError(f"--resume {resume}: its {RUN_CONFIG} cannot be read back ({e})") from None
+    except RunConfigError as e:
+        raise RunConfigError(f"--resume {resume}: its {RUN_CONFIG} cannot be read back ({e})") from None
     for dest in actions:
         if dest in NOT_INHERITED or dest in given:
             continue
@@ -220,7 +220,7 @@ def resolve(
         if dest in HARMLESS or dest in overrides:
             notes.append(f"{flag}: {old!r} -> {new!r}" + (" (--override)" if dest in overrides else ""))
         else:
-            raise ConfigError(
+            raise RunConfigError(
                 f"--resume {resume}: {flag} {new!r} differs from the run's {old!r} (in {saved_file}); "
                 f"it changes the run: keep it, or pass --override {dest.replace('_', '-')} to change "
                 f"it anyway"
@@ -228,4 +228,4 @@ def resolve(
     return args, notes
 
 
-__all__ = ["ConfigError", "HARMLESS", "RUN_CONFIG", "dumps", "explicit", "read", "resolve", "stored", "write"]
+__all__ = ["RunConfigError", "HARMLESS", "RUN_CONFIG", "dumps", "explicit", "read", "resolve", "stored", "write"]

@@ -297,6 +297,9 @@ class Trainer:
             for name in LOSS_PARTS:
                 if getattr(out, name) is not None:
                     parts[name] = parts.get(name, 0) + getattr(out, name).detach().float()
+        if self.par is not None and self.vl_record is not None:  # no image on any rank: None, as one process's
+            media = self._global_counts(vl_finetune.media_count(micro, self.device), self.par.sum_over)
+            vl_finetune.drop_dummy_tower_grads(self.model, media)
         clip = self.args.grad_clip if self.args.grad_clip > 0 else math.inf
         if self.par is not None:  # gradients on two meshes under EP
             self.grad_norm = parallel_clip_grad_norm_(self.model.parameters(), clip)

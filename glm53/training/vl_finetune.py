@@ -160,6 +160,23 @@ def model_inputs(model, batch: Batch) -> dict[str, torch.Tensor]:
     return inputs
 
 
+def media_count(micro: list[dict[str, torch.Tensor]], device) -> torch.Tensor:
+    """The micro-batches of this rank's step that hold an image or a video (a tensor, to be summed over ranks)."""
+    return torch.tensor(
+        float(sum(1 for m in micro if "pixel_values" in m or "pixel_values_videos" in m)), device=device
+    )
+
+
+def drop_dummy_tower_grads(model, media: torch.Tensor) -> None:
+    """`media`: the step's micro-batches with an image or video over every rank. None at all: the tower's gradients
+    are the zeros of its dummy forward (FSDP's collectives need it), where one process has none; dropped, so the
+    optimizer skips the tower as one process's does (no weight decay, moment or step-count update) and every layout
+    trains alike."""
+    if media.item() == 0:  # NOTE: syncs
+        for p in model.visual.parameters():
+            p.grad = None
+
+
 def processors(model, args: argparse.Namespace) -> tuple[ImageProcessor, VideoProcessor]:
     """The image and video processors of the model's vision_config, with the budgets of `args`."""
     vc = model.vision_config

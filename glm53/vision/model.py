@@ -3,7 +3,8 @@
 Legend: B batch, T time, D model width, N patch rows, G merged rows (N / m^2).
 It is a Glm53ForCausalLM with a VisionTower under `visual` (`model.visual.*` on disk). forward embeds the ids,
 runs the tower once over every image (and once over every video) of the batch, splices the merged features into
-the placeholder embeddings (splice.py) and hands `inputs_embeds` to Glm53ForCausalLM's forward, so it returns
+the placeholder embeddings (splice.py; under context parallelism each rank runs the tower on the items its slice's
+placeholders take and splices its own rows) and hands `inputs_embeds` to Glm53ForCausalLM's forward, so it returns
 exactly what the text model returns (losses, MTP, indexer KL, balance, return_logits, packed documents). A batch
 without pixels is the text model's forward on the same embeddings. The config is the text Glm53Config whose
 outer part declares `vision_config` and the token ids (config.py `with_vision`; a VL checkpoint's config.json).
@@ -17,7 +18,7 @@ from ..config import Glm53Config
 from ..errors import InputError
 from ..losses import CausalLMOutput, Glm53ForCausalLM
 from .config import has_vision, vision_parts
-from .splice import placeholder_masks, splice
+from .splice import Placeholders, placeholder_masks, splice
 from .tower import VisionTower, check_vision_inputs
 
 
@@ -91,13 +92,16 @@ class Glm53ForConditionalGeneration(Glm53ForCausalLM):
         image_grid_thw: torch.Tensor | None = None,
         pixel_values_videos: torch.Tensor | None = None,
         video_grid_thw: torch.Tensor | None = None,
+        placeholders: tuple[Placeholders, Placeholders] | None = None,
     ) -> torch.Tensor:
-        """The text model's input embeddings [B, T, D] with the vision features spliced in."""
+        """The text model's input embeddings [B, T, D] with the vision features spliced in. `placeholders`: (image,
+        video) of a context-parallel slice `input_ids` of whole rows (splice.py `sliced_placeholders`); default:
+        found in `input_ids`, the whole batch."""
         embeds = self.model.embed(input_ids, None)
-        image_mask, video_mask = placeholder_masks(input_ids, self.token_ids)
+        image_at, video_at = placeholders if placeholders is not None else placeholder_masks(input_ids, self.token_ids)
         images, videos = self.vision_features(pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
-        embeds = splice(embeds, image_mask, images, "image")
-        embeds = splice(embeds, video_mask, videos, "video")
+        embeds = splice(embeds, image_at, images, "image")
+        embeds = splice(embeds, video_at, videos, "video")
         if images is None and videos is None and self.always_run_tower:
             embeds = embeds + 0.0 * self._dummy_features().sum()
         return embeds
@@ -121,27 +125,34 @@ class Glm53ForConditionalGeneration(Glm53ForCausalLM):
         video_grid_thw: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        placeholders: tuple[Placeholders, Placeholders] | None = None,
         **kwargs,
     ) -> CausalLMOutput:
         """transformers' meaning for the vision inputs: `pixel_values` [N, C*T*P*P] and `image_grid_thw` [images,
         3] (t, h, w); `pixel_values_videos` / `video_grid_thw` likewise. Every other keyword is
-        Glm53ForCausalLM.forward's (loss_denominators, cu_seqlens, position_ids, return_logits, cp)."""
+        Glm53ForCausalLM.forward's (loss_denominators, cu_seqlens, position_ids, return_logits, cp).
+        Under context parallelism (`cp`) `input_ids` are this rank's slice of every row, the pixels those of the
+        items its placeholders take, `placeholders` where they go (found in the whole rows, splice.py);
+        glm53.parallel.context_parallel_inputs(model, ..., pixel_values=...) makes all of them."""
         visual = pixel_values is not None or pixel_values_videos is not None
         if inputs_embeds is not None:
-            if visual:
+            if visual or placeholders is not None:
                 raise InputError(
-                    "pass input_ids (not inputs_embeds) with pixel_values / pixel_values_videos: the "
+                    "pass input_ids (not inputs_embeds) with pixel_values / pixel_values_videos / placeholders: the "
                     "placeholders are found in the ids"
                 )
             return super().forward(input_ids, attention_mask, labels, inputs_embeds, **kwargs)
         if input_ids is None:
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
-        if visual and kwargs.get("cp") is not None:
+        if visual and kwargs.get("cp") is not None and placeholders is None:
             raise InputError(
-                "images under context parallelism (cp) are not supported: splice the features into "
-                "inputs_embeds before slicing the sequence"
+                "images under context parallelism (cp) need the placeholders of the whole rows: pass "
+                "glm53.parallel.context_parallel_inputs(model, input_ids, ..., pixel_values=..., "
+                "image_grid_thw=...) to the forward"
             )
-        embeds = self.embed_multimodal(input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
+        embeds = self.embed_multimodal(
+            input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, placeholders
+        )
         return super().forward(None, attention_mask, labels, embeds, **kwargs)
 
     def generate(

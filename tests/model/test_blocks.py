@@ -233,7 +233,7 @@ INDEXER_CASES = {
 def test_indexer_topk_sets(case):
     T, pad, index_topk, tail = case
     # 16 indexer heads: tie-free ReLU scores, where torch.topk's order and glm53's one tie rule (ties to the earliest
-    # pool, tests/model/test_indexer_ties.py) agree; ties are tested on purpose there
+    # pool, tests/model/test_indexer.py) agree; ties are tested on purpose there
     config = Glm53Config.tiny(index_topk=index_topk, index_kpool_always_select_tail=tail, index_n_heads=16)
     ours, theirs = pair(config, hf.Glm5NextTextIndexer, Indexer, 3)
     x = torch.randn(2, T, config.hidden_size)

@@ -141,3 +141,42 @@ def test_ep_with_tp_needs_the_ep_tp_mesh(meshes):
         )
         with pytest.raises(ValueError, match=r"gate_up_proj is already a DTensor .* needs the \('ep', 'tp'\) mesh"):
             apply_expert_parallel(module, mesh["ep"])
+
+
+# -------------------------------------------------------------------------------- split sizes and the gradient norm
+def test_split_sizes_are_per_rank_sums_of_what_is_sent_and_what_arrives():
+    """ep 2, two local experts each: the send split sums the counts this rank sends to each rank's experts, the
+    receive split what arrives from each source rank; unequal on purpose (a swap or a reuse of one for the other
+    is a wrong value here, not only a size error)."""
+    from glm53.parallel.expert import _split_sizes
+
+    sent = torch.tensor([1, 2, 3, 4])  # to experts 0, 1 (rank 0) and 2, 3 (rank 1)
+    arriving = torch.tensor([5, 0, 2, 9])  # from rank 0 for local experts 0, 1; from rank 1 likewise
+    assert _split_sizes(sent, arriving, 2) == ([3, 7], [5, 11])
+
+
+def test_clip_grad_norm_sums_every_mesh_once(meshes):
+    """Gradients on two meshes (experts on the 2-D (dp, ep) mesh, the rest on the 1-D ep mesh) and a plain one:
+    the total is the norm of all full gradients together (each mesh's norm completed over its own ranks, then
+    combined), the same on every rank, and every gradient is scaled by max_norm / total."""
+    from glm53.parallel.expert import clip_grad_norm_
+
+    g = torch.Generator().manual_seed(0)
+    full = [torch.randn(8, 4, generator=g), torch.randn(4, 8, generator=g), torch.randn(3, generator=g)]
+    with LocalTensorMode(WORLD):
+        params = [
+            torch.nn.Parameter(distribute_tensor(torch.zeros(8, 4), meshes["dp2xep2"], [Replicate(), Shard(0)])),
+            torch.nn.Parameter(distribute_tensor(torch.zeros(4, 8), meshes["ep4"], [Shard(1)])),
+            torch.nn.Parameter(torch.zeros(3)),
+        ]
+        params[0].grad = distribute_tensor(full[0], meshes["dp2xep2"], [Replicate(), Shard(0)])
+        params[1].grad = distribute_tensor(full[1], meshes["ep4"], [Shard(1)])
+        params[2].grad = full[2].clone()
+        expected = torch.linalg.vector_norm(torch.cat([f.flatten() for f in full]))
+        total = clip_grad_norm_(params, max_norm=1.0)
+        for value in per_rank(total):
+            torch.testing.assert_close(value, expected, rtol=1e-6, atol=0)  # fp32 sum of 67 squares
+        coef = 1.0 / (expected + 1e-6)
+        for p, f in zip(params, full):
+            for value in per_rank(p.grad):
+                torch.testing.assert_close(value, f * coef, rtol=1e-6, atol=1e-7)

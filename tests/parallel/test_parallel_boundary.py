@@ -4,6 +4,12 @@ plan's keys and parallelize's errors.
 `LocalTensorMode` with the `fake` process group runs a whole world of 4 ranks in this process and computes the
 collectives (docs/parallel.md), so placement properties are checked in milliseconds per example. Meshes:
 tp=2 (the "tp" half of a 2x2 mesh) and tp=4. FSDP needs real processes: see test_parallel_gloo.py.
+
+Kernel-boundary helpers at their edges, in one process under LocalTensorMode (the `meshes` fixture of
+test_parallel_boundary.py): grad_placements that do not match the mesh, a sharded loss value, and the head-parallel
+input of a plain or replicated parameter (unchanged) versus a sharded one (its gradient summed over the ranks).
+
+Legend: tp the simulated tensor-parallel ranks; x [4, 6] a whole activation on every rank.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from glm53.parallel import (
     parallelize,
     tp_plan,
 )
+from glm53.parallel.boundary import head_parallel_input, plain_value
 from glm53.parallel.memory import fake_world
 
 WORLD = 4
@@ -364,3 +371,38 @@ def test_meta_build_then_parallelize_then_init(meshes):
         for embedding in per_rank(model.model.embed_tokens.weight):
             assert embedding[config.pad_token_id].abs().max() == 0
             assert embedding.std() > 0
+
+
+# -------------------------------------------------------------------------------------------- boundaries at their edges
+def test_grad_placements_must_match_the_mesh(meshes):  # noqa: F811
+    with LocalTensorMode(WORLD):
+        w = distribute_tensor(torch.randn(6), meshes["2d"], [Replicate(), Replicate()])
+        with pytest.raises(PlacementError, match="o_norm.weight: grad_placements"):
+            materialize_full(w, "o_norm.weight", grad_placements=[Partial()])
+
+
+@pytest.mark.parametrize("placement", [Shard(0), Partial()], ids=["shard", "partial"])
+def test_a_loss_value_that_is_not_replicated_is_refused(meshes, placement):  # noqa: F811
+    with LocalTensorMode(WORLD):
+        value = DTensor.from_local(torch.randn(4), meshes["tp4"], [placement])
+        with pytest.raises(PlacementError, match="a loss value must be replicated"):
+            plain_value(value)
+
+
+@pytest.mark.parametrize("kind", ["plain", "replicated", "sharded"])
+def test_head_parallel_input_sums_gradients_only_for_sharded_parameters(meshes, kind):  # noqa: F811
+    mesh = meshes["tp4"]
+    with LocalTensorMode(WORLD):  # tensors made outside the mode are plain: the fake group would not sum them
+        x_full = torch.randn(4, 6, generator=torch.Generator().manual_seed(0))
+        module = torch.nn.Linear(6, 8, bias=False)
+        if kind != "plain":
+            placements = [Shard(0)] if kind == "sharded" else [Replicate()]
+            module.weight = torch.nn.Parameter(distribute_tensor(module.weight.data, mesh, placements))
+        x = distribute_tensor(x_full, mesh, [Replicate()]).to_local().requires_grad_()
+        y = head_parallel_input(module, "weight", x)
+        if kind != "sharded":
+            assert y is x
+            return
+        (y * 2).sum().backward()
+    for rank, grad in enumerate(per_rank(x.grad)):  # every rank's 2s, summed over the ranks
+        torch.testing.assert_close(grad, torch.full((4, 6), 2.0 * WORLD), msg=f"rank {rank}")

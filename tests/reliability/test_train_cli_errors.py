@@ -101,3 +101,17 @@ def test_save_onto_a_file_is_refused_before_training(tmp_path, capsys):
     with pytest.raises(SystemExit, match="exists and is not a directory"):
         main(SMALL + ["--steps", "1", "--save", str(target)])
     assert target.read_bytes() == b"keep"
+
+
+@pytest.mark.parametrize("layout", [["--tp", "2"], ["--cp", "2"], ["--ep", "2"], ["--dp", "2"]])
+def test_bf16_under_torchrun_needs_an_fsdp_dimension(layout, monkeypatch):
+    """--bf16 under torchrun is FSDP2's policy: refused before any work for a --tp-only layout (no FSDP), accepted
+    (past this check: the next step is the process group, absent here) when dp, cp or ep holds replicas."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr("glm53.training.cli.Trainer", lambda *a: (_ for _ in ()).throw(RuntimeError("reached")))
+    if layout[0] == "--tp":
+        with pytest.raises(SystemExit, match="a --tp-only layout has no FSDP"):
+            main(SMALL + ["--steps", "1", "--bf16", *layout])
+    else:
+        with pytest.raises(RuntimeError, match="reached"):
+            main(SMALL + ["--steps", "1", "--bf16", *layout])

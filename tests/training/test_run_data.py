@@ -17,10 +17,11 @@ import torch.nn.functional as F
 from glm53.__main__ import main
 from glm53.training.cli import add_arguments
 from glm53.training.data import cache as cache_mod
+from glm53.training.data import tokenize as tokenize_mod
 from glm53.training.data.documents import DataError, read_documents
 from glm53.training.data.pack import Mixer, Packer
 from glm53.training.data.sources import parse_mixture, read_source
-from glm53.training.data.tokenize import TextTokenizer, TokenDoc, encode_document
+from glm53.training.data.tokenize import TextTokenizer, TokenDoc, encode_document, encode_documents
 from glm53.training.finetune import FileData, heldout_loss
 from glm53.training.trainer import Trainer
 from tests.training.test_finetune import load_example
@@ -158,6 +159,50 @@ def test_tokenization_is_cached_and_reused(prepared, tmp_path, monkeypatch):
     args.cache_dir = str(tmp_path / "cache")
     FileData(args, str(other), 1 << 20, 0, 1, 0)
     assert len(calls) == 2
+
+
+class CountingTokenizer:
+    """A `tokenizers.Tokenizer` stand-in that counts the batch calls it forwards."""
+
+    def __init__(self, raw) -> None:
+        self.raw, self.batches = raw, []
+
+    def encode_batch(self, texts, add_special_tokens):
+        self.batches.append(len(texts))
+        return self.raw.encode_batch(texts, add_special_tokens=add_special_tokens)
+
+
+def test_tokenization_is_batched_and_equals_text_by_text(prepared, tmp_path, monkeypatch):
+    """A source is tokenised in batch calls (the tokenizers library runs a batch on every core), ENCODE_BATCH texts
+    at most, and gives the ids of encoding every rendered piece alone, for each tokenizer kind."""
+    docs = read_source(prepared["train"]).documents
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    load_example().build_tokenizer(chat_template=False).backend_tokenizer.save(str(bare / "tokenizer.json"))
+    for tok in (TextTokenizer(prepared["base"]), TextTokenizer(str(bare))):
+
+        def alone(text: str) -> list[int]:
+            if not text:
+                return []
+            if tok.raw is not None:
+                return tok.raw.encode(text, add_special_tokens=False).ids
+            return tok.hf.encode(text, add_special_tokens=False)
+
+        expected = [
+            [
+                t
+                for piece, _ in tokenize_mod._pieces(d, tok)
+                for t in (piece if isinstance(piece, list) else alone(piece))
+            ]
+            for d in docs
+        ]
+        assert [e.ids for e in encode_documents(docs, tok)] == expected
+    tok = TextTokenizer(str(bare))
+    tok.raw = CountingTokenizer(tok.raw)
+    texts = sum(len(tokenize_mod._pieces(d, tok)) for d in docs)
+    monkeypatch.setattr(tokenize_mod, "ENCODE_BATCH", 7)
+    encode_documents(docs, tok)
+    assert tok.raw.batches == [7] * (texts // 7) + ([texts % 7] if texts % 7 else []), (texts, tok.raw.batches)
 
 
 def test_run_caches_in_the_run_directory(prepared, tmp_path, capsys):

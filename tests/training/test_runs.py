@@ -322,3 +322,40 @@ def test_one_process_save_replaces_a_torchrun_train_state(tmp_path):
     )
     assert not (run / "train_state").exists()  # a later resume cannot pick the older DCP state
     assert (run / "notes.txt").read_text() == "mine" and step_of(run) == 3
+
+
+class FileTokenizer:
+    """A stand-in tokenizer whose files are fixed bytes (run_files reads only .path and .save)."""
+
+    def __init__(self, path: str, content: bytes) -> None:
+        self.path, self.content = path, content
+
+    def save(self, path: str) -> None:
+        with open(os.path.join(path, "tokenizer.json"), "wb") as f:
+            f.write(self.content)
+
+
+def test_tokenizer_files_are_never_written_through_a_link(tmp_path):
+    """--save DIR/tokenizer.json as a symlink: to other bytes or dangling it is refused before any work; to the same
+    bytes it is left as it is by the save (the file it points to is never rewritten or replaced)."""
+    from glm53.training.run_files import check_tokenizer_files, write_tokenizer
+
+    tok = FileTokenizer(str(tmp_path / "source"), b'{"mine": 1}')
+    outside = tmp_path / "outside.json"
+    run = tmp_path / "run"
+    run.mkdir()
+    for content in (b'{"theirs": 2}', None):  # a link to another tokenizer's file, a dangling link
+        (run / "tokenizer.json").unlink(missing_ok=True)
+        outside.unlink(missing_ok=True)
+        if content is not None:
+            outside.write_bytes(content)
+        (run / "tokenizer.json").symlink_to(outside)
+        with pytest.raises(SystemExit, match=r"holds a tokenizer\.json that is not this run's"):
+            check_tokenizer_files(tok, str(run))
+    outside.write_bytes(tok.content)
+    check_tokenizer_files(tok, str(run))  # the same bytes behind the link: accepted
+    before = os.stat(outside)
+    tok.content = b'{"changed": 3}'  # were the save to write through the link, this would land in outside.json
+    write_tokenizer(tok, str(run))
+    assert (run / "tokenizer.json").is_symlink() and outside.read_bytes() == b'{"mine": 1}'
+    assert os.stat(outside).st_mtime_ns == before.st_mtime_ns

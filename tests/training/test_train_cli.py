@@ -25,6 +25,7 @@ def test_short_run_lowers_loss_and_resume_continues(tmp_path, capsys):
     assert sorted(straight) == list(range(1, 9))
     assert straight[8] < straight[1] - 0.5, straight
     assert "tok/s" in first.err and "[" in first.err  # the progress bar
+    assert "data: the built-in byte corpus" in first.out  # no --data: said, not silent
     assert (save / "config.json").is_file() and (save / "model.safetensors").is_file()
     assert torch.load(save / "step-5" / TRAINER_STATE, weights_only=True)["step"] == 5
     model = Glm53ForCausalLM.from_pretrained(save)  # an official-layout checkpoint, MTP included

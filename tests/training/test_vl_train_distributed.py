@@ -1,38 +1,56 @@
-"""`torchrun -m glm53 train --dp 2` on a VL jsonl (gloo): finite losses while one rank's micro-batch has no image
-(the tower's zero-weighted dummy forward keeps FSDP's collectives matched), each rank decoding its own rows."""
+"""`torchrun -m glm53 train` on a VL jsonl (gloo). --dp 2: finite losses while one rank's micro-batch has no image
+(the tower's zero-weighted dummy forward keeps FSDP's collectives matched), each rank decoding its own rows.
+--cp 2: the losses of one process on the same rows (each cp rank runs the tower on the images its slice's
+placeholders take and splices its own feature rows), with the tower trained too; the first step has no image (the
+tower's dummy zero gradients are dropped, so AdamW skips the tower as one process does)."""
 
 from __future__ import annotations
 
 import argparse
 import math
 
+import pytest
+
+from glm53.__main__ import main
 from glm53.training.vl_finetune import VLFileData
 from tests.helpers.vl_data import tiny_vl_model, vl_corpus, vl_tokenizer, write_jsonl
 from tests.training.test_train_cli import losses
 from tests.training.test_train_distributed import torchrun
 
+REL = 1e-3  # losses printed with 4 decimals (~1e-4 relative at loss ~6), fp32 reduction orders below that
 
-def test_dp2_vl_with_a_text_only_rank(tmp_path):
+
+def _run_files(tmp_path) -> tuple[str, str, list[str]]:
+    """(checkpoint, data file, the common flags) of a tiny VL run: 2 image/video records among 6 text ones."""
     tok = vl_tokenizer()
     ckpt = str(tmp_path / "base")
     tiny_vl_model(tok, seed=4).save_pretrained(ckpt)
     tok.save_pretrained(ckpt)
     records = vl_corpus(str(tmp_path / "media"), n=2) + [{"text": f"words and more words {k} " * 4} for k in range(6)]
     data = write_jsonl(str(tmp_path / "vl.jsonl"), records)
-    flags = [
-        "--init",
+    return (
         ckpt,
-        "--data",
         data,
-        "--media-root",
-        str(tmp_path / "media"),
-        "--seq-len",
-        "64",
-        "--batch-size",
-        "1",
-        "--seed",
-        "2",
-    ]
+        [
+            "--init",
+            ckpt,
+            "--data",
+            data,
+            "--media-root",
+            str(tmp_path / "media"),
+            "--seq-len",
+            "64",
+            "--batch-size",
+            "1",
+            "--seed",
+            "2",
+        ],
+    )
+
+
+def test_dp2_vl_with_a_text_only_rank(tmp_path):
+    ckpt, data, flags = _run_files(tmp_path)
+    tok = vl_tokenizer()
     # the steps' rows per rank, packed as the run packs them: some step has images on one rank only
     ns = argparse.Namespace(
         data=data,
@@ -54,3 +72,17 @@ def test_dp2_vl_with_a_text_only_rank(tmp_path):
     got = losses(out)
     assert sorted(got) == [1, 2, 3] and all(math.isfinite(v) for v in got.values())
     assert "image tokens" in out
+
+
+def test_cp2_vl_matches_one_process(tmp_path, capsys):
+    """--cp 2 on VL data, the tower trained (--freeze router): every step's loss is one process's on the same rows."""
+    _, _, flags = _run_files(tmp_path)
+    flags += ["--steps", "3", "--log-every", "1", "--freeze", "router"]
+    assert main(["train", *flags]) == 0
+    one = losses(capsys.readouterr().out)
+    out = torchrun("train", *flags, "--cp", "2")
+    assert "x cp 2" in out and "image tokens" in out
+    got = losses(out)
+    assert sorted(got) == [1, 2, 3]
+    for step, value in got.items():
+        assert value == pytest.approx(one[step], rel=REL), (got, one)

@@ -49,7 +49,7 @@ def right_padded(batch):
 @pytest.fixture(scope="module")
 def sparse_pair():
     # 16 indexer heads: tie-free scores, so transformers' torch.topk order and glm53's one tie rule (ties to the
-    # earliest pool, tests/model/test_indexer_ties.py) pick the same pools (tests/model/test_model_parity.py)
+    # earliest pool, tests/model/test_indexer.py) pick the same pools (tests/model/test_model_parity.py)
     hf = hf_vl_model(text_config(index_n_heads=16), seed=1)
     return hf, our_vl_model(hf)
 

@@ -5,7 +5,7 @@ Same contract as the fast kernel (chunk.py `kda_chunk`): q, k already l2-normali
 beta [B, T, H], scale K^-0.5 by default, layout [B, T, H, *] (fla's default, not head-first); packed documents as
 `cu_seqlens` over the flattened B * T tokens, which is fla's varlen convention on a batch of one. `gate_floor`
 is the fast kernel's hint and means nothing here (fla's kernel has no data-dependent path choice). fla computes in
-fp32 inside; tests/kernels/test_fla_backend.py checks it against the recurrent reference on a GPU.
+fp32 inside; tests/kernels/test_device_backends.py checks it against the recurrent reference on a GPU.
 """
 
 from __future__ import annotations

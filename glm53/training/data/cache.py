@@ -2,7 +2,7 @@
 
 Legend: flat tensors in the file (ids int32 [N], targets bool [N], lengths int64 [D]); TokenDoc lists outside.
 The cache file is named by the sha256 of the source's bytes, the tokenizer's files and CACHE_VERSION, so another
-file, tokenizer or tokenization rule never reads a stale cache. Under torchrun rank 0 tokenizes and writes it
+file, tokenizer or tokenization rule never reads a stale cache. Under torchrun rank 0 tokenizes (in batches on every core: tokenize.encode_documents) and writes it
 (a temporary file renamed into place) while the others wait at a barrier, then read it; a resume finds it too.
 """
 
@@ -16,7 +16,7 @@ import torch
 
 from .documents import DataError
 from .sources import read_source, source_digest
-from .tokenize import TextTokenizer, TokenDoc, encode_document
+from .tokenize import TextTokenizer, TokenDoc, encode_documents
 
 CACHE_VERSION = "glm53-tokens-1"  # change when tokenize.py's output for the same input changes
 
@@ -35,9 +35,9 @@ def tokenizer_digest(tok: TextTokenizer) -> str:
 
 
 def tokenize_source(path: str, tok: TextTokenizer) -> tuple[list[TokenDoc], int]:
-    """(token documents, records without text) of one source, tokenized here."""
+    """(token documents, records without text) of one source, tokenized here (batched over every core)."""
     read = read_source(path)
-    return [encode_document(d, tok) for d in read.documents], read.empty
+    return encode_documents(read.documents, tok), read.empty
 
 
 def _pack(docs: list[TokenDoc], empty: int) -> dict:

@@ -20,6 +20,7 @@ from .documents import TRAINED_ROLE, DataError, Document
 
 HF_CONFIG = "tokenizer_config.json"
 TOKENIZER_JSON = "tokenizer.json"
+ENCODE_BATCH = 4096  # texts per batch call: all cores busy, the batch's encodings bounded in memory
 
 
 class TextTokenizer:
@@ -69,11 +70,26 @@ class TextTokenizer:
             )
 
     def encode(self, text: str) -> list[int]:
-        if not text:
-            return []
-        if self.raw is not None:
-            return self.raw.encode(text, add_special_tokens=False).ids
-        return self.hf.encode(text, add_special_tokens=False)
+        return self.encode_batch([text])[0]
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text, no special tokens added. A `tokenizers` tokenizer (and a transformers "fast"
+        one, which wraps it) encodes a batch on every core (its Rust thread pool; TOKENIZERS_PARALLELISM=false
+        or RAYON_NUM_THREADS=N limits it); a slow transformers tokenizer encodes one text at a time."""
+        out: list[list[int]] = [[] for _ in texts]
+        todo = [i for i, t in enumerate(texts) if t]
+        for start in range(0, len(todo), ENCODE_BATCH):
+            part = todo[start : start + ENCODE_BATCH]
+            batch = [texts[i] for i in part]
+            if self.raw is not None:
+                ids = [e.ids for e in self.raw.encode_batch(batch, add_special_tokens=False)]
+            elif getattr(self.hf, "is_fast", False):
+                ids = self.hf(batch, add_special_tokens=False)["input_ids"]
+            else:
+                ids = [self.hf.encode(t, add_special_tokens=False) for t in batch]
+            for i, row in zip(part, ids, strict=True):
+                out[i] = list(row)
+        return out
 
     def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         try:
@@ -100,13 +116,24 @@ class TokenDoc:
 
 
 def encode_document(doc: Document, tok: TextTokenizer) -> TokenDoc:
-    pieces = _pieces(doc, tok)
-    ids, targets = [], []
-    for piece, trained in pieces:
-        tokens = piece if isinstance(piece, list) else tok.encode(piece)
-        ids += tokens
-        targets += [trained] * len(tokens)
-    return TokenDoc(ids, targets, doc.where)
+    return encode_documents([doc], tok)[0]
+
+
+def encode_documents(docs: list[Document], tok: TextTokenizer) -> list[TokenDoc]:
+    """Every document's pieces rendered first (the chat template, in Python), then all their texts tokenised in
+    batch calls (on every core, TextTokenizer.encode_batch), then reassembled in order."""
+    pieces = [_pieces(d, tok) for d in docs]
+    texts = [piece for ps in pieces for piece, _ in ps if not isinstance(piece, list)]
+    encoded = iter(tok.encode_batch(texts))
+    out = []
+    for doc, ps in zip(docs, pieces, strict=True):
+        ids, targets = [], []
+        for piece, trained in ps:
+            tokens = piece if isinstance(piece, list) else next(encoded)
+            ids += tokens
+            targets += [trained] * len(tokens)
+        out.append(TokenDoc(ids, targets, doc.where))
+    return out
 
 
 RENDERED_KEYS = ("tool_calls", "reasoning_content")  # message keys that must reach the rendered text
@@ -188,4 +215,4 @@ def _check_prefix(prefix: str, text: str, doc: Document, tok: TextTokenizer) -> 
         )
 
 
-__all__ = ["TextTokenizer", "TokenDoc", "encode_document"]
+__all__ = ["TextTokenizer", "TokenDoc", "encode_document", "encode_documents"]

@@ -1,4 +1,5 @@
-"""`compile_blocks` (glm53/model/compile.py) on a stand-in model: its defaults and the GRAPH_BREAKING rule.
+"""`compile_blocks` (glm53/model/compile.py) on a stand-in model: its defaults and the GRAPH_BREAKING rule (a module
+of its own: its autouse fixture resets dynamo around each test).
 
 Legend: B batch, T time, D width.
 A model with `model.layers` and `mtp.layers`, whose blocks are a Linear (one of them with a graph break): the

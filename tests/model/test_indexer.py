@@ -4,19 +4,30 @@ prefill, decode and verify steps, compiled or eager). ReLU scores tie exactly at
 torch.topk's order among ties is unspecified and depends on the number of pools ranked.
 
 Legend: B batch, T time, P pools, L tokens per pool, J selected key slots.
+
+The indexer's differentiable scores (`Indexer.score_and_select(..., grad=True)`, what the indexer KL loss
+trains on) against transformers' index scores, and where their gradient goes.
+
+Legend: B batch, T time, P pools, L tokens per pool.
+The top-k tests in test_blocks.py compare selections only, which a positive rescaling of the scores (a dropped
+K^-0.5 or H^-0.5) leaves unchanged; the KL loss reads the values. The oracle is built from transformers' own
+projections and `get_pooled_states`, over its pool axis (pools complete in some row).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
+import transformers.models.glm5_next.modeling_glm5_next as hf
 
 from glm53 import Glm53Config, Glm53ForCausalLM
 from glm53.generation import GenerationCache, step
 from glm53.kernels import use_backend
 from glm53.kernels.indexer_topk import indexer_topk_pools, indexer_topk_pools_reference, rank_pools
-from glm53.model.indexer import select_pools
+from glm53.model.indexer import Indexer, select_pools
 from tests.helpers.oracle import randomize
+from tests.model.test_blocks import padding, pair
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -136,3 +147,84 @@ def test_select_pools_ties_do_not_depend_on_the_pool_count():
         chosen = select_pools(scores[..., :P], positions, complete, valid, None, 11, topk, L, False)[0]
         # the query at position 11 sees pools 0..5: scores 1 at pools 1, 4, then the earliest zeros 0, 2
         assert sorted(chosen[0, 0].tolist()) == [0, 1, 2, 3, 4, 5, 8, 9], P
+
+
+# ----------------------------------------------------------------------------- differentiable scores and their gradient
+def _transformers_scores(theirs, x, q_resid, mask):
+    """[B, T, P'] index scores before any masking, as Glm5NextTextIndexer.forward computes them."""
+    B, T = x.shape[:2]
+    q = theirs.wq_b(q_resid).view(B, T, -1, theirs.head_dim)
+    k = theirs.k_norm(theirs.wk(x))
+    packed = torch.cat([k, F.linear(x, theirs.index_kpool_compress_gate), mask.to(k.dtype)[..., None]], dim=-1)
+    pool_keys, _, _ = theirs.get_pooled_states(packed_states=packed)
+    logits = F.relu(torch.matmul(q.float(), pool_keys.transpose(-1, -2).float().unsqueeze(1)) * theirs.softmax_scale)
+    weights = theirs.weights_proj(x).float() * theirs.n_heads**-0.5
+    return torch.matmul(weights.unsqueeze(-2), logits).squeeze(-2)
+
+
+@pytest.mark.parametrize("pad", ["none", "left", "right"])
+def test_scores_with_gradient_equal_transformers_and_train_the_indexer_only(pad):
+    T = 19  # pools of 4: the last one incomplete in every row
+    config = Glm53Config.tiny(index_topk=8)
+    ours, theirs = pair(config, hf.Glm5NextTextIndexer, Indexer, 3)
+    x = torch.randn(2, T, config.hidden_size, requires_grad=True)
+    q_resid = torch.randn(2, T, config.q_lora_rank, requires_grad=True)
+    mask = padding(2, T, pad)
+    _, scores, candidate, _ = ours.score_and_select(x, q_resid, mask, grad=True)
+    _, _, complete = ours.pools(x, mask)
+    keep = complete.any(0)
+    with torch.no_grad():
+        expected = _transformers_scores(theirs, x, q_resid, mask)
+    assert scores.shape == (2, T, keep.numel()) and expected.shape == (2, T, int(keep.sum()))
+    torch.testing.assert_close(scores[..., keep], expected, rtol=1e-5, atol=1e-6)
+    assert candidate[..., ~keep].sum() == 0
+    # the KL loss's gradient reaches the indexer's parameters and nothing upstream of it
+    scores[candidate].sum().backward()
+    assert x.grad is None and q_resid.grad is None
+    for name, p in ours.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_packed_selection_breaks_ties_to_the_lowest_pool():
+    """All scores tied (ReLU scores are 0 often): a packed query picks its document's lowest candidate pools, so
+    its choice does not depend on the other rows' pool counts (torch.topk's order among ties does)."""
+    from glm53.model.indexer import kept_pools, select_pools
+
+    kpool, topk, T = 2, 4, 24  # 2 pools per query
+    valid = torch.ones(2, T, dtype=torch.bool)
+    cu = torch.tensor([0, 13, 24, 48])  # row 0: documents of 13 and 11 tokens; row 1: one document of 24
+    positions, complete = kept_pools(valid, kpool, cu)
+    scores = torch.zeros(2, T, positions.shape[1])
+    chosen, candidate, _ = select_pools(scores, positions, complete, valid, cu, 0, topk, kpool, False)
+    for b, t in [(0, 12), (0, 23), (1, 23), (1, 9)]:
+        doc_start = 13 if (b, t) == (0, 23) else 0
+        first = sorted(i for i in chosen[b, t].tolist() if i >= 0)
+        assert first == list(range(doc_start, doc_start + topk)), (b, t, first)
+
+
+# ------------------------------------------------------------------------------------ when a pool becomes a candidate
+@pytest.mark.parametrize("offset", [0, 5])
+def test_a_pool_becomes_a_candidate_at_its_last_token(offset):
+    """Pool p (tokens p*L .. p*L + L-1) is a candidate from query p*L + L-1 on: not one token early (its last key not
+    yet visible) nor one late. Checked on the model's selection (select_pools) and on both top-k kernels, at query
+    offset 0 (prefill) and 5 (a cache's later rows). Left padding shifts the pools of the padded row."""
+    from glm53.model.indexer import kept_pools
+
+    L, S, pad = 4, 19, 2
+    valid = torch.ones(2, S, dtype=torch.bool)
+    valid[1, :pad] = False
+    positions, complete = kept_pools(valid, L, None)
+    P, T = positions.shape[1], S - offset
+    t = torch.arange(offset, S)[:, None]
+    first = torch.tensor([0, pad])[:, None, None]  # each row's first valid token
+    last_token = first + (torch.arange(P)[None, None] + 1) * L - 1  # [B, 1, P]
+    expected = (last_token <= t[None]) & (last_token < S)
+    scores = torch.zeros(2, T, P)
+    _, candidate, _ = select_pools(scores, positions, complete, valid, None, offset, 4 * L, L, False)
+    assert torch.equal(candidate, expected)
+    q, w = torch.randn(2, T, 2, 8), torch.randn(2, T, 2)
+    pool_keys = torch.randn(2, P, 8)
+    pool_end = positions[..., -1].clamp(0, S - 1)
+    for topk in (indexer_topk_pools_reference, indexer_topk_pools):
+        chosen, ok = topk(q, w, pool_keys, 8**-0.5, pool_end, complete, offset, P)
+        assert torch.equal(torch.zeros_like(expected).scatter_(-1, chosen, ok), expected), topk.__name__

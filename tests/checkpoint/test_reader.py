@@ -1,5 +1,9 @@
 """checkpoint_files / TensorReader on bad indexes and files: every case is a CheckpointError naming the index entry,
-file or key (no AttributeError, KeyError or raw decode error), and nothing outside the directory is read."""
+file or key (no AttributeError, KeyError or raw decode error), and nothing outside the directory is read.
+
+A checkpoint directory holding both a single weights file and a shard index (a copy over another checkpoint)
+is a CheckpointError naming both, not a silent pick of one. Legend: no tensors beyond a tiny model's weights.
+"""
 
 from __future__ import annotations
 
@@ -125,3 +129,22 @@ def test_reader_errors_name_the_file_and_key(saved, tmp_path):
     save_file({"w": q}, tmp_path / "q.safetensors")
     with pytest.raises(CheckpointError, match=r"FP8 tensor 'w' has no 'w_scale_inv' companion"):
         TensorReader({"w": str(tmp_path / "q.safetensors")}, (4, 8)).get("w")
+
+
+# ---------------------------------------------------------------------------------- a weights file beside a shard index
+@pytest.mark.parametrize("stale", ["single", "index"])
+def test_single_file_beside_an_index(tmp_path, stale):
+    torch.manual_seed(0)
+    model = Glm53ForCausalLM(Glm53Config.tiny(num_hidden_layers=1, mlp_layer_types=["dense"]))
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    model.save_pretrained(tmp_path / "single")
+    both = tmp_path / "both"
+    shutil.copytree(tmp_path / ("sharded" if stale == "single" else "single"), both)
+    if stale == "single":
+        shutil.copy(tmp_path / "single" / "model.safetensors", both)
+    else:
+        for f in (tmp_path / "sharded").iterdir():
+            if f.name != "config.json":
+                shutil.copy(f, both)
+    with pytest.raises(CheckpointError, match=r"holds both model.safetensors and model.safetensors.index.json"):
+        Glm53ForCausalLM.from_pretrained(both)
