@@ -216,6 +216,12 @@ def test_compiled_step_is_one_graph_and_equals_eager():
         cache.rewind(0)
     assert len(graphs) == 2
     torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-6 * eager.abs().max().item())  # same ops, same order
+    # and nothing inside the graphs reads the host when it runs: no custom op tagged cudagraph_unsafe (the span-
+    # reading sparse attention ops were, inside the opaque call); the static ones are there instead
+    ops = [getattr(n.target, "default", n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+    custom = {str(op) for op in ops if getattr(op, "namespace", None) == "glm53"}
+    assert "glm53.sparse_mqa_attention_static.default" in custom, custom
+    assert not [op for op in ops if torch.Tag.cudagraph_unsafe in getattr(op, "tags", ())], custom
 
 
 ONE_LAYER = dict(num_hidden_layers=1, layer_types=["linear_attention"], mlp_layer_types=["dense"])  # quick traces
