@@ -103,7 +103,7 @@ def test_cycle_finder_finds_a_deferred_cycle(tmp_path):
 LAYERS = [
     {"errors", "utils"},
     {"config_checks"},
-    {"config", "precision", "boundary"},
+    {"config", "precision", "hooks"},
     {"kernels"},
     {"checkpoint"},
     {"model"},

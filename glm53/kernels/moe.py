@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..boundary import LowRank
+from ..hooks import LowRank
 from .dispatch import register
 
 # Optional LoRA terms of the two expert projections (glm53.peft): (gate_up's, down's), each LowRank or None, with

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..boundary import as_local, as_plain, vocab_parallel_loss
+from ..hooks import as_local, as_plain, vocab_parallel_loss
 from ..kernels.dispatch import kernel
 from ..model.context import LayerStats
 from ..model.inputs import check_token_ids
@@ -88,7 +88,7 @@ def causal_lm_head_loss(
     input_ids. The head and the cross-entropy run as one `linear_cross_entropy` kernel (dispatch: "fast" walks the
     tokens in chunks keeping only per-token softmax statistics, "reference" is the plain full-logits form); the
     logits are computed in the head's dtype and the softmax in fp32, as `causal_lm_loss` does after `lm_head`.
-    Under tensor parallelism the head is vocab-sharded and `glm53.boundary.vocab_parallel_loss` combines the ranks'
+    Under tensor parallelism the head is vocab-sharded and `glm53.hooks.vocab_parallel_loss` combines the ranks'
     statistics instead. Labels as `causal_lm_loss`'s; `check=False` skips their value check (one host read) for
     labels already checked, as Glm53ForCausalLM.forward does on entry.
     """

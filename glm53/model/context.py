@@ -40,7 +40,7 @@ class LayerStats:
 class SequenceShards(Protocol):
     """What a block needs to run on one contiguous slice of every sample's sequence (context parallelism).
 
-    Implemented in glm53/parallel/context.py over a "cp" mesh dimension; the model only calls these methods, so it
+    Implemented in glm53/parallel/cp_shards.py over a "cp" mesh dimension; the model only calls these methods, so it
     never imports torch.distributed. Rank `rank` of `size` holds global positions [offset, offset + local), of
     `total` in all. Every method is differentiable: gradients flow back to the rank that owns each position.
     """

@@ -21,8 +21,8 @@ import torch.nn as nn
 from einops import rearrange
 from torch.utils.checkpoint import checkpoint
 
-from ..boundary import as_local
 from ..config import Glm53Config
+from ..hooks import as_local
 from ..kernels import kernel_op
 
 # kernels resolved once; use_backend keeps them current (kernels/dispatch.py)

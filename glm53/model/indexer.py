@@ -28,8 +28,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..boundary import as_local
 from ..config import Glm53Config
+from ..hooks import as_local
 from ..kernels import kernel_op
 from ..kernels.indexer_topk import rank_pools
 from ..kernels.opaque import HOST_READING

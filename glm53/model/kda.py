@@ -23,8 +23,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-from ..boundary import as_local
 from ..config import Glm53Config
+from ..hooks import as_local
 from ..kernels import kernel_op
 from ..kernels.kda import l2norm
 from ..kernels.kda.state_passing import kda_sharded

@@ -22,8 +22,8 @@ import torch
 import torch.nn as nn
 from einops import rearrange
 
-from ..boundary import as_local, into_head_parallel
 from ..config import Glm53Config
+from ..hooks import as_local, into_head_parallel
 from ..kernels import kernel_op
 from .attention_mass import attention_pool_mass
 from .context import ForwardContext

@@ -13,8 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..boundary import as_local, expert_dispatcher, local_parts
 from ..config import Glm53Config
+from ..hooks import as_local, expert_dispatcher, local_parts
 from ..kernels import kernel_op
 from ..kernels.moe import FEW_TOKEN_PAIRS
 from .context import ForwardContext

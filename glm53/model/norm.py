@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..boundary import as_local
+from ..hooks import as_local
 from ..kernels import kernel_op
 
 # kernels resolved once; use_backend keeps them current (kernels/dispatch.py)

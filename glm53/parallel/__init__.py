@@ -5,17 +5,16 @@
     loss = model(ids, labels=ids, return_logits=False).loss  # under TP: the vocab-parallel chunked loss
     loss.backward()
 
-Importing this package routes `glm53.boundary.as_local` through `boundary._resolve` (a no-op for plain tensors)
+Importing this package routes `glm53.hooks.as_local` through `boundary._resolve` (a no-op for plain tensors)
 and a vocab-sharded head's loss through `vocab_loss.py`; `loss_parallel_context(model)` is for a loss of your own
 over the vocab-sharded `out.logits`.
 """
 
-from . import boundary as _boundary
 from . import expert as _expert
+from . import placements as _placements
 from . import vocab_loss as _vocab_loss
-from .boundary import LocalShard, PlacementError, Whole, local_shard, materialize_full, set_boundary_rule
-from .context import CpShards
 from .cp_inputs import context_parallel_inputs
+from .cp_shards import CpShards
 from .expert import apply_expert_parallel, check_ep_size, clip_grad_norm_
 from .export import export_pretrained
 from .load import load_pretrained
@@ -28,11 +27,19 @@ from .parallelize import (
     parallelize,
     zero_rows,
 )
-from .plan import ExpertTensorParallel, LocalShardParams, ReplicateModule, ReplicateParams, check_tp_size, tp_plan
+from .placements import LocalShard, PlacementError, Whole, local_shard, materialize_full, set_placement_rule
 from .runtime import full_optimizer_state, full_state, init_mesh, load_full_optimizer_state, loss_denominators
+from .tensor_parallel import (
+    ExpertTensorParallel,
+    LocalShardParams,
+    ReplicateModule,
+    ReplicateParams,
+    check_tp_size,
+    tp_plan,
+)
 from .train_state import read_training_state, write_training_state
 
-_boundary.install()
+_placements.install()
 _expert.install()
 _vocab_loss.install()
 
@@ -42,7 +49,7 @@ __all__ = [
     "PlacementError",
     "Whole",
     "LocalShard",
-    "set_boundary_rule",
+    "set_placement_rule",
     "parallelize",
     "apply_tensor_parallel",
     "apply_fsdp",

@@ -29,7 +29,7 @@ from ..model.packing import document_boundaries
 from ..utils import ceil_div
 from ..vision.splice import media_for_slice, sliced_placeholders
 from ..vision.tower import check_vision_inputs
-from .context import CpShards
+from .cp_shards import CpShards
 from .mesh import DATA_DIMS
 from .parallelize import context_parallel_mesh
 from .runtime import loss_denominators as dp_denominators

@@ -30,11 +30,11 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from ..boundary import set_expert_dispatcher
+from ..hooks import set_expert_dispatcher
 from ..kernels import kernel
 from ..model.moe import Experts
 from . import comm
-from .boundary import LocalShard, set_boundary_rule
+from .placements import LocalShard, set_placement_rule
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")  # [E, 2I, D], [E, D, I]
 
@@ -154,7 +154,7 @@ def expert_modules(model: nn.Module) -> list[nn.Module]:
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, ep_tp_mesh: DeviceMesh | None = None) -> None:
     """Shard every routed-experts module's parameters Shard(0) over `ep_mesh` and route its forward through
-    `ExpertParallelDispatch` (installed as glm53.boundary's expert dispatcher).
+    `ExpertParallelDispatch` (installed as glm53.hooks's expert dispatcher).
 
     Under tensor parallelism too (`ep_tp_mesh`, the ("ep", "tp") mesh; the TP plan already split the experts on
     their inner width over tp with `ExpertTensorParallel`), each parameter becomes a 2-D DTensor: Shard(0) over
@@ -187,7 +187,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, ep_tp_mesh: Dev
                 placements = (Shard(0),)
                 shard = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
             module.register_parameter(name, nn.Parameter(shard, requires_grad=param.requires_grad))
-            set_boundary_rule(module, name, LocalShard(placements))
+            set_placement_rule(module, name, LocalShard(placements))
         _DISPATCH[module] = ExpertParallelDispatch(ep_mesh)
 
 

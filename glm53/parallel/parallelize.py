@@ -30,11 +30,11 @@ from ..model.mla import MultiHeadLatentAttention
 from ..model.mtp import MTPLayer
 from ..precision import keeps_fp32
 from . import comm
-from .boundary import name_modules
 from .expert import apply_expert_parallel, expert_modules, expert_param_names, expert_shard_placement
 from .mesh import EXPERT_REPLICA_DIMS, REPLICA_DIMS, flat_mesh
-from .plan import ReplicateModule, ReplicateParams, check_tp_size, tp_plan
+from .placements import name_modules
 from .pool_mass import sum_selected_pool_mass
+from .tensor_parallel import ReplicateModule, ReplicateParams, check_tp_size, tp_plan
 
 _PARALLELIZED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 _VOCAB_PARALLEL: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()

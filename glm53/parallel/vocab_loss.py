@@ -9,7 +9,7 @@ all-reduces over tp combine them (max of the log-sum-exps, then the sum of exp(l
 logits), so the loss is one process's on every rank. Backward needs no statistics from other ranks: each rank forms
 softmax - onehot on its rows from the global log-normaliser (`chunk_gradients`), its weight gradient is its shard's,
 and the hidden-state gradient, a partial sum over the ranks' rows, is all-reduced.
-`glm53.boundary.vocab_parallel_loss` hands this function to the model's loss (`causal_lm_head_loss`) for a
+`glm53.hooks.vocab_parallel_loss` hands this function to the model's loss (`causal_lm_head_loss`) for a
 sharded head; `install()` sets that lookup.
 """
 
@@ -22,9 +22,9 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from ..boundary import set_vocab_parallel_loss
+from ..hooks import set_vocab_parallel_loss
 from ..kernels import linear_cross_entropy as lce
-from .boundary import PlacementError
+from .placements import PlacementError
 
 
 def _all_reduce(x: torch.Tensor, op: str, group) -> torch.Tensor:
@@ -92,7 +92,7 @@ def vocab_parallel_cross_entropy(
 
 
 def _lookup(module: nn.Module):
-    """`glm53.boundary.vocab_parallel_loss`: the loss above for a head whose weight is a vocab-sharded DTensor."""
+    """`glm53.hooks.vocab_parallel_loss`: the loss above for a head whose weight is a vocab-sharded DTensor."""
     weight = getattr(module, "weight", None)
     if not isinstance(weight, DTensor) or all(p.is_replicate() for p in weight.placements):
         return None

@@ -6,7 +6,7 @@ gradient) plus the fp32 buffer `<name>_scale_inv` [go, gi] ([E, go, gi]); w = q 
 experts keep the checkpoint's two blocks grids (gate rows, then up rows) stacked: [E, 2 * ceil(I_e / bo), gi].
 Linears compute y = x dequant(q, s)^T through `_Fp8Linear`, which saves only q and s for backward and dequantises
 again there, so no dequantised copy outlives one matmul. Other readers (the absorbed MLA attention, the expert
-kernel, decode plans) get the dequantised weight from `glm53.boundary.as_local` / `local_parts` for the duration
+kernel, decode plans) get the dequantised weight from `glm53.hooks.as_local` / `local_parts` for the duration
 of their call. Adapters, norms, the router, embeddings, the head and the fp32 keep-list stay in training precision.
 This file holds the numerics; fp8_storage.py puts a module's base into this form (quantising, or as placeholders).
 """

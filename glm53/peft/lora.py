@@ -7,7 +7,7 @@ keeps `weight` and gains the children `lora_A` (nn.Linear I -> r) and `lora_B` (
 experts [E, O, I] gain `<param>_lora_A` [E, r, I] and `<param>_lora_B` [E, O, r] per fused parameter, run by the
 `moe_experts` kernel through its grouped matmuls (kernels/moe.py).
 Code that reads a weight itself (the absorbed MLA attention reads kv_b_proj's weight, generation's fused decode
-plans, the expert kernel) asks glm53.boundary for it: `as_local` gives base + s * B A, `local_parts` the base and
+plans, the expert kernel) asks glm53.hooks for it: `as_local` gives base + s * B A, `local_parts` the base and
 the low-rank term apart. The per-module views installed here are the only place that knows about adapters.
 """
 
@@ -19,8 +19,8 @@ from collections.abc import Iterable
 import torch
 import torch.nn as nn
 
-from ..boundary import WEIGHT_VIEWS
 from ..errors import ConfigError
+from ..hooks import WEIGHT_VIEWS
 from ..model.moe import Experts
 from ..precision import MODEL_DTYPES
 from .fp8 import drop_fp8, is_fp8_base

@@ -1,7 +1,7 @@
 """The per-module weight views glm53.peft installs, and the LoRA linear.
 
 Legend: O out features, I in features, r the adapter rank (glm53/peft/lora.py).
-A view answers `glm53.boundary.local_parts(module, name)`: the base weight (dequantised when it is held in FP8,
+A view answers `glm53.hooks.local_parts(module, name)`: the base weight (dequantised when it is held in FP8,
 glm53/peft/fp8.py) and the adapter's low-rank term, or under torch.inference_mode one kept effective weight.
 """
 
@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..boundary import WEIGHT_VIEWS, LowRank, add_low_rank, as_local
+from ..hooks import WEIGHT_VIEWS, LowRank, add_low_rank, as_local
 from ..model.moe import Experts
 from .fp8 import dequantized, fp8_linear, is_fp8_base
 

@@ -23,7 +23,7 @@ from ..config import Glm53Config
 from ..errors import Glm53Error
 from ..losses import Glm53ForCausalLM
 from ..parallel.ckpt_plan import plan_rank
-from ..parallel.plan import check_tp_size
+from ..parallel.tensor_parallel import check_tp_size
 from ..training.args import positive_int
 from ..vision.model import model_class_for
 

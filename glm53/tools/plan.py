@@ -33,7 +33,7 @@ import torch
 from ..config import Glm53Config
 from ..parallel import parallelize
 from ..parallel.memory import fake_world, largest_gather, layout_mesh, local_numel
-from ..peft import plan as peft_plan
+from ..peft import memory as peft_memory
 from ..precision import keeps_fp32
 from ..training.args import positive_float, positive_int
 from ..vision.model import model_class_for
@@ -57,7 +57,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="parameter / gradient / compute dtype")
     p.add_argument("--device-gib", type=positive_float, default=80.0, help="device memory to compare with (GiB)")
-    peft_plan.add_plan_arguments(p)  # --lora-rank, --lora-targets, --base-dtype, --freeze
+    peft_memory.add_plan_arguments(p)  # --lora-rank, --lora-targets, --base-dtype, --freeze
     args = p.parse_args(argv)
     world = args.dp * args.cp * args.ep * args.tp
     if world > MAX_WORLD:
@@ -158,26 +158,26 @@ def moe_comm_bytes(c: Glm53Config, dp: int, ep: int, tokens: int, dtype_bytes: i
 # ------------------------------------------------------------------------------------------------------ plan
 def measure(c: Glm53Config, dp: int, ep: int, tp: int, dtype: torch.dtype, cp: int = 1, peft=None) -> dict:
     """Rank 0's parameter elements per dtype and the largest all-gather, from the real parallelize. `peft`: the
-    parsed args with glm53.peft's flags (LoRA adapters, FP8 base, frozen groups: glm53/peft/plan.py)."""
+    parsed args with glm53.peft's flags (LoRA adapters, FP8 base, frozen groups: glm53/peft/memory.py)."""
     size = torch.tensor([], dtype=dtype).element_size()
     bytes_of = lambda fqn, numel: numel * (4 if keeps_fp32(fqn) else size)  # noqa: E731
     with fake_world(dp * cp * ep * tp):
         mesh = layout_mesh(dp, ep, tp, cp=cp)
         with torch.device("meta"):
             model = model_class_for(c)(c)  # a config declaring a vision tower counts the tower's parameters
-        if peft is not None and peft_plan.enabled(peft):
-            peft_plan.prepare(peft, model, dtype)
-            bytes_of = peft_plan.bytes_of_dtype(model, size)
+        if peft is not None and peft_memory.enabled(peft):
+            peft_memory.prepare(peft, model, dtype)
+            bytes_of = peft_memory.bytes_of_dtype(model, size)
         parallelize(model, mesh)
         params = sum(bytes_of(n, local_numel(p)) for n, p in model.named_parameters())
         expert = sum(bytes_of(n, local_numel(p)) for n, p in model.named_parameters() if ".experts." in n)
         gather = largest_gather(model, bytes_of)
         total = sum(p.numel() for p in model.parameters())
         extra = {}
-        if peft is not None and peft_plan.enabled(peft):
+        if peft is not None and peft_memory.enabled(peft):
             extra = dict(
-                peft_rows=peft_plan.rows(peft, model, size, gather.bytes),
-                adapter_acts=peft_plan.adapter_activations(peft, model, size, 1),
+                peft_rows=peft_memory.rows(peft, model, size, gather.bytes),
+                adapter_acts=peft_memory.adapter_activations(peft, model, size, 1),
             )
     return dict(params=params, expert=expert, gather=gather, total_params=total, **extra)
 
@@ -207,7 +207,7 @@ def plan(args: argparse.Namespace, config: Glm53Config | None = None) -> dict:
         transient=2 * m["gather"].bytes,
         activations=acts + head,
     )
-    if "peft_rows" in m:  # LoRA / frozen / FP8 base: glm53/peft/plan.py
+    if "peft_rows" in m:  # LoRA / frozen / FP8 base: glm53/peft/memory.py
         adapter = m["adapter_acts"] * tokens
         rows.update(
             m["peft_rows"],
@@ -266,7 +266,7 @@ def report(args: argparse.Namespace, result: dict, seconds: float) -> str:
 
 
 def _peft_label(args: argparse.Namespace) -> str:
-    if not peft_plan.enabled(args):
+    if not peft_memory.enabled(args):
         return ""
     lora = f" LoRA r{args.lora_rank} on {' '.join(args.lora_targets or ['default targets'])}" if args.lora_rank else ""
     frozen = f", frozen {' '.join(args.freeze)}" if args.freeze else ""

@@ -186,7 +186,7 @@ def processors(model, args: argparse.Namespace) -> tuple[ImageProcessor, VideoPr
     return images, videos
 
 
-def check_token_ids(encoder: VLEncoder, model, tokenizer_dir: str) -> None:
+def check_media_token_ids(encoder: VLEncoder, model, tokenizer_dir: str) -> None:
     """The tokenizer's media tokens must be the model's (config token ids), or every splice would misfire."""
     for text, name in TOKEN_FIELDS.items():
         if encoder.ids[text] != getattr(model.token_ids, name):
@@ -204,7 +204,7 @@ class VLFileData:
         self.batch_size, self.grad_accum, self.seq_len = args.batch_size, args.grad_accum, args.seq_len
         self.tokenizer = TextTokenizer(tokenizer_dir)
         self.encoder = VLEncoder(self.tokenizer, *processors(model, args))
-        check_token_ids(self.encoder, model, tokenizer_dir)
+        check_media_token_ids(self.encoder, model, tokenizer_dir)
         records, empty = read_vl_records(args.data, args.media_root)
         docs = [self.encoder.encode(r) for r in records]
         self.skipped = {"without text": empty, "without target tokens": 0, "longer than --seq-len": 0}

@@ -56,11 +56,11 @@ def vl_prompt(
     model, tokenizer_dir: str, text: str, images: list[str], videos: list[str], video_fps: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids [1, T], inputs_embeds [1, T, D] with the media features spliced in) for `model`."""
-    from .vl_finetune import check_token_ids, processors
+    from .vl_finetune import check_media_token_ids, processors
 
     budgets = argparse.Namespace(image_min_tokens=16, image_max_tokens=8000, video_max_tokens=240000)
     encoder = VLEncoder(TextTokenizer(tokenizer_dir), *processors(model, budgets))
-    check_token_ids(encoder, model, tokenizer_dir)
+    check_media_token_ids(encoder, model, tokenizer_dir)
     media = {
         "image": [Media("image", os.path.abspath(p), "--image") for p in images],
         "video": [Media("video", os.path.abspath(p), "--video", video_fps) for p in videos],

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import Glm53Config
-from ..config_checks import is_int
 from ..errors import ConfigError
+from ..utils import is_int
 
 VISION_MODEL_TYPE = "glm5_next_vision"
 DEFAULT_ROPE = {"rope_theta": 10000.0, "rope_type": "axial"}

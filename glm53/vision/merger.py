@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..boundary import as_local
+from ..hooks import as_local
 from ..model.norm import LayerNorm
 from .block import SwiGLU
 from .config import Glm53VisionConfig

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..boundary import as_local
+from ..hooks import as_local
 from .config import Glm53VisionConfig
 
 

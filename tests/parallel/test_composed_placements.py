@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from glm53 import Glm53Config, Glm53ForCausalLM
-from glm53.boundary import as_local
+from glm53.hooks import as_local
 from glm53.parallel import apply_expert_parallel, apply_tensor_parallel, parallelize
 from glm53.parallel.memory import fake_world, layout_mesh
 from tests.parallel.test_parallel_boundary import SETTINGS, per_rank

@@ -18,12 +18,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from glm53 import Glm53Config
-from glm53.boundary import as_local, expert_dispatcher
+from glm53.hooks import as_local, expert_dispatcher
 from glm53.model.moe import Experts
 from glm53.parallel import PlacementError, apply_expert_parallel, check_ep_size
-from glm53.parallel.boundary import LocalShard, set_boundary_rule
 from glm53.parallel.expert import expert_shard_placement
 from glm53.parallel.memory import fake_world
+from glm53.parallel.placements import LocalShard, set_placement_rule
 from tests.parallel.test_parallel_boundary import SETTINGS, per_rank
 
 WORLD = 4
@@ -100,7 +100,7 @@ def test_experts_boundary_rejects_other_placements(meshes):
         for name in ("gate_up_proj", "down_proj"):
             param = getattr(experts, name)
             experts.register_parameter(name, torch.nn.Parameter(distribute_tensor(param.data, mesh, [Replicate()])))
-            set_boundary_rule(experts, name, LocalShard((Shard(0),)), fqn="layers.1.mlp.experts")
+            set_placement_rule(experts, name, LocalShard((Shard(0),)), fqn="layers.1.mlp.experts")
         with pytest.raises(PlacementError, match=r"layers\.1\.mlp\.experts\.gate_up_proj"):
             as_local(experts, "gate_up_proj")
 

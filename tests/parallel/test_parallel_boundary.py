@@ -43,8 +43,8 @@ from glm53.parallel import (
     parallelize,
     tp_plan,
 )
-from glm53.parallel.boundary import head_parallel_input, plain_value
 from glm53.parallel.memory import fake_world
+from glm53.parallel.placements import head_parallel_input, plain_value
 
 WORLD = 4
 TOL = 1e-5  # fp32, relative to the largest reference magnitude

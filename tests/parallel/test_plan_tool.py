@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from glm53 import Glm53Config, Glm53ForCausalLM
 from glm53.parallel import parallelize
-from glm53.parallel.plan import check_tp_size
+from glm53.parallel.tensor_parallel import check_tp_size
 from glm53.tools.plan import GIB, main, moe_comm_bytes, parse_args, plan
 from tests.parallel.test_parallel_boundary import WORLD, meshes, per_rank  # noqa: F401 (fixture)
 from tests.parallel.test_parallel_boundary import tiny as boundary_tiny

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 import glm53
-from glm53.boundary import as_local, local_parts
 from glm53.errors import ConfigError
+from glm53.hooks import as_local, local_parts
 from glm53.kernels import dispatch
 from glm53.kernels.moe import (
     moe_experts_few_token,
@@ -175,7 +175,7 @@ def test_expert_kernels_agree_with_the_loop_reference_forward_and_backward():
     def run(fn):
         leaves = [t.clone().requires_grad_() for t in (x, gate_up, down, *factors)]
         xx, gu, dn, a1, b1, a2, b2 = leaves
-        lora = (glm53.boundary.LowRank(a1, b1, 1.5), glm53.boundary.LowRank(a2, b2, 1.5))
+        lora = (glm53.hooks.LowRank(a1, b1, 1.5), glm53.hooks.LowRank(a2, b2, 1.5))
         y = fn(xx, idx, w, gu, dn, 0.9, lora=lora)
         y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(4)))
         return [y] + [t.grad for t in leaves]

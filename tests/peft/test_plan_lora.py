@@ -1,4 +1,4 @@
-"""The planner's LoRA / FP8-base targets on the released config (the README's commands, glm53/peft/plan.py)."""
+"""The planner's LoRA / FP8-base targets on the released config (the README's commands, glm53/peft/memory.py)."""
 
 from __future__ import annotations
 

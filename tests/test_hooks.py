@@ -1,4 +1,4 @@
-"""glm53.boundary on one process: each hook is the identity (or None) until one is installed, an installed hook
+"""glm53.hooks on one process: each hook is the identity (or None) until one is installed, an installed hook
 sees the module, the attribute name and the tensor and its result is what the model gets, and each setter hands
 back the hook it replaced so a caller can restore it."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from glm53 import boundary
+from glm53 import hooks
 
 
 def module() -> nn.Module:
@@ -20,24 +20,24 @@ def module() -> nn.Module:
 # (setter, call made through the hook, what the installed hook returns for it)
 HOOKS = {
     "param": (
-        boundary.set_param_resolver,
-        lambda m, x: boundary.as_local(m, "weight"),
+        hooks.set_param_resolver,
+        lambda m, x: hooks.as_local(m, "weight"),
         lambda mod, name, p: p * 2 if name == "weight" and mod.weight is p else None,
     ),
-    "value": (boundary.set_value_resolver, lambda m, x: boundary.as_plain(x), lambda v: v + 1),
+    "value": (hooks.set_value_resolver, lambda m, x: hooks.as_plain(x), lambda v: v + 1),
     "input": (
-        boundary.set_input_resolver,
-        lambda m, x: boundary.into_head_parallel(m, "weight", x),
+        hooks.set_input_resolver,
+        lambda m, x: hooks.into_head_parallel(m, "weight", x),
         lambda mod, name, v: v * 3 if name == "weight" and isinstance(mod, nn.Linear) else None,
     ),
     "expert": (
-        boundary.set_expert_dispatcher,
-        lambda m, x: boundary.expert_dispatcher(m),
+        hooks.set_expert_dispatcher,
+        lambda m, x: hooks.expert_dispatcher(m),
         lambda mod: lambda: mod.weight.sum(),
     ),
     "vocab": (
-        boundary.set_vocab_parallel_loss,
-        lambda m, x: boundary.vocab_parallel_loss(m),
+        hooks.set_vocab_parallel_loss,
+        lambda m, x: hooks.vocab_parallel_loss(m),
         lambda mod: lambda: mod.weight.sum() - 1,
     ),
 }

@@ -1,7 +1,7 @@
 """DTensor parameters at the kernel boundary: `materialize_full`, `local_shard` and the resolver behind `as_local`.
 
 Legend: a *boundary* is a place where a glm53 module hands one of its parameters to code that takes plain
-tensors (`glm53.boundary.as_local`). What a kernel may receive there depends on the plan, not on the module:
+tensors (`glm53.hooks.as_local`). What a kernel may receive there depends on the plan, not on the module:
 - `Whole(grad_placements)`: the whole parameter (it must be Replicate on every mesh dimension). When the
   activations it meets are sharded on the mesh (KDA's o_norm on head-sharded outputs) its gradient on each
   rank is a partial sum, declared with `grad_placements=[Partial()]` (docs/parallel.md).
@@ -21,7 +21,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.placement_types import Placement
 
-from ..boundary import set_input_resolver, set_param_resolver, set_value_resolver
+from ..hooks import set_input_resolver, set_param_resolver, set_value_resolver
 
 
 class PlacementError(ValueError):
@@ -98,7 +98,7 @@ _RULES: "weakref.WeakKeyDictionary[nn.Module, dict[str, Whole | LocalShard]]" = 
 _NAMES: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
 
 
-def set_boundary_rule(module: nn.Module, name: str, rule: Whole | LocalShard, fqn: str | None = None) -> None:
+def set_placement_rule(module: nn.Module, name: str, rule: Whole | LocalShard, fqn: str | None = None) -> None:
     """Declare what `as_local(module, name)` must hand to the kernel when the parameter is a DTensor."""
     if not isinstance(getattr(module, name, None), torch.Tensor):
         raise AttributeError(f"{type(module).__name__} has no parameter {name!r} to set a boundary rule for")
@@ -113,7 +113,7 @@ def name_modules(model: nn.Module) -> None:
         _NAMES[module] = fqn
 
 
-def boundary_rule(module: nn.Module, name: str) -> Whole | LocalShard:
+def placement_rule(module: nn.Module, name: str) -> Whole | LocalShard:
     return _RULES.get(module, {}).get(name, Whole())
 
 
@@ -121,7 +121,7 @@ def _resolve(module: nn.Module, name: str, param: torch.Tensor) -> torch.Tensor:
     if not isinstance(param, DTensor):
         return param
     prefix = _NAMES.get(module, type(module).__name__)
-    return boundary_rule(module, name)(param, f"{prefix}.{name}" if prefix else name)
+    return placement_rule(module, name)(param, f"{prefix}.{name}" if prefix else name)
 
 
 def plain_value(t: torch.Tensor) -> torch.Tensor:
@@ -138,7 +138,7 @@ def plain_value(t: torch.Tensor) -> torch.Tensor:
 
 
 def head_parallel_input(module: nn.Module, name: str, x: torch.Tensor) -> torch.Tensor:
-    """`glm53.boundary.into_head_parallel` under DTensor: when `module.<name>` is sharded over the mesh (this rank
+    """`glm53.hooks.into_head_parallel` under DTensor: when `module.<name>` is sharded over the mesh (this rank
     holds some heads), `x` (whole on every rank) gets a Partial gradient, so autograd sums it over the ranks
     (Megatron's "f"); for a plain or replicated parameter `x` passes unchanged."""
     param = getattr(module, name)
@@ -164,8 +164,8 @@ __all__ = [
     "local_shard",
     "Whole",
     "LocalShard",
-    "set_boundary_rule",
-    "boundary_rule",
+    "set_placement_rule",
+    "placement_rule",
     "name_modules",
     "install",
     "plain_value",

@@ -20,7 +20,7 @@ Legend: tp the TP mesh size, H heads, K head width, B batch, T time, vocab the v
 Every parameter not sharded becomes a Replicate DTensor on the TP mesh (docs/parallel.md: a plain parameter
 beside DTensors breaks clip_grad_norm_ and mixed ops). MLA keeps its numerics setting under TP: the absorbed form reads
 its local heads' kv_b_proj rows (`ColwiseHeads`) and sums the shared latent's gradient over the ranks
-(`glm53.boundary.into_head_parallel`); the per-head form (`set_numerics(mla_absorb=False)`) runs through
+(`glm53.hooks.into_head_parallel`); the per-head form (`set_numerics(mla_absorb=False)`) runs through
 ColwiseParallel.
 """
 
@@ -37,7 +37,7 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from ..losses import Glm53ForCausalLM
 from ..model.moe import MoE
-from .boundary import LocalShard, Whole, set_boundary_rule
+from .placements import LocalShard, Whole, set_placement_rule
 
 
 def _distribute_own(module: nn.Module, mesh: DeviceMesh, names: Sequence[str], placements, src_data_rank) -> None:
@@ -68,7 +68,7 @@ class ReplicateParams(ParallelStyle):
         names = [name for name, _ in module.named_parameters(recurse=False)]
         _distribute_own(module, device_mesh, names, [Replicate()] * device_mesh.ndim, self.src_data_rank)
         for name in names:
-            set_boundary_rule(module, name, Whole(self.grad_placements))
+            set_placement_rule(module, name, Whole(self.grad_placements))
         return module
 
     def __repr__(self) -> str:
@@ -115,7 +115,7 @@ class LocalShardParams(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         for name, placement in self.placements.items():
             _distribute_own(module, device_mesh, [name], [placement], self.src_data_rank)
-            set_boundary_rule(module, name, LocalShard((placement,)))
+            set_placement_rule(module, name, LocalShard((placement,)))
         return module
 
     def __repr__(self) -> str:
@@ -161,7 +161,7 @@ class ColwiseHeads(ColwiseParallel):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         module = super()._apply(module, device_mesh)
-        set_boundary_rule(module, "weight", LocalShard((Shard(0),)))
+        set_placement_rule(module, "weight", LocalShard((Shard(0),)))
         return module
 
 
