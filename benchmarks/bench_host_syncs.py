@@ -11,7 +11,9 @@ widths (syncs follow the Python control flow: per call, per block of chunks, per
 Per step = forward + backward of model(ids, labels=ids). The released 45 layers are extrapolated from runs with
 4 and 8 layers (the schedule repeats every 4: KDA, KDA, KDA, MLA): step(45) = step(4) + (45 - 4) / 4 * (step(8) -
 step(4)). Decode: generate() (eager, greedy) with two lengths, syncs per extra token = the difference / the extra
-tokens. Results: benchmarks/results/bench_host_syncs.json.
+tokens; and one decode step (T = 1) and one verify step (T = 3) on a prefilled cache alone, also with the padded
+expert form a GPU runs off bf16 Hopper/Blackwell (torch's grouped GEMM unusable). Results:
+benchmarks/results/bench_host_syncs.json.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import torch
 from bench_config import machine, positive_int, table, write_json
 
 from glm53 import Glm53Config, Glm53ForCausalLM
-from glm53.generation import generate
+from glm53.generation import GenerationCache, generate, step
+from glm53.kernels import moe as moe_kernels
 from glm53.profiling import HostSyncs
 
 RELEASED_LAYERS = 45
@@ -60,6 +63,26 @@ def decode_syncs(model: Glm53ForCausalLM, prompt: int, new: tuple[int, int]) -> 
     return (totals[1] - totals[0]) / (new[1] - new[0])
 
 
+def cached_step_syncs(model: Glm53ForCausalLM, prompt: int, grouped_mm: bool) -> dict:
+    """Syncs of one decode step and one verify step (3 tokens) after a prefill of `prompt` tokens."""
+    ids = torch.randint(1, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(2))
+    usable = moe_kernels._grouped_mm_usable
+    if not grouped_mm:
+        moe_kernels._grouped_mm_usable = lambda *a: False
+    try:
+        with torch.inference_mode():
+            cache = GenerationCache(model, max_length=prompt + 4)
+            step(model, cache, ids)
+            with HostSyncs() as decode:
+                step(model, cache, ids[:, -1:])
+            cache.mark()
+            with HostSyncs() as verify:
+                step(model, cache, ids[:, :3])
+    finally:
+        moe_kernels._grouped_mm_usable = usable
+    return {"grouped_mm": grouped_mm, "decode_step": decode.total, "verify_step_3": verify.total}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqlens", type=positive_int, nargs="+", default=[256, 512])
@@ -93,12 +116,15 @@ def main() -> None:
         f"eager decode syncs per token: 4 layers {decode:.1f}, 8 layers {decode8:.1f}, released 45 layers "
         f"{released:.1f}"
     )
+    steps = [{"layers": n, **cached_step_syncs(models[n], 16, g)} for n in (4, 8) for g in (True, False)]
+    print(table(steps, list(steps[0])))
     path = write_json(
         "bench_host_syncs",
         {
             "machine": machine(),
             "step": rows,
             "decode_per_token": {"4_layers": decode, "8_layers": decode8, "released_45_layers": released},
+            "cached_steps": steps,
         },
     )
     print("wrote", path)

@@ -7,11 +7,16 @@ D model width.
 MTP draft. The blocks own the cache paths (model/kda.py, mla.py, indexer.py; the buffers in model/cache.py): no
 formula lives here. The host bookkeeping (the capacity check, the position count) runs before and after the
 forward, so a step after the prefill reads no host value: `compile=True` is torch.compile of the same forward
-(`fullgraph=True`, static shapes; CUDA graphs via mode="reduce-overhead" on a GPU), through public APIs only.
+(`fullgraph=True`, static shapes; CUDA graphs via mode="reduce-overhead" on a GPU), through public APIs only. Each
+model and static signature compiles its own copy of the forward (`compiled_forward`), so torch.compile's
+per-function recompile limit never counts several models or cache lengths together.
 """
 
 from __future__ import annotations
 
+import types
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
@@ -63,16 +68,39 @@ def check_step(model, cache: object, ids: object, hidden: object = None) -> None
         )
 
 
+# Compiled steps, per model: {options: {signature: compiled forward}}. torch.compile keeps its graphs per code object
+# and refuses a ninth recompile of one (its recompile limit, 8 by default; with fullgraph=True a hard error). Every
+# model and static shape (batch, step length, cache length, part) is one graph, so one shared `forward` would fail
+# after a few models or prompt lengths in one process. Each signature compiles its own copy of `forward` instead
+# (a new code object, the same function), kept while the model lives, the MAX_SIGNATURES most recent per model.
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+MAX_SIGNATURES = 32
+
+
+def _signature(cache: GenerationCache, ids: torch.Tensor, hidden: torch.Tensor | None) -> tuple:
+    """What a compiled step's static shapes depend on: the part, the batch and step length, the buffers' length."""
+    return (cache.part, tuple(ids.shape), ids.dtype, cache.capacity, None if hidden is None else hidden.dtype)
+
+
+def compiled_forward(model, options: dict, signature: tuple) -> Callable:
+    """torch.compile(forward, **options) for `model` at `signature`: its own code object, so its own graph cache."""
+    per_options = _COMPILED.setdefault(model, {}).setdefault(tuple(sorted(options.items(), key=str)), OrderedDict())
+    if signature in per_options:
+        per_options.move_to_end(signature)
+        return per_options[signature]
+    copy = types.FunctionType(forward.__code__.replace(), forward.__globals__, forward.__name__, forward.__defaults__)
+    per_options[signature] = torch.compile(copy, **options)
+    if len(per_options) > MAX_SIGNATURES:
+        per_options.popitem(last=False)
+    return per_options[signature]
+
+
 class Stepper:
     """Runs steps of one model: eager, or (`compile`) the same forward through torch.compile after the prefill."""
 
     def __init__(self, compile: bool | str | Callable = False) -> None:
-        self.compiled = None
-        self.graphs = False  # CUDA graphs: a replay overwrites the previous output, so outputs are copied out
-        if compile:
-            options = compile_options(compile)
-            self.graphs = options.get("mode") == "reduce-overhead"
-            self.compiled = torch.compile(forward, **options)
+        self.options = compile_options(compile) if compile else None
+        self.graphs = bool(compile) and self.options.get("mode") == "reduce-overhead"  # CUDA graphs: outputs copied
 
     def __call__(
         self,
@@ -90,12 +118,12 @@ class Stepper:
         elif cache.started:
             cache.check_tokens(valid)
         cache.begin(valid)
-        run: Callable = forward if self.compiled is None or not cache.started else self.compiled
+        run: Callable = forward
+        if self.options is not None and cache.started and embeds is None:  # (a VL prompt's prefill: never compiled)
+            run = compiled_forward(model, self.options, _signature(cache, ids, hidden))
         # contiguous inputs: a compiled step is specialised on strides (a sliced prompt would recompile it)
-        if embeds is not None:  # (the prefill of a VL prompt: never the compiled path)
-            run = forward
         out = run(model, cache, ids.contiguous(), valid, None if hidden is None else hidden.contiguous(), embeds)
-        if self.graphs and run is self.compiled:
+        if self.graphs and run is not forward:
             out = out.clone()
         cache.end(ids.shape[1])
         return out
@@ -128,4 +156,4 @@ def step(
 
 _EAGER = Stepper()
 
-__all__ = ["GenerationError", "Stepper", "compile_options", "forward", "step"]
+__all__ = ["GenerationError", "MAX_SIGNATURES", "Stepper", "compile_options", "compiled_forward", "forward", "step"]

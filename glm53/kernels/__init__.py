@@ -18,6 +18,7 @@ from . import (  # noqa: F401  (registers the implementations)
     rms_norm,
     sinkhorn,
     sparse_attention,
+    sparse_static,
     vision_attention,
 )
 from .dispatch import KernelOp, backends, chosen_backend, kernel, kernel_op, ops, set_backend, use_backend

@@ -9,6 +9,9 @@ logged once per (op, backend), and an unknown op or backend raises. Tests force 
 Model code does not look ops up by name on every call: it holds a `KernelOp` per op (`kernel_op("rms_norm")`, made
 once at import), resolved when made and again whenever `set_backend` / `use_backend` change that op's choice, so a
 call is one attribute read (`KernelOp.fn`) and a scoped forcing still reaches every module.
+A handle may name the backend its call site prefers (`kernel_op("moe_experts", prefer="few_token")`: the generation
+cache path's host-read-free forms): that backend replaces the default for this handle only; a forced or per-device
+choice still wins over it, so `use_backend("reference")` reaches these call sites too.
 The choice of kernel never changes numerics settings of a module (those are explicit module attributes).
 
 Device backends: a backend that runs on one device type only (a Triton/CUDA kernel: "fla", flash-linear-
@@ -41,20 +44,23 @@ _HANDLES: dict[str, list["KernelOp"]] = {}  # every KernelOp made, per op: set_b
 class KernelOp:
     """One op's chosen implementation, held by the code that calls it: `op(*args)` calls `op.fn`."""
 
-    def __init__(self, op: str) -> None:
-        self.op = op
-        self.fn = kernel(op)  # raises on an unknown op
+    def __init__(self, op: str, prefer: str | None = None) -> None:
+        if prefer is not None and prefer not in backends(op):  # raises on an unknown op
+            raise ValueError(f"unknown backend {prefer!r} for kernel op {op!r}; registered: {backends(op)}")
+        self.op, self.prefer = op, prefer
+        self.fn = kernel(op, prefer)
 
     def __call__(self, *args, **kwargs):
         return self.fn(*args, **kwargs)
 
     def __repr__(self) -> str:
-        return f"KernelOp({self.op!r}: {chosen_backend(self.op)})"
+        return f"KernelOp({self.op!r}: {chosen_backend(self.op, self.prefer)})"
 
 
-def kernel_op(op: str) -> KernelOp:
-    """A handle on `op`'s implementation, kept current by `set_backend` (and so by `use_backend`)."""
-    handle = KernelOp(op)
+def kernel_op(op: str, prefer: str | None = None) -> KernelOp:
+    """A handle on `op`'s implementation (`prefer`: this call site's backend instead of the default), kept current
+    by `set_backend` (and so by `use_backend`)."""
+    handle = KernelOp(op, prefer)
     _HANDLES.setdefault(op, []).append(handle)
     return handle
 
@@ -83,21 +89,24 @@ def set_backend(op: str, backend: str | None) -> None:
     else:
         _FORCED[op] = backend
     for handle in _HANDLES.get(op, ()):
-        handle.fn = kernel(op)
+        handle.fn = kernel(op, handle.prefer)
 
 
-def chosen_backend(op: str) -> str:
-    """The backend `kernel(op)` returns: the forced one, else "fast" (else "reference" for ops without one)."""
+def chosen_backend(op: str, prefer: str | None = None) -> str:
+    """The backend `kernel(op, prefer)` returns: the forced one, else `prefer`, else "fast" (else "reference" for
+    ops without one)."""
     available = backends(op)
     if op in _FORCED:
         return _FORCED[op]
+    if prefer is not None:
+        return prefer
     return DEFAULT_BACKEND if DEFAULT_BACKEND in available else "reference"
 
 
-def kernel(op: str) -> Callable:
+def kernel(op: str, prefer: str | None = None) -> Callable:
     if op not in _FORCED and any(key[0] == op for key in _DEVICE_CHOICE):
-        return _device_kernel(op)
-    name = chosen_backend(op)
+        return _device_kernel(op, prefer)
+    name = chosen_backend(op, prefer)
     # torch.compile traces this call: logging would break the graph, so the first eager call logs instead. The
     # compiling test comes first: reading _LOGGED while tracing would guard the graph on the set's contents, and
     # the next eager call's add would recompile every block.
@@ -109,7 +118,7 @@ def kernel(op: str) -> Callable:
 
 # (op, device type) -> backend chosen for calls on that device (set_device_backend)
 _DEVICE_CHOICE: dict[tuple[str, str], str] = {}
-_DEVICE_KERNELS: dict[str, Callable] = {}
+_DEVICE_KERNELS: dict[tuple[str, str | None], Callable] = {}
 
 
 def set_device_backend(op: str, device_type: str, backend: str | None) -> None:
@@ -125,7 +134,7 @@ def set_device_backend(op: str, device_type: str, backend: str | None) -> None:
         torch.device(device_type)  # raises on an unknown device type
         _DEVICE_CHOICE[(op, device_type)] = backend
     for handle in _HANDLES.get(op, ()):  # the modules' handles follow the choice
-        handle.fn = kernel(op)
+        handle.fn = kernel(op, handle.prefer)
 
 
 @contextlib.contextmanager
@@ -139,11 +148,11 @@ def use_device_backend(op: str, device_type: str, backend: str) -> Iterator[None
         set_device_backend(op, device_type, saved)
 
 
-def resolve(op: str, device_type: str) -> str:
+def resolve(op: str, device_type: str, prefer: str | None = None) -> str:
     """The backend a call of `op` on `device_type` tensors runs (see the module docstring for the order)."""
     if op in _FORCED:
         return _FORCED[op]
-    return _DEVICE_CHOICE.get((op, device_type)) or chosen_backend(op)
+    return _DEVICE_CHOICE.get((op, device_type)) or chosen_backend(op, prefer)
 
 
 def _first_device_type(args, kwargs) -> str:
@@ -153,21 +162,21 @@ def _first_device_type(args, kwargs) -> str:
     return "cpu"
 
 
-def _device_kernel(op: str) -> Callable:
-    """The callable `kernel(op)` returns while `op` has a per-device choice: resolves on every call."""
-    if op not in _DEVICE_KERNELS:
+def _device_kernel(op: str, prefer: str | None = None) -> Callable:
+    """The callable `kernel(op, prefer)` returns while `op` has a per-device choice: resolves on every call."""
+    if (op, prefer) not in _DEVICE_KERNELS:
 
         def call(*args, **kwargs):
             device_type = _first_device_type(args, kwargs)
-            name = resolve(op, device_type)
+            name = resolve(op, device_type, prefer)
             if not torch.compiler.is_compiling() and (op, device_type, name) not in _LOGGED:
                 _LOGGED.add((op, device_type, name))
                 logger.info("glm53 kernel %s on %s: using the %s implementation", op, device_type, name)
             return _REGISTRY[op][name](*args, **kwargs)
 
         call.__name__ = f"{op}_by_device"
-        _DEVICE_KERNELS[op] = call
-    return _DEVICE_KERNELS[op]
+        _DEVICE_KERNELS[(op, prefer)] = call
+    return _DEVICE_KERNELS[(op, prefer)]
 
 
 @contextlib.contextmanager

@@ -279,6 +279,42 @@ def moe_experts_padded(
     return _moe_experts_grouped(x, topk_idx, topk_weight, gate_up, down, limit, False, lora)
 
 
+# ------------------------------------------------------------------------------------------- few-token form
+# A decode or verify step routes only a few (token, expert) pairs. Sorting them into per-expert groups costs a host
+# read on every device but the CPU (the padded form's capacity; torch's grouped GEMM off bf16 Hopper/Blackwell), once
+# per MoE layer per token. The few-token form instead gathers each pair's expert weights ([M*k, 2I, D] and
+# [M*k, D, I]) and runs one batched matmul per projection: no sort, no count, no host read, and shapes from M and k
+# alone (torch.compile and CUDA graphs take it as it is). It copies each pair's weights, so it suits up to
+# FEW_TOKEN_PAIRS pairs (the generation cache path prefers it there: model/moe.py); beyond that the grouped form,
+# which reads each expert's weights once, is cheaper.
+FEW_TOKEN_PAIRS = 32  # (token, expert) pairs: a decode step of 4 rows at k = 8, a verify of 4 tokens for one row
+
+
+def moe_experts_few_token(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weight: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    limit: float,
+    lora: ExpertLoRA | None = None,
+) -> torch.Tensor:
+    """Each (token, slot) pair through its own gathered expert weights, batched; same signature."""
+    M, k = topk_idx.shape
+    expert = topk_idx.flatten()  # [M*k]: pair p = (token p // k, slot p % k)
+
+    def project(a, w):  # a [M*k, 1, in], w [E, out, in] -> [M*k, 1, out] through each pair's expert
+        return torch.bmm(a, w.index_select(0, expert).transpose(1, 2))
+
+    gate_up_lr, down_lr = lora if lora is not None else (None, None)
+    rows = x[:, None].expand(M, k, x.shape[-1]).reshape(M * k, 1, x.shape[-1])
+    act = clamped_swiglu_packed(_with_low_rank(project, gate_up_lr)(rows, gate_up), limit)
+    act = act * topk_weight.reshape(M * k, 1, 1)  # the routing weight before the down projection, as grouped
+    y = _with_low_rank(project, down_lr)(act.to(rows.dtype), down)  # [M*k, 1, D]
+    return y.view(M, k, -1).to(x.dtype).sum(1)
+
+
 register("moe_experts", "reference", moe_experts_reference)
 register("moe_experts", "padded", moe_experts_padded)
+register("moe_experts", "few_token", moe_experts_few_token)
 register("moe_experts", "fast", moe_experts_grouped)

@@ -11,7 +11,8 @@ CUDA graphs: a custom op whose implementation reads device values on the host (a
 Under torch.compile(mode="reduce-overhead") inductor's CUDA-graph trees then skip graphs holding such an op, or,
 with inductor's graph partitioning turned on (the inductor config option `graph_partition`; set by the user, never
 by glm53), split the graph around each tagged op and capture the partitions between them, running the tagged ops
-eagerly. Ops without host reads (grouped_mm, indexer_scores, conv_taps_as_rows) stay capturable.
+eagerly. Ops without host reads (grouped_mm, indexer_scores, conv_taps_as_rows, the "static" sparse attention
+ops of kernels/sparse_static.py that generation steps run) stay capturable.
 """
 
 from __future__ import annotations

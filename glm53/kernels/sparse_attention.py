@@ -142,12 +142,12 @@ def _span_union(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
     return b if a[1] == 0 else a if b[1] == 0 else (min(a[0], b[0]), max(a[1], b[1]))
 
 
-def _per_head_chunks(topk_indices, num_keys, step, heads) -> list[tuple[int, int, int, int, bool]]:
+def _per_head_chunks(topk_indices, num_keys, step, heads, static=False) -> list[tuple[int, int, int, int, bool]]:
     """(start, end, lo, hi, dense) per chunk of queries [start, end) with selected keys in [lo, hi)."""
     B, T, J = topk_indices.shape
     dense_budget = budget("dense", topk_indices.device, DENSE_BUDGET)
     plan: list[tuple[int, int, int, int, bool]] = []
-    for start, span in zip(range(0, T, step), _mqa_chunk_spans(topk_indices, num_keys, step)):
+    for start, span in zip(range(0, T, step), _chunk_spans(topk_indices, num_keys, step, static)):
         end, dense = min(start + step, T), span[1] - span[0] <= PER_HEAD_DENSE_SPAN_RATIO * J
         if dense and plan and plan[-1][4]:
             first = plan[-1][0]
@@ -159,7 +159,7 @@ def _per_head_chunks(topk_indices, num_keys, step, heads) -> list[tuple[int, int
     return plan
 
 
-def _sparse_forward(q, k, v, topk_indices, scale):
+def _sparse_forward(q, k, v, topk_indices, scale, static=False):
     """The per-head form's forward: [B, T, H, V] in q's dtype, contiguous."""
     dtype = _compute_dtype(q)
     q_h, k_h, v_h = (_head_major(x, dtype) for x in (q, k, v))  # [B, H, T or S, K or V]
@@ -167,7 +167,7 @@ def _sparse_forward(q, k, v, topk_indices, scale):
     S, J = k_h.shape[2], topk_indices.shape[-1]
     step = _query_chunk(B, H, J, max(q.shape[-1], v.shape[-1]), q.device)
     o = q_h.new_empty(B, T, H, v.shape[-1])
-    for start, end, lo, hi, dense in _per_head_chunks(topk_indices, S, step, H):
+    for start, end, lo, hi, dense in _per_head_chunks(topk_indices, S, step, H, static):
         idx_c, span = topk_indices[:, start:end], hi - lo
         if dense:
             # masked-dense: [Tq, K] x [K, span] per (batch, head) over the chunk's key span, no gather
@@ -180,7 +180,7 @@ def _sparse_forward(q, k, v, topk_indices, scale):
     return o.to(q.dtype)
 
 
-def _sparse_backward(q, k, v, topk_indices, do, scale):
+def _sparse_backward(q, k, v, topk_indices, do, scale, static=False):
     """-> (dq, dk, dv) in the inputs' dtypes, contiguous: recompute each chunk's probabilities; dense chunks add
     their key/value gradients over the span with GEMMs, gather chunks scatter them with index_add_."""
     dtype = _compute_dtype(q)
@@ -192,7 +192,7 @@ def _sparse_backward(q, k, v, topk_indices, do, scale):
     dk, dv = q_h.new_zeros(B, H, S, D), q_h.new_zeros(B, H, S, E)  # contiguous: rows of .view(B*H*S, *)
     rows = (torch.arange(B * H, device=q.device) * S).view(B, H, 1, 1)
     step = _query_chunk(B, H, J, max(D, E), q.device)
-    for start, end, lo, hi, dense in _per_head_chunks(topk_indices, S, step, H):
+    for start, end, lo, hi, dense in _per_head_chunks(topk_indices, S, step, H, static):
         q_c, do_c, idx_c = q_h[:, :, start:end], do_h[:, :, start:end], topk_indices[:, start:end]
         if dense:
             dq[:, start:end] = _dense_chunk_backward(q_c, k_h, v_h, do_c, idx_c, lo, hi, scale, dk, dv)
@@ -304,6 +304,14 @@ def _mqa_chunk_spans(topk_indices: torch.Tensor, num_keys: int, step: int) -> li
     return [(a, b) if b > 0 else (0, 0) for a, b in spans]
 
 
+def _chunk_spans(topk_indices: torch.Tensor, num_keys: int, step: int, static: bool) -> list[tuple[int, int]]:
+    """Each chunk's key range: the selected one (`_mqa_chunk_spans`, one host read), or with `static` every key
+    [0, S) for every chunk, from the shapes alone (the "static" backends: no host read)."""
+    if static:
+        return [(0, num_keys)] * -(-topk_indices.shape[1] // step)
+    return _mqa_chunk_spans(topk_indices, num_keys, step)
+
+
 def _mqa_dense_mask(idx_c, lo, span):
     """idx_c [B, Tq, J] -> [B, Tq, 1, span] bool over keys [lo, lo + span), True where the key is NOT selected."""
     idx_c = idx_c - lo
@@ -323,7 +331,7 @@ def _rows(x):
     return x.flatten(1, 2)
 
 
-def _mqa_forward(q, kv, topk_indices, scale):
+def _mqa_forward(q, kv, topk_indices, scale, static=False):
     """The absorbed gather form's forward: [B, T, H, Z] in q's dtype, contiguous."""
     dtype = _compute_dtype(q)
     q32, kv32 = q.to(dtype).contiguous(), kv.to(dtype).contiguous()
@@ -331,7 +339,7 @@ def _mqa_forward(q, kv, topk_indices, scale):
     S, J = kv.shape[1], topk_indices.shape[-1]
     step = _query_chunk(B, 1, J, C + H, q.device)
     o = q32.new_empty(B, T, H, C)
-    for start, (lo, hi) in zip(range(0, T, step), _mqa_chunk_spans(topk_indices, S, step)):
+    for start, (lo, hi) in zip(range(0, T, step), _chunk_spans(topk_indices, S, step, static)):
         end = min(start + step, T)
         idx_c, span = topk_indices[:, start:end], hi - lo
         if span <= DENSE_SPAN_RATIO * J:
@@ -347,7 +355,7 @@ def _mqa_forward(q, kv, topk_indices, scale):
     return o.to(q.dtype)
 
 
-def _mqa_backward(q, kv, topk_indices, do, scale):
+def _mqa_backward(q, kv, topk_indices, do, scale, static=False):
     """-> (dq, dkv) in the inputs' dtypes, contiguous: recompute each chunk's probabilities, scatter dkv."""
     dtype = _compute_dtype(q)
     # contiguous: a strided q or do (an einsum's output, an expanded sum's gradient) makes every chunk's bmm
@@ -358,7 +366,7 @@ def _mqa_backward(q, kv, topk_indices, do, scale):
     dq, dkv = q32.new_empty(B, T, H, C), q32.new_zeros(B * S, C)
     rows = (torch.arange(B, device=q.device) * S)[:, None, None]
     step = _query_chunk(B, 1, J, C + H, q.device)
-    for start, (lo, hi) in zip(range(0, T, step), _mqa_chunk_spans(topk_indices, S, step)):
+    for start, (lo, hi) in zip(range(0, T, step), _chunk_spans(topk_indices, S, step, static)):
         end = min(start + step, T)
         q_c, do_c, idx_c = q32[:, start:end], do32[:, start:end], topk_indices[:, start:end]
         span = hi - lo
@@ -409,71 +417,67 @@ register("sparse_mqa_attention", "fast", sparse_mqa_attention)
 # Both fast forms run as custom ops (kernels/opaque.py): torch.compile sees one opaque call with a fake
 # implementation for the shapes, instead of a Python loop over chunks and the absorbed form's span sync; the
 # hand-written backward is the op's autograd formula, itself a custom op. Outputs are contiguous, as the fakes say.
-@torch.library.custom_op("glm53::sparse_attention", mutates_args=(), tags=HOST_READING)
-def _sparse_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk_indices: torch.Tensor, scale: float
-) -> torch.Tensor:
-    return _sparse_forward(q, k, v, topk_indices, scale)
+# `per_head_op` / `absorbed_op` make the pair (forward op, backward op) of one form under `name`; `static` plans the
+# chunks from shapes alone (kernels/sparse_static.py), `tags` are the forward and backward ops' tags.
+def per_head_op(name: str, static: bool, tags: tuple):
+    @torch.library.custom_op(f"glm53::{name}", mutates_args=(), tags=tags)
+    def op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk_indices: torch.Tensor, scale: float) -> torch.Tensor:
+        return _sparse_forward(q, k, v, topk_indices, scale, static)
+
+    @op.register_fake
+    def _(q, k, v, topk_indices, scale):
+        return q.new_empty(*q.shape[:-1], v.shape[-1])
+
+    @torch.library.custom_op(f"glm53::{name}_backward", mutates_args=(), tags=tags)
+    def backward_op(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk_indices: torch.Tensor, do: torch.Tensor, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _sparse_backward(q, k, v, topk_indices, do, scale, static)
+
+    @backward_op.register_fake
+    def _(q, k, v, topk_indices, do, scale):
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+    def setup(ctx, inputs, output) -> None:
+        q, k, v, topk_indices, ctx.scale = inputs
+        ctx.save_for_backward(q, k, v, topk_indices)
+
+    def grad(ctx, do):
+        return (*backward_op(*ctx.saved_tensors, do, ctx.scale), None, None)
+
+    op.register_autograd(grad, setup_context=setup)
+    return op
 
 
-@_sparse_op.register_fake
-def _(q, k, v, topk_indices, scale):
-    return q.new_empty(*q.shape[:-1], v.shape[-1])
+def absorbed_op(name: str, static: bool, tags: tuple):
+    @torch.library.custom_op(f"glm53::{name}", mutates_args=(), tags=tags)
+    def op(q: torch.Tensor, kv: torch.Tensor, topk_indices: torch.Tensor, scale: float) -> torch.Tensor:
+        return _mqa_forward(q, kv, topk_indices, scale, static)
+
+    @op.register_fake
+    def _(q, kv, topk_indices, scale):
+        return q.new_empty(q.shape)
+
+    @torch.library.custom_op(f"glm53::{name}_backward", mutates_args=(), tags=tags)
+    def backward_op(
+        q: torch.Tensor, kv: torch.Tensor, topk_indices: torch.Tensor, do: torch.Tensor, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return _mqa_backward(q, kv, topk_indices, do, scale, static)
+
+    @backward_op.register_fake
+    def _(q, kv, topk_indices, do, scale):
+        return q.new_empty(q.shape), kv.new_empty(kv.shape)
+
+    def setup(ctx, inputs, output) -> None:
+        q, kv, topk_indices, ctx.scale = inputs
+        ctx.save_for_backward(q, kv, topk_indices)
+
+    def grad(ctx, do):
+        return (*backward_op(*ctx.saved_tensors, do, ctx.scale), None, None)
+
+    op.register_autograd(grad, setup_context=setup)
+    return op
 
 
-@torch.library.custom_op("glm53::sparse_attention_backward", mutates_args=(), tags=HOST_READING)
-def _sparse_backward_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topk_indices: torch.Tensor, do: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _sparse_backward(q, k, v, topk_indices, do, scale)
-
-
-@_sparse_backward_op.register_fake
-def _(q, k, v, topk_indices, do, scale):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-
-def _sparse_setup(ctx, inputs, output) -> None:
-    q, k, v, topk_indices, ctx.scale = inputs
-    ctx.save_for_backward(q, k, v, topk_indices)
-
-
-def _sparse_grad(ctx, do):
-    return (*_sparse_backward_op(*ctx.saved_tensors, do, ctx.scale), None, None)
-
-
-_sparse_op.register_autograd(_sparse_grad, setup_context=_sparse_setup)
-
-
-@torch.library.custom_op("glm53::sparse_mqa_attention", mutates_args=(), tags=HOST_READING)
-def _mqa_op(q: torch.Tensor, kv: torch.Tensor, topk_indices: torch.Tensor, scale: float) -> torch.Tensor:
-    return _mqa_forward(q, kv, topk_indices, scale)
-
-
-@_mqa_op.register_fake
-def _(q, kv, topk_indices, scale):
-    return q.new_empty(q.shape)
-
-
-@torch.library.custom_op("glm53::sparse_mqa_attention_backward", mutates_args=(), tags=HOST_READING)
-def _mqa_backward_op(
-    q: torch.Tensor, kv: torch.Tensor, topk_indices: torch.Tensor, do: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return _mqa_backward(q, kv, topk_indices, do, scale)
-
-
-@_mqa_backward_op.register_fake
-def _(q, kv, topk_indices, do, scale):
-    return q.new_empty(q.shape), kv.new_empty(kv.shape)
-
-
-def _mqa_setup(ctx, inputs, output) -> None:
-    q, kv, topk_indices, ctx.scale = inputs
-    ctx.save_for_backward(q, kv, topk_indices)
-
-
-def _mqa_grad(ctx, do):
-    return (*_mqa_backward_op(*ctx.saved_tensors, do, ctx.scale), None, None)
-
-
-_mqa_op.register_autograd(_mqa_grad, setup_context=_mqa_setup)
+_sparse_op = per_head_op("sparse_attention", False, HOST_READING)
+_mqa_op = absorbed_op("sparse_mqa_attention", False, HOST_READING)

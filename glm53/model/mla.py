@@ -33,6 +33,9 @@ from .norm import RMSNorm
 
 # kernels resolved once; use_backend keeps them current (kernels/dispatch.py)
 sparse_attention, sparse_mqa_attention = kernel_op("sparse_attention"), kernel_op("sparse_mqa_attention")
+# the steps after a cached prefill: the forms planned from shapes alone (kernels/sparse_static.py: no host read)
+sparse_attention_static = kernel_op("sparse_attention", prefer="static")
+sparse_mqa_attention_static = kernel_op("sparse_mqa_attention", prefer="static")
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -152,24 +155,27 @@ class MultiHeadLatentAttention(nn.Module):
         else:
             topk = ctx.shared_topk
         keys = latent if not generation.started else cache.keys(latent.dtype)  # the prefill's rows are its own
-        o, _ = self._attend(q, keys, topk, {})
+        o, _ = self._attend(q, keys, topk, {}, static=generation.started)
         return self.o_proj(rearrange(o, "b t h f -> b t (h f)")), topk
 
     def _attend(
-        self, q: torch.Tensor, latent: torch.Tensor, topk: torch.Tensor, packed: dict
+        self, q: torch.Tensor, latent: torch.Tensor, topk: torch.Tensor, packed: dict, static: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """q [B, T, H, K], latent [B, S, Z], topk [B, T, J] -> (o [B, T, H, V], the per-head keys [B, S, H, K]
-        when they were expanded, else None). `packed`: the kernels' cu_seqlens keyword, when packed."""
+        when they were expanded, else None). `packed`: the kernels' cu_seqlens keyword, when packed. `static`: the
+        kernels planned from shapes alone (a step on a prefilled cache: S is its fixed length)."""
         if not self.absorb:
             k, v = self._expand_kv(latent)
-            return sparse_attention(q, k, v, topk, self.scale, **packed), k
+            attend = sparse_attention_static if static else sparse_attention
+            return attend(q, k, v, topk, self.scale, **packed), k
         # q_abs = W_uk^T q per head; attend in the latent (key = value = latent); o = W_uv o_latent
         w = as_local(self.kv_b_proj, "weight").view(-1, self.qk_head_dim + self.v_head_dim, latent.shape[-1])
         w_uk, w_uv = w.split([self.qk_head_dim, self.v_head_dim], dim=1)  # [H, K, Z], [H, V, Z]
         q_abs = torch.einsum("bthe,hec->bthc", q, w_uk)
         # under TP this rank's heads read the whole latent: its gradient is summed over the ranks
         shared = into_head_parallel(self.kv_b_proj, "weight", latent)
-        o_latent = sparse_mqa_attention(q_abs, shared, topk, self.scale, **packed)  # [B, T, H, Z]
+        attend = sparse_mqa_attention_static if static else sparse_mqa_attention
+        o_latent = attend(q_abs, shared, topk, self.scale, **packed)  # [B, T, H, Z]
         return torch.einsum("bthc,hfc->bthf", o_latent, w_uv), None
 
     def _expand_kv(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

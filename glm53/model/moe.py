@@ -16,11 +16,14 @@ import torch.nn.functional as F
 from ..config import Glm53Config
 from ..hooks import as_local, expert_dispatcher, local_parts
 from ..kernels import kernel_op
+from ..kernels.moe import FEW_TOKEN_PAIRS
 from .context import ForwardContext
 from .mlp import MLP
 
-# kernels resolved once; use_backend keeps them current (kernels/dispatch.py)
+# kernels resolved once; use_backend keeps them current (kernels/dispatch.py). A step on a generation cache with at
+# most FEW_TOKEN_PAIRS (token, expert) pairs prefers the few-token form: no host read (kernels/moe.py).
 moe_experts = kernel_op("moe_experts")
+moe_experts_few_token = kernel_op("moe_experts", prefer="few_token")
 
 NORM_EPS = 1e-20  # added to the sum of the chosen scores before renormalising (transformers)
 
@@ -74,13 +77,16 @@ class Experts(nn.Module):
         self.swiglu_limit = config.swiglu_limit
         self.initializer_range = config.initializer_range
 
-    def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, few_token: bool = False
+    ) -> torch.Tensor:
+        """x [M, D], indices and weights [M, k] -> [M, D]; `few_token`: the few-token kernel (generation steps)."""
         # The base tensors and their LoRA terms, if any (glm53.peft): the kernel runs the low-rank terms through
         # the same grouped matmuls, never as a dense [E, out, in] delta.
         (gate_up, gate_up_lr), (down, down_lr) = local_parts(self, "gate_up_proj"), local_parts(self, "down_proj")
         lora = {} if gate_up_lr is None and down_lr is None else {"lora": (gate_up_lr, down_lr)}
         # Under expert parallelism gate_up/down are this rank's experts and the dispatcher moves tokens to them.
-        run = expert_dispatcher(self) or moe_experts
+        run = expert_dispatcher(self) or (moe_experts_few_token if few_token else moe_experts)
         return run(x, indices, weights, gate_up, down, self.swiglu_limit, **lora)
 
     def init_weights(self) -> None:
@@ -103,7 +109,8 @@ class MoE(nn.Module):
         logits, weights, indices = self.gate(flat)
         if stats is not None:
             stats.router_logits, stats.router_indices = logits, indices
-        routed = self.experts(flat, indices, weights).view_as(x)
+        few_token = ctx is not None and ctx.cache is not None and indices.numel() <= FEW_TOKEN_PAIRS
+        routed = self.experts(flat, indices, weights, few_token).view_as(x)
         return routed + self.shared_experts(x)
 
     def init_weights(self) -> None:

@@ -52,8 +52,7 @@ def base_weight(module: nn.Module, name: str, local: torch.Tensor) -> torch.Tens
 
 def _inference_view(module: nn.Module, name: str, sources: list[torch.Tensor], parts) -> torch.Tensor:
     """Under torch.inference_mode (generation), the effective weight as ONE kept tensor per (module, name), updated
-    in place when a source changed: generation's decode plans key their derived weights on a weight's storage and
-    version (glm53/generation/decode_common.py `_derived`), which a fresh tensor per call would defeat."""
+    in place when a source changed: the decode steps reuse it instead of adding the low-rank term again per token."""
     key = tuple((id(t), t._version) for t in sources)
     kept = module.__dict__.setdefault("_glm53_inference_weights", {})
     hit = kept.get(name)

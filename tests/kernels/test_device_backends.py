@@ -29,7 +29,7 @@ def standin():
     dispatch.register("kda", "standin", fake_triton)
     yield calls
     del dispatch._REGISTRY["kda"]["standin"]
-    dispatch._DEVICE_KERNELS.pop("kda", None)
+    dispatch._DEVICE_KERNELS.pop(("kda", None), None)
 
 
 def test_device_backend_runs_only_on_its_device(standin, caplog):

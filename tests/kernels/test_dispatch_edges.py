@@ -82,3 +82,24 @@ def test_kernel_op_handles_follow_forcing_and_restore():
     assert {"rms_norm", "kda", "sparse_attention", "moe_experts", "hc_mix", "indexer_scores"} <= model_ops
     with pytest.raises(KeyError, match="no_such_op"):
         kernel_op("no_such_op")
+
+
+def test_a_preferred_backend_is_this_handle_s_default_and_forcing_still_wins():
+    """kernel_op(op, prefer=...) (the generation path's "static" and "few_token" forms): that handle runs the
+    preferred backend, other handles the default; use_backend reaches both and restores both; a per-device choice
+    wins over the preference too; an unknown preference raises naming the op."""
+    from glm53.kernels.moe import moe_experts_few_token, moe_experts_grouped, moe_experts_reference
+    from glm53.model.moe import moe_experts
+    from glm53.model.moe import moe_experts_few_token as handle
+
+    assert handle.fn is moe_experts_few_token and moe_experts.fn is moe_experts_grouped
+    assert "few_token" in repr(handle)
+    with use_backend("reference", ["moe_experts"]):
+        assert handle.fn is moe_experts_reference and moe_experts.fn is moe_experts_reference
+    assert handle.fn is moe_experts_few_token and moe_experts.fn is moe_experts_grouped
+    with dispatch.use_device_backend("moe_experts", "meta", "padded"):
+        assert dispatch.resolve("moe_experts", "meta", "few_token") == "padded"
+        assert dispatch.resolve("moe_experts", "cpu", "few_token") == "few_token"
+    assert handle.fn is moe_experts_few_token
+    with pytest.raises(ValueError, match="unknown backend 'nope' for kernel op 'moe_experts'"):
+        dispatch.kernel_op("moe_experts", prefer="nope")

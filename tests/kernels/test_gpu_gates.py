@@ -51,6 +51,10 @@ CAPTURABLE_OPS = {
     "grouped_mm_weight_grad",
     "indexer_scores",
     "indexer_scores_backward",
+    "sparse_attention_static",  # kernels/sparse_static.py: planned from shapes, what generation steps run
+    "sparse_attention_static_backward",
+    "sparse_mqa_attention_static",
+    "sparse_mqa_attention_static_backward",
 }
 
 

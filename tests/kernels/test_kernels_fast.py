@@ -18,11 +18,18 @@ from glm53.kernels.kda import chunk as kda_mod
 from glm53.kernels.kda import decay as kda_decay
 from glm53.kernels.kda import kda_chunk, kda_recurrent_reference
 from glm53.kernels.moe import (
+    moe_experts_few_token,
     moe_experts_grouped,
     moe_experts_padded,
     moe_experts_reference,
 )
-from glm53.kernels.sparse_attention import sparse_attention, sparse_attention_reference
+from glm53.kernels.sparse_attention import (
+    sparse_attention,
+    sparse_attention_reference,
+    sparse_mqa_attention,
+    sparse_mqa_attention_reference,
+)
+from glm53.kernels.sparse_static import sparse_attention_static, sparse_mqa_attention_static
 
 FP32_TOL = dict(rtol=1e-4, atol=1e-5)
 BF16_TOL = dict(rtol=3e-2, atol=3e-2)  # bf16 inputs/outputs, fp32 inside: the output rounding dominates
@@ -147,19 +154,21 @@ SPARSE_SHAPES = [(2, 37, 37, 3, 8, 5, 7), (1, 1, 1, 2, 4, 4, 3), (2, 20, 20, 2, 
 CHUNKINGS = {"min-chunk": (64, 16), "small-chunks": (64, 3), "one-chunk": (1 << 22, 16)}
 
 
+# "static": the backend planned from shapes alone (kernels/sparse_static.py), every chunk over all S keys
+@pytest.mark.parametrize("form", [sparse_attention, sparse_attention_static], ids=["spans", "static"])
 @pytest.mark.parametrize("span_ratio", [-1, 1 << 30], ids=["gather", "masked-dense"])
 @pytest.mark.parametrize("chunking", CHUNKINGS.values(), ids=CHUNKINGS.keys())
 @pytest.mark.parametrize(
     "shape", SPARSE_SHAPES, ids=[f"B{s[0]}-T{s[1]}-S{s[2]}-H{s[3]}-J{s[6]}" for s in SPARSE_SHAPES]
 )
-def test_sparse_attention_matches_dense_reference(shape, chunking, span_ratio, monkeypatch):
+def test_sparse_attention_matches_dense_reference(shape, chunking, span_ratio, form, monkeypatch):
     monkeypatch.setattr(sa_mod, "GATHER_BUDGET", chunking[0])
     monkeypatch.setattr(sa_mod, "MIN_QUERY_CHUNK", chunking[1])
     monkeypatch.setattr(sa_mod, "PER_HEAD_DENSE_SPAN_RATIO", span_ratio)  # force one chunk path
     monkeypatch.setattr(sa_mod, "DENSE_BUDGET", chunking[0])  # small: dense chunks mostly unmerged; large: merged
     (q, k, v), idx = sparse_inputs(*shape)
     ref = sparse_attention_reference(q, k, v, idx, 0.3)
-    got = sparse_attention(q, k, v, idx, 0.3)
+    got = form(q, k, v, idx, 0.3)
     assert_all_close((got,), (ref,), FP32_TOL, ["o"])
     assert (got[0, 0] == 0).all()  # all slots -1 -> zero output
     assert_all_close(grads(got, [q, k, v]), grads(ref, [q, k, v]), FP32_TOL, ["dq", "dk", "dv"])
@@ -181,7 +190,9 @@ MOE_CASES = {
 }
 
 
-@pytest.mark.parametrize("fast", [moe_experts_grouped, moe_experts_padded], ids=["grouped", "padded"])
+@pytest.mark.parametrize(
+    "fast", [moe_experts_grouped, moe_experts_padded, moe_experts_few_token], ids=["grouped", "padded", "few-token"]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
 @pytest.mark.parametrize("case", list(MOE_CASES))
 def test_moe_grouped_equals_expert_loop(case, dtype, fast):
@@ -335,17 +346,13 @@ def test_hc_project_equals_reference(shape):
 
 
 # ------------------------------------------------------------------------ absorbed (latent, multi-query) attention
+@pytest.mark.parametrize("form", [sparse_mqa_attention, sparse_mqa_attention_static], ids=["spans", "static"])
 @pytest.mark.parametrize("span_ratio", [-1, 1 << 30], ids=["gather", "masked-dense"])
 @pytest.mark.parametrize("chunking", CHUNKINGS.values(), ids=CHUNKINGS.keys())
 @pytest.mark.parametrize(
     "shape", SPARSE_SHAPES, ids=[f"B{s[0]}-T{s[1]}-S{s[2]}-H{s[3]}-J{s[6]}" for s in SPARSE_SHAPES]
 )
-def test_sparse_mqa_attention_matches_dense_reference(shape, chunking, span_ratio, monkeypatch):
-    from glm53.kernels.sparse_attention import (
-        sparse_mqa_attention,
-        sparse_mqa_attention_reference,
-    )
-
+def test_sparse_mqa_attention_matches_dense_reference(shape, chunking, span_ratio, form, monkeypatch):
     monkeypatch.setattr(sa_mod, "GATHER_BUDGET", chunking[0])
     monkeypatch.setattr(sa_mod, "MIN_QUERY_CHUNK", chunking[1])
     monkeypatch.setattr(sa_mod, "DENSE_SPAN_RATIO", span_ratio)  # force one chunk path
@@ -353,7 +360,7 @@ def test_sparse_mqa_attention_matches_dense_reference(shape, chunking, span_rati
     (q, k, _), idx = sparse_inputs(B, T, S, H, D, D, J)
     kv = k[:, :, 0].detach().requires_grad_()  # [B, S, C]: one latent shared by all heads
     ref = sparse_mqa_attention_reference(q, kv, idx, 0.3)
-    got = sparse_mqa_attention(q, kv, idx, 0.3)
+    got = form(q, kv, idx, 0.3)
     assert_all_close((got,), (ref,), FP32_TOL, ["o"])
     assert (got[0, 0] == 0).all()
     assert_all_close(grads(got, [q, kv]), grads(ref, [q, kv]), FP32_TOL, ["dq", "dkv"])

@@ -122,6 +122,31 @@ def test_absorbed_loop_reads_no_device_value(small_chunks, span_ratio, monkeypat
     assert asked == [3, 3]  # one span transfer per forward and per backward, not one per chunk
 
 
+@pytest.mark.parametrize("span_ratio", [-1, 1 << 30], ids=["gather", "masked-dense"])
+def test_static_forms_read_nothing(small_chunks, span_ratio, monkeypatch):
+    """The "static" backends (kernels/sparse_static.py) plan from shapes alone: forward and backward of both forms run
+    on meta tensors with the span transfer unavailable, every chunk spanning all S keys."""
+    monkeypatch.setattr(sa_mod, "DENSE_SPAN_RATIO", span_ratio)
+    monkeypatch.setattr(sa_mod, "PER_HEAD_DENSE_SPAN_RATIO", span_ratio)
+    monkeypatch.setattr(sa_mod, "_mqa_chunk_spans", lambda *a: pytest.fail("a static form asked for key spans"))
+    spans = []
+    dense_mask = sa_mod._mqa_dense_mask
+    monkeypatch.setattr(sa_mod, "_mqa_dense_mask", lambda i, lo, n: spans.append((lo, n)) or dense_mask(i, lo, n))
+    (q, k, v), idx = sparse_inputs(*SHAPE, dtype=torch.float32)
+    q, k, v, idx = on_meta(q, k, v, idx)
+    assert sa_mod._sparse_forward(q, k, v, idx, 0.3, static=True).shape == (*q.shape[:-1], v.shape[-1])
+    do = torch.empty(*q.shape[:-1], v.shape[-1], device="meta")
+    assert [x.shape for x in sa_mod._sparse_backward(q, k, v, idx, do, 0.3, static=True)] == [q.shape, k.shape, v.shape]
+    kv = k[:, :, 0]
+    assert sa_mod._mqa_forward(q, kv, idx, 0.3, static=True).shape == q.shape
+    assert [x.shape for x in sa_mod._mqa_backward(q, kv, idx, torch.empty_like(q), 0.3, static=True)] == [
+        q.shape,
+        kv.shape,
+    ]
+    S = k.shape[1]
+    assert set(spans) == (set() if span_ratio < 0 else {(0, S)})  # dense chunks cover every key
+
+
 def test_indexer_scores_loop_reads_no_device_value(small_chunks):
     q, w, keys = (
         torch.empty(2, 40, 4, 8, device="meta"),

@@ -11,6 +11,7 @@ from glm53.errors import ConfigError
 from glm53.hooks import as_local, local_parts
 from glm53.kernels import dispatch
 from glm53.kernels.moe import (
+    moe_experts_few_token,
     moe_experts_grouped,
     moe_experts_padded,
     moe_experts_reference,
@@ -140,7 +141,7 @@ def _expert_inputs(E=8, k=3, M=23, D=36, seed=2):
     return x, idx, w
 
 
-@pytest.mark.parametrize("backend", ["fast", "padded", "reference"])
+@pytest.mark.parametrize("backend", ["fast", "padded", "few_token", "reference"])
 def test_merged_equals_unmerged_experts(backend):
     model = tiny_model()
     glm53.apply_lora(model, RANK, ALPHA, targets="experts")
@@ -159,7 +160,7 @@ def test_merged_equals_unmerged_experts(backend):
 
 
 def test_expert_kernels_agree_with_the_loop_reference_forward_and_backward():
-    """The grouped and padded kernels with LoRA terms == the per-expert loop, forward and every gradient."""
+    """The grouped, padded and few-token kernels with LoRA terms == the per-expert loop, forward and every gradient."""
     gen = torch.Generator().manual_seed(3)
     E, D, I, r = 8, 36, 16, RANK
     x, idx, w = _expert_inputs()
@@ -183,7 +184,7 @@ def test_expert_kernels_agree_with_the_loop_reference_forward_and_backward():
     # reductions: D + r (gate_up), I + r (down), k; backward the same lengths transposed, plus the M*k rows summed
     # into the factor gradients (at most 23 * 3 / 8 per expert, ~ 10 here)
     tol = (36 + 16 + 2 * RANK + 3 + 10) * EPS32
-    for fn in (moe_experts_grouped, moe_experts_padded):
+    for fn in (moe_experts_grouped, moe_experts_padded, moe_experts_few_token):
         for got, want, label in zip(run(fn), ref, ["y", "x", "gate_up", "down", "A1", "B1", "A2", "B2"]):
             assert rel_err(got, want) <= tol, (fn.__name__, label)
 
