@@ -25,7 +25,7 @@ ENV = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPAT
 
 # Commands run elsewhere: the start of the command -> the test (file::name) or CI script that runs it.
 ELSEWHERE = {
-    "python -m pytest -q tests": ".ci/run",
+    "python -m pytest -q -n 2 --dist loadfile tests": ".ci/run",
     "torchrun --nproc-per-node 4 -m glm53 train --dp 2 --tp 2 --save": "tests/training/test_train_distributed.py::test_dp2_trains_saves_and_resumes",
     "torchrun --nproc-per-node 4 -m glm53 train --dp 2 --tp 2 --resume": "tests/training/test_train_distributed.py::test_tp2_matches_one_process_and_resumes_in_one",
     "torchrun --nproc-per-node 2 -m glm53 train --dp 1 --ep 2": "tests/training/test_train_ep.py::test_ep2_trains_saves_and_resumes",
