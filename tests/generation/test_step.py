@@ -5,6 +5,12 @@ Prefill P tokens, then steps: the logits equal one full forward over P + N at te
 its cases (sparse regime past index_topk, k-pool boundaries, left padding with rows at different pool phases, shared
 top-k across KDA, softplus gate, KDA only). With k-pool 4 and T = 3, 4 some pool completes strictly inside a chunk
 (checked), so a pool filled mid-verify must be a candidate for the later queries of the chunk only.
+
+Edges of the T = 1 decode step (generation/step.py) the main cases do not reach: a bf16 model (the KDA gate
+adds dt_bias outside the f_b linear when the weights are not fp32) and an indexer that does not always select the
+tail of the pool being filled (k-pool 4).
+
+Legend (glm53/model/__init__.py): B batch, P prompt tokens, N new tokens.
 """
 
 from __future__ import annotations
@@ -257,3 +263,37 @@ def test_generate_compiled_with_inductor_equals_eager():
     assert torch.equal(
         model.generate(ids, mask, max_new_tokens=4, compile=True, speculative="mtp", num_speculative_tokens=2), plain
     )
+
+
+# ---------------------------------------------------------------------------------- bf16 and a partly selecting indexer
+P, N = 9, 6
+BF16_REL_TOL = 1e-2  # bf16 rounding of the step's own formula order (~4e-3 of the logits' scale on this case)
+
+
+def _decoded(model, ids, mask) -> torch.Tensor:
+    """Prefill P tokens, decode the next N -> their logits [B, N, vocab] (fp32)."""
+    with torch.inference_mode():
+        cache = GenerationCache(model)
+        model.model(ids[:, :P], mask[:, :P], cache=cache)
+        return torch.stack(
+            [model.lm_head(step(model, cache, ids[:, t : t + 1]))[:, 0] for t in range(P, P + N)], 1
+        ).float()
+
+
+def test_decode_step_of_a_bf16_model():
+    model = tiny_model(random_weights=False).to(torch.bfloat16)
+    ids, mask = left_padded(model.config.vocab_size, [P + N, P + N - 3])
+    with torch.inference_mode():
+        full = model(ids, attention_mask=mask).logits[:, P:].float()
+    got = _decoded(model, ids, mask)
+    assert (got - full).abs().max().item() <= BF16_REL_TOL * full.abs().max().item()
+
+
+def test_decode_step_without_the_tail_selection():
+    """index_kpool_always_select_tail False with k-pool 4: a query reads complete pools only."""
+    model = tiny_model(random_weights=False, index_kpool_always_select_tail=False)
+    ids, mask = left_padded(model.config.vocab_size, [P + N, P + N - 3])
+    with torch.inference_mode():
+        full = model(ids, attention_mask=mask).logits
+    got = torch.cat([full[:, :P], _decoded(model, ids, mask)], dim=1)
+    assert_matches_full(got, full, mask, REL_TOL)

@@ -1,4 +1,4 @@
-"""Gloo jobs for `context_parallel_inputs` written out (tests/parallel/test_cp_edges.py), run on every rank.
+"""Gloo jobs for `context_parallel_inputs` written out (tests/parallel/test_context_parallel.py), run on every rank.
 
 Legend: B batch, T time (whole sequences); the cp mesh is the whole world.
 """

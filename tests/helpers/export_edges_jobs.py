@@ -1,4 +1,4 @@
-"""Gloo jobs for the exporter's shared directory (tests/parallel/test_export_edges.py), run on every rank.
+"""Gloo jobs for the exporter's shared directory (tests/parallel/test_export.py), run on every rank.
 
 Legend: a run directory is written by every rank inside `shared_atomic_directory` and renamed into place by rank 0.
 """

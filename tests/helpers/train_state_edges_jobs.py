@@ -1,4 +1,4 @@
-"""Gloo jobs for the DCP training state's edges (tests/parallel/test_train_state_edges.py), run on every rank.
+"""Gloo jobs for the DCP training state's edges (tests/parallel/test_train_state_dcp.py), run on every rank.
 
 Legend: dp the data ranks (here the whole world, a plain replicated model); a run directory holds `train_state/`.
 """

@@ -1,4 +1,4 @@
-"""Gloo jobs for the vocab-parallel loss's edges (tests/parallel/test_vocab_loss_edges.py), run on every rank.
+"""Gloo jobs for the vocab-parallel loss's edges (tests/parallel/test_vocab_parallel_loss.py), run on every rank.
 
 Legend: M tokens, D model width, vocab the vocabulary; the tp mesh is the whole world.
 `errors_job` returns the messages of the loss's input checks and what the model's lookup answers per placement;

@@ -1,5 +1,8 @@
 """The kernel dispatch (glm53/kernels/dispatch.py): logged once per choice at INFO, never while compiling, and
 `use_backend` without ops forcing only the ops that have the backend.
+
+use_backend given one op name as a string (not a list): a TypeError naming `ops`, not a KeyError about its
+first letter; the forced choices are untouched. No tensors.
 """
 
 from __future__ import annotations
@@ -103,3 +106,15 @@ def test_a_preferred_backend_is_this_handle_s_default_and_forcing_still_wins():
     assert handle.fn is moe_experts_few_token
     with pytest.raises(ValueError, match="unknown backend 'nope' for kernel op 'moe_experts'"):
         dispatch.kernel_op("moe_experts", prefer="nope")
+
+
+# ------------------------------------------------------------------------------------------------------------ bad input
+@pytest.mark.parametrize("ops", ["kda", "rms_norm", ""])
+def test_ops_as_a_string(ops):
+    before = chosen_backend("kda")
+    with pytest.raises(TypeError, match=f"ops must be a list of op names or None, got the string {ops!r}"):
+        with use_backend("reference", ops):
+            pass
+    assert chosen_backend("kda") == before
+    with use_backend("reference", ["kda"]):
+        assert chosen_backend("kda") == "reference"

@@ -4,6 +4,14 @@ Legend: B batch, T time, D channels (H*K), W kernel width.
 Covers what the conv2d path must handle besides the bench shapes: sequences shorter than the kernel, width 2,
 fp64 (no oneDNN kernel: ATen's own depthwise conv), an initial state, and an expanded (stride-0) output gradient
 as `y.sum().backward()` produces.
+
+Edges of the fast causal conv (glm53/kernels/conv.py): which form runs where, dtypes, and its custom ops.
+
+Legend: B batch, T time, D channels (H*K), W kernel width.
+Eagerly the forward and the input gradient are channels-last conv2d calls and the taps-as-rows op never runs;
+under torch.compile with the module's default setting they are shifted multiply-adds (no convolution in either
+graph). A state in another dtype than x gives a final state in x's dtype. The packed custom ops' fake
+implementations give the real ops' dtypes (fp32 output, gradients in the inputs' dtypes) for bf16 inputs.
 """
 
 from __future__ import annotations
@@ -11,6 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from glm53.kernels import conv
 from glm53.kernels.conv import causal_conv1d, causal_conv1d_reference
 
 TOL = dict(rtol=1e-5, atol=1e-6)  # both compute in fp32 (also for fp64 inputs); the sums' order differs
@@ -95,3 +104,93 @@ def test_conv_taps_custom_op_fake_and_schema():
     rows = _taps_as_rows(w)
     assert rows.is_contiguous()
     torch.testing.assert_close(rows, w.t(), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------- which form runs where, dtypes, custom ops
+B, T, D, W = 2, 9, 6, 4
+
+
+def inputs(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, T, D, generator=g), torch.randn(D, W, generator=g), torch.randn(B, D, W - 1, generator=g)
+
+
+def test_eager_runs_conv2d_forward_and_input_gradient_and_never_the_taps_op(monkeypatch):
+    calls = {"conv2d": 0, "taps": 0}
+    conv2d, taps = torch.nn.functional.conv2d, conv._taps_as_rows
+
+    def counting_conv2d(*args, **kwargs):
+        calls["conv2d"] += 1
+        return conv2d(*args, **kwargs)
+
+    def counting_taps(w):
+        calls["taps"] += 1
+        return taps(w)
+
+    monkeypatch.setattr(torch.nn.functional, "conv2d", counting_conv2d)
+    monkeypatch.setattr(conv, "_taps_as_rows", counting_taps)
+    x, w, _ = inputs()
+    x.requires_grad_()
+    y, _ = causal_conv1d(x, w)
+    y.backward(torch.ones_like(y))
+    assert calls == {"conv2d": 2, "taps": 0}
+
+
+def test_compiled_default_traces_shifted_multiply_adds_through_the_taps_op():
+    """The module default (no monkeypatch): no convolution in the forward or backward graph, the taps op in it."""
+    assert conv.SHIFTED_WHEN_COMPILING
+    ops: list[str] = []
+
+    def backend(gm, example_inputs):
+        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
+
+        def record(g, _):
+            ops.extend(str(n.target) for n in g.graph.nodes if n.op == "call_function")
+            return make_boxed_func(g)
+
+        return aot_autograd(fw_compiler=record, bw_compiler=record)(gm, example_inputs)
+
+    torch._dynamo.reset()
+    x, w, state = inputs(1)
+    x.requires_grad_()
+    y, _ = torch.compile(causal_conv1d, backend=backend, fullgraph=True)(x, w, initial_state=state)
+    y.backward(torch.ones_like(y))
+    assert not [op for op in ops if "convolution" in op] and "glm53.conv_taps_as_rows.default" in ops, ops
+    ref, _ = causal_conv1d_reference(x.detach(), w, initial_state=state)
+    torch.testing.assert_close(y.detach(), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_state_in_another_dtype_gives_a_final_state_in_x_dtype():
+    x, w, state = inputs(2)
+    for fn in (causal_conv1d_reference, causal_conv1d):
+        y, final = fn(x, w, initial_state=state.double(), output_final_state=True)
+        assert final.dtype == torch.float32 and y.dtype == torch.float32
+        want_y, want_final = causal_conv1d_reference(x, w, initial_state=state, output_final_state=True)
+        torch.testing.assert_close(final, want_final)
+        torch.testing.assert_close(y, want_y, rtol=1e-5, atol=1e-6)
+
+
+def test_packed_custom_ops_fake_dtypes_match_real_for_bf16_inputs():
+    x, w, _ = inputs(3)
+    flat = x.reshape(1, B * T, D).bfloat16()
+    cu = torch.tensor([0, 4, 9, 18])
+    utils = ("test_schema", "test_faketensor")
+    torch.library.opcheck(conv._packed_conv_op, (flat, w, cu), test_utils=utils)
+    y = conv._packed_conv_op(flat, w, cu)
+    assert y.dtype == torch.float32
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(4))
+    torch.library.opcheck(conv._packed_conv_backward_op, (flat, w, cu, dy), test_utils=utils)
+    dx, dw = conv._packed_conv_backward_op(flat, w, cu, dy)
+    assert dx.dtype == torch.bfloat16 and dw.dtype == torch.float32
+
+
+def test_packed_documents_refuse_states():
+    """Every packed document starts from an empty history: a state (in or out) with cu_seqlens raises."""
+    x, w, state = inputs(5)
+    cu = torch.tensor([0, 4, 9, 18])
+    for fn in (causal_conv1d_reference, causal_conv1d):
+        with pytest.raises(ValueError, match="initial_state / output_final_state are not supported with cu_seqlens"):
+            fn(x, w, initial_state=state, cu_seqlens=cu)
+        with pytest.raises(ValueError, match="not supported with cu_seqlens"):
+            fn(x, w, output_final_state=True, cu_seqlens=cu)
