@@ -117,7 +117,13 @@ def _horizons(pool_end: torch.Tensor, complete: torch.Tensor, last_pos: torch.Te
 
 
 def _topk_pools(q, weights, pool_keys, scale, pool_end, complete, query_offset, select):
-    """The blocked form (see the module docstring)."""
+    """The blocked form (see the module docstring); fp32 arithmetic even under autocast (the scores are fp32 by
+    definition, and a bf16 GEMM result cannot hold the finfo(fp32).min fill)."""
+    with torch.autocast(q.device.type, enabled=False):
+        return _topk_pools_fp32(q, weights, pool_keys, scale, pool_end, complete, query_offset, select)
+
+
+def _topk_pools_fp32(q, weights, pool_keys, scale, pool_end, complete, query_offset, select):
     _check(q, pool_keys, pool_end, complete, select)
     B, T, H, _ = q.shape
     P = pool_keys.shape[1]

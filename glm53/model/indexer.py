@@ -168,8 +168,9 @@ class Indexer(nn.Module):
         if shards is not None:
             keys, gate = shards.all_gather(keys, dim=1), shards.all_gather(gate, dim=1)
         pool_keys, positions, complete = self.pool(keys, gate, valid)
-        keep = complete.any(0)  # transformers' pool axis: without the pools incomplete in every row (select_pools)
-        pool_keys, positions, complete = pool_keys[:, keep], positions[:, keep], complete[:, keep]
+        # transformers' pool axis: without the pools incomplete in every row (select_pools)
+        kept = torch.nonzero(complete.any(0)).squeeze(1)  # NOTE: syncs (once per call, not once per tensor)
+        pool_keys, positions, complete = (t.index_select(1, kept) for t in (pool_keys, positions, complete))
         q, w = self._queries(x, q_resid)
         pool_end = positions[..., -1].clamp(0, valid.shape[1] - 1)  # [B, P] as `select` reads it
         chosen, chosen_ok = indexer_topk_pools(

@@ -31,6 +31,7 @@ def build_pair(config: dict, state: dict, absorb: bool) -> tuple[MultiHeadLatent
         layer = MultiHeadLatentAttention(cfg, idx).double()
         layer.load_state_dict(state[name])
         layer.absorb = absorb
+        layer.kl_recompute = False  # the stored [B, T, P] record on both sides: the test compares it (cp uses it)
         layers.append(layer)
     return layers[0], layers[1]
 
