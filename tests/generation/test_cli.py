@@ -222,7 +222,7 @@ def streamed(out: str) -> str:
 
 
 def test_streamed_text_is_the_greedy_continuation(checkpoint_edges, capsys):
-    """Prompt, then the decoded greedy tokens (from generate on the same checkpoint_edges), a newline and the speed line."""
+    """Prompt, then the decoded greedy tokens (from generate on the same checkpoint), a newline and the speed line."""
     model = Glm53ForCausalLM.from_pretrained(checkpoint_edges).eval()
     ids = encode("Hi")[None]
     new = model.generate(ids, max_new_tokens=12)[0, ids.shape[1] :].tolist()

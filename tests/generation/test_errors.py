@@ -172,10 +172,10 @@ def test_good_values_of_the_same_arguments_still_work(model_args):
 
 
 def test_generator_on_another_device_than_the_model():
-    """A CPU generator for a model_args elsewhere (here: the meta device, where no generator can be made)."""
+    """A CPU generator for a model elsewhere (here: the meta device, where no generator can be made)."""
     with torch.device("meta"):
         model_args = tiny_model(random_weights=False)
-    with pytest.raises(GenerationError, match=r"generator is on cpu but the model_args is on meta"):
+    with pytest.raises(GenerationError, match=r"generator is on cpu but the model is on meta"):
         generate(model_args, IDS.to("meta"), max_new_tokens=1, do_sample=True, generator=torch.Generator())
 
 
@@ -196,7 +196,7 @@ def test_step_inputs(model_args, step, case, match):
     from glm53.generation import step as run_step
 
     cache = GenerationCache(model_args)
-    model_args.model_args(IDS, cache=cache)
+    model_args.model(IDS, cache=cache)
     good = IDS[:, -1:] if step == "decode" else IDS[:, -2:]
     ids = {"float": good.float(), "list": good.tolist(), "meta": good.to("meta")}.get(case, good)
     with pytest.raises(Glm53Error, match=match):
