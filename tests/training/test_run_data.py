@@ -368,7 +368,10 @@ def test_tool_calls_and_reasoning_through_the_template(prepared, tmp_path):
 def test_init_without_data_and_long_seq_len_with_data(prepared, capsys):
     with pytest.raises(SystemExit, match="has a tokenizer: it needs --data"):
         main(["train", "--init", prepared["base"], "--steps", "1"])
-    # the built-in corpus's length does not bound a --data run's rows
+    # the built-in corpus's length does not bound a --data run's rows: a row longer than the whole corpus
+    from glm53.training.data import corpus_text
+
+    seq_len = 2 * len(corpus_text().encode("utf-8"))  # 1408 bytes: the check refused --seq-len 1408 and above
     assert (
         main(
             [
@@ -378,7 +381,7 @@ def test_init_without_data_and_long_seq_len_with_data(prepared, capsys):
                 "--data",
                 prepared["train"],
                 "--seq-len",
-                "40000",
+                str(seq_len),
                 "--batch-size",
                 "1",
                 "--steps",
