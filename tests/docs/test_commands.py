@@ -41,7 +41,7 @@ ELSEWHERE = {
     # the VL section: the example is run by its test; the train/generate lines show placeholders (VL_DIR, MEDIA)
     "python examples/finetune_vl.py": "tests/training/test_finetune_vl_example.py::test_example_runs_and_learns",
     "python -m glm53 train --init VL_DIR": "tests/training/test_vl_train_cli.py::test_train_resume_and_freeze",
-    "torchrun --nproc-per-node 2 -m glm53 train --cp 2 --init VL_DIR": "tests/training/test_vl_train_distributed.py::test_cp2_vl_matches_one_process",
+    "torchrun --nproc-per-node 2 -m glm53 train --cp 2 --init VL_DIR": "tests/training/test_vl_train_distributed.py::test_vl_layout_matches_one_process",
     "python -m glm53 generate --model runs/vl --image": "tests/generation/test_vl_generate.py::test_cli_streams_an_answer",
     "python -m glm53 generate --model runs/tiny --prompts": "tests/generation/test_cli.py::test_prompts_file_is_one_left_padded_batch",
     "python -m glm53 train --preset tiny --compile": "tests/compile/test_compile_parallel.py::test_train_cli_compile_flag_compiles_every_block",

@@ -74,14 +74,24 @@ def test_dp2_vl_with_a_text_only_rank(tmp_path):
     assert "image tokens" in out
 
 
-def test_cp2_vl_matches_one_process(tmp_path, capsys):
-    """--cp 2 on VL data, the tower trained (--freeze router): every step's loss is one process's on the same rows."""
+@pytest.mark.parametrize(
+    "layout, reference",
+    [(("--cp", "2"), None), (("--tp", "2"), None), (("--dp", "1", "--ep", "2"), ("--dp", "2"))],
+    ids=["cp2", "tp2", "ep2"],
+)
+def test_vl_layout_matches_one_process(tmp_path, capsys, layout, reference):
+    """--cp 2, --tp 2 and --ep 2 on VL data, the tower trained (--freeze router): every step's loss is that of one
+    process on the same rows (the tower replicated over tp and ep, its features spliced per cp slice). ep ranks read
+    their own rows, as dp ranks do: --ep 2 is compared with --dp 2."""
     _, _, flags = _run_files(tmp_path)
     flags += ["--steps", "3", "--log-every", "1", "--freeze", "router"]
-    assert main(["train", *flags]) == 0
-    one = losses(capsys.readouterr().out)
-    out = torchrun("train", *flags, "--cp", "2")
-    assert "x cp 2" in out and "image tokens" in out
+    if reference is None:
+        assert main(["train", *flags]) == 0
+        one = losses(capsys.readouterr().out)
+    else:
+        one = losses(torchrun("train", *flags, *reference))
+    out = torchrun("train", *flags, *layout)
+    assert f"{layout[-2][2:]} {layout[-1]}" in out and "image tokens" in out  # the layout it announced
     got = losses(out)
     assert sorted(got) == [1, 2, 3]
     for step, value in got.items():
