@@ -25,7 +25,8 @@ from safetensors.torch import save_file
 
 from ..checkpoint.layout import TEXT_PREFIX, VISION_MODULE, internal_to_official, named_state, official_config
 from ..checkpoint.shards import INDEX_FILE, SINGLE_FILE, atomic_directory, checkpoint_owns, parse_size, write_json
-from ..precision import keeps_fp32
+from ..errors import CheckpointError
+from ..precision import beyond_range, keeps_fp32, range_error
 from . import comm
 from .pieces import box_slices, intersect, is_primary, local_boxes, local_tensor
 
@@ -129,6 +130,8 @@ def write_official(
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     tensors = _tensors(model)
+    if dtype is not None:
+        _check_range(tensors, dtype)
     keys = list(official_regions(model))
     out_dtypes = [_out_dtype(tensors[name], name, dtype) for _, name, _, _ in keys]
     sizes = [_numel(shape) * d.itemsize for (_, _, _, shape), d in zip(keys, out_dtypes)]
@@ -148,6 +151,22 @@ def write_official(
     if rank == 0:
         _write_metadata(model, directory, weight_map, dict(zip([k for k, *_ in keys], sizes)), dtype)
     return weight_map
+
+
+def _check_range(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    """CheckpointError on every rank, before anything is written, when casting some rank's shard to `dtype` would
+    write inf (fp16 holds +-65504; from_pretrained refuses such a checkpoint): the ranks' findings are merged, so
+    each names every tensor."""
+    found = {}
+    for name, t in tensors.items():
+        if not keeps_fp32(name) and (peak := beyond_range(local_tensor(t), dtype)) is not None:
+            found[name] = peak
+    if dist.is_initialized():
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, found)
+        found = {n: max(f[n] for f in everyone if n in f) for f in everyone for n in f}
+    if found:
+        raise CheckpointError(range_error(dict(sorted(found.items())), dtype, "exporting as"))
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -140,3 +140,23 @@ def test_one_failing_rank_fails_every_rank_and_leaves_nothing(pool2, tmp_path):
     assert seen[1] == "ValueError: rank 1 failed"
     assert seen[0].startswith("RuntimeError: another rank failed while writing"), seen
     assert not path.exists() and os.listdir(tmp_path) == []
+
+
+def test_export_as_fp16_beyond_its_range_is_refused_before_writing(tmp_path):
+    """A value fp16 cannot hold (1e5 > 65504) is a CheckpointError naming the tensor, and nothing is written (the
+    export would hold inf, which from_pretrained refuses); the fp32 keep-list (A_log, norms...) is not cast, and
+    bf16 holds the value."""
+    from glm53.errors import CheckpointError
+
+    torch.manual_seed(0)
+    model = Glm53ForCausalLM(Glm53Config.tiny())
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight[0, 0] = 1e5
+    target = tmp_path / "fp16"
+    with pytest.raises(
+        CheckpointError, match=r"exporting as float16 .*layers\.0\.mlp\.up_proj\.weight \(max \|x\| 1e\+05\)"
+    ):
+        export_pretrained(model, target, dtype=torch.float16)
+    assert not target.exists()
+    export_pretrained(model, tmp_path / "bf16", dtype=torch.bfloat16)
+    assert (tmp_path / "bf16" / "config.json").is_file()
