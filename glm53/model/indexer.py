@@ -168,8 +168,7 @@ class Indexer(nn.Module):
         if shards is not None:
             keys, gate = shards.all_gather(keys, dim=1), shards.all_gather(gate, dim=1)
         pool_keys, positions, complete = self.pool(keys, gate, valid)
-        # transformers' pool axis: without the pools incomplete in every row (select_pools)
-        kept = torch.nonzero(complete.any(0)).squeeze(1)  # NOTE: syncs (once per call, not once per tensor)
+        kept = kept_pool_index(complete)
         pool_keys, positions, complete = (t.index_select(1, kept) for t in (pool_keys, positions, complete))
         q, w = self._queries(x, q_resid)
         pool_end = positions[..., -1].clamp(0, valid.shape[1] - 1)  # [B, P] as `select` reads it
@@ -340,6 +339,11 @@ class Indexer(nn.Module):
         nn.init.ones_(self.index_kpool_compress_gate)
 
 
+def kept_pool_index(complete: torch.Tensor) -> torch.Tensor:
+    """complete [B, P] -> [P'] indices of the pools complete in some row: transformers' pool axis."""
+    return torch.nonzero(complete.any(0)).squeeze(1)  # NOTE: syncs (once per call)
+
+
 def select_kept(
     scores: torch.Tensor,
     positions: torch.Tensor,
@@ -465,7 +469,7 @@ def select_pools(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """scores [B, T, P], positions [B, P, L], complete [B, P], valid [B, S] -> (top-k [B, T, J], candidate pools
     [B, T, P], selected pools [B, T, P]); pools incomplete in every row are neither."""
-    kept = torch.nonzero(complete.any(0)).squeeze(1)  # [P'] pool indices; NOTE: syncs (once per call)
+    kept = kept_pool_index(complete)
     topk, kept_candidate, kept_selected = select_kept(
         scores.index_select(-1, kept),
         positions.index_select(1, kept),

@@ -33,7 +33,7 @@ def test_update_router_bias_refuses_a_rate_that_is_not_a_finite_number_at_least_
     assert all(r.counted_load is None for r in model.routers())
 
 
-@pytest.mark.parametrize("name", ["mla_absorb", "hc_recompute"])
+@pytest.mark.parametrize("name", ["mla_absorb", "hc_recompute", "indexer_kl_recompute"])
 @pytest.mark.parametrize("value", ["no", 0, 1.0])
 def test_set_numerics_takes_booleans_only(name, value):
     from glm53.model.mla import MultiHeadLatentAttention
