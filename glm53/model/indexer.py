@@ -159,23 +159,29 @@ class Indexer(nn.Module):
     ) -> torch.Tensor:
         """x [B, T, D], q_resid [B, T, R], valid [B, T] bool -> top-k key positions [B, T, J] int64 (`shards`:
         as `score_and_select`). Unpacked, scoring and choosing run fused, a block of queries at a time
-        (kernels/indexer_topk.py): `score_and_select`'s top-k (up to rounding-level near-ties, see there) without its
-        [B, T, P] scores and masks."""
-        if cu_seqlens is not None or torch.compiler.is_compiling():  # the fused kernel is eager-only
+        (`select_pools_blocked`, a custom op: eager and compiled alike): `score_and_select`'s top-k (up to
+        rounding-level near-ties, kernels/indexer_topk.py) without its [B, T, P] scores and masks."""
+        if cu_seqlens is not None:  # the fused kernel takes no documents
             return self.score_and_select(x, q_resid, valid, cu_seqlens=cu_seqlens, shards=shards)[0]
         offset = 0 if shards is None else shards.offset
         keys, gate = self.token_keys(x)
         if shards is not None:
             keys, gate = shards.all_gather(keys, dim=1), shards.all_gather(gate, dim=1)
         pool_keys, positions, complete = self.pool(keys, gate, valid)
-        kept = kept_pool_index(complete)
-        pool_keys, positions, complete = (t.index_select(1, kept) for t in (pool_keys, positions, complete))
         q, w = self._queries(x, q_resid)
-        pool_end = positions[..., -1].clamp(0, valid.shape[1] - 1)  # [B, P] as `select` reads it
-        chosen, chosen_ok = indexer_topk_pools(
-            q, w, pool_keys, self.head_dim**-0.5, pool_end, complete, offset, self._pools_per_query(pool_keys.shape[1])
+        return select_pools_blocked(
+            q,
+            w,
+            pool_keys,
+            positions,
+            complete,
+            valid,
+            self.head_dim**-0.5,
+            offset,
+            self.index_topk,
+            self.kpool,
+            self.select_tail,
         )
-        return self._slots(chosen, chosen_ok, positions, valid, None, offset)
 
     def score_and_select(
         self,
@@ -228,13 +234,19 @@ class Indexer(nn.Module):
         return self.pool(keys, gate, valid, cu_seqlens)
 
     def kl_inputs(
-        self, x: torch.Tensor, q_resid: torch.Tensor, valid: torch.Tensor, cu_seqlens: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        q_resid: torch.Tensor,
+        valid: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        shards: SequenceShards | None = None,
     ) -> dict:
         """What the recomputing indexer KL (losses/indexer_kl.py) scores query blocks from, with gradient to this
         indexer's parameters only (inputs detached, as `score_and_select(grad=True)`): the per-head queries
         [B, T, H, K], head weights [B, T, H] fp32, pool keys [B, P, K], the pools' token positions [B, P, L] and
-        completeness [B, P]. O(T) memory: the [B, T, P] scores are never made here."""
-        pool_keys, positions, complete = self.detached_pools(x, valid, cu_seqlens)
+        completeness [B, P]. O(T) memory: the [B, T, P] scores are never made here. `shards`: as
+        `score_and_select` (this rank's queries; the pools of the whole sequence, gathered)."""
+        pool_keys, positions, complete = self.detached_pools(x, valid, cu_seqlens, shards)
         q, w = self._queries(x.detach(), q_resid.detach())
         return dict(q=q, weights=w, pool_keys=pool_keys, positions=positions, complete=complete)
 
@@ -258,43 +270,41 @@ class Indexer(nn.Module):
             scores, positions, complete, valid, cu_seqlens, query_offset, self.index_topk, self.kpool, self.select_tail
         )
 
-    def _pools_per_query(self, num_pools: int) -> int:
-        return min(self.index_topk // self.kpool, num_pools)
-
     def _queries(self, x: torch.Tensor, q_resid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> per-head queries q [B, T, H, K] and head weights w [B, T, H] fp32 (scaled by H^-0.5)."""
         q = self.wq_b(q_resid).view(*q_resid.shape[:2], self.n_heads, self.head_dim)
         return q, self.weights_proj(x).float() * self.n_heads**-0.5
 
-    def _slots(
-        self,
-        chosen: torch.Tensor,
-        chosen_ok: torch.Tensor,
-        positions: torch.Tensor,
-        valid: torch.Tensor,
-        cu_seqlens: torch.Tensor | None,
-        query_offset: int,
-    ) -> torch.Tensor:
-        return pool_slots(
-            chosen, chosen_ok, positions, valid, cu_seqlens, query_offset, self.kpool, self.select_tail, self.num_slots
-        )
-
     @torch.no_grad()
     def cached_select(self, x: torch.Tensor, q_resid: torch.Tensor, generation, cache) -> torch.Tensor:
         """Top-k [B, T, J] of a forward on a generation cache (model/cache.py): this forward's tokens extend the
-        cached pools, then each query scores every cached pool and `cached_slots` keeps its candidates'."""
+        cached pools, then each query ranks its candidates among the cached pools. The prefill (a host-known
+        position 0) scores and chooses a block of queries at a time (kernel "indexer_topk_pools": no [B, T, P]
+        scores); a step after it scores every cached pool ([B, T, P] for its few queries, no host read)."""
         keys, gate = self.token_keys(x)
         self.extend_pools(keys, gate, generation, cache)
-        scores = self.scores(x, q_resid, cache.pool_keys[:, :-1])  # [B, T, P] fp32
-        return cached_slots(
-            scores,
-            generation.first,
-            generation.new_positions(x.shape[1]),
-            self.kpool,
-            self.index_topk,
-            self.select_tail,
-            self.num_slots,
+        query_pos = generation.new_positions(x.shape[1])
+        if generation.started:
+            scores = self.scores(x, q_resid, cache.pool_keys[:, :-1])  # [B, T, P] fp32
+            return cached_slots(
+                scores, generation.first, query_pos, self.kpool, self.index_topk, self.select_tail, self.num_slots
+            )
+        q, w = self._queries(x, q_resid)
+        pool_keys, L = cache.pool_keys[:, :-1], self.kpool
+        P = pool_keys.shape[1]
+        # pool p of row b ends at first_b + pL + L - 1: a candidate of the queries at or after it (cached_slots)
+        pool_end = generation.first[:, None] + torch.arange(P, device=x.device) * L + (L - 1)
+        chosen, chosen_ok = indexer_topk_pools(
+            q,
+            w,
+            pool_keys,
+            self.head_dim**-0.5,
+            pool_end,
+            torch.ones_like(pool_end, dtype=torch.bool),
+            0,
+            min(self.index_topk // L, P),
         )
+        return cached_tokens(chosen, chosen_ok, generation.first, query_pos, L, self.select_tail, self.num_slots)
 
     def extend_pools(self, keys: torch.Tensor, gate: torch.Tensor, generation, cache) -> None:
         """Store this forward's token keys and gate logits [B, T, K] in the cache's ring and pool every k-pool
@@ -380,14 +390,29 @@ def cached_slots(
     """`select_kept` on a generation cache's time axis: scores [B, T, P] of every cached pool (pool p of row b holds
     positions first_b + pL .. first_b + pL + L - 1), queries at query_pos [T] -> top-k [B, T, J]. No host read."""
     B, T, P = scores.shape
+    count = query_pos[None, :] - first[:, None] + 1  # [B, T] the row's tokens up to each query (<= 0: padding)
+    complete = count.clamp(min=0).div(kpool, rounding_mode="floor")  # [B, T] pools complete and visible
+    candidate = torch.arange(P, device=scores.device) < complete[..., None]  # [B, T, P]
+    scores = scores.masked_fill(~candidate, torch.finfo(scores.dtype).min)
+    chosen = rank_pools(scores, min(index_topk // kpool, P))  # [B, T, select]
+    return cached_tokens(chosen, candidate.gather(-1, chosen), first, query_pos, kpool, select_tail, num_slots)
+
+
+def cached_tokens(
+    chosen: torch.Tensor,
+    chosen_ok: torch.Tensor,
+    first: torch.Tensor,
+    query_pos: torch.Tensor,
+    kpool: int,
+    select_tail: bool,
+    num_slots: int,
+) -> torch.Tensor:
+    """Chosen cached pools [B, T, select] (chosen_ok: a candidate) -> their tokens, then the visible tail, on the
+    cache's time axis (`cached_slots`): top-k [B, T, J]."""
     L = kpool
     count = query_pos[None, :] - first[:, None] + 1  # [B, T] the row's tokens up to each query (<= 0: padding)
     complete = count.clamp(min=0).div(L, rounding_mode="floor")  # [B, T] pools complete and visible
-    candidate = torch.arange(P, device=scores.device) < complete[..., None]  # [B, T, P]
-    scores = scores.masked_fill(~candidate, torch.finfo(scores.dtype).min)
-    chosen = rank_pools(scores, min(index_topk // L, P))  # [B, T, select]
-    chosen_ok = candidate.gather(-1, chosen)
-    offsets = torch.arange(L, device=scores.device)
+    offsets = torch.arange(L, device=chosen.device)
     tokens = first[:, None, None, None] + chosen[..., None] * L + offsets  # [B, T, select, L]
     topk = tokens.masked_fill(~chosen_ok[..., None], -1).flatten(-2)
     if select_tail:  # the query's own incomplete pool, up to the query
@@ -491,3 +516,34 @@ def _(scores, positions, complete, valid, cu_seqlens, query_offset, index_topk, 
     num_slots = index_topk + (kpool - 1 if select_tail else 0)
     mask = scores.new_empty(scores.shape, dtype=torch.bool)
     return scores.new_empty(*scores.shape[:2], num_slots, dtype=torch.long), mask, mask.clone()
+
+
+@torch.library.custom_op("glm53::select_pools_blocked", mutates_args=(), tags=HOST_READING)
+def select_pools_blocked(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    pool_keys: torch.Tensor,
+    positions: torch.Tensor,
+    complete: torch.Tensor,
+    valid: torch.Tensor,
+    scale: float,
+    query_offset: int,
+    index_topk: int,
+    kpool: int,
+    select_tail: bool,
+) -> torch.Tensor:
+    """`select_pools`' top-k [B, T, J] scored and chosen a block of queries at a time (kernel "indexer_topk_pools"):
+    q [B, T, H, K], weights [B, T, H], pool_keys [B, P, K], positions [B, P, L], complete [B, P], valid [B, S]
+    (unpacked). Eager and compiled forwards alike: no [B, T, P] scores."""
+    kept = kept_pool_index(complete)
+    pool_keys, positions, complete = (t.index_select(1, kept) for t in (pool_keys, positions, complete))
+    pool_end = positions[..., -1].clamp(0, valid.shape[1] - 1)  # [B, P] as `select` reads it
+    select = min(index_topk // kpool, pool_keys.shape[1])
+    chosen, chosen_ok = indexer_topk_pools(q, weights, pool_keys, scale, pool_end, complete, query_offset, select)
+    num_slots = index_topk + (kpool - 1 if select_tail else 0)
+    return pool_slots(chosen, chosen_ok, positions, valid, None, query_offset, kpool, select_tail, num_slots)
+
+
+@select_pools_blocked.register_fake
+def _(q, weights, pool_keys, positions, complete, valid, scale, query_offset, index_topk, kpool, select_tail):
+    return q.new_empty(*q.shape[:2], index_topk + (kpool - 1 if select_tail else 0), dtype=torch.long)
