@@ -18,10 +18,6 @@ import torch.nn.functional as F
 from glm53.kernels.kda import chunk as kda_mod
 from glm53.kernels.kda import fast
 
-import pytest
-from glm53.kernels.hc_collapse import hc_collapse, hc_collapse_reference
-from glm53.kernels.rms_norm import gated_rms_norm, gated_rms_norm_reference, rms_norm, rms_norm_reference
-
 FP32_TOL = dict(rtol=1e-4, atol=1e-5)
 
 
