@@ -92,7 +92,7 @@ class Trainer:
         torch.manual_seed(args.seed)  # the same initial weights on every rank
         self.state = self._load_resume_state()
         self.vl_record = vl_finetune.first_vl_record(args.data)  # image/video data: the VL model (vl_finetune.py)
-        vl_finetune.check_args(args, self.vl_record)
+        vl_finetune.check_args(args, self.vl_record, distributed=par is not None)
         self.model = self._build_model()
         self.model.train()
         self.optimizer = build_optimizer(self.model, args)  # trainable parameters only: frozen ones get no state
@@ -139,9 +139,9 @@ class Trainer:
         if self.par is not None:
             return init_parallel_model(args, self.mesh, PRESETS[args.preset])
         lora = None
-        if self.vl_record is not None:
-            model = vl_finetune.init_model(args.init or args.resume, self.vl_record)
-            vl_finetune.apply_freeze(model, args.freeze)
+        if self.vl_record is not None:  # the VL model, through glm53.peft with LoRA / --base-dtype flags
+            model, peft = vl_finetune.build_model(args, self.vl_record)
+            lora = model if peft else None
         elif (lora := peft_cli.build_model(args, PRESETS[args.preset])) is not None:  # LoRA / frozen / FP8 base
             model = lora
         elif args.resume and has_run_state(args.resume):  # a torchrun run: DCP fills the weights in _resume

@@ -91,13 +91,15 @@ def first_vl_record(path: str | None) -> str | None:
     return None
 
 
-def check_args(args: argparse.Namespace, vl_record: str | None) -> None:
-    """VL flags without VL data are a usage error (before any work); LoRA flags with VL data are not supported."""
+def check_args(args: argparse.Namespace, vl_record: str | None, distributed: bool = False) -> None:
+    """VL flags without VL data are a usage error (before any work); LoRA flags with VL data under torchrun are
+    not supported yet (one process trains LoRA on the VL model: `build_model`)."""
     if vl_record is None:
         if args.media_root is not None:
             raise SystemExit(f"--media-root is for image/video data, but --data {args.data} has no image/video records")
         return
-    check_no_lora(args)
+    if distributed:
+        check_no_lora(args)
 
 
 def vl_model_class() -> type:
@@ -137,14 +139,49 @@ def apply_freeze(model: torch.nn.Module, groups: list[str] | None) -> list[str]:
     return freeze(model, [DEFAULT_FREEZE] if groups is None else groups)
 
 
+LORA_FLAGS = ("lora_rank", "base_dtype", "export_merged")  # the flags that build the model through glm53.peft
+
+
 def check_no_lora(args: argparse.Namespace) -> None:
-    """LoRA and frozen-base options on the VL model are not wired yet: an error, never a text-only run."""
-    for flag in ("lora_rank", "base_dtype", "export_merged"):
+    """LoRA and frozen-base options on the VL model under torchrun are not wired yet: an error, never a text-only
+    run."""
+    for flag in LORA_FLAGS:
         if getattr(args, flag, None) is not None:
             raise SystemExit(
-                f"glm53 train: error: --{flag.replace('_', '-')} with image/video --data is not supported "
-                f"yet (LoRA on Glm53ForConditionalGeneration); fine-tune with --freeze groups instead"
+                f"glm53 train: error: --{flag.replace('_', '-')} with image/video --data under torchrun is not "
+                f"supported yet; run LoRA on the VL model in one process, or fine-tune with --freeze groups"
             )
+
+
+def _lora_base(args: argparse.Namespace) -> str | None:
+    """The checkpoint a VL LoRA run's base is read from: --init, or the base a LoRA --resume directory records."""
+    if args.init or not args.resume:
+        return args.init
+    from ..peft.files import CONFIG_FILE
+
+    file = os.path.join(args.resume, CONFIG_FILE)
+    if not os.path.isfile(file):
+        return args.resume
+    with open(file, encoding="utf-8") as f:
+        return json.load(f).get("base_model_name_or_path") or args.resume
+
+
+def build_model(args: argparse.Namespace, vl_record: str) -> tuple[torch.nn.Module, bool]:
+    """The VL model of one process -> (model, whether glm53.peft built it). With --lora-rank / --base-dtype /
+    --export-merged it is glm53.peft's build (adapters on the default targets, the projector among them, over a
+    frozen base: the tower gets no adapter and stays frozen; --resume reads a LoRA run's adapter); without
+    --lora-rank and --freeze the tower is frozen as in a full fine-tune. Otherwise `init_model` + `apply_freeze`."""
+    from ..peft import cli as peft_cli
+
+    if any(getattr(args, f, None) is not None for f in LORA_FLAGS):
+        check_vl_checkpoint(_lora_base(args), vl_record)
+        model = peft_cli.build_model(args, cls=vl_model_class())
+        if args.lora_rank is None and args.freeze is None:
+            apply_freeze(model, None)
+        return model, True
+    model = init_model(args.init or args.resume, vl_record)
+    apply_freeze(model, args.freeze)
+    return model, False
 
 
 def model_inputs(model, batch: Batch) -> dict[str, torch.Tensor]:
@@ -312,6 +349,7 @@ __all__ = [
     "VLFileData",
     "add_arguments",
     "apply_freeze",
+    "build_model",
     "check_args",
     "first_vl_record",
     "heldout_loss",
