@@ -257,9 +257,9 @@ class VLFileData:
         self.skipped["longer than --seq-len"] = len(long)
         if not kept:
             raise DataError(f"--data {args.data}: no record has a token to train on ({self._skip_text()})")
-        self.docs, self.digest = kept, file_digest(args.data)
+        self.docs, self.digest, self.media_root = kept, file_digest(args.data), args.media_root
         pad = self.tokenizer.pad_id if self.tokenizer.pad_id is not None else (model.config.pad_token_id or 0)
-        self.packer = VLPacker(kept, args.seq_len, args.seed, pad)
+        self.packer, self.pad = VLPacker(kept, args.seq_len, args.seed, pad), pad
         self.step_media_tokens = 0  # placeholder tokens in this rank's last step (logged beside the loss)
 
     def _skip(self, why: str) -> bool:
@@ -302,6 +302,13 @@ class VLFileData:
         self.step_media_tokens = sum(b.media_tokens() for b in batches)
         return batches
 
+    def eval_batches(self, path: str, batch_size: int) -> list[VLBatch]:
+        """--eval-data FILE (image/video records under --media-root, or text): this rank's held-out batches,
+        encoded with the run's tokenizer and image/video budgets."""
+        return eval_batches(
+            self.encoder, path, self.seq_len, batch_size, self.dp, self.dp_rank, self.media_root, self.pad
+        )
+
     def state_dict(self) -> dict:
         return {"file_sha256": self.digest, "documents": len(self.docs), **self.packer.state_dict()}
 
@@ -317,23 +324,49 @@ class VLFileData:
             raise SystemExit(f"glm53 train: error: --resume {where}: {e}") from None
 
 
+def _eval_rows(encoder: VLEncoder, path: str, seq_len: int, media_root: str | None, pad: int) -> list:
+    """Every record of held-out file `path` with a target token, packed once in file order (seed 0) into rows
+    (VLPacker.vl_row's); records longer than `seq_len` are skipped, as in training."""
+    docs = [encoder.encode(r) for r in read_vl_records(path, media_root)[0]]
+    docs, _ = fit_records([d for d in docs if any(d.targets[1:])], seq_len, strict=False)
+    if not docs:
+        raise DataError(f"--eval-data {path}: no record has a token to evaluate (within --seq-len {seq_len})")
+    packer, rows = VLPacker(docs, seq_len, 0, pad), []
+    while packer.epoch == 0:
+        rows.append(packer.vl_row())
+    return rows
+
+
+def eval_batches(
+    encoder: VLEncoder,
+    path: str,
+    seq_len: int,
+    batch_size: int,
+    dp: int,
+    dp_rank: int,
+    media_root: str | None,
+    pad: int,
+) -> list[VLBatch]:
+    """This data rank's share of the held-out VL rows (rows dp_rank, dp_rank + dp, ... as finetune.eval_batches
+    deals them; a rank left without rows gets one row of padding, so every rank runs the same forwards), with the
+    pixels of its own rows only."""
+    rows = _eval_rows(encoder, path, seq_len, media_root, pad)
+    mine = rows[dp_rank::dp] or [(([pad] * seq_len, [-100] * seq_len, [0] * seq_len, list(range(seq_len))), [])]
+    return [make_batch(mine[i : i + batch_size], encoder) for i in range(0, len(mine), batch_size)]
+
+
 @torch.no_grad()
 def heldout_loss(
     model, path: str, tokenizer_dir: str, seq_len: int, media_root: str | None = None, batch_size: int = 8
 ) -> tuple[float, int]:
     """(next-token loss over every target token of every record of `path`, image/video tokens seen), packed as
-    for training in file order (eval mode). Records longer than `seq_len` are skipped, as in training."""
+    for training in file order (eval mode). Records longer than `seq_len` are skipped, as in training; `glm53 train
+    --eval-data` computes the same numbers (Trainer.evaluate over `eval_batches`)."""
     args = argparse.Namespace(
         image_min_tokens=MIN_IMAGE_TOKENS, image_max_tokens=MAX_IMAGE_TOKENS, video_max_tokens=MAX_VIDEO_TOKENS
     )
     encoder = VLEncoder(TextTokenizer(tokenizer_dir), *processors(model, args))
-    docs = [encoder.encode(r) for r in read_vl_records(path, media_root)[0]]
-    docs, _ = fit_records([d for d in docs if any(d.targets[1:])], seq_len, strict=False)
-    packer = VLPacker(docs, seq_len, 0, encoder.tok.pad_id or 0)
-    rows = []
-    while packer.epoch == 0:
-        rows.append(packer.vl_row())
-    batches = [make_batch(rows[i : i + batch_size], encoder) for i in range(0, len(rows), batch_size)]
+    batches = eval_batches(encoder, path, seq_len, batch_size, 1, 0, media_root, encoder.tok.pad_id or 0)
     inputs = [model_inputs(model, b) for b in batches]
     counts = [model.loss_counts(i["labels"], i["attention_mask"], i["position_ids"]) for i in inputs]
     den = sum(counts[1:], counts[0])
@@ -351,6 +384,7 @@ __all__ = [
     "apply_freeze",
     "build_model",
     "check_args",
+    "eval_batches",
     "first_vl_record",
     "heldout_loss",
     "init_model",

@@ -108,7 +108,7 @@ def tiny_vl_model(tok, seed: int = 0, **text):
     return _example().build_vl_model(tok, seed, text=text)
 
 
-def vl_corpus(root: str, n: int = 8, seed: int = 0) -> list[dict]:
+def vl_corpus(root: str, n: int = 8, seed: int = 0, prefix: str = "img") -> list[dict]:
     """examples/finetune_vl.py's generated images (16..28 px) under `root` and records about them in both
-    conventions, one video record, two text-only records."""
-    return _example().write_media_and_records(root, n, "img", seed)
+    conventions, one video record, two text-only records (file names start with `prefix`)."""
+    return _example().write_media_and_records(root, n, prefix, seed)

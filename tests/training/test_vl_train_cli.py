@@ -3,12 +3,14 @@ loss, image tokens logged, the frozen tower unchanged, exact resume; bad combina
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
 import torch
 
 from glm53.__main__ import main
+from glm53.training.vl_finetune import heldout_loss
 from glm53.vision.model import Glm53ForConditionalGeneration
 from tests.helpers.vl_data import tiny_vl_model, vl_corpus, vl_tokenizer, write_jsonl
 
@@ -21,6 +23,7 @@ def prepared(tmp_path_factory):
     tiny_vl_model(tok, seed=3).save_pretrained(ckpt)
     tok.save_pretrained(ckpt)
     data = write_jsonl(str(tmp / "vl.jsonl"), vl_corpus(str(tmp / "media"), n=6))
+    write_jsonl(str(tmp / "heldout.jsonl"), vl_corpus(str(tmp / "media"), n=3, seed=7, prefix="held"))
     return tmp, ckpt, data, str(tmp / "media")
 
 
@@ -51,15 +54,27 @@ def _losses(text: str) -> list[float]:
 
 
 def test_train_resume_and_freeze(prepared, capsys):
-    tmp, ckpt, _, _ = prepared
+    tmp, ckpt, _, root = prepared
     out = tmp / "run"
-    assert main(_train(prepared, "--steps", "4", "--save", str(out), "--save-every", "2")) == 0
+    held = str(tmp / "heldout.jsonl")
+    run = _train(prepared, "--steps", "4", "--save", str(out), "--save-every", "2")
+    assert main([*run, "--eval-data", held, "--eval-every", "2"]) == 0
     text = capsys.readouterr().out
     losses = _losses(text)
     assert len(losses) == 4 and all(map(lambda v: v == v and v < 100, losses))
     assert losses[-1] < losses[0]
     assert re.search(r"^step +1 .* \d+ image tokens$", text, flags=re.M)
     assert "with media" in text and "images" in text
+    # the held-out loss on image/video records, its image tokens counted apart: heldout_loss's numbers for the
+    # saved final model (the same packing; 4 printed decimals)
+    evals = re.findall(r"^eval  step +(\d+)  loss ([0-9.]+)  perplexity [0-9.]+  (\d+) image tokens$", text, re.M)
+    assert [int(s) for s, _, _ in evals] == [2, 4], text
+    want, media = heldout_loss(Glm53ForConditionalGeneration.from_pretrained(str(out)), held, ckpt, 96, root)
+    assert media > 0 and all(int(n) == media for _, _, n in evals)
+    assert abs(float(evals[-1][1]) - want) <= 5e-5 + 1e-5 * want
+    assert float(evals[-1][1]) < float(evals[0][1])  # training on the same task lowers the held-out loss
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["eval_image_tokens"] for r in records if "eval_loss" in r] == [media, media]
     base = Glm53ForConditionalGeneration.from_pretrained(ckpt).state_dict()
     tuned = Glm53ForConditionalGeneration.from_pretrained(str(out)).state_dict()
     for name in base:  # the tower frozen (default), the projector and the language model trained
