@@ -3,6 +3,7 @@ loss, image tokens logged, the frozen tower unchanged, exact resume; bad combina
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 
@@ -10,8 +11,11 @@ import pytest
 import torch
 
 from glm53.__main__ import main
-from glm53.training.vl_finetune import heldout_loss
+from glm53.training.data.vl_pack import VLPacker, make_batch
+from glm53.training.vl_finetune import VLFileData, heldout_loss, model_inputs
+from glm53.vision.image_processing import MAX_IMAGE_TOKENS, MIN_IMAGE_TOKENS
 from glm53.vision.model import Glm53ForConditionalGeneration
+from glm53.vision.video_processing import MAX_VIDEO_TOKENS
 from tests.helpers.vl_data import tiny_vl_model, vl_corpus, vl_tokenizer, write_jsonl
 
 
@@ -53,6 +57,30 @@ def _losses(text: str) -> list[float]:
     return [float(m) for m in re.findall(r"^step +\d+  loss ([0-9.]+)", text, flags=re.M)]
 
 
+def records_alone(model, path: str, tokenizer: str, root: str) -> tuple[float, int]:
+    """(loss over every target token of `path`'s records, each record in a row of its own; its image tokens)."""
+    ns = argparse.Namespace(
+        data=path,
+        media_root=root,
+        batch_size=1,
+        grad_accum=1,
+        seq_len=96,
+        seed=0,
+        strict=False,
+        image_min_tokens=MIN_IMAGE_TOKENS,
+        image_max_tokens=MAX_IMAGE_TOKENS,
+        video_max_tokens=MAX_VIDEO_TOKENS,
+    )
+    data = VLFileData(ns, tokenizer, model, 1, 0)
+    batches = [make_batch([VLPacker([d], len(d.ids), 0, 0).vl_row()], data.encoder) for d in data.docs]
+    inputs = [model_inputs(model, b) for b in batches]
+    counts = [model.loss_counts(i["labels"], i["attention_mask"], i["position_ids"]) for i in inputs]
+    den = sum(counts[1:], counts[0])
+    with torch.no_grad():
+        total = sum(model.eval()(**i, loss_denominators=den, return_logits=False).lm_loss for i in inputs)
+    return float(total), sum(b.media_tokens() for b in batches)
+
+
 def test_train_resume_and_freeze(prepared, capsys):
     tmp, ckpt, _, root = prepared
     out = tmp / "run"
@@ -65,12 +93,14 @@ def test_train_resume_and_freeze(prepared, capsys):
     assert losses[-1] < losses[0]
     assert re.search(r"^step +1 .* \d+ image tokens$", text, flags=re.M)
     assert "with media" in text and "images" in text
-    # the held-out loss on image/video records, its image tokens counted apart: heldout_loss's numbers for the
-    # saved final model (the same packing; 4 printed decimals)
+    # the held-out loss on image/video records, its image tokens counted apart: the saved final model's loss over
+    # every held-out record run alone (no packing; 4 printed decimals), and heldout_loss's numbers
     evals = re.findall(r"^eval  step +(\d+)  loss ([0-9.]+)  perplexity [0-9.]+  (\d+) image tokens$", text, re.M)
     assert [int(s) for s, _, _ in evals] == [2, 4], text
-    want, media = heldout_loss(Glm53ForConditionalGeneration.from_pretrained(str(out)), held, ckpt, 96, root)
+    final = Glm53ForConditionalGeneration.from_pretrained(str(out))
+    want, media = records_alone(final, held, ckpt, root)
     assert media > 0 and all(int(n) == media for _, _, n in evals)
+    assert heldout_loss(final, held, ckpt, 96, root) == pytest.approx((want, media), rel=1e-5)
     assert abs(float(evals[-1][1]) - want) <= 5e-5 + 1e-5 * want
     assert float(evals[-1][1]) < float(evals[0][1])  # training on the same task lowers the held-out loss
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
