@@ -125,20 +125,19 @@ def _check(args: argparse.Namespace) -> None:
         raise ConfigError("--base-dtype fp8 keeps the base frozen: add --lora-rank (or --freeze for the FP8 groups)")
 
 
-def build_model(args: argparse.Namespace, preset=None) -> Glm53ForCausalLM | None:
+def build_model(args: argparse.Namespace, preset=None, cls: type = Glm53ForCausalLM) -> Glm53ForCausalLM | None:
     """The model a run with these flags trains (None when no flag of this file is set): the base from --init
-    (or the preset) in --base-dtype, the adapters from --resume (a LoRA run's checkpoint) or fresh, --freeze."""
+    (or the preset) in --base-dtype, the adapters from --resume (a LoRA run's checkpoint) or fresh, --freeze.
+    `cls`: the model class (Glm53ForConditionalGeneration for image/video data, glm53/training/vl_finetune.py)."""
     if not enabled(args):
         return None
     _check(args)
     resume = getattr(args, "resume", None)
     base = getattr(args, "init", None) or (_recorded_base(resume) if resume else None)
     if base:
-        model = load_base(
-            Glm53ForCausalLM, base, args.base_dtype or "bf16", dtype=torch.float32, quantize=args.quantize_base
-        )
+        model = load_base(cls, base, args.base_dtype or "bf16", dtype=torch.float32, quantize=args.quantize_base)
     else:
-        model = Glm53ForCausalLM.from_config(preset())
+        model = cls.from_config(preset())
     if args.lora_rank is not None:
         if resume and os.path.isfile(os.path.join(resume, CONFIG_FILE)):
             load_lora(model, resume)

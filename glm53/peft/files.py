@@ -198,7 +198,7 @@ def load_lora(model: nn.Module, path: str | os.PathLike) -> list[str]:
     groups = _group_keys(_read_weights(path), file)
     n = model.config.num_hidden_layers
     names = dict(model.named_modules())
-    vision = next((k.split("visual.")[0] + "visual." for k in names if k.endswith("visual")), "model.visual.")
+    vision = next((k + "." for k in names if k == "visual" or k.endswith(".visual")), "model.visual.")
     placed = _place(groups, names, n, vision, file)
     rank, alpha = config.get("r"), config.get("lora_alpha")
     if has_lora(model):
