@@ -1,15 +1,12 @@
 """The training loop behind `python -m glm53 train` (cli.py): setup, resume, step, log, save.
 
-Every step: forward with labels (lm + MTP + router balance + indexer KL losses, glm53/model/model.py) and backward
-for each of the --grad-accum micro-batches, every loss part divided by its count over the whole global batch
-(losses/counts.py), then gradient clipping, AdamW, and the aux-loss-free router bias update from the step's
-expert loads. Data: the built-in byte corpus, or --data FILE packed into rows (finetune.py) from an --init model.
-`--save DIR` writes the final checkpoint to DIR and, with `--save-every N`, intermediate ones to DIR/step-N
-(state.py). Under torchrun the ranks form a (dp, tp) DeviceMesh, rank = dp_rank * tp + tp_rank; each dp rank
-draws its own batches (tp ranks of one dp group read the same ones), the loss is computed under
-loss_parallel_context, the expert loads are summed over dp ranks before the bias update, and checkpoints are DCP
-shards (every rank its own) plus the official layout, resumable on any --dp x --tp layout or in one process
-(state.py, distributed.py). This module holds no collectives: glm53.parallel does the distributed work.
+Every step: forward with labels (lm + MTP + router balance + indexer KL losses, glm53/losses/) and backward for
+each --grad-accum micro-batch, every loss part divided by its count over the global batch (losses/counts.py), then
+gradient clipping, AdamW and the aux-loss-free router bias update. Data: the built-in byte corpus, or --data FILE
+packed into rows (finetune.py; image/video records: vl_finetune.py) from an --init model. `--save DIR` writes the
+final checkpoint to DIR and, with `--save-every N`, DIR/step-N (state.py). Under torchrun each dp rank draws its
+own batches, and checkpoints are DCP shards (every rank its own) plus the official layout, resumable on any layout
+or in one process (state.py, distributed.py). This module holds no collectives: glm53.parallel does that work.
 """
 
 from __future__ import annotations
