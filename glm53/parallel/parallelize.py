@@ -31,6 +31,7 @@ from ..model.mtp import MTPLayer
 from ..precision import keeps_fp32
 from . import comm
 from .expert import apply_expert_parallel, expert_modules, expert_param_names, expert_shard_placement
+from .lora_parallel import with_adapters
 from .mesh import EXPERT_REPLICA_DIMS, REPLICA_DIMS, flat_mesh
 from .placements import name_modules
 from .pool_mass import sum_selected_pool_mass
@@ -64,7 +65,7 @@ def apply_tensor_parallel(model: Glm53ForCausalLM, tp_mesh: DeviceMesh) -> None:
     became a DTensor on it."""
     check_tp_size(model, tp_mesh.size())
     name_modules(model)
-    parallelize_module(model, tp_mesh, {**tp_plan(model), **vision_tp_plan(model)})
+    parallelize_module(model, tp_mesh, with_adapters(model, {**tp_plan(model), **vision_tp_plan(model)}))
     missed = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
     if missed:
         raise RuntimeError(
@@ -74,6 +75,30 @@ def apply_tensor_parallel(model: Glm53ForCausalLM, tp_mesh: DeviceMesh) -> None:
     for module in model.modules():
         if isinstance(module, MultiHeadLatentAttention):
             module.register_forward_hook(_sum_pool_mass_over_heads(tp_mesh, model), with_kwargs=True)
+
+
+def _check_peft_under_tp(model: nn.Module, mesh: DeviceMesh, ep_dim: str) -> None:
+    """What glm53.peft adds that tensor parallelism does not take, refused before anything changes: a base held
+    in FP8 (its block scales are not split with the weight), adapter dropout and adapters under ep x tp."""
+    fp8 = [n for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn]
+    if fp8:
+        raise ValueError(
+            f"an FP8 base (glm53.peft, base_dtype='fp8') under tensor parallelism is not supported: its block "
+            f"scales are not split with the weights ({fp8[0]} and {len(fp8) - 1} more); use base_dtype='bf16' "
+            "with tp, or fp8 on dp / dp x ep meshes"
+        )
+    dropout = [n for n, m in model.named_modules() if getattr(m, "lora_dropout", 0.0) > 0]
+    if dropout:
+        raise ValueError(
+            f"LoRA dropout under tensor parallelism is not supported ({dropout[0]} has lora_dropout > 0): a "
+            "replicated activation would get a different mask on every TP rank; use dropout 0 with tp"
+        )
+    adapters = [n for n, _ in model.named_parameters() if "lora_" in n]
+    if adapters and ep_dim in mesh.mesh_dim_names:
+        raise ValueError(
+            f"LoRA adapters (glm53.peft; {adapters[0]}, ...) under expert x tensor parallelism (ep and tp together) "
+            "are not supported: train them on tp, dp x tp or dp x ep meshes"
+        )
 
 
 def _sum_pool_mass_over_heads(tp_mesh: DeviceMesh, model: Glm53ForCausalLM):
@@ -275,9 +300,9 @@ def vision_tp_plan(model: nn.Module) -> dict:
         return {}
     plan = {}
     for name, module in visual.named_modules():
-        if not any(True for _ in module.parameters(recurse=False)):
-            continue
-        plan[f"visual.{name}"] = ReplicateModule() if type(module) is nn.Linear else ReplicateParams()
+        if not any(True for _ in module.parameters(recurse=False)) or name.rpartition(".")[2] in ("lora_A", "lora_B"):
+            continue  # a LoRA factor is replicated with its linear (ReplicateModule covers submodules)
+        plan[f"visual.{name}"] = ReplicateModule() if isinstance(module, nn.Linear) else ReplicateParams()
     return plan
 
 
@@ -387,11 +412,8 @@ def parallelize(
     _check_options(mesh, (dp_dim, tp_dim, ep_dim, cp_dim), has_dp, has_tp, compile, activation_checkpointing, mp_policy)
     has_ep = ep_dim in mesh.mesh_dim_names
     has_cp = cp_dim in mesh.mesh_dim_names
-    if has_tp and any("lora_" in n for n, _ in model.named_parameters()):
-        raise ValueError(
-            "LoRA adapters (glm53.peft) under tensor parallelism are not supported yet: train them on "
-            "dp / dp x ep meshes"
-        )
+    if has_tp:
+        _check_peft_under_tp(model, mesh, ep_dim)
     roles = dict(dp=dp_dim, cp=cp_dim, ep=ep_dim, tp=tp_dim)
     if has_tp:
         apply_tensor_parallel(model, mesh[tp_dim])

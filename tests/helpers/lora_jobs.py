@@ -12,19 +12,26 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import glm53
 from glm53 import Glm53Config, Glm53ForCausalLM
 from glm53.parallel import clip_grad_norm_, parallelize
+from glm53.peft import quantize_model
 from tests.helpers.expert_jobs import build_ep_mesh
 from tests.helpers.parallel_jobs import CLIP_NORM, LR, build_mesh, full
 
 RANK, ALPHA = 4, 8
+FP8_BLOCK = (8, 8)  # several blocks per expert matrix of the tiny config (hidden 32, expert width 16)
 
 
-def lora_model(config: dict, state: dict, lora_state: dict) -> Glm53ForCausalLM:
+def lora_model(config: dict, state: dict, lora_state: dict, fp8: bool = False) -> Glm53ForCausalLM:
+    """The adapted model; `fp8`: its text linears and experts quantised to FP8_BLOCK-block FP8 first (a frozen
+    FP8 base, fp32 adapters; the quantisation is deterministic, so every rank and the reference hold the same)."""
     model = Glm53ForCausalLM(Glm53Config(**config))
     model.load_state_dict(state)
+    if fp8:
+        quantize_model(model, block=FP8_BLOCK)
     glm53.apply_lora(model, RANK, ALPHA)
     with torch.no_grad():
         params = dict(model.named_parameters())
@@ -44,26 +51,41 @@ def _step(model, pieces, world) -> dict:
     return dict(loss=full(loss).detach(), grads=grads, norm=full(norm), params=params)
 
 
-def lora_reference(config: dict, state: dict, lora_state: dict, ids: torch.Tensor, world: int) -> dict:
-    model = lora_model(config, state, lora_state)
+def lora_reference(
+    config: dict, state: dict, lora_state: dict, ids: torch.Tensor, world: int, fp8: bool = False
+) -> dict:
+    model = lora_model(config, state, lora_state, fp8)
     per = ids.shape[0] // world
     return _step(model, [ids[k * per : (k + 1) * per] for k in range(world)], 1)
 
 
-def lora_step(config: dict, state: dict, lora_state: dict, ids: torch.Tensor, dp: int, ep: int = 1) -> dict:
+def lora_step(
+    config: dict, state: dict, lora_state: dict, ids: torch.Tensor, dp: int, ep: int = 1, tp: int = 1, fp8: bool = False
+) -> dict:
+    """One adapter step on a dp x ep or dp x tp mesh; the tp ranks of a data rank read the same slice."""
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
-    mesh = build_ep_mesh(dp, ep) if ep > 1 else build_mesh(dp, 1)
-    model = lora_model(config, state, lora_state)
+    mesh = build_ep_mesh(dp, ep) if ep > 1 else build_mesh(dp, tp)
+    model = lora_model(config, state, lora_state, fp8)
     parallelize(model, mesh)
-    world, rank = dp * ep, dist.get_rank()
-    per = ids.shape[0] // world
-    out = _step(model, [ids[rank * per : (rank + 1) * per]], world)
+    world, data_rank = dp * ep * tp, dist.get_rank() // tp  # (dp, tp) meshes: tp is the inner dimension
+    per = ids.shape[0] // (dp * ep)
+    out = _step(model, [ids[data_rank * per : (data_rank + 1) * per]], world)
     dist.all_reduce(out["loss"])
     out["loss"] /= world
     frozen_grads = [n for n, p in model.named_parameters() if "lora_" not in n and p.grad is not None]
-    placements = {n: tuple(p.to_local().shape) for n, p in model.named_parameters() if "experts.gate_up_proj_lora" in n}
-    return dict(out, frozen_grads=frozen_grads, placements=placements)
+    placements = {n: _layout(p) for n, p in model.named_parameters() if "lora_" in n}
+    scales = {n: _layout(b)[0] for n, b in model.named_buffers() if ".mlp.experts." in n and n.endswith("_scale_inv")}
+    fp8 = sorted(n for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn)
+    return dict(out, frozen_grads=frozen_grads, placements=placements, expert_scales=scales, fp8_params=fp8)
+
+
+def _layout(p) -> tuple:
+    """(this rank's local shape, {mesh dimension: placement}) of a parameter."""
+    if not isinstance(p, DTensor):
+        return tuple(p.shape), {}
+    names = p.device_mesh.mesh_dim_names or ()
+    return tuple(p.to_local().shape), {d: repr(pl) for d, pl in zip(names, p.placements)}
 
 
 __all__ = ["lora_step", "lora_reference", "lora_model"]
