@@ -414,6 +414,12 @@ def parallelize(
     has_cp = cp_dim in mesh.mesh_dim_names
     if has_tp:
         _check_peft_under_tp(model, mesh, ep_dim)
+    if _needs_fp32_units(mp_policy) and any(p.dtype == torch.float8_e4m3fn for p in model.parameters()):
+        raise ValueError(
+            f"an FP8 base (glm53.peft) under a MixedPrecisionPolicy with param_dtype={mp_policy.param_dtype}: "
+            "FSDP would cast its FP8 values before gathering them and lose their block scales; train an FP8 base "
+            "without the low-precision policy (no --bf16): it is gathered as FP8 and computes in the adapters' dtype"
+        )
     roles = dict(dp=dp_dim, cp=cp_dim, ep=ep_dim, tp=tp_dim)
     if has_tp:
         apply_tensor_parallel(model, mesh[tp_dim])

@@ -7,7 +7,10 @@ equal slice of the global batch (slice index = global rank), and takes one clipp
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
+import os
 import warnings
 
 import torch
@@ -88,4 +91,40 @@ def _layout(p) -> tuple:
     return tuple(p.to_local().shape), {d: repr(pl) for d, pl in zip(names, p.placements)}
 
 
-__all__ = ["lora_step", "lora_reference", "lora_model"]
+def cli_train(argv: list[str], inspect: bool = False) -> dict:
+    """`python -m glm53 ARGV` on this pool rank as under torchrun (the pool's process group is the run's; the CLI's
+    shutdown of it is skipped). `inspect`: build the trainer (its resume included) and return what it loaded,
+    without training. -> {"rc", "stdout"} (+ `loaded_state` when inspecting)."""
+    from glm53 import parallel
+    from glm53.__main__ import main
+    from glm53.training import trainer
+
+    env = {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK")}
+    os.environ.update(WORLD_SIZE=str(dist.get_world_size()), RANK=str(dist.get_rank()))
+    out: dict = {}
+    keep_shutdown, keep_run = parallel.runtime.shutdown, trainer.Trainer.run
+    parallel.runtime.shutdown = lambda: None
+    if inspect:
+        trainer.Trainer.run = lambda self: out.update(loaded=loaded_state(self)) or 0
+    text = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(text):
+            rc = main(argv)
+    finally:
+        parallel.runtime.shutdown, trainer.Trainer.run = keep_shutdown, keep_run
+        for k, v in env.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    return dict(out, rc=rc, stdout=text.getvalue())
+
+
+def loaded_state(run) -> dict:
+    """A trainer's step, adapters and AdamW state as full tensors keyed by parameter name (every rank)."""
+    optim = {}
+    for name, p in run.model.named_parameters():
+        if p.requires_grad:
+            optim[name] = {k: full(v) if torch.is_tensor(v) else v for k, v in run.optimizer.state[p].items()}
+    adapters = {n: full(p) for n, p in run.model.named_parameters() if "lora_" in n}
+    return dict(step=run.start, adapters=adapters, optim=optim)
+
+
+__all__ = ["lora_step", "lora_reference", "lora_model", "cli_train", "loaded_state"]

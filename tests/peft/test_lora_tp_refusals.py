@@ -5,6 +5,7 @@ simulated world (the fake process group and LocalTensorMode of tests/parallel/te
 from __future__ import annotations
 
 import pytest
+import torch
 from torch.distributed._local_tensor import LocalTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -76,4 +77,16 @@ def test_adapter_dropout_under_tp_is_refused(meshes):  # noqa: F811
     glm53.apply_lora(model, 2, dropout=0.1)
     with LocalTensorMode(WORLD), pytest.raises(ValueError, match="LoRA dropout under tensor parallelism"):
         parallelize(model, meshes["tp2"])
+    assert _untouched(model)
+
+
+def test_fp8_base_under_a_bf16_policy_is_refused(meshes):  # noqa: F811
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    model = Glm53ForCausalLM(tiny())
+    quantize_model(model, block=(8, 8))
+    glm53.apply_lora(model, 2)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    with LocalTensorMode(WORLD), pytest.raises(ValueError, match="FP8 base .* MixedPrecisionPolicy"):
+        parallelize(model, meshes["2d"]["dp"], mp_policy=policy)
     assert _untouched(model)
