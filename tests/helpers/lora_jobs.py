@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import math
 import os
 import warnings
 
@@ -73,6 +74,7 @@ def lora_step(
     parallelize(model, mesh)
     world, data_rank = dp * ep * tp, dist.get_rank() // tp  # (dp, tp) meshes: tp is the inner dimension
     per = ids.shape[0] // (dp * ep)
+    gathered = _gathered_bytes(model, ids[data_rank * per : (data_rank + 1) * per]) if fp8 else None
     out = _step(model, [ids[data_rank * per : (data_rank + 1) * per]], world)
     dist.all_reduce(out["loss"])
     out["loss"] /= world
@@ -80,7 +82,41 @@ def lora_step(
     placements = {n: _layout(p) for n, p in model.named_parameters() if "lora_" in n}
     scales = {n: _layout(b)[0] for n, b in model.named_buffers() if ".mlp.experts." in n and n.endswith("_scale_inv")}
     fp8 = sorted(n for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn)
-    return dict(out, frozen_grads=frozen_grads, placements=placements, expert_scales=scales, fp8_params=fp8)
+    return dict(
+        out, frozen_grads=frozen_grads, placements=placements, expert_scales=scales, fp8_params=fp8, gathered=gathered
+    )
+
+
+def _gathered_bytes(model, ids: torch.Tensor) -> dict:
+    """The bytes FSDP's all-gathers send from this rank in one no-grad forward (every unit gathered once) beside
+    this rank's padded shard bytes of every parameter (FP8 values at 1 byte) and its FP8 shard elements."""
+    sent = []
+    keep = dist.all_gather_single
+
+    def record(output, input, *args, **kwargs):
+        sent.append(input.numel() * input.element_size())
+        return keep(output, input, *args, **kwargs)
+
+    dist.all_gather_single = record
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        dist.all_gather_single = keep
+    shard = sum(_padded_numel(p) * p.element_size() for p in model.parameters())
+    fp8 = sum(_padded_numel(p) for p in model.parameters() if p.dtype == torch.float8_e4m3fn)
+    return dict(sent=sum(sent), shard=shard, fp8=fp8)
+
+
+def _padded_numel(p) -> int:
+    """Elements of this rank's shard as FSDP pads it: every dimension ceil(size / the ranks splitting it)."""
+    if not isinstance(p, DTensor):
+        return p.numel()
+    split = [1] * p.dim()
+    for size, placement in zip(p.device_mesh.shape, p.placements):
+        if hasattr(placement, "dim"):
+            split[placement.dim] *= size
+    return math.prod(-(-n // k) for n, k in zip(p.shape, split))
 
 
 def _layout(p) -> tuple:

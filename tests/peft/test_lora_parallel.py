@@ -98,3 +98,7 @@ def test_lora_on_fp8_base_dp2_ep2_matches_one_process(pool4):
     for res in results:  # every text linear and expert weight stayed FP8; each rank holds its experts' scales
         assert len(res["fp8_params"]) > 40 and sum(".mlp.experts." in n for n in res["fp8_params"]) == 6
         assert len(res["expert_scales"]) == 6 and all(s[0] == E // 2 for s in res["expert_scales"].values())
+        # FSDP gathers the frozen FP8 values as FP8: this rank sends exactly its (padded) shards' bytes, FP8 at
+        # 1 byte (a bf16 gather would send `fp8` bytes more)
+        g = res["gathered"]
+        assert g["fp8"] > 10_000 and g["sent"] == g["shard"], g
