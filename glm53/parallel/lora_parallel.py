@@ -10,6 +10,8 @@ W x + s B (A x) with A [r, I], B [O, r]; fused experts hold A [E, r, in], B [E, 
 - Fused experts split on their inner width (ExpertTensorParallel): gate_up's B rows like gate_up's own rows
   (_StridedShard), its A replicated; down's A columns like down's (Shard(2)), its B replicated. The replicated
   factors' gradients are partial sums over tp (the kernel's output is a partial sum over tp, summed on exit).
+Under ep x tp the experts' factors add Shard(0) over ep (expert.py); a tp-replicated factor keeps its Partial tp
+gradient there ((Shard(0), Partial()), LocalShard's grad_placements).
 Readers that take the weight through `as_local` (the absorbed MLA's kv_b_proj, the expert kernel) get this rank's
 shard of each sharded factor and the whole replicated one: with the base's local shard they give this rank's
 shard of the effective weight, and the replicated factor's gradient is declared Partial (summed over tp).

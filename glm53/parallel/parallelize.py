@@ -79,7 +79,7 @@ def apply_tensor_parallel(model: Glm53ForCausalLM, tp_mesh: DeviceMesh) -> None:
 
 def _check_peft_under_tp(model: nn.Module, mesh: DeviceMesh, ep_dim: str) -> None:
     """What glm53.peft adds that tensor parallelism does not take, refused before anything changes: a base held
-    in FP8 (its block scales are not split with the weight), adapter dropout and adapters under ep x tp."""
+    in FP8 (its block scales are not split with the weight) and adapter dropout."""
     fp8 = [n for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn]
     if fp8:
         raise ValueError(
@@ -92,12 +92,6 @@ def _check_peft_under_tp(model: nn.Module, mesh: DeviceMesh, ep_dim: str) -> Non
         raise ValueError(
             f"LoRA dropout under tensor parallelism is not supported ({dropout[0]} has lora_dropout > 0): a "
             "replicated activation would get a different mask on every TP rank; use dropout 0 with tp"
-        )
-    adapters = [n for n, _ in model.named_parameters() if "lora_" in n]
-    if adapters and ep_dim in mesh.mesh_dim_names:
-        raise ValueError(
-            f"LoRA adapters (glm53.peft; {adapters[0]}, ...) under expert x tensor parallelism (ep and tp together) "
-            "are not supported: train them on tp, dp x tp or dp x ep meshes"
         )
 
 

@@ -16,6 +16,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import glm53
@@ -66,10 +67,13 @@ def lora_reference(
 def lora_step(
     config: dict, state: dict, lora_state: dict, ids: torch.Tensor, dp: int, ep: int = 1, tp: int = 1, fp8: bool = False
 ) -> dict:
-    """One adapter step on a dp x ep or dp x tp mesh; the tp ranks of a data rank read the same slice."""
+    """One adapter step on a dp x ep x tp mesh; the tp ranks of a data rank read the same slice."""
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
-    mesh = build_ep_mesh(dp, ep) if ep > 1 else build_mesh(dp, tp)
+    if ep > 1 and tp > 1:  # glm53.parallel's order: ("dp", "ep", "tp"), dp kept
+        mesh = init_device_mesh("cpu", (dp, ep, tp), mesh_dim_names=("dp", "ep", "tp"))
+    else:
+        mesh = build_ep_mesh(dp, ep) if ep > 1 else build_mesh(dp, tp)
     model = lora_model(config, state, lora_state, fp8)
     parallelize(model, mesh)
     world, data_rank = dp * ep * tp, dist.get_rank() // tp  # (dp, tp) meshes: tp is the inner dimension

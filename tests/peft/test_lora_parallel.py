@@ -89,6 +89,19 @@ def test_lora_dp2_tp2_matches_one_process(pool4):
         assert all("dim=0" in res["placements"][n][1]["dp"] for n in TP_LAYOUT)
 
 
+def test_lora_ep2_tp2_matches_one_process(pool4):
+    """Experts Shard(0) over ep and split on their inner width over tp; the tp-replicated expert factors' gradients
+    are Partial over tp (lora_parallel.py), the linears' factors placed as under tp2."""
+    case = make_case(seed=5)
+    results = pool4.run(lora_step, **case, dp=1, ep=2, tp=2)
+    check(results, lora_reference(**case, world=2))
+    E = case["config"]["n_routed_experts"]
+    for res in results:
+        assert {n: res["placements"][n][1]["tp"] for n in TP_LAYOUT} == TP_LAYOUT
+        experts = {n: v for n, v in res["placements"].items() if ".mlp.experts." in n}
+        assert experts and all(p["ep"] == "Shard(dim=0)" and shape[0] == E // 2 for shape, p in experts.values())
+
+
 def test_lora_on_fp8_base_dp2_ep2_matches_one_process(pool4):
     """A frozen FP8 base under dp2 x ep2: the experts' FP8 weights and their block scales Shard(0) over ep."""
     case = make_case(seed=4, fp8=True)
