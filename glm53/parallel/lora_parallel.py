@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import copy
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -113,6 +115,33 @@ _LORA_STYLES: dict[type, type] = {
 }
 
 
+def check_peft(model: nn.Module, has_tp: bool, mp_policy: MixedPrecisionPolicy | None) -> None:
+    """What glm53.peft's additions do not take, refused before `parallelize` changes anything: under tensor
+    parallelism a base held in FP8 (its block scales are not split with the weight) and adapter dropout (a
+    replicated activation would get another mask on every TP rank); an FP8 base under a low-precision FSDP policy
+    (FSDP would cast the FP8 values before gathering them, and their scales would no longer apply)."""
+    fp8 = [n for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn]
+    if has_tp and fp8:
+        raise ValueError(
+            f"an FP8 base (glm53.peft, base_dtype='fp8') under tensor parallelism is not supported: its block "
+            f"scales are not split with the weights ({fp8[0]} and {len(fp8) - 1} more); use base_dtype='bf16' "
+            "with tp, or fp8 on dp / dp x ep meshes"
+        )
+    dropout = [n for n, m in model.named_modules() if getattr(m, "lora_dropout", 0.0) > 0]
+    if has_tp and dropout:
+        raise ValueError(
+            f"LoRA dropout under tensor parallelism is not supported ({dropout[0]} has lora_dropout > 0): a "
+            "replicated activation would get a different mask on every TP rank; use dropout 0 with tp"
+        )
+    low = mp_policy is not None and mp_policy.param_dtype not in (None, torch.float32)
+    if low and fp8:
+        raise ValueError(
+            f"an FP8 base (glm53.peft) under a MixedPrecisionPolicy with param_dtype={mp_policy.param_dtype}: "
+            "FSDP would cast its FP8 values before gathering them and lose their block scales; train an FP8 base "
+            "without the low-precision policy (no --bf16): it is gathered as FP8 and computes in the adapters' dtype"
+        )
+
+
 def _has_adapter(module: nn.Module) -> bool:
     """Whether `module` itself is adapted: LoRA factors of its own (fused experts) or lora_A / lora_B children."""
     return any(LORA_MARK in name for name in module._parameters) or "lora_A" in module._modules
@@ -147,4 +176,4 @@ def with_adapters(model: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str,
     return out
 
 
-__all__ = ["with_adapters", "LoraColwise", "LoraRowwise", "LoraColwiseHeads", "LoraExpertTensorParallel"]
+__all__ = ["with_adapters", "check_peft", "LoraColwise", "LoraRowwise", "LoraColwiseHeads", "LoraExpertTensorParallel"]

@@ -31,7 +31,7 @@ from ..model.mtp import MTPLayer
 from ..precision import keeps_fp32
 from . import comm
 from .expert import apply_expert_parallel, expert_modules, expert_param_names, expert_shard_placement
-from .lora_parallel import with_adapters
+from .lora_parallel import check_peft, with_adapters
 from .mesh import EXPERT_REPLICA_DIMS, REPLICA_DIMS, flat_mesh
 from .placements import name_modules
 from .pool_mass import sum_selected_pool_mass
@@ -75,24 +75,6 @@ def apply_tensor_parallel(model: Glm53ForCausalLM, tp_mesh: DeviceMesh) -> None:
     for module in model.modules():
         if isinstance(module, MultiHeadLatentAttention):
             module.register_forward_hook(_sum_pool_mass_over_heads(tp_mesh, model), with_kwargs=True)
-
-
-def _check_peft_under_tp(model: nn.Module, mesh: DeviceMesh, ep_dim: str) -> None:
-    """What glm53.peft adds that tensor parallelism does not take, refused before anything changes: a base held
-    in FP8 (its block scales are not split with the weight) and adapter dropout."""
-    fp8 = [n for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn]
-    if fp8:
-        raise ValueError(
-            f"an FP8 base (glm53.peft, base_dtype='fp8') under tensor parallelism is not supported: its block "
-            f"scales are not split with the weights ({fp8[0]} and {len(fp8) - 1} more); use base_dtype='bf16' "
-            "with tp, or fp8 on dp / dp x ep meshes"
-        )
-    dropout = [n for n, m in model.named_modules() if getattr(m, "lora_dropout", 0.0) > 0]
-    if dropout:
-        raise ValueError(
-            f"LoRA dropout under tensor parallelism is not supported ({dropout[0]} has lora_dropout > 0): a "
-            "replicated activation would get a different mask on every TP rank; use dropout 0 with tp"
-        )
 
 
 def _sum_pool_mass_over_heads(tp_mesh: DeviceMesh, model: Glm53ForCausalLM):
@@ -406,14 +388,7 @@ def parallelize(
     _check_options(mesh, (dp_dim, tp_dim, ep_dim, cp_dim), has_dp, has_tp, compile, activation_checkpointing, mp_policy)
     has_ep = ep_dim in mesh.mesh_dim_names
     has_cp = cp_dim in mesh.mesh_dim_names
-    if has_tp:
-        _check_peft_under_tp(model, mesh, ep_dim)
-    if _needs_fp32_units(mp_policy) and any(p.dtype == torch.float8_e4m3fn for p in model.parameters()):
-        raise ValueError(
-            f"an FP8 base (glm53.peft) under a MixedPrecisionPolicy with param_dtype={mp_policy.param_dtype}: "
-            "FSDP would cast its FP8 values before gathering them and lose their block scales; train an FP8 base "
-            "without the low-precision policy (no --bf16): it is gathered as FP8 and computes in the adapters' dtype"
-        )
+    check_peft(model, has_tp, mp_policy)  # what glm53.peft's adapters and FP8 base do not take
     roles = dict(dp=dp_dim, cp=cp_dim, ep=ep_dim, tp=tp_dim)
     if has_tp:
         apply_tensor_parallel(model, mesh[tp_dim])
