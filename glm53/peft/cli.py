@@ -195,14 +195,35 @@ def resume_state(args: argparse.Namespace) -> dict | None:
     return state
 
 
+DCP_STATE = "train_state"  # a torchrun save's DCP directory (glm53/parallel/run_checkpoint.py's DCP_DIR)
+ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE, TRAINER_STATE)  # what a LoRA save replaces (with DCP_STATE)
+
+
 def save_run(model: torch.nn.Module, path: str, state: dict) -> bool:
-    """Save a LoRA run (adapter + trainer state, one atomic directory) -> True; False for other runs."""
+    """Save a one-process LoRA run (adapter + trainer state, one atomic directory) -> True; False for other runs.
+    A torchrun save's DCP state there is replaced too (a later resume would read it first)."""
     if not has_lora(model):
         return False
-    with atomic_directory(path, overwrite=True, own=lambda n: n in (CONFIG_FILE, WEIGHTS_FILE, TRAINER_STATE)) as tmp:
+    with atomic_directory(path, overwrite=True, own=lambda n: n in (*ADAPTER_FILES, DCP_STATE)) as tmp:
         save_lora(model, tmp)
         torch.save({**state, "lora_save_id": uuid.uuid4().hex}, os.path.join(tmp, TRAINER_STATE))
     return True
+
+
+def adapter_writer(model: torch.nn.Module):
+    """For a torchrun LoRA save (glm53.parallel.run_checkpoint.save_run_state): -> (writer, the names it writes);
+    the writer `(directory, full, write)` writes the adapter in peft's format, each factor read whole with `full`
+    on every rank, the files by the rank with `write`."""
+    return (lambda directory, full, write: save_lora(model, directory, full=full, write=write)), ADAPTER_FILES
+
+
+def check_distributed(args: argparse.Namespace) -> None:
+    """What a torchrun run with these flags refuses before any model is built."""
+    if getattr(args, "export_merged", None) is not None:
+        raise ConfigError(
+            "--export-merged under torchrun is not supported: save the run (--save), then merge in one process "
+            "(`glm53.load_lora` + `glm53.merge_lora`, or `glm53 generate --model BASE --adapter DIR`)"
+        )
 
 
 def export_merged(args: argparse.Namespace, model: torch.nn.Module) -> str | None:
@@ -239,6 +260,8 @@ __all__ = [
     "build_model",
     "resume_state",
     "save_run",
+    "adapter_writer",
+    "check_distributed",
     "export_merged",
     "add_generate_arguments",
     "with_adapter",

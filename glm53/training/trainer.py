@@ -113,10 +113,10 @@ class Trainer:
         args = self.args
         if not args.resume:
             return None
-        if (lora := peft_cli.resume_state(args)) is not None:  # a LoRA run: adapter + trainer state
+        if has_run_state(args.resume):  # a torchrun run (a LoRA one too), any layout (one process too)
+            return {"dcp": args.resume}  # state.resume_distributed
+        if (lora := peft_cli.resume_state(args)) is not None:  # a one-process LoRA run: adapter + trainer state
             return lora
-        if has_run_state(args.resume):
-            return {"dcp": args.resume}  # a torchrun run, any layout (one process too): state.resume_distributed
         state = load_trainer_state(args.resume)
         saved = state.get("layout", [1, 1])  # [dp, tp] (+ [ep] when ep > 1)
         if list(saved) != _layout(args):
@@ -377,7 +377,8 @@ class Trainer:
         else:
             state["scheduler"] = self.scheduler.state_dict()
         try:
-            if not peft_cli.save_run(self.model, path, state):  # a LoRA run saves its adapter, not the base
+            # a LoRA run saves its adapter, not the base (under torchrun: state.save_distributed)
+            if self.par is not None or not peft_cli.save_run(self.model, path, state):
                 save_run(self.model, path, state, self.par, export=not args.no_export)
         except OSError as e:
             kept = f"the last complete checkpoint is {self.last_saved}" if self.last_saved else "nothing was saved"
