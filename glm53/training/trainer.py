@@ -377,8 +377,7 @@ class Trainer:
         else:
             state["scheduler"] = self.scheduler.state_dict()
         try:
-            # a LoRA run saves its adapter, not the base (under torchrun: state.save_distributed)
-            if self.par is not None or not peft_cli.save_run(self.model, path, state):
+            if self.par is not None or not peft_cli.save_run(self.model, path, state):  # LoRA: the adapter only
                 save_run(self.model, path, state, self.par, export=not args.no_export)
         except OSError as e:
             kept = f"the last complete checkpoint is {self.last_saved}" if self.last_saved else "nothing was saved"
