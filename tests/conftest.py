@@ -29,6 +29,7 @@ SLOW_FIRST = (
     "tests/generation/test_cli.py",
     "tests/training/test_train_ep.py",
     "tests/compile/test_compile_parallel.py",
+    "tests/peft/test_lora_dcp.py",
     "tests/parallel/test_train_state_dcp.py",
     "tests/compile/test_compile_blocks.py",
     "tests/parallel/test_parallel_gloo.py",
