@@ -3,12 +3,14 @@
     python benchmarks/bench_vision.py                    # released widths, depth 2, 8 images at half scale
     python benchmarks/bench_vision.py --depth 4 --scale 1 --reps 3
     python benchmarks/bench_vision.py --quick            # depth 2, quarter scale, 1 rep (a smoke run)
+    python benchmarks/bench_vision.py --quick --profile  # + where one fwd+bwd's time goes (GEMM / attention / rest)
+    python benchmarks/bench_vision.py --quick --vl-step  # + the whole VL model step, images vs text-only
 
 Released widths (hidden 1024, 16 heads, MLP 4096, out 4096, merger 10240, patch 14, merge 2) at `--depth` blocks
 (the release has 24), on one batch of 8 images from 224^2 to 1080p (`--scale` multiplies every side, rounded to
 the 28-pixel grid: the CPU default 0.5 keeps a shared machine's run to minutes). Rows: forward (no_grad) and
 forward+backward (a fixed cotangent on the merged features) medians over `--reps`, alternating the two
-implementations in each repetition; "speedup" is transformers' time / glm53's. "saved MiB/patch" is what
+implementations in each repetition after one untimed warm-up of each; "speedup" is transformers' time / glm53's. "saved MiB/patch" is what
 autograd keeps for backward per patch row (saved-tensor hooks, the same measure for both). Results:
 benchmarks/results/bench_vision.json.
 """
@@ -55,6 +57,96 @@ def towers(depth: int, seed: int = 0):
     return ours, hf
 
 
+# Op categories of the profile split (self CPU time of each aten op, children excluded, forward and backward).
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear", "aten::einsum")
+ATTENTION_OPS = ("scaled_dot_product", "flash_attention", "aten::_softmax", "aten::softmax", "aten::_softmax_backward")
+
+
+def category(op: str) -> str:
+    if any(op == g or op.startswith(g + "_") for g in GEMM_OPS):
+        return "gemm"
+    if any(a in op for a in ATTENTION_OPS):
+        return "attention"
+    return "other"
+
+
+def profile_split(fn) -> tuple[dict[str, float], list[tuple[str, float]]]:
+    """One call of `fn` under torch.profiler -> (seconds per category, the 8 most expensive non-GEMM ops)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    per_op: dict[str, float] = {}
+    for e in prof.key_averages():
+        per_op[e.key] = per_op.get(e.key, 0.0) + e.self_cpu_time_total / 1e6
+    split = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
+    for op, t in per_op.items():
+        split[category(op)] += t
+    others = sorted(((op, t) for op, t in per_op.items() if category(op) != "gemm"), key=lambda x: -x[1])[:8]
+    return split, others
+
+
+VL_TOKENS = dict(
+    image_token_id=4000,
+    video_token_id=4001,
+    image_start_token_id=4002,
+    image_end_token_id=4003,
+    video_start_token_id=4004,
+    video_end_token_id=4005,
+)
+
+
+def vl_step(depth: int, grid: torch.Tensor, pixels: torch.Tensor, reps: int) -> dict:
+    """The whole VL model's training step (lm_loss fwd+bwd) on one row holding the 8 images (their placeholder
+    spans, 16 text tokens after each) vs the same ids with every placeholder / marker replaced by a text token
+    and no pixels: benchmarks/bench_config.py's text model (hidden 256, 8 layers) under a tower of the released
+    widths at `depth` blocks, its projector into width 256 (merger inner width 640: the release's 2.5 x)."""
+    from bench_config import bench_config
+
+    from glm53.vision import with_vision
+    from glm53.vision.model import Glm53ForConditionalGeneration
+
+    text = bench_config()
+    tower = {**RELEASED, "depth": depth, "out_hidden_size": text.hidden_size, "projection_intermediate_size": 640}
+    torch.manual_seed(0)
+    model = Glm53ForConditionalGeneration(with_vision(text, tower, VL_TOKENS)).train()
+    gen = torch.Generator().manual_seed(3)
+    ids = []
+    for _, h, w in grid.tolist():
+        ids += [VL_TOKENS["image_start_token_id"], *[VL_TOKENS["image_token_id"]] * (h * w // 4)]
+        ids += [VL_TOKENS["image_end_token_id"], *torch.randint(1, 3000, (16,), generator=gen).tolist()]
+    with_images = torch.tensor([ids])
+    text_only = with_images.masked_fill(with_images >= 4000, 7)
+    runs = {
+        "images": lambda: model(with_images, pixel_values=pixels, image_grid_thw=grid, labels=text_only).lm_loss,
+        "text-only": lambda: model(text_only, labels=text_only).lm_loss,
+    }
+    for run in runs.values():  # warm-up, untimed
+        run().backward()
+    times = {name: [] for name in runs}
+    for _ in range(reps):
+        for name, run in runs.items():
+            model.zero_grad(set_to_none=True)
+            times[name].append(timed(lambda: run().backward()))
+    saved = {name: saved_bytes(run) for name, run in runs.items()}
+    N = pixels.shape[0]
+    rows = [
+        dict(
+            batch=name,
+            tokens=with_images.shape[1],
+            step_s=f"{median(times[name]):.3f}",
+            saved_MiB=f"{saved[name] / 2**20:.1f}",
+        )
+        for name in runs
+    ]
+    extra = (saved["images"] - saved["text-only"]) / N / 2**20
+    ratio = median(times["images"]) / median(times["text-only"])
+    print(f"whole VL model step, one row of {with_images.shape[1]} tokens ({N} image patches, {N // 4} placeholders):")
+    print(table(rows, ["batch", "tokens", "step_s", "saved_MiB"]))
+    print(f"  images / text-only step time {ratio:.2f}x; saved for backward per image patch {extra:.3f} MiB")
+    return dict(rows=rows, step_ratio=ratio, saved_mib_per_image_patch=extra, times=times)
+
+
 def saved_bytes(fn) -> int:
     total = 0
 
@@ -75,6 +167,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=positive_int, default=3)
     p.add_argument("--threads", type=positive_int, default=None)
     p.add_argument("--quick", action="store_true")
+    p.add_argument(
+        "--vl-step",
+        action="store_true",
+        help="also time the whole VL model's training step with the images vs text-only on the same tokens",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile one fwd+bwd of each: time in GEMMs vs attention vs the rest (norms, rope, SwiGLU, copies)",
+    )
     p.add_argument("--out", default="bench_vision.json")
     args = p.parse_args(argv)
     if not 0 < args.scale <= 2:
@@ -96,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():
         a, b = runs["glm53"](), runs["transformers"]()
     max_rel = ((a - b).abs().max() / b.abs().max()).item()
+    for run in runs.values():  # warm-up, untimed: the process's first backward pays one-time set-up costs
+        (run() * cot).sum().backward()
     times = {(name, mode): [] for name in runs for mode in ("fwd", "fwd+bwd")}
     for _ in range(args.reps):
         for name, run in runs.items():  # paired: both in every repetition
@@ -105,6 +209,12 @@ def main(argv: list[str] | None = None) -> int:
             model.zero_grad(set_to_none=True)
             times[(name, "fwd+bwd")].append(timed(lambda: (run() * cot).sum().backward()))
     saved = {name: saved_bytes(run) for name, run in runs.items()}
+    splits = {}
+    if args.profile:
+        for name, run in runs.items():
+            (ours if name == "glm53" else hf).zero_grad(set_to_none=True)
+            split, others = profile_split(lambda: (run() * cot).sum().backward())
+            splits[name] = dict(seconds=split, top_non_gemm=others)
     rows = []
     for mode in ("fwd", "fwd+bwd"):
         t_ours, t_hf = median(times[("glm53", mode)]), median(times[("transformers", mode)])
@@ -126,6 +236,18 @@ def main(argv: list[str] | None = None) -> int:
         f"saved for backward, MiB per patch: glm53 {per_patch['glm53']:.3f}, transformers "
         f"{per_patch['transformers']:.3f}"
     )
+    vl = vl_step(args.depth, grid, pixels, args.reps) if args.vl_step else None
+    if splits:
+        prof_rows = []
+        for name, sp in splits.items():
+            total = sum(sp["seconds"].values())
+            row = dict(impl=name, total_s=f"{total:.2f}")
+            row.update({f"{k}_share": f"{v / total:.1%}" for k, v in sp["seconds"].items()})
+            prof_rows.append(row)
+        print("profile of one fwd+bwd (self CPU time by op category):")
+        print(table(prof_rows, ["impl", "total_s", "gemm_share", "attention_share", "other_share"]))
+        for name, sp in splits.items():
+            print(f"  {name} top non-GEMM ops: " + ", ".join(f"{op} {t:.2f}s" for op, t in sp["top_non_gemm"]))
     path = write_json(
         args.out,
         dict(
@@ -135,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
             rows=rows,
             max_rel_diff=max_rel,
             saved_mib_per_patch=per_patch,
+            profile=splits,
+            vl_step=vl,
             times={f"{k[0]}/{k[1]}": v for k, v in times.items()},
         ),
     )

@@ -58,21 +58,23 @@ def build_vl_tokenizer():
     return tok
 
 
-def build_vl_model(tok, seed: int = 0, tower: dict | None = None):
-    """A random tiny Glm53ForConditionalGeneration whose vocabulary and media token ids are `tok`'s."""
+def build_vl_model(tok, seed: int = 0, tower: dict | None = None, text: dict | None = None):
+    """A random tiny Glm53ForConditionalGeneration whose vocabulary and media token ids are `tok`'s (`tower`,
+    `text`: config overrides)."""
     from glm53 import Glm53Config
     from glm53.vision import with_vision
     from glm53.vision.model import Glm53ForConditionalGeneration
 
-    text = Glm53Config.tiny(
+    config = Glm53Config.tiny(
         hidden_size=36,
         q_lora_rank=20,
         kv_lora_rank=12,
         num_nextn_predict_layers=1,
         vocab_size=-(-len(tok) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE,
+        **(text or {}),
     )
     ids = {name: tok.convert_tokens_to_ids(t) for t, name in TOKEN_FIELDS.items()}
-    config = with_vision(text, {**TOWER, "out_hidden_size": text.hidden_size, **(tower or {})}, ids)
+    config = with_vision(config, {**TOWER, "out_hidden_size": config.hidden_size, **(tower or {})}, ids)
     torch.manual_seed(seed)
     return Glm53ForConditionalGeneration(config)
 

@@ -146,9 +146,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         nargs="?",
         const="inductor",
         default=None,
-        choices=("inductor", "aot_eager"),
+        choices=("inductor", "aot_eager", "eager"),
         help="run every step after the prefill as torch.compile of the same forward (generation/step.py; "
-        "the first step compiles, which counts in the decode time printed)",
+        "the first step compiles, which counts in the decode time printed); aot_eager and eager are "
+        "torch.compile's backends without code generation (traced graphs run by ATen: for checking, not speed)",
     )
     vl_prompt.add_arguments(p)  # --image, --video, --video-fps: a vision-language --model
 

@@ -47,15 +47,38 @@ def length_groups(lengths: list[int]) -> list[list[int]]:
     return groups
 
 
+def _run(starts: list[int], lengths: list[int], group: list[int]) -> tuple[int, int] | None:
+    """(first row, rows) when the group's segments are equally long and back to back (one image, or a video's
+    temporal slices): its q, k, v are then a view [G, L, H, hd] of the rows, with no gather and no mask."""
+    ordered = sorted(group)
+    L = lengths[ordered[0]]
+    if all(lengths[i] == L and starts[i] == starts[ordered[0]] + j * L for j, i in enumerate(ordered)):
+        return starts[ordered[0]], L
+    return None
+
+
 def segment_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Same result as the reference: one padded SDPA call per group of similar-length segments."""
+    """Same result as the reference: one padded SDPA call per group of similar-length segments. Groups of
+    back-to-back equal segments (every image alone in its group, a video's slices) read views of q, k, v; when
+    every group is such a run the output is their concatenation in row order (no gather, no scatter: a batch of
+    mixed-size images costs what transformers' per-image loop does around the attention itself)."""
     N = q.shape[0]
     bounds = cu_seqlens.tolist()  # NOTE: syncs (the group shapes are host sizes)
     starts, lengths = bounds[:-1], [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+    groups = length_groups(lengths)
+    runs = [_run(starts, lengths, g) for g in groups]
+    if groups and all(r is not None for r in runs):
+        outs = []
+        for (first, L), group in sorted(zip(runs, groups)):  # row order
+            G = len(group)
+            qg, kg, vg = (t[first : first + G * L].view(G, L, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
+            o = F.scaled_dot_product_attention(qg, kg, vg, scale=scale)  # [G, H, L, hd]
+            outs.append(o.transpose(1, 2).reshape(G * L, *q.shape[1:]))
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
     rows, values = [], []
-    for group in length_groups(lengths):
+    for group in groups:
         L = lengths[group[0]]
         start = torch.tensor([starts[i] for i in group], device=q.device)  # [G]
         length = torch.tensor([lengths[i] for i in group], device=q.device)  # [G]

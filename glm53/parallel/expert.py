@@ -30,11 +30,12 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from ..checkpoint.fp8 import SCALE_SUFFIX
 from ..hooks import set_expert_dispatcher
 from ..kernels import kernel
 from ..model.moe import Experts
 from . import comm
-from .placements import LocalShard, set_placement_rule
+from .placements import LocalShard, placement_rule, set_placement_rule
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")  # [E, 2I, D], [E, D, I]
 
@@ -175,6 +176,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, ep_tp_mesh: Dev
                 local = param.data.to_local()
                 El = local.shape[0] // ep
                 placements = (Shard(0), *param.placements)
+                grads = _tp_grad(placement_rule(module, name), param.placements)
                 shard = DTensor.from_local(
                     local[rank * El : (rank + 1) * El].clone(),
                     ep_tp_mesh,
@@ -184,11 +186,36 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, ep_tp_mesh: Dev
                     stride=param.stride(),
                 )
             else:
-                placements = (Shard(0),)
+                placements, grads = (Shard(0),), None
                 shard = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
             module.register_parameter(name, nn.Parameter(shard, requires_grad=param.requires_grad))
-            set_placement_rule(module, name, LocalShard(placements))
+            set_placement_rule(module, name, LocalShard(placements, grads))
+        _shard_block_scales(module, ep_mesh, ep_tp_mesh)
         _DISPATCH[module] = ExpertParallelDispatch(ep_mesh)
+
+
+def _tp_grad(rule, tp_placements) -> tuple | None:
+    """The gradient placements over (ep, tp) of a parameter whose TP rule declares its gradient (a LoRA factor
+    replicated over tp with a Partial gradient, lora_parallel.py), else None (the gradient is placed like it)."""
+    grads = getattr(rule, "grad_placements", None)
+    return None if grads is None or tuple(grads) == tuple(tp_placements) else (Shard(0), *grads)
+
+
+def _shard_block_scales(module: nn.Module, ep_mesh: DeviceMesh, ep_tp_mesh: DeviceMesh | None) -> None:
+    """An FP8 base's block-scale buffers (glm53.peft: `<param>_scale_inv` [E, blocks, blocks]) Shard(0) over ep
+    like their weights, so each rank dequantises its own experts with their own scales (buffers: no gradient)."""
+    for name in EXPERT_PARAMS:
+        scale = module._buffers.get(name + SCALE_SUFFIX)
+        if scale is None:
+            continue
+        if ep_tp_mesh is not None:
+            raise ValueError(
+                f"{name}: an FP8 base's block scales cannot follow its weight's inner-width split over tp; "
+                "an FP8 base trains on dp / dp x ep meshes"
+            )
+        shard = distribute_tensor(scale, ep_mesh, [Shard(0)], src_data_rank=None)
+        module.register_buffer(name + SCALE_SUFFIX, shard)
+        set_placement_rule(module, name + SCALE_SUFFIX, LocalShard((Shard(0),)))
 
 
 def expert_shard_placement(dp_size: int, ep_sharded: bool):

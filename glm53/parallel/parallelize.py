@@ -31,6 +31,7 @@ from ..model.mtp import MTPLayer
 from ..precision import keeps_fp32
 from . import comm
 from .expert import apply_expert_parallel, expert_modules, expert_param_names, expert_shard_placement
+from .lora_parallel import check_peft, with_adapters
 from .mesh import EXPERT_REPLICA_DIMS, REPLICA_DIMS, flat_mesh
 from .placements import name_modules
 from .pool_mass import sum_selected_pool_mass
@@ -64,7 +65,7 @@ def apply_tensor_parallel(model: Glm53ForCausalLM, tp_mesh: DeviceMesh) -> None:
     became a DTensor on it."""
     check_tp_size(model, tp_mesh.size())
     name_modules(model)
-    parallelize_module(model, tp_mesh, {**tp_plan(model), **vision_tp_plan(model)})
+    parallelize_module(model, tp_mesh, with_adapters(model, {**tp_plan(model), **vision_tp_plan(model)}))
     missed = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
     if missed:
         raise RuntimeError(
@@ -275,9 +276,9 @@ def vision_tp_plan(model: nn.Module) -> dict:
         return {}
     plan = {}
     for name, module in visual.named_modules():
-        if not any(True for _ in module.parameters(recurse=False)):
-            continue
-        plan[f"visual.{name}"] = ReplicateModule() if type(module) is nn.Linear else ReplicateParams()
+        if not any(True for _ in module.parameters(recurse=False)) or name.rpartition(".")[2] in ("lora_A", "lora_B"):
+            continue  # a LoRA factor is replicated with its linear (ReplicateModule covers submodules)
+        plan[f"visual.{name}"] = ReplicateModule() if isinstance(module, nn.Linear) else ReplicateParams()
     return plan
 
 
@@ -387,11 +388,7 @@ def parallelize(
     _check_options(mesh, (dp_dim, tp_dim, ep_dim, cp_dim), has_dp, has_tp, compile, activation_checkpointing, mp_policy)
     has_ep = ep_dim in mesh.mesh_dim_names
     has_cp = cp_dim in mesh.mesh_dim_names
-    if has_tp and any("lora_" in n for n, _ in model.named_parameters()):
-        raise ValueError(
-            "LoRA adapters (glm53.peft) under tensor parallelism are not supported yet: train them on "
-            "dp / dp x ep meshes"
-        )
+    check_peft(model, has_tp, mp_policy)  # what glm53.peft's adapters and FP8 base do not take
     roles = dict(dp=dp_dim, cp=cp_dim, ep=ep_dim, tp=tp_dim)
     if has_tp:
         apply_tensor_parallel(model, mesh[tp_dim])

@@ -85,12 +85,18 @@ class Whole:
 
 @dataclass(frozen=True)
 class LocalShard:
-    """Boundary rule: the kernel takes this rank's shard, which must be placed exactly as `placements`."""
+    """Boundary rule: the kernel takes this rank's shard, which must be placed exactly as `placements`.
+    `grad_placements`: what its gradient is when not the same (a factor replicated over tp that meets this rank's
+    tp shard of another, under ep x tp: (Shard(0), Partial()); glm53/parallel/lora_parallel.py)."""
 
     placements: tuple[Placement, ...]
+    grad_placements: tuple[Placement, ...] | None = None
 
     def __call__(self, t: torch.Tensor, name: str) -> torch.Tensor:
-        return local_shard(t, name, self.placements)
+        local = local_shard(t, name, self.placements)
+        if self.grad_placements is None or not isinstance(t, DTensor):
+            return local
+        return t.to_local(grad_placements=self.grad_placements)
 
 
 # module -> {parameter name: rule}; module -> its FQN for messages. Weak keys: rules die with the model.

@@ -10,10 +10,12 @@ Legend: dp/tp the mesh dimensions; a "run" is a training checkpoint directory.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 
 from ..checkpoint.shards import checkpoint_owns
 from ..config import Glm53Config
@@ -75,23 +77,49 @@ def has_run_state(path: str) -> bool:
 
 
 def save_run_state(
-    model: Glm53ForCausalLM, optimizer: torch.optim.Optimizer, path: str, extra: dict, *, export: bool = True
+    model: Glm53ForCausalLM,
+    optimizer: torch.optim.Optimizer,
+    path: str,
+    extra: dict,
+    *,
+    export: bool = True,
+    adapter: Callable | None = None,
+    adapter_files: tuple[str, ...] = (),
 ) -> None:
     """Write the run to `path` (replacing it, keeping foreign files): the official layout unless `export` is
-    False (config.json always), and the DCP training state with `extra`; every rank writes its own part."""
-    with shared_atomic_directory(
-        path, overwrite=True, own=lambda name: name == DCP_DIR or checkpoint_owns(name)
-    ) as tmp:
-        if export:
+    False (config.json always), and the DCP training state with `extra`; every rank writes its own part.
+
+    A LoRA run (`adapter`, glm53.peft's writer `adapter(directory, full, write)`, and the names it writes,
+    `adapter_files`): every rank gathers each adapter whole with `full` and rank 0 writes the adapter files
+    (peft's format, readable on any layout and by peft); no official layout, and the DCP state holds only the
+    trainable parameters and their optimizer state (the frozen base is re-read from --init on resume)."""
+    owned = {DCP_DIR, *adapter_files}
+    with shared_atomic_directory(path, overwrite=True, own=lambda name: name in owned or checkpoint_owns(name)) as tmp:
+        if adapter is not None:
+            adapter(tmp, full_tensor, dist.get_rank() == 0)
+        elif export:
             write_official(model, tmp)
         elif dist.get_rank() == 0:
             write_config(model, tmp)
-        write_training_state(os.path.join(tmp, DCP_DIR), model, optimizer, extra)
+        write_training_state(os.path.join(tmp, DCP_DIR), model, optimizer, extra, trainable_only=adapter is not None)
 
 
-def load_run_state(path: str, model: Glm53ForCausalLM, optimizer: torch.optim.Optimizer, extra: dict) -> dict:
-    """Fill `model` and `optimizer` from the run at `path` (any layout); -> `extra` with the saved values."""
-    return read_training_state(os.path.join(path, DCP_DIR), model, optimizer, extra)
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole value of a (possibly sharded) parameter on every rank (a collective for a DTensor)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def load_run_state(
+    path: str,
+    model: Glm53ForCausalLM,
+    optimizer: torch.optim.Optimizer,
+    extra: dict,
+    *,
+    trainable_only: bool = False,
+) -> dict:
+    """Fill `model` and `optimizer` from the run at `path` (any layout); -> `extra` with the saved values.
+    `trainable_only`: a LoRA run's state (the parameters that require gradients; the base was loaded already)."""
+    return read_training_state(os.path.join(path, DCP_DIR), model, optimizer, extra, trainable_only=trainable_only)
 
 
 __all__ = [

@@ -96,9 +96,15 @@ class _LoadPlanner(DefaultLoadPlanner):
         return obj.__get_tensor_shard__(index) if isinstance(obj, _BoxChunks) else super().lookup_tensor(index)
 
 
-def _flat(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict, dict | None]:
-    """(DCP state dict, model state dict, optimizer state dict); the DCP entries alias the other two."""
+def _flat(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, trainable_only: bool = False
+) -> tuple[dict, dict, dict | None]:
+    """(DCP state dict, model state dict, optimizer state dict); the DCP entries alias the other two.
+    `trainable_only`: the model's entries are the parameters that require gradients (a frozen base is not saved)."""
     model_sd = get_model_state_dict(model)
+    if trainable_only:
+        trained = {n for n, p in model.named_parameters() if p.requires_grad}
+        model_sd = {n: t for n, t in model_sd.items() if n in trained}
     flat: dict[str, object] = {}
     for name, tensor in model_sd.items():
         flat[f"model.{name}"] = _entry(tensor)
@@ -117,13 +123,19 @@ def _no_dist() -> bool:
 
 
 def write_training_state(
-    directory: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict | None = None
+    directory: str,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    extra: dict | None = None,
+    *,
+    trainable_only: bool = False,
 ) -> None:
     """Write the state into `directory` (existing, shared by all ranks; call on every rank).
 
-    `extra` maps names to picklable objects or tensors; give per-rank objects per-rank names.
+    `extra` maps names to picklable objects or tensors; give per-rank objects per-rank names. `trainable_only`:
+    of the model, only the parameters that require gradients (a LoRA run: adapters; the base is re-read).
     """
-    flat, _, _ = _flat(model, optimizer)
+    flat, _, _ = _flat(model, optimizer, trainable_only)
     for name, value in (extra or {}).items():
         flat[f"extra.{name}"] = value
     dcp.save(flat, checkpoint_id=directory, planner=_SavePlanner(), no_dist=_no_dist())
@@ -156,17 +168,23 @@ def _read_failure(directory: str, error: BaseException) -> CheckpointError:
 
 
 def read_training_state(
-    directory: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict | None = None
+    directory: str,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    extra: dict | None = None,
+    *,
+    trainable_only: bool = False,
 ) -> dict:
     """Load model (and optimizer) state from `directory` into `model` on its current layout (call on every rank).
 
     `extra` maps names to default objects (a tensor's shape must match the saved one); those present in the
     checkpoint are returned loaded, the others as given. The optimizer's param_groups (lr, betas...) are restored.
+    `trainable_only`: only the parameters that require gradients are read (the rest of the model is kept).
     """
     if not os.path.isfile(os.path.join(directory, ".metadata")):
         raise FileNotFoundError(f"{directory} holds no DCP training state (no .metadata)")
     stored = saved_keys(directory)
-    flat, model_sd, optim_sd = _flat(model, optimizer)
+    flat, model_sd, optim_sd = _flat(model, optimizer, trainable_only)
     if optim_sd is not None:  # parameters that never had a gradient have no AdamW state when saved: keep none
         for fqn in [f for f, state in optim_sd["state"].items() if not any(f"optim.{f}.{k}" in stored for k in state)]:
             for key in optim_sd["state"].pop(fqn):
@@ -184,7 +202,7 @@ def read_training_state(
     except (CheckpointException, EOFError, OSError, RuntimeError, ValueError) as e:
         raise _read_failure(directory, e) from e
     with torch.no_grad():
-        set_model_state_dict(model, model_sd, options=StateDictOptions(strict=True))
+        set_model_state_dict(model, model_sd, options=StateDictOptions(strict=not trainable_only))
     if optimizer is not None:
         optim_sd["param_groups"] = flat[PARAM_GROUPS]
         _copy_scalars(flat, optim_sd)

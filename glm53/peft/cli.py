@@ -125,20 +125,19 @@ def _check(args: argparse.Namespace) -> None:
         raise ConfigError("--base-dtype fp8 keeps the base frozen: add --lora-rank (or --freeze for the FP8 groups)")
 
 
-def build_model(args: argparse.Namespace, preset=None) -> Glm53ForCausalLM | None:
+def build_model(args: argparse.Namespace, preset=None, cls: type = Glm53ForCausalLM) -> Glm53ForCausalLM | None:
     """The model a run with these flags trains (None when no flag of this file is set): the base from --init
-    (or the preset) in --base-dtype, the adapters from --resume (a LoRA run's checkpoint) or fresh, --freeze."""
+    (or the preset) in --base-dtype, the adapters from --resume (a LoRA run's checkpoint) or fresh, --freeze.
+    `cls`: the model class (Glm53ForConditionalGeneration for image/video data, glm53/training/vl_finetune.py)."""
     if not enabled(args):
         return None
     _check(args)
     resume = getattr(args, "resume", None)
     base = getattr(args, "init", None) or (_recorded_base(resume) if resume else None)
     if base:
-        model = load_base(
-            Glm53ForCausalLM, base, args.base_dtype or "bf16", dtype=torch.float32, quantize=args.quantize_base
-        )
+        model = load_base(cls, base, args.base_dtype or "bf16", dtype=torch.float32, quantize=args.quantize_base)
     else:
-        model = Glm53ForCausalLM.from_config(preset())
+        model = cls.from_config(preset())
     if args.lora_rank is not None:
         if resume and os.path.isfile(os.path.join(resume, CONFIG_FILE)):
             load_lora(model, resume)
@@ -196,14 +195,35 @@ def resume_state(args: argparse.Namespace) -> dict | None:
     return state
 
 
+DCP_STATE = "train_state"  # a torchrun save's DCP directory (glm53/parallel/run_checkpoint.py's DCP_DIR)
+ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE, TRAINER_STATE)  # what a LoRA save replaces (with DCP_STATE)
+
+
 def save_run(model: torch.nn.Module, path: str, state: dict) -> bool:
-    """Save a LoRA run (adapter + trainer state, one atomic directory) -> True; False for other runs."""
+    """Save a one-process LoRA run (adapter + trainer state, one atomic directory) -> True; False for other runs.
+    A torchrun save's DCP state there is replaced too (a later resume would read it first)."""
     if not has_lora(model):
         return False
-    with atomic_directory(path, overwrite=True, own=lambda n: n in (CONFIG_FILE, WEIGHTS_FILE, TRAINER_STATE)) as tmp:
+    with atomic_directory(path, overwrite=True, own=lambda n: n in (*ADAPTER_FILES, DCP_STATE)) as tmp:
         save_lora(model, tmp)
         torch.save({**state, "lora_save_id": uuid.uuid4().hex}, os.path.join(tmp, TRAINER_STATE))
     return True
+
+
+def adapter_writer(model: torch.nn.Module):
+    """For a torchrun LoRA save (glm53.parallel.run_checkpoint.save_run_state): -> (writer, the names it writes);
+    the writer `(directory, full, write)` writes the adapter in peft's format, each factor read whole with `full`
+    on every rank, the files by the rank with `write`."""
+    return (lambda directory, full, write: save_lora(model, directory, full=full, write=write)), ADAPTER_FILES
+
+
+def check_distributed(args: argparse.Namespace) -> None:
+    """What a torchrun run with these flags refuses before any model is built."""
+    if getattr(args, "export_merged", None) is not None:
+        raise ConfigError(
+            "--export-merged under torchrun is not supported: save the run (--save), then merge in one process "
+            "(`glm53.load_lora` + `glm53.merge_lora`, or `glm53 generate --model BASE --adapter DIR`)"
+        )
 
 
 def export_merged(args: argparse.Namespace, model: torch.nn.Module) -> str | None:
@@ -240,6 +260,8 @@ __all__ = [
     "build_model",
     "resume_state",
     "save_run",
+    "adapter_writer",
+    "check_distributed",
     "export_merged",
     "add_generate_arguments",
     "with_adapter",

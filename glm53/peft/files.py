@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -74,25 +75,36 @@ def _expert_keys(hf: str, module: Experts) -> dict[str, str]:
     return {p: f"{PEFT_PREFIX}{hf}." + "base_layer." * (len(present) - 1 - i) for i, p in enumerate(present)}
 
 
-def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The adapters as peft's keys and layouts (fp32 copies on the CPU)."""
+def adapter_state(
+    model: nn.Module, full: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
+    """The adapters as peft's keys and layouts (fp32 copies on the CPU). `full`: how to read a factor whole
+    (a parallelized model's sharded parameters: glm53.parallel gathers them; called in the same order everywhere)."""
     n = model.config.num_hidden_layers
+    whole = full or (lambda t: t)
     out = {}
     for name, module in _adapted(model).items():
         hf = hf_module_name(name, n)
         if isinstance(module, Experts):
             for param, prefix in _expert_keys(hf, module).items():
-                A, B = getattr(module, f"{param}_lora_A"), getattr(module, f"{param}_lora_B")  # [E, r, I], [E, O, r]
-                out[prefix + "lora_A.weight"] = A.detach().reshape(-1, A.shape[-1])
-                out[prefix + "lora_B.weight"] = B.detach().permute(1, 2, 0).reshape(B.shape[1], -1)
+                A = whole(getattr(module, f"{param}_lora_A").detach())  # [E, r, I]
+                B = whole(getattr(module, f"{param}_lora_B").detach())  # [E, O, r]
+                out[prefix + "lora_A.weight"] = A.reshape(-1, A.shape[-1])
+                out[prefix + "lora_B.weight"] = B.permute(1, 2, 0).reshape(B.shape[1], -1)
         else:
-            out[f"{PEFT_PREFIX}{hf}.lora_A.weight"] = module.lora_A.weight.detach()
-            out[f"{PEFT_PREFIX}{hf}.lora_B.weight"] = module.lora_B.weight.detach()
+            out[f"{PEFT_PREFIX}{hf}.lora_A.weight"] = whole(module.lora_A.weight.detach())
+            out[f"{PEFT_PREFIX}{hf}.lora_B.weight"] = whole(module.lora_B.weight.detach())
     return {k: v.float().cpu().contiguous() for k, v in out.items()}
 
 
-def save_lora(model: nn.Module, path: str | os.PathLike) -> str:
-    """Write the model's adapters to directory `path` in peft's format -> the directory."""
+def save_lora(
+    model: nn.Module,
+    path: str | os.PathLike,
+    full: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    write: bool = True,
+) -> str:
+    """Write the model's adapters to directory `path` in peft's format -> the directory. A parallelized model:
+    every rank calls it with `full` (reads a sharded factor whole) and one rank with `write` True writes."""
     if not has_lora(model):
         raise ConfigError("save_lora: the model has no LoRA adapters (apply_lora first)")
     path = os.fspath(path)
@@ -127,9 +139,12 @@ def save_lora(model: nn.Module, path: str | os.PathLike) -> str:
         "inference_mode": True,
     }
     identity = _identity(model)
+    state = adapter_state(model, full)
+    if not write:
+        return path
     os.makedirs(path, exist_ok=True)
     tmp = os.path.join(path, WEIGHTS_FILE + ".tmp")
-    save_file(adapter_state(model), tmp, metadata={"format": "pt", "glm53_model": json.dumps(identity)})
+    save_file(state, tmp, metadata={"format": "pt", "glm53_model": json.dumps(identity)})
     os.replace(tmp, os.path.join(path, WEIGHTS_FILE))
     with open(os.path.join(path, CONFIG_FILE + ".tmp"), "w") as f:
         json.dump(config, f, indent=2)
@@ -198,7 +213,7 @@ def load_lora(model: nn.Module, path: str | os.PathLike) -> list[str]:
     groups = _group_keys(_read_weights(path), file)
     n = model.config.num_hidden_layers
     names = dict(model.named_modules())
-    vision = next((k.split("visual.")[0] + "visual." for k in names if k.endswith("visual")), "model.visual.")
+    vision = next((k + "." for k in names if k == "visual" or k.endswith(".visual")), "model.visual.")
     placed = _place(groups, names, n, vision, file)
     rank, alpha = config.get("r"), config.get("lora_alpha")
     if has_lora(model):

@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..checkpoint import fp8 as fp8_format
+from ..hooks import as_local
 
 SCALE = fp8_format.SCALE_SUFFIX  # the scale buffer of `<name>` is `<name>_scale_inv`, as on disk
 
@@ -46,15 +47,15 @@ def dequantize_blocks(
 
 def dequantized(module: nn.Module, name: str, local: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """`module.<name>` (FP8, given as `local`) dequantised in the module's compute dtype (or `dtype`)."""
-    scale = getattr(module, name + SCALE)
+    scale = as_local(module, name + SCALE)  # this rank's experts' scales under expert parallelism
     if local.shape[:-2] != scale.shape[:-2]:
         raise ValueError(
             f"FP8 base {name} {tuple(local.shape)} with scales {tuple(scale.shape)}: its scales were "
-            "not sharded with it (an FP8 base under expert parallelism is not supported yet)"
+            "not sharded with it"
         )
     return dequantize_blocks(
         local,
-        getattr(module, name + SCALE),
+        scale,
         module.fp8_block,
         dtype or module.fp8_compute_dtype,
         module.fp8_parts.get(name, 1),

@@ -1,6 +1,9 @@
 """The model of a `glm53 train` run under torchrun: which weights it starts from, on which device and in which
 precision (trainer.py calls `init_parallel_model(args, mesh)`; the single-process run builds its model itself).
 
+    LoRA / --freeze / --base-dtype  glm53.peft builds the model whole on every rank (the base from --init, or the
+                               one a LoRA save names; its adapter), then parallelize; a LoRA resume's DCP state
+                               fills the trainable parameters and their optimizer state
     --resume DIR (a DCP run)   build on meta, parallelize; the DCP state fills it (any saved layout)
     --init DIR                 build on meta, parallelize, `glm53.parallel.load_pretrained` (own slices only)
     otherwise                  the preset, seeded identically on every rank, then parallelize
@@ -20,6 +23,8 @@ from ..config import Glm53Config
 from ..losses import Glm53ForCausalLM
 from ..parallel import context_parallel_inputs, parallelize
 from ..parallel.run_checkpoint import bf16_policy, has_run_state, parallel_model
+from ..peft import cli as peft_cli
+from ..peft import freeze
 
 
 def init_parallel_model(
@@ -33,15 +38,27 @@ def init_parallel_model(
         compile=args.compile,
         model_class=model_class,
     )
-    if args.resume and has_run_state(args.resume):
-        return parallel_model(Glm53Config.from_pretrained(args.resume), mesh, **options)
+    resuming = bool(args.resume and has_run_state(args.resume))
+    if peft_cli.enabled(args) and (args.lora_rank is not None or not resuming):
+        # LoRA / frozen groups / a frozen FP8 or bf16 base: built whole on every rank, then sharded
+        peft_cli.check_distributed(args)
+        model = peft_cli.build_model(args, preset)
+        return _parallelize(model.to(mesh.device_type), mesh, args)
+    if resuming:
+        model = parallel_model(Glm53Config.from_pretrained(args.resume), mesh, **options)
+        if getattr(args, "freeze", None) is not None:  # a --freeze run (no adapters) saved the whole model
+            freeze(model, args.freeze)
+        return model
     if args.init:
         return parallel_model(Glm53Config.from_pretrained(args.init), mesh, init=args.init, **options)
     if args.resume:  # an official-layout checkpoint with a trainer_state.pt of the old format
         model = Glm53ForCausalLM.from_pretrained(args.resume)
     else:
         model = Glm53ForCausalLM(preset())
-    model.to(mesh.device_type)
+    return _parallelize(model.to(mesh.device_type), mesh, args)
+
+
+def _parallelize(model: Glm53ForCausalLM, mesh, args: argparse.Namespace) -> Glm53ForCausalLM:
     return parallelize(
         model,
         mesh,

@@ -25,6 +25,8 @@ from ..checkpoint.save import check_savable, write_checkpoint_files
 from ..checkpoint.shards import checkpoint_owns
 from ..errors import CheckpointError
 from ..losses import Glm53ForCausalLM
+from ..peft import cli as peft_cli
+from ..peft import has_lora
 
 TRAINER_STATE = "trainer_state.pt"
 RUN_TAG = "glm53_run_tag"  # "<save id>:<step>", in every shard's header and in trainer_state.pt
@@ -91,6 +93,10 @@ def save_distributed(model: Glm53ForCausalLM, path: str, state: dict, par, expor
     }
     if state.get("data") is not None:  # the --data cursor, the same on every rank
         extra["data_state"] = _encode_data_state(state["data"])
+    if has_lora(model):  # the adapter in peft's format + the trainable parameters' DCP state; no base
+        adapter, files = peft_cli.adapter_writer(model)
+        save_run_state(model, state["optimizer"], path, extra, export=False, adapter=adapter, adapter_files=files)
+        return
     save_run_state(model, state["optimizer"], path, extra, export=export)
 
 
@@ -117,7 +123,7 @@ def resume_distributed(
         rng_key: torch.get_rng_state(),
         "data_state": torch.zeros(DATA_STATE_BYTES, dtype=torch.uint8),
     }
-    got = load_run_state(path, model, optimizer, defaults)
+    got = load_run_state(path, model, optimizer, defaults, trainable_only=has_lora(model))
     generator.set_state(got[data_key])
     torch.set_rng_state(got[rng_key])
     saved = [int(v) for v in got["layout"]]

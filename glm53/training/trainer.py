@@ -1,15 +1,12 @@
 """The training loop behind `python -m glm53 train` (cli.py): setup, resume, step, log, save.
 
-Every step: forward with labels (lm + MTP + router balance + indexer KL losses, glm53/model/model.py) and backward
-for each of the --grad-accum micro-batches, every loss part divided by its count over the whole global batch
-(losses/counts.py), then gradient clipping, AdamW, and the aux-loss-free router bias update from the step's
-expert loads. Data: the built-in byte corpus, or --data FILE packed into rows (finetune.py) from an --init model.
-`--save DIR` writes the final checkpoint to DIR and, with `--save-every N`, intermediate ones to DIR/step-N
-(state.py). Under torchrun the ranks form a (dp, tp) DeviceMesh, rank = dp_rank * tp + tp_rank; each dp rank
-draws its own batches (tp ranks of one dp group read the same ones), the loss is computed under
-loss_parallel_context, the expert loads are summed over dp ranks before the bias update, and checkpoints are DCP
-shards (every rank its own) plus the official layout, resumable on any --dp x --tp layout or in one process
-(state.py, distributed.py). This module holds no collectives: glm53.parallel does the distributed work.
+Every step: forward with labels (lm + MTP + router balance + indexer KL losses, glm53/losses/) and backward for
+each --grad-accum micro-batch, every loss part divided by its count over the global batch (losses/counts.py), then
+gradient clipping, AdamW and the aux-loss-free router bias update. Data: the built-in byte corpus, or --data FILE
+packed into rows (finetune.py; image/video records: vl_finetune.py) from an --init model. `--save DIR` writes the
+final checkpoint to DIR and, with `--save-every N`, DIR/step-N (state.py). Under torchrun each dp rank draws its
+own batches, and checkpoints are DCP shards (every rank its own) plus the official layout, resumable on any layout
+or in one process (state.py, distributed.py). This module holds no collectives: glm53.parallel does that work.
 """
 
 from __future__ import annotations
@@ -92,7 +89,7 @@ class Trainer:
         torch.manual_seed(args.seed)  # the same initial weights on every rank
         self.state = self._load_resume_state()
         self.vl_record = vl_finetune.first_vl_record(args.data)  # image/video data: the VL model (vl_finetune.py)
-        vl_finetune.check_args(args, self.vl_record)
+        vl_finetune.check_args(args, self.vl_record, distributed=par is not None)
         self.model = self._build_model()
         self.model.train()
         self.optimizer = build_optimizer(self.model, args)  # trainable parameters only: frozen ones get no state
@@ -116,10 +113,10 @@ class Trainer:
         args = self.args
         if not args.resume:
             return None
-        if (lora := peft_cli.resume_state(args)) is not None:  # a LoRA run: adapter + trainer state
+        if has_run_state(args.resume):  # a torchrun run (a LoRA one too), any layout (one process too)
+            return {"dcp": args.resume}  # state.resume_distributed
+        if (lora := peft_cli.resume_state(args)) is not None:  # a one-process LoRA run: adapter + trainer state
             return lora
-        if has_run_state(args.resume):
-            return {"dcp": args.resume}  # a torchrun run, any layout (one process too): state.resume_distributed
         state = load_trainer_state(args.resume)
         saved = state.get("layout", [1, 1])  # [dp, tp] (+ [ep] when ep > 1)
         if list(saved) != _layout(args):
@@ -139,9 +136,9 @@ class Trainer:
         if self.par is not None:
             return init_parallel_model(args, self.mesh, PRESETS[args.preset])
         lora = None
-        if self.vl_record is not None:
-            model = vl_finetune.init_model(args.init or args.resume, self.vl_record)
-            vl_finetune.apply_freeze(model, args.freeze)
+        if self.vl_record is not None:  # the VL model, through glm53.peft with LoRA / --base-dtype flags
+            model, peft = vl_finetune.build_model(args, self.vl_record)
+            lora = model if peft else None
         elif (lora := peft_cli.build_model(args, PRESETS[args.preset])) is not None:  # LoRA / frozen / FP8 base
             model = lora
         elif args.resume and has_run_state(args.resume):  # a torchrun run: DCP fills the weights in _resume
@@ -247,6 +244,8 @@ class Trainer:
         if self.data is None:
             raise SystemExit("--eval-data needs --data (it is tokenized with the run's tokenizer)")
         try:
+            if self.vl_record is not None:  # image/video records: the VL rows, pixels of this rank's rows only
+                return self.data.eval_batches(args.eval_data, args.batch_size)
             return eval_batches(
                 args.eval_data, self.data.tokenizer, args.seq_len, args.batch_size, args.dp * args.ep, self.dp_rank
             )
@@ -316,7 +315,8 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Held-out next-token loss (every target token of --eval-data, over every rank) and its perplexity."""
         rows, was_training = self.eval_rows, self.model.training
-        inputs = [{k: v.to(self.device) for k, v in model_inputs(self.model, b).items()} for b in rows]
+        make = vl_finetune.model_inputs if self.vl_record is not None else model_inputs
+        inputs = [{k: v.to(self.device) for k, v in make(self.model, b).items()} for b in rows]
         counts = [self.model.loss_counts(i["labels"], i["attention_mask"], i.get("position_ids")) for i in inputs]
         den = sum(counts[1:], counts[0]) if counts else None
         if self.par is not None:
@@ -330,7 +330,11 @@ class Trainer:
         if self.par is not None:
             total = self._global_counts(total, self.par.sum_over)
         loss = float(total)
-        return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0))}
+        out = {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0))}
+        if self.vl_record is not None:  # the held-out image/video placeholder tokens, counted apart (all ranks)
+            media = torch.tensor(float(sum(b.media_tokens() for b in rows)), device=self.device)
+            out["eval_image_tokens"] = int(self._global_counts(media, self.par.sum_over) if self.par else media)
+        return out
 
     # -------------------------------------------------------------------------------------------------- log
     def _log(self, step: int, parts: dict[str, float], loss: float, rate: float) -> None:
@@ -373,7 +377,7 @@ class Trainer:
         else:
             state["scheduler"] = self.scheduler.state_dict()
         try:
-            if not peft_cli.save_run(self.model, path, state):  # a LoRA run saves its adapter, not the base
+            if self.par is not None or not peft_cli.save_run(self.model, path, state):  # LoRA: the adapter only
                 save_run(self.model, path, state, self.par, export=not args.no_export)
         except OSError as e:
             kept = f"the last complete checkpoint is {self.last_saved}" if self.last_saved else "nothing was saved"
@@ -459,9 +463,10 @@ class Trainer:
                     {**self._metrics(step, parts, step_tokens, rates, 1 - mine / max(slots, 1), elapsed), **extra}
                 )
                 if evaluated:
+                    media = f"  {extra['eval_image_tokens']} image tokens" if "eval_image_tokens" in extra else ""
                     self.recorder.write_line(
                         f"eval  step {step:5d}  loss {extra['eval_loss']:.4f}  perplexity "
-                        f"{extra['eval_perplexity']:.3f}"
+                        f"{extra['eval_perplexity']:.3f}{media}"
                     )
             if self._agree(self.stopper.signum is not None):
                 return self._stop(step)

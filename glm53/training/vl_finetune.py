@@ -91,13 +91,15 @@ def first_vl_record(path: str | None) -> str | None:
     return None
 
 
-def check_args(args: argparse.Namespace, vl_record: str | None) -> None:
-    """VL flags without VL data are a usage error (before any work); LoRA flags with VL data are not supported."""
+def check_args(args: argparse.Namespace, vl_record: str | None, distributed: bool = False) -> None:
+    """VL flags without VL data are a usage error (before any work); LoRA flags with VL data under torchrun are
+    not supported yet (one process trains LoRA on the VL model: `build_model`)."""
     if vl_record is None:
         if args.media_root is not None:
             raise SystemExit(f"--media-root is for image/video data, but --data {args.data} has no image/video records")
         return
-    check_no_lora(args)
+    if distributed:
+        check_no_lora(args)
 
 
 def vl_model_class() -> type:
@@ -137,14 +139,49 @@ def apply_freeze(model: torch.nn.Module, groups: list[str] | None) -> list[str]:
     return freeze(model, [DEFAULT_FREEZE] if groups is None else groups)
 
 
+LORA_FLAGS = ("lora_rank", "base_dtype", "export_merged")  # the flags that build the model through glm53.peft
+
+
 def check_no_lora(args: argparse.Namespace) -> None:
-    """LoRA and frozen-base options on the VL model are not wired yet: an error, never a text-only run."""
-    for flag in ("lora_rank", "base_dtype", "export_merged"):
+    """LoRA and frozen-base options on the VL model under torchrun are not wired yet: an error, never a text-only
+    run."""
+    for flag in LORA_FLAGS:
         if getattr(args, flag, None) is not None:
             raise SystemExit(
-                f"glm53 train: error: --{flag.replace('_', '-')} with image/video --data is not supported "
-                f"yet (LoRA on Glm53ForConditionalGeneration); fine-tune with --freeze groups instead"
+                f"glm53 train: error: --{flag.replace('_', '-')} with image/video --data under torchrun is not "
+                f"supported yet; run LoRA on the VL model in one process, or fine-tune with --freeze groups"
             )
+
+
+def _lora_base(args: argparse.Namespace) -> str | None:
+    """The checkpoint a VL LoRA run's base is read from: --init, or the base a LoRA --resume directory records."""
+    if args.init or not args.resume:
+        return args.init
+    from ..peft.files import CONFIG_FILE
+
+    file = os.path.join(args.resume, CONFIG_FILE)
+    if not os.path.isfile(file):
+        return args.resume
+    with open(file, encoding="utf-8") as f:
+        return json.load(f).get("base_model_name_or_path") or args.resume
+
+
+def build_model(args: argparse.Namespace, vl_record: str) -> tuple[torch.nn.Module, bool]:
+    """The VL model of one process -> (model, whether glm53.peft built it). With --lora-rank / --base-dtype /
+    --export-merged it is glm53.peft's build (adapters on the default targets, the projector among them, over a
+    frozen base: the tower gets no adapter and stays frozen; --resume reads a LoRA run's adapter); without
+    --lora-rank and --freeze the tower is frozen as in a full fine-tune. Otherwise `init_model` + `apply_freeze`."""
+    from ..peft import cli as peft_cli
+
+    if any(getattr(args, f, None) is not None for f in LORA_FLAGS):
+        check_vl_checkpoint(_lora_base(args), vl_record)
+        model = peft_cli.build_model(args, cls=vl_model_class())
+        if args.lora_rank is None and args.freeze is None:
+            apply_freeze(model, None)
+        return model, True
+    model = init_model(args.init or args.resume, vl_record)
+    apply_freeze(model, args.freeze)
+    return model, False
 
 
 def model_inputs(model, batch: Batch) -> dict[str, torch.Tensor]:
@@ -220,9 +257,9 @@ class VLFileData:
         self.skipped["longer than --seq-len"] = len(long)
         if not kept:
             raise DataError(f"--data {args.data}: no record has a token to train on ({self._skip_text()})")
-        self.docs, self.digest = kept, file_digest(args.data)
+        self.docs, self.digest, self.media_root = kept, file_digest(args.data), args.media_root
         pad = self.tokenizer.pad_id if self.tokenizer.pad_id is not None else (model.config.pad_token_id or 0)
-        self.packer = VLPacker(kept, args.seq_len, args.seed, pad)
+        self.packer, self.pad = VLPacker(kept, args.seq_len, args.seed, pad), pad
         self.step_media_tokens = 0  # placeholder tokens in this rank's last step (logged beside the loss)
 
     def _skip(self, why: str) -> bool:
@@ -265,6 +302,13 @@ class VLFileData:
         self.step_media_tokens = sum(b.media_tokens() for b in batches)
         return batches
 
+    def eval_batches(self, path: str, batch_size: int) -> list[VLBatch]:
+        """--eval-data FILE (image/video records under --media-root, or text): this rank's held-out batches,
+        encoded with the run's tokenizer and image/video budgets."""
+        return eval_batches(
+            self.encoder, path, self.seq_len, batch_size, self.dp, self.dp_rank, self.media_root, self.pad
+        )
+
     def state_dict(self) -> dict:
         return {"file_sha256": self.digest, "documents": len(self.docs), **self.packer.state_dict()}
 
@@ -280,23 +324,49 @@ class VLFileData:
             raise SystemExit(f"glm53 train: error: --resume {where}: {e}") from None
 
 
+def _eval_rows(encoder: VLEncoder, path: str, seq_len: int, media_root: str | None, pad: int) -> list:
+    """Every record of held-out file `path` with a target token, packed once in file order (seed 0) into rows
+    (VLPacker.vl_row's); records longer than `seq_len` are skipped, as in training."""
+    docs = [encoder.encode(r) for r in read_vl_records(path, media_root)[0]]
+    docs, _ = fit_records([d for d in docs if any(d.targets[1:])], seq_len, strict=False)
+    if not docs:
+        raise DataError(f"--eval-data {path}: no record has a token to evaluate (within --seq-len {seq_len})")
+    packer, rows = VLPacker(docs, seq_len, 0, pad), []
+    while packer.epoch == 0:
+        rows.append(packer.vl_row())
+    return rows
+
+
+def eval_batches(
+    encoder: VLEncoder,
+    path: str,
+    seq_len: int,
+    batch_size: int,
+    dp: int,
+    dp_rank: int,
+    media_root: str | None,
+    pad: int,
+) -> list[VLBatch]:
+    """This data rank's share of the held-out VL rows (rows dp_rank, dp_rank + dp, ... as finetune.eval_batches
+    deals them; a rank left without rows gets one row of padding, so every rank runs the same forwards), with the
+    pixels of its own rows only."""
+    rows = _eval_rows(encoder, path, seq_len, media_root, pad)
+    mine = rows[dp_rank::dp] or [(([pad] * seq_len, [-100] * seq_len, [0] * seq_len, list(range(seq_len))), [])]
+    return [make_batch(mine[i : i + batch_size], encoder) for i in range(0, len(mine), batch_size)]
+
+
 @torch.no_grad()
 def heldout_loss(
     model, path: str, tokenizer_dir: str, seq_len: int, media_root: str | None = None, batch_size: int = 8
 ) -> tuple[float, int]:
     """(next-token loss over every target token of every record of `path`, image/video tokens seen), packed as
-    for training in file order (eval mode). Records longer than `seq_len` are skipped, as in training."""
+    for training in file order (eval mode). Records longer than `seq_len` are skipped, as in training; `glm53 train
+    --eval-data` computes the same numbers (Trainer.evaluate over `eval_batches`)."""
     args = argparse.Namespace(
         image_min_tokens=MIN_IMAGE_TOKENS, image_max_tokens=MAX_IMAGE_TOKENS, video_max_tokens=MAX_VIDEO_TOKENS
     )
     encoder = VLEncoder(TextTokenizer(tokenizer_dir), *processors(model, args))
-    docs = [encoder.encode(r) for r in read_vl_records(path, media_root)[0]]
-    docs, _ = fit_records([d for d in docs if any(d.targets[1:])], seq_len, strict=False)
-    packer = VLPacker(docs, seq_len, 0, encoder.tok.pad_id or 0)
-    rows = []
-    while packer.epoch == 0:
-        rows.append(packer.vl_row())
-    batches = [make_batch(rows[i : i + batch_size], encoder) for i in range(0, len(rows), batch_size)]
+    batches = eval_batches(encoder, path, seq_len, batch_size, 1, 0, media_root, encoder.tok.pad_id or 0)
     inputs = [model_inputs(model, b) for b in batches]
     counts = [model.loss_counts(i["labels"], i["attention_mask"], i["position_ids"]) for i in inputs]
     den = sum(counts[1:], counts[0])
@@ -312,7 +382,9 @@ __all__ = [
     "VLFileData",
     "add_arguments",
     "apply_freeze",
+    "build_model",
     "check_args",
+    "eval_batches",
     "first_vl_record",
     "heldout_loss",
     "init_model",

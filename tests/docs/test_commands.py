@@ -29,7 +29,6 @@ ELSEWHERE = {
     "torchrun --nproc-per-node 4 -m glm53 train --dp 2 --tp 2 --save": "tests/training/test_train_distributed.py::test_dp2_trains_saves_and_resumes",
     "torchrun --nproc-per-node 4 -m glm53 train --dp 2 --tp 2 --resume": "tests/training/test_train_distributed.py::test_tp2_matches_one_process_and_resumes_in_one",
     "torchrun --nproc-per-node 2 -m glm53 train --dp 1 --ep 2": "tests/training/test_train_ep.py::test_ep2_trains_saves_and_resumes",
-    "torchrun --nproc-per-node 4 -m glm53 train --dp 2 --ep 2": "tests/training/test_train_ep.py::test_ep2_trains_saves_and_resumes",
     "torchrun --nproc-per-node 4 -m glm53 train --tp 2 --ep 2": "tests/training/test_train_composed.py::test_composed_layout_matches_dp2",
     "torchrun --nproc-per-node 4 -m glm53 train --cp 2 --ep 2": "tests/training/test_train_composed.py::test_composed_layout_matches_dp2",
     "torchrun --nproc-per-node 4 -m glm53 train --cp 2 --tp 2": "tests/training/test_train_composed.py::test_cp2_tp2_matches_one_process",

@@ -7,24 +7,36 @@ equal slice of the global batch (slice index = global rank), and takes one clipp
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
+import math
+import os
 import warnings
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 import glm53
 from glm53 import Glm53Config, Glm53ForCausalLM
 from glm53.parallel import clip_grad_norm_, parallelize
+from glm53.peft import quantize_model
 from tests.helpers.expert_jobs import build_ep_mesh
 from tests.helpers.parallel_jobs import CLIP_NORM, LR, build_mesh, full
 
 RANK, ALPHA = 4, 8
+FP8_BLOCK = (8, 8)  # several blocks per expert matrix of the tiny config (hidden 32, expert width 16)
 
 
-def lora_model(config: dict, state: dict, lora_state: dict) -> Glm53ForCausalLM:
+def lora_model(config: dict, state: dict, lora_state: dict, fp8: bool = False) -> Glm53ForCausalLM:
+    """The adapted model; `fp8`: its text linears and experts quantised to FP8_BLOCK-block FP8 first (a frozen
+    FP8 base, fp32 adapters; the quantisation is deterministic, so every rank and the reference hold the same)."""
     model = Glm53ForCausalLM(Glm53Config(**config))
     model.load_state_dict(state)
+    if fp8:
+        quantize_model(model, block=FP8_BLOCK)
     glm53.apply_lora(model, RANK, ALPHA)
     with torch.no_grad():
         params = dict(model.named_parameters())
@@ -44,26 +56,115 @@ def _step(model, pieces, world) -> dict:
     return dict(loss=full(loss).detach(), grads=grads, norm=full(norm), params=params)
 
 
-def lora_reference(config: dict, state: dict, lora_state: dict, ids: torch.Tensor, world: int) -> dict:
-    model = lora_model(config, state, lora_state)
+def lora_reference(
+    config: dict, state: dict, lora_state: dict, ids: torch.Tensor, world: int, fp8: bool = False
+) -> dict:
+    model = lora_model(config, state, lora_state, fp8)
     per = ids.shape[0] // world
     return _step(model, [ids[k * per : (k + 1) * per] for k in range(world)], 1)
 
 
-def lora_step(config: dict, state: dict, lora_state: dict, ids: torch.Tensor, dp: int, ep: int = 1) -> dict:
+def lora_step(
+    config: dict, state: dict, lora_state: dict, ids: torch.Tensor, dp: int, ep: int = 1, tp: int = 1, fp8: bool = False
+) -> dict:
+    """One adapter step on a dp x ep x tp mesh; the tp ranks of a data rank read the same slice."""
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
-    mesh = build_ep_mesh(dp, ep) if ep > 1 else build_mesh(dp, 1)
-    model = lora_model(config, state, lora_state)
+    if ep > 1 and tp > 1:  # glm53.parallel's order: ("dp", "ep", "tp"), dp kept
+        mesh = init_device_mesh("cpu", (dp, ep, tp), mesh_dim_names=("dp", "ep", "tp"))
+    else:
+        mesh = build_ep_mesh(dp, ep) if ep > 1 else build_mesh(dp, tp)
+    model = lora_model(config, state, lora_state, fp8)
     parallelize(model, mesh)
-    world, rank = dp * ep, dist.get_rank()
-    per = ids.shape[0] // world
-    out = _step(model, [ids[rank * per : (rank + 1) * per]], world)
+    world, data_rank = dp * ep * tp, dist.get_rank() // tp  # (dp, tp) meshes: tp is the inner dimension
+    per = ids.shape[0] // (dp * ep)
+    gathered = _gathered_bytes(model, ids[data_rank * per : (data_rank + 1) * per]) if fp8 else None
+    out = _step(model, [ids[data_rank * per : (data_rank + 1) * per]], world)
     dist.all_reduce(out["loss"])
     out["loss"] /= world
     frozen_grads = [n for n, p in model.named_parameters() if "lora_" not in n and p.grad is not None]
-    placements = {n: tuple(p.to_local().shape) for n, p in model.named_parameters() if "experts.gate_up_proj_lora" in n}
-    return dict(out, frozen_grads=frozen_grads, placements=placements)
+    placements = {n: _layout(p) for n, p in model.named_parameters() if "lora_" in n}
+    scales = {n: _layout(b)[0] for n, b in model.named_buffers() if ".mlp.experts." in n and n.endswith("_scale_inv")}
+    fp8 = sorted(n for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn)
+    return dict(
+        out, frozen_grads=frozen_grads, placements=placements, expert_scales=scales, fp8_params=fp8, gathered=gathered
+    )
 
 
-__all__ = ["lora_step", "lora_reference", "lora_model"]
+def _gathered_bytes(model, ids: torch.Tensor) -> dict:
+    """The bytes FSDP's all-gathers send from this rank in one no-grad forward (every unit gathered once) beside
+    this rank's padded shard bytes of every parameter (FP8 values at 1 byte) and its FP8 shard elements."""
+    sent = []
+    keep = dist.all_gather_single
+
+    def record(output, input, *args, **kwargs):
+        sent.append(input.numel() * input.element_size())
+        return keep(output, input, *args, **kwargs)
+
+    dist.all_gather_single = record
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        dist.all_gather_single = keep
+    shard = sum(_padded_numel(p) * p.element_size() for p in model.parameters())
+    fp8 = sum(_padded_numel(p) for p in model.parameters() if p.dtype == torch.float8_e4m3fn)
+    return dict(sent=sum(sent), shard=shard, fp8=fp8)
+
+
+def _padded_numel(p) -> int:
+    """Elements of this rank's shard as FSDP pads it: every dimension ceil(size / the ranks splitting it)."""
+    if not isinstance(p, DTensor):
+        return p.numel()
+    split = [1] * p.dim()
+    for size, placement in zip(p.device_mesh.shape, p.placements):
+        if hasattr(placement, "dim"):
+            split[placement.dim] *= size
+    return math.prod(-(-n // k) for n, k in zip(p.shape, split))
+
+
+def _layout(p) -> tuple:
+    """(this rank's local shape, {mesh dimension: placement}) of a parameter."""
+    if not isinstance(p, DTensor):
+        return tuple(p.shape), {}
+    names = p.device_mesh.mesh_dim_names or ()
+    return tuple(p.to_local().shape), {d: repr(pl) for d, pl in zip(names, p.placements)}
+
+
+def cli_train(argv: list[str], inspect: bool = False) -> dict:
+    """`python -m glm53 ARGV` on this pool rank as under torchrun (the pool's process group is the run's; the CLI's
+    shutdown of it is skipped). `inspect`: build the trainer (its resume included) and return what it loaded,
+    without training. -> {"rc", "stdout"} (+ `loaded_state` when inspecting)."""
+    from glm53 import parallel
+    from glm53.__main__ import main
+    from glm53.training import trainer
+
+    env = {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK")}
+    os.environ.update(WORLD_SIZE=str(dist.get_world_size()), RANK=str(dist.get_rank()))
+    out: dict = {}
+    keep_shutdown, keep_run = parallel.runtime.shutdown, trainer.Trainer.run
+    parallel.runtime.shutdown = lambda: None
+    if inspect:
+        trainer.Trainer.run = lambda self: out.update(loaded=loaded_state(self)) or 0
+    text = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(text):
+            rc = main(argv)
+    finally:
+        parallel.runtime.shutdown, trainer.Trainer.run = keep_shutdown, keep_run
+        for k, v in env.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    return dict(out, rc=rc, stdout=text.getvalue())
+
+
+def loaded_state(run) -> dict:
+    """A trainer's step, adapters and AdamW state as full tensors keyed by parameter name (every rank)."""
+    optim = {}
+    for name, p in run.model.named_parameters():
+        if p.requires_grad:
+            optim[name] = {k: full(v) if torch.is_tensor(v) else v for k, v in run.optimizer.state[p].items()}
+    adapters = {n: full(p) for n, p in run.model.named_parameters() if "lora_" in n}
+    return dict(step=run.start, adapters=adapters, optim=optim)
+
+
+__all__ = ["lora_step", "lora_reference", "lora_model", "cli_train", "loaded_state"]

@@ -102,13 +102,13 @@ def _example():
     return module
 
 
-def tiny_vl_model(tok, seed: int = 0):
+def tiny_vl_model(tok, seed: int = 0, **text):
     """examples/finetune_vl.py's tiny Glm53ForConditionalGeneration (patch 2, merge 2: one language-model token per
-    4 x 4 pixels) over `tok`'s vocabulary and media token ids."""
-    return _example().build_vl_model(tok, seed)
+    4 x 4 pixels) over `tok`'s vocabulary and media token ids; `text`: text-config overrides."""
+    return _example().build_vl_model(tok, seed, text=text)
 
 
-def vl_corpus(root: str, n: int = 8, seed: int = 0) -> list[dict]:
+def vl_corpus(root: str, n: int = 8, seed: int = 0, prefix: str = "img") -> list[dict]:
     """examples/finetune_vl.py's generated images (16..28 px) under `root` and records about them in both
-    conventions, one video record, two text-only records."""
-    return _example().write_media_and_records(root, n, "img", seed)
+    conventions, one video record, two text-only records (file names start with `prefix`)."""
+    return _example().write_media_and_records(root, n, prefix, seed)

@@ -15,7 +15,7 @@ from glm53.kernels import indexer_scores as idx_mod
 from glm53.kernels import sparse_attention as sa_mod
 from glm53.kernels.kda import fast, kda_chunk, kda_recurrent_reference
 from glm53.kernels.sparse_attention import sparse_attention, sparse_attention_reference
-from tests.kernels.test_kernels_fast import FP32_TOL, assert_all_close, grads, kda_inputs, sparse_inputs
+from tests.helpers.kernel_checks import FP32_TOL, assert_all_close, grads, kda_inputs, sparse_inputs
 
 
 def test_budget_rule(monkeypatch):

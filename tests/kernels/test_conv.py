@@ -1,17 +1,15 @@
-"""The fast causal_conv1d (channels-last depthwise conv2d forward and input gradient) equals the tap loop.
+"""The causal depthwise conv (glm53/kernels/conv.py): the tap-loop reference, the grouped F.conv1d form and the
+fast channels-last conv2d (forward and input gradient), forward and every gradient.
+
+- fast vs the tap loop beside the bench shapes: sequences shorter than the kernel, width 2, fp64 (no oneDNN
+  kernel: ATen's own depthwise conv), an initial state, an expanded (stride-0) output gradient.
+- which form runs where: eagerly conv2d calls (the taps-as-rows op never runs); under torch.compile with the
+  module's default shifted multiply-adds; a state in another dtype gives a final state in x's dtype; the packed
+  custom ops' fake implementations give the real ops' dtypes for bf16 inputs.
+- reference: tap loop vs grouped F.conv1d, state continuity, transformers' conv, bad shapes.
+- packed documents (`cu_seqlens`): equal to each document alone.
 
 Legend: B batch, T time, D channels (H*K), W kernel width.
-Covers what the conv2d path must handle besides the bench shapes: sequences shorter than the kernel, width 2,
-fp64 (no oneDNN kernel: ATen's own depthwise conv), an initial state, and an expanded (stride-0) output gradient
-as `y.sum().backward()` produces.
-
-Edges of the fast causal conv (glm53/kernels/conv.py): which form runs where, dtypes, and its custom ops.
-
-Legend: B batch, T time, D channels (H*K), W kernel width.
-Eagerly the forward and the input gradient are channels-last conv2d calls and the taps-as-rows op never runs;
-under torch.compile with the module's default setting they are shifted multiply-adds (no convolution in either
-graph). A state in another dtype than x gives a final state in x's dtype. The packed custom ops' fake
-implementations give the real ops' dtypes (fp32 output, gradients in the inputs' dtypes) for bf16 inputs.
 """
 
 from __future__ import annotations
@@ -21,6 +19,13 @@ import torch
 
 from glm53.kernels import conv
 from glm53.kernels.conv import causal_conv1d, causal_conv1d_reference
+from tests.helpers.kernel_checks import (
+    FP32_TOL,
+    LAYOUTS,
+    assert_all_close,
+    cu_for,
+    grads,
+)
 
 TOL = dict(rtol=1e-5, atol=1e-6)  # both compute in fp32 (also for fp64 inputs); the sums' order differs
 
@@ -194,3 +199,95 @@ def test_packed_documents_refuse_states():
             fn(x, w, initial_state=state, cu_seqlens=cu)
         with pytest.raises(ValueError, match="not supported with cu_seqlens"):
             fn(x, w, output_final_state=True, cu_seqlens=cu)
+
+
+# ------------------------------------------------------------ reference: tap loop vs grouped F.conv1d, state continuity
+CONV_CASES = [(1, 1, 3, 4), (2, 9, 5, 4), (2, 20, 6, 3), (1, 7, 4, 2)]  # B, T, D, W
+
+
+CONV_IDS = [f"B{b}-T{t}-D{d}-W{w}" for b, t, d, w in CONV_CASES]
+
+
+def conv_by_hand(x, weight, state=None):
+    """y[b, t, d] = sum_w weight[d, w] x[b, t - (W-1) + w, d], with x before 0 read from the state (or 0)."""
+    B, T, D = x.shape
+    W = weight.shape[-1]
+    history = torch.zeros(B, D, W - 1) if state is None else state
+    full = torch.cat([history.transpose(1, 2), x], dim=1)  # [B, W-1+T, D]
+    y = torch.zeros(B, T, D)
+    for t in range(T):
+        for w in range(W):
+            y[:, t] += weight[:, w] * full[:, t + w]
+    return y
+
+
+@pytest.mark.parametrize("with_state", [False, True], ids=["nostate", "state"])
+@pytest.mark.parametrize("case", CONV_CASES, ids=CONV_IDS)
+def test_causal_conv1d_reference_vs_eager(case, with_state):
+    B, T, D, W = case
+    x, weight = torch.randn(B, T, D), torch.randn(D, W)
+    state = torch.randn(B, D, W - 1) if with_state else None
+    leaves = [t.clone().requires_grad_(True) for t in (x, weight) + ((state,) if with_state else ())]
+    results = []
+    for fn in (causal_conv1d_reference, causal_conv1d):
+        ins = [t.detach().clone().requires_grad_(True) for t in leaves]
+        y, final = fn(ins[0], ins[1], initial_state=ins[2] if with_state else None, output_final_state=True)
+        cot = torch.randn(y.shape, generator=torch.Generator().manual_seed(7))
+        results.append((y.detach(), final.detach(), torch.autograd.grad((y * cot).sum(), ins)))
+    (y_ref, s_ref, g_ref), (y, s, g) = results
+    torch.testing.assert_close(y_ref, conv_by_hand(x, weight, state))
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(s, s_ref)
+    full = torch.cat([torch.zeros(B, D, W - 1) if state is None else state, x.transpose(1, 2)], dim=-1)
+    torch.testing.assert_close(s_ref, full[:, :, -(W - 1) :])
+    for a, b in zip(g, g_ref):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("fn", [causal_conv1d_reference, causal_conv1d], ids=["reference", "fast"])
+def test_causal_conv1d_state_continuity(fn):
+    """conv over [a; b] == conv(a), then conv(b) from a's final state; also for a shorter than the kernel."""
+    x, weight = torch.randn(2, 15, 5), torch.randn(5, 4)
+    full, _ = fn(x, weight)
+    for split in (1, 2, 9):
+        ya, state = fn(x[:, :split], weight, output_final_state=True)
+        yb, _ = fn(x[:, split:], weight, initial_state=state)
+        torch.testing.assert_close(torch.cat([ya, yb], dim=1), full)
+
+
+def test_causal_conv1d_matches_transformers():
+    from transformers.models.glm5_next import modeling_glm5_next as hf
+
+    x, weight = torch.randn(2, 11, 6), torch.randn(6, 4)
+    expected = hf.causal_conv1d_fn(x.transpose(1, 2), weight).transpose(1, 2)
+    for fn in (causal_conv1d_reference, causal_conv1d):
+        torch.testing.assert_close(fn(x, weight)[0], expected)
+
+
+def test_causal_conv1d_rejects_bad_shapes():
+    x = torch.randn(2, 5, 6)
+    for fn in (causal_conv1d_reference, causal_conv1d):
+        with pytest.raises(ValueError, match=r"conv weight has shape \(5, 4\), expected \(6, W\)"):
+            fn(x, torch.randn(5, 4))
+        with pytest.raises(ValueError, match=r"conv state has shape \(2, 6, 2\), expected \(2, 6, 3\)"):
+            fn(x, torch.randn(6, 4), initial_state=torch.randn(2, 6, 2))
+
+
+# ---------------------------------------------------------------------------------------- packed documents (cu_seqlens)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_conv_packed_matches_per_document_reference(layout):
+    B, T, lengths = LAYOUTS[layout]
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(B, T, 12, generator=gen, requires_grad=True)
+    w = torch.randn(12, 4, generator=gen, requires_grad=True)
+    cu = cu_for(lengths)
+    ref, _ = causal_conv1d_reference(x, w, cu_seqlens=cu)
+    got, _ = causal_conv1d(x, w, cu_seqlens=cu)
+    assert_all_close((got,), (ref,), FP32_TOL, ["y"])
+    assert_all_close(grads(got, [x, w]), grads(ref, [x, w]), FP32_TOL, ["dx", "dweight"])
+    # each document alone, through the unpacked fast conv
+    bounds = cu.tolist()
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        b, s0 = divmod(s, T)
+        alone, _ = causal_conv1d(x[b : b + 1, s0 : s0 + e - s], w)
+        torch.testing.assert_close(got[b : b + 1, s0 : s0 + e - s], alone, rtol=1e-5, atol=1e-6)

@@ -15,7 +15,7 @@ import torch
 
 from glm53.kernels import dispatch, kernel, use_backend
 from glm53.kernels.kda import fla_backend, kda_chunk, kda_recurrent_reference
-from tests.kernels.test_kernels_fast import assert_all_close, kda_inputs
+from tests.helpers.kernel_checks import assert_all_close, kda_inputs
 
 
 @pytest.fixture

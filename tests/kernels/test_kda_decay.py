@@ -1,4 +1,4 @@
-"""KDA decay layouts the random gates of test_kernels_fast.py do not reach: the fast kernel (kda/fast.py with the
+"""KDA decay layouts the random gates of test_kda.py do not reach: the fast kernel (kda/fast.py with the
 decay products of kda/decay.py) against the recurrent reference, forward and every gradient, in fp64.
 
 Legend: B batch, T time, H heads, K key width, V value width, C fast chunk length (32), s rebasing sub-block (16).
@@ -23,8 +23,7 @@ import torch
 
 from glm53.kernels.kda import decay, kda_chunk, kda_recurrent_reference
 from glm53.profiling import HostSyncs
-from tests.kernels.test_kda_fast import chunks_per_block
-from tests.kernels.test_kernels_fast import FP32_TOL, assert_all_close, grads, kda_inputs
+from tests.helpers.kernel_checks import FP32_TOL, assert_all_close, chunks_per_block, grads, kda_inputs
 
 NAMES = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dS0"]
 

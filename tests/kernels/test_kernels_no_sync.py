@@ -14,7 +14,7 @@ import torch
 
 from glm53.kernels import indexer_scores as idx_mod
 from glm53.kernels import sparse_attention as sa_mod
-from tests.kernels.test_kernels_fast import FP32_TOL, assert_all_close, grads, sparse_inputs
+from tests.helpers.kernel_checks import FP32_TOL, assert_all_close, grads, sparse_inputs
 
 SHAPE = (2, 40, 40, 3, 8, 6, 7)  # B, T, S, H, K, V, J: 40 queries in chunks of 3 -> 14 chunks
 
@@ -178,7 +178,7 @@ def test_fast_kernels_compile_fullgraph_forward_and_backward(small_chunks):
 
 def test_packed_indexer_scores_reads_pool_ranges_once(monkeypatch):
     """Packed documents: every chunk's pool columns come from one transfer before the loop, not one per chunk."""
-    from tests.kernels.test_kernels_packed import LAYOUTS, cu_for, pool_starts_for
+    from tests.helpers.kernel_checks import LAYOUTS, cu_for, pool_starts_for
 
     B, T, lengths = LAYOUTS["B1-short-docs"]
     monkeypatch.setattr(idx_mod, "MIN_PACKED_CHUNK", 5)

@@ -1,8 +1,9 @@
-"""The grouped expert matmul (kernels/moe.py) on cases the parity grid of test_kernels_fast.py leaves out: frozen
-inputs (only the expert weights need a gradient, and the other way round), a loss whose gradient is expanded
-(stride 0, from .sum()), and idle experts at both ends of the expert axis. Each against the per-expert loop.
+"""The routed experts' kernels (glm53/kernels/moe.py): grouped, padded and few-token forms against the per-expert
+loop (the reference), forward and every gradient, fp32 and fp64, bf16 against fp32; the clamped SwiGLU's backward
+(plain and packed) against autograd. Beyond the parity grid: frozen inputs (only the expert weights need a gradient,
+and the other way round), a loss whose gradient is expanded (stride 0, from .sum()), idle experts at both ends.
 
-Legend: M tokens, D model width, I expert width, E experts, k experts per token.
+Legend: M (N) tokens, D (H) model width, I expert width, E experts, k experts per token.
 """
 
 from __future__ import annotations
@@ -10,7 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from glm53.kernels.moe import _grouped_mm_usable, moe_experts_grouped, moe_experts_padded, moe_experts_reference
+from glm53.kernels.moe import (
+    _grouped_mm_usable,
+    moe_experts_few_token,
+    moe_experts_grouped,
+    moe_experts_padded,
+    moe_experts_reference,
+)
+from tests.helpers.kernel_checks import BF16_TOL, assert_all_close, grads
 
 M, D, I, E, K = 9, 16, 8, 6, 2  # 16 * 4 and 8 * 4 bytes: torch._grouped_mm's alignment holds in fp32
 FAST = {"grouped": moe_experts_grouped, "padded": moe_experts_padded}
@@ -102,3 +110,71 @@ def test_busiest_expert_last_and_first_idle(fast):
         torch.autograd.grad(ref, leaves, cot),
     ):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+# ----------------------------------------------------------------- fast forms vs the expert loop, forward and gradients
+MOE_CASES = {
+    "N50-E6-k3-one-idle-expert": (50, 64, 32, 6, 3),
+    "N1-E4-k2": (1, 16, 8, 4, 2),
+    "N33-E8-k2-unaligned": (33, 12, 6, 8, 2),
+}
+
+
+@pytest.mark.parametrize(
+    "fast", [moe_experts_grouped, moe_experts_padded, moe_experts_few_token], ids=["grouped", "padded", "few-token"]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("case", list(MOE_CASES))
+def test_moe_grouped_equals_expert_loop(case, dtype, fast):
+    N, H, I, E, k = MOE_CASES[case]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(N, H, generator=gen).to(dtype).requires_grad_()
+    gate_up = (torch.randn(E, 2 * I, H, generator=gen) / H**0.5).to(dtype).requires_grad_()
+    down = (torch.randn(E, H, I, generator=gen) / I**0.5).to(dtype).requires_grad_()
+    idx = torch.stack([torch.randperm(E - 1, generator=gen)[:k] for _ in range(N)])  # expert E-1 gets no token
+    w = torch.rand(N, k, generator=gen).requires_grad_()
+    ref = moe_experts_reference(x, idx, w, gate_up, down, 1.0)
+    got = fast(x, idx, w, gate_up, down, 1.0)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    assert_all_close((got,), (ref,), tol, ["out"])
+    inputs = [x, w, gate_up, down]
+    assert_all_close(grads(got, inputs), grads(ref, inputs), tol, ["dx", "dweight", "dgate_up", "ddown"])
+
+
+def test_clamped_swiglu_backward_equals_autograd():
+    from glm53.kernels.moe import _clamped_swiglu_forward, clamped_swiglu
+
+    gen = torch.Generator().manual_seed(0)
+    gate, up = (3 * torch.randn(2, 40, 16, generator=gen, dtype=torch.float64)).requires_grad_().unbind(0)
+    got, ref = clamped_swiglu(gate, up, 1.5), _clamped_swiglu_forward(gate, up, 1.5)
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    torch.testing.assert_close(grads(got, [gate, up]), grads(ref, [gate, up]), rtol=1e-12, atol=1e-12)
+    assert (gate > 1.5).any() and (up.abs() > 1.5).any(), "both clamps must be exercised"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["fp64", "bf16"])
+def test_packed_clamped_swiglu_equals_autograd(dtype):
+    from glm53.kernels.moe import _clamped_swiglu_forward, clamped_swiglu_packed
+
+    gen = torch.Generator().manual_seed(0)
+    gate_up = (3 * torch.randn(40, 32, generator=gen, dtype=torch.float64)).to(dtype).requires_grad_()
+    got, ref = clamped_swiglu_packed(gate_up, 1.5), _clamped_swiglu_forward(*gate_up.chunk(2, dim=-1), 1.5)
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    (d_got,), (d_ref,) = grads(got, [gate_up]), grads(ref, [gate_up])
+    assert d_got.shape == gate_up.shape and d_got.dtype == dtype
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(d_got, d_ref, **tol)
+
+
+def test_moe_grouped_bf16_close_to_fp32_loop():
+    gen = torch.Generator().manual_seed(0)
+    N, H, I, E, k = 40, 64, 32, 6, 2
+    x = torch.randn(N, H, generator=gen)
+    gate_up, down = torch.randn(E, 2 * I, H, generator=gen) / H**0.5, torch.randn(E, H, I, generator=gen) / I**0.5
+    idx = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(N)])
+    w = torch.rand(N, k, generator=gen)
+    low = [t.to(torch.bfloat16) for t in (x, gate_up, down)]
+    ref = moe_experts_reference(low[0].float(), idx, w, low[1].float(), low[2].float(), 1.0)
+    got = moe_experts_grouped(low[0], idx, w, low[1], low[2], 1.0)
+    assert got.dtype == torch.bfloat16
+    assert_all_close((got,), (ref,), BF16_TOL, ["out"])

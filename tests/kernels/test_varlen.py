@@ -1,5 +1,6 @@
-"""kernels/varlen.py's per-token forms against plain loops, on boundaries with empty documents and several rows,
-and its checks' named errors.
+"""Packed-document boundaries in the kernels (glm53/kernels/varlen.py): the per-token forms against plain loops, on
+boundaries with empty documents and several rows; its checks' named errors, and every packed kernel refusing bad
+boundaries.
 
 Legend (glm53/model/__init__.py): B batch, T time (S: the keys' sequence), P pools, n documents.
 """
@@ -8,7 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+from glm53.kernels.conv import causal_conv1d
+from glm53.kernels.indexer_scores import indexer_scores
+from glm53.kernels.sparse_attention import (
+    sparse_attention,
+)
 from glm53.kernels.varlen import (
     check_cu_seqlens,
     document_bounds,
@@ -67,3 +74,28 @@ BAD = [
 def test_bad_boundaries_name_the_problem(cu, message):
     with pytest.raises(ValueError, match=message):
         check_cu_seqlens(torch.tensor(cu), B, T)
+
+
+# ---------------------------------------------------------------------------------------- kernels refuse bad boundaries
+def test_kernels_reject_bad_boundaries():
+    x, w = torch.randn(2, 5, 3), torch.randn(3, 4)
+    with pytest.raises(ValueError, match="row start"):
+        causal_conv1d(x, w, cu_seqlens=torch.tensor([0, 3, 10]))  # a document over the row boundary at 5
+    with pytest.raises(ValueError, match="non-decreasing"):
+        causal_conv1d(x, w, cu_seqlens=torch.tensor([0, 5, 4, 10]))
+    with pytest.raises(ValueError, match="1-D integer"):
+        causal_conv1d(x, w, cu_seqlens=torch.tensor([0.0, 5.0, 10.0]))
+    q = F.normalize(torch.randn(1, 5, 2, 4), dim=-1)
+    with pytest.raises(ValueError, match="S == T"):
+        sparse_attention(
+            q,
+            torch.randn(1, 6, 2, 4),
+            torch.randn(1, 6, 2, 4),
+            torch.zeros(1, 5, 2, dtype=torch.long),
+            1.0,
+            cu_seqlens=torch.tensor([0, 5]),
+        )
+    with pytest.raises(ValueError, match="pool_start"):
+        indexer_scores(
+            torch.randn(1, 5, 2, 4), torch.randn(1, 5, 2), torch.randn(1, 2, 4), 1.0, cu_seqlens=torch.tensor([0, 5])
+        )

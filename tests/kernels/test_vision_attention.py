@@ -15,7 +15,8 @@ CASES = {
     "one-segment-L9": [9],
     "equal-lengths-no-mask": [16, 16, 16],
     "mixed-groups": [100, 7, 30, 1, 32, 64, 80],  # 100 and 80 share a group (80 >= 0.75 * 100), 1 alone
-    "with-empty-segment": [5, 0, 12],
+    "with-empty-segment": [5, 0, 12],  # every group a run of back-to-back segments: views, concatenated
+    "equal-lengths-apart": [16, 5, 16],  # 0 and 2 share a group but are not back to back: gathered
 }
 
 

@@ -12,16 +12,16 @@ from tests.parallel.test_parallel_gloo import GRAD_FLOOR, REL_TOL, config_dict, 
 BATCH, SEQ = 4, 12
 
 
-def make_case(seed: int = 0) -> dict:
+def make_case(seed: int = 0, fp8: bool = False) -> dict:
     config = config_dict()
     torch.manual_seed(seed)
     model = Glm53ForCausalLM(Glm53Config(**config))
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    adapted = lora_model(config, state, {})
+    adapted = lora_model(config, state, {}, fp8)
     gen = torch.Generator().manual_seed(seed + 3)
     lora_state = {n: torch.randn(p.shape, generator=gen) * 0.1 for n, p in adapted.named_parameters() if "lora_" in n}
     ids = torch.randint(1, config["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(seed + 1))
-    return dict(config=config, state=state, lora_state=lora_state, ids=ids)
+    return dict(config=config, state=state, lora_state=lora_state, ids=ids, fp8=fp8)
 
 
 def check(results, reference):
@@ -49,4 +49,69 @@ def test_lora_dp2_ep2_matches_one_process(pool4):
     check(results, lora_reference(**case, world=4))
     E = case["config"]["n_routed_experts"]
     for res in results:  # the expert adapters hold this rank's E / ep experts (FSDP splits another dim over dp)
-        assert res["placements"] and all(shape[0] == E // 2 for shape in res["placements"].values())
+        experts = {n: shape for n, (shape, _) in res["placements"].items() if "experts.gate_up_proj_lora" in n}
+        assert experts and all(shape[0] == E // 2 for shape in experts.values())
+
+
+# The adapter placements follow the base layer's (glm53/parallel/lora_parallel.py): colwise base -> B Shard(0),
+# A replicated; rowwise base -> A Shard(1), B replicated; the experts' inner width split like their weights.
+TP_LAYOUT = {
+    "model.layers.0.self_attn.q_proj.lora_A.weight": "Replicate()",  # KDA colwise
+    "model.layers.0.self_attn.q_proj.lora_B.weight": "Shard(dim=0)",
+    "model.layers.0.self_attn.o_proj.lora_A.weight": "Shard(dim=1)",  # rowwise
+    "model.layers.0.self_attn.o_proj.lora_B.weight": "Replicate()",
+    "model.layers.0.self_attn.f_a_proj.lora_A.weight": "Replicate()",  # replicated base
+    "model.layers.0.self_attn.f_a_proj.lora_B.weight": "Replicate()",
+    "model.layers.1.self_attn.kv_b_proj.lora_A.weight": "Replicate()",  # MLA, read head-locally when absorbed
+    "model.layers.1.self_attn.kv_b_proj.lora_B.weight": "Shard(dim=0)",
+    "model.layers.1.mlp.experts.gate_up_proj_lora_A": "Replicate()",
+    "model.layers.1.mlp.experts.gate_up_proj_lora_B": "_StridedShard(dim=1, sf=2)",
+    "model.layers.1.mlp.experts.down_proj_lora_A": "Shard(dim=2)",
+    "model.layers.1.mlp.experts.down_proj_lora_B": "Replicate()",
+}
+
+
+def test_lora_tp2_matches_one_process(pool2):
+    case = make_case(seed=2)
+    results = pool2.run(lora_step, **case, dp=1, tp=2)
+    check(results, lora_reference(**case, world=1))
+    for res in results:
+        got = {n: res["placements"][n][1]["tp"] for n in TP_LAYOUT}
+        assert got == TP_LAYOUT
+
+
+def test_lora_dp2_tp2_matches_one_process(pool4):
+    case = make_case(seed=3)
+    results = pool4.run(lora_step, **case, dp=2, tp=2)
+    check(results, lora_reference(**case, world=2))
+    for res in results:  # FSDP adds Shard(0) over dp; the tp placements are tp2's
+        assert {n: res["placements"][n][1]["tp"] for n in TP_LAYOUT} == TP_LAYOUT
+        assert all("dim=0" in res["placements"][n][1]["dp"] for n in TP_LAYOUT)
+
+
+def test_lora_ep2_tp2_matches_one_process(pool4):
+    """Experts Shard(0) over ep and split on their inner width over tp; the tp-replicated expert factors' gradients
+    are Partial over tp (lora_parallel.py), the linears' factors placed as under tp2."""
+    case = make_case(seed=5)
+    results = pool4.run(lora_step, **case, dp=1, ep=2, tp=2)
+    check(results, lora_reference(**case, world=2))
+    E = case["config"]["n_routed_experts"]
+    for res in results:
+        assert {n: res["placements"][n][1]["tp"] for n in TP_LAYOUT} == TP_LAYOUT
+        experts = {n: v for n, v in res["placements"].items() if ".mlp.experts." in n}
+        assert experts and all(p["ep"] == "Shard(dim=0)" and shape[0] == E // 2 for shape, p in experts.values())
+
+
+def test_lora_on_fp8_base_dp2_ep2_matches_one_process(pool4):
+    """A frozen FP8 base under dp2 x ep2: the experts' FP8 weights and their block scales Shard(0) over ep."""
+    case = make_case(seed=4, fp8=True)
+    results = pool4.run(lora_step, **case, dp=2, ep=2)
+    check(results, lora_reference(**case, world=4))
+    E = case["config"]["n_routed_experts"]
+    for res in results:  # every text linear and expert weight stayed FP8; each rank holds its experts' scales
+        assert len(res["fp8_params"]) > 40 and sum(".mlp.experts." in n for n in res["fp8_params"]) == 6
+        assert len(res["expert_scales"]) == 6 and all(s[0] == E // 2 for s in res["expert_scales"].values())
+        # FSDP gathers the frozen FP8 values as FP8: this rank sends exactly its (padded) shards' bytes, FP8 at
+        # 1 byte (a bf16 gather would send `fp8` bytes more)
+        g = res["gathered"]
+        assert g["fp8"] > 10_000 and g["sent"] == g["shard"], g

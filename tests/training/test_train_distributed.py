@@ -33,24 +33,32 @@ def torchrun(*args: str) -> str:
     return proc.stdout
 
 
-def test_dp2_trains_saves_and_resumes(tmp_path):
-    save = tmp_path / "run"
-    out = torchrun(*SMALL, "--dp", "2", "--steps", "4", "--save", str(save), "--save-every", "2")
+@pytest.fixture(scope="module")
+def dp2_run(tmp_path_factory) -> tuple[object, dict[int, float]]:
+    """One dp2 run of 6 steps at lr 1e-2, saved at the end (official layout + DCP) and every 3 steps: -> (the save
+    directory, its losses). The resume test continues it; the --init test starts from it (a torchrun costs ~25 s
+    on two cores, so the two tests share this one)."""
+    save = tmp_path_factory.mktemp("dp2") / "run"
+    out = torchrun(*SMALL, "--dp", "2", "--steps", "6", "--lr", "1e-2", "--save", str(save), "--save-every", "3")
     assert "dp 2 x tp 1" in out
-    straight = losses(out)
-    assert sorted(straight) == [1, 2, 3, 4] and all(math.isfinite(v) for v in straight.values())
-    assert straight[4] < straight[1], straight
+    return save, losses(out)
+
+
+def test_dp2_trains_saves_and_resumes(dp2_run):
+    save, straight = dp2_run
+    assert sorted(straight) == [1, 2, 3, 4, 5, 6] and all(math.isfinite(v) for v in straight.values())
+    assert straight[6] < straight[1], straight
     model = Glm53ForCausalLM.from_pretrained(save)  # full tensors, official layout, MTP included
     assert model.mtp is not None and model.mtp_checkpoint_keys == []
     fresh = Glm53ForCausalLM(model.config)
     assert not torch.equal(model.lm_head.weight, fresh.lm_head.weight)
-    keys = saved_keys(str(save / "step-2" / DCP_DIR))  # DCP: one file per rank, no full-state gather
+    keys = saved_keys(str(save / "step-3" / DCP_DIR))  # DCP: one file per rank, no full-state gather
     assert {"extra.step", "extra.data_rng.dp0", "extra.data_rng.dp1", "extra.torch_rng.rank1"} <= keys
-    assert sorted(os.listdir(save / "step-2" / DCP_DIR)) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert sorted(os.listdir(save / "step-3" / DCP_DIR)) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     assert not (save / TRAINER_STATE).exists()
 
-    resumed = losses(torchrun(*SMALL, "--dp", "2", "--steps", "4", "--resume", str(save / "step-2")))
-    assert sorted(resumed) == [3, 4]
+    resumed = losses(torchrun(*SMALL, "--dp", "2", "--steps", "6", "--lr", "1e-2", "--resume", str(save / "step-3")))
+    assert sorted(resumed) == [4, 5, 6]
     for step in resumed:  # model, full optimizer state, router biases, every rank's data and RNG state
         assert resumed[step] == pytest.approx(straight[step], rel=1e-5), (step, resumed, straight)
 
@@ -74,9 +82,8 @@ def test_tp2_matches_one_process_and_resumes_in_one(tmp_path, capsys):
         assert resumed[step] == pytest.approx(parallel[step], abs=2e-4), (resumed, parallel)
 
 
-def test_init_fills_meta_model_bf16_no_export(tmp_path):
-    init = tmp_path / "init"
-    trained = losses(torchrun(*SMALL, "--dp", "2", "--steps", "6", "--lr", "1e-2", "--save", str(init)))
+def test_init_fills_meta_model_bf16_no_export(dp2_run, tmp_path):
+    init, trained = dp2_run
     out = tmp_path / "from-init"
     text = torchrun(
         *SMALL,

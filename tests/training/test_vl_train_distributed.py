@@ -1,5 +1,6 @@
 """`torchrun -m glm53 train` on a VL jsonl (gloo). --dp 2: finite losses while one rank's micro-batch has no image
-(the tower's zero-weighted dummy forward keeps FSDP's collectives matched), each rank decoding its own rows.
+(the tower's zero-weighted dummy forward keeps FSDP's collectives matched), each rank decoding its own rows; its DCP
+save resumes exactly (3 steps == 2 + resume for 1: the loss and every weight).
 --cp 2: the losses of one process on the same rows (each cp rank runs the tower on the images its slice's
 placeholders take and splices its own feature rows), with the tower trained too; the first step has no image (the
 tower's dummy zero gradients are dropped, so AdamW skips the tower as one process does)."""
@@ -10,9 +11,11 @@ import argparse
 import math
 
 import pytest
+import torch
 
 from glm53.__main__ import main
 from glm53.training.vl_finetune import VLFileData
+from glm53.vision.model import Glm53ForConditionalGeneration
 from tests.helpers.vl_data import tiny_vl_model, vl_corpus, vl_tokenizer, write_jsonl
 from tests.training.test_train_cli import losses
 from tests.training.test_train_distributed import torchrun
@@ -68,10 +71,31 @@ def test_dp2_vl_with_a_text_only_rank(tmp_path):
     ranks = [VLFileData(ns, ckpt, model, 2, r) for r in range(2)]
     media = [[r.next_step()[0].media_tokens() > 0 for r in ranks] for _ in range(3)]
     assert any(a != b for a, b in media), media
-    out = torchrun("train", *flags, "--dp", "2", "--steps", "3", "--log-every", "1")
+    save = tmp_path / "run"
+    run = ["--dp", "2", "--steps", "3", "--log-every", "1", "--save", str(save), "--save-every", "2"]
+    out = torchrun("train", *flags, *run)
     got = losses(out)
     assert sorted(got) == [1, 2, 3] and all(math.isfinite(v) for v in got.values())
     assert "image tokens" in out
+    # DCP resume from step 2 (model, optimizer, both ranks' data cursors and RNG): step 3 as the straight run's,
+    # its loss and every final weight bit for bit (the same gloo reductions in the same order)
+    i = flags.index("--init")
+    again = [
+        *flags[:i],
+        *flags[i + 2 :],
+        *run[:-4],
+        "--save",
+        str(tmp_path / "resumed"),
+        "--resume",
+        str(save / "step-2"),
+    ]
+    resumed = losses(torchrun("train", *again))
+    assert sorted(resumed) == [3] and resumed[3] == got[3], (resumed, got)
+    want = Glm53ForConditionalGeneration.from_pretrained(str(save)).state_dict()
+    have = Glm53ForConditionalGeneration.from_pretrained(str(tmp_path / "resumed")).state_dict()
+    assert want.keys() == have.keys() and all(torch.equal(want[k], have[k]) for k in want)
+    base = Glm53ForConditionalGeneration.from_pretrained(ckpt).state_dict()
+    assert not torch.equal(want["visual.merger.proj.weight"], base["visual.merger.proj.weight"])  # it trained
 
 
 @pytest.mark.parametrize(
