@@ -3,7 +3,7 @@ its own slices of the base (glm53/training/distributed.py, glm53.parallel.load_p
 apply_lora's values. Run in the shared gloo pool (tests/helpers/lora_jobs.py's `cli_train`, as torchrun would).
 
 Checked against the whole build (glm53.peft.build_model on every rank, then parallelize) and one process: the same
-parameters bit for bit, the same losses and adapters after two AdamW steps; and no rank reads the whole base.
+parameters bit for bit (dp2, tp2, ep2), the same losses and adapters after two AdamW steps; and no rank reads the whole base.
 """
 
 from __future__ import annotations
@@ -74,16 +74,17 @@ def _same_params(got: dict, want: dict, where: str) -> None:
     assert got["trainable"] == want["trainable"], where
 
 
-def test_dp2_and_tp2_lora_from_init_build_on_meta_and_read_own_slices(pool2, base, tmp_path, monkeypatch):
+def test_dp2_tp2_ep2_lora_from_init_build_on_meta_and_read_own_slices(pool2, base, tmp_path, monkeypatch):
     run = ["train", "--init", str(base), *LORA, *FAST, "--steps", "2"]
     meta = _ok(pool2.run(cli_train, argv=[*run, "--dp", "2"], inspect=True, build="meta", everything=True))
     whole = _ok(pool2.run(cli_train, argv=[*run, "--dp", "2"], inspect=True, build="whole", everything=True))
     tp2 = _ok(pool2.run(cli_train, argv=[*run, "--tp", "2"], inspect=True, build="meta", everything=True))
+    ep2 = _ok(pool2.run(cli_train, argv=[*run, "--ep", "2"], inspect=True, build="meta", everything=True))
     one = _one_process(run, monkeypatch)
     assert len(one["adapters"]) > 50 and all("lora_" in n for n in one["trainable"])
     assert any(v.abs().sum() > 0 for n, v in one["adapters"].items() if "lora_A" in n)
     stored = _stored_bytes(base)
-    for res in (*meta, *whole, *tp2):  # base and adapters bit for bit: apply_lora's RNG draws on every rank
+    for res in (*meta, *whole, *tp2, *ep2):  # base and adapters bit for bit: apply_lora's RNG draws on every rank
         _same_params(res["loaded"], one, "rank")
     read = [res["loaded"]["bytes_read"] for res in meta]
     # FSDP2 over dp2 splits every parameter's rows in two (one padded row at most): each rank reads about half;
@@ -91,7 +92,7 @@ def test_dp2_and_tp2_lora_from_init_build_on_meta_and_read_own_slices(pool2, bas
     assert all(0 < b < 0.6 * stored for b in read), (read, stored)
     assert sum(read) >= stored
     assert all(res["loaded"]["bytes_read"] is None for res in whole)
-    assert all(0 < res["loaded"]["bytes_read"] < stored for res in tp2)
+    assert all(0 < res["loaded"]["bytes_read"] < stored for res in (*tp2, *ep2))
 
 
 def test_dp2_lora_on_meta_trains_as_the_whole_build(pool2, base, tmp_path):
