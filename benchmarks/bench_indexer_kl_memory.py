@@ -2,6 +2,7 @@
 
     python benchmarks/bench_indexer_kl_memory.py                          # T = 8K, 16K, 32K at the bench widths
     python benchmarks/bench_indexer_kl_memory.py --seqlens 1024 2048 --mode sparse
+    python benchmarks/bench_indexer_kl_memory.py --seqlens 8192 --variants recompute --compile aot_eager
 
 One MultiHeadLatentAttention layer (a full indexer, B = 1, fp32, CPU) runs forward with the indexer KL's record
 (`ForwardContext(record_indexer=True)`), then `indexer_kl_terms` on its stats plus a linear function of its output,
@@ -15,6 +16,10 @@ per-head keys alone are 2 GiB per layer there) nor run in minutes on 2 cores.
 
 Each point runs in a fresh child process: it builds the layer and its input, records its RSS, resets VmHWM, runs the
 step and reports the peak RSS growth (what the step allocated at its worst moment, parameters excluded).
+`--compile BACKEND`: the step (the layer's forward and the indexer KL) runs as torch.compile(backend=BACKEND,
+static shapes) of one function, forward and backward traced (the recomputing op is a custom op there). The child
+first compiles and runs it at T = 64 (imports and compiler state paid), then resets VmHWM and measures the step
+at T, its own compilation included (fake tensors: its memory does not grow with T).
 Results: benchmarks/results/bench_indexer_kl_memory.json and a table on stdout.
 """
 
@@ -47,19 +52,28 @@ torch.manual_seed(0)
 layer = MultiHeadLatentAttention(config, 0)
 layer.init_weights()
 layer.kl_recompute = variant == "recompute"
-x = torch.randn(1, T, config.hidden_size)
-g = torch.randn(1, T, config.hidden_size)
-valid = torch.ones(1, T, dtype=torch.bool)
+def step(x, g):
+    valid = torch.ones(x.shape[:2], dtype=torch.bool)
+    ctx = ForwardContext(valid=valid, collect_stats=True, record_indexer=True).for_layer()
+    out, _ = layer(x, ctx)
+    kl = indexer_kl_terms([ctx.stats], valid, mode)[0]
+    return (out * g).mean() + kl, kl.detach()
+def inputs(T):
+    return torch.randn(1, T, config.hidden_size), torch.randn(1, T, config.hidden_size)
+if {backend!r} != "none":
+    step = torch.compile(step, backend={backend!r}, dynamic=False)
+    step(*inputs(64))[0].backward()
+    layer.zero_grad(set_to_none=True)
+torch.manual_seed(1)  # the measured inputs: the same with and without the warm-up's draw
+x, g = inputs(T)
 def rss(field):
     for line in open("/proc/self/status"):
         if line.startswith(field):
             return int(line.split()[1]) * 1024
 open("/proc/self/clear_refs", "w").write("5")  # reset VmHWM
 base = rss("VmRSS:")
-ctx = ForwardContext(valid=valid, collect_stats=True, record_indexer=True).for_layer()
-out, _ = layer(x, ctx)
-kl = indexer_kl_terms([ctx.stats], valid, mode)[0]
-((out * g).mean() + kl).backward()
+loss, kl = step(x, g)
+loss.backward()
 print(rss("VmHWM:") - base, float(kl))
 """
 
@@ -81,6 +95,7 @@ def run(variant: str, seqlen: int, args) -> tuple[int, float, float]:
         index_heads=args.index_heads,
         index_head_dim=args.index_head_dim,
         topk=args.topk,
+        backend=args.compile,
     )
     start = time.perf_counter()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
@@ -101,6 +116,7 @@ def main() -> None:
     p.add_argument("--index-head-dim", type=positive_int, default=32)
     p.add_argument("--topk", type=positive_int, default=256)
     p.add_argument("--threads", type=positive_int, default=2)
+    p.add_argument("--compile", default="none", choices=("none", "aot_eager", "inductor"), help="torch.compile backend")
     p.add_argument("--out", default="bench_indexer_kl_memory.json")
     args = p.parse_args()
     rows = {}
@@ -111,7 +127,8 @@ def main() -> None:
             print(f"  {v:>9} T={T}: {peak / 2**20:.1f} MiB, KL {kl:.6f}, {secs:.0f} s", flush=True)
     print(
         f"one MLA layer fwd+bwd with the indexer KL ({args.mode}), B=1 fp32 CPU, hidden {args.hidden}, "
-        f"{args.heads}x{args.head_dim} heads, indexer {args.index_heads}x{args.index_head_dim}, k-pool 4"
+        f"{args.heads}x{args.head_dim} heads, indexer {args.index_heads}x{args.index_head_dim}, k-pool 4, "
+        f"compile {args.compile}"
     )
     print(
         f"{'T':>6}  {'[T, P] fp32 MiB':>15}"
@@ -130,6 +147,7 @@ def main() -> None:
     result = {
         "command": "python benchmarks/bench_indexer_kl_memory.py " + " ".join(sys.argv[1:]),
         "mode": args.mode,
+        "compile": args.compile,
         "widths": {
             k: getattr(args, k)
             for k in ("hidden", "heads", "head_dim", "q_lora", "kv_lora", "index_heads", "index_head_dim", "topk")

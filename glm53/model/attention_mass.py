@@ -121,12 +121,15 @@ class PoolMassInputs:
     kpool: int
     scale: float
     reduce: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    offset: int = 0  # context parallelism: the queries' position in the keys' sequence (q holds rows offset + [0, T))
 
     def mass(self, t0: int, t1: int, topk: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Query rows [t0, t1)'s pool mass [B, Tq, P] over the full indexer's pools `positions` [B, P, L] (its
         `topk` [B, T, J] for `reduce`)."""
         q = self.q[:, t0:t1]
-        out = attention_pool_mass(q, self.k, self.valid, self.kpool, self.scale, self.cu_seqlens, t0, positions)
+        out = attention_pool_mass(
+            q, self.k, self.valid, self.kpool, self.scale, self.cu_seqlens, self.offset + t0, positions
+        )
         return out if self.reduce is None else self.reduce(out, topk[:, t0:t1])
 
 
@@ -146,6 +149,7 @@ class IndexerKlInputs:
     cu_seqlens: torch.Tensor | None
     kpool: int
     scale: float
+    offset: int = 0  # context parallelism: the queries' position in the keys' sequence (valid and topk: global)
 
 
 __all__ = ["IndexerKlInputs", "PoolMassInputs", "attention_pool_mass", "slot_pools"]

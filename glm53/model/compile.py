@@ -12,7 +12,7 @@ recomputation in backward calls the compiled forward again.
 
 Every block traces as one graph: the kernels with data-dependent control flow or shapes are custom ops (the
 KDA chunk kernel, the grouped expert matmul, the sparse attentions and indexer scores, glm53/kernels; the
-indexer's pool choice, glm53/model/indexer.py `select_pools`), and the indexer's pool axis has a shape-only
+indexer's pool choice, glm53/model/pool_selection.py `select_pools`), and the indexer's pool axis has a shape-only
 size. GRAPH_BREAKING lists module types whose blocks would still break a graph (none now).
 Packed documents (`cu_seqlens`) compile per block too: the packed causal conv and indexer scores are custom ops,
 the packed pool layout's pool count is a size from the shapes, and the kernels skip their cu_seqlens value checks

@@ -31,24 +31,25 @@ import torch.nn.functional as F
 from ..config import Glm53Config
 from ..hooks import as_local
 from ..kernels import kernel_op
-from ..kernels.indexer_topk import candidate_pools, pool_starts, rank_pools
-from ..kernels.opaque import HOST_READING
-from ..kernels.varlen import document_bounds, own_document_pools
+from ..kernels.indexer_topk import pool_starts
+from ..kernels.varlen import own_document_pools
 from ..utils import ceil_div
 from .context import SequenceShards
 from .norm import LayerNorm
-from .packing import document_pool_layout, first_valid_in_document
+from .packing import document_pool_layout
+from .pool_selection import (
+    cached_slots,
+    cached_tokens,
+    first_valid_position,
+    select_pools,
+    select_pools_blocked,
+    visible_tail,
+)
 
 # kernels resolved once; use_backend keeps them current (kernels/dispatch.py)
 indexer_scores, indexer_topk_pools = kernel_op("indexer_scores"), kernel_op("indexer_topk_pools")
 
 K_NORM_EPS = 1e-6  # the indexer's key LayerNorm epsilon (transformers)
-
-
-def first_valid_position(valid: torch.Tensor) -> torch.Tensor:
-    """[B, T] bool -> [B] index of the first True (T for an all-False row)."""
-    T = valid.shape[-1]
-    return torch.where(valid.any(-1), valid.long().argmax(-1), torch.full_like(valid[:, 0], T, dtype=torch.long))
 
 
 def pool_layout(
@@ -159,23 +160,29 @@ class Indexer(nn.Module):
     ) -> torch.Tensor:
         """x [B, T, D], q_resid [B, T, R], valid [B, T] bool -> top-k key positions [B, T, J] int64 (`shards`:
         as `score_and_select`). Unpacked, scoring and choosing run fused, a block of queries at a time
-        (kernels/indexer_topk.py): `score_and_select`'s top-k (up to rounding-level near-ties, see there) without its
-        [B, T, P] scores and masks."""
-        if cu_seqlens is not None or torch.compiler.is_compiling():  # the fused kernel is eager-only
+        (`select_pools_blocked`, a custom op: eager and compiled alike): `score_and_select`'s top-k (up to
+        rounding-level near-ties, kernels/indexer_topk.py) without its [B, T, P] scores and masks."""
+        if cu_seqlens is not None:  # the fused kernel takes no documents
             return self.score_and_select(x, q_resid, valid, cu_seqlens=cu_seqlens, shards=shards)[0]
         offset = 0 if shards is None else shards.offset
         keys, gate = self.token_keys(x)
         if shards is not None:
             keys, gate = shards.all_gather(keys, dim=1), shards.all_gather(gate, dim=1)
         pool_keys, positions, complete = self.pool(keys, gate, valid)
-        kept = kept_pool_index(complete)
-        pool_keys, positions, complete = (t.index_select(1, kept) for t in (pool_keys, positions, complete))
         q, w = self._queries(x, q_resid)
-        pool_end = positions[..., -1].clamp(0, valid.shape[1] - 1)  # [B, P] as `select` reads it
-        chosen, chosen_ok = indexer_topk_pools(
-            q, w, pool_keys, self.head_dim**-0.5, pool_end, complete, offset, self._pools_per_query(pool_keys.shape[1])
+        return select_pools_blocked(
+            q,
+            w,
+            pool_keys,
+            positions,
+            complete,
+            valid,
+            self.head_dim**-0.5,
+            offset,
+            self.index_topk,
+            self.kpool,
+            self.select_tail,
         )
-        return self._slots(chosen, chosen_ok, positions, valid, None, offset)
 
     def score_and_select(
         self,
@@ -228,13 +235,19 @@ class Indexer(nn.Module):
         return self.pool(keys, gate, valid, cu_seqlens)
 
     def kl_inputs(
-        self, x: torch.Tensor, q_resid: torch.Tensor, valid: torch.Tensor, cu_seqlens: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        q_resid: torch.Tensor,
+        valid: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        shards: SequenceShards | None = None,
     ) -> dict:
         """What the recomputing indexer KL (losses/indexer_kl.py) scores query blocks from, with gradient to this
         indexer's parameters only (inputs detached, as `score_and_select(grad=True)`): the per-head queries
         [B, T, H, K], head weights [B, T, H] fp32, pool keys [B, P, K], the pools' token positions [B, P, L] and
-        completeness [B, P]. O(T) memory: the [B, T, P] scores are never made here."""
-        pool_keys, positions, complete = self.detached_pools(x, valid, cu_seqlens)
+        completeness [B, P]. O(T) memory: the [B, T, P] scores are never made here. `shards`: as
+        `score_and_select` (this rank's queries; the pools of the whole sequence, gathered)."""
+        pool_keys, positions, complete = self.detached_pools(x, valid, cu_seqlens, shards)
         q, w = self._queries(x.detach(), q_resid.detach())
         return dict(q=q, weights=w, pool_keys=pool_keys, positions=positions, complete=complete)
 
@@ -258,43 +271,41 @@ class Indexer(nn.Module):
             scores, positions, complete, valid, cu_seqlens, query_offset, self.index_topk, self.kpool, self.select_tail
         )
 
-    def _pools_per_query(self, num_pools: int) -> int:
-        return min(self.index_topk // self.kpool, num_pools)
-
     def _queries(self, x: torch.Tensor, q_resid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> per-head queries q [B, T, H, K] and head weights w [B, T, H] fp32 (scaled by H^-0.5)."""
         q = self.wq_b(q_resid).view(*q_resid.shape[:2], self.n_heads, self.head_dim)
         return q, self.weights_proj(x).float() * self.n_heads**-0.5
 
-    def _slots(
-        self,
-        chosen: torch.Tensor,
-        chosen_ok: torch.Tensor,
-        positions: torch.Tensor,
-        valid: torch.Tensor,
-        cu_seqlens: torch.Tensor | None,
-        query_offset: int,
-    ) -> torch.Tensor:
-        return pool_slots(
-            chosen, chosen_ok, positions, valid, cu_seqlens, query_offset, self.kpool, self.select_tail, self.num_slots
-        )
-
     @torch.no_grad()
     def cached_select(self, x: torch.Tensor, q_resid: torch.Tensor, generation, cache) -> torch.Tensor:
         """Top-k [B, T, J] of a forward on a generation cache (model/cache.py): this forward's tokens extend the
-        cached pools, then each query scores every cached pool and `cached_slots` keeps its candidates'."""
+        cached pools, then each query ranks its candidates among the cached pools. The prefill (a host-known
+        position 0) scores and chooses a block of queries at a time (kernel "indexer_topk_pools": no [B, T, P]
+        scores); a step after it scores every cached pool ([B, T, P] for its few queries, no host read)."""
         keys, gate = self.token_keys(x)
         self.extend_pools(keys, gate, generation, cache)
-        scores = self.scores(x, q_resid, cache.pool_keys[:, :-1])  # [B, T, P] fp32
-        return cached_slots(
-            scores,
-            generation.first,
-            generation.new_positions(x.shape[1]),
-            self.kpool,
-            self.index_topk,
-            self.select_tail,
-            self.num_slots,
+        query_pos = generation.new_positions(x.shape[1])
+        if generation.started:
+            scores = self.scores(x, q_resid, cache.pool_keys[:, :-1])  # [B, T, P] fp32
+            return cached_slots(
+                scores, generation.first, query_pos, self.kpool, self.index_topk, self.select_tail, self.num_slots
+            )
+        q, w = self._queries(x, q_resid)
+        pool_keys, L = cache.pool_keys[:, :-1], self.kpool
+        P = pool_keys.shape[1]
+        # pool p of row b ends at first_b + pL + L - 1: a candidate of the queries at or after it (cached_slots)
+        pool_end = generation.first[:, None] + torch.arange(P, device=x.device) * L + (L - 1)
+        chosen, chosen_ok = indexer_topk_pools(
+            q,
+            w,
+            pool_keys,
+            self.head_dim**-0.5,
+            pool_end,
+            torch.ones_like(pool_end, dtype=torch.bool),
+            0,
+            min(self.index_topk // L, P),
         )
+        return cached_tokens(chosen, chosen_ok, generation.first, query_pos, L, self.select_tail, self.num_slots)
 
     def extend_pools(self, keys: torch.Tensor, gate: torch.Tensor, generation, cache) -> None:
         """Store this forward's token keys and gate logits [B, T, K] in the cache's ring and pool every k-pool
@@ -337,157 +348,3 @@ class Indexer(nn.Module):
         self.k_norm.init_weights()
         nn.init.zeros_(self.index_kpool_compress_ape)
         nn.init.ones_(self.index_kpool_compress_gate)
-
-
-def kept_pool_index(complete: torch.Tensor) -> torch.Tensor:
-    """complete [B, P] -> [P'] indices of the pools complete in some row: transformers' pool axis."""
-    return torch.nonzero(complete.any(0)).squeeze(1)  # NOTE: syncs (once per call)
-
-
-def select_kept(
-    scores: torch.Tensor,
-    positions: torch.Tensor,
-    complete: torch.Tensor,
-    valid: torch.Tensor,
-    cu_seqlens: torch.Tensor | None,
-    query_offset: int,
-    index_topk: int,
-    kpool: int,
-    select_tail: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`Indexer.select` over pools that are all complete in some row (transformers' pool axis)."""
-    num_slots = index_topk + (kpool - 1 if select_tail else 0)
-    S = valid.shape[1]
-    T = scores.shape[1]
-    candidate = candidate_pools(positions, complete, S, cu_seqlens, query_offset, T)  # [B, T, P]
-    scores = scores.masked_fill(~candidate, torch.finfo(scores.dtype).min)
-    chosen = rank_pools(scores, min(index_topk // kpool, scores.shape[-1]))  # [B, T, select]
-    chosen_ok = candidate.gather(-1, chosen)
-    selected = torch.zeros_like(candidate).scatter_(-1, chosen, chosen_ok)
-    topk = pool_slots(chosen, chosen_ok, positions, valid, cu_seqlens, query_offset, kpool, select_tail, num_slots)
-    return topk, candidate, selected
-
-
-def cached_slots(
-    scores: torch.Tensor,
-    first: torch.Tensor,
-    query_pos: torch.Tensor,
-    kpool: int,
-    index_topk: int,
-    select_tail: bool,
-    num_slots: int,
-) -> torch.Tensor:
-    """`select_kept` on a generation cache's time axis: scores [B, T, P] of every cached pool (pool p of row b holds
-    positions first_b + pL .. first_b + pL + L - 1), queries at query_pos [T] -> top-k [B, T, J]. No host read."""
-    B, T, P = scores.shape
-    L = kpool
-    count = query_pos[None, :] - first[:, None] + 1  # [B, T] the row's tokens up to each query (<= 0: padding)
-    complete = count.clamp(min=0).div(L, rounding_mode="floor")  # [B, T] pools complete and visible
-    candidate = torch.arange(P, device=scores.device) < complete[..., None]  # [B, T, P]
-    scores = scores.masked_fill(~candidate, torch.finfo(scores.dtype).min)
-    chosen = rank_pools(scores, min(index_topk // L, P))  # [B, T, select]
-    chosen_ok = candidate.gather(-1, chosen)
-    offsets = torch.arange(L, device=scores.device)
-    tokens = first[:, None, None, None] + chosen[..., None] * L + offsets  # [B, T, select, L]
-    topk = tokens.masked_fill(~chosen_ok[..., None], -1).flatten(-2)
-    if select_tail:  # the query's own incomplete pool, up to the query
-        tail = (first[:, None] + complete * L)[..., None] + offsets[: L - 1]  # [B, T, L-1]
-        topk = torch.cat([topk, tail.masked_fill(tail > query_pos[None, :, None], -1)], dim=-1)
-    topk = F.pad(topk, (0, num_slots - topk.shape[-1]), value=-1)[..., :num_slots]
-    return topk.masked_fill((count <= 0)[..., None], -1)
-
-
-def pool_slots(
-    chosen: torch.Tensor,
-    chosen_ok: torch.Tensor,
-    positions: torch.Tensor,
-    valid: torch.Tensor,
-    cu_seqlens: torch.Tensor | None,
-    query_offset: int,
-    kpool: int,
-    select_tail: bool,
-    num_slots: int,
-) -> torch.Tensor:
-    """Chosen pools [B, T, select] (chosen_ok: a candidate) -> their tokens, then the visible tail: [B, T, J]."""
-    B, T = chosen.shape[:2]
-    tokens = positions[torch.arange(B, device=chosen.device)[:, None, None], chosen]  # [B, T, select, L]
-    topk = tokens.masked_fill(~chosen_ok[..., None], -1).flatten(-2)
-    if select_tail:
-        topk = torch.cat([topk, visible_tail(valid, kpool, cu_seqlens, query_offset, T)], dim=-1)
-    topk = F.pad(topk, (0, num_slots - topk.shape[-1]), value=-1)[..., :num_slots]
-    return topk.masked_fill(~valid[:, query_offset : query_offset + T, None], -1)
-
-
-def visible_tail(
-    valid: torch.Tensor,
-    kpool: int,
-    cu_seqlens: torch.Tensor | None = None,
-    query_offset: int = 0,
-    num_queries: int | None = None,
-) -> torch.Tensor:
-    """`Indexer.visible_tail` for pools of `kpool` tokens."""
-    B, S = valid.shape
-    T = S - query_offset if num_queries is None else num_queries
-    width = kpool - 1
-    if width == 0:
-        return valid.new_empty(B, T, 0, dtype=torch.long)
-    rows = slice(query_offset, query_offset + T)
-    count = valid.long().cumsum(-1)  # [B, S] visible (valid, causal) tokens per query
-    origin = first_valid_position(valid)[:, None]  # where the query's pools start
-    if cu_seqlens is not None:  # count only the query's own document
-        doc_start = document_bounds(cu_seqlens, B, S)[0]
-        count = count - torch.cat([count.new_zeros(B, 1), count], dim=1).gather(1, doc_start)
-        origin = first_valid_in_document(valid, cu_seqlens)[:, rows]
-    count = count[:, rows]  # [B, T]
-    tail = count.remainder(kpool)
-    offsets = torch.arange(width, device=valid.device)
-    start = origin + count - tail
-    idx = start[..., None] + offsets  # [B, T, L-1]
-    query_pos = torch.arange(query_offset, query_offset + T, device=valid.device)[None, :, None]
-    safe = idx.clamp(0, S - 1)
-    ok = (offsets < tail[..., None]) & (idx < S) & (idx <= query_pos)
-    ok = ok & valid.gather(-1, safe.flatten(1)).view_as(safe)
-    return idx.masked_fill(~ok, -1)
-
-
-# ---------------------------------------------------------------------------------------- torch.compile boundary
-# Which pools transformers ranks depends on the data (those complete in some row), and torch.topk's order among
-# tied scores (ReLU scores tie at 0 often) depends on how many it ranks: the choice runs as a custom op that
-# drops those pools eagerly, so compiled and eager models pick the same keys, with fixed-size outputs for
-# torch.compile. Nothing here has a gradient (the selection is made from detached scores).
-@torch.library.custom_op("glm53::select_pools", mutates_args=(), tags=HOST_READING)
-def select_pools(
-    scores: torch.Tensor,
-    positions: torch.Tensor,
-    complete: torch.Tensor,
-    valid: torch.Tensor,
-    cu_seqlens: torch.Tensor | None,
-    query_offset: int,
-    index_topk: int,
-    kpool: int,
-    select_tail: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """scores [B, T, P], positions [B, P, L], complete [B, P], valid [B, S] -> (top-k [B, T, J], candidate pools
-    [B, T, P], selected pools [B, T, P]); pools incomplete in every row are neither."""
-    kept = kept_pool_index(complete)
-    topk, kept_candidate, kept_selected = select_kept(
-        scores.index_select(-1, kept),
-        positions.index_select(1, kept),
-        complete.index_select(1, kept),
-        valid,
-        cu_seqlens,
-        query_offset,
-        index_topk,
-        kpool,
-        select_tail,
-    )
-    candidate = kept_candidate.new_zeros(scores.shape).index_copy_(-1, kept, kept_candidate)
-    selected = kept_selected.new_zeros(scores.shape).index_copy_(-1, kept, kept_selected)
-    return topk, candidate, selected
-
-
-@select_pools.register_fake
-def _(scores, positions, complete, valid, cu_seqlens, query_offset, index_topk, kpool, select_tail):
-    num_slots = index_topk + (kpool - 1 if select_tail else 0)
-    mask = scores.new_empty(scores.shape, dtype=torch.bool)
-    return scores.new_empty(*scores.shape[:2], num_slots, dtype=torch.long), mask, mask.clone()

@@ -67,7 +67,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.absorb = config.kv_lora_rank <= self.qk_head_dim + self.v_head_dim
         # The indexer KL's record (ctx.stats.indexer): its O(T) inputs, the scores and pool mass recomputed per
         # query block by the loss (losses/indexer_kl.py), or the [B, T, P] scores, masks and pool mass themselves
-        # (False; also always under context parallelism and torch.compile). Exact either way; set_numerics.
+        # (False). Exact either way; set_numerics.
         self.kl_recompute = True
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,8 +89,7 @@ class MultiHeadLatentAttention(nn.Module):
         latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))  # [B, T, Z]
         if cp is not None:  # every rank's latent: Z numbers per key (its gradient is summed back to the owner)
             latent = cp.all_gather(latent, dim=1)  # [B, S, Z]
-        # traced: the stored record (the recomputing op's Python-object arguments would break the graph)
-        recompute = record and self.kl_recompute and cp is None and not torch.compiler.is_compiling()
+        recompute = record and self.kl_recompute  # eager, compiled and under cp alike (losses/indexer_kl.py)
         topk = self._select(x, q_resid, ctx, keys, record, recompute)
         if cp is None:
             o, k = self._attend(q, latent, topk, {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens})
@@ -99,7 +98,9 @@ class MultiHeadLatentAttention(nn.Module):
         if recompute:  # the mass's inputs only: the loss recomputes it per query block (losses/indexer_kl.py)
             with torch.no_grad():
                 k = self._expand_kv(latent)[0] if k is None else k.detach()
-            stats.mass_inputs = PoolMassInputs(q.detach(), k, valid, cu_seqlens, self.kpool, self.scale)
+            stats.mass_inputs = PoolMassInputs(
+                q.detach(), k, valid, cu_seqlens, self.kpool, self.scale, offset=keys.offset
+            )
         elif record:
             k = self._expand_kv(latent)[0] if k is None else k
             stats.pool_mass = attention_pool_mass(
@@ -116,8 +117,8 @@ class MultiHeadLatentAttention(nn.Module):
         (`recompute`) or its [B, T, P] scores and masks (`record`) into ctx.stats for a full indexer."""
         stats, cp, valid, cu_seqlens = ctx.stats, ctx.cp, keys.valid, keys.cu_seqlens
         if self.indexer is not None and recompute:
-            topk = self.indexer(x, q_resid, valid, cu_seqlens)  # blocked top-k: no [B, T, P] scores (unpacked)
-            inputs = self.indexer.kl_inputs(x, q_resid, valid, cu_seqlens)
+            topk = self.indexer(x, q_resid, valid, cu_seqlens, shards=cp)  # blocked: no [B, T, P] (unpacked)
+            inputs = self.indexer.kl_inputs(x, q_resid, valid, cu_seqlens, shards=cp)
             stats.indexer_inputs = IndexerKlInputs(
                 **inputs,
                 topk=topk,
@@ -125,6 +126,7 @@ class MultiHeadLatentAttention(nn.Module):
                 cu_seqlens=cu_seqlens,
                 kpool=self.kpool,
                 scale=self.indexer.head_dim**-0.5,
+                offset=keys.offset,
             )
             return topk
         if self.indexer is not None and record:

@@ -50,9 +50,9 @@ def test_decode_and_verify_steps_read_nothing(absorb, grouped_mm, monkeypatch):
     prefill, decode, verify = _steps_syncs(model)
     assert decode.total == 0 and verify.total == 0, (decode.counts, verify.counts)
     # the counter sees what the prefill reads (so the zeros above are not a blind counter): the key spans of the one
-    # MLA layer ("tolist"), its mask and pool checks (4 "item") and, without grouped GEMM, each of the 3 MoE layers'
-    # capacity
-    assert dict(prefill.counts) == {"item": 4 + (0 if grouped_mm else 3), "tolist": 1}, prefill.counts
+    # MLA layer and its blocked top-k's pool horizons, once per call (2 "tolist"), its mask and pool checks (4
+    # "item") and, without grouped GEMM, each of the 3 MoE layers' capacity
+    assert dict(prefill.counts) == {"item": 4 + (0 if grouped_mm else 3), "tolist": 2}, prefill.counts
 
 
 def test_few_token_experts_are_only_for_few_pairs(monkeypatch):

@@ -77,3 +77,31 @@ def test_generate_equals_greedy_by_full_forwards(config):
     model = tiny_model(random_weights=False, **config)
     ids, mask = left_padded(model.config.vocab_size, [10, 7])
     assert torch.equal(model.generate(ids, mask, max_new_tokens=8), greedy_by_full_forward(model, ids, mask, 8))
+
+
+def test_prefill_selects_in_query_blocks_without_a_query_by_pool_tensor(monkeypatch):
+    """The prefill's top-k is the blocked kernel (3 queries per block here: many blocks over the P = 70 prompt), no
+    [B, T, P] scores (Indexer.scores never runs in it); decode steps score their query against every cached pool.
+    Prefill + decode still equal the full forward."""
+    import glm53.kernels.indexer_topk as topk_mod
+    from glm53.model.indexer import Indexer
+
+    monkeypatch.setattr(topk_mod, "TOPK_BUDGET", 1)
+    monkeypatch.setattr(topk_mod, "MIN_TOPK_CHUNK", 3)
+    calls = []
+    scores = Indexer.scores
+    monkeypatch.setattr(
+        Indexer, "scores", lambda self, x, *a, **k: calls.append(x.shape[1]) or scores(self, x, *a, **k)
+    )
+    spec = CASES["prompt-past-kda-chunk-P70"]
+    model, ids, mask, P, N = case_inputs(spec, shorter_by=4)
+    with torch.inference_mode():
+        full = model(ids, attention_mask=mask).logits
+        calls.clear()
+        cache = GenerationCache(model)
+        steps = [model.lm_head(model.model(ids[:, :P], mask[:, :P], cache=cache))]
+        assert calls == []  # the prefill made no [B, T, P] scores
+        for t in range(P, P + N):
+            steps.append(model.lm_head(model.model(ids[:, t : t + 1], cache=cache)))
+    assert calls and set(calls) == {1}  # each decode step scores its one query
+    assert_matches_full(torch.cat(steps, dim=1), full, mask, REL_TOL)

@@ -12,35 +12,46 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from glm53 import Glm53Config
+from glm53.losses import recomputed_indexer_kl
 from glm53.model.block import run_block
 from glm53.model.context import ForwardContext
 from glm53.model.key_sequence import segment_boundaries
 from glm53.model.mla import MultiHeadLatentAttention
 from glm53.parallel.cp_shards import CpShards
 
+KL_ROWS = 7.0  # the recomputing KL's row count (a global denominator, as the trainer passes)
 
-def build_pair(config: dict, state: dict, absorb: bool) -> tuple[MultiHeadLatentAttention, MultiHeadLatentAttention]:
-    """Layers 0 (full indexer) and 1 (shared) of `config`, in float64, with `state` ({"full": .., "shared": ..})."""
+
+def build_pair(
+    config: dict, state: dict, absorb: bool, recompute: bool = False
+) -> tuple[MultiHeadLatentAttention, MultiHeadLatentAttention]:
+    """Layers 0 (full indexer) and 1 (shared) of `config`, in float64, with `state` ({"full": .., "shared": ..});
+    `recompute`: the recomputing indexer KL's O(T) record instead of the stored [B, T, P] one."""
     cfg = Glm53Config(**config)
     layers = []
     for idx, name in enumerate(("full", "shared")):
         layer = MultiHeadLatentAttention(cfg, idx).double()
         layer.load_state_dict(state[name])
         layer.absorb = absorb
-        layer.kl_recompute = False  # the stored [B, T, P] record on both sides: the test compares it (cp uses it)
+        layer.kl_recompute = recompute  # stored (default): the [B, T, P] tensors the test compares
         layers.append(layer)
     return layers[0], layers[1]
 
 
-def run_pair(full, shared, inputs: dict, cp=None, record: bool = True, checkpointing: bool = False) -> dict:
+def run_pair(
+    full, shared, inputs: dict, cp=None, record: bool = True, checkpointing: bool = False, kl_mode: str | None = None
+) -> dict:
     """Forward + backward of the pair on this rank's rows (all rows when `cp` is None) -> outputs, the recorded
     indexer-loss tensors (with `record`; else the no-grad indexer path runs), gradients of the inputs and of every
     parameter (this rank's share of the sum). `checkpointing`: each layer recomputed in backward (run_block), its
-    collectives included."""
+    collectives included. `kl_mode` (layers built with `recompute`): the functional adds the recomputing indexer
+    KL of this rank's rows over a fixed row count KL_ROWS (so the ranks' terms sum to the one-process term),
+    returned as "kl", instead of the scores term."""
     T = inputs["valid"].shape[1]
     rows = slice(0, T) if cp is None else slice(cp.offset, cp.offset + T // cp.size)
     local = {k: None if v is None else v[:, rows] for k, v in inputs.items()}
@@ -56,7 +67,13 @@ def run_pair(full, shared, inputs: dict, cp=None, record: bool = True, checkpoin
     (out2, topk2), s2 = run_block(checkpointing, shared, (x2,), ctx2)
     loss = (out1 * local["g1"]).sum() + (out2 * local["g2"]).sum()
     recorded = {}
-    if record:
+    if kl_mode is not None:
+        kl = recomputed_indexer_kl(
+            s1.indexer_inputs, [s1.mass_inputs, s2.mass_inputs], local["valid"], kl_mode, torch.tensor(KL_ROWS)
+        )
+        loss = loss + kl
+        recorded = dict(kl=kl.detach())
+    elif record:
         loss = loss + (s1.index_scores * local["h"][..., : s1.index_scores.shape[-1]]).sum()
         recorded = dict(
             index_scores=s1.index_scores.detach(),
@@ -82,14 +99,20 @@ def run_pair(full, shared, inputs: dict, cp=None, record: bool = True, checkpoin
 
 
 def cp_pair_job(
-    config: dict, state: dict, inputs: dict, absorb: bool, record: bool = True, checkpointing: bool = False
+    config: dict,
+    state: dict,
+    inputs: dict,
+    absorb: bool,
+    record: bool = True,
+    checkpointing: bool = False,
+    kl_mode: str | None = None,
 ) -> dict:
-    """`run_pair` on this rank's slice over a 1-D "cp" mesh of the whole world."""
+    """`run_pair` on this rank's slice over a 1-D "cp" mesh of the whole world (`kl_mode`: the recomputing KL)."""
     size = dist.get_world_size()
     mesh = init_device_mesh("cpu", (size,), mesh_dim_names=("cp",))
-    full, shared = build_pair(config, state, absorb)
+    full, shared = build_pair(config, state, absorb, recompute=kl_mode is not None)
     T = inputs["valid"].shape[1]
-    return run_pair(full, shared, inputs, CpShards(mesh, T // size), record, checkpointing)
+    return run_pair(full, shared, inputs, CpShards(mesh, T // size), record, checkpointing, kl_mode)
 
 
 __all__ = ["build_pair", "cp_pair_job", "run_pair"]

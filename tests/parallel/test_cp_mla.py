@@ -137,6 +137,25 @@ def test_cp_mla_matches_one_process(request, cp, regime, name, absorb):
     compare(ranks, expected)
 
 
+@pytest.mark.parametrize(
+    ("cp", "regime", "name"), [(2, "dense", "plain"), (4, "sparse", "packed"), (4, "dense", "leftpad")]
+)
+def test_cp_recomputing_indexer_kl_matches_one_process(request, cp, regime, name):
+    """The recomputing indexer KL (O(T) record, losses/indexer_kl.py) under cp: each rank's query slice against the
+    gathered pools at its key offset; the ranks' KL terms sum to the one-process term (fixed row count), and the
+    outputs, input gradients and every parameter gradient (the indexer's through the gathered pool keys) match."""
+    config, state = state_for(regime)
+    inputs = make_inputs(config, name)
+    expected = run_pair(*build_pair(config, state, True, recompute=True), inputs, kl_mode=regime)
+    ranks = request.getfixturevalue(f"pool{cp}").run(
+        cp_pair_job, config=config, state=state, inputs=inputs, absorb=True, kl_mode=regime
+    )
+    assert expected["kl"] > 0.05  # a KL far from zero
+    assert rel_err(sum(r["kl"] for r in ranks), expected["kl"]) < REL_TOL
+    assert any(n.startswith("full.indexer.") for n in expected["grads"])
+    compare(ranks, expected)
+
+
 @pytest.mark.parametrize("name", ["leftpad", "packed"])
 def test_cp_mla_without_recording_matches_one_process(pool4, name):
     """The no-grad indexer path (no indexer loss): outputs, top-k and gradients."""

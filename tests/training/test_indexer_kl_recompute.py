@@ -186,3 +186,63 @@ def test_whole_model_recomputing_kl_under_the_reference_kernels():
         ref = model(ids, labels=ids).indexer_loss
     torch.testing.assert_close(fast, ref, rtol=rtol_for(config, -(-T // config.index_kpool)), atol=0)
     assert fast > 0.05
+
+
+def saved_shapes(fn):
+    """fn() under a saved-tensor hook -> (its result, the shapes of every tensor autograd saved for backward)."""
+    shapes = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        return fn(), shapes
+
+
+def test_compiled_model_records_the_inputs_and_matches_eager():
+    """torch.compile of the whole model (one aot_eager compile: the loss traced too) takes the recomputing op, a
+    custom op on tensors: every loss part and gradient as eager, no graph break, and autograd saves no [B, T, P]
+    tensor (the stored record saves several: the eager run with kl_recompute=False shows the check can fail)."""
+    config = Glm53Config.tiny(
+        num_hidden_layers=2,
+        layer_types=["indexed_attention"] * 2,
+        indexer_types=["full", "shared"],
+        mlp_layer_types=["dense"] * 2,
+        router_aux_loss_coef=0.0,
+        indexer_loss_weight=0.5,
+        indexer_loss_mode="sparse",
+        index_topk=8,
+    )
+    model = trained_looking(Glm53ForCausalLM(config), 4)
+    ids = torch.randint(1, config.vocab_size, (B, T), generator=torch.Generator().manual_seed(8))
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[1, :5] = False
+    labels = ids.masked_fill(~mask, -100)
+    params = [p for p in model.parameters() if p.requires_grad]
+    bpt = (B, T, -(-T // config.index_kpool))  # a [B, T, P] tensor's shape
+
+    def step(fn):
+        out, shapes = saved_shapes(lambda: fn(ids, attention_mask=mask, labels=labels))
+        grads_ = torch.autograd.grad(out.loss, params, allow_unused=True)
+        return out, grads_, [s for s in shapes if s == bpt]
+
+    model.set_numerics(indexer_kl_recompute=False)
+    assert step(model)[2], "the stored record saves [B, T, P] tensors (the check below can fail)"
+    model.set_numerics(indexer_kl_recompute=True)
+    want, want_g, want_bpt = step(model)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    got, got_g, got_bpt = step(torch.compile(model, backend="aot_eager"))
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
+    assert want_bpt == [] and got_bpt == []
+    assert want.indexer_loss > 0.05
+    rtol = rtol_for(config, bpt[-1])  # eager and traced run the same fp32 kernels: the same bound as above
+    for part in ("loss", "lm_loss", "indexer_loss"):
+        torch.testing.assert_close(getattr(got, part), getattr(want, part), rtol=rtol, atol=0, msg=part)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert any(".indexer." in n and g is not None for n, g in zip(names, want_g))
+    for n, g, w in zip(names, got_g, want_g):
+        assert (g is None) == (w is None), n
+        if w is not None:
+            torch.testing.assert_close(g, w, rtol=rtol, atol=rtol * w.abs().max().item(), msg=n)
