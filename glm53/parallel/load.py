@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -163,8 +163,38 @@ def _raise_non_finite(bad: set[str]) -> None:
         raise CheckpointError(f"tensor {sorted(found)[0]!r} holds NaN or infinite values")
 
 
+class _Without:
+    """A model's tensors as the checkpoint planner sees them, without those `skip` names (e.g. LoRA adapters,
+    which no official checkpoint holds)."""
+
+    def __init__(self, model: torch.nn.Module, skip: Callable[[str], bool]) -> None:
+        self.model, self.skip = model, skip
+        self.config, self.mtp = model.config, getattr(model, "mtp", None)
+
+    def named_parameters(self, **kwargs):
+        return [(n, p) for n, p in self.model.named_parameters(**kwargs) if not self.skip(n)]
+
+    def named_buffers(self, **kwargs):
+        return [(n, b) for n, b in self.model.named_buffers(**kwargs) if not self.skip(n)]
+
+
+def fill_from_full(target: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy this rank's part of the whole tensor `value` into `target`'s local shard (every rank holds `value`)."""
+    if tuple(value.shape) != tuple(target.shape):
+        raise ValueError(f"fill_from_full: a whole value of shape {tuple(value.shape)} for {tuple(target.shape)}")
+    local = local_tensor(target)
+    with torch.no_grad():
+        for box in local_boxes(target):
+            local_idx, global_idx = box_slices(box)
+            local[local_idx].copy_(value[global_idx])
+
+
 def load_pretrained(
-    model: torch.nn.Module, path: str | os.PathLike, *, reader: type[SliceReader] = SliceReader
+    model: torch.nn.Module,
+    path: str | os.PathLike,
+    *,
+    reader: type[SliceReader] = SliceReader,
+    skip: Callable[[str], bool] | None = None,
 ) -> torch.nn.Module:
     """Fill `model` (a Glm53ForCausalLM, usually built on meta and `parallelize`d) from the official layout at
     `path`; call on every rank. Returns the model, with `model.checkpoint_reader` (bytes read by this rank).
@@ -172,13 +202,15 @@ def load_pretrained(
     Tensors still on the meta device are first materialised on the mesh's device (`to_empty`). Each tensor keeps
     its dtype (cast the model before `parallelize` to load in bf16). Errors (keys, shapes, FP8 scales, non-finite
     values) are those of `Glm53ForCausalLM.from_pretrained`. A checkpoint without MTP tensors leaves the MTP
-    module freshly initialised, with a warning.
+    module freshly initialised, with a warning. `skip(name)`: tensors the checkpoint does not hold and the caller
+    fills (LoRA adapters); they are materialised but left unset.
     """
     path = os.fspath(path)
     files = checkpoint_files(path)
     block = fp8.weight_block_size(quantization_config(Glm53Config.from_pretrained(path)))
     config = model.config
-    plan: LoadPlan = _plan(model, files, TensorReader(files, block), config.num_hidden_layers)
+    planned = model if skip is None else _Without(model, skip)
+    plan: LoadPlan = _plan(planned, files, TensorReader(files, block), config.num_hidden_layers)
     warn_text_only(plan, path)
     materialize(model)
     slices, bad = reader(files, block), set()
@@ -197,4 +229,12 @@ def load_pretrained(
     return model
 
 
-__all__ = ["load_pretrained", "materialize", "planned_reads", "model_pieces", "SliceReader", "dequantize_slice"]
+__all__ = [
+    "load_pretrained",
+    "fill_from_full",
+    "materialize",
+    "planned_reads",
+    "model_pieces",
+    "SliceReader",
+    "dequantize_slice",
+]

@@ -20,11 +20,12 @@ import uuid
 import torch
 
 from ..checkpoint.atomic import atomic_directory
+from ..config import Glm53Config
 from ..errors import CheckpointError, ConfigError
 from ..losses import Glm53ForCausalLM
 from .files import CONFIG_FILE, WEIGHTS_FILE, load_lora, save_lora
 from .load import BASE_DTYPES, load_base
-from .lora import apply_lora, freeze, has_lora, merge_lora
+from .lora import LORA_MARK, apply_lora, freeze, has_lora, merge_lora
 from .targets import DEFAULT_LORA_TARGETS, FREEZE_GROUPS
 
 TRAINER_STATE = "trainer_state.pt"  # the same name as glm53.training.state's (this package does not import training)
@@ -138,6 +139,40 @@ def build_model(args: argparse.Namespace, preset=None, cls: type = Glm53ForCausa
         model = load_base(cls, base, args.base_dtype or "bf16", dtype=torch.float32, quantize=args.quantize_base)
     else:
         model = cls.from_config(preset())
+    return _adapt(args, model, base)
+
+
+def meta_base(args: argparse.Namespace, resuming_dcp: bool) -> str | None:
+    """The checkpoint a torchrun run with these flags builds its model from on the meta device and loads per rank
+    (`build_meta_model`, then glm53.parallel.load_pretrained): --init, or the base a LoRA save names, held in
+    bf16/fp32. None where `build_model` builds it whole: --base-dtype fp8, no base checkpoint, or a LoRA resume
+    without DCP state (`resuming_dcp` False: the adapter values come from the save's adapter file)."""
+    if not enabled(args):
+        return None
+    _check(args)
+    resume = getattr(args, "resume", None)
+    if args.base_dtype == "fp8" or (resume and not resuming_dcp):
+        return None
+    return getattr(args, "init", None) or (_recorded_base(resume) if resume else None)
+
+
+def build_meta_model(args: argparse.Namespace, base: str, cls: type = Glm53ForCausalLM) -> Glm53ForCausalLM:
+    """`build_model`'s model on the meta device, without values: the architecture of `base` with the adapters
+    (fresh, or shaped as --resume's) and --freeze applied. Fill it after parallelizing: the base with
+    glm53.parallel.load_pretrained (skipping `is_adapter` names), fresh adapters with glm53.peft.fresh_adapters
+    (a DCP resume fills them from its state)."""
+    with torch.device("meta"):
+        model = cls(Glm53Config.from_pretrained(base))
+    return _adapt(args, model, base)
+
+
+def is_adapter(name: str) -> bool:
+    return LORA_MARK in name
+
+
+def _adapt(args: argparse.Namespace, model: Glm53ForCausalLM, base: str | None) -> Glm53ForCausalLM:
+    """The adapters (from --resume, or fresh), --freeze and the router-bias rule of `build_model`."""
+    resume = getattr(args, "resume", None)
     if args.lora_rank is not None:
         if resume and os.path.isfile(os.path.join(resume, CONFIG_FILE)):
             load_lora(model, resume)
@@ -258,6 +293,9 @@ def with_adapter(args: argparse.Namespace, model: Glm53ForCausalLM) -> Glm53ForC
 __all__ = [
     "add_lora_arguments",
     "build_model",
+    "meta_base",
+    "build_meta_model",
+    "is_adapter",
     "resume_state",
     "save_run",
     "adapter_writer",

@@ -10,6 +10,7 @@ same modules to the release's block format while loading (one tensor at a time).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
@@ -23,6 +24,8 @@ from ..model.moe import Experts
 from ..precision import cast_model, resolve_dtype
 from .fp8 import SCALE
 from .fp8_storage import fp8_modules, quantize_blocks, set_fp8
+from .lora import expert_factors, linear_factors
+from .views import EXPERT_WEIGHTS
 
 BASE_DTYPES = ("bf16", "fp8")
 
@@ -140,4 +143,25 @@ def _fill(model: nn.Module, plan, reader: TensorReader, fp8_names: set[str], blo
             scale[e, soffset : soffset + srows].copy_(s)
 
 
-__all__ = ["BASE_DTYPES", "load_base"]
+def fresh_adapters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, whole initial value) of every adapter factor of `model`, whose adapters `apply_lora` added on the
+    meta device (so hold no values): each module's factors made again on CPU by apply_lora's own constructors
+    (`linear_factors`, `expert_factors`) in its order, so after the same seed they equal what apply_lora gives
+    one process, on every rank. One module's factors are whole at a time."""
+    modules = dict(model.named_modules())
+    for name in model.lora_settings["modules"]:
+        module = modules[name]
+        if not isinstance(module, Experts):
+            dtype = module.lora_A.weight.dtype
+            A, B = linear_factors(module.in_features, module.out_features, module.lora_rank, "cpu", dtype)
+            yield f"{name}.lora_A.weight", A.weight.detach()
+            yield f"{name}.lora_B.weight", B.weight.detach()
+            continue
+        for w in [w for w in EXPERT_WEIGHTS if hasattr(module, w + "_lora_A")]:
+            dtype = getattr(module, w + "_lora_A").dtype
+            A, B = expert_factors(getattr(module, w).shape, module.lora_rank, "cpu", dtype)
+            yield f"{name}.{w}_lora_A", A
+            yield f"{name}.{w}_lora_B", B
+
+
+__all__ = ["BASE_DTYPES", "load_base", "fresh_adapters"]

@@ -46,13 +46,39 @@ def _adapter_dtype(weight: torch.Tensor, dtype: torch.dtype | None) -> torch.dty
     return weight.dtype if weight.dtype in MODEL_DTYPES else torch.float32  # FP8 bases: fp32 adapters
 
 
-def _add_linear_adapter(module: nn.Linear, rank: int, dtype: torch.dtype | None) -> None:
-    kw = dict(device=module.weight.device, dtype=_adapter_dtype(module.weight, dtype), bias=False)
-    module.lora_A = nn.Linear(module.in_features, rank, **kw)
-    module.lora_B = nn.Linear(rank, module.out_features, **kw)
+def init_lora_A_(A: torch.Tensor) -> torch.Tensor:
+    """Fill an adapter's A factor ([r, I], or [E, r, I] per expert) with peft's default init (kaiming uniform,
+    a = sqrt 5), drawing from the global RNG in a fixed order; B factors start at zero. -> A."""
     with torch.no_grad():
-        nn.init.kaiming_uniform_(module.lora_A.weight, a=math.sqrt(5))  # peft's default A init
-        nn.init.zeros_(module.lora_B.weight)
+        for a in [A] if A.dim() == 2 else A:  # per expert: the same bound as one linear's A
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+    return A
+
+
+def linear_factors(
+    in_features: int, out_features: int, rank: int, device, dtype: torch.dtype
+) -> tuple[nn.Linear, nn.Linear]:
+    """A linear's fresh adapter (lora_A I -> r, lora_B r -> O): A in peft's init, B zero. Built on CPU after the
+    same seed, it equals what apply_lora adds (glm53.peft.load.fresh_adapters fills meta-built adapters so)."""
+    kw = dict(device=device, dtype=dtype, bias=False)
+    A, B = nn.Linear(in_features, rank, **kw), nn.Linear(rank, out_features, **kw)
+    init_lora_A_(A.weight)
+    with torch.no_grad():
+        nn.init.zeros_(B.weight)
+    return A, B
+
+
+def expert_factors(shape: torch.Size, rank: int, device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fused expert weight's [E, O, I] fresh adapter: A [E, r, I] in peft's init per expert, B [E, O, r] zero."""
+    E, O, I = shape
+    A = init_lora_A_(torch.empty(E, rank, I, device=device, dtype=dtype))
+    return A, torch.zeros(E, O, rank, device=device, dtype=dtype)
+
+
+def _add_linear_adapter(module: nn.Linear, rank: int, dtype: torch.dtype | None) -> None:
+    module.lora_A, module.lora_B = linear_factors(
+        module.in_features, module.out_features, rank, module.weight.device, _adapter_dtype(module.weight, dtype)
+    )
     install_view(module, "weight")
 
 
@@ -60,14 +86,9 @@ def _add_expert_adapters(module: Experts, rank: int, dtype: torch.dtype | None) 
     chosen = module.__dict__.pop("_lora_params", set(EXPERT_WEIGHTS))
     for name in [n for n in EXPERT_WEIGHTS if n in chosen]:
         weight = getattr(module, name)
-        E, O, I = weight.shape
-        kw = dict(device=weight.device, dtype=_adapter_dtype(weight, dtype))
-        A = torch.empty(E, rank, I, **kw)
-        with torch.no_grad():
-            for e in range(E):  # init only: the same bound as one linear's A per expert
-                nn.init.kaiming_uniform_(A[e], a=math.sqrt(5))
+        A, B = expert_factors(weight.shape, rank, weight.device, _adapter_dtype(weight, dtype))
         module.register_parameter(f"{name}_lora_A", nn.Parameter(A))
-        module.register_parameter(f"{name}_lora_B", nn.Parameter(torch.zeros(E, O, rank, **kw)))
+        module.register_parameter(f"{name}_lora_B", nn.Parameter(B))
         install_view(module, name)
 
 

@@ -1,9 +1,13 @@
 """The model of a `glm53 train` run under torchrun: which weights it starts from, on which device and in which
 precision (trainer.py calls `init_parallel_model(args, mesh)`; the single-process run builds its model itself).
 
-    LoRA / --freeze / --base-dtype  glm53.peft builds the model whole on every rank (the base from --init, or the
-                               one a LoRA save names; its adapter), then parallelize; a LoRA resume's DCP state
-                               fills the trainable parameters and their optimizer state
+    LoRA / --freeze / --base-dtype from a bf16/fp32 base (--init, or the one a LoRA save names): glm53.peft builds
+                               it on meta (adapters, --freeze), parallelize, `load_pretrained` (own slices only,
+                               adapters skipped); fresh adapters take apply_lora's values (`fresh_adapters`, the
+                               same RNG draws as one process), a LoRA resume's DCP state fills the trainable
+                               parameters and their optimizer state
+    --base-dtype fp8, or a LoRA resume without DCP state: glm53.peft builds the model whole on every rank (the
+                               FP8 base; the save's adapter file), then parallelize
     --resume DIR (a DCP run)   build on meta, parallelize; the DCP state fills it (any saved layout)
     --init DIR                 build on meta, parallelize, `glm53.parallel.load_pretrained` (own slices only)
     otherwise                  the preset, seeded identically on every rank, then parallelize
@@ -21,10 +25,12 @@ import torch
 
 from ..config import Glm53Config
 from ..losses import Glm53ForCausalLM
-from ..parallel import context_parallel_inputs, parallelize
+from ..parallel import context_parallel_inputs, load_pretrained, parallelize
+from ..parallel.load import fill_from_full
 from ..parallel.run_checkpoint import bf16_policy, has_run_state, parallel_model
 from ..peft import cli as peft_cli
-from ..peft import freeze
+from ..peft import freeze, has_lora
+from ..peft.load import fresh_adapters
 
 
 def init_parallel_model(
@@ -40,8 +46,11 @@ def init_parallel_model(
     )
     resuming = bool(args.resume and has_run_state(args.resume))
     if peft_cli.enabled(args) and (args.lora_rank is not None or not resuming):
-        # LoRA / frozen groups / a frozen FP8 or bf16 base: built whole on every rank, then sharded
+        # LoRA / frozen groups / a frozen base: on meta with per-rank reads, or (FP8 base) whole, then sharded
         peft_cli.check_distributed(args)
+        base = peft_cli.meta_base(args, resuming)
+        if base is not None:
+            return _meta_peft_model(args, mesh, base, model_class, resuming)
         model = peft_cli.build_model(args, preset)
         return _parallelize(model.to(mesh.device_type), mesh, args)
     if resuming:
@@ -56,6 +65,21 @@ def init_parallel_model(
     else:
         model = Glm53ForCausalLM(preset())
     return _parallelize(model.to(mesh.device_type), mesh, args)
+
+
+def _meta_peft_model(args: argparse.Namespace, mesh, base: str, model_class: type, resuming: bool):
+    """A LoRA / --freeze model built on meta and parallelized; each rank reads its own slices of `base`, and
+    fills its part of every fresh adapter (a DCP resume's state overwrites them, so they are zeroed there)."""
+    model = _parallelize(peft_cli.build_meta_model(args, base, model_class), mesh, args)
+    load_pretrained(model, base, skip=peft_cli.is_adapter)
+    params = dict(model.named_parameters())
+    if resuming:
+        for name in filter(peft_cli.is_adapter, params):
+            fill_from_full(params[name], torch.zeros(params[name].shape, dtype=params[name].dtype))
+    elif has_lora(model):
+        for name, value in fresh_adapters(model):
+            fill_from_full(params[name], value)
+    return model
 
 
 def _parallelize(model: Glm53ForCausalLM, mesh, args: argparse.Namespace) -> Glm53ForCausalLM:

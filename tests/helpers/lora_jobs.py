@@ -131,40 +131,67 @@ def _layout(p) -> tuple:
     return tuple(p.to_local().shape), {d: repr(pl) for d, pl in zip(names, p.placements)}
 
 
-def cli_train(argv: list[str], inspect: bool = False) -> dict:
+def _whole_base(*args, **kwargs):
+    raise AssertionError("a rank read the whole base checkpoint")
+
+
+def cli_train(argv: list[str], inspect: bool = False, build: str = "any", everything: bool = False) -> dict:
     """`python -m glm53 ARGV` on this pool rank as under torchrun (the pool's process group is the run's; the CLI's
     shutdown of it is skipped). `inspect`: build the trainer (its resume included) and return what it loaded,
-    without training. -> {"rc", "stdout"} (+ `loaded_state` when inspecting)."""
+    without training (`everything`: every parameter, not only the adapters). `build`: "meta" makes reading the
+    whole base on a rank (glm53.peft's load_base / from_pretrained) fail; "whole" forces glm53.peft's whole build
+    on every rank (the path before meta builds). -> {"rc", "stdout"} (+ `loaded_state` when inspecting)."""
     from glm53 import parallel
     from glm53.__main__ import main
+    from glm53.peft import cli as peft_cli
     from glm53.training import trainer
 
     env = {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK")}
     os.environ.update(WORLD_SIZE=str(dist.get_world_size()), RANK=str(dist.get_rank()))
     out: dict = {}
-    keep_shutdown, keep_run = parallel.runtime.shutdown, trainer.Trainer.run
+    keep = parallel.runtime.shutdown, trainer.Trainer.run, peft_cli.load_base, peft_cli.meta_base
+    keep_pretrained = Glm53ForCausalLM.__dict__.get("from_pretrained")  # None: inherited
     parallel.runtime.shutdown = lambda: None
     if inspect:
-        trainer.Trainer.run = lambda self: out.update(loaded=loaded_state(self)) or 0
+        trainer.Trainer.run = lambda self: out.update(loaded=loaded_state(self, everything)) or 0
+    if build == "meta":
+        peft_cli.load_base = _whole_base
+        Glm53ForCausalLM.from_pretrained = classmethod(_whole_base)
+    elif build == "whole":
+        peft_cli.meta_base = lambda args, resuming_dcp: None
     text = io.StringIO()
     try:
         with contextlib.redirect_stdout(text):
             rc = main(argv)
     finally:
-        parallel.runtime.shutdown, trainer.Trainer.run = keep_shutdown, keep_run
+        parallel.runtime.shutdown, trainer.Trainer.run, peft_cli.load_base, peft_cli.meta_base = keep
+        if keep_pretrained is None:
+            vars(Glm53ForCausalLM).get("from_pretrained") and delattr(Glm53ForCausalLM, "from_pretrained")
+        else:
+            Glm53ForCausalLM.from_pretrained = keep_pretrained
         for k, v in env.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     return dict(out, rc=rc, stdout=text.getvalue())
 
 
-def loaded_state(run) -> dict:
-    """A trainer's step, adapters and AdamW state as full tensors keyed by parameter name (every rank)."""
+def loaded_state(run, everything: bool = False) -> dict:
+    """A trainer's step, adapters and AdamW state as full tensors keyed by parameter name (every rank);
+    `everything`: also every parameter (`params`), which require gradients (`trainable`) and the checkpoint bytes
+    this rank read (`bytes_read`, None when the model was not loaded per rank)."""
     optim = {}
     for name, p in run.model.named_parameters():
         if p.requires_grad:
             optim[name] = {k: full(v) if torch.is_tensor(v) else v for k, v in run.optimizer.state[p].items()}
     adapters = {n: full(p) for n, p in run.model.named_parameters() if "lora_" in n}
-    return dict(step=run.start, adapters=adapters, optim=optim)
+    out = dict(step=run.start, adapters=adapters, optim=optim)
+    if everything:
+        reader = getattr(run.model, "checkpoint_reader", None)
+        out.update(
+            params={n: full(p) for n, p in run.model.named_parameters()},
+            trainable=sorted(n for n, p in run.model.named_parameters() if p.requires_grad),
+            bytes_read=None if reader is None else reader.bytes_read,
+        )
+    return out
 
 
 __all__ = ["lora_step", "lora_reference", "lora_model", "cli_train", "loaded_state"]

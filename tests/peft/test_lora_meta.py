@@ -1,0 +1,119 @@
+"""A LoRA / --freeze run under torchrun from --init builds its model on the meta device and each rank reads only
+its own slices of the base (glm53/training/distributed.py, glm53.parallel.load_pretrained); fresh adapters take
+apply_lora's values. Run in the shared gloo pool (tests/helpers/lora_jobs.py's `cli_train`, as torchrun would).
+
+Checked against the whole build (glm53.peft.build_model on every rank, then parallelize) and one process: the same
+parameters bit for bit (dp2, tp2, ep2), the same losses and adapters after two AdamW steps; and no rank reads the whole base.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from glm53.__main__ import main
+from glm53.peft.files import WEIGHTS_FILE
+from glm53.training import trainer
+from tests.helpers.lora_jobs import cli_train, loaded_state
+
+FAST = ["--batch-size", "2", "--seq-len", "16", "--log-every", "1", "--seed", "3"]
+LORA = ["--lora-rank", "4", "--lora-alpha", "8"]
+
+
+def _ok(results):
+    for res in results:
+        assert res["rc"] == 0, res["stdout"][-2000:]
+    return results
+
+
+def _losses(path) -> dict[int, float]:
+    with open(os.path.join(path, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def _stored_bytes(path) -> int:
+    total = 0
+    for file in sorted(os.listdir(path)):
+        if file.endswith(".safetensors"):
+            with safe_open(os.path.join(path, file), framework="pt") as f:
+                for key in f.keys():
+                    t = f.get_slice(key)
+                    total += (
+                        torch.Size(t.get_shape()).numel() * torch.empty(0, dtype=_DTYPES[t.get_dtype()]).element_size()
+                    )
+    return total
+
+
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F8_E4M3": torch.float8_e4m3fn}
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    path = tmp_path_factory.mktemp("base") / "ckpt"
+    assert main(["train", "--steps", "1", *FAST, "--save", str(path)]) == 0
+    return path
+
+
+def _one_process(argv, monkeypatch) -> dict:
+    got = {}
+    monkeypatch.setattr(trainer.Trainer, "run", lambda self: got.update(loaded_state(self, everything=True)) or 0)
+    assert main(argv) == 0
+    return got
+
+
+def _same_params(got: dict, want: dict, where: str) -> None:
+    assert got["params"].keys() == want["params"].keys(), where
+    for name, value in want["params"].items():
+        assert torch.equal(got["params"][name], value), (where, name)
+    assert got["trainable"] == want["trainable"], where
+
+
+def test_dp2_tp2_ep2_lora_from_init_build_on_meta_and_read_own_slices(pool2, base, tmp_path, monkeypatch):
+    run = ["train", "--init", str(base), *LORA, *FAST, "--steps", "2"]
+    meta = _ok(pool2.run(cli_train, argv=[*run, "--dp", "2"], inspect=True, build="meta", everything=True))
+    whole = _ok(pool2.run(cli_train, argv=[*run, "--dp", "2"], inspect=True, build="whole", everything=True))
+    tp2 = _ok(pool2.run(cli_train, argv=[*run, "--tp", "2"], inspect=True, build="meta", everything=True))
+    ep2 = _ok(pool2.run(cli_train, argv=[*run, "--ep", "2"], inspect=True, build="meta", everything=True))
+    one = _one_process(run, monkeypatch)
+    assert len(one["adapters"]) > 50 and all("lora_" in n for n in one["trainable"])
+    assert any(v.abs().sum() > 0 for n, v in one["adapters"].items() if "lora_A" in n)
+    stored = _stored_bytes(base)
+    for res in (*meta, *whole, *tp2, *ep2):  # base and adapters bit for bit: apply_lora's RNG draws on every rank
+        _same_params(res["loaded"], one, "rank")
+    read = [res["loaded"]["bytes_read"] for res in meta]
+    # FSDP2 over dp2 splits every parameter's rows in two (one padded row at most): each rank reads about half;
+    # only replicated buffers (the routers' balancing bias) are read by both ranks
+    assert all(0 < b < 0.6 * stored for b in read), (read, stored)
+    assert sum(read) >= stored
+    assert all(res["loaded"]["bytes_read"] is None for res in whole)
+    assert all(0 < res["loaded"]["bytes_read"] < stored for res in (*tp2, *ep2))
+
+
+def test_dp2_lora_on_meta_trains_as_the_whole_build(pool2, base, tmp_path):
+    run = ["train", "--init", str(base), *LORA, *FAST, "--steps", "2", "--dp", "2"]
+    a, b = tmp_path / "meta", tmp_path / "whole"
+    _ok(pool2.run(cli_train, argv=[*run, "--save", str(a)], build="meta"))
+    _ok(pool2.run(cli_train, argv=[*run, "--save", str(b)], build="whole"))
+    la, lb = _losses(a), _losses(b)
+    assert sorted(la) == [1, 2] and la == lb  # the same values, the same computation: the same numbers
+    fa, fb = load_file(a / WEIGHTS_FILE), load_file(b / WEIGHTS_FILE)
+    assert fa.keys() == fb.keys() and len(fa) > 50
+    for key in fa:
+        assert torch.equal(fa[key], fb[key]), key
+
+
+def test_dp2_freeze_from_init_builds_on_meta(pool2, base, monkeypatch):
+    run = ["train", "--init", str(base), "--freeze", "embeddings", "attention", *FAST, "--steps", "1"]
+    meta = _ok(pool2.run(cli_train, argv=[*run, "--dp", "2"], inspect=True, build="meta", everything=True))
+    one = _one_process(run, monkeypatch)
+    assert one["trainable"] and len(one["trainable"]) < len(one["params"])
+    assert not any("embed_tokens" in n for n in one["trainable"])
+    for res in meta:
+        _same_params(res["loaded"], one, "dp2 --freeze")
+        assert 0 < res["loaded"]["bytes_read"]
