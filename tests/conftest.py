@@ -41,6 +41,13 @@ SLOW_FIRST = (
 )
 
 
+def pytest_configure(config):
+    # xdist (3.x) re-sorts files by their number of tests unless told not to (--no-loadscope-reorder): many quick
+    # parametrized kernel tests would go first and the slow torchrun files last, the opposite of what is wanted
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(items):
     rank = {path: i for i, path in enumerate(SLOW_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: files keep their order
