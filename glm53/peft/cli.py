@@ -194,11 +194,16 @@ def _adapt(args: argparse.Namespace, model: Glm53ForCausalLM, base: str | None) 
         freeze(model, args.freeze)
     if base and has_lora(model):
         model.lora_settings["base"] = os.path.abspath(base)
+    hold_frozen_router_bias(model, args)
+    return model
+
+
+def hold_frozen_router_bias(model, args: argparse.Namespace) -> None:
+    """A frozen router keeps its balancing bias as loaded (--bias-rate 0, said once): the bias is base state an
+    adapter file does not hold, and every way of freezing the router (one process or torchrun, text or VL) agrees."""
     if any(not r.weight.requires_grad for r in model.routers()) and getattr(args, "bias_rate", 0):
-        # The router's balancing bias is base state the adapter file does not hold: a frozen router keeps it.
         print("glm53 train: the router is frozen: its balancing bias stays as loaded (--bias-rate 0)", flush=True)
         args.bias_rate = 0.0
-    return model
 
 
 def _recorded_base(resume: str) -> str | None:
@@ -293,6 +298,7 @@ def with_adapter(args: argparse.Namespace, model: Glm53ForCausalLM) -> Glm53ForC
 __all__ = [
     "add_lora_arguments",
     "build_model",
+    "hold_frozen_router_bias",
     "meta_base",
     "build_meta_model",
     "is_adapter",

@@ -181,6 +181,7 @@ def build_model(args: argparse.Namespace, vl_record: str) -> tuple[torch.nn.Modu
         return model, True
     model = init_model(args.init or args.resume, vl_record)
     apply_freeze(model, args.freeze)
+    peft_cli.hold_frozen_router_bias(model, args)
     return model, False
 
 

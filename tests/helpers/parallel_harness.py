@@ -18,7 +18,9 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
-JOB_TIMEOUT_S = 120.0
+JOB_TIMEOUT_S = (
+    600.0  # a hang guard, not a speed bound: two xdist workers may run an 8-rank world and a compile together
+)
 FAILURE_GRACE_S = 5.0
 POLL_S = 0.5
 
