@@ -43,6 +43,7 @@ from .pool_selection import (
     first_valid_position,
     select_pools,
     select_pools_blocked,
+    slot_count,
     visible_tail,
 )
 
@@ -102,7 +103,7 @@ class Indexer(nn.Module):
 
     @property
     def num_slots(self) -> int:
-        return self.index_topk + (self.kpool - 1 if self.select_tail else 0)
+        return slot_count(self.index_topk, self.kpool, self.select_tail)
 
     def pools(
         self, x: torch.Tensor, valid: torch.Tensor, cu_seqlens: torch.Tensor | None = None

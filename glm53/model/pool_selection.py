@@ -31,6 +31,11 @@ def kept_pool_index(complete: torch.Tensor) -> torch.Tensor:
     return torch.nonzero(complete.any(0)).squeeze(1)  # NOTE: syncs (once per call)
 
 
+def slot_count(index_topk: int, kpool: int, select_tail: bool) -> int:
+    """J: the index_topk slots of the chosen pools, plus the L - 1 of the visible tail when it is selected."""
+    return index_topk + (kpool - 1 if select_tail else 0)
+
+
 def select_kept(
     scores: torch.Tensor,
     positions: torch.Tensor,
@@ -43,7 +48,7 @@ def select_kept(
     select_tail: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`Indexer.select` over pools that are all complete in some row (transformers' pool axis)."""
-    num_slots = index_topk + (kpool - 1 if select_tail else 0)
+    num_slots = slot_count(index_topk, kpool, select_tail)
     S = valid.shape[1]
     T = scores.shape[1]
     candidate = candidate_pools(positions, complete, S, cu_seqlens, query_offset, T)  # [B, T, P]
@@ -190,7 +195,7 @@ def select_pools(
 
 @select_pools.register_fake
 def _(scores, positions, complete, valid, cu_seqlens, query_offset, index_topk, kpool, select_tail):
-    num_slots = index_topk + (kpool - 1 if select_tail else 0)
+    num_slots = slot_count(index_topk, kpool, select_tail)
     mask = scores.new_empty(scores.shape, dtype=torch.bool)
     return scores.new_empty(*scores.shape[:2], num_slots, dtype=torch.long), mask, mask.clone()
 
@@ -217,10 +222,10 @@ def select_pools_blocked(
     pool_end = positions[..., -1].clamp(0, valid.shape[1] - 1)  # [B, P] as `select` reads it
     select = min(index_topk // kpool, pool_keys.shape[1])
     chosen, chosen_ok = indexer_topk_pools(q, weights, pool_keys, scale, pool_end, complete, query_offset, select)
-    num_slots = index_topk + (kpool - 1 if select_tail else 0)
+    num_slots = slot_count(index_topk, kpool, select_tail)
     return pool_slots(chosen, chosen_ok, positions, valid, None, query_offset, kpool, select_tail, num_slots)
 
 
 @select_pools_blocked.register_fake
 def _(q, weights, pool_keys, positions, complete, valid, scale, query_offset, index_topk, kpool, select_tail):
-    return q.new_empty(*q.shape[:2], index_topk + (kpool - 1 if select_tail else 0), dtype=torch.long)
+    return q.new_empty(*q.shape[:2], slot_count(index_topk, kpool, select_tail), dtype=torch.long)
