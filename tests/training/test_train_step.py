@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from glm53.losses import IGNORE_INDEX
-from glm53.training import vl_finetune
+from glm53.training import distributed, vl_finetune
 from glm53.training.cli import add_arguments
 from glm53.training.metrics import expert_load_stats
 from glm53.training.trainer import LOSS_PARTS, Trainer
@@ -121,19 +121,35 @@ class StandInRuntime:
         return value + 1
 
 
-@pytest.mark.parametrize("vl", [False, True], ids=["text", "vl"])
-def test_step_takes_the_global_counts_and_media_from_the_runtime(vl, monkeypatch):
+@pytest.mark.parametrize("layout", ["text", "vl", "cp2"])
+def test_step_takes_the_global_counts_and_media_from_the_runtime(layout, monkeypatch):
+    """With a runtime the step divides by the global batch's counts (reduced over dp, then ep), reduces the VL media
+    count the same way for the tower's dummy gradients, and with --cp > 1 hands each micro-batch, its model and the
+    global counts to the cp slicer (here one that keeps the whole sequence: one rank's slice is everything)."""
     trainer = make_trainer()
     trainer.par, trainer.mesh = StandInRuntime(), "the mesh"
-    dropped = []
+    dropped, sliced = [], []
     monkeypatch.setattr(vl_finetune, "drop_dummy_tower_grads", lambda model, media: dropped.append((model, media)))
-    if vl:
+    if layout == "vl":
         trainer.vl_record = {"images": ["a.png"]}  # what a VL run holds; the step reads only that it is set
+    if layout == "cp2":
+        trainer.args.cp = 2
+
+        def whole_sequence(model, loss_denominators=None, **inputs):
+            sliced.append((model, loss_denominators))
+            return dict(inputs, loss_denominators=loss_denominators)
+
+        monkeypatch.setattr(distributed, "context_parallel_inputs", whole_sequence)
     check_step(trainer, micro_batches(), scale=4)  # doubled over dp, then over ep
     reductions = [("loss_denominators", "the mesh", "dp"), ("loss_denominators", "the mesh", "ep")]
-    if vl:  # no image here: 0 micro-batches with media, plus one per dimension from the stand-in
+    if layout == "vl":  # no image here: 0 micro-batches with media, plus one per dimension from the stand-in
         reductions += [("sum_over", "the mesh", "dp"), ("sum_over", "the mesh", "ep")]
         assert len(dropped) == 1 and dropped[0][0] is trainer.model and dropped[0][1].item() == 2.0
     else:
         assert dropped == []
     assert trainer.par.calls == reductions
+    if layout == "cp2":  # both micro-batches, each with the model and the step's global counts
+        assert [m is trainer.model for m, _ in sliced] == [True, True]
+        assert sliced[0][1] is sliced[1][1] and sliced[0][1].sequences[0] == 4 * 7  # 2 rows + 5 documents, x 4
+    else:
+        assert sliced == []
