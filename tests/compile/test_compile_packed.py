@@ -84,7 +84,8 @@ def test_whole_model_on_packed_batch_compiles_without_breaks_and_matches_eager(m
 
 
 def test_explain_counts_no_graph_break_on_the_packed_training_forward(model):
-    """torch._dynamo.explain on the forward with labels and every loss part, then its backward (one graph)."""
+    """torch._dynamo.explain on the forward with labels and every loss part, then its backward (one graph), whose
+    top-k is the blocked selection (glm53::select_pools_blocked, no [B, T, P] scores)."""
     inputs = batch(model.config.vocab_size)
     model.train()
 
@@ -95,6 +96,10 @@ def test_explain_counts_no_graph_break_on_the_packed_training_forward(model):
     explained = torch._dynamo.explain(loss)(**inputs, cu_seqlens=torch.tensor(PACKED))
     assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
     assert explained.graph_count == 1
+    # the packed top-k is the blocked selection: no [B, T, P] index scores (packed kernel) nor their select_pools
+    ops = {str(n.target) for n in explained.graphs[0].graph.nodes if str(n.target).startswith("glm53.")}
+    assert "glm53.select_pools_blocked.default" in ops, sorted(ops)
+    assert not ops & {"glm53.select_pools.default", "glm53.indexer_scores_packed.default"}, sorted(ops)
 
 
 def test_compiled_boundaries_keep_duplicates_as_empty_documents():
