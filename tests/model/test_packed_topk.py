@@ -108,6 +108,53 @@ def test_packed_candidates_are_the_query_documents_pools():
     assert (topk >= 0).sum() > 48  # many slots filled
 
 
+class GemmColumns(TorchDispatchMode):
+    """The column count of every bmm over the K-wide pool keys (the blocked form's one scoring GEMM per block)."""
+
+    def __enter__(self):
+        self.columns = []
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.bmm.default and args[1].shape[-2] == K:
+            self.columns.append(args[1].shape[-1])
+        return func(*args, **(kwargs or {}))
+
+
+def test_packed_blocks_score_only_their_documents_pools(monkeypatch):
+    """A block of 6 queries scores the columns from the first to the last pool that is a candidate of one of its
+    queries in some row (the hull of the reference's candidate mask over the block): with short documents far fewer
+    columns than the leading pools up to that last one."""
+    step, L, S = 6, 3, 48
+    monkeypatch.setattr(topk_mod, "TOPK_BUDGET", 1)
+    monkeypatch.setattr(topk_mod, "MIN_TOPK_CHUNK", step)
+    q, w, keys, positions, complete, valid, cu = packed_inputs(CASES["short-documents"], L)
+    pool_end = positions[..., -1].clamp(0, S - 1)
+    start, query_start = topk_mod.document_starts(positions, cu, S, 0, S)
+    gemms = GemmColumns()
+    with gemms:
+        topk_mod._topk_pools(q, w, keys, SCALE, pool_end, complete, 0, 3, start, query_start)
+    candidate = topk_mod._candidates(pool_end, complete, torch.arange(S), start, query_start)  # [B, T, P]
+    expected, horizon = [], []
+    for t0 in range(0, S, step):
+        pools = candidate[:, t0 : t0 + step].any(1).any(0).nonzero().flatten().tolist()
+        expected += [pools[-1] + 1 - pools[0]] if pools else []
+        horizon += [pools[-1] + 1] if pools else []
+    assert gemms.columns == expected
+    assert sum(expected) < sum(horizon)  # 40 columns against 76 leading ones here
+
+
+def test_packed_arguments_are_checked():
+    q, w, keys, positions, complete, valid, cu = packed_inputs(CASES["empty-documents"], 3)
+    pool_end = positions[..., -1].clamp(0, 47)
+    start, query_start = topk_mod.document_starts(positions, cu, 48, 0, 48)
+    for kernel in (topk_mod.indexer_topk_pools, topk_mod.indexer_topk_pools_reference):
+        with pytest.raises(ValueError, match="both pool_start and query_start"):
+            kernel(q, w, keys, SCALE, pool_end, complete, 0, 2, start, None)
+        with pytest.raises(ValueError, match=r"query_start of shape \(2, 48\)"):
+            kernel(q, w, keys, SCALE, pool_end, complete, 0, 2, start, query_start[:, 1:])
+
+
 class LargestInside(TorchDispatchMode):
     """The largest element count of any tensor an ATen op returns inside the block, custom ops (glm53::*) entered:
     their CPU kernel runs under this mode, so the ops inside them are counted too."""
