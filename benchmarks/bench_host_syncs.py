@@ -3,7 +3,7 @@ launches, glm53.profiling.KernelLaunches) per KDA / MLA layer per step. Not a te
 
     python benchmarks/bench_host_syncs.py                       # T = 256 and 512, 4 and 8 layers
     python benchmarks/bench_host_syncs.py --seqlens 512 1024 --decode-tokens 4
-    python benchmarks/bench_host_syncs.py --seqlens 4096 --packed --no-decode   # the training step only
+    python benchmarks/bench_host_syncs.py --seqlens 4096 --layouts unpacked packed --no-decode   # steps only
 
 Widths: the released attention widths (glm53.config defaults: KDA 64 heads x 128, MLA 64 heads x 256, latent 512,
 indexer 32 x 128, index_topk 2048, kpool 4, 288 experts top-8) with a narrow residual stream and narrow experts
@@ -13,8 +13,8 @@ Per step = forward + backward of model(ids, labels=ids). The released 45 layers 
 4 and 8 layers (the schedule repeats every 4: KDA, KDA, KDA, MLA): step(45) = step(4) + (45 - 4) / 4 * (step(8) -
 step(4)). Decode: generate() (eager, greedy) with two lengths, syncs per extra token = the difference / the extra
 tokens; and one decode step (T = 1) and one verify step (T = 3) on a prefilled cache alone, also with the padded
-expert form a GPU runs off bf16 Hopper/Blackwell (torch's grouped GEMM unusable). `--packed` adds a packed step
-per length (4 documents per row, from position_ids: the boundaries made and checked once per step). Each row is
+expert form a GPU runs off bf16 Hopper/Blackwell (torch's grouped GEMM unusable). `--layouts packed` measures a
+packed step (4 documents per row, from position_ids: the boundaries made and checked once per step). Each row is
 printed as it is measured. Results: benchmarks/results/bench_host_syncs.json.
 """
 
@@ -93,7 +93,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqlens", type=positive_int, nargs="+", default=[256, 512])
     parser.add_argument("--decode-tokens", type=positive_int, default=4, help="extra tokens of the longer decode")
-    parser.add_argument("--packed", action="store_true", help="also a packed step per length")
+    parser.add_argument(
+        "--layouts", nargs="*", choices=("unpacked", "packed"), default=["unpacked"], help="none: decode only"
+    )
     parser.add_argument("--no-decode", action="store_true", help="the training steps only")
     parser.add_argument("--out", default="bench_host_syncs.json", help="file name under benchmarks/results/")
     args = parser.parse_args()
@@ -102,7 +104,7 @@ def main() -> None:
     rows = []
     models = {n: Glm53ForCausalLM(released_attention_config(n)) for n in (4, 8)}
     for T in args.seqlens:
-        for packed in (False, True) if args.packed else (False,):
+        for packed in (layout == "packed" for layout in args.layouts):
             counts = {n: step_syncs(m, T, packed) for n, m in models.items()}
             per_group = counts[8].total - counts[4].total
             released = counts[4].total + (RELEASED_LAYERS - 4) / 4 * per_group
@@ -119,7 +121,8 @@ def main() -> None:
                 }
             )
             print(rows[-1], flush=True)
-    print(table(rows, list(rows[0])))
+    if rows:
+        print(table(rows, list(rows[0])))
     if args.no_decode:
         print("wrote", write_json(args.out, {"machine": machine(), "step": rows}))
         return
