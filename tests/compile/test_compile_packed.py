@@ -135,6 +135,23 @@ def test_document_balance_loss_with_slot_counts_from_shapes():
         torch.testing.assert_close(got, expected.mean(), rtol=1e-6, atol=0)
 
 
+def test_document_balance_loss_reads_the_ids_once_per_tensor_version():
+    """Every MoE layer's balance loss of a step takes the same segment ids: their bound is read on the host once
+    (not once per layer), and read again after an in-place change, which is then caught."""
+    from glm53.profiling import HostSyncs
+
+    logits = torch.randn(B * T, 8, generator=torch.Generator().manual_seed(4))
+    chosen, valid = logits.topk(2, dim=-1).indices, torch.ones(B, T, dtype=torch.bool)
+    ids = segment_ids(document_boundaries(B, T, torch.device("cpu"), torch.tensor(PACKED)), B, T)
+    with HostSyncs() as syncs:
+        for _ in range(3):
+            balance_loss(logits, chosen, valid, segment_ids=ids, num_documents=4)
+    assert dict(syncs.counts) == {"item": 1}
+    ids[1, -1] = 4  # a fifth document: too many for the bound
+    with pytest.raises(ValueError, match="num_documents=4 is too small: segment_ids go up to 4"):
+        balance_loss(logits, chosen, valid, segment_ids=ids, num_documents=4)
+
+
 @pytest.mark.parametrize(
     "bad,match",
     [(0, "positive int"), (2.0, "positive int"), (True, "positive int"), (3, "too small: segment_ids go up to 3")],
