@@ -3,6 +3,7 @@ launches, glm53.profiling.KernelLaunches) per KDA / MLA layer per step. Not a te
 
     python benchmarks/bench_host_syncs.py                       # T = 256 and 512, 4 and 8 layers
     python benchmarks/bench_host_syncs.py --seqlens 512 1024 --decode-tokens 4
+    python benchmarks/bench_host_syncs.py --seqlens 4096 --layouts unpacked packed --no-decode   # steps only
 
 Widths: the released attention widths (glm53.config defaults: KDA 64 heads x 128, MLA 64 heads x 256, latent 512,
 indexer 32 x 128, index_topk 2048, kpool 4, 288 experts top-8) with a narrow residual stream and narrow experts
@@ -12,8 +13,9 @@ Per step = forward + backward of model(ids, labels=ids). The released 45 layers 
 4 and 8 layers (the schedule repeats every 4: KDA, KDA, KDA, MLA): step(45) = step(4) + (45 - 4) / 4 * (step(8) -
 step(4)). Decode: generate() (eager, greedy) with two lengths, syncs per extra token = the difference / the extra
 tokens; and one decode step (T = 1) and one verify step (T = 3) on a prefilled cache alone, also with the padded
-expert form a GPU runs off bf16 Hopper/Blackwell (torch's grouped GEMM unusable). Results:
-benchmarks/results/bench_host_syncs.json.
+expert form a GPU runs off bf16 Hopper/Blackwell (torch's grouped GEMM unusable). `--layouts packed` measures a
+packed step (4 documents per row, from position_ids: the boundaries made and checked once per step). Each row is
+printed as it is measured. Results: benchmarks/results/bench_host_syncs.json.
 """
 
 from __future__ import annotations
@@ -45,10 +47,14 @@ def released_attention_config(layers: int) -> Glm53Config:
     )
 
 
-def step_syncs(model: Glm53ForCausalLM, T: int) -> HostSyncs:
+def step_syncs(model: Glm53ForCausalLM, T: int, packed: bool = False) -> HostSyncs:
+    """One training step's syncs (packed: 4 documents of T / 4 tokens, as position_ids)."""
     ids = torch.randint(1, model.config.vocab_size, (1, T), generator=torch.Generator().manual_seed(0))
+    kwargs = {}
+    if packed:
+        kwargs["position_ids"] = torch.cat([torch.arange(n) for n in (T // 4,) * 3 + (T - 3 * (T // 4),)])[None]
     with HostSyncs() as syncs:
-        model(ids, labels=ids, return_logits=False).loss.backward()
+        model(ids, labels=ids, return_logits=False, **kwargs).loss.backward()
     model.zero_grad(set_to_none=True)
     return syncs
 
@@ -87,27 +93,39 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqlens", type=positive_int, nargs="+", default=[256, 512])
     parser.add_argument("--decode-tokens", type=positive_int, default=4, help="extra tokens of the longer decode")
+    parser.add_argument(
+        "--layouts", nargs="*", choices=("unpacked", "packed"), default=["unpacked"], help="none: decode only"
+    )
+    parser.add_argument("--no-decode", action="store_true", help="the training steps only")
+    parser.add_argument("--out", default="bench_host_syncs.json", help="file name under benchmarks/results/")
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(2)
     rows = []
     models = {n: Glm53ForCausalLM(released_attention_config(n)) for n in (4, 8)}
     for T in args.seqlens:
-        counts = {n: step_syncs(m, T) for n, m in models.items()}
-        per_group = counts[8].total - counts[4].total
-        released = counts[4].total + (RELEASED_LAYERS - 4) / 4 * per_group
-        kinds = counts[8].counts
-        rows.append(
-            {
-                "T": T,
-                "step_4_layers": counts[4].total,
-                "step_8_layers": counts[8].total,
-                "per_4_layers": per_group,
-                "released_45_layers": round(released),
-                "kinds_8_layers": " ".join(f"{k}={v}" for k, v in sorted(kinds.items())),
-            }
-        )
-    print(table(rows, list(rows[0])))
+        for packed in (layout == "packed" for layout in args.layouts):
+            counts = {n: step_syncs(m, T, packed) for n, m in models.items()}
+            per_group = counts[8].total - counts[4].total
+            released = counts[4].total + (RELEASED_LAYERS - 4) / 4 * per_group
+            kinds = counts[8].counts
+            rows.append(
+                {
+                    "T": T,
+                    "packed": packed,
+                    "step_4_layers": counts[4].total,
+                    "step_8_layers": counts[8].total,
+                    "per_4_layers": per_group,
+                    "released_45_layers": round(released),
+                    "kinds_8_layers": " ".join(f"{k}={v}" for k, v in sorted(kinds.items())),
+                }
+            )
+            print(rows[-1], flush=True)
+    if rows:
+        print(table(rows, list(rows[0])))
+    if args.no_decode:
+        print("wrote", write_json(args.out, {"machine": machine(), "step": rows}))
+        return
     decode = decode_syncs(models[4], 16, (2, 2 + args.decode_tokens))
     decode8 = decode_syncs(models[8], 16, (2, 2 + args.decode_tokens))
     per_group = decode8 - decode
@@ -119,7 +137,7 @@ def main() -> None:
     steps = [{"layers": n, **cached_step_syncs(models[n], 16, g)} for n in (4, 8) for g in (True, False)]
     print(table(steps, list(steps[0])))
     path = write_json(
-        "bench_host_syncs",
+        args.out,
         {
             "machine": machine(),
             "step": rows,

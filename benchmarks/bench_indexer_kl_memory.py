@@ -3,6 +3,7 @@
     python benchmarks/bench_indexer_kl_memory.py                          # T = 8K, 16K, 32K at the bench widths
     python benchmarks/bench_indexer_kl_memory.py --seqlens 1024 2048 --mode sparse
     python benchmarks/bench_indexer_kl_memory.py --seqlens 8192 --variants recompute --compile aot_eager
+    python benchmarks/bench_indexer_kl_memory.py --seqlens 8192 --variants recompute --documents 8
 
 One MultiHeadLatentAttention layer (a full indexer, B = 1, fp32, CPU) runs forward with the indexer KL's record
 (`ForwardContext(record_indexer=True)`), then `indexer_kl_terms` on its stats plus a linear function of its output,
@@ -20,6 +21,7 @@ step and reports the peak RSS growth (what the step allocated at its worst momen
 static shapes) of one function, forward and backward traced (the recomputing op is a custom op there). The child
 first compiles and runs it at T = 64 (imports and compiler state paid), then resets VmHWM and measures the step
 at T, its own compilation included (fake tensors: its memory does not grow with T).
+`--documents N`: the row packed as N documents of T / N tokens (cu_seqlens; the last takes the remainder).
 Results: benchmarks/results/bench_indexer_kl_memory.json and a table on stdout.
 """
 
@@ -42,7 +44,7 @@ from glm53.losses import indexer_kl_terms
 from glm53.model.context import ForwardContext
 from glm53.model.mla import MultiHeadLatentAttention
 torch.set_num_threads({threads})
-T, variant, mode = {seqlen}, {variant!r}, {mode!r}
+T, variant, mode, documents = {seqlen}, {variant!r}, {mode!r}, {documents}
 config = Glm53Config.tiny(
     hidden_size={hidden}, num_attention_heads={heads}, num_key_value_heads={heads}, qk_nope_head_dim={head_dim},
     v_head_dim={head_dim}, q_lora_rank={q_lora}, kv_lora_rank={kv_lora}, index_n_heads={index_heads},
@@ -52,9 +54,13 @@ torch.manual_seed(0)
 layer = MultiHeadLatentAttention(config, 0)
 layer.init_weights()
 layer.kl_recompute = variant == "recompute"
-def step(x, g):
+def boundaries(T):
+    if documents == 1:
+        return None
+    return torch.tensor([i * (T // documents) for i in range(documents)] + [T])
+def step(x, g, cu_seqlens):
     valid = torch.ones(x.shape[:2], dtype=torch.bool)
-    ctx = ForwardContext(valid=valid, collect_stats=True, record_indexer=True).for_layer()
+    ctx = ForwardContext(valid=valid, cu_seqlens=cu_seqlens, collect_stats=True, record_indexer=True).for_layer()
     out, _ = layer(x, ctx)
     kl = indexer_kl_terms([ctx.stats], valid, mode)[0]
     return (out * g).mean() + kl, kl.detach()
@@ -62,7 +68,7 @@ def inputs(T):
     return torch.randn(1, T, config.hidden_size), torch.randn(1, T, config.hidden_size)
 if {backend!r} != "none":
     step = torch.compile(step, backend={backend!r}, dynamic=False)
-    step(*inputs(64))[0].backward()
+    step(*inputs(64), boundaries(64))[0].backward()
     layer.zero_grad(set_to_none=True)
 torch.manual_seed(1)  # the measured inputs: the same with and without the warm-up's draw
 x, g = inputs(T)
@@ -72,7 +78,8 @@ def rss(field):
             return int(line.split()[1]) * 1024
 open("/proc/self/clear_refs", "w").write("5")  # reset VmHWM
 base = rss("VmRSS:")
-loss, kl = step(x, g)
+cu_seqlens = boundaries(T)
+loss, kl = step(x, g, cu_seqlens)
 loss.backward()
 print(rss("VmHWM:") - base, float(kl))
 """
@@ -96,6 +103,7 @@ def run(variant: str, seqlen: int, args) -> tuple[int, float, float]:
         index_head_dim=args.index_head_dim,
         topk=args.topk,
         backend=args.compile,
+        documents=args.documents,
     )
     start = time.perf_counter()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
@@ -117,6 +125,7 @@ def main() -> None:
     p.add_argument("--topk", type=positive_int, default=256)
     p.add_argument("--threads", type=positive_int, default=2)
     p.add_argument("--compile", default="none", choices=("none", "aot_eager", "inductor"), help="torch.compile backend")
+    p.add_argument("--documents", type=positive_int, default=1, help="packed documents per row (1: unpacked)")
     p.add_argument("--out", default="bench_indexer_kl_memory.json")
     args = p.parse_args()
     rows = {}
@@ -128,7 +137,7 @@ def main() -> None:
     print(
         f"one MLA layer fwd+bwd with the indexer KL ({args.mode}), B=1 fp32 CPU, hidden {args.hidden}, "
         f"{args.heads}x{args.head_dim} heads, indexer {args.index_heads}x{args.index_head_dim}, k-pool 4, "
-        f"compile {args.compile}"
+        f"compile {args.compile}, {args.documents} document(s)"
     )
     print(
         f"{'T':>6}  {'[T, P] fp32 MiB':>15}"
@@ -148,6 +157,7 @@ def main() -> None:
         "command": "python benchmarks/bench_indexer_kl_memory.py " + " ".join(sys.argv[1:]),
         "mode": args.mode,
         "compile": args.compile,
+        "documents": args.documents,
         "widths": {
             k: getattr(args, k)
             for k in ("hidden", "heads", "head_dim", "q_lora", "kv_lora", "index_heads", "index_head_dim", "topk")

@@ -48,7 +48,7 @@ def main() -> None:
             rows.append({"T": T, "budgets": kind, "ops_per_kda_layer_step": ops.total, "top_ops": top})
             print(rows[-1], flush=True)
     print(table(rows, list(rows[0])))
-    print("wrote", write_json("bench_launches", {"machine": machine(), "rows": rows}))
+    print("wrote", write_json("bench_launches.json", {"machine": machine(), "rows": rows}))
 
 
 if __name__ == "__main__":

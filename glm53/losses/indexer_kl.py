@@ -19,8 +19,8 @@ Two records feed it (MultiHeadLatentAttention.kl_recompute):
   compiled blocks then). Context parallelism: the indexer's q and weights, and every layer's MLA queries, are
   this rank's rows at `offset` of the keys' sequence (the gathered pool keys, MLA keys, mask and documents); the
   gradient of the pool keys flows back through the gather to their owners.
-  The top-k itself is blocked (model/pool_selection.py `select_pools_blocked`, eager and compiled: no [B, T, P]) except
-  when packed, where `score_and_select` still makes (and frees) the [B, T, P] scores once per layer.
+  The top-k itself is blocked (model/pool_selection.py `select_pools_blocked`, eager and compiled, packed or not: no
+  [B, T, P]).
 Tensor parallelism: each rank's mass is over its own heads; `PoolMassInputs.reduce` (glm53/parallel) sums a
 block's mass over the ranks where the loss reads it ([B, Tq, J] slots when sparse, [B, Tq, P] when dense), in
 forward and again in the backward's recompute: the messages' total is O(T * J) sparse, O(T * P) dense (the dense

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..hooks import as_local, as_plain, vocab_parallel_loss
 from ..kernels.dispatch import kernel
@@ -125,6 +126,12 @@ def head_target_loss(
 
 
 # ----------------------------------------------------------------------------------------------- MoE balance
+# Segment ids already checked against a document count, with that count and the tensor version: every MoE layer's
+# balance loss of a step takes the same ids, so their maximum is read once per step, not once per layer (an
+# in-place change bumps the version; inference tensors keep none and are checked every call).
+_CHECKED_SEGMENTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
 def _document_slots(segment_ids: torch.Tensor, num_documents: int | None) -> int:
     """The per-document sums' size: `num_documents`, checked eagerly against the ids (while compiling it is a size
     from cu_seqlens' shape, which the model made), or every token's own slot."""
@@ -134,9 +141,17 @@ def _document_slots(segment_ids: torch.Tensor, num_documents: int | None) -> int
         return num_documents
     if isinstance(num_documents, bool) or not isinstance(num_documents, int) or num_documents < 1:
         raise ValueError(f"num_documents must be a positive int, got {num_documents!r}")
-    top = int(segment_ids.max()) if segment_ids.numel() else -1  # NOTE: syncs
+    known = not segment_ids.is_inference() and _CHECKED_SEGMENTS.get(segment_ids) == (
+        num_documents,
+        segment_ids._version,
+    )
+    if known:
+        return num_documents
+    top = int(segment_ids.max()) if segment_ids.numel() else -1  # NOTE: syncs (once per ids tensor and count)
     if top >= num_documents:
         raise ValueError(f"num_documents={num_documents} is too small: segment_ids go up to {top}")
+    if not segment_ids.is_inference():
+        _CHECKED_SEGMENTS[segment_ids] = (num_documents, segment_ids._version)
     return num_documents
 
 

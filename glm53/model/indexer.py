@@ -160,16 +160,14 @@ class Indexer(nn.Module):
         shards: SequenceShards | None = None,
     ) -> torch.Tensor:
         """x [B, T, D], q_resid [B, T, R], valid [B, T] bool -> top-k key positions [B, T, J] int64 (`shards`:
-        as `score_and_select`). Unpacked, scoring and choosing run fused, a block of queries at a time
-        (`select_pools_blocked`, a custom op: eager and compiled alike): `score_and_select`'s top-k (up to
-        rounding-level near-ties, kernels/indexer_topk.py) without its [B, T, P] scores and masks."""
-        if cu_seqlens is not None:  # the fused kernel takes no documents
-            return self.score_and_select(x, q_resid, valid, cu_seqlens=cu_seqlens, shards=shards)[0]
+        as `score_and_select`). Scoring and choosing run fused, a block of queries at a time (`select_pools_blocked`,
+        a custom op: eager and compiled, packed or not): `score_and_select`'s top-k (up to rounding-level near-ties,
+        kernels/indexer_topk.py) without its [B, T, P] scores and masks."""
         offset = 0 if shards is None else shards.offset
         keys, gate = self.token_keys(x)
         if shards is not None:
             keys, gate = shards.all_gather(keys, dim=1), shards.all_gather(gate, dim=1)
-        pool_keys, positions, complete = self.pool(keys, gate, valid)
+        pool_keys, positions, complete = self.pool(keys, gate, valid, cu_seqlens)
         q, w = self._queries(x, q_resid)
         return select_pools_blocked(
             q,
@@ -178,6 +176,7 @@ class Indexer(nn.Module):
             positions,
             complete,
             valid,
+            cu_seqlens,
             self.head_dim**-0.5,
             offset,
             self.index_topk,

@@ -117,7 +117,7 @@ class MultiHeadLatentAttention(nn.Module):
         (`recompute`) or its [B, T, P] scores and masks (`record`) into ctx.stats for a full indexer."""
         stats, cp, valid, cu_seqlens = ctx.stats, ctx.cp, keys.valid, keys.cu_seqlens
         if self.indexer is not None and recompute:
-            topk = self.indexer(x, q_resid, valid, cu_seqlens, shards=cp)  # blocked: no [B, T, P] (unpacked)
+            topk = self.indexer(x, q_resid, valid, cu_seqlens, shards=cp)  # blocked: no [B, T, P]
             inputs = self.indexer.kl_inputs(x, q_resid, valid, cu_seqlens, shards=cp)
             stats.indexer_inputs = IndexerKlInputs(
                 **inputs,

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import kernel_op
-from ..kernels.indexer_topk import candidate_pools, rank_pools
+from ..kernels.indexer_topk import candidate_pools, document_starts, rank_pools
 from ..kernels.opaque import HOST_READING
 from ..kernels.varlen import document_bounds
 from .packing import first_valid_in_document
@@ -208,6 +208,7 @@ def select_pools_blocked(
     positions: torch.Tensor,
     complete: torch.Tensor,
     valid: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
     scale: float,
     query_offset: int,
     index_topk: int,
@@ -215,17 +216,24 @@ def select_pools_blocked(
     select_tail: bool,
 ) -> torch.Tensor:
     """`select_pools`' top-k [B, T, J] scored and chosen a block of queries at a time (kernel "indexer_topk_pools"):
-    q [B, T, H, K], weights [B, T, H], pool_keys [B, P, K], positions [B, P, L], complete [B, P], valid [B, S]
-    (unpacked). Eager and compiled forwards alike: no [B, T, P] scores."""
+    q [B, T, H, K], weights [B, T, H], pool_keys [B, P, K], positions [B, P, L], complete [B, P], valid [B, S],
+    `cu_seqlens` (over B * S) the keys' documents or None. Eager and compiled forwards alike: no [B, T, P] scores
+    (packed: the candidates of a block of queries are the pools of its documents, from the document bounds)."""
     kept = kept_pool_index(complete)
     pool_keys, positions, complete = (t.index_select(1, kept) for t in (pool_keys, positions, complete))
-    pool_end = positions[..., -1].clamp(0, valid.shape[1] - 1)  # [B, P] as `select` reads it
+    S, T = valid.shape[1], q.shape[1]
+    pool_end = positions[..., -1].clamp(0, S - 1)  # [B, P] as `select` reads it
+    packed = () if cu_seqlens is None else document_starts(positions, cu_seqlens, S, query_offset, T)
     select = min(index_topk // kpool, pool_keys.shape[1])
-    chosen, chosen_ok = indexer_topk_pools(q, weights, pool_keys, scale, pool_end, complete, query_offset, select)
+    chosen, chosen_ok = indexer_topk_pools(
+        q, weights, pool_keys, scale, pool_end, complete, query_offset, select, *packed
+    )
     num_slots = slot_count(index_topk, kpool, select_tail)
-    return pool_slots(chosen, chosen_ok, positions, valid, None, query_offset, kpool, select_tail, num_slots)
+    return pool_slots(chosen, chosen_ok, positions, valid, cu_seqlens, query_offset, kpool, select_tail, num_slots)
 
 
 @select_pools_blocked.register_fake
-def _(q, weights, pool_keys, positions, complete, valid, scale, query_offset, index_topk, kpool, select_tail):
+def _(
+    q, weights, pool_keys, positions, complete, valid, cu_seqlens, scale, query_offset, index_topk, kpool, select_tail
+):
     return q.new_empty(*q.shape[:2], slot_count(index_topk, kpool, select_tail), dtype=torch.long)

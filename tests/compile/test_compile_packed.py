@@ -84,7 +84,8 @@ def test_whole_model_on_packed_batch_compiles_without_breaks_and_matches_eager(m
 
 
 def test_explain_counts_no_graph_break_on_the_packed_training_forward(model):
-    """torch._dynamo.explain on the forward with labels and every loss part, then its backward (one graph)."""
+    """torch._dynamo.explain on the forward with labels and every loss part, then its backward (one graph), whose
+    top-k is the blocked selection (glm53::select_pools_blocked, no [B, T, P] scores)."""
     inputs = batch(model.config.vocab_size)
     model.train()
 
@@ -95,6 +96,10 @@ def test_explain_counts_no_graph_break_on_the_packed_training_forward(model):
     explained = torch._dynamo.explain(loss)(**inputs, cu_seqlens=torch.tensor(PACKED))
     assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
     assert explained.graph_count == 1
+    # the packed top-k is the blocked selection: no [B, T, P] index scores (packed kernel) nor their select_pools
+    ops = {str(n.target) for n in explained.graphs[0].graph.nodes if str(n.target).startswith("glm53.")}
+    assert "glm53.select_pools_blocked.default" in ops, sorted(ops)
+    assert not ops & {"glm53.select_pools.default", "glm53.indexer_scores_packed.default"}, sorted(ops)
 
 
 def test_compiled_boundaries_keep_duplicates_as_empty_documents():
@@ -128,6 +133,23 @@ def test_document_balance_loss_with_slot_counts_from_shapes():
     for bounds, n in ((eager, 4), (with_duplicates, 9), (eager, None)):
         got = balance_loss(logits, indices, valid, segment_ids=segment_ids(bounds, B, T), num_documents=n)
         torch.testing.assert_close(got, expected.mean(), rtol=1e-6, atol=0)
+
+
+def test_document_balance_loss_reads_the_ids_once_per_tensor_version():
+    """Every MoE layer's balance loss of a step takes the same segment ids: their bound is read on the host once
+    (not once per layer), and read again after an in-place change, which is then caught."""
+    from glm53.profiling import HostSyncs
+
+    logits = torch.randn(B * T, 8, generator=torch.Generator().manual_seed(4))
+    chosen, valid = logits.topk(2, dim=-1).indices, torch.ones(B, T, dtype=torch.bool)
+    ids = segment_ids(document_boundaries(B, T, torch.device("cpu"), torch.tensor(PACKED)), B, T)
+    with HostSyncs() as syncs:
+        for _ in range(3):
+            balance_loss(logits, chosen, valid, segment_ids=ids, num_documents=4)
+    assert dict(syncs.counts) == {"item": 1}
+    ids[1, -1] = 4  # a fifth document: too many for the bound
+    with pytest.raises(ValueError, match="num_documents=4 is too small: segment_ids go up to 4"):
+        balance_loss(logits, chosen, valid, segment_ids=ids, num_documents=4)
 
 
 @pytest.mark.parametrize(

@@ -48,7 +48,26 @@ def test_packed_step_validates_the_boundaries_once(monkeypatch):
     # packing adds its own once-per-step reads (the boundaries made from position_ids and checked once, the conv
     # edge tokens found once, the document count of the losses); nothing per layer or per kernel call (the 9
     # convs' edge search alone, forward and backward, was 18 nonzero)
-    assert unpacked == 6 and packed.counts["nonzero"] == 3 and packed.total <= 16, packed.counts
+    assert unpacked == 6 and packed.counts["nonzero"] == 3 and packed.total <= 12, packed.counts
+
+
+def test_packed_step_syncs_per_layer_are_the_unpacked_ones(monkeypatch):
+    """Four more layers (3 KDA + 1 MLA, 4 MoE) add the same syncs packed as unpacked (the MLA layer's nonzero and
+    key spans): the packed top-k reads no more than the unpacked one, and the per-document balance loss reads its
+    segment ids once per step, not once per MoE layer."""
+    monkeypatch.setattr(fast, "STATE_BUDGET", 1)
+    ids = torch.randint(1, Glm53Config.tiny().vocab_size, (1, 96), generator=torch.Generator().manual_seed(0))
+    position_ids = torch.cat([torch.arange(24)] * 4)[None]  # four documents
+    steps = {}
+    for layers in (4, 8):
+        config = Glm53Config.tiny(
+            indexer_loss_weight=0.01, num_hidden_layers=layers, mlp_layer_types=["dense"] + ["sparse"] * (layers - 1)
+        )
+        model = Glm53ForCausalLM(config)
+        steps[layers] = (_step(model, ids).counts, _step(model, ids, position_ids=position_ids).counts)
+    unpacked_added = steps[8][0] - steps[4][0]
+    assert dict(unpacked_added) == {"nonzero": 1, "tolist": 3}
+    assert steps[8][1] - steps[4][1] == unpacked_added, steps
 
 
 def test_released_width_kda_layer_reads_nothing():

@@ -6,13 +6,17 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_bench_runs_both_records_and_they_agree(tmp_path):
+@pytest.mark.parametrize("documents", [1, 3], ids=["unpacked", "packed"])
+def test_bench_runs_both_records_and_they_agree(tmp_path, documents):
     out = tmp_path / "kl.json"
     args = ["--seqlens", "64", "--hidden", "32", "--heads", "2", "--head-dim", "8", "--q-lora", "24"]
     args += ["--kv-lora", "16", "--index-heads", "2", "--index-head-dim", "8", "--topk", "8", "--threads", "1"]
+    args += ["--documents", str(documents)]
     env = {**os.environ, "PYTHONPATH": ROOT}
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "bench_indexer_kl_memory.py"), *args, "--out", str(out)],
@@ -23,7 +27,9 @@ def test_bench_runs_both_records_and_they_agree(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "recompute/stored" in proc.stdout
-    points = json.loads(out.read_text())["points"]
+    result = json.loads(out.read_text())
+    assert result["documents"] == documents and f"{documents} document(s)" in proc.stdout
+    points = result["points"]
     assert {(p["variant"], p["seqlen"]) for p in points} == {("stored", 64), ("recompute", 64)}
     kl = {(p["variant"], p["seqlen"]): p["kl"] for p in points}
     assert kl[("stored", 64)] > 0
