@@ -33,6 +33,7 @@ from .placements import LocalShard, Whole, set_placement_rule
 from .tensor_parallel import ColwiseHeads, ExpertTensorParallel, ReplicateModule, _distribute_own
 
 LORA_MARK = "lora_"  # every adapter parameter's name holds it (glm53.peft)
+HELD = "held_kinds"  # a module's {weight name: "fp8" | "bf16"} held base (glm53.peft.fp8.HELD)
 _PARTIAL_GRAD = Whole((Partial(),))  # a replicated factor that meets this rank's shard of the other one
 
 
@@ -119,7 +120,8 @@ def check_peft(model: nn.Module, has_tp: bool, mp_policy: MixedPrecisionPolicy |
     """What glm53.peft's additions do not take, refused before `parallelize` changes anything: under tensor
     parallelism a base held in FP8 (its block scales are not split with the weight) and adapter dropout (a
     replicated activation would get another mask on every TP rank); an FP8 base under a low-precision FSDP policy
-    (FSDP would cast the FP8 values before gathering them, and their scales would no longer apply)."""
+    (FSDP would cast the FP8 values before gathering them, and their scales would no longer apply), and a bf16-held
+    base widened to another dtype than such a policy's (its matmuls would meet the policy's activations)."""
     fp8 = [n for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn]
     if has_tp and fp8:
         raise ValueError(
@@ -134,6 +136,15 @@ def check_peft(model: nn.Module, has_tp: bool, mp_policy: MixedPrecisionPolicy |
             "replicated activation would get a different mask on every TP rank; use dropout 0 with tp"
         )
     low = mp_policy is not None and mp_policy.param_dtype not in (None, torch.float32)
+    wide = [n for n, m in model.named_modules() if "bf16" in m.__dict__.get(HELD, {}).values()]
+    wide = [n for n in wide if low and model.get_submodule(n).held_compute_dtype != mp_policy.param_dtype]
+    if wide:
+        raise ValueError(
+            f"a bf16-held base (glm53.peft.hold_bf16) widened to fp32 under a MixedPrecisionPolicy with param_dtype="
+            f"{mp_policy.param_dtype} ({wide[0]} and {len(wide) - 1} more): every other weight computes in "
+            f"{mp_policy.param_dtype} there; hold it with compute_dtype={mp_policy.param_dtype} "
+            "(glm53.peft.cli.build_meta_model's compute_dtype) or train without the policy"
+        )
     if low and fp8:
         raise ValueError(
             f"an FP8 base (glm53.peft) under a MixedPrecisionPolicy with param_dtype={mp_policy.param_dtype}: "

@@ -24,6 +24,7 @@ from ..config import Glm53Config
 from ..errors import CheckpointError, ConfigError
 from ..losses import Glm53ForCausalLM
 from .files import CONFIG_FILE, WEIGHTS_FILE, load_lora, save_lora
+from .fp8_storage import hold_bf16
 from .load import BASE_DTYPES, load_base
 from .lora import LORA_MARK, apply_lora, freeze, has_lora, merge_lora
 from .targets import DEFAULT_LORA_TARGETS, FREEZE_GROUPS
@@ -135,11 +136,24 @@ def build_model(args: argparse.Namespace, preset=None, cls: type = Glm53ForCausa
     _check(args)
     resume = getattr(args, "resume", None)
     base = getattr(args, "init", None) or (_recorded_base(resume) if resume else None)
-    if base:
-        model = load_base(cls, base, args.base_dtype or "bf16", dtype=torch.float32, quantize=args.quantize_base)
+    if base and args.base_dtype == "bf16":  # the frozen text linears and experts held in bf16 from the start
+        held = set(_frozen_names(args, cls, base))
+        model = load_base(cls, base, "bf16", dtype=torch.float32, hold=held.__contains__)
+    elif base and args.base_dtype == "fp8":
+        model = load_base(cls, base, "fp8", dtype=torch.float32, quantize=args.quantize_base)
+    elif base:  # no --base-dtype: every parameter in the training precision, the checkpoint's values exactly
+        model = cls.from_pretrained(base, dtype=torch.float32)
     else:
         model = cls.from_config(preset())
     return _adapt(args, model, base)
+
+
+def _frozen_names(args: argparse.Namespace, cls: type, base: str) -> list[str]:
+    """The parameters a run with these flags freezes (its adapters and --freeze applied to a meta model)."""
+    with torch.device("meta"):
+        probe = cls(Glm53Config.from_pretrained(base))
+    _adapters_and_freeze(args, probe)
+    return [n for n, p in probe.named_parameters() if not p.requires_grad]
 
 
 def meta_base(args: argparse.Namespace, resuming_dcp: bool) -> str | None:
@@ -156,14 +170,20 @@ def meta_base(args: argparse.Namespace, resuming_dcp: bool) -> str | None:
     return getattr(args, "init", None) or (_recorded_base(resume) if resume else None)
 
 
-def build_meta_model(args: argparse.Namespace, base: str, cls: type = Glm53ForCausalLM) -> Glm53ForCausalLM:
+def build_meta_model(
+    args: argparse.Namespace, base: str, cls: type = Glm53ForCausalLM, compute_dtype: torch.dtype = torch.float32
+) -> Glm53ForCausalLM:
     """`build_model`'s model on the meta device, without values: the architecture of `base` with the adapters
-    (fresh, or shaped as --resume's) and --freeze applied. Fill it after parallelizing: the base with
-    glm53.parallel.load_pretrained (skipping `is_adapter` names), fresh adapters with glm53.peft.fresh_adapters
-    (a DCP resume fills them from its state)."""
+    (fresh, or shaped as --resume's) and --freeze applied, and with --base-dtype bf16 its frozen text linears and
+    experts held in bf16 (widened to `compute_dtype`: the FSDP policy's param dtype). Fill it after parallelizing:
+    the base with glm53.parallel.load_pretrained (skipping `is_adapter` names; each tensor keeps its dtype), fresh
+    adapters with glm53.peft.fresh_adapters (a DCP resume fills them from its state)."""
     with torch.device("meta"):
         model = cls(Glm53Config.from_pretrained(base))
-    return _adapt(args, model, base)
+    model = _adapt(args, model, base)
+    if args.base_dtype == "bf16":
+        hold_bf16(model, compute_dtype)
+    return model
 
 
 def is_adapter(name: str) -> bool:
@@ -172,6 +192,14 @@ def is_adapter(name: str) -> bool:
 
 def _adapt(args: argparse.Namespace, model: Glm53ForCausalLM, base: str | None) -> Glm53ForCausalLM:
     """The adapters (from --resume, or fresh), --freeze and the router-bias rule of `build_model`."""
+    _adapters_and_freeze(args, model)
+    if base and has_lora(model):
+        model.lora_settings["base"] = os.path.abspath(base)
+    hold_frozen_router_bias(model, args)
+    return model
+
+
+def _adapters_and_freeze(args: argparse.Namespace, model: Glm53ForCausalLM) -> None:
     resume = getattr(args, "resume", None)
     if args.lora_rank is not None:
         if resume and os.path.isfile(os.path.join(resume, CONFIG_FILE)):
@@ -192,10 +220,6 @@ def _adapt(args: argparse.Namespace, model: Glm53ForCausalLM, base: str | None) 
             )
     if args.freeze is not None:
         freeze(model, args.freeze)
-    if base and has_lora(model):
-        model.lora_settings["base"] = os.path.abspath(base)
-    hold_frozen_router_bias(model, args)
-    return model
 
 
 def hold_frozen_router_bias(model, args: argparse.Namespace) -> None:

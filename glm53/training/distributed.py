@@ -3,9 +3,10 @@ precision (trainer.py calls `init_parallel_model(args, mesh)`; the single-proces
 
     LoRA / --freeze / --base-dtype from a bf16/fp32 base (--init, or the one a LoRA save names): glm53.peft builds
                                it on meta (adapters, --freeze), parallelize, `load_pretrained` (own slices only,
-                               adapters skipped); fresh adapters take apply_lora's values (`fresh_adapters`, the
-                               same RNG draws as one process), a LoRA resume's DCP state fills the trainable
-                               parameters and their optimizer state
+                               adapters skipped; --base-dtype bf16: the frozen linears and experts held in bf16,
+                               so their shards are bf16); fresh adapters take apply_lora's values
+                               (`fresh_adapters`, the same RNG draws as one process), a LoRA resume's DCP state
+                               fills the trainable parameters and their optimizer state
     --base-dtype fp8, or a LoRA resume without DCP state: glm53.peft builds the model whole on every rank (the
                                FP8 base; the save's adapter file), then parallelize
     --resume DIR (a DCP run)   build on meta, parallelize; the DCP state fills it (any saved layout)
@@ -70,7 +71,8 @@ def init_parallel_model(
 def _meta_peft_model(args: argparse.Namespace, mesh, base: str, model_class: type, resuming: bool):
     """A LoRA / --freeze model built on meta and parallelized; each rank reads its own slices of `base`, and
     fills its part of every fresh adapter (a DCP resume's state overwrites them, so they are zeroed there)."""
-    model = _parallelize(peft_cli.build_meta_model(args, base, model_class), mesh, args)
+    compute = torch.bfloat16 if args.bf16 else torch.float32  # what a bf16-held base is widened to (the policy's)
+    model = _parallelize(peft_cli.build_meta_model(args, base, model_class, compute), mesh, args)
     load_pretrained(model, base, skip=peft_cli.is_adapter)
     params = dict(model.named_parameters())
     if resuming:
