@@ -117,3 +117,43 @@ def test_dp2_freeze_from_init_builds_on_meta(pool2, base, monkeypatch):
     for res in meta:
         _same_params(res["loaded"], one, "dp2 --freeze")
         assert 0 < res["loaded"]["bytes_read"]
+
+
+def test_dp2_bf16_base_on_meta_holds_bf16_shards_as_one_process(pool2, base, tmp_path, monkeypatch):
+    """--base-dtype bf16 under torchrun: built on meta with the frozen text linears and experts held in bf16, so
+    each rank's FSDP shards of them are bf16 (2 bytes) and read from its slices; the same values and dtypes as
+    one process, and two steps train as the whole build does (the same losses and adapters)."""
+    run = ["train", "--init", str(base), *LORA, "--base-dtype", "bf16", *FAST, "--steps", "2"]
+    meta = _ok(pool2.run(cli_train, argv=[*run, "--dp", "2"], inspect=True, build="meta", everything=True))
+    one = _one_process(run, monkeypatch)
+    held = {n for n, v in one["params"].items() if v.dtype == torch.bfloat16}
+    assert len(held) > 40 and not any("lora_" in n or "norm" in n or "embed" in n for n in held)
+    assert all(v.dtype == torch.float32 for n, v in one["params"].items() if n not in held)
+    stored = _stored_bytes(base)
+    for res in meta:
+        _same_params(res["loaded"], one, "dp2 bf16 base")
+        assert all(v.dtype == one["params"][n].dtype for n, v in res["loaded"]["params"].items())
+        local = res["loaded"]["local_bytes"]
+        # this rank's shards: the held weights at 2 bytes of about half their elements (FSDP pads a row at most)
+        assert 0.45 < local["bf16"] / (2 * sum(one["params"][n].numel() for n in held)) < 0.6, local
+        assert 0 < res["loaded"]["bytes_read"] < 0.6 * stored
+    # training: the meta build and the whole build (peft's build_model on every rank, then sharded) give the same
+    # numbers; dp2 vs one process on one step's numbers is test_lora_parallel's bf16 case (the same held values)
+    a, b = tmp_path / "meta", tmp_path / "whole"
+    _ok(pool2.run(cli_train, argv=[*run, "--dp", "2", "--save", str(a)], build="meta"))
+    _ok(pool2.run(cli_train, argv=[*run, "--dp", "2", "--save", str(b)], build="whole"))
+    la, lb = _losses(a), _losses(b)
+    assert sorted(la) == [1, 2] and la == lb
+    fa, fb = load_file(a / WEIGHTS_FILE), load_file(b / WEIGHTS_FILE)
+    assert fa.keys() == fb.keys() and len(fa) > 50 and all(torch.equal(fa[k], fb[k]) for k in fa)
+
+
+def test_dp2_bf16_base_under_the_bf16_policy_trains(pool2, base, tmp_path):
+    """--bf16 under torchrun is FSDP's bf16 policy: the bf16-held base is widened to bf16 (a no-op) there, as the
+    adapters and activations are; an fp32 widening would be refused by parallelize (test_lora_tp_refusals.py)."""
+    run = ["train", "--init", str(base), *LORA, "--base-dtype", "bf16", *FAST, "--steps", "1", "--dp", "2"]
+    _ok(pool2.run(cli_train, argv=[*run, "--bf16", "--save", str(tmp_path / "a")], build="meta"))
+    _ok(pool2.run(cli_train, argv=[*run, "--save", str(tmp_path / "b")], build="meta"))
+    la, lb = _losses(tmp_path / "a"), _losses(tmp_path / "b")
+    # bf16 compute vs fp32 compute on the same bf16 weights: bf16 roundings (2^-8) through the 4-layer stack
+    assert sorted(la) == [1] and abs(la[1] - lb[1]) <= 4 * 2**-8 * abs(lb[1]) and la[1] != lb[1]
