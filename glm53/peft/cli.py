@@ -25,7 +25,7 @@ from ..errors import CheckpointError, ConfigError
 from ..losses import Glm53ForCausalLM
 from .files import CONFIG_FILE, WEIGHTS_FILE, load_lora, save_lora
 from .fp8_storage import hold_bf16
-from .load import BASE_DTYPES, load_base
+from .load import BASE_DTYPES, fp8_placeholders, load_base
 from .lora import LORA_MARK, apply_lora, freeze, has_lora, merge_lora
 from .targets import DEFAULT_LORA_TARGETS, FREEZE_GROUPS
 
@@ -158,14 +158,15 @@ def _frozen_names(args: argparse.Namespace, cls: type, base: str) -> list[str]:
 
 def meta_base(args: argparse.Namespace, resuming_dcp: bool) -> str | None:
     """The checkpoint a torchrun run with these flags builds its model from on the meta device and loads per rank
-    (`build_meta_model`, then glm53.parallel.load_pretrained): --init, or the base a LoRA save names, held in
-    bf16/fp32. None where `build_model` builds it whole: --base-dtype fp8, no base checkpoint, or a LoRA resume
-    without DCP state (`resuming_dcp` False: the adapter values come from the save's adapter file)."""
+    (`build_meta_model`, then glm53.parallel.load_pretrained): --init, or the base a LoRA save names. None where
+    `build_model` builds it whole: --quantize-base (quantising needs whole blocks; a rank reads a slice), no base
+    checkpoint, or a LoRA resume without DCP state (`resuming_dcp` False: the adapter values come from the save's
+    adapter file)."""
     if not enabled(args):
         return None
     _check(args)
     resume = getattr(args, "resume", None)
-    if args.base_dtype == "fp8" or (resume and not resuming_dcp):
+    if args.quantize_base or (resume and not resuming_dcp):
         return None
     return getattr(args, "init", None) or (_recorded_base(resume) if resume else None)
 
@@ -174,12 +175,15 @@ def build_meta_model(
     args: argparse.Namespace, base: str, cls: type = Glm53ForCausalLM, compute_dtype: torch.dtype = torch.float32
 ) -> Glm53ForCausalLM:
     """`build_model`'s model on the meta device, without values: the architecture of `base` with the adapters
-    (fresh, or shaped as --resume's) and --freeze applied, and with --base-dtype bf16 its frozen text linears and
-    experts held in bf16 (widened to `compute_dtype`: the FSDP policy's param dtype). Fill it after parallelizing:
-    the base with glm53.parallel.load_pretrained (skipping `is_adapter` names; each tensor keeps its dtype), fresh
+    (fresh, or shaped as --resume's) and --freeze applied; with --base-dtype fp8 the weights `base` stores in FP8
+    as meta FP8 values and block scales, with bf16 the frozen text linears and experts held in bf16; either is
+    widened to `compute_dtype` (an FSDP policy's param dtype) per matmul. Fill it after parallelizing: the base with
+    glm53.parallel.load_pretrained (skipping `is_adapter` names; each tensor keeps its dtype, FP8 read raw), fresh
     adapters with glm53.peft.fresh_adapters (a DCP resume fills them from its state)."""
     with torch.device("meta"):
         model = cls(Glm53Config.from_pretrained(base))
+    if args.base_dtype == "fp8":
+        fp8_placeholders(model, base, compute_dtype)
     model = _adapt(args, model, base)
     if args.base_dtype == "bf16":
         hold_bf16(model, compute_dtype)

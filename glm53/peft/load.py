@@ -78,6 +78,18 @@ def load_base(
     return model.eval()  # as from_pretrained: .train() to train
 
 
+def fp8_placeholders(model: nn.Module, path: str | os.PathLike, dtype: torch.dtype) -> list[str]:
+    """Meta FP8 placeholders (values and block scales) on a meta `model` (without adapters yet) for every text linear
+    and routed expert that the checkpoint at `path` stores in FP8, widened to `dtype` -> their module names. For a
+    model built on meta and filled per rank after parallelizing (glm53.parallel.load_pretrained reads them raw)."""
+    path = os.fspath(path)
+    files = checkpoint_files(path)
+    block = fp8_format.weight_block_size(quantization_config(Glm53Config.from_pretrained(path)))
+    reader = TensorReader(files, block)
+    plan = _plan(model, files, reader, model.config.num_hidden_layers)
+    return _fp8_placeholders(model, plan, reader, block, dtype, False, path)
+
+
 def _fp8_placeholders(model, plan, reader, block, dtype, quantize: bool, path: str) -> list[str]:
     """Meta FP8 placeholders for every FP8-eligible module the checkpoint stores in FP8 (all with `quantize`)."""
     keys = _module_keys(model, plan)
@@ -178,4 +190,4 @@ def fresh_adapters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             yield f"{name}.{w}_lora_B", B
 
 
-__all__ = ["BASE_DTYPES", "load_base", "fresh_adapters"]
+__all__ = ["BASE_DTYPES", "load_base", "fp8_placeholders", "fresh_adapters"]

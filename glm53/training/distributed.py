@@ -1,14 +1,15 @@
 """The model of a `glm53 train` run under torchrun: which weights it starts from, on which device and in which
 precision (trainer.py calls `init_parallel_model(args, mesh)`; the single-process run builds its model itself).
 
-    LoRA / --freeze / --base-dtype from a bf16/fp32 base (--init, or the one a LoRA save names): glm53.peft builds
+    LoRA / --freeze / --base-dtype from a base checkpoint (--init, or the one a LoRA save names): glm53.peft builds
                                it on meta (adapters, --freeze), parallelize, `load_pretrained` (own slices only,
                                adapters skipped; --base-dtype bf16: the frozen linears and experts held in bf16,
-                               so their shards are bf16); fresh adapters take apply_lora's values
+                               fp8: the FP8-stored ones held as FP8 values + block scales, read raw, so their
+                               shards are bf16 / FP8); fresh adapters take apply_lora's values
                                (`fresh_adapters`, the same RNG draws as one process), a LoRA resume's DCP state
                                fills the trainable parameters and their optimizer state
-    --base-dtype fp8, or a LoRA resume without DCP state: glm53.peft builds the model whole on every rank (the
-                               FP8 base; the save's adapter file), then parallelize
+    --quantize-base, or a LoRA resume without DCP state: glm53.peft builds the model whole on every rank
+                               (quantising whole blocks; the save's adapter file), then parallelize
     --resume DIR (a DCP run)   build on meta, parallelize; the DCP state fills it (any saved layout)
     --init DIR                 build on meta, parallelize, `glm53.parallel.load_pretrained` (own slices only)
     otherwise                  the preset, seeded identically on every rank, then parallelize

@@ -202,8 +202,8 @@ def cli_train(argv: list[str], inspect: bool = False, build: str = "any", everyt
 def loaded_state(run, everything: bool = False) -> dict:
     """A trainer's step, adapters and AdamW state as full tensors keyed by parameter name (every rank);
     `everything`: also every parameter (`params`), which require gradients (`trainable`) and the checkpoint bytes
-    this rank read (`bytes_read`, None when the model was not loaded per rank) and the bytes of this rank's
-    local shards per dtype (`local_bytes`)."""
+    this rank read (`bytes_read`, None when the model was not loaded per rank), the bytes of this rank's local
+    shards per dtype (`local_bytes`) and the FP8 block scales (`scales`); FP8 values come as their uint8 bits."""
     optim = {}
     for name, p in run.model.named_parameters():
         if p.requires_grad:
@@ -213,12 +213,23 @@ def loaded_state(run, everything: bool = False) -> dict:
     if everything:
         reader = getattr(run.model, "checkpoint_reader", None)
         out.update(
-            params={n: full(p) for n, p in run.model.named_parameters()},
+            params={n: _full_bits(p) for n, p in run.model.named_parameters()},
+            scales={n: full(b) for n, b in run.model.named_buffers() if n.endswith("_scale_inv")},
             trainable=sorted(n for n, p in run.model.named_parameters() if p.requires_grad),
             bytes_read=None if reader is None else reader.bytes_read,
             local_bytes=_local_bytes(run.model),
         )
     return out
+
+
+def _full_bits(p) -> torch.Tensor:
+    """full(p); an FP8 parameter as its uint8 bits (gathered as bytes: gloo has no float8)."""
+    if p.dtype != torch.float8_e4m3fn:
+        return full(p)
+    bits = _local(p).detach().view(torch.uint8)
+    if isinstance(p, DTensor):
+        bits = DTensor.from_local(bits, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
+    return bits.clone()
 
 
 def _local_bytes(model) -> dict[str, int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from safetensors.torch import load_file
 from glm53.__main__ import main
 from glm53.peft.files import WEIGHTS_FILE
 from glm53.training import trainer
+from tests.helpers.checkpoints import fp8_source
 from tests.helpers.lora_jobs import cli_train, loaded_state
 
 FAST = ["--batch-size", "2", "--seq-len", "16", "--log-every", "1", "--seed", "3"]
@@ -70,8 +72,11 @@ def _one_process(argv, monkeypatch) -> dict:
 def _same_params(got: dict, want: dict, where: str) -> None:
     assert got["params"].keys() == want["params"].keys(), where
     for name, value in want["params"].items():
-        assert torch.equal(got["params"][name], value), (where, name)
+        assert got["params"][name].dtype == value.dtype and torch.equal(got["params"][name], value), (where, name)
     assert got["trainable"] == want["trainable"], where
+    assert got["scales"].keys() == want["scales"].keys(), where
+    for name, value in want["scales"].items():
+        assert torch.equal(got["scales"][name], value), (where, name)
 
 
 def test_dp2_tp2_ep2_lora_from_init_build_on_meta_and_read_own_slices(pool2, base, tmp_path, monkeypatch):
@@ -157,3 +162,42 @@ def test_dp2_bf16_base_under_the_bf16_policy_trains(pool2, base, tmp_path):
     la, lb = _losses(tmp_path / "a"), _losses(tmp_path / "b")
     # bf16 compute vs fp32 compute on the same bf16 weights: bf16 roundings (2^-8) through the 4-layer stack
     assert sorted(la) == [1] and abs(la[1] - lb[1]) <= 4 * 2**-8 * abs(lb[1]) and la[1] != lb[1]
+
+
+@pytest.fixture(scope="module")
+def fp8_base(tmp_path_factory):
+    path = tmp_path_factory.mktemp("fp8") / "ckpt"
+    shutil.copytree(fp8_source()[0], path)
+    return path
+
+
+def test_dp2_ep2_fp8_base_built_on_meta_reads_raw_fp8_as_one_process(pool2, fp8_base, tmp_path, monkeypatch):
+    """--base-dtype fp8 under torchrun: built on meta with FP8 placeholders, each rank reads its raw FP8 slices
+    (block 4 x 8 on hidden 36: FSDP's row split cuts blocks) and the scales its buffers hold (whole under dp, its
+    experts' under ep); the same FP8 bytes, scales and adapters as one process, and no rank reads the whole base."""
+    run = ["train", "--init", str(fp8_base), *LORA, "--base-dtype", "fp8", *FAST, "--steps", "1"]
+    dp2 = _ok(pool2.run(cli_train, argv=[*run, "--dp", "2"], inspect=True, build="meta", everything=True))
+    ep2 = _ok(pool2.run(cli_train, argv=[*run, "--ep", "2"], inspect=True, build="meta", everything=True))
+    one = _one_process(run, monkeypatch)
+    fp8 = {n for n, v in one["params"].items() if v.dtype == torch.uint8}  # FP8 values, as their bits
+    assert len(fp8) > 40 and sum(".mlp.experts." in n for n in fp8) == 6 and len(one["scales"]) == len(fp8)
+    stored = _stored_bytes(fp8_base)
+    for res in (*dp2, *ep2):
+        _same_params(res["loaded"], one, "fp8 base")
+        assert 0 < res["loaded"]["bytes_read"] < 0.75 * stored
+    # dp2 splits every FP8 weight's rows: each rank holds and reads about half of the FP8 bytes
+    fp8_bytes = sum(one["params"][n].numel() for n in fp8)
+    for res in dp2:
+        assert 0.45 < res["loaded"]["local_bytes"]["float8_e4m3fn"] / fp8_bytes < 0.6
+        assert res["loaded"]["bytes_read"] < 0.6 * stored
+    # together they read every FP8 value (once) and the whole-scale buffers (each rank); the checkpoint's vision
+    # tower and MTP tensors, which the text model does not load, nobody
+    scales = sum(b.numel() * 4 for b in one["scales"].values())
+    assert sum(r["loaded"]["bytes_read"] for r in dp2) >= fp8_bytes + 2 * scales
+    # training from the meta build equals the whole build (peft's build_model on every rank, then sharded)
+    a, b = tmp_path / "meta", tmp_path / "whole"
+    _ok(pool2.run(cli_train, argv=[*run, "--dp", "2", "--save", str(a)], build="meta"))
+    _ok(pool2.run(cli_train, argv=[*run, "--dp", "2", "--save", str(b)], build="whole"))
+    assert _losses(a) == _losses(b) and sorted(_losses(a)) == [1]
+    fa, fb = load_file(a / WEIGHTS_FILE), load_file(b / WEIGHTS_FILE)
+    assert fa.keys() == fb.keys() and len(fa) > 50 and all(torch.equal(fa[k], fb[k]) for k in fa)
