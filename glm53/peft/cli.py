@@ -119,7 +119,7 @@ def _check(args: argparse.Namespace) -> None:
         raise ConfigError("--lora-alpha / --lora-targets / --lora-dropout need --lora-rank")
     if args.quantize_base and args.base_dtype != "fp8":
         raise ConfigError("--quantize-base needs --base-dtype fp8")
-    if args.base_dtype is not None and not getattr(args, "init", None):
+    if args.base_dtype is not None and not (getattr(args, "init", None) or getattr(args, "resume", None)):
         raise ConfigError("--base-dtype needs --init DIR (the checkpoint the frozen base is read from) or --resume")
     if args.export_merged is not None and not lora:
         raise ConfigError("--export-merged folds LoRA adapters into the base: it needs --lora-rank")

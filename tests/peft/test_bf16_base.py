@@ -202,5 +202,10 @@ def test_bf16_base_cli_run_holds_bf16_and_exports_merged(bf16_ckpt, tmp_path, mo
         assert torch.equal(merged[name], want), name
     kv_b = "model.layers.1.self_attn.kv_b_proj.weight"
     assert not torch.equal(merged[kv_b], base[kv_b])  # the adapter moved it
-    assert (tmp_path / "a" / WEIGHTS_FILE).is_file()
+    # resume (the base re-read from the path the adapter config records, no --init): held in bf16 again
+    seen.clear()
+    resume = ["train", "--resume", str(tmp_path / "a"), "--lora-rank", str(RANK), "--base-dtype", "bf16"]
+    assert main([*resume, "--steps", "3", "--batch-size", "2", "--seq-len", "16", "--save", str(tmp_path / "b")]) == 0
+    assert seen["held"] == seen["eligible"] and seen["optimized"] == seen["adapters"]
+    assert (tmp_path / "b" / WEIGHTS_FILE).is_file()
     capsys.readouterr()
