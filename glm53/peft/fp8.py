@@ -37,16 +37,20 @@ def held_kind(module: nn.Module, name: str) -> str | None:
     return module.__dict__.get(HELD, {}).get(name)
 
 
-def is_fp8_base(module: nn.Module, name: str) -> bool:
-    return getattr(module, name).dtype == fp8_format.FP8_DTYPE
+FP8_BITS = (
+    torch.uint8
+)  # FP8 values held as their bits (`hold_for_policy`): what a low-precision FSDP policy leaves alone
 
 
 def widen(
     q: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None, dtype: torch.dtype, parts: int = 1
 ) -> torch.Tensor:
-    """A held base as a `dtype` tensor: FP8 `q` dequantised with its block `scale`, or (no scale) a bf16 `q` cast."""
+    """A held base as a `dtype` tensor: FP8 `q` (or its uint8 bits) dequantised with its block `scale`, or (no scale)
+    a bf16 `q` cast."""
     if scale is None:
         return q.to(dtype)
+    if q.dtype == FP8_BITS:
+        q = q.view(fp8_format.FP8_DTYPE)
     return dequantize_blocks(q, scale, block, dtype, parts)
 
 
@@ -108,6 +112,22 @@ def held_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return _HeldLinear.apply(x, module.weight, getattr(module, "weight" + SCALE), module.bias, module.fp8_block)
 
 
+def hold_for_policy(model: nn.Module, param_dtype: torch.dtype) -> list[str]:
+    """Every held base of `model` widened to a low-precision FSDP policy's `param_dtype`, and FP8 values held as
+    their uint8 bits (the same bytes; a meta one stays meta) -> the held names. The policy casts floating
+    parameters to its param_dtype, which would turn FP8 values into bf16 numbers without their scales; it leaves
+    integer ones as they are, so the bits are gathered as they are (1 byte) and dequantised here per matmul."""
+    out = []
+    for module_name, module in model.named_modules():
+        for name, kind in module.__dict__.get(HELD, {}).items():
+            param = getattr(module, name)
+            if kind == "fp8" and param.dtype == fp8_format.FP8_DTYPE:
+                module.register_parameter(name, nn.Parameter(param.detach().view(FP8_BITS), requires_grad=False))
+            module.held_compute_dtype = param_dtype
+            out.append(f"{module_name}.{name}")
+    return out
+
+
 def drop_held(module: nn.Module, name: str) -> None:
     """Forget that `module.<name>` is held (and its FP8 scale); the caller replaces the parameter."""
     module.__dict__.get(HELD, {}).pop(name, None)
@@ -120,10 +140,10 @@ __all__ = [
     "SCALE",
     "HELD_KINDS",
     "held_kind",
-    "is_fp8_base",
     "widen",
     "dequantize_blocks",
     "dequantized",
     "held_linear",
+    "hold_for_policy",
     "drop_held",
 ]

@@ -13,7 +13,8 @@ precision (trainer.py calls `init_parallel_model(args, mesh)`; the single-proces
     --resume DIR (a DCP run)   build on meta, parallelize; the DCP state fills it (any saved layout)
     --init DIR                 build on meta, parallelize, `glm53.parallel.load_pretrained` (own slices only)
     otherwise                  the preset, seeded identically on every rank, then parallelize
---bf16 runs FSDP2 with a bf16 MixedPrecisionPolicy (glm53.precision's fp32 keep-list stays fp32); --device cuda
+--bf16 runs FSDP2 with a bf16 MixedPrecisionPolicy (glm53.precision's fp32 keep-list stays fp32; a held bf16 / FP8
+base widened to bf16, FP8 values held as their uint8 bits, which the policy does not cast); --device cuda
 puts the shards on this rank's GPU (nccl); --compile BACKEND compiles every block (parallelize's compile option).
 With --cp > 1 every micro-batch's forward takes this rank's slice of each sequence (`forward_inputs`).
 Legend: dp/cp/ep/tp the mesh dimensions (glm53.parallel.init_mesh; glm53/parallel/mesh.py).
@@ -32,6 +33,7 @@ from ..parallel.load import fill_from_full
 from ..parallel.run_checkpoint import bf16_policy, has_run_state, parallel_model
 from ..peft import cli as peft_cli
 from ..peft import freeze, has_lora
+from ..peft.fp8 import hold_for_policy
 from ..peft.load import fresh_adapters
 
 
@@ -54,7 +56,7 @@ def init_parallel_model(
         if base is not None:
             return _meta_peft_model(args, mesh, base, model_class, resuming)
         model = peft_cli.build_model(args, preset)
-        return _parallelize(model.to(mesh.device_type), mesh, args)
+        return _parallelize(_for_policy(model.to(mesh.device_type), args), mesh, args)
     if resuming:
         model = parallel_model(Glm53Config.from_pretrained(args.resume), mesh, **options)
         if getattr(args, "freeze", None) is not None:  # a --freeze run (no adapters) saved the whole model
@@ -72,8 +74,7 @@ def init_parallel_model(
 def _meta_peft_model(args: argparse.Namespace, mesh, base: str, model_class: type, resuming: bool):
     """A LoRA / --freeze model built on meta and parallelized; each rank reads its own slices of `base`, and
     fills its part of every fresh adapter (a DCP resume's state overwrites them, so they are zeroed there)."""
-    compute = torch.bfloat16 if args.bf16 else torch.float32  # what a bf16-held base is widened to (the policy's)
-    model = _parallelize(peft_cli.build_meta_model(args, base, model_class, compute), mesh, args)
+    model = _parallelize(_for_policy(peft_cli.build_meta_model(args, base, model_class), args), mesh, args)
     load_pretrained(model, base, skip=peft_cli.is_adapter)
     params = dict(model.named_parameters())
     if resuming:
@@ -82,6 +83,13 @@ def _meta_peft_model(args: argparse.Namespace, mesh, base: str, model_class: typ
     elif has_lora(model):
         for name, value in fresh_adapters(model):
             fill_from_full(params[name], value)
+    return model
+
+
+def _for_policy(model: Glm53ForCausalLM, args: argparse.Namespace) -> Glm53ForCausalLM:
+    """Under --bf16 (FSDP's bf16 policy) a held bf16 / FP8 base is widened to bf16, FP8 values held as their bits."""
+    if args.bf16:
+        hold_for_policy(model, torch.bfloat16)
     return model
 
 

@@ -201,3 +201,24 @@ def test_dp2_ep2_fp8_base_built_on_meta_reads_raw_fp8_as_one_process(pool2, fp8_
     assert _losses(a) == _losses(b) and sorted(_losses(a)) == [1]
     fa, fb = load_file(a / WEIGHTS_FILE), load_file(b / WEIGHTS_FILE)
     assert fa.keys() == fb.keys() and len(fa) > 50 and all(torch.equal(fa[k], fb[k]) for k in fa)
+
+
+def test_dp2_fp8_base_under_the_bf16_policy(pool2, fp8_base, tmp_path, monkeypatch):
+    """--bf16 with --base-dtype fp8 under torchrun: FSDP's bf16 policy would cast FP8 values to bf16 numbers
+    without their scales, so they are held as their uint8 bits (glm53.peft.fp8.hold_for_policy; the policy casts
+    floating parameters only) and dequantised to bf16 per matmul: the same bytes as one process's FP8 values, each
+    rank half of them, and a step within bf16 rounding of the fp32-compute run."""
+    one_run = ["train", "--init", str(fp8_base), *LORA, "--base-dtype", "fp8", *FAST, "--steps", "1"]
+    run = [*one_run, "--dp", "2"]
+    bits = _ok(pool2.run(cli_train, argv=[*run, "--bf16"], inspect=True, build="meta", everything=True))
+    one = _one_process(one_run, monkeypatch)
+    fp8_bytes = sum(v.numel() for v in one["params"].values() if v.dtype == torch.uint8)
+    for res in bits:
+        _same_params(res["loaded"], one, "dp2 --bf16 fp8 base")
+        assert 0.45 < res["loaded"]["local_bytes"]["uint8"] / fp8_bytes < 0.6
+        assert "float8_e4m3fn" not in res["loaded"]["local_bytes"]
+    _ok(pool2.run(cli_train, argv=[*run, "--bf16", "--save", str(tmp_path / "a")], build="meta"))
+    _ok(pool2.run(cli_train, argv=[*run, "--save", str(tmp_path / "b")], build="meta"))
+    la, lb = _losses(tmp_path / "a"), _losses(tmp_path / "b")
+    # bf16 compute vs fp32 compute on the same FP8 weights: bf16 roundings (2^-8) through the 4-layer stack
+    assert sorted(la) == [1] and abs(la[1] - lb[1]) <= 4 * 2**-8 * abs(lb[1]) and la[1] != lb[1]
