@@ -12,7 +12,8 @@ of their call. Adapters, norms, the router, embeddings, the head and the fp32 ke
 A bf16-held base ("bf16" kind) is the same with no scale: w = q.to(compute dtype) (exact: every bf16 value is an fp32
 value), so a bf16-held model computes what the fp32 model holding the same values computes, at 2 bytes a weight.
 `module.held_kinds` {name: "fp8" | "bf16"} names a module's held weights; `module.held_compute_dtype` is the dtype
-the views widen them to (the linears widen to their input's dtype).
+the views widen them to (the linears widen to their input's dtype). Under a low-precision FSDP policy FP8 values
+are held as their uint8 bits (`hold_for_policy`: the policy casts floating parameters only) and viewed back here.
 This file holds the numerics; fp8_storage.py puts a module's base into this form (quantising, or as placeholders).
 """
 
