@@ -287,18 +287,27 @@ def adapter_writer(model: torch.nn.Module):
 
 def check_distributed(args: argparse.Namespace) -> None:
     """What a torchrun run with these flags refuses before any model is built."""
-    if getattr(args, "export_merged", None) is not None:
+    if getattr(args, "export_merged", None) is not None and getattr(args, "tp", 1) > 1:
         raise ConfigError(
-            "--export-merged under torchrun is not supported: save the run (--save), then merge in one process "
-            "(`glm53.load_lora` + `glm53.merge_lora`, or `glm53 generate --model BASE --adapter DIR`)"
+            "--export-merged under torchrun with --tp > 1 is not supported (dp / ep / cp layouts are): save the run "
+            "(--save), then merge in one process (`glm53 generate --model BASE --adapter DIR`, or glm53.merge_lora)"
         )
 
 
 def export_merged(args: argparse.Namespace, model: torch.nn.Module) -> str | None:
-    """--export-merged DIR: a merged copy of the model (adapters folded in, FP8 dequantised) written in bf16."""
+    """--export-merged DIR: the model with its adapters folded in (held bases widened) written in bf16. One process:
+    a merged copy, saved. Under torchrun (sharded parameters): every rank folds its adapters into its own shards of
+    the trained model (glm53.parallel.lora_merge; the run is over) and the ranks write the official layout together
+    (glm53.parallel.export_pretrained), no rank gathering the model."""
     target = getattr(args, "export_merged", None)
     if target is None:
         return None
+    if any(hasattr(p, "device_mesh") for p in model.parameters()):  # DTensors: a parallelized model
+        from ..parallel.export import export_pretrained
+        from ..parallel.lora_merge import merge_lora_sharded
+
+        merge_lora_sharded(model)
+        return export_pretrained(model, target, dtype=torch.bfloat16, overwrite=True)
     merged = copy.deepcopy(model)
     merge_lora(merged)
     return merged.save_pretrained(target, dtype=torch.bfloat16, overwrite=True)

@@ -17,8 +17,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+import glm53
+from glm53 import Glm53ForCausalLM
 from glm53.__main__ import main
+from glm53.peft import load_base
 from glm53.peft.files import WEIGHTS_FILE
+from glm53.precision import keeps_fp32
 from glm53.training import trainer
 from tests.helpers.checkpoints import fp8_source
 from tests.helpers.lora_jobs import cli_train, loaded_state
@@ -222,3 +226,22 @@ def test_dp2_fp8_base_under_the_bf16_policy(pool2, fp8_base, tmp_path, monkeypat
     la, lb = _losses(tmp_path / "a"), _losses(tmp_path / "b")
     # bf16 compute vs fp32 compute on the same FP8 weights: bf16 roundings (2^-8) through the 4-layer stack
     assert sorted(la) == [1] and abs(la[1] - lb[1]) <= 4 * 2**-8 * abs(lb[1]) and la[1] != lb[1]
+
+
+@pytest.mark.parametrize("layout", [["--dp", "2"], ["--ep", "2"]])
+def test_export_merged_under_torchrun_equals_one_process_merge(pool2, fp8_base, tmp_path, layout):
+    """--export-merged under torchrun (FP8 base): every rank folds the adapters into its own shards (FSDP's row
+    split cuts 4 x 8 blocks, ep splits the experts) and the ranks write the official layout together: the saved
+    adapter merged in one process (load_base fp8 + load_lora + merge_lora, bf16)."""
+    run = ["train", "--init", str(fp8_base), *LORA, "--base-dtype", "fp8", *FAST, "--steps", "1", *layout]
+    _ok(pool2.run(cli_train, argv=[*run, "--save", str(tmp_path / "a"), "--export-merged", str(tmp_path / "m")]))
+    want = load_base(Glm53ForCausalLM, fp8_base, "fp8", dtype=torch.float32)
+    glm53.load_lora(want, tmp_path / "a")
+    assert any(p.abs().max() > 0 for n, p in want.named_parameters() if "lora_B" in n)
+    glm53.merge_lora(want)
+    got = dict(Glm53ForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32).named_parameters())
+    for name, p in want.named_parameters():
+        ref = p.float() if keeps_fp32(name) else p.to(torch.bfloat16).float()
+        # the same fp32 sums per element (base + s * the r-long B A dot product), rounded to bf16 once: at most one
+        # bf16 step (2^-8 relative) apart where a sum order differs
+        assert ((got[name] - ref).abs() <= 2**-8 * ref.abs()).all(), name
