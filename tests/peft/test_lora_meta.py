@@ -228,14 +228,20 @@ def test_dp2_fp8_base_under_the_bf16_policy(pool2, fp8_base, tmp_path, monkeypat
     assert sorted(la) == [1] and abs(la[1] - lb[1]) <= 4 * 2**-8 * abs(lb[1]) and la[1] != lb[1]
 
 
-@pytest.mark.parametrize("layout", [["--dp", "2"], ["--ep", "2"]])
-def test_export_merged_under_torchrun_equals_one_process_merge(pool2, fp8_base, tmp_path, layout):
-    """--export-merged under torchrun (FP8 base): every rank folds the adapters into its own shards (FSDP's row
-    split cuts 4 x 8 blocks, ep splits the experts) and the ranks write the official layout together: the saved
-    adapter merged in one process (load_base fp8 + load_lora + merge_lora, bf16)."""
-    run = ["train", "--init", str(fp8_base), *LORA, "--base-dtype", "fp8", *FAST, "--steps", "1", *layout]
+@pytest.mark.parametrize(
+    "checkpoint, base_dtype, layout",
+    [("fp8_base", "fp8", ["--dp", "2"]), ("fp8_base", "fp8", ["--ep", "2"]), ("base", "bf16", ["--dp", "2"])],
+)
+def test_export_merged_under_torchrun_equals_one_process_merge(
+    pool2, request, tmp_path, checkpoint, base_dtype, layout
+):
+    """--export-merged under torchrun: every rank folds the adapters into its own shards (FSDP's row split cuts the
+    FP8 base's 4 x 8 blocks, ep splits the experts; a bf16-held base is widened) and the ranks write the official
+    layout together: the saved adapter merged in one process (load_base + load_lora + merge_lora, bf16)."""
+    path = request.getfixturevalue(checkpoint)
+    run = ["train", "--init", str(path), *LORA, "--base-dtype", base_dtype, *FAST, "--steps", "1", *layout]
     _ok(pool2.run(cli_train, argv=[*run, "--save", str(tmp_path / "a"), "--export-merged", str(tmp_path / "m")]))
-    want = load_base(Glm53ForCausalLM, fp8_base, "fp8", dtype=torch.float32)
+    want = load_base(Glm53ForCausalLM, path, base_dtype, dtype=torch.float32)
     glm53.load_lora(want, tmp_path / "a")
     assert any(p.abs().max() > 0 for n, p in want.named_parameters() if "lora_B" in n)
     glm53.merge_lora(want)
