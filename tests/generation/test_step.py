@@ -201,11 +201,18 @@ def _graph_counter():
     return backend, graphs
 
 
+# one layer of each attention kind (KDA, indexed MLA) with a dense MLP and an MoE: every kind of block the four-layer
+# tiny model has, in half its trace and compile time
+TWO_LAYERS = dict(
+    num_hidden_layers=2, layer_types=["linear_attention", "indexed_attention"], mlp_layer_types=["dense", "sparse"]
+)
+
+
 def test_compiled_step_is_one_graph_and_equals_eager():
     """compile: the decode step (T = 1) and the marked verify step (T = 3) each trace into ONE graph with
     fullgraph=True (a host read, a .item() or a data-dependent shape would raise), are reused for every later step
     (no recompile: lengths are device tensors), and give the eager step's logits."""
-    model = tiny_model(random_weights=False)
+    model = tiny_model(random_weights=False, **TWO_LAYERS)
     P, N = 9, 6
     ids, mask = left_padded(model.config.vocab_size, [P + N + 3, P + N])
     backend, graphs = _graph_counter()
@@ -258,8 +265,9 @@ def test_generate_compiled_with_inductor_equals_eager():
     inductor graph (the decode step): a cold C++ compile costs about a minute per graph on two cores, and the
     speculative verify and draft steps are the same forward at other static signatures, traced by
     test_compiled_step_is_one_graph_and_equals_eager and run compiled (aot_eager) by
-    tests/generation/test_cli.py::test_compile_flag_with_mtp_decodes_the_same_tokens."""
-    model = tiny_model(random_weights=False)
+    tests/generation/test_cli.py::test_compile_flag_with_mtp_decodes_the_same_tokens. TWO_LAYERS: about half the
+    four-layer model's cold compile time."""
+    model = tiny_model(random_weights=False, **TWO_LAYERS)
     ids, mask = left_padded(model.config.vocab_size, [7, 5])
     plain = model.generate(ids, mask, max_new_tokens=4)
     assert torch.equal(model.generate(ids, mask, max_new_tokens=4, compile=True), plain)

@@ -1,6 +1,10 @@
 """`torchrun -m glm53 train --dp/--tp` on CPU/gloo: it trains, saves a loadable official-layout checkpoint plus
 its DCP training state and resumes exactly, also in one process from a --tp 2 run; with --tp 2 its losses equal
-one process's; --init fills a meta-built model from a checkpoint with --bf16 and --no-export."""
+one process's; --init fills a meta-built model from a checkpoint with --bf16 and --no-export.
+
+The first dp2 run is a real torchrun launch (its environment, the CLI starting and destroying the process group);
+the others run the same CLI on the shared gloo pool's ranks (tests/helpers/cli_jobs.py), which saves each run its
+ranks' start-up and imports."""
 
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from glm53.__main__ import main
 from glm53.parallel.run_checkpoint import DCP_DIR
 from glm53.parallel.train_state import saved_keys
 from glm53.training.state import TRAINER_STATE
+from tests.helpers.cli_jobs import torchrun_in
 from tests.training.test_train_cli import losses
 
 TIMEOUT_S = 180
@@ -44,7 +49,7 @@ def dp2_run(tmp_path_factory) -> tuple[object, dict[int, float]]:
     return save, losses(out)
 
 
-def test_dp2_trains_saves_and_resumes(dp2_run):
+def test_dp2_trains_saves_and_resumes(dp2_run, pool2):
     save, straight = dp2_run
     assert sorted(straight) == [1, 2, 3, 4, 5, 6] and all(math.isfinite(v) for v in straight.values())
     assert straight[6] < straight[1], straight
@@ -57,16 +62,18 @@ def test_dp2_trains_saves_and_resumes(dp2_run):
     assert sorted(os.listdir(save / "step-3" / DCP_DIR)) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     assert not (save / TRAINER_STATE).exists()
 
-    resumed = losses(torchrun(*SMALL, "--dp", "2", "--steps", "6", "--lr", "1e-2", "--resume", str(save / "step-3")))
+    resumed = losses(
+        torchrun_in(pool2, *SMALL, "--dp", "2", "--steps", "6", "--lr", "1e-2", "--resume", str(save / "step-3"))
+    )
     assert sorted(resumed) == [4, 5, 6]
     for step in resumed:  # model, full optimizer state, router biases, every rank's data and RNG state
         assert resumed[step] == pytest.approx(straight[step], rel=1e-5), (step, resumed, straight)
 
 
-def test_tp2_matches_one_process_and_resumes_in_one(tmp_path, capsys):
+def test_tp2_matches_one_process_and_resumes_in_one(tmp_path, capsys, pool2):
     save = tmp_path / "tp"
     parallel = losses(
-        torchrun(*SMALL, "--dp", "1", "--tp", "2", "--steps", "3", "--save", str(save), "--save-every", "1")
+        torchrun_in(pool2, *SMALL, "--dp", "1", "--tp", "2", "--steps", "3", "--save", str(save), "--save-every", "1")
     )
     assert main([*SMALL, "--steps", "3"]) == 0
     single = losses(capsys.readouterr().out)
@@ -82,10 +89,11 @@ def test_tp2_matches_one_process_and_resumes_in_one(tmp_path, capsys):
         assert resumed[step] == pytest.approx(parallel[step], abs=2e-4), (resumed, parallel)
 
 
-def test_init_fills_meta_model_bf16_no_export(dp2_run, tmp_path):
+def test_init_fills_meta_model_bf16_no_export(dp2_run, tmp_path, pool2):
     init, trained = dp2_run
     out = tmp_path / "from-init"
-    text = torchrun(
+    text = torchrun_in(
+        pool2,
         *SMALL,
         "--dp",
         "2",
@@ -114,7 +122,7 @@ def test_torchrun_flags_refused_in_one_process():
         main([*SMALL, "--no-export"])
 
 
-def test_dp2_fine_tuning_with_accumulation_matches_one_process(tmp_path, capsys):
+def test_dp2_fine_tuning_with_accumulation_matches_one_process(tmp_path, capsys, pool2):
     """--data under torchrun: each dp rank takes its rows of the same packed stream, and every step is normalised
     by the global batch's counts, so dp 2 x 2 micro-batches of 1 row equal one process's 4-row batch."""
     from tests.training.test_finetune import load_example
@@ -137,10 +145,10 @@ def test_dp2_fine_tuning_with_accumulation_matches_one_process(tmp_path, capsys)
     ]
     save = tmp_path / "run"
     dp2 = ["--dp", "2", "--batch-size", "1", "--grad-accum", "2"]
-    parallel = losses(torchrun(*common, *dp2, "--save", str(save), "--save-every", "2"))
+    parallel = losses(torchrun_in(pool2, *common, *dp2, "--save", str(save), "--save-every", "2"))
     # the DCP run carries the --data cursor: resuming at step 2 continues with the same rows
     without_init = [a for a in common if a not in ("--init", paths["base"])]
-    resumed = losses(torchrun(*without_init, *dp2, "--resume", str(save / "step-2")))
+    resumed = losses(torchrun_in(pool2, *without_init, *dp2, "--resume", str(save / "step-2")))
     assert sorted(resumed) == [3] and resumed[3] == pytest.approx(parallel[3], abs=2e-4), (resumed, parallel)
     assert main([*common, "--batch-size", "4"]) == 0
     single = losses(capsys.readouterr().out)

@@ -3,7 +3,8 @@
 save resumes exactly (3 steps == 2 + resume for 1: the loss and every weight).
 --cp 2: the losses of one process on the same rows (each cp rank runs the tower on the images its slice's
 placeholders take and splices its own feature rows), with the tower trained too; the first step has no image (the
-tower's dummy zero gradients are dropped, so AdamW skips the tower as one process does)."""
+tower's dummy zero gradients are dropped, so AdamW skips the tower as one process does). The CLI runs on the shared
+gloo pool's ranks (tests/helpers/cli_jobs.py)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ import torch
 from glm53.__main__ import main
 from glm53.training.vl_finetune import VLFileData
 from glm53.vision.model import Glm53ForConditionalGeneration
+from tests.helpers.cli_jobs import torchrun_in
 from tests.helpers.vl_data import tiny_vl_model, vl_corpus, vl_tokenizer, write_jsonl
 from tests.training.test_train_cli import losses
-from tests.training.test_train_distributed import torchrun
 
 REL = 1e-3  # losses printed with 4 decimals (~1e-4 relative at loss ~6), fp32 reduction orders below that
 
@@ -51,7 +52,7 @@ def _run_files(tmp_path) -> tuple[str, str, list[str]]:
     )
 
 
-def test_dp2_vl_with_a_text_only_rank(tmp_path):
+def test_dp2_vl_with_a_text_only_rank(tmp_path, pool2):
     ckpt, data, flags = _run_files(tmp_path)
     tok = vl_tokenizer()
     # the steps' rows per rank, packed as the run packs them: some step has images on one rank only
@@ -73,7 +74,7 @@ def test_dp2_vl_with_a_text_only_rank(tmp_path):
     assert any(a != b for a, b in media), media
     save = tmp_path / "run"
     run = ["--dp", "2", "--steps", "3", "--log-every", "1", "--save", str(save), "--save-every", "2"]
-    out = torchrun("train", *flags, *run)
+    out = torchrun_in(pool2, "train", *flags, *run)
     got = losses(out)
     assert sorted(got) == [1, 2, 3] and all(math.isfinite(v) for v in got.values())
     assert "image tokens" in out
@@ -89,7 +90,7 @@ def test_dp2_vl_with_a_text_only_rank(tmp_path):
         "--resume",
         str(save / "step-2"),
     ]
-    resumed = losses(torchrun("train", *again))
+    resumed = losses(torchrun_in(pool2, "train", *again))
     assert sorted(resumed) == [3] and resumed[3] == got[3], (resumed, got)
     want = Glm53ForConditionalGeneration.from_pretrained(str(save)).state_dict()
     have = Glm53ForConditionalGeneration.from_pretrained(str(tmp_path / "resumed")).state_dict()
@@ -103,7 +104,7 @@ def test_dp2_vl_with_a_text_only_rank(tmp_path):
     [(("--cp", "2"), None), (("--tp", "2"), None), (("--dp", "1", "--ep", "2"), ("--dp", "2"))],
     ids=["cp2", "tp2", "ep2"],
 )
-def test_vl_layout_matches_one_process(tmp_path, capsys, layout, reference):
+def test_vl_layout_matches_one_process(tmp_path, capsys, layout, reference, pool2):
     """--cp 2, --tp 2 and --ep 2 on VL data, the tower trained (--freeze router): every step's loss is that of one
     process on the same rows (the tower replicated over tp and ep, its features spliced per cp slice). ep ranks read
     their own rows, as dp ranks do: --ep 2 is compared with --dp 2."""
@@ -113,8 +114,8 @@ def test_vl_layout_matches_one_process(tmp_path, capsys, layout, reference):
         assert main(["train", *flags]) == 0
         one = losses(capsys.readouterr().out)
     else:
-        one = losses(torchrun("train", *flags, *reference))
-    out = torchrun("train", *flags, *layout)
+        one = losses(torchrun_in(pool2, "train", *flags, *reference))
+    out = torchrun_in(pool2, "train", *flags, *layout)
     assert f"{layout[-2][2:]} {layout[-1]}" in out and "image tokens" in out  # the layout it announced
     got = losses(out)
     assert sorted(got) == [1, 2, 3]
