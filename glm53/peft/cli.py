@@ -285,6 +285,17 @@ def adapter_writer(model: torch.nn.Module):
     return (lambda directory, full, write: save_lora(model, directory, full=full, write=write)), ADAPTER_FILES
 
 
+# (parallelized model, directory) -> the directory: the torchrun --export-merged writer. glm53.training.distributed
+# installs it (glm53.parallel is a layer above this package: tests/test_layout.py).
+_SHARDED_EXPORT = None
+
+
+def set_sharded_export(export) -> None:
+    """Install the writer `export_merged` uses for a parallelized model (glm53.training.distributed does)."""
+    global _SHARDED_EXPORT
+    _SHARDED_EXPORT = export
+
+
 def check_distributed(args: argparse.Namespace) -> None:
     """What a torchrun run with these flags refuses before any model is built."""
     if getattr(args, "export_merged", None) is not None and getattr(args, "tp", 1) > 1:
@@ -296,18 +307,16 @@ def check_distributed(args: argparse.Namespace) -> None:
 
 def export_merged(args: argparse.Namespace, model: torch.nn.Module) -> str | None:
     """--export-merged DIR: the model with its adapters folded in (held bases widened) written in bf16. One process:
-    a merged copy, saved. Under torchrun (sharded parameters): every rank folds its adapters into its own shards of
-    the trained model (glm53.parallel.lora_merge; the run is over) and the ranks write the official layout together
-    (glm53.parallel.export_pretrained), no rank gathering the model."""
+    a merged copy, saved. Under torchrun (sharded parameters): the installed writer (`set_sharded_export`;
+    glm53.training.distributed's: every rank folds its adapters into its own shards of the trained model, the run
+    being over, and the ranks write the official layout together, no rank gathering the model)."""
     target = getattr(args, "export_merged", None)
     if target is None:
         return None
     if any(hasattr(p, "device_mesh") for p in model.parameters()):  # DTensors: a parallelized model
-        from ..parallel.export import export_pretrained
-        from ..parallel.lora_merge import merge_lora_sharded
-
-        merge_lora_sharded(model)
-        return export_pretrained(model, target, dtype=torch.bfloat16, overwrite=True)
+        if _SHARDED_EXPORT is None:
+            raise ConfigError("--export-merged of a parallelized model needs glm53.training.distributed's exporter")
+        return _SHARDED_EXPORT(model, target)
     merged = copy.deepcopy(model)
     merge_lora(merged)
     return merged.save_pretrained(target, dtype=torch.bfloat16, overwrite=True)
@@ -343,6 +352,7 @@ __all__ = [
     "save_run",
     "adapter_writer",
     "check_distributed",
+    "set_sharded_export",
     "export_merged",
     "add_generate_arguments",
     "with_adapter",

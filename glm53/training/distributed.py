@@ -29,7 +29,9 @@ import torch
 from ..config import Glm53Config
 from ..losses import Glm53ForCausalLM
 from ..parallel import context_parallel_inputs, load_pretrained, parallelize
+from ..parallel.export import export_pretrained
 from ..parallel.load import fill_from_full
+from ..parallel.lora_merge import merge_lora_sharded
 from ..parallel.run_checkpoint import bf16_policy, has_run_state, parallel_model
 from ..peft import cli as peft_cli
 from ..peft import freeze, has_lora
@@ -86,6 +88,17 @@ def _meta_peft_model(args: argparse.Namespace, mesh, base: str, model_class: typ
     return model
 
 
+def export_merged_sharded(model: Glm53ForCausalLM, path: str) -> str:
+    """--export-merged under torchrun (every rank): each rank folds its adapters into its own shards of the trained
+    model (glm53.parallel.lora_merge; the model is for export afterwards) and the ranks write the bf16 official
+    layout together (`export_pretrained`)."""
+    merge_lora_sharded(model)
+    return export_pretrained(model, path, dtype=torch.bfloat16, overwrite=True)
+
+
+peft_cli.set_sharded_export(export_merged_sharded)
+
+
 def _for_policy(model: Glm53ForCausalLM, args: argparse.Namespace) -> Glm53ForCausalLM:
     """Under --bf16 (FSDP's bf16 policy) a held bf16 / FP8 base is widened to bf16, FP8 values held as their bits."""
     if args.bf16:
@@ -114,4 +127,4 @@ def forward_inputs(model: Glm53ForCausalLM, inputs: dict[str, torch.Tensor], los
     return context_parallel_inputs(model, **inputs, loss_denominators=loss_denominators)
 
 
-__all__ = ["init_parallel_model", "forward_inputs"]
+__all__ = ["init_parallel_model", "forward_inputs", "export_merged_sharded"]
