@@ -3,7 +3,9 @@
 Variants on the benchmark config (bench_config.py), one child process each so the peak is its own:
     full      every parameter trains (AdamW)
     lora      rank-16 adapters on attention + routed experts, base frozen (fp32 base: the CPU compute dtype)
-    lora-bf16 the same with the frozen base held in bf16 and the compute in bf16
+    lora-held the same with the frozen base held in bf16 (glm53.peft.hold_bf16, what --base-dtype bf16 does),
+              widened to fp32 per matmul: fp32 compute and adapters
+    lora-bf16 the same with the whole model in bf16 (base, adapters and compute)
     lora-fp8  the same base quantised to 128x128-block FP8 (glm53.peft.quantize_model), dequantised per matmul, bf16
               compute
 Each child times `--steps` optimizer steps after one warm-up step (median), and reports the peak RSS growth over
@@ -33,6 +35,7 @@ import glm53
 from bench_config import bench_config
 from glm53 import Glm53Config, Glm53ForCausalLM
 from glm53.peft import quantize_model, trainable_parameters
+from glm53.peft.fp8_storage import hold_bf16
 torch.manual_seed(0)
 torch.set_num_threads(1)
 variant, steps, seq = {variant!r}, {steps}, {seq}
@@ -46,6 +49,8 @@ if variant != "full":
     if variant == "lora-fp8":
         quantize_model(model)
     glm53.apply_lora(model, 16, 32, targets=["attention", "experts"], dtype=compute)
+    if variant == "lora-held":
+        hold_bf16(model, compute)
 model.train()
 params = trainable_parameters(model)
 opt = torch.optim.AdamW(params, lr=1e-4)
@@ -73,8 +78,8 @@ state += sum(v.numel() * v.element_size() for s in opt.state.values() for v in s
 print(statistics.median(times), peak, state, sum(p.numel() for p in params))
 """
 
-VARIANTS = ("full", "lora", "lora-bf16", "lora-fp8")
-PAIRS = (("full", "lora"), ("lora-bf16", "lora-fp8"))  # (before, after)
+VARIANTS = ("full", "lora", "lora-held", "lora-bf16", "lora-fp8")
+PAIRS = (("full", "lora"), ("lora", "lora-held"), ("lora-bf16", "lora-fp8"))  # (before, after)
 
 
 def run(variant: str, args) -> tuple[float, int, int, int]:

@@ -8,6 +8,11 @@ key region that meet, the rank reads exactly that slice with safetensors' `get_s
 is FP8 (the scale blocks the slice touches, partial blocks included) and copies it into its local shard. One slice
 is in flight at a time, so a rank's host memory peaks at its shards plus one slice.
 
+A base held in FP8 (glm53.peft: a float8_e4m3fn parameter `X`, or its uint8 bits, beside its block-scale buffer
+`X_scale_inv`) is read raw instead: each rank's slice of the stored FP8 bytes, no dequantisation, and the scales the buffer holds on this
+rank (whole for a linear, which FSDP gathers whole before its matmul; this rank's experts under EP), so the blocks
+a rank's values meet are the ones they were quantised with.
+
 Keys, shapes and FP8 scales are checked from the file headers before anything is read, by the same code and with
 the same `CheckpointError` as `from_pretrained` (glm53/checkpoint/load.py); non-finite values found by any rank
 raise on every rank. torch's DCP `HuggingFaceStorageReader` reads with the same `get_slice`, but its planner keeps
@@ -38,6 +43,9 @@ from .pieces import box_slices, intersect, local_boxes, local_tensor
 logger = logging.getLogger("glm53.parallel")
 
 Region = tuple[slice, ...]  # a key's region in its model tensor's global index space
+# the dtypes of a base glm53.peft holds in FP8 (beside its `_scale_inv` buffer): e4m3 values, or their uint8 bits
+# (glm53.peft.fp8.hold_for_policy, for a low-precision FSDP policy)
+FP8_HELD = (fp8.FP8_DTYPE, torch.uint8)
 
 
 class SliceReader:
@@ -106,23 +114,47 @@ def planned_reads(target: torch.Tensor, pieces: list[tuple[str, Region, int]]) -
 
 
 def _fill(target: torch.Tensor, pieces: list[tuple[str, Region, int]], reader: SliceReader, bad: set[str]) -> None:
-    """Copy into `target`'s local shard every part of `pieces` it holds (`planned_reads`), one slice at a time."""
+    """Copy into `target`'s local shard every part of `pieces` it holds (`planned_reads`), one slice at a time
+    (an FP8 target takes the stored FP8 values as they are)."""
     local = local_tensor(target)
+    raw = target.dtype in FP8_HELD
     for key, key_idx, local_idx in planned_reads(target, pieces):
-        values = reader.values(key, key_idx)
-        if values.is_floating_point() and not bool(torch.isfinite(values).all()):  # NOTE: syncs
+        values = reader.read(key, key_idx) if raw else reader.values(key, key_idx)
+        if raw and values.dtype != fp8.FP8_DTYPE:
+            raise CheckpointError(f"{key}: {values.dtype}, but the model holds it in FP8 (block-scaled e4m3)")
+        checked = values.float() if raw else values
+        if checked.is_floating_point() and not bool(torch.isfinite(checked).all()):  # NOTE: syncs
             bad.add(key)
+        values = values.view(local.dtype) if raw else values  # FP8 held as its bits: the same bytes
         local[local_idx].copy_(values.reshape(local[local_idx].shape))
 
 
 def model_pieces(model: torch.nn.Module, plan: LoadPlan) -> Iterator[tuple[str, torch.Tensor, list]]:
-    """(glm53 name, tensor, its pieces) for every tensor the plan fills."""
+    """(glm53 name, tensor, its pieces) for every tensor the plan fills, and the block scales of FP8-held ones."""
     tensors = dict(model.named_parameters())
     tensors.update(dict(model.named_buffers()))
+    held = {n.removesuffix(fp8.SCALE_SUFFIX) for n in held_scales(model)}
     for name, key in plan.direct.items():
-        yield name, tensors[name], [(key, tuple(slice(0, s) for s in tensors[name].shape), 0)]
+        yield name, tensors[name], [(key, _whole(tensors[name]), 0)]
+        if name in held:
+            scale = tensors[name + fp8.SCALE_SUFFIX]
+            yield name + fp8.SCALE_SUFFIX, scale, [(key + fp8.SCALE_SUFFIX, _whole(scale), 0)]
     for name, parts in plan.experts.items():
         yield name, tensors[name], _expert_pieces(name, tensors[name].shape, parts)
+        if name in held:  # [E, 2 go, gi] (gate grid, then up) or [E, go, gi]
+            scale, scale_keys = tensors[name + fp8.SCALE_SUFFIX], {k: v + fp8.SCALE_SUFFIX for k, v in parts.items()}
+            yield name + fp8.SCALE_SUFFIX, scale, _expert_pieces(name, scale.shape, scale_keys)
+
+
+def _whole(tensor: torch.Tensor) -> Region:
+    return tuple(slice(0, s) for s in tensor.shape)
+
+
+def held_scales(model: torch.nn.Module) -> set[str]:
+    """The block-scale buffers of FP8-held parameters: filled with their weights, not matched as keys."""
+    buffers = {n for n, _ in model.named_buffers()}
+    held = [n + fp8.SCALE_SUFFIX for n, p in model.named_parameters() if p.dtype in FP8_HELD]
+    return {n for n in held if n in buffers}
 
 
 def _expert_pieces(name: str, shape: torch.Size, parts: dict[tuple[int, str], str]) -> list[tuple[str, Region, int]]:
@@ -203,12 +235,16 @@ def load_pretrained(
     its dtype (cast the model before `parallelize` to load in bf16). Errors (keys, shapes, FP8 scales, non-finite
     values) are those of `Glm53ForCausalLM.from_pretrained`. A checkpoint without MTP tensors leaves the MTP
     module freshly initialised, with a warning. `skip(name)`: tensors the checkpoint does not hold and the caller
-    fills (LoRA adapters); they are materialised but left unset.
+    fills (LoRA adapters); they are materialised but left unset. FP8 parameters (a base glm53.peft holds in FP8)
+    take the stored FP8 values and block scales as they are; their keys must be FP8.
     """
     path = os.fspath(path)
     files = checkpoint_files(path)
     block = fp8.weight_block_size(quantization_config(Glm53Config.from_pretrained(path)))
     config = model.config
+    scales = held_scales(model)
+    if scales:
+        skip = (lambda n, given=skip: n in scales or given(n)) if skip else scales.__contains__
     planned = model if skip is None else _Without(model, skip)
     plan: LoadPlan = _plan(planned, files, TensorReader(files, block), config.num_hidden_layers)
     warn_text_only(plan, path)
@@ -231,6 +267,7 @@ def load_pretrained(
 
 __all__ = [
     "load_pretrained",
+    "held_scales",
     "fill_from_full",
     "materialize",
     "planned_reads",

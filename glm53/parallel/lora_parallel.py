@@ -33,6 +33,7 @@ from .placements import LocalShard, Whole, set_placement_rule
 from .tensor_parallel import ColwiseHeads, ExpertTensorParallel, ReplicateModule, _distribute_own
 
 LORA_MARK = "lora_"  # every adapter parameter's name holds it (glm53.peft)
+HELD = "held_kinds"  # a module's {weight name: "fp8" | "bf16"} held base (glm53.peft.fp8.HELD)
 _PARTIAL_GRAD = Whole((Partial(),))  # a replicated factor that meets this rank's shard of the other one
 
 
@@ -118,9 +119,12 @@ _LORA_STYLES: dict[type, type] = {
 def check_peft(model: nn.Module, has_tp: bool, mp_policy: MixedPrecisionPolicy | None) -> None:
     """What glm53.peft's additions do not take, refused before `parallelize` changes anything: under tensor
     parallelism a base held in FP8 (its block scales are not split with the weight) and adapter dropout (a
-    replicated activation would get another mask on every TP rank); an FP8 base under a low-precision FSDP policy
-    (FSDP would cast the FP8 values before gathering them, and their scales would no longer apply)."""
-    fp8 = [n for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn]
+    replicated activation would get another mask on every TP rank); under a low-precision FSDP policy FP8 values
+    not held as their bits (FSDP would cast them before gathering them, and their scales would no longer apply),
+    and a held (bf16 / FP8) base widened to another dtype than the policy's (its matmuls would meet the policy's
+    activations)."""
+    fp8 = [n for n, m in model.named_modules() if "fp8" in m.__dict__.get(HELD, {}).values()]
+    fp8_values = [n for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn]
     if has_tp and fp8:
         raise ValueError(
             f"an FP8 base (glm53.peft, base_dtype='fp8') under tensor parallelism is not supported: its block "
@@ -134,11 +138,22 @@ def check_peft(model: nn.Module, has_tp: bool, mp_policy: MixedPrecisionPolicy |
             "replicated activation would get a different mask on every TP rank; use dropout 0 with tp"
         )
     low = mp_policy is not None and mp_policy.param_dtype not in (None, torch.float32)
-    if low and fp8:
+    if low and fp8_values:
         raise ValueError(
             f"an FP8 base (glm53.peft) under a MixedPrecisionPolicy with param_dtype={mp_policy.param_dtype}: "
-            "FSDP would cast its FP8 values before gathering them and lose their block scales; train an FP8 base "
-            "without the low-precision policy (no --bf16): it is gathered as FP8 and computes in the adapters' dtype"
+            f"FSDP would cast its FP8 values ({fp8_values[0]}, ...) before gathering them and lose their block "
+            "scales; hold them as their bits first (glm53.peft.fp8.hold_for_policy(model, the policy's dtype), what "
+            "glm53 train --bf16 does), or train without the policy"
+        )
+    wide = [n for n, m in model.named_modules() if m.__dict__.get(HELD)]
+    wide = [n for n in wide if low and model.get_submodule(n).held_compute_dtype != mp_policy.param_dtype]
+    if wide:
+        widened = model.get_submodule(wide[0]).held_compute_dtype
+        raise ValueError(
+            f"a held base (glm53.peft: bf16 or FP8) widened to {widened} under a MixedPrecisionPolicy with "
+            f"param_dtype={mp_policy.param_dtype} ({wide[0]} and {len(wide) - 1} more): every other weight "
+            f"computes in {mp_policy.param_dtype} there; hold it with compute_dtype={mp_policy.param_dtype} "
+            "(glm53.peft.fp8.hold_for_policy, what glm53 train --bf16 does) or train without the policy"
         )
 
 

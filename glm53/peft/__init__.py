@@ -1,11 +1,13 @@
 """Parameter-efficient fine-tuning: LoRA adapters, frozen groups, a frozen FP8 or bf16 base, peft-format files.
 
 `apply_lora` / `merge_lora` / `freeze` (lora.py, groups in targets.py), `save_lora` / `load_lora` (files.py, peft's
-format), the FP8 base (fp8.py: per-matmul dequantisation, fp8_storage.py: holding a base in FP8, load.py: `load_base`; views.py: the weight views and the LoRA linear).
+format), the held FP8 / bf16 base (fp8.py: per-matmul widening, fp8_storage.py: holding a base in FP8 or bf16,
+`hold_bf16`, load.py: `load_base`; views.py: the weight views and the LoRA linear).
 """
 
 from .files import load_lora, save_lora
-from .fp8_storage import fp8_bytes, quantize_model
+from .fp8 import hold_for_policy
+from .fp8_storage import fp8_bytes, held_parameters, hold_bf16, quantize_model
 from .load import BASE_DTYPES, load_base
 from .lora import (
     LoraLinear,
@@ -26,6 +28,9 @@ __all__ = [
     "load_lora",
     "load_base",
     "quantize_model",
+    "hold_bf16",
+    "hold_for_policy",
+    "held_parameters",
     "fp8_bytes",
     "has_lora",
     "lora_parameters",

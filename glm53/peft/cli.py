@@ -24,7 +24,8 @@ from ..config import Glm53Config
 from ..errors import CheckpointError, ConfigError
 from ..losses import Glm53ForCausalLM
 from .files import CONFIG_FILE, WEIGHTS_FILE, load_lora, save_lora
-from .load import BASE_DTYPES, load_base
+from .fp8_storage import hold_bf16
+from .load import BASE_DTYPES, fp8_placeholders, load_base
 from .lora import LORA_MARK, apply_lora, freeze, has_lora, merge_lora
 from .targets import DEFAULT_LORA_TARGETS, FREEZE_GROUPS
 
@@ -118,7 +119,7 @@ def _check(args: argparse.Namespace) -> None:
         raise ConfigError("--lora-alpha / --lora-targets / --lora-dropout need --lora-rank")
     if args.quantize_base and args.base_dtype != "fp8":
         raise ConfigError("--quantize-base needs --base-dtype fp8")
-    if args.base_dtype is not None and not getattr(args, "init", None):
+    if args.base_dtype is not None and not (getattr(args, "init", None) or getattr(args, "resume", None)):
         raise ConfigError("--base-dtype needs --init DIR (the checkpoint the frozen base is read from) or --resume")
     if args.export_merged is not None and not lora:
         raise ConfigError("--export-merged folds LoRA adapters into the base: it needs --lora-rank")
@@ -135,35 +136,58 @@ def build_model(args: argparse.Namespace, preset=None, cls: type = Glm53ForCausa
     _check(args)
     resume = getattr(args, "resume", None)
     base = getattr(args, "init", None) or (_recorded_base(resume) if resume else None)
-    if base:
-        model = load_base(cls, base, args.base_dtype or "bf16", dtype=torch.float32, quantize=args.quantize_base)
+    if base and args.base_dtype == "bf16":  # the frozen text linears and experts held in bf16 from the start
+        held = set(_frozen_names(args, cls, base))
+        model = load_base(cls, base, "bf16", dtype=torch.float32, hold=held.__contains__)
+    elif base and args.base_dtype == "fp8":
+        model = load_base(cls, base, "fp8", dtype=torch.float32, quantize=args.quantize_base)
+    elif base:  # no --base-dtype: every parameter in the training precision, the checkpoint's values exactly
+        model = cls.from_pretrained(base, dtype=torch.float32)
     else:
         model = cls.from_config(preset())
     return _adapt(args, model, base)
 
 
+def _frozen_names(args: argparse.Namespace, cls: type, base: str) -> list[str]:
+    """The parameters a run with these flags freezes (its adapters and --freeze applied to a meta model)."""
+    with torch.device("meta"):
+        probe = cls(Glm53Config.from_pretrained(base))
+    _adapters_and_freeze(args, probe)
+    return [n for n, p in probe.named_parameters() if not p.requires_grad]
+
+
 def meta_base(args: argparse.Namespace, resuming_dcp: bool) -> str | None:
     """The checkpoint a torchrun run with these flags builds its model from on the meta device and loads per rank
-    (`build_meta_model`, then glm53.parallel.load_pretrained): --init, or the base a LoRA save names, held in
-    bf16/fp32. None where `build_model` builds it whole: --base-dtype fp8, no base checkpoint, or a LoRA resume
-    without DCP state (`resuming_dcp` False: the adapter values come from the save's adapter file)."""
+    (`build_meta_model`, then glm53.parallel.load_pretrained): --init, or the base a LoRA save names. None where
+    `build_model` builds it whole: --quantize-base (quantising needs whole blocks; a rank reads a slice), no base
+    checkpoint, or a LoRA resume without DCP state (`resuming_dcp` False: the adapter values come from the save's
+    adapter file)."""
     if not enabled(args):
         return None
     _check(args)
     resume = getattr(args, "resume", None)
-    if args.base_dtype == "fp8" or (resume and not resuming_dcp):
+    if args.quantize_base or (resume and not resuming_dcp):
         return None
     return getattr(args, "init", None) or (_recorded_base(resume) if resume else None)
 
 
-def build_meta_model(args: argparse.Namespace, base: str, cls: type = Glm53ForCausalLM) -> Glm53ForCausalLM:
+def build_meta_model(
+    args: argparse.Namespace, base: str, cls: type = Glm53ForCausalLM, compute_dtype: torch.dtype = torch.float32
+) -> Glm53ForCausalLM:
     """`build_model`'s model on the meta device, without values: the architecture of `base` with the adapters
-    (fresh, or shaped as --resume's) and --freeze applied. Fill it after parallelizing: the base with
-    glm53.parallel.load_pretrained (skipping `is_adapter` names), fresh adapters with glm53.peft.fresh_adapters
-    (a DCP resume fills them from its state)."""
+    (fresh, or shaped as --resume's) and --freeze applied; with --base-dtype fp8 the weights `base` stores in FP8
+    as meta FP8 values and block scales, with bf16 the frozen text linears and experts held in bf16; either is
+    widened to `compute_dtype` (an FSDP policy's param dtype) per matmul. Fill it after parallelizing: the base with
+    glm53.parallel.load_pretrained (skipping `is_adapter` names; each tensor keeps its dtype, FP8 read raw), fresh
+    adapters with glm53.peft.fresh_adapters (a DCP resume fills them from its state)."""
     with torch.device("meta"):
         model = cls(Glm53Config.from_pretrained(base))
-    return _adapt(args, model, base)
+    if args.base_dtype == "fp8":
+        fp8_placeholders(model, base, compute_dtype)
+    model = _adapt(args, model, base)
+    if args.base_dtype == "bf16":
+        hold_bf16(model, compute_dtype)
+    return model
 
 
 def is_adapter(name: str) -> bool:
@@ -172,6 +196,14 @@ def is_adapter(name: str) -> bool:
 
 def _adapt(args: argparse.Namespace, model: Glm53ForCausalLM, base: str | None) -> Glm53ForCausalLM:
     """The adapters (from --resume, or fresh), --freeze and the router-bias rule of `build_model`."""
+    _adapters_and_freeze(args, model)
+    if base and has_lora(model):
+        model.lora_settings["base"] = os.path.abspath(base)
+    hold_frozen_router_bias(model, args)
+    return model
+
+
+def _adapters_and_freeze(args: argparse.Namespace, model: Glm53ForCausalLM) -> None:
     resume = getattr(args, "resume", None)
     if args.lora_rank is not None:
         if resume and os.path.isfile(os.path.join(resume, CONFIG_FILE)):
@@ -192,10 +224,6 @@ def _adapt(args: argparse.Namespace, model: Glm53ForCausalLM, base: str | None) 
             )
     if args.freeze is not None:
         freeze(model, args.freeze)
-    if base and has_lora(model):
-        model.lora_settings["base"] = os.path.abspath(base)
-    hold_frozen_router_bias(model, args)
-    return model
 
 
 def hold_frozen_router_bias(model, args: argparse.Namespace) -> None:
@@ -257,20 +285,38 @@ def adapter_writer(model: torch.nn.Module):
     return (lambda directory, full, write: save_lora(model, directory, full=full, write=write)), ADAPTER_FILES
 
 
+# (parallelized model, directory) -> the directory: the torchrun --export-merged writer. glm53.training.distributed
+# installs it (glm53.parallel is a layer above this package: tests/test_layout.py).
+_SHARDED_EXPORT = None
+
+
+def set_sharded_export(export) -> None:
+    """Install the writer `export_merged` uses for a parallelized model (glm53.training.distributed does)."""
+    global _SHARDED_EXPORT
+    _SHARDED_EXPORT = export
+
+
 def check_distributed(args: argparse.Namespace) -> None:
     """What a torchrun run with these flags refuses before any model is built."""
-    if getattr(args, "export_merged", None) is not None:
+    if getattr(args, "export_merged", None) is not None and getattr(args, "tp", 1) > 1:
         raise ConfigError(
-            "--export-merged under torchrun is not supported: save the run (--save), then merge in one process "
-            "(`glm53.load_lora` + `glm53.merge_lora`, or `glm53 generate --model BASE --adapter DIR`)"
+            "--export-merged under torchrun with --tp > 1 is not supported (dp / ep / cp layouts are): save the run "
+            "(--save), then merge in one process (`glm53 generate --model BASE --adapter DIR`, or glm53.merge_lora)"
         )
 
 
 def export_merged(args: argparse.Namespace, model: torch.nn.Module) -> str | None:
-    """--export-merged DIR: a merged copy of the model (adapters folded in, FP8 dequantised) written in bf16."""
+    """--export-merged DIR: the model with its adapters folded in (held bases widened) written in bf16. One process:
+    a merged copy, saved. Under torchrun (sharded parameters): the installed writer (`set_sharded_export`;
+    glm53.training.distributed's: every rank folds its adapters into its own shards of the trained model, the run
+    being over, and the ranks write the official layout together, no rank gathering the model)."""
     target = getattr(args, "export_merged", None)
     if target is None:
         return None
+    if any(hasattr(p, "device_mesh") for p in model.parameters()):  # DTensors: a parallelized model
+        if _SHARDED_EXPORT is None:
+            raise ConfigError("--export-merged of a parallelized model needs glm53.training.distributed's exporter")
+        return _SHARDED_EXPORT(model, target)
     merged = copy.deepcopy(model)
     merge_lora(merged)
     return merged.save_pretrained(target, dtype=torch.bfloat16, overwrite=True)
@@ -306,6 +352,7 @@ __all__ = [
     "save_run",
     "adapter_writer",
     "check_distributed",
+    "set_sharded_export",
     "export_merged",
     "add_generate_arguments",
     "with_adapter",

@@ -1,16 +1,17 @@
 """Loading a frozen base for parameter-efficient fine-tuning: bf16 (FP8 checkpoints dequantised on load, as
 `Glm53ForCausalLM.from_pretrained`) or FP8 (the checkpoint's block-scaled weights kept as they are, glm53.peft.fp8).
 
-With base_dtype "fp8" every text linear and routed expert whose checkpoint weights are FP8 is held in FP8 from the
-start: the model is built on the meta device, those parameters are replaced by meta FP8 tensors, and only then
-materialised, so no bf16 copy of them ever exists. `quantize=True` quantises bf16/fp32 checkpoint weights of the
-same modules to the release's block format while loading (one tensor at a time).
+The model is built on the meta device, its held weights (glm53.peft.fp8) are replaced by meta FP8 / bf16 tensors,
+and only then materialised, so no wider copy of them ever exists. With base_dtype "fp8" every text linear and
+routed expert whose checkpoint weights are FP8 is held in FP8; `quantize=True` quantises bf16/fp32 checkpoint
+weights of the same modules to the release's block format while loading (one tensor at a time). With "bf16" the
+same modules' weights (those `hold` selects) are held in bf16 under a wider training `dtype`.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -23,7 +24,7 @@ from ..errors import CheckpointError, ConfigError
 from ..model.moe import Experts
 from ..precision import cast_model, resolve_dtype
 from .fp8 import SCALE
-from .fp8_storage import fp8_modules, quantize_blocks, set_fp8
+from .fp8_storage import fp8_modules, hold_bf16, quantize_blocks, set_fp8
 from .lora import expert_factors, linear_factors
 from .views import EXPERT_WEIGHTS
 
@@ -38,16 +39,19 @@ def load_base(
     dtype: torch.dtype | str = torch.bfloat16,
     quantize: bool = False,
     device: str | torch.device = "cpu",
+    hold: Callable[[str], bool] | None = None,
 ):
     """`cls` (Glm53ForCausalLM) from an official-layout directory with its base in `base_dtype`.
 
-    dtype: the training precision of everything not held in FP8 (adapters added later follow it too).
-    Raises ConfigError for an unknown base_dtype, and for "fp8" on a checkpoint without block-scaled FP8 weights
-    unless `quantize` is set; every key problem raises CheckpointError before data is read, as the loader does."""
+    dtype: the training precision of everything not held in FP8 / bf16 (adapters added later follow it too).
+    hold(name): with "bf16", which text linear / expert weights (glm53 names) are held in bf16 and frozen (None:
+    all of them; the rest load in `dtype` to train). Raises ConfigError for an unknown base_dtype, and for "fp8"
+    on a checkpoint without block-scaled FP8 weights unless `quantize` is set; every key problem raises
+    CheckpointError before data is read, as the loader does."""
     if base_dtype not in BASE_DTYPES:
         raise ConfigError(f"base_dtype must be one of {list(BASE_DTYPES)}, got {base_dtype!r}")
     dtype = resolve_dtype(dtype, "dtype")
-    if base_dtype == "bf16":
+    if base_dtype == "bf16" and dtype == torch.bfloat16:  # nothing is held narrower than the model
         return cls.from_pretrained(path, dtype=dtype, device=device)
     path = os.fspath(path)
     config = Glm53Config.from_pretrained(path)
@@ -59,6 +63,35 @@ def load_base(
         model = cls(config)
     plan = _plan(model, files, reader, config.num_hidden_layers)
     cast_model(model, dtype)
+    if base_dtype == "bf16":
+        hold_bf16(model, dtype, select=hold or (lambda name: True))
+        fp8_names = []
+    else:
+        fp8_names = _fp8_placeholders(model, plan, reader, block, dtype, quantize, path)
+    model.to_empty(device=device)
+    model.tie_weights()
+    with torch.no_grad():
+        _fill(model, plan, reader, set(fp8_names), block)
+    if model.mtp is not None and not plan.mtp_found:
+        model.mtp.init_weights()
+    model.mtp_checkpoint_keys = sorted(plan.mtp_set_aside)
+    return model.eval()  # as from_pretrained: .train() to train
+
+
+def fp8_placeholders(model: nn.Module, path: str | os.PathLike, dtype: torch.dtype) -> list[str]:
+    """Meta FP8 placeholders (values and block scales) on a meta `model` (without adapters yet) for every text linear
+    and routed expert that the checkpoint at `path` stores in FP8, widened to `dtype` -> their module names. For a
+    model built on meta and filled per rank after parallelizing (glm53.parallel.load_pretrained reads them raw)."""
+    path = os.fspath(path)
+    files = checkpoint_files(path)
+    block = fp8_format.weight_block_size(quantization_config(Glm53Config.from_pretrained(path)))
+    reader = TensorReader(files, block)
+    plan = _plan(model, files, reader, model.config.num_hidden_layers)
+    return _fp8_placeholders(model, plan, reader, block, dtype, False, path)
+
+
+def _fp8_placeholders(model, plan, reader, block, dtype, quantize: bool, path: str) -> list[str]:
+    """Meta FP8 placeholders for every FP8-eligible module the checkpoint stores in FP8 (all with `quantize`)."""
     keys = _module_keys(model, plan)
     stored = {name: all(fp8_format.is_fp8(reader.dtype(k)) for k in ks) for name, ks in keys.items()}
     if not any(stored.values()) and not quantize:
@@ -69,16 +102,9 @@ def load_base(
         )
     fp8_names = [name for name in keys if stored[name] or quantize]
     modules = dict(model.named_modules())
-    for name in fp8_names:  # meta FP8 placeholders: materialised as FP8 below
+    for name in fp8_names:  # materialised as FP8 by the caller
         _meta_fp8(modules[name], block, dtype)
-    model.to_empty(device=device)
-    model.tie_weights()
-    with torch.no_grad():
-        _fill(model, plan, reader, set(fp8_names), block)
-    if model.mtp is not None and not plan.mtp_found:
-        model.mtp.init_weights()
-    model.mtp_checkpoint_keys = sorted(plan.mtp_set_aside)
-    return model.eval()  # as from_pretrained: .train() to train
+    return fp8_names
 
 
 def _module_keys(model: nn.Module, plan) -> dict[str, list[str]]:
@@ -164,4 +190,4 @@ def fresh_adapters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             yield f"{name}.{w}_lora_B", B
 
 
-__all__ = ["BASE_DTYPES", "load_base", "fresh_adapters"]
+__all__ = ["BASE_DTYPES", "load_base", "fp8_placeholders", "fresh_adapters"]

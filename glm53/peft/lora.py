@@ -23,7 +23,7 @@ from ..errors import ConfigError
 from ..hooks import WEIGHT_VIEWS
 from ..model.moe import Experts
 from ..precision import MODEL_DTYPES
-from .fp8 import drop_fp8, is_fp8_base
+from .fp8 import drop_held, held_kind
 from .targets import frozen_parameters, lora_modules
 from .views import EXPERT_WEIGHTS, LoraLinear, _linear_parts, install_view
 
@@ -40,10 +40,13 @@ def _check_settings(rank, alpha, dropout) -> float:
     return alpha / rank
 
 
-def _adapter_dtype(weight: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+def _adapter_dtype(module: nn.Module, name: str, dtype: torch.dtype | None) -> torch.dtype:
     if dtype is not None:
         return dtype
-    return weight.dtype if weight.dtype in MODEL_DTYPES else torch.float32  # FP8 bases: fp32 adapters
+    if held_kind(module, name):  # a held (FP8 / bf16) base: adapters in the precision it is widened to
+        return module.held_compute_dtype
+    weight = getattr(module, name)
+    return weight.dtype if weight.dtype in MODEL_DTYPES else torch.float32
 
 
 def init_lora_A_(A: torch.Tensor) -> torch.Tensor:
@@ -77,7 +80,7 @@ def expert_factors(shape: torch.Size, rank: int, device, dtype: torch.dtype) -> 
 
 def _add_linear_adapter(module: nn.Linear, rank: int, dtype: torch.dtype | None) -> None:
     module.lora_A, module.lora_B = linear_factors(
-        module.in_features, module.out_features, rank, module.weight.device, _adapter_dtype(module.weight, dtype)
+        module.in_features, module.out_features, rank, module.weight.device, _adapter_dtype(module, "weight", dtype)
     )
     install_view(module, "weight")
 
@@ -86,7 +89,7 @@ def _add_expert_adapters(module: Experts, rank: int, dtype: torch.dtype | None) 
     chosen = module.__dict__.pop("_lora_params", set(EXPERT_WEIGHTS))
     for name in [n for n in EXPERT_WEIGHTS if n in chosen]:
         weight = getattr(module, name)
-        A, B = expert_factors(weight.shape, rank, weight.device, _adapter_dtype(weight, dtype))
+        A, B = expert_factors(weight.shape, rank, weight.device, _adapter_dtype(module, name, dtype))
         module.register_parameter(f"{name}_lora_A", nn.Parameter(A))
         module.register_parameter(f"{name}_lora_B", nn.Parameter(B))
         install_view(module, name)
@@ -108,7 +111,7 @@ def apply_lora(
 
     freeze_base: every parameter that is not an adapter stops requiring gradients (peft's default); pass False
     and use `freeze(model, groups)` to train some base groups as well. Adapters are in the base weight's dtype
-    (fp32 for an FP8 base) unless `dtype` is given. Raises ConfigError for a bad rank/alpha/dropout, a target
+    (for a held FP8 / bf16 base: the dtype it is widened to) unless `dtype` is given. Raises ConfigError for a bad rank/alpha/dropout, a target
     matching nothing, or a model that already has adapters.
     """
     alpha = rank if alpha is None else alpha
@@ -158,8 +161,8 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
 def merge_lora(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> list[str]:
     """Fold every adapter into its base (W + s B A, summed in fp32) and remove the adapters -> merged module names.
 
-    An FP8 base is dequantised first and the merged weight is written in `dtype` (bf16 by default); other bases
-    keep their dtype. The model afterwards is a plain glm53 model (nn.Linear classes, no views)."""
+    A held base (FP8 or bf16, glm53.peft.fp8) is widened first and the merged weight is written in `dtype` (bf16 by
+    default); other bases keep their dtype. The model afterwards is a plain glm53 model (nn.Linear, no views)."""
     merged = []
     for module_name, module in model.named_modules():
         views = module.__dict__.get(WEIGHT_VIEWS)
@@ -167,7 +170,7 @@ def merge_lora(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> list[st
             continue
         for name in list(views):
             weight = getattr(module, name)
-            target = dtype if is_fp8_base(module, name) else weight.dtype
+            target = dtype if held_kind(module, name) else weight.dtype
             with torch.no_grad():
                 parts = getattr(views[name], "parts", _linear_parts)
                 base, lr = parts(module, weight)
@@ -181,7 +184,7 @@ def merge_lora(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> list[st
                 for child in ("lora_A", "lora_B"):
                     if hasattr(module, child):
                         delattr(module, child)
-            drop_fp8(module, name)
+            drop_held(module, name)
             frozen = weight.requires_grad is False
             module.register_parameter(name, nn.Parameter(effective.to(target), requires_grad=not frozen))
             del views[name]

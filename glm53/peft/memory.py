@@ -4,12 +4,14 @@ Legend: E experts (El this rank's), I expert width, D model width, r the adapter
 The planner builds the model on the meta device; `prepare(args, model)` gives it what a run with these flags has
 (adapters from `apply_lora`, FP8 placeholders for the base a FP8 checkpoint holds in FP8, frozen groups) before
 `parallelize`, and `rows(args, model, size, gather)` prices rank 0's local shards afterwards:
-    params       frozen base in its own dtype (FP8: 1 byte + its fp32 scales; bf16: 2 bytes; the fp32 keep-list 4) plus
-                 the trainable parameters in the training dtype
+    params       frozen base in its own dtype (FP8: 1 byte + its fp32 scales; bf16-held text linears and experts: 2
+                 bytes; other frozen tensors the training dtype; the fp32 keep-list 4) plus the trainable parameters
+                 in the training dtype
     grads, adamw only the trainable parameters (1x and 2x)
     transient    the largest FSDP all-gather (FP8 shards gathered as FP8) counted twice, plus with an FP8 base one
                  module's gathered base dequantised for its matmuls (the largest: a MoE layer's experts, this
-                 rank's under EP: both projections in the compute dtype plus one fp32 product, dequantize_blocks)
+                 rank's under EP: both projections in the compute dtype plus one fp32 product, dequantize_blocks);
+                 with a bf16-held base under a wider training dtype, that module's weights widened (no product)
 The activation rows are the planner's (adapters add r numbers per adapted linear and token, counted here).
 """
 
@@ -23,7 +25,7 @@ import torch.nn as nn
 from ..checkpoint import fp8 as fp8_format
 from ..model.moe import Experts
 from ..precision import keeps_fp32
-from .fp8_storage import fp8_modules
+from .fp8_storage import base_weights, fp8_modules, hold_bf16
 from .load import BASE_DTYPES, _meta_fp8
 from .lora import apply_lora, freeze
 
@@ -54,6 +56,8 @@ def prepare(args: argparse.Namespace, model: nn.Module, dtype: torch.dtype) -> N
     if args.base_dtype == "fp8":
         for module in fp8_modules(model).values():
             _meta_fp8(module, fp8_format.DEFAULT_BLOCK_SIZE, dtype)
+    elif args.base_dtype == "bf16":  # the frozen text linears and experts, as glm53 train holds them
+        hold_bf16(model, dtype)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -67,21 +71,23 @@ def rows(args: argparse.Namespace, model: nn.Module, size: int, gather_bytes: in
         n = _local(p).numel()
         if p.requires_grad:
             trainable += n * (FP32 if keeps_fp32(name) else size)
-        elif p.dtype == fp8_format.FP8_DTYPE:
-            frozen += n
+        elif p.dtype in (fp8_format.FP8_DTYPE, torch.bfloat16):  # held FP8 / bf16 (prepare)
+            frozen += n * p.element_size()
         else:
             frozen += n * (FP32 if keeps_fp32(name) else size)
     scales = sum(_local(b).numel() * FP32 for n, b in model.named_buffers() if n.endswith(fp8_format.SCALE_SUFFIX))
     dequant = 0
-    if args.base_dtype == "fp8":
+    widened = args.base_dtype == "fp8" or (args.base_dtype == "bf16" and size > 2)
+    if widened:
         ep = getattr(args, "ep", 1)
+        product = FP32 if args.base_dtype == "fp8" else 0  # dequantize_blocks' fp32 product; a cast has none
         for module in fp8_modules(model).values():
             # the matmuls see the weights FSDP gathered: the whole tensor, this rank's experts under EP; the
-            # experts' two projections are dequantised together (one fp32 product alive at a time)
-            names = ("gate_up_proj", "down_proj") if isinstance(module, Experts) else ("weight",)
+            # experts' two projections are widened together (one fp32 product alive at a time)
+            names = base_weights(module)
             split = ep if isinstance(module, Experts) else 1
             numels = [getattr(module, p).numel() // split for p in names]
-            dequant = max(dequant, sum(numels) * size + max(numels) * FP32)
+            dequant = max(dequant, sum(numels) * size + max(numels) * product)
     return dict(
         params=frozen + scales + trainable, grads=trainable, adamw=2 * trainable, transient=2 * gather_bytes + dequant
     )
@@ -101,9 +107,11 @@ def adapter_activations(args: argparse.Namespace, model: nn.Module, size: int, t
 
 
 def bytes_of_dtype(model: nn.Module, size: int):
-    """The planner's `bytes_of(fqn, numel)` pricing each parameter at its own dtype (FP8 1 byte)."""
-    fp8 = {n for n, p in model.named_parameters() if p.dtype == fp8_format.FP8_DTYPE}
-    return lambda fqn, numel: numel * (1 if fqn in fp8 else FP32 if keeps_fp32(fqn) else size)
+    """The planner's `bytes_of(fqn, numel)` pricing each parameter at its own dtype (FP8 1 byte, held bf16 2)."""
+    held = {
+        n: p.element_size() for n, p in model.named_parameters() if p.dtype in (fp8_format.FP8_DTYPE, torch.bfloat16)
+    }
+    return lambda fqn, numel: numel * (held[fqn] if fqn in held else FP32 if keeps_fp32(fqn) else size)
 
 
 __all__ = ["add_plan_arguments", "enabled", "prepare", "rows", "adapter_activations", "bytes_of_dtype"]

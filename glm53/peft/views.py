@@ -1,7 +1,7 @@
 """The per-module weight views glm53.peft installs, and the LoRA linear.
 
 Legend: O out features, I in features, r the adapter rank (glm53/peft/lora.py).
-A view answers `glm53.hooks.local_parts(module, name)`: the base weight (dequantised when it is held in FP8,
+A view answers `glm53.hooks.local_parts(module, name)`: the base weight (widened when it is held in FP8 or bf16,
 glm53/peft/fp8.py) and the adapter's low-rank term, or under torch.inference_mode one kept effective weight.
 """
 
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from ..hooks import WEIGHT_VIEWS, LowRank, add_low_rank, as_local
 from ..model.moe import Experts
-from .fp8 import dequantized, fp8_linear, is_fp8_base
+from .fp8 import dequantized, held_kind, held_linear
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")  # the fused expert parameters [E, O, I]
 
@@ -21,23 +21,23 @@ EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")  # the fused expert parameters [E
 class LoraLinear(nn.Linear):
     """An nn.Linear with a LoRA adapter (the class `apply_lora` gives a targeted linear; parameters unchanged).
 
-    The base matmul is the plain one, or the FP8 one when the base weight is block-scaled FP8 (glm53.peft.fp8)."""
+    The base matmul is the plain one, or the widening one when the base weight is held (FP8 or bf16, glm53.peft.fp8)."""
 
     lora_scale: float
     lora_dropout: float
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., I] -> [..., O]
         y = base_linear(self, x)
-        if not hasattr(self, "lora_A"):  # an FP8 base without adapter
+        if not hasattr(self, "lora_A"):  # a held base without adapter
             return y
         a = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout > 0 else x
         return y + self.lora_B(self.lora_A(a)) * self.lora_scale
 
 
 def base_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """The base weight's matmul: F.linear, or the FP8 per-matmul dequantising one (no resident dequantised copy)."""
-    if is_fp8_base(module, "weight"):
-        return fp8_linear(module, x)
+    """The base weight's matmul: F.linear, or the held base's per-matmul widening one (no resident wide copy)."""
+    if held_kind(module, "weight"):
+        return held_linear(module, x)
     return F.linear(x, module.weight, module.bias)
 
 
@@ -46,8 +46,8 @@ def _views(module: nn.Module) -> dict:
 
 
 def base_weight(module: nn.Module, name: str, local: torch.Tensor) -> torch.Tensor:
-    """The base of `module.<name>` as a floating tensor (FP8 bases dequantised, glm53.peft.fp8)."""
-    return dequantized(module, name, local) if is_fp8_base(module, name) else local
+    """The base of `module.<name>` as a tensor of the compute dtype (held bases widened, glm53.peft.fp8)."""
+    return dequantized(module, name, local) if held_kind(module, name) else local
 
 
 def _inference_view(module: nn.Module, name: str, sources: list[torch.Tensor], parts) -> torch.Tensor:

@@ -1,17 +1,20 @@
 """The model of a `glm53 train` run under torchrun: which weights it starts from, on which device and in which
 precision (trainer.py calls `init_parallel_model(args, mesh)`; the single-process run builds its model itself).
 
-    LoRA / --freeze / --base-dtype from a bf16/fp32 base (--init, or the one a LoRA save names): glm53.peft builds
+    LoRA / --freeze / --base-dtype from a base checkpoint (--init, or the one a LoRA save names): glm53.peft builds
                                it on meta (adapters, --freeze), parallelize, `load_pretrained` (own slices only,
-                               adapters skipped); fresh adapters take apply_lora's values (`fresh_adapters`, the
-                               same RNG draws as one process), a LoRA resume's DCP state fills the trainable
-                               parameters and their optimizer state
-    --base-dtype fp8, or a LoRA resume without DCP state: glm53.peft builds the model whole on every rank (the
-                               FP8 base; the save's adapter file), then parallelize
+                               adapters skipped; --base-dtype bf16: the frozen linears and experts held in bf16,
+                               fp8: the FP8-stored ones held as FP8 values + block scales, read raw, so their
+                               shards are bf16 / FP8); fresh adapters take apply_lora's values
+                               (`fresh_adapters`, the same RNG draws as one process), a LoRA resume's DCP state
+                               fills the trainable parameters and their optimizer state
+    --quantize-base, or a LoRA resume without DCP state: glm53.peft builds the model whole on every rank
+                               (quantising whole blocks; the save's adapter file), then parallelize
     --resume DIR (a DCP run)   build on meta, parallelize; the DCP state fills it (any saved layout)
     --init DIR                 build on meta, parallelize, `glm53.parallel.load_pretrained` (own slices only)
     otherwise                  the preset, seeded identically on every rank, then parallelize
---bf16 runs FSDP2 with a bf16 MixedPrecisionPolicy (glm53.precision's fp32 keep-list stays fp32); --device cuda
+--bf16 runs FSDP2 with a bf16 MixedPrecisionPolicy (glm53.precision's fp32 keep-list stays fp32; a held bf16 / FP8
+base widened to bf16, FP8 values held as their uint8 bits, which the policy does not cast); --device cuda
 puts the shards on this rank's GPU (nccl); --compile BACKEND compiles every block (parallelize's compile option).
 With --cp > 1 every micro-batch's forward takes this rank's slice of each sequence (`forward_inputs`).
 Legend: dp/cp/ep/tp the mesh dimensions (glm53.parallel.init_mesh; glm53/parallel/mesh.py).
@@ -26,10 +29,13 @@ import torch
 from ..config import Glm53Config
 from ..losses import Glm53ForCausalLM
 from ..parallel import context_parallel_inputs, load_pretrained, parallelize
+from ..parallel.export import export_pretrained
 from ..parallel.load import fill_from_full
+from ..parallel.lora_merge import merge_lora_sharded
 from ..parallel.run_checkpoint import bf16_policy, has_run_state, parallel_model
 from ..peft import cli as peft_cli
 from ..peft import freeze, has_lora
+from ..peft.fp8 import hold_for_policy
 from ..peft.load import fresh_adapters
 
 
@@ -52,7 +58,7 @@ def init_parallel_model(
         if base is not None:
             return _meta_peft_model(args, mesh, base, model_class, resuming)
         model = peft_cli.build_model(args, preset)
-        return _parallelize(model.to(mesh.device_type), mesh, args)
+        return _parallelize(_for_policy(model.to(mesh.device_type), args), mesh, args)
     if resuming:
         model = parallel_model(Glm53Config.from_pretrained(args.resume), mesh, **options)
         if getattr(args, "freeze", None) is not None:  # a --freeze run (no adapters) saved the whole model
@@ -70,7 +76,7 @@ def init_parallel_model(
 def _meta_peft_model(args: argparse.Namespace, mesh, base: str, model_class: type, resuming: bool):
     """A LoRA / --freeze model built on meta and parallelized; each rank reads its own slices of `base`, and
     fills its part of every fresh adapter (a DCP resume's state overwrites them, so they are zeroed there)."""
-    model = _parallelize(peft_cli.build_meta_model(args, base, model_class), mesh, args)
+    model = _parallelize(_for_policy(peft_cli.build_meta_model(args, base, model_class), args), mesh, args)
     load_pretrained(model, base, skip=peft_cli.is_adapter)
     params = dict(model.named_parameters())
     if resuming:
@@ -79,6 +85,24 @@ def _meta_peft_model(args: argparse.Namespace, mesh, base: str, model_class: typ
     elif has_lora(model):
         for name, value in fresh_adapters(model):
             fill_from_full(params[name], value)
+    return model
+
+
+def export_merged_sharded(model: Glm53ForCausalLM, path: str) -> str:
+    """--export-merged under torchrun (every rank): each rank folds its adapters into its own shards of the trained
+    model (glm53.parallel.lora_merge; the model is for export afterwards) and the ranks write the bf16 official
+    layout together (`export_pretrained`)."""
+    merge_lora_sharded(model)
+    return export_pretrained(model, path, dtype=torch.bfloat16, overwrite=True)
+
+
+peft_cli.set_sharded_export(export_merged_sharded)
+
+
+def _for_policy(model: Glm53ForCausalLM, args: argparse.Namespace) -> Glm53ForCausalLM:
+    """Under --bf16 (FSDP's bf16 policy) a held bf16 / FP8 base is widened to bf16, FP8 values held as their bits."""
+    if args.bf16:
+        hold_for_policy(model, torch.bfloat16)
     return model
 
 
@@ -103,4 +127,4 @@ def forward_inputs(model: Glm53ForCausalLM, inputs: dict[str, torch.Tensor], los
     return context_parallel_inputs(model, **inputs, loss_denominators=loss_denominators)
 
 
-__all__ = ["init_parallel_model", "forward_inputs"]
+__all__ = ["init_parallel_model", "forward_inputs", "export_merged_sharded"]

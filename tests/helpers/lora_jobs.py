@@ -23,6 +23,7 @@ import glm53
 from glm53 import Glm53Config, Glm53ForCausalLM
 from glm53.parallel import clip_grad_norm_, parallelize
 from glm53.peft import quantize_model
+from glm53.peft.fp8_storage import hold_bf16
 from tests.helpers.expert_jobs import build_ep_mesh
 from tests.helpers.parallel_jobs import CLIP_NORM, LR, build_mesh, full
 
@@ -30,14 +31,17 @@ RANK, ALPHA = 4, 8
 FP8_BLOCK = (8, 8)  # several blocks per expert matrix of the tiny config (hidden 32, expert width 16)
 
 
-def lora_model(config: dict, state: dict, lora_state: dict, fp8: bool = False) -> Glm53ForCausalLM:
+def lora_model(config: dict, state: dict, lora_state: dict, fp8: bool = False, bf16: bool = False) -> Glm53ForCausalLM:
     """The adapted model; `fp8`: its text linears and experts quantised to FP8_BLOCK-block FP8 first (a frozen
-    FP8 base, fp32 adapters; the quantisation is deterministic, so every rank and the reference hold the same)."""
+    FP8 base, fp32 adapters; the quantisation is deterministic, so every rank and the reference hold the same);
+    `bf16`: the frozen text linears and experts held in bf16 (glm53.peft.hold_bf16), fp32 adapters."""
     model = Glm53ForCausalLM(Glm53Config(**config))
     model.load_state_dict(state)
     if fp8:
         quantize_model(model, block=FP8_BLOCK)
     glm53.apply_lora(model, RANK, ALPHA)
+    if bf16:
+        hold_bf16(model)
     with torch.no_grad():
         params = dict(model.named_parameters())
         for name, value in lora_state.items():
@@ -57,15 +61,23 @@ def _step(model, pieces, world) -> dict:
 
 
 def lora_reference(
-    config: dict, state: dict, lora_state: dict, ids: torch.Tensor, world: int, fp8: bool = False
+    config: dict, state: dict, lora_state: dict, ids: torch.Tensor, world: int, fp8: bool = False, bf16: bool = False
 ) -> dict:
-    model = lora_model(config, state, lora_state, fp8)
+    model = lora_model(config, state, lora_state, fp8, bf16)
     per = ids.shape[0] // world
     return _step(model, [ids[k * per : (k + 1) * per] for k in range(world)], 1)
 
 
 def lora_step(
-    config: dict, state: dict, lora_state: dict, ids: torch.Tensor, dp: int, ep: int = 1, tp: int = 1, fp8: bool = False
+    config: dict,
+    state: dict,
+    lora_state: dict,
+    ids: torch.Tensor,
+    dp: int,
+    ep: int = 1,
+    tp: int = 1,
+    fp8: bool = False,
+    bf16: bool = False,
 ) -> dict:
     """One adapter step on a dp x ep x tp mesh; the tp ranks of a data rank read the same slice."""
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
@@ -74,11 +86,11 @@ def lora_step(
         mesh = init_device_mesh("cpu", (dp, ep, tp), mesh_dim_names=("dp", "ep", "tp"))
     else:
         mesh = build_ep_mesh(dp, ep) if ep > 1 else build_mesh(dp, tp)
-    model = lora_model(config, state, lora_state, fp8)
+    model = lora_model(config, state, lora_state, fp8, bf16)
     parallelize(model, mesh)
     world, data_rank = dp * ep * tp, dist.get_rank() // tp  # (dp, tp) meshes: tp is the inner dimension
     per = ids.shape[0] // (dp * ep)
-    gathered = _gathered_bytes(model, ids[data_rank * per : (data_rank + 1) * per]) if fp8 else None
+    gathered = _gathered_bytes(model, ids[data_rank * per : (data_rank + 1) * per]) if fp8 or bf16 else None
     out = _step(model, [ids[data_rank * per : (data_rank + 1) * per]], world)
     dist.all_reduce(out["loss"])
     out["loss"] /= world
@@ -86,14 +98,22 @@ def lora_step(
     placements = {n: _layout(p) for n, p in model.named_parameters() if "lora_" in n}
     scales = {n: _layout(b)[0] for n, b in model.named_buffers() if ".mlp.experts." in n and n.endswith("_scale_inv")}
     fp8 = sorted(n for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn)
+    bf16 = {n: _layout(p)[0] for n, p in model.named_parameters() if _local(p).dtype == torch.bfloat16}
     return dict(
-        out, frozen_grads=frozen_grads, placements=placements, expert_scales=scales, fp8_params=fp8, gathered=gathered
+        out,
+        frozen_grads=frozen_grads,
+        placements=placements,
+        expert_scales=scales,
+        fp8_params=fp8,
+        bf16_shards=bf16,
+        gathered=gathered,
     )
 
 
 def _gathered_bytes(model, ids: torch.Tensor) -> dict:
     """The bytes FSDP's all-gathers send from this rank in one no-grad forward (every unit gathered once) beside
-    this rank's padded shard bytes of every parameter (FP8 values at 1 byte) and its FP8 shard elements."""
+    this rank's padded shard bytes of every parameter (FP8 values at 1 byte, bf16 at 2) and its FP8 and bf16
+    shard elements."""
     sent = []
     keep = dist.all_gather_single
 
@@ -109,7 +129,12 @@ def _gathered_bytes(model, ids: torch.Tensor) -> dict:
         dist.all_gather_single = keep
     shard = sum(_padded_numel(p) * p.element_size() for p in model.parameters())
     fp8 = sum(_padded_numel(p) for p in model.parameters() if p.dtype == torch.float8_e4m3fn)
-    return dict(sent=sum(sent), shard=shard, fp8=fp8)
+    bf16 = sum(_padded_numel(p) for p in model.parameters() if p.dtype == torch.bfloat16)
+    return dict(sent=sum(sent), shard=shard, fp8=fp8, bf16=bf16)
+
+
+def _local(p):
+    return p.to_local() if isinstance(p, DTensor) else p
 
 
 def _padded_numel(p) -> int:
@@ -177,7 +202,8 @@ def cli_train(argv: list[str], inspect: bool = False, build: str = "any", everyt
 def loaded_state(run, everything: bool = False) -> dict:
     """A trainer's step, adapters and AdamW state as full tensors keyed by parameter name (every rank);
     `everything`: also every parameter (`params`), which require gradients (`trainable`) and the checkpoint bytes
-    this rank read (`bytes_read`, None when the model was not loaded per rank)."""
+    this rank read (`bytes_read`, None when the model was not loaded per rank), the bytes of this rank's local
+    shards per dtype (`local_bytes`) and the FP8 block scales (`scales`); FP8 values come as their uint8 bits."""
     optim = {}
     for name, p in run.model.named_parameters():
         if p.requires_grad:
@@ -187,10 +213,31 @@ def loaded_state(run, everything: bool = False) -> dict:
     if everything:
         reader = getattr(run.model, "checkpoint_reader", None)
         out.update(
-            params={n: full(p) for n, p in run.model.named_parameters()},
+            params={n: _full_bits(p) for n, p in run.model.named_parameters()},
+            scales={n: full(b) for n, b in run.model.named_buffers() if n.endswith("_scale_inv")},
             trainable=sorted(n for n, p in run.model.named_parameters() if p.requires_grad),
             bytes_read=None if reader is None else reader.bytes_read,
+            local_bytes=_local_bytes(run.model),
         )
+    return out
+
+
+def _full_bits(p) -> torch.Tensor:
+    """full(p); an FP8 parameter as its uint8 bits (gathered as bytes: gloo has no float8)."""
+    if p.dtype != torch.float8_e4m3fn:
+        return full(p)
+    bits = _local(p).detach().view(torch.uint8)
+    if isinstance(p, DTensor):
+        bits = DTensor.from_local(bits, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
+    return bits.clone()
+
+
+def _local_bytes(model) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for p in model.parameters():
+        t = _local(p)
+        key = str(t.dtype).removeprefix("torch.").replace("bfloat16", "bf16")
+        out[key] = out.get(key, 0) + t.numel() * t.element_size()
     return out
 
 

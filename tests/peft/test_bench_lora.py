@@ -33,6 +33,7 @@ def test_bench_lora_runs(tmp_path):
     )
     assert run.returncode == 0, run.stderr
     result = json.loads(out.read_text())
-    assert set(result["rows"]) == {"full", "lora", "lora-bf16", "lora-fp8"}
+    assert set(result["rows"]) == {"full", "lora", "lora-held", "lora-bf16", "lora-fp8"}
     assert result["rows"]["lora"]["trainable"] < result["rows"]["full"]["trainable"] / 5
     assert result["rows"]["lora-fp8"]["state_bytes"] < result["rows"]["lora-bf16"]["state_bytes"]
+    assert result["rows"]["lora-held"]["state_bytes"] < result["rows"]["lora"]["state_bytes"]

@@ -10,15 +10,21 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+import glm53
+from glm53 import Glm53ForCausalLM
 from glm53.__main__ import main
+from glm53.peft import load_base
 from glm53.peft.files import WEIGHTS_FILE
+from glm53.precision import keeps_fp32
 from glm53.training import trainer
+from tests.helpers.checkpoints import fp8_source
 from tests.helpers.lora_jobs import cli_train, loaded_state
 
 FAST = ["--batch-size", "2", "--seq-len", "16", "--log-every", "1", "--seed", "3"]
@@ -70,8 +76,11 @@ def _one_process(argv, monkeypatch) -> dict:
 def _same_params(got: dict, want: dict, where: str) -> None:
     assert got["params"].keys() == want["params"].keys(), where
     for name, value in want["params"].items():
-        assert torch.equal(got["params"][name], value), (where, name)
+        assert got["params"][name].dtype == value.dtype and torch.equal(got["params"][name], value), (where, name)
     assert got["trainable"] == want["trainable"], where
+    assert got["scales"].keys() == want["scales"].keys(), where
+    for name, value in want["scales"].items():
+        assert torch.equal(got["scales"][name], value), (where, name)
 
 
 def test_dp2_tp2_ep2_lora_from_init_build_on_meta_and_read_own_slices(pool2, base, tmp_path, monkeypatch):
@@ -117,3 +126,128 @@ def test_dp2_freeze_from_init_builds_on_meta(pool2, base, monkeypatch):
     for res in meta:
         _same_params(res["loaded"], one, "dp2 --freeze")
         assert 0 < res["loaded"]["bytes_read"]
+
+
+def test_dp2_bf16_base_on_meta_holds_bf16_shards_as_one_process(pool2, base, tmp_path, monkeypatch):
+    """--base-dtype bf16 under torchrun: built on meta with the frozen text linears and experts held in bf16, so
+    each rank's FSDP shards of them are bf16 (2 bytes) and read from its slices; the same values and dtypes as
+    one process, and two steps train as the whole build does (the same losses and adapters)."""
+    run = ["train", "--init", str(base), *LORA, "--base-dtype", "bf16", *FAST, "--steps", "2"]
+    meta = _ok(pool2.run(cli_train, argv=[*run, "--dp", "2"], inspect=True, build="meta", everything=True))
+    one = _one_process(run, monkeypatch)
+    held = {n for n, v in one["params"].items() if v.dtype == torch.bfloat16}
+    assert len(held) > 40 and not any("lora_" in n or "norm" in n or "embed" in n for n in held)
+    assert all(v.dtype == torch.float32 for n, v in one["params"].items() if n not in held)
+    stored = _stored_bytes(base)
+    for res in meta:
+        _same_params(res["loaded"], one, "dp2 bf16 base")
+        assert all(v.dtype == one["params"][n].dtype for n, v in res["loaded"]["params"].items())
+        local = res["loaded"]["local_bytes"]
+        # this rank's shards: the held weights at 2 bytes of about half their elements (FSDP pads a row at most)
+        assert 0.45 < local["bf16"] / (2 * sum(one["params"][n].numel() for n in held)) < 0.6, local
+        assert 0 < res["loaded"]["bytes_read"] < 0.6 * stored
+    # training: the meta build and the whole build (peft's build_model on every rank, then sharded) give the same
+    # numbers; dp2 vs one process on one step's numbers is test_lora_parallel's bf16 case (the same held values)
+    a, b = tmp_path / "meta", tmp_path / "whole"
+    _ok(pool2.run(cli_train, argv=[*run, "--dp", "2", "--save", str(a)], build="meta"))
+    _ok(pool2.run(cli_train, argv=[*run, "--dp", "2", "--save", str(b)], build="whole"))
+    la, lb = _losses(a), _losses(b)
+    assert sorted(la) == [1, 2] and la == lb
+    fa, fb = load_file(a / WEIGHTS_FILE), load_file(b / WEIGHTS_FILE)
+    assert fa.keys() == fb.keys() and len(fa) > 50 and all(torch.equal(fa[k], fb[k]) for k in fa)
+
+
+def test_dp2_bf16_base_under_the_bf16_policy_trains(pool2, base, tmp_path):
+    """--bf16 under torchrun is FSDP's bf16 policy: the bf16-held base is widened to bf16 (a no-op) there, as the
+    adapters and activations are; an fp32 widening would be refused by parallelize (test_lora_tp_refusals.py)."""
+    run = ["train", "--init", str(base), *LORA, "--base-dtype", "bf16", *FAST, "--steps", "1", "--dp", "2"]
+    _ok(pool2.run(cli_train, argv=[*run, "--bf16", "--save", str(tmp_path / "a")], build="meta"))
+    _ok(pool2.run(cli_train, argv=[*run, "--save", str(tmp_path / "b")], build="meta"))
+    la, lb = _losses(tmp_path / "a"), _losses(tmp_path / "b")
+    # bf16 compute vs fp32 compute on the same bf16 weights: bf16 roundings (2^-8) through the 4-layer stack
+    assert sorted(la) == [1] and abs(la[1] - lb[1]) <= 4 * 2**-8 * abs(lb[1]) and la[1] != lb[1]
+
+
+@pytest.fixture(scope="module")
+def fp8_base(tmp_path_factory):
+    path = tmp_path_factory.mktemp("fp8") / "ckpt"
+    shutil.copytree(fp8_source()[0], path)
+    return path
+
+
+def test_dp2_ep2_fp8_base_built_on_meta_reads_raw_fp8_as_one_process(pool2, fp8_base, tmp_path, monkeypatch):
+    """--base-dtype fp8 under torchrun: built on meta with FP8 placeholders, each rank reads its raw FP8 slices
+    (block 4 x 8 on hidden 36: FSDP's row split cuts blocks) and the scales its buffers hold (whole under dp, its
+    experts' under ep); the same FP8 bytes, scales and adapters as one process, and no rank reads the whole base."""
+    run = ["train", "--init", str(fp8_base), *LORA, "--base-dtype", "fp8", *FAST, "--steps", "1"]
+    dp2 = _ok(pool2.run(cli_train, argv=[*run, "--dp", "2"], inspect=True, build="meta", everything=True))
+    ep2 = _ok(pool2.run(cli_train, argv=[*run, "--ep", "2"], inspect=True, build="meta", everything=True))
+    one = _one_process(run, monkeypatch)
+    fp8 = {n for n, v in one["params"].items() if v.dtype == torch.uint8}  # FP8 values, as their bits
+    assert len(fp8) > 40 and sum(".mlp.experts." in n for n in fp8) == 6 and len(one["scales"]) == len(fp8)
+    stored = _stored_bytes(fp8_base)
+    for res in (*dp2, *ep2):
+        _same_params(res["loaded"], one, "fp8 base")
+        assert 0 < res["loaded"]["bytes_read"] < 0.75 * stored
+    # dp2 splits every FP8 weight's rows: each rank holds and reads about half of the FP8 bytes
+    fp8_bytes = sum(one["params"][n].numel() for n in fp8)
+    for res in dp2:
+        assert 0.45 < res["loaded"]["local_bytes"]["float8_e4m3fn"] / fp8_bytes < 0.6
+        assert res["loaded"]["bytes_read"] < 0.6 * stored
+    # together they read every FP8 value (once) and the whole-scale buffers (each rank); the checkpoint's vision
+    # tower and MTP tensors, which the text model does not load, nobody
+    scales = sum(b.numel() * 4 for b in one["scales"].values())
+    assert sum(r["loaded"]["bytes_read"] for r in dp2) >= fp8_bytes + 2 * scales
+    # training from the meta build equals the whole build (peft's build_model on every rank, then sharded)
+    a, b = tmp_path / "meta", tmp_path / "whole"
+    _ok(pool2.run(cli_train, argv=[*run, "--dp", "2", "--save", str(a)], build="meta"))
+    _ok(pool2.run(cli_train, argv=[*run, "--dp", "2", "--save", str(b)], build="whole"))
+    assert _losses(a) == _losses(b) and sorted(_losses(a)) == [1]
+    fa, fb = load_file(a / WEIGHTS_FILE), load_file(b / WEIGHTS_FILE)
+    assert fa.keys() == fb.keys() and len(fa) > 50 and all(torch.equal(fa[k], fb[k]) for k in fa)
+
+
+def test_dp2_fp8_base_under_the_bf16_policy(pool2, fp8_base, tmp_path, monkeypatch):
+    """--bf16 with --base-dtype fp8 under torchrun: FSDP's bf16 policy would cast FP8 values to bf16 numbers
+    without their scales, so they are held as their uint8 bits (glm53.peft.fp8.hold_for_policy; the policy casts
+    floating parameters only) and dequantised to bf16 per matmul: the same bytes as one process's FP8 values, each
+    rank half of them, and a step within bf16 rounding of the fp32-compute run."""
+    one_run = ["train", "--init", str(fp8_base), *LORA, "--base-dtype", "fp8", *FAST, "--steps", "1"]
+    run = [*one_run, "--dp", "2"]
+    bits = _ok(pool2.run(cli_train, argv=[*run, "--bf16"], inspect=True, build="meta", everything=True))
+    one = _one_process(one_run, monkeypatch)
+    fp8_bytes = sum(v.numel() for v in one["params"].values() if v.dtype == torch.uint8)
+    for res in bits:
+        _same_params(res["loaded"], one, "dp2 --bf16 fp8 base")
+        assert 0.45 < res["loaded"]["local_bytes"]["uint8"] / fp8_bytes < 0.6
+        assert "float8_e4m3fn" not in res["loaded"]["local_bytes"]
+    _ok(pool2.run(cli_train, argv=[*run, "--bf16", "--save", str(tmp_path / "a")], build="meta"))
+    _ok(pool2.run(cli_train, argv=[*run, "--save", str(tmp_path / "b")], build="meta"))
+    la, lb = _losses(tmp_path / "a"), _losses(tmp_path / "b")
+    # bf16 compute vs fp32 compute on the same FP8 weights: bf16 roundings (2^-8) through the 4-layer stack
+    assert sorted(la) == [1] and abs(la[1] - lb[1]) <= 4 * 2**-8 * abs(lb[1]) and la[1] != lb[1]
+
+
+@pytest.mark.parametrize(
+    "checkpoint, base_dtype, layout",
+    [("fp8_base", "fp8", ["--dp", "2"]), ("fp8_base", "fp8", ["--ep", "2"]), ("base", "bf16", ["--dp", "2"])],
+)
+def test_export_merged_under_torchrun_equals_one_process_merge(
+    pool2, request, tmp_path, checkpoint, base_dtype, layout
+):
+    """--export-merged under torchrun: every rank folds the adapters into its own shards (FSDP's row split cuts the
+    FP8 base's 4 x 8 blocks, ep splits the experts; a bf16-held base is widened) and the ranks write the official
+    layout together: the saved adapter merged in one process (load_base + load_lora + merge_lora, bf16)."""
+    path = request.getfixturevalue(checkpoint)
+    run = ["train", "--init", str(path), *LORA, "--base-dtype", base_dtype, *FAST, "--steps", "1", *layout]
+    _ok(pool2.run(cli_train, argv=[*run, "--save", str(tmp_path / "a"), "--export-merged", str(tmp_path / "m")]))
+    want = load_base(Glm53ForCausalLM, path, base_dtype, dtype=torch.float32)
+    glm53.load_lora(want, tmp_path / "a")
+    assert any(p.abs().max() > 0 for n, p in want.named_parameters() if "lora_B" in n)
+    glm53.merge_lora(want)
+    got = dict(Glm53ForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32).named_parameters())
+    for name, p in want.named_parameters():
+        ref = p.float() if keeps_fp32(name) else p.to(torch.bfloat16).float()
+        # the same fp32 sums per element (base + s * the r-long B A dot product), rounded to bf16 once: at most one
+        # bf16 step (2^-8 relative) apart where a sum order differs
+        assert ((got[name] - ref).abs() <= 2**-8 * ref.abs()).all(), name

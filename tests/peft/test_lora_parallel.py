@@ -12,7 +12,7 @@ from tests.parallel.test_parallel_gloo import GRAD_FLOOR, REL_TOL, config_dict, 
 BATCH, SEQ = 4, 12
 
 
-def make_case(seed: int = 0, fp8: bool = False) -> dict:
+def make_case(seed: int = 0, fp8: bool = False, bf16: bool = False) -> dict:
     config = config_dict()
     torch.manual_seed(seed)
     model = Glm53ForCausalLM(Glm53Config(**config))
@@ -21,7 +21,7 @@ def make_case(seed: int = 0, fp8: bool = False) -> dict:
     gen = torch.Generator().manual_seed(seed + 3)
     lora_state = {n: torch.randn(p.shape, generator=gen) * 0.1 for n, p in adapted.named_parameters() if "lora_" in n}
     ids = torch.randint(1, config["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(seed + 1))
-    return dict(config=config, state=state, lora_state=lora_state, ids=ids, fp8=fp8)
+    return dict(config=config, state=state, lora_state=lora_state, ids=ids, fp8=fp8, bf16=bf16)
 
 
 def check(results, reference):
@@ -115,3 +115,20 @@ def test_lora_on_fp8_base_dp2_ep2_matches_one_process(pool4):
         # 1 byte (a bf16 gather would send `fp8` bytes more)
         g = res["gathered"]
         assert g["fp8"] > 10_000 and g["sent"] == g["shard"], g
+
+
+def test_lora_on_bf16_base_dp2_ep2_matches_one_process(pool4):
+    """A frozen base held in bf16 under dp2 x ep2: FSDP units mixing bf16 frozen weights with fp32 norms, router
+    and adapters; the experts' bf16 weights Shard(0) over ep. The reference holds the same bf16 values."""
+    case = make_case(seed=6, bf16=True)
+    results = pool4.run(lora_step, **case, dp=2, ep=2)
+    check(results, lora_reference(**case, world=4))
+    E = case["config"]["n_routed_experts"]
+    for res in results:  # every frozen text linear and expert weight is a bf16 shard; each rank its E / ep experts
+        shards = res["bf16_shards"]
+        assert len(shards) > 40 and not any("lora_" in n or "norm" in n or "gate.weight" in n for n in shards)
+        experts = [shape for n, shape in shards.items() if n.endswith(".mlp.experts.gate_up_proj")]
+        assert len(experts) == 3 and all(s[0] == E // 2 for s in experts)
+        # FSDP gathers the bf16 weights as bf16: this rank sends exactly its (padded) shards' bytes, bf16 at 2
+        g = res["gathered"]
+        assert g["bf16"] > 10_000 and g["sent"] == g["shard"], g

@@ -1,6 +1,6 @@
 """What parallelize refuses for glm53.peft models under tensor parallelism, before changing anything: an FP8 base,
 an adapter on lm_head (the vocab-parallel loss reads its weight itself), adapter dropout, and an FP8 base under
-a low-precision FSDP policy. Runs in a
+a low-precision FSDP policy, a held base widened to fp32 under one. Runs in a
 simulated world (the fake process group and LocalTensorMode of tests/parallel/test_parallel_boundary.py)."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import glm53
 from glm53 import Glm53ForCausalLM
 from glm53.parallel import parallelize
 from glm53.peft import quantize_model
+from glm53.peft.fp8_storage import hold_bf16
 from tests.parallel.test_parallel_boundary import WORLD, meshes, tiny  # noqa: F401 (fixture)
 
 
@@ -80,3 +81,26 @@ def test_fp8_base_under_a_bf16_policy_is_refused(meshes):  # noqa: F811
     with LocalTensorMode(WORLD), pytest.raises(ValueError, match="FP8 base .* MixedPrecisionPolicy"):
         parallelize(model, meshes["2d"]["dp"], mp_policy=policy)
     assert _untouched(model)
+
+
+def test_bf16_held_base_widened_to_fp32_under_a_bf16_policy_is_refused(meshes):  # noqa: F811
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    model = Glm53ForCausalLM(tiny())
+    glm53.apply_lora(model, 2)
+    assert hold_bf16(model, torch.float32)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    with (
+        LocalTensorMode(WORLD),
+        pytest.raises(ValueError, match="held base .* widened to torch.float32 under a MixedPrec"),
+    ):
+        parallelize(model, meshes["2d"]["dp"], mp_policy=policy)
+    assert _untouched(model)
+    # held for the policy's dtype (what glm53 train --bf16 does), or without the policy: accepted
+    for compute, mp in ((torch.bfloat16, policy), (torch.float32, None)):
+        model = Glm53ForCausalLM(tiny())
+        glm53.apply_lora(model, 2)
+        hold_bf16(model, compute)
+        with LocalTensorMode(WORLD):
+            parallelize(model, meshes["2d"]["dp"], mp_policy=mp)
+        assert not _untouched(model)

@@ -43,6 +43,18 @@ def test_bf16_base_lora_fits_141(capsys):
     assert 66 < rows["params"] < 80  # 2 bytes per frozen parameter
 
 
+def test_bf16_base_under_fp32_training_is_priced_at_2_bytes(capsys):
+    """--dtype fp32 (fp32 adapters and compute): the held bf16 base still costs 2 bytes a weight (4 would be ~147
+    GiB), the adapters 4, and a module's weights widened to fp32 for its matmul add to the transient."""
+    argv = ["--dp", "1", "--ep", "8", *LORA, "--base-dtype", "bf16", "--device-gib", "141"]
+    assert main([*argv, "--dtype", "fp32"]) == 0
+    fp32 = _rows(capsys.readouterr().out)
+    assert main(argv) == 0
+    bf16 = _rows(capsys.readouterr().out)
+    assert 66 < fp32["params"] < 80 and fp32["params"] < 1.05 * bf16["params"]
+    assert fp32["grads"] == pytest.approx(2 * bf16["grads"], 0.02) and fp32["transient"] > bf16["transient"]
+
+
 def test_bad_rank(capsys):
     with pytest.raises(SystemExit, match="--lora-rank must be a positive integer"):
         main(["--dp", "1", "--ep", "8", "--lora-rank", "0"])
