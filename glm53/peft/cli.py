@@ -296,15 +296,6 @@ def set_sharded_export(export) -> None:
     _SHARDED_EXPORT = export
 
 
-def check_distributed(args: argparse.Namespace) -> None:
-    """What a torchrun run with these flags refuses before any model is built."""
-    if getattr(args, "export_merged", None) is not None and getattr(args, "tp", 1) > 1:
-        raise ConfigError(
-            "--export-merged under torchrun with --tp > 1 is not supported (dp / ep / cp layouts are): save the run "
-            "(--save), then merge in one process (`glm53 generate --model BASE --adapter DIR`, or glm53.merge_lora)"
-        )
-
-
 def export_merged(args: argparse.Namespace, model: torch.nn.Module) -> str | None:
     """--export-merged DIR: the model with its adapters folded in (held bases widened) written in bf16. One process:
     a merged copy, saved. Under torchrun (sharded parameters): the installed writer (`set_sharded_export`;
@@ -351,7 +342,6 @@ __all__ = [
     "resume_state",
     "save_run",
     "adapter_writer",
-    "check_distributed",
     "set_sharded_export",
     "export_merged",
     "add_generate_arguments",

@@ -53,7 +53,6 @@ def init_parallel_model(
     resuming = bool(args.resume and has_run_state(args.resume))
     if peft_cli.enabled(args) and (args.lora_rank is not None or not resuming):
         # LoRA / frozen groups / a frozen base: on meta with per-rank reads, or (FP8 base) whole, then sharded
-        peft_cli.check_distributed(args)
         base = peft_cli.meta_base(args, resuming)
         if base is not None:
             return _meta_peft_model(args, mesh, base, model_class, resuming)
