@@ -56,6 +56,20 @@ def _stored_bytes(path) -> int:
     return total
 
 
+def _largest_tensor_bytes(path) -> int:
+    largest = 0
+    for file in sorted(os.listdir(path)):
+        if file.endswith(".safetensors"):
+            with safe_open(os.path.join(path, file), framework="pt") as f:
+                for key in f.keys():
+                    t = f.get_slice(key)
+                    size = (
+                        torch.Size(t.get_shape()).numel() * torch.empty(0, dtype=_DTYPES[t.get_dtype()]).element_size()
+                    )
+                    largest = max(largest, size)
+    return largest
+
+
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F8_E4M3": torch.float8_e4m3fn}
 
 
@@ -205,6 +219,29 @@ def test_dp2_ep2_fp8_base_built_on_meta_reads_raw_fp8_as_one_process(pool2, fp8_
     assert _losses(a) == _losses(b) and sorted(_losses(a)) == [1]
     fa, fb = load_file(a / WEIGHTS_FILE), load_file(b / WEIGHTS_FILE)
     assert fa.keys() == fb.keys() and len(fa) > 50 and all(torch.equal(fa[k], fb[k]) for k in fa)
+
+
+def test_dp2_ep2_quantize_base_on_meta_quantises_per_rank_as_one_process(pool2, base, monkeypatch):
+    """--quantize-base under torchrun: built on meta with FP8 placeholders for every text linear and expert, each
+    rank reads the wider (fp32) key of each one whole, one tensor at a time, quantises it per block as load_base does
+    in one process and keeps its slices of the values and scales: the same FP8 bytes and scales as one process on dp2
+    and ep2, and no rank builds or reads the whole model at once (build="meta": load_base / from_pretrained raise)."""
+    run = ["train", "--init", str(base), *LORA, "--base-dtype", "fp8", "--quantize-base", *FAST, "--steps", "1"]
+    dp2 = _ok(pool2.run(cli_train, argv=[*run, "--dp", "2"], inspect=True, build="meta", everything=True))
+    ep2 = _ok(pool2.run(cli_train, argv=[*run, "--ep", "2"], inspect=True, build="meta", everything=True))
+    one = _one_process(run, monkeypatch)
+    fp8 = {n for n, v in one["params"].items() if v.dtype == torch.uint8}  # every text linear and expert tensor
+    assert len(fp8) > 60 and sum(".mlp.experts." in n for n in fp8) == 8 and len(one["scales"]) == len(fp8)
+    stored, largest = _stored_bytes(base), _largest_tensor_bytes(base)
+    for res in (*dp2, *ep2):
+        _same_params(res["loaded"], one, "quantize base")
+        # one key in flight at a time: the largest read is one stored tensor, far from the whole model
+        assert 0 < res["loaded"]["largest_read"] <= largest < stored / 10
+        assert 0 < res["loaded"]["bytes_read"] <= stored
+    # a rank holds its shards in FP8 (about half of the values under dp2), not a bf16 / fp32 copy of them
+    fp8_bytes = sum(one["params"][n].numel() for n in fp8)
+    for res in dp2:
+        assert 0.45 < res["loaded"]["local_bytes"]["float8_e4m3fn"] / fp8_bytes < 0.6
 
 
 def test_dp2_fp8_base_under_the_bf16_policy(pool2, fp8_base, tmp_path, monkeypatch):
