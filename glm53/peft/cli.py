@@ -175,10 +175,10 @@ def build_meta_model(
 ) -> Glm53ForCausalLM:
     """`build_model`'s model on the meta device, without values: the architecture of `base` with the adapters
     (fresh, or shaped as --resume's) and --freeze applied; with --base-dtype fp8 the weights `base` stores in FP8
-    (every one with --quantize-base) as meta FP8 values and block scales, with bf16 the frozen text linears and experts held in bf16; either is
-    widened to `compute_dtype` (an FSDP policy's param dtype) per matmul. Fill it after parallelizing: the base with
-    glm53.parallel.load_pretrained (skipping `is_adapter` names; each tensor keeps its dtype, FP8 read raw; pass
-    quantize=args.quantize_base), fresh
+    (every text linear and expert with --quantize-base) as meta FP8 values and block scales, with bf16 the frozen
+    text linears and experts held in bf16; either is widened to `compute_dtype` (an FSDP policy's param dtype) per
+    matmul. Fill it after parallelizing: the base with glm53.parallel.load_pretrained (skipping `is_adapter` names;
+    each tensor keeps its dtype, FP8 read raw; quantize=args.quantize_base quantises the wider keys on read), fresh
     adapters with glm53.peft.fresh_adapters (a DCP resume fills them from its state)."""
     with torch.device("meta"):
         model = cls(Glm53Config.from_pretrained(base))
