@@ -75,6 +75,7 @@ def check_step(model, cache: object, ids: object, hidden: object = None) -> None
 # (a new code object, the same function), kept while the model lives, the MAX_SIGNATURES most recent per model.
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 MAX_SIGNATURES = 32
+CAPACITY_BUCKET = 256  # compiled generation sizes its cache in these steps (Stepper.capacity)
 
 
 def _signature(cache: GenerationCache, ids: torch.Tensor, hidden: torch.Tensor | None) -> tuple:
@@ -101,6 +102,15 @@ class Stepper:
     def __init__(self, compile: bool | str | Callable = False) -> None:
         self.options = compile_options(compile) if compile else None
         self.graphs = bool(compile) and self.options.get("mode") == "reduce-overhead"  # CUDA graphs: outputs copied
+
+    def capacity(self, positions: int) -> int:
+        """The cache length for a call that needs `positions`: exact when eager; compiled, rounded up to a multiple
+        of CAPACITY_BUCKET, since every cache length is its own graph (a signature): calls whose prompt plus
+        max_new_tokens fall in one bucket reuse one compile instead of compiling again (tens of seconds on a CPU).
+        The spare positions are never read (the step masks past the cache's length)."""
+        if self.options is None:
+            return positions
+        return -(-positions // CAPACITY_BUCKET) * CAPACITY_BUCKET
 
     def __call__(
         self,
@@ -156,4 +166,13 @@ def step(
 
 _EAGER = Stepper()
 
-__all__ = ["GenerationError", "MAX_SIGNATURES", "Stepper", "compile_options", "compiled_forward", "forward", "step"]
+__all__ = [
+    "CAPACITY_BUCKET",
+    "GenerationError",
+    "MAX_SIGNATURES",
+    "Stepper",
+    "compile_options",
+    "compiled_forward",
+    "forward",
+    "step",
+]

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from glm53.generation import CacheError, GenerationCache, Stepper, step
+from glm53.generation.step import CAPACITY_BUCKET
 from glm53.model.context import ForwardContext
 from tests.generation.test_incremental import CASES, GLM_SHARED, KDA_ONLY, REL_TOL, REL_TOL_RANDOM
 from tests.helpers.generation import assert_matches_full, case_inputs, left_padded, tiny_model, verify_rewind_decode
@@ -258,6 +259,24 @@ def test_many_models_and_lengths_compile_in_one_process():
             assert len(graphs) == before + 1  # one graph for both decode steps of this signature
             torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-6 * eager.abs().max().item())
     assert len(graphs) == 9
+
+
+def test_generate_compiled_reuses_its_graph_across_lengths():
+    """Compiled generate sizes its cache in CAPACITY_BUCKET steps (every cache length is its own graph): calls with
+    other prompt lengths and max_new_tokens in one bucket reuse the first call's decode graph (a CPU inductor compile
+    is tens of seconds), and the tokens stay the eager ones. A call past the bucket compiles once more."""
+    model = tiny_model(random_weights=False, **ONE_LAYER)
+    backend, graphs = _graph_counter()
+    for lengths, new in (([7, 5], 4), ([9, 6], 6), ([4, 4], 3)):
+        ids, mask = left_padded(model.config.vocab_size, lengths)
+        plain = model.generate(ids, mask, max_new_tokens=new)
+        assert torch.equal(model.generate(ids, mask, max_new_tokens=new, compile=backend), plain)
+    assert len(graphs) == 1
+    ids, mask = left_padded(model.config.vocab_size, [CAPACITY_BUCKET - 2, 5])
+    model.generate(ids, mask, max_new_tokens=3, compile=backend)
+    assert len(graphs) == 2
+    assert Stepper().capacity(CAPACITY_BUCKET + 1) == CAPACITY_BUCKET + 1  # eager: exact
+    assert Stepper(compile=backend).capacity(CAPACITY_BUCKET + 1) == 2 * CAPACITY_BUCKET
 
 
 def test_generate_compiled_with_inductor_equals_eager():
