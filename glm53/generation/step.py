@@ -131,12 +131,26 @@ class Stepper:
         run: Callable = forward
         if self.options is not None and cache.started and embeds is None:  # (a VL prompt's prefill: never compiled)
             run = compiled_forward(model, self.options, _signature(cache, ids, hidden))
-        # contiguous inputs: a compiled step is specialised on strides (a sliced prompt would recompile it)
-        out = run(model, cache, ids.contiguous(), valid, None if hidden is None else hidden.contiguous(), embeds)
+        out = run(model, cache, _dense(ids), valid, None if hidden is None else _dense(hidden), embeds)
         if self.graphs and run is not forward:
             out = out.clone()
         cache.end(ids.shape[1])
         return out
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """`t` with row-major strides. A compiled step is specialised on exact strides, and a slice such as the draft's
+    h[:, -1:] of a [B, T, D] output is contiguous (`contiguous()` returns it as is) with T-dependent strides: each T
+    would compile the step again, until torch.compile's recompile limit fails the call."""
+    return t if t.stride() == _row_major(t.shape) else t.clone(memory_format=torch.contiguous_format)
+
+
+def _row_major(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
 
 
 def compile_options(compile: bool | str | Callable) -> dict:

@@ -279,6 +279,25 @@ def test_generate_compiled_reuses_its_graph_across_lengths():
     assert Stepper(compile=backend).capacity(CAPACITY_BUCKET + 1) == 2 * CAPACITY_BUCKET
 
 
+def test_compiled_step_ignores_the_strides_of_sliced_inputs():
+    """The MTP draft feeds h[:, -1:] of the previous step's [B, T, D] output: contiguous, with strides of T. The step
+    takes its inputs with row-major strides, so every T reuses one draft graph (before, each T compiled again until
+    torch.compile's recompile limit failed speculative decoding)."""
+    model = tiny_model(random_weights=False, num_nextn_predict_layers=1, **ONE_LAYER)
+    ids = torch.randint(1, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    hidden = torch.randn(1, 12, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    backend, graphs = _graph_counter()
+    stepper = Stepper(compile=backend)
+    with torch.inference_mode():
+        cache = GenerationCache(model, part="mtp", max_length=12)
+        stepper(model, cache, ids[:, :4].contiguous(), None, hidden[:, :4].contiguous())  # the prefill: eager
+        for t, T in zip(range(4, 12), (2, 3, 4, 5, 2, 3, 4, 5)):
+            source = hidden[:, :T].clone(memory_format=torch.contiguous_format)  # a step output: strides of T
+            out = stepper(model, cache, ids[:, t : t + 1], None, source[:, -1:])
+            assert out.shape == (1, 1, model.config.hidden_size)
+    assert len(graphs) == 1
+
+
 def test_generate_compiled_with_inductor_equals_eager():
     """compile=True (inductor, public torch.compile only) through generate: the same greedy tokens as eager. One
     inductor graph (the decode step): a cold C++ compile costs about a minute per graph on two cores, and the
