@@ -328,7 +328,7 @@ def main() -> None:
             run_generate(model, ids[:, :64], 2, is_hf)
         runs = [("glm53", ours, False, False), ("transformers", hf, True, False)]
         if not args.no_compile:  # generate(compile=True): compiled once here, at this prompt's shapes
-            run_generate(ours, ids, 3, False, compile=True)
+            run_generate(ours, ids, 1 + args.new, False, compile=True)
             runs.append(("glm53_compiled", ours, False, True))
         times = {name: ([], []) for name, *_ in runs}
         for _ in range(args.reps):

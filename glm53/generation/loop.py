@@ -185,7 +185,9 @@ def _decode(
     inputs_embeds: torch.Tensor | None = None,
 ) -> GenerationCache:
     """Plain decoding: the prefill step (from `inputs_embeds` when given), then one decode step (T = 1) per token."""
-    cache = GenerationCache(model, latent_dtype=opts.latent_dtype, max_length=input_ids.shape[1] + opts.max_new_tokens)
+    cache = GenerationCache(
+        model, latent_dtype=opts.latent_dtype, max_length=opts.step.capacity(input_ids.shape[1] + opts.max_new_tokens)
+    )
     start = time.perf_counter()
     pick = lambda h: next_tokens(
         model.lm_head(h),

@@ -81,7 +81,7 @@ def speculative_decode(
     _check(model, opts, method, s)
     if opts.max_new_tokens == 0:
         return None
-    positions = input_ids.shape[1] + opts.max_new_tokens + s + 1  # a verify reads s ahead
+    positions = opts.step.capacity(input_ids.shape[1] + opts.max_new_tokens + s + 1)  # a verify reads s ahead
     cache = GenerationCache(model, latent_dtype=opts.latent_dtype, max_length=positions, max_step_tokens=s + 1)
     drafter = _Drafter(model, opts, positions, s)
     start = time.perf_counter()

@@ -75,6 +75,7 @@ def check_step(model, cache: object, ids: object, hidden: object = None) -> None
 # (a new code object, the same function), kept while the model lives, the MAX_SIGNATURES most recent per model.
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 MAX_SIGNATURES = 32
+CAPACITY_BUCKET = 256  # compiled generation sizes its cache in these steps (Stepper.capacity)
 
 
 def _signature(cache: GenerationCache, ids: torch.Tensor, hidden: torch.Tensor | None) -> tuple:
@@ -102,6 +103,15 @@ class Stepper:
         self.options = compile_options(compile) if compile else None
         self.graphs = bool(compile) and self.options.get("mode") == "reduce-overhead"  # CUDA graphs: outputs copied
 
+    def capacity(self, positions: int) -> int:
+        """The cache length for a call that needs `positions`: exact when eager; compiled, rounded up to a multiple
+        of CAPACITY_BUCKET, since every cache length is its own graph (a signature): calls whose prompt plus
+        max_new_tokens fall in one bucket reuse one compile instead of compiling again (tens of seconds on a CPU).
+        The spare positions are never read (the step masks past the cache's length)."""
+        if self.options is None:
+            return positions
+        return -(-positions // CAPACITY_BUCKET) * CAPACITY_BUCKET
+
     def __call__(
         self,
         model,
@@ -121,12 +131,26 @@ class Stepper:
         run: Callable = forward
         if self.options is not None and cache.started and embeds is None:  # (a VL prompt's prefill: never compiled)
             run = compiled_forward(model, self.options, _signature(cache, ids, hidden))
-        # contiguous inputs: a compiled step is specialised on strides (a sliced prompt would recompile it)
-        out = run(model, cache, ids.contiguous(), valid, None if hidden is None else hidden.contiguous(), embeds)
+        out = run(model, cache, _dense(ids), valid, None if hidden is None else _dense(hidden), embeds)
         if self.graphs and run is not forward:
             out = out.clone()
         cache.end(ids.shape[1])
         return out
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """`t` with row-major strides. A compiled step is specialised on exact strides, and a slice such as the draft's
+    h[:, -1:] of a [B, T, D] output is contiguous (`contiguous()` returns it as is) with T-dependent strides: each T
+    would compile the step again, until torch.compile's recompile limit fails the call."""
+    return t if t.stride() == _row_major(t.shape) else t.clone(memory_format=torch.contiguous_format)
+
+
+def _row_major(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
 
 
 def compile_options(compile: bool | str | Callable) -> dict:
@@ -156,4 +180,13 @@ def step(
 
 _EAGER = Stepper()
 
-__all__ = ["GenerationError", "MAX_SIGNATURES", "Stepper", "compile_options", "compiled_forward", "forward", "step"]
+__all__ = [
+    "CAPACITY_BUCKET",
+    "GenerationError",
+    "MAX_SIGNATURES",
+    "Stepper",
+    "compile_options",
+    "compiled_forward",
+    "forward",
+    "step",
+]

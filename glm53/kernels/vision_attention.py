@@ -66,16 +66,22 @@ def segment_attention(
     mixed-size images costs what transformers' per-image loop does around the attention itself)."""
     N = q.shape[0]
     bounds = cu_seqlens.tolist()  # NOTE: syncs (the group shapes are host sizes)
+    if not bounds or bounds[0] != 0 or bounds[-1] != N:
+        raise ValueError(f"cu_seqlens must run from 0 to the {N} rows of q, got {bounds[:1]} .. {bounds[-1:]}")
     starts, lengths = bounds[:-1], [e - s for s, e in zip(bounds[:-1], bounds[1:])]
     groups = length_groups(lengths)
     runs = [_run(starts, lengths, g) for g in groups]
     if groups and all(r is not None for r in runs):
+        ordered = sorted(zip(runs, groups))  # row order; the runs tile the rows (empty segments hold none)
+        sizes = [len(group) * L for (_, L), group in ordered]
+        # one split per tensor, not a slice per run: a slice's backward zero-fills all N rows and adds its part
+        # (G fills and adds of [N, H, hd] per tensor); the split's backward is one concatenation
+        parts = [torch.split(t, sizes) for t in (q, k, v)]
         outs = []
-        for (first, L), group in sorted(zip(runs, groups)):  # row order
-            G = len(group)
-            qg, kg, vg = (t[first : first + G * L].view(G, L, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
+        for j, ((_, L), group) in enumerate(ordered):
+            qg, kg, vg = (p[j].view(len(group), L, *q.shape[1:]).transpose(1, 2) for p in parts)  # [G, H, L, hd]
             o = F.scaled_dot_product_attention(qg, kg, vg, scale=scale)  # [G, H, L, hd]
-            outs.append(o.transpose(1, 2).reshape(G * L, *q.shape[1:]))
+            outs.append(o.transpose(1, 2).reshape(sizes[j], *q.shape[1:]))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
     rows, values = [], []
     for group in groups:

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from glm53.generation import CacheError, GenerationCache, Stepper, step
+from glm53.generation.step import CAPACITY_BUCKET
 from glm53.model.context import ForwardContext
 from tests.generation.test_incremental import CASES, GLM_SHARED, KDA_ONLY, REL_TOL, REL_TOL_RANDOM
 from tests.helpers.generation import assert_matches_full, case_inputs, left_padded, tiny_model, verify_rewind_decode
@@ -258,6 +259,43 @@ def test_many_models_and_lengths_compile_in_one_process():
             assert len(graphs) == before + 1  # one graph for both decode steps of this signature
             torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-6 * eager.abs().max().item())
     assert len(graphs) == 9
+
+
+def test_generate_compiled_reuses_its_graph_across_lengths():
+    """Compiled generate sizes its cache in CAPACITY_BUCKET steps (every cache length is its own graph): calls with
+    other prompt lengths and max_new_tokens in one bucket reuse the first call's decode graph (a CPU inductor compile
+    is tens of seconds), and the tokens stay the eager ones. A call past the bucket compiles once more."""
+    model = tiny_model(random_weights=False, **ONE_LAYER)
+    backend, graphs = _graph_counter()
+    for lengths, new in (([7, 5], 4), ([9, 6], 6), ([4, 4], 3)):
+        ids, mask = left_padded(model.config.vocab_size, lengths)
+        plain = model.generate(ids, mask, max_new_tokens=new)
+        assert torch.equal(model.generate(ids, mask, max_new_tokens=new, compile=backend), plain)
+    assert len(graphs) == 1
+    ids, mask = left_padded(model.config.vocab_size, [CAPACITY_BUCKET - 2, 5])
+    model.generate(ids, mask, max_new_tokens=3, compile=backend)
+    assert len(graphs) == 2
+    assert Stepper().capacity(CAPACITY_BUCKET + 1) == CAPACITY_BUCKET + 1  # eager: exact
+    assert Stepper(compile=backend).capacity(CAPACITY_BUCKET + 1) == 2 * CAPACITY_BUCKET
+
+
+def test_compiled_step_ignores_the_strides_of_sliced_inputs():
+    """The MTP draft feeds h[:, -1:] of the previous step's [B, T, D] output: contiguous, with strides of T. The step
+    takes its inputs with row-major strides, so every T reuses one draft graph (before, each T compiled again until
+    torch.compile's recompile limit failed speculative decoding)."""
+    model = tiny_model(random_weights=False, num_nextn_predict_layers=1, **ONE_LAYER)
+    ids = torch.randint(1, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    hidden = torch.randn(1, 12, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    backend, graphs = _graph_counter()
+    stepper = Stepper(compile=backend)
+    with torch.inference_mode():
+        cache = GenerationCache(model, part="mtp", max_length=12)
+        stepper(model, cache, ids[:, :4].contiguous(), None, hidden[:, :4].contiguous())  # the prefill: eager
+        for t, T in zip(range(4, 12), (2, 3, 4, 5, 2, 3, 4, 5)):
+            source = hidden[:, :T].clone(memory_format=torch.contiguous_format)  # a step output: strides of T
+            out = stepper(model, cache, ids[:, t : t + 1], None, source[:, -1:])
+            assert out.shape == (1, 1, model.config.hidden_size)
+    assert len(graphs) == 1
 
 
 def test_generate_compiled_with_inductor_equals_eager():

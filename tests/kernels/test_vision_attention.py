@@ -83,3 +83,10 @@ def test_length_groups_bound_padding_and_cover_every_segment():
     for g in groups:
         assert all(lengths[i] >= GROUP_RATIO * lengths[g[0]] for i in g) and lengths[g[0]] == max(lengths[i] for i in g)
     assert [sorted(g) for g in groups] == [[0, 6, 8], [5], [2, 4], [1], [3]]
+
+
+def test_cu_seqlens_must_cover_the_rows():
+    q = torch.randn(6, 2, 4)
+    for bad in ([0, 3, 5], [1, 3, 6], [0, 3, 7]):
+        with pytest.raises(ValueError, match="cu_seqlens must run from 0 to the 6 rows"):
+            segment_attention(q, q, q, torch.tensor(bad), 0.5)
