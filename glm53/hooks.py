@@ -59,6 +59,14 @@ def local_parts(module: nn.Module, name: str) -> tuple[torch.Tensor, LowRank | N
     return (local, None) if view is None else view(module, local)
 
 
+def compute_dtype(module: nn.Module, name: str) -> torch.dtype:
+    """The dtype `module.<name>` computes in: the parameter's, or for a base glm53.peft holds narrower (bf16 / FP8)
+    the dtype its view widens it to."""
+    if name in module.__dict__.get("held_kinds", {}):  # glm53.peft.fp8.HELD
+        return module.held_compute_dtype
+    return getattr(module, name).dtype
+
+
 def as_local(module: nn.Module, name: str) -> torch.Tensor:
     """`module.<name>` as the plain tensor a kernel can take (the parameter itself on one process); with an
     adapter or a compressed base (glm53.peft) the effective weight: base (dequantised) + scale * B @ A."""
@@ -152,6 +160,7 @@ def set_value_resolver(resolver: ValueResolver | None) -> ValueResolver | None:
 
 __all__ = [
     "as_local",
+    "compute_dtype",
     "local_parts",
     "add_low_rank",
     "LowRank",

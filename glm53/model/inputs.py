@@ -76,8 +76,11 @@ def check_optional_tensor(name: str, value: object, device: torch.device, what: 
         check_device(name, value, device)
 
 
-def check_inputs_embeds(embeds: object, weight: torch.Tensor, hidden_size: int) -> None:
-    """`embeds` [B, T, D] in the embedding's dtype and on its device."""
+def check_inputs_embeds(
+    embeds: object, weight: torch.Tensor, hidden_size: int, dtype: torch.dtype | None = None
+) -> None:
+    """`embeds` [B, T, D] in the embedding's dtype (`dtype`: the one its rows are widened to when its table is held
+    narrower, glm53.hooks.compute_dtype) and on its device."""
     if not isinstance(embeds, torch.Tensor):
         raise TypeError(f"inputs_embeds must be a torch.Tensor [batch, seq, hidden_size], got {type(embeds).__name__}")
     if embeds.dim() != 3 or embeds.shape[-1] != hidden_size:
@@ -88,10 +91,10 @@ def check_inputs_embeds(embeds: object, weight: torch.Tensor, hidden_size: int) 
         raise InputError(
             f"inputs_embeds is empty (shape {tuple(embeds.shape)}): batch and sequence length must be >= 1"
         )
-    if embeds.dtype != weight.dtype:
+    dtype = dtype or weight.dtype
+    if embeds.dtype != dtype:
         raise InputError(
-            f"inputs_embeds is {embeds.dtype} but the model's embeddings are {weight.dtype}; cast with "
-            f"inputs_embeds.to({weight.dtype})"
+            f"inputs_embeds is {embeds.dtype} but the model's embeddings are {dtype}; cast with inputs_embeds.to({dtype})"
         )
     check_device("inputs_embeds", embeds, weight.device)
 

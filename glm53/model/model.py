@@ -37,6 +37,7 @@ from ..checkpoint.convert import from_transformers
 from ..checkpoint.load import load_checkpoint
 from ..checkpoint.save import save_checkpoint
 from ..config import Glm53Config
+from ..hooks import compute_dtype
 from ..precision import cast_model, resolve_device, resolve_dtype
 from . import balancing
 from .block import DecoderBlock, run_block
@@ -86,7 +87,9 @@ class Glm53Model(nn.Module):
             check_token_ids("input_ids", input_ids, self.config.vocab_size, weight.device)
             inputs_embeds = self.embed_tokens(input_ids)
         else:
-            check_inputs_embeds(inputs_embeds, weight, self.config.hidden_size)
+            check_inputs_embeds(
+                inputs_embeds, weight, self.config.hidden_size, compute_dtype(self.embed_tokens, "weight")
+            )
         return inputs_embeds
 
     def forward(

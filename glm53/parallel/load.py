@@ -11,7 +11,10 @@ is in flight at a time, so a rank's host memory peaks at its shards plus one sli
 A base held in FP8 (glm53.peft: a float8_e4m3fn parameter `X`, or its uint8 bits, beside its block-scale buffer
 `X_scale_inv`) is read raw instead: each rank's slice of the stored FP8 bytes, no dequantisation, and the scales the buffer holds on this
 rank (whole for a linear, which FSDP gathers whole before its matmul; this rank's experts under EP), so the blocks
-a rank's values meet are the ones they were quantised with.
+a rank's values meet are the ones they were quantised with. With `quantize` (glm53 train --quantize-base) an
+FP8-held weight whose key is stored wider (bf16 / fp32) is quantised on read, as glm53.peft.load_base does in one
+process: the key read whole (one tensor at a time; every block's scale needs all of its values), quantised per block
+by glm53.checkpoint.fp8.quantize, and this rank's slices of the FP8 values and of the scales kept.
 
 Keys, shapes and FP8 scales are checked from the file headers before anything is read, by the same code and with
 the same `CheckpointError` as `from_pretrained` (glm53/checkpoint/load.py); non-finite values found by any rank
@@ -49,30 +52,55 @@ FP8_HELD = (fp8.FP8_DTYPE, torch.uint8)
 
 
 class SliceReader:
-    """Reads slices of safetensors keys (one open handle per file) and counts the bytes it reads."""
+    """Reads slices of safetensors keys (one open handle per file) and counts the bytes it reads (`bytes_read`, and
+    `largest_read`: the most bytes one read brought in). `quantize`: wider keys of FP8-held weights are quantised on
+    read (`fp8_values`, and `values` of their `_scale_inv`, which the checkpoint lacks)."""
 
-    def __init__(self, files: dict[str, str], block_size: tuple[int, int]) -> None:
-        self.files, self.block_size = files, block_size
+    def __init__(self, files: dict[str, str], block_size: tuple[int, int], quantize: bool = False) -> None:
+        self.files, self.block_size, self.quantize = files, block_size, quantize
         self._handles: dict[str, object] = {}
-        self.bytes_read = 0
+        self.bytes_read = self.largest_read = 0
+        self._last: tuple[str, torch.Tensor] | None = None  # the last key quantised and its FP8 values
+        self._scales: dict[str, torch.Tensor] = {}  # quantised keys' scales, until their buffer takes them
+
+    def _slice(self, key: str):
+        file = self.files[key]
+        if file not in self._handles:
+            self._handles[file] = safe_open(file, framework="pt")
+        return self._handles[file].get_slice(key)
 
     def read(self, key: str, index: tuple[slice, ...]) -> torch.Tensor:
         """The stored values of `key`[index] (on-disk dtype); every read goes through here."""
-        file = self.files[key]
-        if file not in self._handles:
-            self._handles[file] = safe_open(file, framework="pt")
-        part = self._handles[file].get_slice(key)[index]
+        part = self._slice(key)[index]
         self.bytes_read += part.numel() * part.element_size()
+        self.largest_read = max(self.largest_read, part.numel() * part.element_size())
         return part
 
+    def fp8_values(self, key: str, index: tuple[slice, ...]) -> torch.Tensor:
+        """key[index] for an FP8-held weight: the stored FP8 values, or with `quantize` those of a wider key
+        quantised whole (anything else as stored, for the caller to refuse)."""
+        if not self.quantize or fp8.is_fp8(self.dtype(key)):
+            return self.read(key, index)
+        if self._last is None or self._last[0] != key:
+            whole = tuple(slice(0, n) for n in self._slice(key).get_shape())
+            q, self._scales[key] = fp8.quantize(self.read(key, whole), self.block_size)
+            self._last = key, q
+        return self._last[1][index]
+
+    def _quantized_scale(self, key: str, index: tuple[slice, ...]) -> torch.Tensor:
+        weight = key.removesuffix(fp8.SCALE_SUFFIX)
+        if weight not in self._scales:  # this rank holds none of the values: quantised for the scales alone
+            self.fp8_values(weight, (slice(0, 0), slice(0, 0)))
+        return self._scales.pop(weight)[index]
+
     def dtype(self, key: str) -> str:
-        file = self.files[key]
-        if file not in self._handles:
-            self._handles[file] = safe_open(file, framework="pt")
-        return self._handles[file].get_slice(key).get_dtype()
+        return self._slice(key).get_dtype()
 
     def values(self, key: str, index: tuple[slice, ...]) -> torch.Tensor:
-        """key[index] as real values: FP8 slices dequantised with the scale blocks they touch."""
+        """key[index] as real values: FP8 slices dequantised with the scale blocks they touch (with `quantize`, the
+        scales of a key quantised on read)."""
+        if self.quantize and key not in self.files and key.endswith(fp8.SCALE_SUFFIX):
+            return self._quantized_scale(key, index)
         part = self.read(key, index)
         if part.dtype != fp8.FP8_DTYPE:
             return part
@@ -119,7 +147,7 @@ def _fill(target: torch.Tensor, pieces: list[tuple[str, Region, int]], reader: S
     local = local_tensor(target)
     raw = target.dtype in FP8_HELD
     for key, key_idx, local_idx in planned_reads(target, pieces):
-        values = reader.read(key, key_idx) if raw else reader.values(key, key_idx)
+        values = reader.fp8_values(key, key_idx) if raw else reader.values(key, key_idx)
         if raw and values.dtype != fp8.FP8_DTYPE:
             raise CheckpointError(f"{key}: {values.dtype}, but the model holds it in FP8 (block-scaled e4m3)")
         checked = values.float() if raw else values
@@ -227,6 +255,7 @@ def load_pretrained(
     *,
     reader: type[SliceReader] = SliceReader,
     skip: Callable[[str], bool] | None = None,
+    quantize: bool = False,
 ) -> torch.nn.Module:
     """Fill `model` (a Glm53ForCausalLM, usually built on meta and `parallelize`d) from the official layout at
     `path`; call on every rank. Returns the model, with `model.checkpoint_reader` (bytes read by this rank).
@@ -236,7 +265,8 @@ def load_pretrained(
     values) are those of `Glm53ForCausalLM.from_pretrained`. A checkpoint without MTP tensors leaves the MTP
     module freshly initialised, with a warning. `skip(name)`: tensors the checkpoint does not hold and the caller
     fills (LoRA adapters); they are materialised but left unset. FP8 parameters (a base glm53.peft holds in FP8)
-    take the stored FP8 values and block scales as they are; their keys must be FP8.
+    take the stored FP8 values and block scales as they are; their keys must be FP8, unless `quantize`: a wider
+    key is then quantised to the model's block format on read (`SliceReader.fp8_values`).
     """
     path = os.fspath(path)
     files = checkpoint_files(path)
@@ -249,7 +279,7 @@ def load_pretrained(
     plan: LoadPlan = _plan(planned, files, TensorReader(files, block), config.num_hidden_layers)
     warn_text_only(plan, path)
     materialize(model)
-    slices, bad = reader(files, block), set()
+    slices, bad = reader(files, block, quantize=quantize), set()
     with torch.no_grad():
         for _, target, pieces in model_pieces(model, plan):
             _fill(target, pieces, slices, bad)

@@ -103,6 +103,8 @@ def merge_lora_sharded(model: nn.Module, dtype: torch.dtype = torch.bfloat16) ->
         del module.__dict__[VIEWS]
         if type(module).__name__ == "LoraLinear":
             module.__class__ = nn.Linear
+        elif type(module).__name__ == "HeldEmbedding":  # glm53.peft.views: a bf16-held table
+            module.__class__ = nn.Embedding
         merged.append(module_name)
     model.__dict__.pop("lora_settings", None)
     return merged

@@ -157,6 +157,23 @@ def check_peft(model: nn.Module, has_tp: bool, mp_policy: MixedPrecisionPolicy |
         )
 
 
+def widen_vocab_tables(model: nn.Module) -> list[str]:
+    """Under tensor parallelism a bf16-held embedding or lm_head (glm53.peft.hold_bf16) goes back to its compute
+    dtype (exact: the same values) -> their names: the vocab-parallel embedding reduces its rows after the module's
+    forward, and the vocab-parallel loss reads the head's weight shard itself (vocab_loss.py), neither through the
+    view that widens a held table."""
+    out = []
+    for name in ("model.embed_tokens", "lm_head"):
+        module = model.get_submodule(name)
+        if module.__dict__.get(HELD, {}).get("weight") != "bf16":
+            continue
+        weight = module.weight.detach().to(module.held_compute_dtype)
+        module.register_parameter("weight", nn.Parameter(weight, requires_grad=False))
+        del module.__dict__[HELD]["weight"]
+        out.append(name)
+    return out
+
+
 def _has_adapter(module: nn.Module) -> bool:
     """Whether `module` itself is adapted: LoRA factors of its own (fused experts) or lora_A / lora_B children."""
     return any(LORA_MARK in name for name in module._parameters) or "lora_A" in module._modules
@@ -191,4 +208,12 @@ def with_adapters(model: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str,
     return out
 
 
-__all__ = ["with_adapters", "check_peft", "LoraColwise", "LoraRowwise", "LoraColwiseHeads", "LoraExpertTensorParallel"]
+__all__ = [
+    "with_adapters",
+    "check_peft",
+    "widen_vocab_tables",
+    "LoraColwise",
+    "LoraRowwise",
+    "LoraColwiseHeads",
+    "LoraExpertTensorParallel",
+]

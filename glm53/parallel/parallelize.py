@@ -31,7 +31,7 @@ from ..model.mtp import MTPLayer
 from ..precision import keeps_fp32
 from . import comm
 from .expert import apply_expert_parallel, expert_modules, expert_param_names, expert_shard_placement
-from .lora_parallel import check_peft, with_adapters
+from .lora_parallel import check_peft, widen_vocab_tables, with_adapters
 from .mesh import EXPERT_REPLICA_DIMS, REPLICA_DIMS, flat_mesh
 from .placements import name_modules
 from .pool_mass import sum_selected_pool_mass
@@ -391,6 +391,7 @@ def parallelize(
     check_peft(model, has_tp, mp_policy)  # what glm53.peft's adapters and FP8 base do not take
     roles = dict(dp=dp_dim, cp=cp_dim, ep=ep_dim, tp=tp_dim)
     if has_tp:
+        widen_vocab_tables(model)
         apply_tensor_parallel(model, mesh[tp_dim])
     if has_ep:
         name_modules(model)

@@ -158,15 +158,14 @@ def _frozen_names(args: argparse.Namespace, cls: type, base: str) -> list[str]:
 
 def meta_base(args: argparse.Namespace, resuming_dcp: bool) -> str | None:
     """The checkpoint a torchrun run with these flags builds its model from on the meta device and loads per rank
-    (`build_meta_model`, then glm53.parallel.load_pretrained): --init, or the base a LoRA save names. None where
-    `build_model` builds it whole: --quantize-base (quantising needs whole blocks; a rank reads a slice), no base
-    checkpoint, or a LoRA resume without DCP state (`resuming_dcp` False: the adapter values come from the save's
-    adapter file)."""
+    (`build_meta_model`, then glm53.parallel.load_pretrained; with --quantize-base it quantises the wider keys on
+    read): --init, or the base a LoRA save names. None where `build_model` builds it whole: no base checkpoint, or a
+    LoRA resume without DCP state (`resuming_dcp` False: the adapter values come from the save's adapter file)."""
     if not enabled(args):
         return None
     _check(args)
     resume = getattr(args, "resume", None)
-    if args.quantize_base or (resume and not resuming_dcp):
+    if resume and not resuming_dcp:
         return None
     return getattr(args, "init", None) or (_recorded_base(resume) if resume else None)
 
@@ -176,14 +175,15 @@ def build_meta_model(
 ) -> Glm53ForCausalLM:
     """`build_model`'s model on the meta device, without values: the architecture of `base` with the adapters
     (fresh, or shaped as --resume's) and --freeze applied; with --base-dtype fp8 the weights `base` stores in FP8
-    as meta FP8 values and block scales, with bf16 the frozen text linears and experts held in bf16; either is
-    widened to `compute_dtype` (an FSDP policy's param dtype) per matmul. Fill it after parallelizing: the base with
-    glm53.parallel.load_pretrained (skipping `is_adapter` names; each tensor keeps its dtype, FP8 read raw), fresh
+    (every text linear and expert with --quantize-base) as meta FP8 values and block scales, with bf16 the frozen
+    text linears and experts held in bf16; either is widened to `compute_dtype` (an FSDP policy's param dtype) per
+    matmul. Fill it after parallelizing: the base with glm53.parallel.load_pretrained (skipping `is_adapter` names;
+    each tensor keeps its dtype, FP8 read raw; quantize=args.quantize_base quantises the wider keys on read), fresh
     adapters with glm53.peft.fresh_adapters (a DCP resume fills them from its state)."""
     with torch.device("meta"):
         model = cls(Glm53Config.from_pretrained(base))
     if args.base_dtype == "fp8":
-        fp8_placeholders(model, base, compute_dtype)
+        fp8_placeholders(model, base, compute_dtype, quantize=args.quantize_base)
     model = _adapt(args, model, base)
     if args.base_dtype == "bf16":
         hold_bf16(model, compute_dtype)
@@ -296,15 +296,6 @@ def set_sharded_export(export) -> None:
     _SHARDED_EXPORT = export
 
 
-def check_distributed(args: argparse.Namespace) -> None:
-    """What a torchrun run with these flags refuses before any model is built."""
-    if getattr(args, "export_merged", None) is not None and getattr(args, "tp", 1) > 1:
-        raise ConfigError(
-            "--export-merged under torchrun with --tp > 1 is not supported (dp / ep / cp layouts are): save the run "
-            "(--save), then merge in one process (`glm53 generate --model BASE --adapter DIR`, or glm53.merge_lora)"
-        )
-
-
 def export_merged(args: argparse.Namespace, model: torch.nn.Module) -> str | None:
     """--export-merged DIR: the model with its adapters folded in (held bases widened) written in bf16. One process:
     a merged copy, saved. Under torchrun (sharded parameters): the installed writer (`set_sharded_export`;
@@ -351,7 +342,6 @@ __all__ = [
     "resume_state",
     "save_run",
     "adapter_writer",
-    "check_distributed",
     "set_sharded_export",
     "export_merged",
     "add_generate_arguments",

@@ -8,7 +8,8 @@ experts keep the checkpoint's two blocks grids (gate rows, then up rows) stacked
 Linears compute y = x dequant(q, s)^T through `_HeldLinear`, which saves only q and s for backward and dequantises
 again there, so no dequantised copy outlives one matmul. Other readers (the absorbed MLA attention, the expert
 kernel, decode plans) get the dequantised weight from `glm53.hooks.as_local` / `local_parts` for the duration
-of their call. Adapters, norms, the router, embeddings, the head and the fp32 keep-list stay in training precision.
+of their call. Adapters, norms, the router and the fp32 keep-list stay in training precision (a bf16-held base also
+holds the embedding, whose forward widens the rows it gathers, and the head).
 A bf16-held base ("bf16" kind) is the same with no scale: w = q.to(compute dtype) (exact: every bf16 value is an fp32
 value), so a bf16-held model computes what the fp32 model holding the same values computes, at 2 bytes a weight.
 `module.held_kinds` {name: "fp8" | "bf16"} names a module's held weights; `module.held_compute_dtype` is the dtype

@@ -62,12 +62,13 @@ def hold_bf16(
     model: nn.Module, compute_dtype: torch.dtype = torch.float32, select: Callable[[str], bool] | None = None
 ) -> list[str]:
     """Hold base weights of the `fp8_modules` set (text linears but the head, routed experts: the weights a FP8
-    release stores in FP8) in bf16, widened to the training precision `compute_dtype` per matmul -> the held
-    names. `select(name)` picks them (and freezes them: a held base never trains); None: every frozen one.
-    Trainable weights, FP8-held ones, norms, the router, embeddings, the head, the vision tower and the fp32
-    keep-list keep their dtype. Works on a meta model (the placeholders a loader fills)."""
+    release stores in FP8) and the text embedding and head (`vocab_tables`) in bf16, widened to the training
+    precision `compute_dtype` per matmul (the embedding per gathered row) -> the held names. `select(name)` picks
+    them (and freezes them: a held base never trains); None: every frozen one. Trainable weights, FP8-held ones,
+    norms, the router, the vision tower and the fp32 keep-list keep their dtype. Works on a meta model (the
+    placeholders a loader fills)."""
     held = []
-    for module_name, module in fp8_modules(model).items():
+    for module_name, module in {**fp8_modules(model), **vocab_tables(model)}.items():
         for name in base_weights(module):
             full, param = f"{module_name}.{name}", getattr(module, name)
             chosen = not param.requires_grad if select is None else select(full)
@@ -77,6 +78,20 @@ def hold_bf16(
             set_bf16(module, name, compute_dtype)
             held.append(full)
     return held
+
+
+def vocab_tables(model: nn.Module) -> dict[str, nn.Module]:
+    """The text embedding and lm_head (no FP8 release stores them in FP8; a bf16-held base holds them too), unless
+    tied (one parameter in two modules: holding it in one would untie them)."""
+    if getattr(model.config, "tie_word_embeddings", False):
+        return {}
+    out = {}
+    for name, module in model.named_modules():
+        text = ".visual." not in f".{name}." and ".lora_" not in name
+        table = isinstance(module, nn.Embedding) and name.endswith("embed_tokens")
+        if text and (table or (name == "lm_head" and isinstance(module, nn.Linear))):
+            out[name] = module
+    return out
 
 
 def fp8_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -149,6 +164,7 @@ __all__ = [
     "set_bf16",
     "hold_bf16",
     "fp8_modules",
+    "vocab_tables",
     "base_weights",
     "quantize_module",
     "quantize_blocks",

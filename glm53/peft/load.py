@@ -78,16 +78,19 @@ def load_base(
     return model.eval()  # as from_pretrained: .train() to train
 
 
-def fp8_placeholders(model: nn.Module, path: str | os.PathLike, dtype: torch.dtype) -> list[str]:
+def fp8_placeholders(
+    model: nn.Module, path: str | os.PathLike, dtype: torch.dtype, quantize: bool = False
+) -> list[str]:
     """Meta FP8 placeholders (values and block scales) on a meta `model` (without adapters yet) for every text linear
-    and routed expert that the checkpoint at `path` stores in FP8, widened to `dtype` -> their module names. For a
-    model built on meta and filled per rank after parallelizing (glm53.parallel.load_pretrained reads them raw)."""
+    and routed expert that the checkpoint at `path` stores in FP8 (all of them with `quantize`), widened to `dtype`
+    -> their module names. For a model built on meta and filled per rank after parallelizing
+    (glm53.parallel.load_pretrained reads them raw, or with `quantize` quantises the wider ones on read)."""
     path = os.fspath(path)
     files = checkpoint_files(path)
     block = fp8_format.weight_block_size(quantization_config(Glm53Config.from_pretrained(path)))
     reader = TensorReader(files, block)
     plan = _plan(model, files, reader, model.config.num_hidden_layers)
-    return _fp8_placeholders(model, plan, reader, block, dtype, False, path)
+    return _fp8_placeholders(model, plan, reader, block, dtype, quantize, path)
 
 
 def _fp8_placeholders(model, plan, reader, block, dtype, quantize: bool, path: str) -> list[str]:

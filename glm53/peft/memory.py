@@ -4,14 +4,15 @@ Legend: E experts (El this rank's), I expert width, D model width, r the adapter
 The planner builds the model on the meta device; `prepare(args, model)` gives it what a run with these flags has
 (adapters from `apply_lora`, FP8 placeholders for the base a FP8 checkpoint holds in FP8, frozen groups) before
 `parallelize`, and `rows(args, model, size, gather)` prices rank 0's local shards afterwards:
-    params       frozen base in its own dtype (FP8: 1 byte + its fp32 scales; bf16-held text linears and experts: 2
-                 bytes; other frozen tensors the training dtype; the fp32 keep-list 4) plus the trainable parameters
+    params       frozen base in its own dtype (FP8: 1 byte + its fp32 scales; bf16-held text linears, experts,
+                 embedding and head: 2 bytes; other frozen tensors the training dtype; the fp32 keep-list 4) plus the trainable parameters
                  in the training dtype
     grads, adamw only the trainable parameters (1x and 2x)
     transient    the largest FSDP all-gather (FP8 shards gathered as FP8) counted twice, plus with an FP8 base one
                  module's gathered base dequantised for its matmuls (the largest: a MoE layer's experts, this
                  rank's under EP: both projections in the compute dtype plus one fp32 product, dequantize_blocks);
-                 with a bf16-held base under a wider training dtype, that module's weights widened (no product)
+                 with a bf16-held base under a wider training dtype, that module's weights widened (no product; the
+                 head's too, for the loss)
 The activation rows are the planner's (adapters add r numbers per adapted linear and token, counted here).
 """
 
@@ -25,7 +26,7 @@ import torch.nn as nn
 from ..checkpoint import fp8 as fp8_format
 from ..model.moe import Experts
 from ..precision import keeps_fp32
-from .fp8_storage import base_weights, fp8_modules, hold_bf16
+from .fp8_storage import base_weights, fp8_modules, hold_bf16, vocab_tables
 from .load import BASE_DTYPES, _meta_fp8
 from .lora import apply_lora, freeze
 
@@ -56,7 +57,7 @@ def prepare(args: argparse.Namespace, model: nn.Module, dtype: torch.dtype) -> N
     if args.base_dtype == "fp8":
         for module in fp8_modules(model).values():
             _meta_fp8(module, fp8_format.DEFAULT_BLOCK_SIZE, dtype)
-    elif args.base_dtype == "bf16":  # the frozen text linears and experts, as glm53 train holds them
+    elif args.base_dtype == "bf16":  # the frozen text linears, experts, embedding and head, as glm53 train holds them
         hold_bf16(model, dtype)
 
 
@@ -81,7 +82,10 @@ def rows(args: argparse.Namespace, model: nn.Module, size: int, gather_bytes: in
     if widened:
         ep = getattr(args, "ep", 1)
         product = FP32 if args.base_dtype == "fp8" else 0  # dequantize_blocks' fp32 product; a cast has none
-        for module in fp8_modules(model).values():
+        # a bf16-held head is widened whole for the loss; the embedding widens only the rows it gathers
+        tables = vocab_tables(model) if args.base_dtype == "bf16" else {}
+        heads = {n: m for n, m in tables.items() if isinstance(m, nn.Linear) and not m.weight.requires_grad}
+        for module in {**fp8_modules(model), **heads}.values():
             # the matmuls see the weights FSDP gathered: the whole tensor, this rank's experts under EP; the
             # experts' two projections are widened together (one fp32 product alive at a time)
             names = base_weights(module)

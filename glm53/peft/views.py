@@ -34,6 +34,15 @@ class LoraLinear(nn.Linear):
         return y + self.lora_B(self.lora_A(a)) * self.lora_scale
 
 
+class HeldEmbedding(nn.Embedding):
+    """An nn.Embedding whose frozen table is held in bf16 (glm53.peft.fp8): the rows are gathered from the held table,
+    then widened to the compute dtype (exact: every bf16 value is an fp32 value), so no wide copy of it exists."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [B, T] -> [B, T, D]
+        rows = super().forward(ids)
+        return rows.to(self.held_compute_dtype) if held_kind(self, "weight") else rows
+
+
 def base_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """The base weight's matmul: F.linear, or the held base's per-matmul widening one (no resident wide copy)."""
     if held_kind(module, "weight"):
@@ -108,6 +117,8 @@ def install_view(module: nn.Module, name: str) -> None:
         _views(module)[name] = _linear_view
         if type(module) is nn.Linear:
             module.__class__ = LoraLinear
+        elif type(module) is nn.Embedding:
+            module.__class__ = HeldEmbedding
 
 
-__all__ = ["EXPERT_WEIGHTS", "LoraLinear", "base_linear", "base_weight", "install_view"]
+__all__ = ["EXPERT_WEIGHTS", "LoraLinear", "HeldEmbedding", "base_linear", "base_weight", "install_view"]

@@ -4,12 +4,13 @@ precision (trainer.py calls `init_parallel_model(args, mesh)`; the single-proces
     LoRA / --freeze / --base-dtype from a base checkpoint (--init, or the one a LoRA save names): glm53.peft builds
                                it on meta (adapters, --freeze), parallelize, `load_pretrained` (own slices only,
                                adapters skipped; --base-dtype bf16: the frozen linears and experts held in bf16,
-                               fp8: the FP8-stored ones held as FP8 values + block scales, read raw, so their
-                               shards are bf16 / FP8); fresh adapters take apply_lora's values
+                               fp8: the FP8-stored ones held as FP8 values + block scales, read raw, or with
+                               --quantize-base every one, the wider keys quantised on read one tensor at a time,
+                               so their shards are bf16 / FP8); fresh adapters take apply_lora's values
                                (`fresh_adapters`, the same RNG draws as one process), a LoRA resume's DCP state
                                fills the trainable parameters and their optimizer state
-    --quantize-base, or a LoRA resume without DCP state: glm53.peft builds the model whole on every rank
-                               (quantising whole blocks; the save's adapter file), then parallelize
+    a LoRA resume without DCP state: glm53.peft builds the model whole on every rank (the save's adapter
+                               file), then parallelize
     --resume DIR (a DCP run)   build on meta, parallelize; the DCP state fills it (any saved layout)
     --init DIR                 build on meta, parallelize, `glm53.parallel.load_pretrained` (own slices only)
     otherwise                  the preset, seeded identically on every rank, then parallelize
@@ -53,7 +54,6 @@ def init_parallel_model(
     resuming = bool(args.resume and has_run_state(args.resume))
     if peft_cli.enabled(args) and (args.lora_rank is not None or not resuming):
         # LoRA / frozen groups / a frozen base: on meta with per-rank reads, or (FP8 base) whole, then sharded
-        peft_cli.check_distributed(args)
         base = peft_cli.meta_base(args, resuming)
         if base is not None:
             return _meta_peft_model(args, mesh, base, model_class, resuming)
@@ -77,7 +77,7 @@ def _meta_peft_model(args: argparse.Namespace, mesh, base: str, model_class: typ
     """A LoRA / --freeze model built on meta and parallelized; each rank reads its own slices of `base`, and
     fills its part of every fresh adapter (a DCP resume's state overwrites them, so they are zeroed there)."""
     model = _parallelize(_for_policy(peft_cli.build_meta_model(args, base, model_class), args), mesh, args)
-    load_pretrained(model, base, skip=peft_cli.is_adapter)
+    load_pretrained(model, base, skip=peft_cli.is_adapter, quantize=bool(getattr(args, "quantize_base", False)))
     params = dict(model.named_parameters())
     if resuming:
         for name in filter(peft_cli.is_adapter, params):

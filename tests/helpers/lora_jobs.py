@@ -217,6 +217,7 @@ def loaded_state(run, everything: bool = False) -> dict:
             scales={n: full(b) for n, b in run.model.named_buffers() if n.endswith("_scale_inv")},
             trainable=sorted(n for n, p in run.model.named_parameters() if p.requires_grad),
             bytes_read=None if reader is None else reader.bytes_read,
+            largest_read=None if reader is None else reader.largest_read,
             local_bytes=_local_bytes(run.model),
         )
     return out

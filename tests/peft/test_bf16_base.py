@@ -18,7 +18,7 @@ from glm53.__main__ import main
 from glm53.peft import cli as peft_cli
 from glm53.peft import load_base, load_lora
 from glm53.peft.files import WEIGHTS_FILE
-from glm53.peft.fp8_storage import base_weights, fp8_modules, held_parameters, hold_bf16
+from glm53.peft.fp8_storage import base_weights, fp8_modules, held_parameters, hold_bf16, vocab_tables
 from glm53.precision import keeps_fp32
 from glm53.training import trainer
 from tests.helpers.checkpoints import random_model, read_all, tiny_config
@@ -48,22 +48,30 @@ def _bytes(model) -> int:
 
 
 def _eligible(model) -> set[str]:
-    return {f"{m}.{p}" for m, module in fp8_modules(model).items() for p in base_weights(module)}
+    """What hold_bf16 may hold: the weights an FP8 release stores in FP8, the text embedding and the head."""
+    modules = {**fp8_modules(model), **vocab_tables(model)}
+    return {f"{m}.{p}" for m, module in modules.items() for p in base_weights(module)}
 
 
 def test_frozen_base_is_held_in_bf16(pair):
     model, ref = pair
     held = held_parameters(model, "bf16")
     assert set(held) == _eligible(model) and len(held) > 40
+    assert {"model.embed_tokens.weight", "lm_head.weight"} <= set(held)  # the vocab tables too (untied here)
     assert sum(n.endswith(".mlp.experts.gate_up_proj") for n in held) == 3  # the 3 MoE layers' fused experts
     assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in held.values())
     numel = sum(p.numel() for p in held.values())
-    # exactly the held weights went from 4 bytes to 2; norms, router, embeddings, head, keep-list stay fp32
+    # exactly the held weights went from 4 bytes to 2; norms, router, keep-list stay fp32
     assert _bytes(model) == _bytes(ref) - 2 * numel
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         assert p.dtype == (torch.bfloat16 if name in held else torch.float32), name
         assert torch.equal(p.float(), ref_params[name]), name  # the checkpoint's values, exactly
+    tied = random_model(tiny_config(tie_word_embeddings=True))
+    tied.requires_grad_(False)
+    held_tied = hold_bf16(tied)  # one table in two modules: holding it in one would untie them
+    assert held_tied and not {"model.embed_tokens.weight", "lm_head.weight"} & set(held_tied)
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
     adapted = copy.deepcopy(model)
     glm53.apply_lora(adapted, RANK, ALPHA)
     assert {p.dtype for n, p in adapted.named_parameters() if "lora_" in n} == {torch.float32}
@@ -73,8 +81,12 @@ def test_forward_and_adapter_gradients_equal_the_fp32_held_model(pair):
     model, ref = (copy.deepcopy(m) for m in pair)
     x = ids(T=17)
     with torch.no_grad():
-        # bf16 -> fp32 is exact: the widened weight IS the fp32 model's weight, through the same matmuls
+        # bf16 -> fp32 is exact: the widened weight IS the fp32 model's weight, through the same matmuls (the
+        # embedding's rows gathered in bf16 and widened, the head's matmul on the widened table)
+        rows = model.model.embed_tokens(x)
+        assert rows.dtype == torch.float32 and torch.equal(rows, ref.model.embed_tokens(x))
         assert torch.equal(model(x).logits, ref(x).logits)
+        assert torch.equal(model(x, labels=x).loss, ref(x, labels=x).loss)  # the chunked head + loss kernel
     grads = []
     for m in (model, ref):
         torch.manual_seed(0)

@@ -13,7 +13,6 @@ from safetensors.torch import load_file
 import glm53
 from glm53 import Glm53ForCausalLM
 from glm53.__main__ import main
-from glm53.errors import ConfigError
 from glm53.peft import cli as peft_cli
 from glm53.peft.files import CONFIG_FILE, WEIGHTS_FILE
 from tests.helpers.checkpoints import fp8_source
@@ -209,10 +208,3 @@ def test_flag_errors(flags, message, capsys):
         "--lora-targets": "'nothing'",
         "--freeze": "['attn']",
     }[next(f for f in flags if f != "--lora-rank" and f.startswith("--"))] in err
-
-
-def test_export_merged_under_torchrun_with_tp_is_refused():
-    args = argparse.Namespace(export_merged="out", tp=2)
-    with pytest.raises(ConfigError, match="--export-merged under torchrun with --tp > 1 is not supported"):
-        peft_cli.check_distributed(args)
-    peft_cli.check_distributed(argparse.Namespace(export_merged="out", tp=1))  # dp / ep / cp: merged per shard

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import glm53
 from glm53 import Glm53ForCausalLM
 from glm53.checkpoint import fp8 as fp8_format
-from glm53.errors import ConfigError
+from glm53.errors import CheckpointError, ConfigError
 from glm53.model.moe import Experts
 from glm53.peft import fp8_bytes, load_base, quantize_model
 from glm53.peft.fp8 import SCALE, dequantize_blocks
@@ -166,3 +166,31 @@ def test_in_memory_quantisation_and_unknown_base_dtype():
         assert torch.equal(model(x).logits, logits)
     with pytest.raises(ConfigError, match="base_dtype must be one of"):
         load_base(Glm53ForCausalLM, "unused", "int4")
+
+
+def test_load_pretrained_quantises_the_wider_keys_of_a_mixed_checkpoint_as_load_base(tmp_path):
+    """glm53.parallel.load_pretrained(quantize=True) (what --quantize-base runs per rank under torchrun) on a model
+    with FP8 placeholders: the stored FP8 keys read raw, the wider ones (layer 0's, kept unquantised here) quantised
+    on read in the checkpoint's 4 x 8 blocks; the same FP8 bytes and scales as load_base(quantize=True)."""
+    from glm53.config import Glm53Config
+    from glm53.parallel import load_pretrained
+    from glm53.peft.load import fp8_placeholders
+    from tests.helpers.checkpoints import fp8_config_dict, quantize_state, write_checkpoint
+
+    _, state = fp8_source()
+    wide = {k: v for k, v in state.items() if ".layers.0." in k}
+    mixed = {**quantize_state({k: v for k, v in state.items() if k not in wide}), **wide}
+    write_checkpoint(str(tmp_path / "mixed"), mixed, fp8_config_dict(tiny_config()))
+    want = load_base(Glm53ForCausalLM, tmp_path / "mixed", "fp8", dtype=torch.float32, quantize=True)
+    with torch.device("meta"):
+        got = Glm53ForCausalLM(Glm53Config.from_pretrained(tmp_path / "mixed"))
+    fp8_placeholders(got, tmp_path / "mixed", torch.float32, quantize=True)
+    load_pretrained(got, tmp_path / "mixed", quantize=True)
+    held = [n for n, p in want.named_parameters() if p.dtype == fp8_format.FP8_DTYPE]
+    assert any(".layers.0." in n for n in held) and any(".layers.1." in n for n in held)
+    tensors = {**dict(got.named_parameters()), **dict(got.named_buffers())}
+    for name, value in [*want.named_parameters(), *want.named_buffers()]:
+        bits = (lambda t: t.view(torch.uint8)) if value.dtype == fp8_format.FP8_DTYPE else (lambda t: t)
+        assert tensors[name].dtype == value.dtype and torch.equal(bits(tensors[name]), bits(value)), name
+    with pytest.raises(CheckpointError, match="holds it in FP8"):  # without quantize: the wider keys are refused
+        load_pretrained(got, tmp_path / "mixed")

@@ -56,6 +56,20 @@ def _stored_bytes(path) -> int:
     return total
 
 
+def _largest_tensor_bytes(path) -> int:
+    largest = 0
+    for file in sorted(os.listdir(path)):
+        if file.endswith(".safetensors"):
+            with safe_open(os.path.join(path, file), framework="pt") as f:
+                for key in f.keys():
+                    t = f.get_slice(key)
+                    size = (
+                        torch.Size(t.get_shape()).numel() * torch.empty(0, dtype=_DTYPES[t.get_dtype()]).element_size()
+                    )
+                    largest = max(largest, size)
+    return largest
+
+
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F8_E4M3": torch.float8_e4m3fn}
 
 
@@ -86,21 +100,19 @@ def _same_params(got: dict, want: dict, where: str) -> None:
 def test_dp2_tp2_ep2_lora_from_init_build_on_meta_and_read_own_slices(pool2, base, tmp_path, monkeypatch):
     run = ["train", "--init", str(base), *LORA, *FAST, "--steps", "2"]
     meta = _ok(pool2.run(cli_train, argv=[*run, "--dp", "2"], inspect=True, build="meta", everything=True))
-    whole = _ok(pool2.run(cli_train, argv=[*run, "--dp", "2"], inspect=True, build="whole", everything=True))
     tp2 = _ok(pool2.run(cli_train, argv=[*run, "--tp", "2"], inspect=True, build="meta", everything=True))
     ep2 = _ok(pool2.run(cli_train, argv=[*run, "--ep", "2"], inspect=True, build="meta", everything=True))
     one = _one_process(run, monkeypatch)
     assert len(one["adapters"]) > 50 and all("lora_" in n for n in one["trainable"])
     assert any(v.abs().sum() > 0 for n, v in one["adapters"].items() if "lora_A" in n)
     stored = _stored_bytes(base)
-    for res in (*meta, *whole, *tp2, *ep2):  # base and adapters bit for bit: apply_lora's RNG draws on every rank
+    for res in (*meta, *tp2, *ep2):  # base and adapters bit for bit: apply_lora's RNG draws on every rank
         _same_params(res["loaded"], one, "rank")
     read = [res["loaded"]["bytes_read"] for res in meta]
     # FSDP2 over dp2 splits every parameter's rows in two (one padded row at most): each rank reads about half;
     # only replicated buffers (the routers' balancing bias) are read by both ranks
     assert all(0 < b < 0.6 * stored for b in read), (read, stored)
     assert sum(read) >= stored
-    assert all(res["loaded"]["bytes_read"] is None for res in whole)
     assert all(0 < res["loaded"]["bytes_read"] < stored for res in (*tp2, *ep2))
 
 
@@ -128,15 +140,29 @@ def test_dp2_freeze_from_init_builds_on_meta(pool2, base, monkeypatch):
         assert 0 < res["loaded"]["bytes_read"]
 
 
-def test_dp2_bf16_base_on_meta_holds_bf16_shards_as_one_process(pool2, base, tmp_path, monkeypatch):
+BF16_RUN = [*LORA, "--base-dtype", "bf16", *FAST, "--dp", "2"]
+
+
+@pytest.fixture(scope="module")
+def bf16_dp2_run(pool2, base, tmp_path_factory):
+    """A dp2 LoRA run on a bf16-held base built on meta, two steps, saved (the tests below compare runs with it)."""
+    path = tmp_path_factory.mktemp("bf16-dp2") / "run"
+    run = ["train", "--init", str(base), *BF16_RUN, "--steps", "2", "--save", str(path)]
+    _ok(pool2.run(cli_train, argv=run, build="meta"))
+    return path
+
+
+def test_dp2_bf16_base_on_meta_holds_bf16_shards_as_one_process(pool2, base, bf16_dp2_run, tmp_path, monkeypatch):
     """--base-dtype bf16 under torchrun: built on meta with the frozen text linears and experts held in bf16, so
     each rank's FSDP shards of them are bf16 (2 bytes) and read from its slices; the same values and dtypes as
     one process, and two steps train as the whole build does (the same losses and adapters)."""
-    run = ["train", "--init", str(base), *LORA, "--base-dtype", "bf16", *FAST, "--steps", "2"]
-    meta = _ok(pool2.run(cli_train, argv=[*run, "--dp", "2"], inspect=True, build="meta", everything=True))
-    one = _one_process(run, monkeypatch)
+    one_run = ["train", "--init", str(base), *BF16_RUN[:-2], "--steps", "2"]
+    run = [*one_run, "--dp", "2"]
+    meta = _ok(pool2.run(cli_train, argv=run, inspect=True, build="meta", everything=True))
+    one = _one_process(one_run, monkeypatch)
     held = {n for n, v in one["params"].items() if v.dtype == torch.bfloat16}
-    assert len(held) > 40 and not any("lora_" in n or "norm" in n or "embed" in n for n in held)
+    assert len(held) > 40 and not any("lora_" in n or "norm" in n for n in held)
+    assert {"model.embed_tokens.weight", "lm_head.weight"} <= held  # the vocab tables too (glm53.peft.vocab_tables)
     assert all(v.dtype == torch.float32 for n, v in one["params"].items() if n not in held)
     stored = _stored_bytes(base)
     for res in meta:
@@ -148,22 +174,21 @@ def test_dp2_bf16_base_on_meta_holds_bf16_shards_as_one_process(pool2, base, tmp
         assert 0 < res["loaded"]["bytes_read"] < 0.6 * stored
     # training: the meta build and the whole build (peft's build_model on every rank, then sharded) give the same
     # numbers; dp2 vs one process on one step's numbers is test_lora_parallel's bf16 case (the same held values)
-    a, b = tmp_path / "meta", tmp_path / "whole"
-    _ok(pool2.run(cli_train, argv=[*run, "--dp", "2", "--save", str(a)], build="meta"))
-    _ok(pool2.run(cli_train, argv=[*run, "--dp", "2", "--save", str(b)], build="whole"))
+    a, b = bf16_dp2_run, tmp_path / "whole"
+    _ok(pool2.run(cli_train, argv=[*run, "--save", str(b)], build="whole"))
     la, lb = _losses(a), _losses(b)
     assert sorted(la) == [1, 2] and la == lb
     fa, fb = load_file(a / WEIGHTS_FILE), load_file(b / WEIGHTS_FILE)
     assert fa.keys() == fb.keys() and len(fa) > 50 and all(torch.equal(fa[k], fb[k]) for k in fa)
 
 
-def test_dp2_bf16_base_under_the_bf16_policy_trains(pool2, base, tmp_path):
+def test_dp2_bf16_base_under_the_bf16_policy_trains(pool2, base, bf16_dp2_run, tmp_path):
     """--bf16 under torchrun is FSDP's bf16 policy: the bf16-held base is widened to bf16 (a no-op) there, as the
-    adapters and activations are; an fp32 widening would be refused by parallelize (test_lora_tp_refusals.py)."""
-    run = ["train", "--init", str(base), *LORA, "--base-dtype", "bf16", *FAST, "--steps", "1", "--dp", "2"]
-    _ok(pool2.run(cli_train, argv=[*run, "--bf16", "--save", str(tmp_path / "a")], build="meta"))
-    _ok(pool2.run(cli_train, argv=[*run, "--save", str(tmp_path / "b")], build="meta"))
-    la, lb = _losses(tmp_path / "a"), _losses(tmp_path / "b")
+    adapters and activations are; an fp32 widening would be refused by parallelize (test_lora_tp_refusals.py).
+    Compared on step 1's loss (taken before any update) with the fp32-compute run `bf16_dp2_run`."""
+    run = ["train", "--init", str(base), *BF16_RUN, "--steps", "1", "--bf16", "--save", str(tmp_path / "a")]
+    _ok(pool2.run(cli_train, argv=run, build="meta"))
+    la, lb = _losses(tmp_path / "a"), _losses(bf16_dp2_run)
     # bf16 compute vs fp32 compute on the same bf16 weights: bf16 roundings (2^-8) through the 4-layer stack
     assert sorted(la) == [1] and abs(la[1] - lb[1]) <= 4 * 2**-8 * abs(lb[1]) and la[1] != lb[1]
 
@@ -175,11 +200,26 @@ def fp8_base(tmp_path_factory):
     return path
 
 
-def test_dp2_ep2_fp8_base_built_on_meta_reads_raw_fp8_as_one_process(pool2, fp8_base, tmp_path, monkeypatch):
+FP8_RUN = [*LORA, "--base-dtype", "fp8", *FAST, "--steps", "1"]
+
+
+@pytest.fixture(scope="module")
+def fp8_dp2_run(pool2, fp8_base, tmp_path_factory):
+    """A dp2 LoRA run on an FP8 base built on meta, one step, saved and exported merged (to ../merged; the tests
+    below compare runs with it)."""
+    path = tmp_path_factory.mktemp("fp8-dp2") / "run"
+    run = ["train", "--init", str(fp8_base), *FP8_RUN, "--dp", "2", "--save", str(path)]
+    _ok(pool2.run(cli_train, argv=[*run, "--export-merged", str(path.parent / "merged")], build="meta"))
+    return path
+
+
+def test_dp2_ep2_fp8_base_built_on_meta_reads_raw_fp8_as_one_process(
+    pool2, fp8_base, fp8_dp2_run, tmp_path, monkeypatch
+):
     """--base-dtype fp8 under torchrun: built on meta with FP8 placeholders, each rank reads its raw FP8 slices
     (block 4 x 8 on hidden 36: FSDP's row split cuts blocks) and the scales its buffers hold (whole under dp, its
     experts' under ep); the same FP8 bytes, scales and adapters as one process, and no rank reads the whole base."""
-    run = ["train", "--init", str(fp8_base), *LORA, "--base-dtype", "fp8", *FAST, "--steps", "1"]
+    run = ["train", "--init", str(fp8_base), *FP8_RUN]
     dp2 = _ok(pool2.run(cli_train, argv=[*run, "--dp", "2"], inspect=True, build="meta", everything=True))
     ep2 = _ok(pool2.run(cli_train, argv=[*run, "--ep", "2"], inspect=True, build="meta", everything=True))
     one = _one_process(run, monkeypatch)
@@ -199,20 +239,42 @@ def test_dp2_ep2_fp8_base_built_on_meta_reads_raw_fp8_as_one_process(pool2, fp8_
     scales = sum(b.numel() * 4 for b in one["scales"].values())
     assert sum(r["loaded"]["bytes_read"] for r in dp2) >= fp8_bytes + 2 * scales
     # training from the meta build equals the whole build (peft's build_model on every rank, then sharded)
-    a, b = tmp_path / "meta", tmp_path / "whole"
-    _ok(pool2.run(cli_train, argv=[*run, "--dp", "2", "--save", str(a)], build="meta"))
+    a, b = fp8_dp2_run, tmp_path / "whole"
     _ok(pool2.run(cli_train, argv=[*run, "--dp", "2", "--save", str(b)], build="whole"))
     assert _losses(a) == _losses(b) and sorted(_losses(a)) == [1]
     fa, fb = load_file(a / WEIGHTS_FILE), load_file(b / WEIGHTS_FILE)
     assert fa.keys() == fb.keys() and len(fa) > 50 and all(torch.equal(fa[k], fb[k]) for k in fa)
 
 
-def test_dp2_fp8_base_under_the_bf16_policy(pool2, fp8_base, tmp_path, monkeypatch):
+def test_dp2_ep2_quantize_base_on_meta_quantises_per_rank_as_one_process(pool2, base, monkeypatch):
+    """--quantize-base under torchrun: built on meta with FP8 placeholders for every text linear and expert, each
+    rank reads the wider (fp32) key of each one whole, one tensor at a time, quantises it per block as load_base does
+    in one process and keeps its slices of the values and scales: the same FP8 bytes and scales as one process on dp2
+    and ep2, and no rank builds or reads the whole model at once (build="meta": load_base / from_pretrained raise)."""
+    run = ["train", "--init", str(base), *LORA, "--base-dtype", "fp8", "--quantize-base", *FAST, "--steps", "1"]
+    dp2 = _ok(pool2.run(cli_train, argv=[*run, "--dp", "2"], inspect=True, build="meta", everything=True))
+    ep2 = _ok(pool2.run(cli_train, argv=[*run, "--ep", "2"], inspect=True, build="meta", everything=True))
+    one = _one_process(run, monkeypatch)
+    fp8 = {n for n, v in one["params"].items() if v.dtype == torch.uint8}  # every text linear and expert tensor
+    assert len(fp8) > 60 and sum(".mlp.experts." in n for n in fp8) == 8 and len(one["scales"]) == len(fp8)
+    stored, largest = _stored_bytes(base), _largest_tensor_bytes(base)
+    for res in (*dp2, *ep2):
+        _same_params(res["loaded"], one, "quantize base")
+        # one key in flight at a time: the largest read is one stored tensor, far from the whole model
+        assert 0 < res["loaded"]["largest_read"] <= largest < stored / 10
+        assert 0 < res["loaded"]["bytes_read"] <= stored
+    # a rank holds its shards in FP8 (about half of the values under dp2), not a bf16 / fp32 copy of them
+    fp8_bytes = sum(one["params"][n].numel() for n in fp8)
+    for res in dp2:
+        assert 0.45 < res["loaded"]["local_bytes"]["float8_e4m3fn"] / fp8_bytes < 0.6
+
+
+def test_dp2_fp8_base_under_the_bf16_policy(pool2, fp8_base, fp8_dp2_run, tmp_path, monkeypatch):
     """--bf16 with --base-dtype fp8 under torchrun: FSDP's bf16 policy would cast FP8 values to bf16 numbers
     without their scales, so they are held as their uint8 bits (glm53.peft.fp8.hold_for_policy; the policy casts
     floating parameters only) and dequantised to bf16 per matmul: the same bytes as one process's FP8 values, each
-    rank half of them, and a step within bf16 rounding of the fp32-compute run."""
-    one_run = ["train", "--init", str(fp8_base), *LORA, "--base-dtype", "fp8", *FAST, "--steps", "1"]
+    rank half of them, and a step within bf16 rounding of the fp32-compute run (`fp8_dp2_run`)."""
+    one_run = ["train", "--init", str(fp8_base), *FP8_RUN]
     run = [*one_run, "--dp", "2"]
     bits = _ok(pool2.run(cli_train, argv=[*run, "--bf16"], inspect=True, build="meta", everything=True))
     one = _one_process(one_run, monkeypatch)
@@ -222,32 +284,48 @@ def test_dp2_fp8_base_under_the_bf16_policy(pool2, fp8_base, tmp_path, monkeypat
         assert 0.45 < res["loaded"]["local_bytes"]["uint8"] / fp8_bytes < 0.6
         assert "float8_e4m3fn" not in res["loaded"]["local_bytes"]
     _ok(pool2.run(cli_train, argv=[*run, "--bf16", "--save", str(tmp_path / "a")], build="meta"))
-    _ok(pool2.run(cli_train, argv=[*run, "--save", str(tmp_path / "b")], build="meta"))
-    la, lb = _losses(tmp_path / "a"), _losses(tmp_path / "b")
+    la, lb = _losses(tmp_path / "a"), _losses(fp8_dp2_run)
     # bf16 compute vs fp32 compute on the same FP8 weights: bf16 roundings (2^-8) through the 4-layer stack
     assert sorted(la) == [1] and abs(la[1] - lb[1]) <= 4 * 2**-8 * abs(lb[1]) and la[1] != lb[1]
 
 
 @pytest.mark.parametrize(
     "checkpoint, base_dtype, layout",
-    [("fp8_base", "fp8", ["--dp", "2"]), ("fp8_base", "fp8", ["--ep", "2"]), ("base", "bf16", ["--dp", "2"])],
+    [("fp8_base", "fp8", ["--dp", "2"]), ("fp8_base", "fp8", ["--ep", "2"]), ("base", "bf16", ["--tp", "2"])],
 )
 def test_export_merged_under_torchrun_equals_one_process_merge(
     pool2, request, tmp_path, checkpoint, base_dtype, layout
 ):
     """--export-merged under torchrun: every rank folds the adapters into its own shards (FSDP's row split cuts the
-    FP8 base's 4 x 8 blocks, ep splits the experts; a bf16-held base is widened) and the ranks write the official
-    layout together: the saved adapter merged in one process (load_base + load_lora + merge_lora, bf16)."""
+    FP8 base's 4 x 8 blocks, ep splits the experts; tp: a colwise base's rows with B's rows (q_b_proj, the
+    absorbed form's kv_b_proj), a rowwise base's columns with A's columns (o_proj, down_proj), the experts' inner
+    width; a bf16-held base is widened) and the ranks write the official layout together: the saved
+    adapter merged in one process (load_base + load_lora + merge_lora, bf16); transformers loads the tp2 export."""
     path = request.getfixturevalue(checkpoint)
-    run = ["train", "--init", str(path), *LORA, "--base-dtype", base_dtype, *FAST, "--steps", "1", *layout]
-    _ok(pool2.run(cli_train, argv=[*run, "--save", str(tmp_path / "a"), "--export-merged", str(tmp_path / "m")]))
+    if layout == ["--dp", "2"]:  # the run fp8_dp2_run made (the same flags) exported merged already
+        saved = request.getfixturevalue("fp8_dp2_run")
+        merged = saved.parent / "merged"
+    else:
+        saved, merged = tmp_path / "a", tmp_path / "m"
+        run = ["train", "--init", str(path), *LORA, "--base-dtype", base_dtype, *FAST, "--steps", "1", *layout]
+        _ok(pool2.run(cli_train, argv=[*run, "--save", str(saved), "--export-merged", str(merged)]))
     want = load_base(Glm53ForCausalLM, path, base_dtype, dtype=torch.float32)
-    glm53.load_lora(want, tmp_path / "a")
+    glm53.load_lora(want, saved)
     assert any(p.abs().max() > 0 for n, p in want.named_parameters() if "lora_B" in n)
     glm53.merge_lora(want)
-    got = dict(Glm53ForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32).named_parameters())
+    got = dict(Glm53ForCausalLM.from_pretrained(merged, dtype=torch.float32).named_parameters())
     for name, p in want.named_parameters():
         ref = p.float() if keeps_fp32(name) else p.to(torch.bfloat16).float()
-        # the same fp32 sums per element (base + s * the r-long B A dot product), rounded to bf16 once: at most one
-        # bf16 step (2^-8 relative) apart where a sum order differs
-        assert ((got[name] - ref).abs() <= 2**-8 * ref.abs()).all(), name
+        # the same fp32 terms per element (base + s * the r-long B A dot product over this rank's box), rounded to
+        # bf16 once: equal, or one bf16 step apart (at most 2^-7 relative) where a BLAS sums in another order
+        assert ((got[name] - ref).abs() <= 2**-7 * ref.abs()).all(), name
+    if "--tp" in layout:
+        from transformers import Glm5NextForConditionalGeneration
+
+        _, info = Glm5NextForConditionalGeneration.from_pretrained(merged, output_loading_info=True)
+        # transformers' Glm5NextModel always builds a (default) tower: its keys are the only missing ones; it has no
+        # MTP module, so the MTP layer the official layout stores after the decoder layers is the only unexpected one
+        mtp = f"model.language_model.layers.{want.config.num_hidden_layers}."
+        assert all(k.startswith("model.visual.") for k in info["missing_keys"]), info["missing_keys"]
+        assert info["unexpected_keys"] and all(k.startswith(mtp) for k in info["unexpected_keys"]), info
+        assert not info["mismatched_keys"] and not info["error_msgs"], info

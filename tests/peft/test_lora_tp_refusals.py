@@ -104,3 +104,19 @@ def test_bf16_held_base_widened_to_fp32_under_a_bf16_policy_is_refused(meshes): 
         with LocalTensorMode(WORLD):
             parallelize(model, meshes["2d"]["dp"], mp_policy=mp)
         assert not _untouched(model)
+
+
+def test_bf16_held_embedding_and_head_go_back_to_fp32_under_tp(meshes):  # noqa: F811
+    """The vocab-parallel embedding and loss read their shards themselves, not through the widening view: under tp
+    a bf16-held embedding / lm_head is held in its compute dtype again (the same values); the linears stay bf16."""
+    model = Glm53ForCausalLM(tiny())
+    glm53.apply_lora(model, 2)
+    held = hold_bf16(model, torch.float32)
+    assert {"model.embed_tokens.weight", "lm_head.weight"} <= set(held)
+    with LocalTensorMode(WORLD):
+        parallelize(model, meshes["tp2"])
+    for module in (model.model.embed_tokens, model.lm_head):
+        assert module.weight.dtype == torch.float32 and not module.__dict__["held_kinds"]
+    assert {p.dtype for n, p in model.named_parameters() if n in held and "embed" not in n and "lm_head" not in n} == {
+        torch.bfloat16
+    }
