@@ -7,7 +7,8 @@ compiled parts then run the same ATen ops as eager, re-ordered only where AOT's 
 RMSNorm mean, the SwiGLU's clamps). Bound: each of the ~10 elementwise and reduction steps of a block may move a
 value by a few fp32 ulps (eps 1.2e-7) relative to its scale, over depth 2 blocks plus the eager merger that
 carries it: 8 eps x 10 x depth 2 ~ 2e-5 relative (max |diff| / max |ref|), gradients doubled through the
-backward pass. The inductor case (C++ kernels, fused: reductions re-associated) gets the same order of bound.
+backward pass (measured here: aot_eager bit-identical, 0). The inductor case (C++ kernels, fused: reductions
+re-associated) gets the same bound (measured: 5.7e-7 forward, 1.5e-6 the worst gradient).
 """
 
 from __future__ import annotations
