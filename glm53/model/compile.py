@@ -92,7 +92,12 @@ def compile_vision_blocks(
     `backend`: one of BACKENDS, or a torch.compile backend callable (tests count graphs with one).
     """
     _check_backend(backend)
-    for block in tower.blocks:
+    blocks = getattr(tower, "blocks", None)
+    if blocks is None or not all(hasattr(block, "COMPILED_PARTS") for block in blocks):
+        raise TypeError(
+            f"compile_vision_blocks: tower must be a VisionTower (blocks with COMPILED_PARTS), got {type(tower).__name__}"
+        )
+    for block in blocks:
         _check_not_compiled(block, "compile_vision_blocks (or compile_blocks) once per tower")
         for part in block.COMPILED_PARTS:
             setattr(

@@ -104,13 +104,15 @@ def test_inductor_tower_matches_eager():
     assert_matches(run(compiled, [(1, 2, 4), (2, 2, 2)], seed=4), run(eager, [(1, 2, 4), (2, 2, 2)], seed=4), names)
 
 
-def test_compiling_twice_raises():
+def test_compiling_twice_or_a_wrong_argument_raises():
     t = tower()
     compile_vision_blocks(t, backend="eager")
     with pytest.raises(RuntimeError, match="VisionBlock is already compiled: call compile_vision_blocks"):
         compile_vision_blocks(t, backend="eager")
     with pytest.raises(ValueError, match="compile backend must be one of .*got 'tvm'"):
         compile_vision_blocks(tower(), backend="tvm")
+    with pytest.raises(TypeError, match="tower must be a VisionTower .*got Linear"):
+        compile_vision_blocks(torch.nn.Linear(2, 2), backend="eager")
 
 
 def test_compile_blocks_compiles_the_vl_models_tower():
