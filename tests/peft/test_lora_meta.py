@@ -43,31 +43,25 @@ def _losses(path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
-def _stored_bytes(path) -> int:
-    total = 0
+def _tensor_bytes(path) -> list[int]:
+    """The stored size in bytes of every tensor in the checkpoint directory's safetensors files."""
+    sizes = []
     for file in sorted(os.listdir(path)):
         if file.endswith(".safetensors"):
             with safe_open(os.path.join(path, file), framework="pt") as f:
                 for key in f.keys():
                     t = f.get_slice(key)
-                    total += (
-                        torch.Size(t.get_shape()).numel() * torch.empty(0, dtype=_DTYPES[t.get_dtype()]).element_size()
-                    )
-    return total
+                    element = torch.empty(0, dtype=_DTYPES[t.get_dtype()]).element_size()
+                    sizes.append(torch.Size(t.get_shape()).numel() * element)
+    return sizes
+
+
+def _stored_bytes(path) -> int:
+    return sum(_tensor_bytes(path))
 
 
 def _largest_tensor_bytes(path) -> int:
-    largest = 0
-    for file in sorted(os.listdir(path)):
-        if file.endswith(".safetensors"):
-            with safe_open(os.path.join(path, file), framework="pt") as f:
-                for key in f.keys():
-                    t = f.get_slice(key)
-                    size = (
-                        torch.Size(t.get_shape()).numel() * torch.empty(0, dtype=_DTYPES[t.get_dtype()]).element_size()
-                    )
-                    largest = max(largest, size)
-    return largest
+    return max(_tensor_bytes(path))
 
 
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F8_E4M3": torch.float8_e4m3fn}
