@@ -5,13 +5,17 @@
     python benchmarks/bench_vision.py --quick            # depth 2, quarter scale, 1 rep (a smoke run)
     python benchmarks/bench_vision.py --quick --profile  # + where one fwd+bwd's time goes (GEMM / attention / rest)
     python benchmarks/bench_vision.py --quick --vl-step  # + the whole VL model step, images vs text-only
+    python benchmarks/bench_vision.py --compile          # + glm53's tower compiled (compile_vision_blocks, inductor)
 
 Released widths (hidden 1024, 16 heads, MLP 4096, out 4096, merger 10240, patch 14, merge 2) at `--depth` blocks
 (the release has 24), on one batch of 8 images from 224^2 to 1080p (`--scale` multiplies every side, rounded to
 the 28-pixel grid: the CPU default 0.5 keeps a shared machine's run to minutes). Rows: forward (no_grad) and
 forward+backward (a fixed cotangent on the merged features) medians over `--reps`, alternating the two
-implementations in each repetition after one untimed warm-up of each; "speedup" is transformers' time / glm53's. "saved MiB/patch" is what
-autograd keeps for backward per patch row (saved-tensor hooks, the same measure for both). Results:
+implementations in each repetition after one untimed warm-up of each; "speedup" is transformers' time / glm53's.
+`--compile` adds a third tower, the same weights with glm53.model.compile.compile_vision_blocks (backend inductor,
+dynamic rows) timed in the same repetitions ("compiled_s", "compiled_speedup": transformers' / compiled); its
+warm-up compiles the forward and the forward+backward graphs, reported apart ("compile_s"). "saved MiB/patch" is
+what autograd keeps for backward per patch row (saved-tensor hooks, the same measure for each). Results:
 benchmarks/results/bench_vision.json.
 """
 
@@ -23,6 +27,7 @@ import math
 import torch
 from bench_config import machine, median, positive_int, table, timed, write_json
 
+from glm53.model.compile import compile_vision_blocks
 from glm53.vision import Glm53VisionConfig, VisionTower
 
 RELEASED = dict(
@@ -44,7 +49,8 @@ def grid_of(h: int, w: int, scale: float) -> tuple[int, int, int]:
     return 1, side(h), side(w)
 
 
-def towers(depth: int, seed: int = 0):
+def towers(depth: int, seed: int = 0, compiled: bool = False):
+    """(glm53's tower, transformers', glm53's compiled with inductor or None), all with the same weights."""
     from transformers import Glm5NextVisionConfig
     from transformers.models.glm5_next.modeling_glm5_next import Glm5NextVisionModel
 
@@ -54,7 +60,12 @@ def towers(depth: int, seed: int = 0):
     hf = Glm5NextVisionModel(hf_config).eval()
     ours = VisionTower(Glm53VisionConfig.from_dict(hf_config.to_dict())).eval()
     ours.load_state_dict(hf.state_dict(), strict=True)
-    return ours, hf
+    fast = None
+    if compiled:
+        fast = VisionTower(ours.config).eval()
+        fast.load_state_dict(hf.state_dict(), strict=True)
+        compile_vision_blocks(fast, backend="inductor")
+    return ours, hf, fast
 
 
 # Op categories of the profile split (self CPU time of each aten op, children excluded, forward and backward).
@@ -177,6 +188,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also profile one fwd+bwd of each: time in GEMMs vs attention vs the rest (norms, rope, SwiGLU, copies)",
     )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="also time glm53's tower compiled (compile_vision_blocks, inductor); compile time reported apart",
+    )
     p.add_argument("--out", default="bench_vision.json")
     args = p.parse_args(argv)
     if not 0 < args.scale <= 2:
@@ -185,34 +201,45 @@ def main(argv: list[str] | None = None) -> int:
         args.depth, args.scale, args.reps = 2, 0.25, 1
     if args.threads:
         torch.set_num_threads(args.threads)
-    ours, hf = towers(args.depth)
+    ours, hf, fast = towers(args.depth, compiled=args.compile)
     grid = torch.tensor([grid_of(h, w, args.scale) for h, w in IMAGES])
     N = int(grid.prod(-1).sum())
     pixels = torch.randn(N, 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(1))
     cot = torch.randn(N // 4, RELEASED["out_hidden_size"], generator=torch.Generator().manual_seed(2))
 
+    models = {"glm53": ours, "transformers": hf, **({"compiled": fast} if fast is not None else {})}
     runs = {
         "glm53": lambda: ours(pixels, grid).pooler_output,
         "transformers": lambda: hf(pixels, grid_thw=grid).pooler_output,
     }
+    if fast is not None:
+        runs["compiled"] = lambda: fast(pixels, grid).pooler_output
+    compile_s = {}
     with torch.no_grad():
         a, b = runs["glm53"](), runs["transformers"]()
+        if fast is not None:
+            compile_s["fwd"] = timed(runs["compiled"])  # the no_grad graphs
     max_rel = ((a - b).abs().max() / b.abs().max()).item()
-    for run in runs.values():  # warm-up, untimed: the process's first backward pays one-time set-up costs
-        (run() * cot).sum().backward()
+    for name, run in runs.items():  # warm-up, untimed: the process's first backward pays one-time set-up costs
+        t = timed(lambda: (run() * cot).sum().backward())
+        if name == "compiled":
+            compile_s["fwd+bwd"] = t  # the forward and backward graphs of training
+    if fast is not None:
+        with torch.no_grad():
+            c = runs["compiled"]()
+        max_rel_compiled = ((c - b).abs().max() / b.abs().max()).item()
     times = {(name, mode): [] for name in runs for mode in ("fwd", "fwd+bwd")}
     for _ in range(args.reps):
-        for name, run in runs.items():  # paired: both in every repetition
+        for name, run in runs.items():  # paired: all in every repetition
             with torch.no_grad():
                 times[(name, "fwd")].append(timed(run))
-            model = ours if name == "glm53" else hf
-            model.zero_grad(set_to_none=True)
+            models[name].zero_grad(set_to_none=True)
             times[(name, "fwd+bwd")].append(timed(lambda: (run() * cot).sum().backward()))
     saved = {name: saved_bytes(run) for name, run in runs.items()}
     splits = {}
     if args.profile:
         for name, run in runs.items():
-            (ours if name == "glm53" else hf).zero_grad(set_to_none=True)
+            models[name].zero_grad(set_to_none=True)
             split, others = profile_split(lambda: (run() * cot).sum().backward())
             splits[name] = dict(seconds=split, top_non_gemm=others)
     rows = []
@@ -229,13 +256,19 @@ def main(argv: list[str] | None = None) -> int:
                 speedup=f"{t_hf / t_ours:.2f}x",
             )
         )
+        if fast is not None:
+            t_fast = median(times[("compiled", mode)])
+            rows[-1].update(
+                compiled_s=f"{t_fast:.3f}", compiled_speedup=f"{t_hf / t_fast:.2f}x", compile_s=f"{compile_s[mode]:.1f}"
+            )
     print(f"grids (t, h, w) in patches: {grid.tolist()}; {N} patches; max |glm53 - transformers| / max = {max_rel:.2e}")
-    print(table(rows, ["mode", "patches", "images", "depth", "glm53_s", "transformers_s", "speedup"]))
+    columns = ["mode", "patches", "images", "depth", "glm53_s", "transformers_s", "speedup"]
+    if fast is not None:
+        print(f"compiled (inductor): max |compiled - transformers| / max = {max_rel_compiled:.2e}")
+        columns += ["compiled_s", "compiled_speedup", "compile_s"]
+    print(table(rows, columns))
     per_patch = {k: v / N / 2**20 for k, v in saved.items()}
-    print(
-        f"saved for backward, MiB per patch: glm53 {per_patch['glm53']:.3f}, transformers "
-        f"{per_patch['transformers']:.3f}"
-    )
+    print("saved for backward, MiB per patch: " + ", ".join(f"{k} {v:.3f}" for k, v in per_patch.items()))
     vl = vl_step(args.depth, grid, pixels, args.reps) if args.vl_step else None
     if splits:
         prof_rows = []
@@ -256,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
             grids=grid.tolist(),
             rows=rows,
             max_rel_diff=max_rel,
+            max_rel_diff_compiled=max_rel_compiled if fast is not None else None,
+            compile_s=compile_s,
             saved_mib_per_patch=per_patch,
             profile=splits,
             vl_step=vl,

@@ -15,7 +15,7 @@
     attention_mass.py    the dense attention mass per indexer pool (the indexer KL's target statistic)
     balancing.py         expert-load counts and the aux-loss-free router-bias update
     context.py           ForwardContext (per-forward state for every block) and LayerStats
-    compile.py           per-block torch.compile in place (`compile_blocks`)
+    compile.py           per-block torch.compile in place (`compile_blocks`, `compile_vision_blocks`)
 
 Shape glossary (one meaning per letter; every file's legend in glm53/ uses these letters and no others):
     B batch                      T time (queries)                 S keys (where they differ from queries)

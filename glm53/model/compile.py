@@ -26,12 +26,20 @@ or a recompile per document count (tests/compile/test_compile_position_ids.py): 
 count is data) the starts become B * T + 1 boundaries, the starts then empty documents (model/packing.py
 `static_boundaries`), and the compiled pool layout holds whole pools only, T // L slots, so the indexer's pool
 axis does not grow to T with the B * T documents.
+The vision tower (a Glm53ForConditionalGeneration's `visual`, or a VisionTower alone) compiles per block too, with
+`compile_vision_blocks` (compile_blocks calls it on a VL model): its segment attention reads the segment sizes on
+the host (cu_seqlens.tolist()), so it stays eager and each block's two parts around it (VisionBlock.COMPILED_PARTS:
+norm1, qkv, q/k norms and rope; proj, the residuals, norm2 and the clamped SwiGLU) compile as two graphs that every
+vision block shares. Their row axis N (patches of the batch) is dynamic: every batch of images has another N, and
+a static graph per N would recompile per batch.
 A block whose graph breaks is unsafe under activation checkpointing: the forward that compiles it runs part of it
 eagerly, the recomputation in backward runs the compiled frames, and the two save different tensors
 (torch.utils.checkpoint raises CheckpointError on the first step).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -42,9 +50,10 @@ BACKENDS = ("inductor", "aot_eager", "eager")  # inductor generates kernels; the
 
 
 def compile_blocks(
-    model: nn.Module, *, backend: str = "inductor", fullgraph: bool = True, dynamic: bool | None = False
+    model: nn.Module, *, backend: str | Callable = "inductor", fullgraph: bool = True, dynamic: bool | None = False
 ) -> nn.Module:
-    """Compile the forward of the decoder blocks and MTP layers of a Glm53ForCausalLM in place -> the model.
+    """Compile the forward of the decoder blocks and MTP layers of a Glm53ForCausalLM in place -> the model; on a
+    Glm53ForConditionalGeneration also the vision tower's blocks (`compile_vision_blocks`, dynamic rows).
 
     Call it on a single-process model, or through `glm53.parallel.parallelize(..., compile=True)`, which calls it
     after TP and activation checkpointing and before FSDP. Parameter names and state dicts are unchanged.
@@ -56,17 +65,56 @@ def compile_blocks(
     dynamic graph compiled after a static one can be picked when activation checkpointing recomputes a block
     (the case torch's CheckpointError message describes, pytorch issue 166926).
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"compile backend must be one of {BACKENDS}, got {backend!r}")
+    _check_backend(backend)
     for block in model_blocks(model):
-        if getattr(block, "_glm53_compiled", False):
-            raise RuntimeError(f"{type(block).__name__} is already compiled: call compile_blocks once per model")
+        _check_not_compiled(block, "compile_blocks once per model")
         if fullgraph and any(isinstance(m, GRAPH_BREAKING) for m in block.modules()):
             continue
         # an instance attribute shadows the class's forward; nn.Module.__call__ still runs the hooks around it
         block.forward = torch.compile(block.forward, backend=backend, fullgraph=fullgraph, dynamic=dynamic)
         block._glm53_compiled = True
+    visual = getattr(model, "visual", None)
+    if visual is not None:
+        compile_vision_blocks(visual, backend=backend, fullgraph=fullgraph)
     return model
+
+
+def compile_vision_blocks(
+    tower: nn.Module, *, backend: str | Callable = "inductor", fullgraph: bool = True, dynamic: bool = True
+) -> nn.Module:
+    """Compile the parts around the attention of every block of a VisionTower in place -> the tower.
+
+    Each block's COMPILED_PARTS (methods of glm53/vision/block.py VisionBlock) are replaced by their compiled
+    versions; `forward` stays eager and runs the segment attention between them, so activation checkpointing
+    (VisionTower.gradient_checkpointing, or parallelize's per-block checkpoint) recomputes the same compiled parts.
+    Parameter names and state dicts are unchanged. `dynamic=True` (the default): one graph per part for every
+    patch count (the row axis is symbolic); `dynamic=False` compiles new graphs for each new patch count.
+    `backend`: one of BACKENDS, or a torch.compile backend callable (tests count graphs with one).
+    """
+    _check_backend(backend)
+    blocks = getattr(tower, "blocks", None)
+    if blocks is None or not all(hasattr(block, "COMPILED_PARTS") for block in blocks):
+        raise TypeError(
+            f"compile_vision_blocks: tower must be a VisionTower (blocks with COMPILED_PARTS), got {type(tower).__name__}"
+        )
+    for block in blocks:
+        _check_not_compiled(block, "compile_vision_blocks (or compile_blocks) once per tower")
+        for part in block.COMPILED_PARTS:
+            setattr(
+                block, part, torch.compile(getattr(block, part), backend=backend, fullgraph=fullgraph, dynamic=dynamic)
+            )
+        block._glm53_compiled = True
+    return tower
+
+
+def _check_backend(backend: str | Callable) -> None:
+    if not callable(backend) and backend not in BACKENDS:
+        raise ValueError(f"compile backend must be one of {BACKENDS} or a callable, got {backend!r}")
+
+
+def _check_not_compiled(block: nn.Module, advice: str) -> None:
+    if getattr(block, "_glm53_compiled", False):
+        raise RuntimeError(f"{type(block).__name__} is already compiled: call {advice}")
 
 
 def model_blocks(model: nn.Module) -> list[nn.Module]:
@@ -75,4 +123,4 @@ def model_blocks(model: nn.Module) -> list[nn.Module]:
     return [*model.model.layers, *(mtp.layers if mtp is not None else [])]
 
 
-__all__ = ["BACKENDS", "GRAPH_BREAKING", "compile_blocks", "model_blocks"]
+__all__ = ["BACKENDS", "GRAPH_BREAKING", "compile_blocks", "compile_vision_blocks", "model_blocks"]

@@ -2,6 +2,8 @@
 
 Legend: N patch rows, D tower width, I the MLP's inner width (intermediate_size).
 The MLP is the clamped SwiGLU with biases (attention_bias): down(silu(min(gate, L)) * clamp(up, -L, L)).
+forward = attention_residual_and_mlp(x, attn.attend(attention_inputs(x))): the two outer parts are the elementwise
+work (norms, rope, SwiGLU, residuals) a compiled tower fuses; the attention between them reads host sizes.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ class SwiGLU(nn.Module):
 
 
 class VisionBlock(nn.Module):
+    # the methods around the segment attention, which read no host sizes: what compile_vision_blocks compiles
+    COMPILED_PARTS = ("attention_inputs", "attention_residual_and_mlp")
+
     def __init__(self, config: Glm53VisionConfig) -> None:
         super().__init__()
         self.norm1 = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -53,7 +58,18 @@ class VisionBlock(nn.Module):
     def forward(
         self, x: torch.Tensor, cu_seqlens: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
     ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cu_seqlens, rope)
+        q, k, v = self.attention_inputs(x, rope)
+        return self.attention_residual_and_mlp(x, self.attn.attend(q, k, v, cu_seqlens))
+
+    def attention_inputs(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [N, D] -> q, k, v [N, H, hd]: norm1, qkv, q/k norms, rope."""
+        return self.attn.project(self.norm1(x), rope)
+
+    def attention_residual_and_mlp(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """x [N, D], attention output o [N, H, hd] -> x + proj(o), then + mlp(norm2(.)) [N, D]."""
+        x = x + self.attn.output(o)
         return x + self.mlp(self.norm2(x))
 
     def init_weights(self) -> None:
