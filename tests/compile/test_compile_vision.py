@@ -2,7 +2,8 @@
 dynamic rows), forward and every parameter and input gradient equal to eager, on mixed-size images and a video;
 a batch of other sizes compiles no new graph; activation checkpointing; a second compile raises.
 
-"aot_eager" traces through dynamo and AOT autograd (fake tensors, the joint graph) without generating C++: the
+The graph-counting case runs dynamo's traced graphs as they are (eager ops); "aot_eager" (the checkpointing case)
+traces through dynamo and AOT autograd (fake tensors, the joint graph) without generating C++: the
 compiled parts then run the same ATen ops as eager, re-ordered only where AOT's decompositions split an op (the
 RMSNorm mean, the SwiGLU's clamps). Bound: each of the ~10 elementwise and reduction steps of a block may move a
 value by a few fp32 ulps (eps 1.2e-7) relative to its scale, over depth 2 blocks plus the eager merger that
