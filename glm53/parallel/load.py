@@ -89,7 +89,8 @@ class SliceReader:
 
     def _quantized_scale(self, key: str, index: tuple[slice, ...]) -> torch.Tensor:
         weight = key.removesuffix(fp8.SCALE_SUFFIX)
-        if weight not in self._scales:  # this rank holds none of the values: quantised for the scales alone
+        if weight not in self._scales:  # this rank holds none of the values (or took its scales): quantise again
+            self._last = None
             self.fp8_values(weight, (slice(0, 0), slice(0, 0)))
         return self._scales.pop(weight)[index]
 
