@@ -53,7 +53,8 @@ def init_parallel_model(
     )
     resuming = bool(args.resume and has_run_state(args.resume))
     if peft_cli.enabled(args) and (args.lora_rank is not None or not resuming):
-        # LoRA / frozen groups / a frozen base: on meta with per-rank reads, or (FP8 base) whole, then sharded
+        # LoRA / frozen groups / a frozen base: on meta with per-rank reads, or (a LoRA resume without DCP state)
+        # whole, then sharded
         base = peft_cli.meta_base(args, resuming)
         if base is not None:
             return _meta_peft_model(args, mesh, base, model_class, resuming)
