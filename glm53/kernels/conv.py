@@ -99,6 +99,9 @@ def _find_edges(cu_seqlens: torch.Tensor, total: int, W: int) -> tuple[torch.Ten
 
 # Whether a compiled graph computes the depthwise conv as W shifted multiply-adds (`_depthwise`); read when tracing.
 SHIFTED_WHEN_COMPILING = True
+# Eager outputs this short take the W shifted multiply-adds too: oneDNN's conv2d costs ~40 us per call whatever the
+# length (its setup), the shifted form ~16 us at one output (a decode step) and ~25 us at 16 (2 threads, 256 channels).
+SHIFTED_MAX_LENGTH = 16
 
 
 # A custom op only so that inductor keeps its output as a buffer: a plain w.t().contiguous() is inlined into the
@@ -121,11 +124,13 @@ def _depthwise(z: torch.Tensor, w: torch.Tensor, pad: int) -> torch.Tensor:
     kernel reads z once, where W shifted multiply-adds over [B, L, C] would take W passes (no copy, no transpose).
     While torch.compile traces (SHIFTED_WHEN_COMPILING), the shifted multiply-adds instead: inductor fuses them
     with their neighbours into one pass over [B, L, C], where the conv2d is an extern call whose operand inductor
-    lays out as [B, C, 1, L] (a transposing copy, and transposed reads in the fused kernels around it).
+    lays out as [B, C, 1, L] (a transposing copy, and transposed reads in the fused kernels around it). Eager, the
+    same shifted form for at most SHIFTED_MAX_LENGTH outputs, where the conv2d's fixed cost dominates.
     """
     C, W = w.shape
     shifted = SHIFTED_WHEN_COMPILING and torch.compiler.is_compiling()
-    if shifted or z.shape[1] == 0 or z.shape[1] + 2 * pad < W:  # or empty input, or no full window
+    short = z.shape[1] + 2 * pad - W + 1 <= SHIFTED_MAX_LENGTH  # a few outputs (decode, verify), or none
+    if shifted or short or z.shape[1] == 0:  # or empty input
         zp = torch.nn.functional.pad(z, (0, 0, pad, pad))
         L = max(zp.shape[1] - W + 1, 0)
         out = zp.new_zeros(zp.shape[0], L, C)

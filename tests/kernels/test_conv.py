@@ -120,7 +120,10 @@ def inputs(seed: int = 0):
     return torch.randn(B, T, D, generator=g), torch.randn(D, W, generator=g), torch.randn(B, D, W - 1, generator=g)
 
 
-def test_eager_runs_conv2d_forward_and_input_gradient_and_never_the_taps_op(monkeypatch):
+@pytest.mark.parametrize("long", [True, False], ids=["long", "short"])
+def test_eager_runs_conv2d_forward_and_input_gradient_and_never_the_taps_op(monkeypatch, long):
+    """Eager: conv2d for the forward and the input gradient of a sequence longer than SHIFTED_MAX_LENGTH; the shifted
+    multiply-adds (no conv2d) for a short one, as in a decode step; never the compiled form's taps op."""
     calls = {"conv2d": 0, "taps": 0}
     conv2d, taps = torch.nn.functional.conv2d, conv._taps_as_rows
 
@@ -135,10 +138,16 @@ def test_eager_runs_conv2d_forward_and_input_gradient_and_never_the_taps_op(monk
     monkeypatch.setattr(torch.nn.functional, "conv2d", counting_conv2d)
     monkeypatch.setattr(conv, "_taps_as_rows", counting_taps)
     x, w, _ = inputs()
-    x.requires_grad_()
+    x = (x.repeat(1, 3, 1) if long else x).requires_grad_()  # 27 or 9 steps, around SHIFTED_MAX_LENGTH
+    if long:  # the forward's outputs (T) and the input gradient's (T + W - 1) past the limit, or both within it
+        assert x.shape[1] > conv.SHIFTED_MAX_LENGTH
+    else:
+        assert x.shape[1] + W - 1 <= conv.SHIFTED_MAX_LENGTH
     y, _ = causal_conv1d(x, w)
     y.backward(torch.ones_like(y))
-    assert calls == {"conv2d": 2, "taps": 0}
+    assert calls == {"conv2d": 2 if long else 0, "taps": 0}
+    want_y, _ = causal_conv1d_reference(x.detach(), w)
+    torch.testing.assert_close(y.detach(), want_y, **TOL)
 
 
 def test_compiled_default_traces_shifted_multiply_adds_through_the_taps_op():
