@@ -78,19 +78,57 @@ MAX_SIGNATURES = 32
 CAPACITY_BUCKET = 256  # compiled generation sizes its cache in these steps (Stepper.capacity)
 
 
-def _signature(cache: GenerationCache, ids: torch.Tensor, hidden: torch.Tensor | None) -> tuple:
-    """What a compiled step's static shapes depend on: the part, the batch and step length, the buffers' length."""
-    return (cache.part, tuple(ids.shape), ids.dtype, cache.capacity, None if hidden is None else hidden.dtype)
+def _signature(cache: GenerationCache, ids: torch.Tensor, hidden: torch.Tensor | None, state: int) -> tuple:
+    """What a compiled step's static shapes depend on: the part, the batch and step length, the buffers' length;
+    and `state`, the model's module state (see module_state)."""
+    return (cache.part, tuple(ids.shape), ids.dtype, cache.capacity, None if hidden is None else hidden.dtype, state)
+
+
+# Module states seen, per model: {module_state(model): a small id}. The id goes into each step's signature (hashing
+# the whole state on every step would cost more than the guards it stands for).
+_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def module_state(model) -> tuple:
+    """What torch.compile's guards on nn modules would check, read once per `generate` call: every module's class,
+    training flag and plain attributes (numerics settings such as MultiHeadLatentAttention.absorb, the layer kinds)
+    and every parameter's and buffer's dtype, device, shape and strides. The compiled step skips those guards
+    (torch.compiler.skip_guard_on_all_nn_modules_unsafe: about a tenth of a CPU decode step); a model whose state
+    differs from a compiled signature's gets its own graph instead of a stale one. Parameter VALUES are never part of
+    it: they are graph inputs, read afresh by every call."""
+    plain = (bool, int, float, str, type(None), torch.dtype)
+    modules = tuple(
+        (name, type(m), m.training, tuple((k, v) for k, v in vars(m).items() if k[0] != "_" and isinstance(v, plain)))
+        for name, m in model.named_modules()
+    )
+    tensors = tuple(
+        (name, t.dtype, t.device, tuple(t.shape), t.stride())
+        for name, t in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False))
+    )
+    return modules, tensors
+
+
+def state_id(model) -> int:
+    """A small id of `model`'s module_state (equal states, equal ids)."""
+    states = _STATES.setdefault(model, {})
+    return states.setdefault(module_state(model), len(states))
+
+
+def _options_key(options: dict) -> tuple:
+    """A hashable key of torch.compile keyword arguments (its `options` is a dict)."""
+    return tuple(sorted((k, tuple(sorted(v.items())) if isinstance(v, dict) else v) for k, v in options.items()))
 
 
 def compiled_forward(model, options: dict, signature: tuple) -> Callable:
     """torch.compile(forward, **options) for `model` at `signature`: its own code object, so its own graph cache."""
-    per_options = _COMPILED.setdefault(model, {}).setdefault(tuple(sorted(options.items(), key=str)), OrderedDict())
+    per_options = _COMPILED.setdefault(model, {}).setdefault(_options_key(options), OrderedDict())
     if signature in per_options:
         per_options.move_to_end(signature)
         return per_options[signature]
     copy = types.FunctionType(forward.__code__.replace(), forward.__globals__, forward.__name__, forward.__defaults__)
-    per_options[signature] = torch.compile(copy, **options)
+    # torch.compile pops guard_filter_fn from its `options` dict: each call gets its own copy
+    kwargs = {k: dict(v) if isinstance(v, dict) else v for k, v in options.items()}
+    per_options[signature] = torch.compile(copy, **kwargs)
     if len(per_options) > MAX_SIGNATURES:
         per_options.popitem(last=False)
     return per_options[signature]
@@ -101,7 +139,9 @@ class Stepper:
 
     def __init__(self, compile: bool | str | Callable = False) -> None:
         self.options = compile_options(compile) if compile else None
-        self.graphs = bool(compile) and self.options.get("mode") == "reduce-overhead"  # CUDA graphs: outputs copied
+        # CUDA graphs: outputs live in the graph's pool and are copied out
+        self.graphs = bool(compile) and self.options.get("options", {}).get("triton.cudagraphs", False)
+        self._states: dict[int, int] = {}  # id(model) -> state_id, read once: a Stepper serves one generate call
 
     def capacity(self, positions: int) -> int:
         """The cache length for a call that needs `positions`: exact when eager; compiled, rounded up to a multiple
@@ -130,7 +170,9 @@ class Stepper:
         cache.begin(valid)
         run: Callable = forward
         if self.options is not None and cache.started and embeds is None:  # (a VL prompt's prefill: never compiled)
-            run = compiled_forward(model, self.options, _signature(cache, ids, hidden))
+            if id(model) not in self._states:
+                self._states[id(model)] = state_id(model)
+            run = compiled_forward(model, self.options, _signature(cache, ids, hidden, self._states[id(model)]))
         out = run(model, cache, _dense(ids), valid, None if hidden is None else _dense(hidden), embeds)
         if self.graphs and run is not forward:
             out = out.clone()
@@ -154,13 +196,20 @@ def _row_major(shape: torch.Size) -> tuple[int, ...]:
 
 
 def compile_options(compile: bool | str | Callable) -> dict:
-    """torch.compile's options for `compile`: True (inductor; CUDA graphs on a GPU), a backend name or a backend
-    callable (torch.compile's own `backend` argument)."""
+    """torch.compile's options for `compile`: True (inductor; CUDA graphs on a GPU: mode="reduce-overhead", which is
+    inductor's triton.cudagraphs option), a backend name or a backend callable (torch.compile's own `backend`
+    argument). Every form skips the guards on nn modules (public: torch.compiler.skip_guard_on_all_nn_modules_unsafe;
+    they cost about 0.4 ms of a 4 ms CPU decode step on the bench config): the signature carries the model's
+    module_state instead, checked once per generate call."""
+    skip = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
     if compile is True:
-        mode = "reduce-overhead" if torch.cuda.is_available() else None
-        return dict(fullgraph=True, dynamic=False, mode=mode)
+        # a GPU replays the step as a CUDA graph; a CPU runs it through inductor's C++ wrapper, which calls the
+        # kernels without the Python output code's per-call glue (view and stride checks: ~0.6 ms of a 3.7 ms
+        # bench-config decode step; its first compile takes about twice as long)
+        extra = {"triton.cudagraphs": True} if torch.cuda.is_available() else {"cpp_wrapper": True}
+        return dict(fullgraph=True, dynamic=False, options={**skip, **extra})
     if callable(compile) or (isinstance(compile, str) and compile in torch.compiler.list_backends(exclude_tags=())):
-        return dict(fullgraph=True, dynamic=False, backend=compile)
+        return dict(fullgraph=True, dynamic=False, backend=compile, options=skip)
     raise GenerationError(
         f"compile must be True, False or a torch.compile backend name "
         f"({', '.join(torch.compiler.list_backends(exclude_tags=()))}), got {compile!r}"
@@ -188,5 +237,6 @@ __all__ = [
     "compile_options",
     "compiled_forward",
     "forward",
+    "module_state",
     "step",
 ]

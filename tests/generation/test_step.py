@@ -279,6 +279,50 @@ def test_generate_compiled_reuses_its_graph_across_lengths():
     assert Stepper(compile=backend).capacity(CAPACITY_BUCKET + 1) == 2 * CAPACITY_BUCKET
 
 
+def test_compiled_generate_follows_the_models_state_without_module_guards():
+    """The compiled step skips torch.compile's guards on nn modules (compile_options); its signature carries the
+    model's module state instead. A numerics switch (set_numerics(mla_absorb=False): the per-head attention form)
+    between calls gets a graph of its own, running that form, with that form's tokens; switching back reuses the
+    first graph; new parameter values (graph inputs) are read by the same graph."""
+    model = tiny_model(random_weights=False, **TWO_LAYERS)
+    ids, mask = left_padded(model.config.vocab_size, [7, 5])
+    backend, graphs = _graph_counter()
+    forms = {True: "glm53.sparse_mqa_attention_static.default", False: "glm53.sparse_attention_static.default"}
+    for absorb, want_graphs in ((True, 1), (False, 2), (True, 2)):
+        model.set_numerics(mla_absorb=absorb)
+        plain = model.generate(ids, mask, max_new_tokens=4)
+        assert torch.equal(model.generate(ids, mask, max_new_tokens=4, compile=backend), plain)
+        assert len(graphs) == want_graphs
+    for graph, absorb in zip(graphs, (True, False)):  # the first graph attends absorbed, the second per head
+        ops = {str(getattr(n.target, "default", n.target)) for n in graph.graph.nodes if n.op == "call_function"}
+        assert forms[absorb] in ops and forms[not absorb] not in ops, ops
+    with torch.no_grad():
+        model.lm_head.weight.mul_(-1.0)  # other values: another greedy path, the same graph
+    flipped = model.generate(ids, mask, max_new_tokens=4)
+    assert not torch.equal(flipped, plain)
+    assert torch.equal(model.generate(ids, mask, max_new_tokens=4, compile=backend), flipped)
+    assert len(graphs) == 2
+
+
+@pytest.mark.parametrize("gpu", [False, True], ids=["cpu", "gpu"])
+def test_compile_true_options_per_device(monkeypatch, gpu):
+    """compile=True: fullgraph, static shapes, no nn-module guards, and per device the form that removes the per-call
+    overhead: CUDA graphs on a GPU (what mode="reduce-overhead" sets; the Stepper then copies outputs out of the
+    graph's pool), inductor's C++ wrapper on a CPU. A backend name or callable gets the same guard option only."""
+    from glm53.generation.step import compile_options
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    options = compile_options(True)
+    assert options["fullgraph"] is True and options["dynamic"] is False and "mode" not in options
+    inner = options["options"]
+    assert inner["guard_filter_fn"] is torch.compiler.skip_guard_on_all_nn_modules_unsafe
+    assert inner.get("triton.cudagraphs", False) is gpu and inner.get("cpp_wrapper", False) is not gpu
+    assert Stepper(compile=True).graphs is gpu
+    named = compile_options("aot_eager")
+    assert named["backend"] == "aot_eager" and set(named["options"]) == {"guard_filter_fn"}
+    assert Stepper(compile="aot_eager").graphs is False
+
+
 def test_compiled_step_ignores_the_strides_of_sliced_inputs():
     """The MTP draft feeds h[:, -1:] of the previous step's [B, T, D] output: contiguous, with strides of T. The step
     takes its inputs with row-major strides, so every T reuses one draft graph (before, each T compiled again until
