@@ -91,21 +91,30 @@ _STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def module_state(model) -> tuple:
     """What torch.compile's guards on nn modules would check, read once per `generate` call: every module's class,
-    training flag and plain attributes (numerics settings such as MultiHeadLatentAttention.absorb, the layer kinds)
-    and every parameter's and buffer's dtype, device, shape and strides. The compiled step skips those guards
+    training flag and public attributes (numerics settings such as MultiHeadLatentAttention.absorb, the layer kinds,
+    the config) and every parameter's and buffer's dtype, device, shape and strides. The compiled step skips those guards
     (torch.compiler.skip_guard_on_all_nn_modules_unsafe: about a tenth of a CPU decode step); a model whose state
     differs from a compiled signature's gets its own graph instead of a stale one. Parameter VALUES are never part of
     it: they are graph inputs, read afresh by every call."""
-    plain = (bool, int, float, str, type(None), torch.dtype)
     modules = tuple(
-        (name, type(m), m.training, tuple((k, v) for k, v in vars(m).items() if k[0] != "_" and isinstance(v, plain)))
+        (name, type(m), m.training, tuple((k, _attribute_state(v)) for k, v in vars(m).items() if k[0] != "_"))
         for name, m in model.named_modules()
     )
     tensors = tuple(
-        (name, t.dtype, t.device, tuple(t.shape), t.stride())
+        (name, _attribute_state(t))
         for name, t in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False))
     )
     return modules, tensors
+
+
+def _attribute_state(value) -> object:
+    """A tensor's dtype, device, shape and strides (never its values); a plain value itself; anything else (a
+    config object) its repr."""
+    if isinstance(value, torch.Tensor):
+        return (value.dtype, value.device, tuple(value.shape), value.stride())
+    if isinstance(value, (bool, int, float, str, type(None), torch.dtype)):
+        return value
+    return repr(value)
 
 
 def state_id(model) -> int:
