@@ -2,7 +2,7 @@
 
     python benchmarks/bench_generate.py                        # prompts 512 and 2048, 8 new tokens, 2 reps
     python benchmarks/bench_generate.py --prompts 512 2048 8192 --new 16 --reps 3
-    python benchmarks/bench_generate.py --quick                # prompt 2048 only, fewer tokens and reps (~1 min)
+    python benchmarks/bench_generate.py --quick                # prompt 2048 only, fewer tokens and reps (minutes)
     python benchmarks/bench_generate.py --spec-only --spec-k 1 2 3 --reps 3   # only the speculative table
 
 Batch 1, greedy. Per prompt length P, both models run generate(max_new_tokens=1 + new) with a streamer that stamps
