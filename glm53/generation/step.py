@@ -7,9 +7,10 @@ D model width.
 MTP draft. The blocks own the cache paths (model/kda.py, mla.py, indexer.py; the buffers in model/cache.py): no
 formula lives here. The host bookkeeping (the capacity check, the position count) runs before and after the
 forward, so a step after the prefill reads no host value: `compile=True` is torch.compile of the same forward
-(`fullgraph=True`, static shapes; CUDA graphs via mode="reduce-overhead" on a GPU), through public APIs only. Each
-model and static signature compiles its own copy of the forward (`compiled_forward`), so torch.compile's
-per-function recompile limit never counts several models or cache lengths together.
+(`fullgraph=True`, static shapes; CUDA graphs on a GPU, inductor's C++ wrapper on a CPU, no guards on nn modules:
+`compile_options`), through public APIs only. Each model and static signature compiles its own copy of the forward
+(`compiled_forward`), so torch.compile's per-function recompile limit never counts several models or cache lengths
+together.
 """
 
 from __future__ import annotations
