@@ -16,6 +16,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ..checkpoint.fp8 import FP8_DTYPE, SCALE_SUFFIX
+from ..peft.views import restore_plain_class
 from .load import dequantize_slice
 from .pieces import box_slices, global_indices, local_boxes, local_tensor
 
@@ -101,10 +102,7 @@ def merge_lora_sharded(model: nn.Module, dtype: torch.dtype = torch.bfloat16) ->
             module.__dict__.get(HELD, {}).pop(name, None)
             del views[name]
         del module.__dict__[VIEWS]
-        if type(module).__name__ == "LoraLinear":
-            module.__class__ = nn.Linear
-        elif type(module).__name__ == "HeldEmbedding":  # glm53.peft.views: a bf16-held table
-            module.__class__ = nn.Embedding
+        restore_plain_class(module)
         merged.append(module_name)
     model.__dict__.pop("lora_settings", None)
     return merged

@@ -25,7 +25,7 @@ from ..model.moe import Experts
 from ..precision import MODEL_DTYPES
 from .fp8 import drop_held, held_kind
 from .targets import frozen_parameters, lora_modules
-from .views import EXPERT_WEIGHTS, HeldEmbedding, LoraLinear, _linear_parts, install_view
+from .views import EXPERT_WEIGHTS, LoraLinear, _linear_parts, install_view, restore_plain_class
 
 LORA_MARK = "lora_"  # every adapter parameter's name contains it
 
@@ -190,10 +190,7 @@ def merge_lora(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> list[st
             del views[name]
         del module.__dict__[WEIGHT_VIEWS]
         module.__dict__.pop("_glm53_inference_weights", None)
-        if type(module) is LoraLinear:
-            module.__class__ = nn.Linear
-        elif type(module) is HeldEmbedding:
-            module.__class__ = nn.Embedding
+        restore_plain_class(module)
         for attr in ("lora_scale", "lora_dropout", "lora_rank"):
             module.__dict__.pop(attr, None)
         merged.append(module_name)

@@ -115,10 +115,28 @@ def install_view(module: nn.Module, name: str) -> None:
         _views(module)[name] = _expert_view(name)
     else:
         _views(module)[name] = _linear_view
-        if type(module) is nn.Linear:
-            module.__class__ = LoraLinear
-        elif type(module) is nn.Embedding:
-            module.__class__ = HeldEmbedding
+        module.__class__ = VIEW_CLASSES.get(type(module), type(module))
 
 
-__all__ = ["EXPERT_WEIGHTS", "LoraLinear", "HeldEmbedding", "base_linear", "base_weight", "install_view"]
+# the plain module class -> the class install_view gives it (its forward reads the view); merging restores it
+VIEW_CLASSES = {nn.Linear: LoraLinear, nn.Embedding: HeldEmbedding}
+
+
+def restore_plain_class(module: nn.Module) -> None:
+    """Undo install_view's class change (a merge folded the view away): LoraLinear -> nn.Linear, HeldEmbedding ->
+    nn.Embedding; any other class stays."""
+    for plain, viewed in VIEW_CLASSES.items():
+        if type(module) is viewed:
+            module.__class__ = plain
+
+
+__all__ = [
+    "EXPERT_WEIGHTS",
+    "LoraLinear",
+    "HeldEmbedding",
+    "VIEW_CLASSES",
+    "base_linear",
+    "base_weight",
+    "install_view",
+    "restore_plain_class",
+]
