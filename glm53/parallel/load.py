@@ -91,7 +91,7 @@ class SliceReader:
         weight = key.removesuffix(fp8.SCALE_SUFFIX)
         if weight not in self._scales:  # this rank holds none of the values (or took its scales): quantise again
             self._last = None
-            self.fp8_values(weight, (slice(0, 0), slice(0, 0)))
+            self.fp8_values(weight, (slice(0, 0),))  # no rows: only the whole-key quantisation and its scales
         return self._scales.pop(weight)[index]
 
     def dtype(self, key: str) -> str:

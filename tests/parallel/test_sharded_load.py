@@ -167,6 +167,25 @@ def test_fp8_slice_reads_its_bytes_and_the_blocks_it_touches(fp8_file, rows, col
     assert reader.bytes_read == n + 4 * blocks  # e4m3 values, one fp32 scale per touched block
 
 
+def test_quantizing_reader_gives_the_whole_keys_quantisation_in_any_order(tmp_path):
+    """SliceReader(quantize=True) on a wider (fp32) key of an FP8-held weight: any slice of its FP8 values and of its
+    scales (a key the checkpoint lacks) is that slice of fp8.quantize of the whole key, whether the values or the
+    scales are asked for first, by a rank that holds none of the values, or again after the buffer took them."""
+    w = torch.randn(13, 29, generator=torch.Generator().manual_seed(4))
+    q, s = fp8.quantize(w, BLOCK)
+    path = str(tmp_path / "wide.safetensors")
+    save_file({"w": w}, path)
+    scale_key, rows = "w" + fp8.SCALE_SUFFIX, (slice(4, 9), slice(8, 29))
+    reader = SliceReader({"w": path}, BLOCK, quantize=True)
+    assert torch.equal(reader.values(scale_key, (slice(0, 4), slice(0, 4))), s)  # scales first: no values read yet
+    assert torch.equal(reader.fp8_values("w", rows).view(torch.uint8), q[rows].view(torch.uint8))
+    assert torch.equal(reader.values(scale_key, (slice(1, 3), slice(1, 4))), s[1:3, 1:4])
+    assert torch.equal(reader.values(scale_key, (slice(0, 4), slice(0, 4))), s)  # asked again: quantised again
+    assert reader.largest_read == w.numel() * w.element_size()  # whole-key reads, one tensor at a time
+    plain = SliceReader({"w": path}, BLOCK)
+    assert plain.fp8_values("w", rows).dtype == torch.float32  # without quantize: as stored, for _fill to refuse
+
+
 def _meta_model(config: Glm53Config) -> Glm53ForCausalLM:
     with torch.device("meta"):
         return Glm53ForCausalLM(config)
