@@ -15,6 +15,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .dispatch import register
+from .function import apply
 from .opaque import HOST_READING
 from .varlen import check_cu_seqlens, document_slices, position_in_document
 
@@ -210,7 +211,7 @@ def causal_conv1d(
         y = _packed_conv_op(x.reshape(1, B * T, D), weight, check_cu_seqlens(cu_seqlens, B, T))
         return y.view(B, T, D), None
     history = _history(x, weight, initial_state).transpose(1, 2)  # [B, W-1, H*K]
-    y = _CausalConv1d.apply(x, weight, history)  # [B, T, H*K] fp32
+    y = apply(_CausalConv1d, x, weight, history)  # [B, T, H*K] fp32
     if not output_final_state:
         return y, None
     recent = torch.cat([history, x], dim=1)[:, x.shape[1] :]  # the last W-1 inputs [B, W-1, H*K]
@@ -224,7 +225,7 @@ def _packed_args(flat: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Ten
 
 def _packed_conv(flat: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """flat [1, B*T, H*K] as one sequence, the taps crossing a document start dropped -> [1, B*T, H*K] fp32."""
-    return _CausalConv1d.apply(flat, weight, *_packed_args(flat, weight, cu_seqlens))
+    return apply(_CausalConv1d, flat, weight, *_packed_args(flat, weight, cu_seqlens))
 
 
 class _Saved:

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from .dispatch import register
+from .function import apply
 
 
 def hc_project_reference(flat: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
@@ -51,7 +52,7 @@ class _HcProject(torch.autograd.Function):
 
 def hc_project(flat: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
     """Same result as hc_project_reference; hand-written backward."""
-    return _HcProject.apply(flat, fn, eps)
+    return apply(_HcProject, flat, fn, eps)
 
 
 register("hc_project", "reference", hc_project_reference)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .dispatch import register
+from .function import apply
 
 
 def _rsqrt_mean_square(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -91,12 +92,12 @@ class _GatedRmsNorm(torch.autograd.Function):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Same result as rms_norm_reference; hand-written backward."""
-    return _RmsNorm.apply(x, weight, eps)
+    return apply(_RmsNorm, x, weight, eps)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Same result as gated_rms_norm_reference; hand-written backward."""
-    return _GatedRmsNorm.apply(x, gate, weight, eps)
+    return apply(_GatedRmsNorm, x, gate, weight, eps)
 
 
 register("rms_norm", "reference", rms_norm_reference)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .dispatch import register
+from .function import apply
 
 
 def sinkhorn_reference(x: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -68,7 +69,7 @@ class _Sinkhorn(torch.autograd.Function):
 
 def sinkhorn(x: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """Fast-backward Sinkhorn (hand-written reverse, recomputed iterates); same signature and forward."""
-    return _Sinkhorn.apply(x, iters, eps)
+    return apply(_Sinkhorn, x, iters, eps)
 
 
 register("sinkhorn", "reference", sinkhorn_reference)
