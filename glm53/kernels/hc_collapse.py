@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from .dispatch import register
+from .function import apply
 
 
 def hc_collapse_reference(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
@@ -22,7 +23,8 @@ class _HcCollapse(torch.autograd.Function):
     @staticmethod
     def forward(ctx, pre, streams):
         ctx.save_for_backward(pre, streams)
-        return torch.einsum("btn,btnd->btd", pre.float(), streams.float()).to(streams.dtype)
+        # [B, T, 1, N] @ [B, T, N, D]: one batched matmul (einsum's parsing and permutes cost ~3x at a decode step)
+        return torch.matmul(pre.float()[..., None, :], streams.float()).squeeze(-2).to(streams.dtype)
 
     @staticmethod
     def backward(ctx, grad):
@@ -37,7 +39,7 @@ class _HcCollapse(torch.autograd.Function):
 
 def hc_collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
     """Same result; backward recomputes the upcast instead of storing it (a no-op cost for fp32 streams)."""
-    return _HcCollapse.apply(pre, streams)
+    return apply(_HcCollapse, pre, streams)
 
 
 register("hc_collapse", "reference", hc_collapse_reference)

@@ -122,8 +122,8 @@ def inputs(seed: int = 0):
 
 @pytest.mark.parametrize("long", [True, False], ids=["long", "short"])
 def test_eager_runs_conv2d_forward_and_input_gradient_and_never_the_taps_op(monkeypatch, long):
-    """Eager: conv2d for the forward and the input gradient of a sequence longer than SHIFTED_MAX_LENGTH; the shifted
-    multiply-adds (no conv2d) for a short one, as in a decode step; never the compiled form's taps op."""
+    """Eager: conv2d for the forward and the input gradient of a sequence longer than SHIFTED_MAX_LENGTH; the windows'
+    products and their sum (no conv2d) for a short one, as in a decode step; never the compiled form's taps op."""
     calls = {"conv2d": 0, "taps": 0}
     conv2d, taps = torch.nn.functional.conv2d, conv._taps_as_rows
 
