@@ -369,8 +369,10 @@ def main() -> None:
     spec += speculative(ours, spec_ids, 4 * args.new, args.spec_k, args.reps, "exact draft", comp)
     if rows:
         print("\nglm53 vs transformers generate (batch 1, greedy)\n" + table(rows, list(rows[0])))
+    if split:
         print("\nglm53 decode cost per token vs context\n" + table(split, list(split[0])))
-    print("\nMTP speculative decoding (glm53)\n" + table(spec, list(spec[0])))
+    if spec:  # `--spec-k` with no values leaves speculative decoding out
+        print("\nMTP speculative decoding (glm53)\n" + table(spec, list(spec[0])))
     path = write_json(
         args.out,
         {
