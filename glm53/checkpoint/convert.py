@@ -90,7 +90,8 @@ def from_transformers(hf_model: torch.nn.Module, cls: type):
     with torch.device("meta"):
         model = cls(config)
     model.to_empty(device=hf_model.lm_head.weight.device)
-    cast_model(model, hf_model.lm_head.weight.dtype)
+    # to_empty memory holds no values yet (whatever was there, inf included): load_state_dict fills every tensor next
+    cast_model(model, hf_model.lm_head.weight.dtype, check_range=False)
     vision = hasattr(model, "visual")
     model.load_state_dict(from_transformers_state_dict(hf_model.state_dict(), vision), strict=True)
     return model

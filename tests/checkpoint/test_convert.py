@@ -65,6 +65,25 @@ def test_from_transformers_takes_the_dtype_of_the_transformers_model(hf_bf16):
     assert torch.equal(model.lm_head.weight, hf_bf16.lm_head.weight)
 
 
+def test_from_transformers_never_range_checks_the_memory_it_has_not_filled_yet(hf_bf16, monkeypatch):
+    """to_empty's memory is whatever was there before (an inf now and then: once a failing run of the suite); the
+    conversion must cast it without reading it and then hold the transformers values only."""
+    to_empty = torch.nn.Module.to_empty
+
+    def garbage(module, *, device, recurse=True):
+        out = to_empty(module, device=device, recurse=recurse)
+        with torch.no_grad():
+            for tensor in [*module.parameters(), *module.buffers()]:
+                if tensor.is_floating_point():
+                    tensor.fill_(float("inf"))
+        return out
+
+    monkeypatch.setattr(torch.nn.Module, "to_empty", garbage)
+    model = Glm53ForCausalLM.from_transformers(hf_bf16)
+    assert torch.equal(model.lm_head.weight, hf_bf16.lm_head.weight)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
 def test_from_transformers_refuses_an_incomplete_state(hf_bf16, monkeypatch):
     full = hf_bf16.state_dict()
     partial = {k: v for k, v in full.items() if k != "model.language_model.norm.weight"}
