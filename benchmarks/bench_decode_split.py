@@ -7,7 +7,10 @@ The step is the model's forward on a prefilled GenerationCache (T = 1, batch 1, 
 that does a block's work (KDA, MLA, MoE and its experts and router, the dense MLP) and the mHC coefficients
 (`HyperConnection.coefficients`) are timed with perf_counter around their forward, summed over the steps; nested
 parts (experts and router inside MoE) are shown beside their parent, not subtracted. Also printed: ATen calls per
-step by name (torch.profiler), the measure of dispatch overhead at T = 1. Results:
+step by name (torch.profiler), the measure of dispatch overhead at T = 1, and the dispatch floor: the torch calls
+the step makes from Python (torch.overrides.TorchFunctionMode; tensor attribute reads left out) times the cost
+here of the cheapest such call (a view of 256 numbers: what the step would cost if every op did no work) and of a
+small add (two 256-number tensors: one allocation and one kernel, what most decode ops are). Results:
 benchmarks/results/bench_decode_split.json and a table on stdout.
 """
 
@@ -18,6 +21,7 @@ import collections
 import time
 
 import torch
+from torch.overrides import TorchFunctionMode
 from bench_config import bench_config, machine, positive_int, table, write_json
 
 from glm53 import Glm53ForCausalLM
@@ -57,6 +61,30 @@ def instrument(seconds: dict, calls: dict) -> list:
     return originals
 
 
+class CountCalls(TorchFunctionMode):
+    """Counts the torch functions and tensor methods called from Python (a tensor attribute read is not an op)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") != "__get__":
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def call_us(op, repeats: int = 20000) -> float:
+    """Fastest of 5 timings of `op()`, in microseconds per call."""
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(repeats):
+            op()
+        best = min(best, (time.perf_counter() - start) / repeats)
+    return best * 1e6
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--prompt", type=positive_int, default=2048)
@@ -80,6 +108,12 @@ def main() -> None:
         aten = sorted(
             ((e.key, e.count) for e in prof.key_averages() if e.key.startswith("aten::")), key=lambda kv: -kv[1]
         )
+        counter = CountCalls()
+        with counter:
+            step(model, cache, token)
+        a, b = torch.zeros(256), torch.ones(256)
+        floor_us = call_us(lambda: a.view(-1))  # the least a torch call does: no kernel, no allocation
+        add_us = call_us(lambda: a + b)  # a small elementwise op: one allocation, one kernel
         originals = instrument(seconds, calls)
         try:
             start = time.perf_counter()
@@ -102,6 +136,12 @@ def main() -> None:
     print(table(rows, ["part", "calls_per_step", "ms_per_step", "share"]))
     print(f"ATen calls per step: {sum(n for _, n in aten)}; the most frequent:")
     print(table([dict(op=k, calls=n) for k, n in aten[:8]], ["op", "calls"]))
+    floor_ms, add_ms = counter.calls * floor_us / 1e3, counter.calls * add_us / 1e3
+    print(
+        f"torch calls from Python per step: {counter.calls}. At the cost of a view ({floor_us:.2f} us, the least a "
+        f"call does) they take {floor_ms:.2f} ms, {floor_ms / (total * 1e3):.0%} of the step; at the cost of a small "
+        f"add ({add_us:.2f} us) {add_ms:.2f} ms, {add_ms / (total * 1e3):.0%}"
+    )
     write_json(
         "bench_decode_split.json",
         dict(
@@ -110,6 +150,11 @@ def main() -> None:
             step_ms=total * 1e3,
             parts=rows,
             aten_calls_per_step=dict(aten),
+            python_torch_calls_per_step=counter.calls,
+            view_call_us=floor_us,
+            small_add_call_us=add_us,
+            calls_at_view_cost_ms=floor_ms,
+            calls_at_add_cost_ms=add_ms,
         ),
     )
 
