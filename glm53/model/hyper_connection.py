@@ -18,7 +18,6 @@ from typing import NamedTuple
 
 import torch
 import torch.nn as nn
-from einops import rearrange
 from torch.utils.checkpoint import checkpoint
 
 from ..config import Glm53Config
@@ -59,7 +58,7 @@ class HyperConnection(nn.Module):
     def coefficients(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [B, T, N, D] -> pre [B, T, N], post [B, T, N], comb [B, T, N, N], all fp32."""
         n = self.n
-        flat = rearrange(streams, "b t n d -> b t (n d)").float()
+        flat = streams.flatten(-2).float()  # [B, T, N*D]
         mixed = hc_project(flat, as_local(self, "fn").float(), self.norm_eps)  # [B, T, (2+N)N]
         pre_w, post_w, comb_w = mixed.split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = as_local(self, "base").float().split([n, n, n * n])

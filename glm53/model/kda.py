@@ -21,7 +21,6 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from einops import rearrange
 
 from ..config import Glm53Config
 from ..hooks import as_local
@@ -88,7 +87,7 @@ class KimiDeltaAttention(nn.Module):
     def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, D] -> g [B, T, H, K], fp32 log-space decay (<= 0)."""
         raw = self.f_b_proj(self.f_a_proj(x)).float() + as_local(self, "dt_bias").float()
-        raw = rearrange(raw, "b t (h k) -> b t h k", k=self.head_dim)
+        raw = raw.unflatten(-1, (-1, self.head_dim))  # [B, T, H, K]
         rate = as_local(self, "A_log").float().exp()[:, None]  # [H, 1]
         if self.lower_bound is not None:
             return self.lower_bound * torch.sigmoid(rate * raw)
@@ -104,7 +103,7 @@ class KimiDeltaAttention(nn.Module):
         (kernels/kda/recurrent.py), which keeps each token's state while the cache is marked for speculation."""
         if ctx is not None:
             x = (x * ctx.valid[:, :, None]).to(x.dtype)
-        split = lambda t: rearrange(t, "b t (h k) -> b t h k", k=self.head_dim)  # noqa: E731
+        split = lambda t: t.unflatten(-1, (-1, self.head_dim))  # noqa: E731  [B, T, H*K] -> [B, T, H, K]
         projected = [self.q_proj(x), self.k_proj(x), self.v_proj(x)]
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
         if ctx is not None and ctx.cp is not None:
@@ -150,7 +149,7 @@ class KimiDeltaAttention(nn.Module):
         """o [B, T, H, K] -> o_proj(gated_rmsnorm(o, g_b(g_a(x)))) [B, T, D]."""
         gate = split(self.g_b_proj(self.g_a_proj(x)))
         o = self.o_norm(o, gate)  # [B, T, H, K]
-        return self.o_proj(rearrange(o, "b t h k -> b t (h k)"))
+        return self.o_proj(o.flatten(-2))  # [B, T, H*K]
 
     def _sharded_convs(self, projected: list[torch.Tensor], ctx: ForwardContext) -> list[torch.Tensor]:
         """The three convs on this rank's slice, each extended by the previous rank's last W - 1 inputs (one

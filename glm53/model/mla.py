@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from einops import rearrange
 
 from ..config import Glm53Config
 from ..hooks import as_local, into_head_parallel
@@ -85,7 +84,7 @@ class MultiHeadLatentAttention(nn.Module):
         valid, cu_seqlens = keys.valid, keys.cu_seqlens
         record = stats is not None and stats.indexer
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
-        q = rearrange(self.q_b_proj(q_resid), "b t (h e) -> b t h e", e=self.qk_head_dim)
+        q = self.q_b_proj(q_resid).unflatten(-1, (-1, self.qk_head_dim))  # [B, T, H, K]
         latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))  # [B, T, Z]
         if cp is not None:  # every rank's latent: Z numbers per key (its gradient is summed back to the owner)
             latent = cp.all_gather(latent, dim=1)  # [B, S, Z]
@@ -108,7 +107,7 @@ class MultiHeadLatentAttention(nn.Module):
             )
         if self.training and self.dropout > 0:
             o = nn.functional.dropout(o, self.dropout)
-        return self.o_proj(rearrange(o, "b t h f -> b t (h f)")), topk
+        return self.o_proj(o.flatten(-2)), topk  # o [B, T, H, V] -> [B, T, H*V]
 
     def _select(
         self, x: torch.Tensor, q_resid: torch.Tensor, ctx: ForwardContext, keys, record: bool, recompute: bool
@@ -147,7 +146,7 @@ class MultiHeadLatentAttention(nn.Module):
         generation = ctx.cache
         cache = generation.layer(self)
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
-        q = rearrange(self.q_b_proj(q_resid), "b t (h e) -> b t h e", e=self.qk_head_dim)
+        q = self.q_b_proj(q_resid).unflatten(-1, (-1, self.qk_head_dim))  # [B, T, H, K]
         latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))  # [B, T, Z]
         cache.write(generation.new_positions(x.shape[1]), latent)
         if self.indexer is not None:
@@ -158,7 +157,7 @@ class MultiHeadLatentAttention(nn.Module):
             topk = ctx.shared_topk
         keys = latent if not generation.started else cache.keys(latent.dtype)  # the prefill's rows are its own
         o, _ = self._attend(q, keys, topk, {}, static=generation.started)
-        return self.o_proj(rearrange(o, "b t h f -> b t (h f)")), topk
+        return self.o_proj(o.flatten(-2)), topk  # o [B, T, H, V] -> [B, T, H*V]
 
     def _attend(
         self, q: torch.Tensor, latent: torch.Tensor, topk: torch.Tensor, packed: dict, static: bool = False
@@ -182,7 +181,7 @@ class MultiHeadLatentAttention(nn.Module):
 
     def _expand_kv(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """latent [B, T, Z] -> per-head k [B, T, H, K], v [B, T, H, V]."""
-        kv = rearrange(self.kv_b_proj(latent), "b t (h e) -> b t h e", e=self.qk_head_dim + self.v_head_dim)
+        kv = self.kv_b_proj(latent).unflatten(-1, (-1, self.qk_head_dim + self.v_head_dim))  # [B, T, H, K + V]
         k, v = kv.split([self.qk_head_dim, self.v_head_dim], dim=-1)
         return k, v
 
