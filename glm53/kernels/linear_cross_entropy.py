@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from .dispatch import register
+from .function import apply
 
 IGNORE_INDEX = -100
 LOGITS_BUDGET_BYTES = 128 * 2**20  # one fp32 logits block: ~216 tokens at the released vocabulary (154,880)
@@ -126,7 +127,7 @@ def linear_cross_entropy(
             f"linear_cross_entropy takes hidden [M, D] and targets [M], got {tuple(hidden.shape)} and "
             f"{tuple(targets.shape)}"
         )
-    return _LinearCrossEntropy.apply(hidden, weight, targets, chunk or default_chunk(weight.shape[0]))
+    return apply(_LinearCrossEntropy, hidden, weight, targets, chunk or default_chunk(weight.shape[0]))
 
 
 register("linear_cross_entropy", "reference", linear_cross_entropy_reference)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from ..hooks import LowRank
 from .dispatch import register
+from .function import apply
 
 # Optional LoRA terms of the two expert projections (glm53.peft): (gate_up's, down's), each LowRank or None, with
 # A [E, r, in] and B [E, out, r]; computed through the same grouped matmuls as the base, never as a dense delta.
@@ -78,16 +79,12 @@ class _PackedClampedSwiGLU(torch.autograd.Function):
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """silu(min(gate, limit)) * clamp(up, -limit, limit): GLM-5.3's SwiGLU everywhere (memory-lean backward)."""
-    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
-        return _ClampedSwiGLU.apply(gate, up, limit)
-    return _clamped_swiglu_forward(gate, up, limit)
+    return apply(_ClampedSwiGLU, gate, up, limit)
 
 
 def clamped_swiglu_packed(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
     """clamped_swiglu(*gate_up.chunk(2, -1), limit) for one packed [..., 2I] projection output."""
-    if torch.is_grad_enabled() and gate_up.requires_grad:
-        return _PackedClampedSwiGLU.apply(gate_up, limit)
-    return _clamped_swiglu_forward(*gate_up.chunk(2, dim=-1), limit)
+    return apply(_PackedClampedSwiGLU, gate_up, limit)
 
 
 def moe_experts_reference(

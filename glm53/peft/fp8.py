@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from ..checkpoint import fp8 as fp8_format
 from ..hooks import as_local
+from ..kernels.function import apply
 
 SCALE = fp8_format.SCALE_SUFFIX  # the scale buffer of `<name>` is `<name>_scale_inv`, as on disk
 
@@ -110,8 +111,8 @@ class _HeldLinear(torch.autograd.Function):
 def held_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """The held base linear of `module` (FP8 or bf16) on x [..., I] -> [..., O] in x's dtype."""
     if held_kind(module, "weight") == "bf16":
-        return _HeldLinear.apply(x, module.weight, None, module.bias, None)
-    return _HeldLinear.apply(x, module.weight, getattr(module, "weight" + SCALE), module.bias, module.fp8_block)
+        return apply(_HeldLinear, x, module.weight, None, module.bias, None)
+    return apply(_HeldLinear, x, module.weight, getattr(module, "weight" + SCALE), module.bias, module.fp8_block)
 
 
 def hold_for_policy(model: nn.Module, param_dtype: torch.dtype) -> list[str]:
