@@ -21,8 +21,8 @@ import collections
 import time
 
 import torch
-from torch.overrides import TorchFunctionMode
 from bench_config import bench_config, machine, positive_int, table, write_json
+from torch.overrides import TorchFunctionMode
 
 from glm53 import Glm53ForCausalLM
 from glm53.generation import GenerationCache, step
