@@ -15,7 +15,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .dispatch import register
-from .function import apply
+from .function import StandInContext, apply
 from .opaque import HOST_READING
 from .varlen import check_cu_seqlens, document_slices, position_in_document
 
@@ -231,13 +231,6 @@ def _packed_conv(flat: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Ten
     return apply(_CausalConv1d, flat, weight, *_packed_args(flat, weight, cu_seqlens))
 
 
-class _Saved:
-    """A stand-in for an autograd context: runs _CausalConv1d's forward and hand-written backward inside an op."""
-
-    def save_for_backward(self, *tensors: torch.Tensor) -> None:
-        self.saved_tensors = tensors
-
-
 # The packed form as a custom op (kernels/opaque.py): its edge tokens are found with nonzero (a data-dependent
 # size), which torch.compile would break the graph on. Backward recomputes the forward (W multiply-adds) for the
 # hand-written backward's saved tensors.
@@ -255,7 +248,7 @@ def _(flat, weight, cu_seqlens):
 def _packed_conv_backward_op(
     flat: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, dy: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    ctx = _Saved()
+    ctx = StandInContext()
     _CausalConv1d.forward(ctx, flat, weight, *_packed_args(flat, weight, cu_seqlens))
     dx, dw = _CausalConv1d.backward(ctx, dy)[:2]
     return dx.contiguous(), dw.contiguous()
