@@ -135,10 +135,10 @@ def _depthwise(z: torch.Tensor, w: torch.Tensor, pad: int) -> torch.Tensor:
     if shifted or short or z.shape[1] == 0:  # or empty input
         zp = torch.nn.functional.pad(z, (0, 0, pad, pad)) if pad else z
         L = max(zp.shape[1] - W + 1, 0)
-        if not shifted and L:  # eager: every window [B, L', C, W] times the taps, summed tap by tap (3 ops)
-            return (zp.unfold(1, W, 1) * w).sum(-1)
+        if not shifted:  # eager: every window [B, L', C, W] times the taps, summed tap by tap (3 ops)
+            return (zp.unfold(1, W, 1) * w).sum(-1) if L else zp.new_zeros(zp.shape[0], 0, C)
         out = zp.new_zeros(zp.shape[0], L, C)
-        taps = _taps_as_rows(w) if shifted else w.t()  # [W, C]
+        taps = _taps_as_rows(w)  # [W, C]
         for tap in range(W if L else 0):
             out.addcmul_(zp[:, tap : tap + L], taps[tap])
         return out
