@@ -61,15 +61,13 @@ def range_error(overflows: dict[str, float], dtype: torch.dtype, action: str) ->
     )
 
 
-def cast_model(model: nn.Module, dtype: torch.dtype, *, check_range: bool = True) -> nn.Module:
+def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """Cast floating parameters and buffers to `dtype` (a floating dtype or its name), keeping the FP32_KEEP ones
-    in fp32. Values the dtype cannot hold raise a ValueError naming the tensors, before anything is cast
-    (`check_range=False`: the tensors hold no values yet, e.g. `to_empty` memory a loader fills next)."""
+    in fp32. Values the dtype cannot hold raise a ValueError naming the tensors, before anything is cast. A model
+    still on the meta device holds no values: the loaders cast it there, before `to_empty` allocates its memory."""
     dtype = resolve_dtype(dtype)
     named = list(model.named_parameters()) + list(model.named_buffers())
-    overflows = {}
-    if check_range:
-        overflows = {n: p for n, t in named if not keeps_fp32(n) and (p := beyond_range(t, dtype)) is not None}
+    overflows = {n: p for n, t in named if not keeps_fp32(n) and (p := beyond_range(t, dtype)) is not None}
     if overflows:
         raise ValueError(range_error(overflows, dtype, "casting to"))
     with torch.no_grad():

@@ -89,9 +89,10 @@ def from_transformers(hf_model: torch.nn.Module, cls: type):
     config = Glm53Config.from_dict(hf_model.config.to_dict())
     with torch.device("meta"):
         model = cls(config)
+    # cast on meta, before any memory exists: to_empty's memory holds no values (an inf now and then), and a bf16
+    # model never takes an fp32 copy's room; load_state_dict fills every tensor next
+    cast_model(model, hf_model.lm_head.weight.dtype)
     model.to_empty(device=hf_model.lm_head.weight.device)
-    # to_empty memory holds no values yet (whatever was there, inf included): load_state_dict fills every tensor next
-    cast_model(model, hf_model.lm_head.weight.dtype, check_range=False)
     vision = hasattr(model, "visual")
     model.load_state_dict(from_transformers_state_dict(hf_model.state_dict(), vision), strict=True)
     return model

@@ -245,9 +245,9 @@ def load_checkpoint(
         model = cls(config)
     plan = _plan(model, files, reader, config.num_hidden_layers)
     warn_text_only(plan, path)
+    cast_model(model, dtype)  # on meta: no fp32 copy of a bf16 model; each copied tensor is checked (_fitting)
     model.to_empty(device=device)
     model.tie_weights()
-    cast_model(model, dtype, check_range=False)  # to_empty memory; each copied tensor is checked (_fitting)
     tensors = dict(model.named_parameters())
     tensors.update(dict(model.named_buffers()))
     with torch.no_grad():

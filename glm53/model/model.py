@@ -287,9 +287,9 @@ class Glm53LMHeadModel(nn.Module):
         """Build on the meta device, materialise on `device` and initialise (no fp32 copy of a bf16 model)."""
         with torch.device("meta"):
             model = cls(config)
+        cast_model(model, resolve_dtype(dtype, "dtype"))  # on meta: to_empty then allocates each tensor in its dtype
         model.to_empty(device=device)
         model.tie_weights()
-        cast_model(model, resolve_dtype(dtype, "dtype"), check_range=False)  # to_empty memory: no values yet
         with torch.no_grad():
             model.init_weights()
         return model

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from glm53 import Glm53ForCausalLM
+from glm53 import Glm53Config, Glm53ForCausalLM
 from glm53.checkpoint import from_transformers_state_dict
 from glm53.errors import CheckpointError
 from tests.helpers.checkpoints import tiny_config
@@ -82,6 +82,31 @@ def test_from_transformers_never_range_checks_the_memory_it_has_not_filled_yet(h
     model = Glm53ForCausalLM.from_transformers(hf_bf16)
     assert torch.equal(model.lm_head.weight, hf_bf16.lm_head.weight)
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("build", ["from_transformers", "from_config", "from_pretrained"])
+def test_a_bf16_model_is_allocated_in_bf16(hf_bf16, monkeypatch, tmp_path, build):
+    """The cast happens on the meta device: when to_empty allocates, every tensor already has its final dtype (bf16,
+    the fp32 keep-list aside), so a bf16 model never takes the room of an fp32 copy."""
+    seen = {}
+    to_empty = torch.nn.Module.to_empty
+
+    def recording(module, *, device, recurse=True):
+        if not seen:  # the model itself (to_empty recurses through the children)
+            seen.update({n: p.dtype for n, p in module.named_parameters()})
+        return to_empty(module, device=device, recurse=recurse)
+
+    monkeypatch.setattr(torch.nn.Module, "to_empty", recording)
+    if build == "from_transformers":
+        model = Glm53ForCausalLM.from_transformers(hf_bf16)
+    elif build == "from_config":
+        model = Glm53ForCausalLM.from_config(Glm53Config.from_dict(hf_bf16.config.to_dict()), dtype="bfloat16")
+    else:
+        hf_bf16.save_pretrained(tmp_path)
+        model = Glm53ForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert seen == {n: p.dtype for n, p in model.named_parameters()}
+    assert seen["model.embed_tokens.weight"] == torch.bfloat16
+    assert seen["model.layers.0.self_attn.A_log"] == torch.float32  # the fp32 keep-list
 
 
 def test_from_transformers_refuses_an_incomplete_state(hf_bf16, monkeypatch):
