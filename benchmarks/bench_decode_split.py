@@ -2,6 +2,7 @@
 
     python benchmarks/bench_decode_split.py                  # bench config, prompt 2048, 20 steps, one thread
     python benchmarks/bench_decode_split.py --prompt 512 --steps 50 --threads 2
+    python benchmarks/bench_decode_split.py --threads 2 --bounds   # also: what removing mHC work would buy
 
 The step is the model's forward on a prefilled GenerationCache (T = 1, batch 1, inference mode). Each module class
 that does a block's work (KDA, MLA, MoE and its experts and router, the dense MLP) and the mHC coefficients
@@ -12,6 +13,13 @@ the step makes from Python (torch.overrides.TorchFunctionMode; tensor attribute 
 here of the cheapest such call (a view of 256 numbers: what the step would cost if every op did no work) and of a
 small add (two 256-number tensors: one allocation and one kernel, what most decode ops are). Results:
 benchmarks/results/bench_decode_split.json and a table on stdout.
+
+--bounds adds upper bounds on what any rewrite of the mHC coefficients could buy (issue 27's eager target): the step
+(with lm_head, as transformers' forward includes it) timed as it is, with Sinkhorn replaced by the identity, and with
+every site's coefficients a constant (no projection, no gates, no Sinkhorn) -- timing measures only, their tokens
+are wrong -- beside transformers 5.23's cached forward on one token (same config, eager, its own random weights:
+a step's time does not depend on the values), each with its ATen calls per step. Results:
+benchmarks/results/bench_decode_bounds.json.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from torch.overrides import TorchFunctionMode
 
 from glm53 import Glm53ForCausalLM
 from glm53.generation import GenerationCache, step
+from glm53.model import hyper_connection as hc
 from glm53.model.hyper_connection import HyperConnection
 from glm53.model.kda import KimiDeltaAttention
 from glm53.model.mla import MultiHeadLatentAttention
@@ -85,11 +94,78 @@ def call_us(op, repeats: int = 20000) -> float:
     return best * 1e6
 
 
+def timed_step(run, reps: int, steps: int) -> tuple[float, int]:
+    """-> (median over `reps` of the mean seconds of `steps` calls of `run`, ATen calls in one call)."""
+    for _ in range(3):
+        run()
+    means = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        for _ in range(steps):
+            run()
+        means.append((time.perf_counter() - start) / steps)
+    with torch.profiler.profile() as prof:
+        run()
+    aten = sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
+    return sorted(means)[len(means) // 2], aten
+
+
+def constant_coefficients(site: HyperConnection, streams: torch.Tensor):
+    """Stand-in for HyperConnection.coefficients in the bounds (wrong values, no work): pre 1/N, post 1, comb I."""
+    B, T, n = streams.shape[0], streams.shape[1], site.n
+    eye = torch.eye(n, dtype=torch.float32).expand(B, T, n, n)
+    return torch.full((B, T, n), 1.0 / n), torch.ones(B, T, n), eye
+
+
+def bounds(model, config, prompt: int, steps: int) -> list[dict]:
+    """glm53's step + lm_head as it is and with mHC work removed, and transformers' cached forward -> rows."""
+    from tests.helpers.oracle import hf_model
+
+    ids = torch.randint(1, config.vocab_size, (1, prompt))
+    token = ids[:, -1:]
+    reps = 5
+
+    def ours() -> tuple[float, int]:
+        with torch.inference_mode():
+            cache = GenerationCache(model, max_length=prompt + (reps + 1) * steps + 16)
+            step(model, cache, ids)
+            return timed_step(lambda: model.lm_head(step(model, cache, token)[:, -1]), reps, steps)
+
+    measured = {"glm53 step + lm_head, as it is": ours()}
+    sinkhorn, coefficients = hc.sinkhorn, HyperConnection.coefficients
+    try:
+        hc.sinkhorn = lambda x, iters, eps: x
+        measured["  Sinkhorn the identity (timing only)"] = ours()
+        hc.sinkhorn = sinkhorn
+        HyperConnection.coefficients = constant_coefficients
+        measured["  mHC coefficients constant (timing only)"] = ours()
+    finally:
+        hc.sinkhorn, HyperConnection.coefficients = sinkhorn, coefficients
+    hf = hf_model(config, seed=0)
+    with torch.no_grad():
+        pkv = [hf(input_ids=ids, use_cache=True).past_key_values]
+
+        def hf_step():
+            pkv[0] = hf(input_ids=token, past_key_values=pkv[0], use_cache=True).past_key_values
+
+        hf_s, hf_aten = timed_step(hf_step, reps, steps)
+    rows = [
+        dict(
+            step="transformers forward, one cached token", ms=round(hf_s * 1e3, 2), aten_calls=hf_aten, speedup="1.00x"
+        )
+    ]
+    for label, (seconds, aten) in measured.items():
+        rows.append(dict(step=label, ms=round(seconds * 1e3, 2), aten_calls=aten, speedup=f"{hf_s / seconds:.2f}x"))
+    rows.append(dict(step="issue 27's eager target", ms=round(hf_s * 1e3 / 3, 2), aten_calls="", speedup="3.00x"))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--prompt", type=positive_int, default=2048)
     parser.add_argument("--steps", type=positive_int, default=20)
     parser.add_argument("--threads", type=positive_int, default=1)
+    parser.add_argument("--bounds", action="store_true", help="also time the step with mHC work removed (see above)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -157,6 +233,11 @@ def main() -> None:
             calls_at_add_cost_ms=add_ms,
         ),
     )
+    if args.bounds:
+        rows = bounds(model, config, args.prompt, args.steps)
+        print(f"\nUpper bounds on the mHC coefficients' share (prompt {args.prompt}, {args.threads} thread(s))")
+        print(table(rows, ["step", "ms", "aten_calls", "speedup"]))
+        write_json("bench_decode_bounds.json", dict(machine=machine(), args=vars(args), rows=rows))
 
 
 if __name__ == "__main__":
