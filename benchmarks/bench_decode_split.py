@@ -7,8 +7,9 @@
 The step is the model's forward on a prefilled GenerationCache (T = 1, batch 1, inference mode). Each module class
 that does a block's work (KDA, MLA, MoE and its experts and router, the dense MLP) and the mHC coefficients
 (`HyperConnection.coefficients`) are timed with perf_counter around their forward, summed over the steps; nested
-parts (experts and router inside MoE) are shown beside their parent, not subtracted. Also printed: ATen calls per
-step by name (torch.profiler), the measure of dispatch overhead at T = 1, and the dispatch floor: the torch calls
+parts (experts and router inside MoE) are shown beside their parent, not subtracted; each part's ATen calls per
+call (torch.profiler, one step, a profiler range around each part) likewise. Also printed: ATen calls per step by
+name (torch.profiler), the measure of dispatch overhead at T = 1, and the dispatch floor: the torch calls
 the step makes from Python (torch.overrides.TorchFunctionMode; tensor attribute reads left out) times the cost
 here of the cheapest such call (a view of 256 numbers: what the step would cost if every op did no work) and of a
 small add (two 256-number tensors: one allocation and one kernel, what most decode ops are). Results:
@@ -52,22 +53,65 @@ TIMED = {
 }
 
 
-def instrument(seconds: dict, calls: dict) -> list:
-    """Wraps each TIMED method with a timer -> the originals (to restore)."""
+def wrap_parts(wrapper) -> list:
+    """Replaces each TIMED method by `wrapper(label, method)` -> the originals (for `restore`)."""
     originals = []
     for label, (cls, name) in TIMED.items():
         fn = getattr(cls, name)
         originals.append((cls, name, fn))
+        setattr(cls, name, wrapper(label, fn))
+    return originals
 
-        def timed(*args, _fn=fn, _label=label, **kwargs):
+
+def restore(originals: list) -> None:
+    for cls, name, fn in originals:
+        setattr(cls, name, fn)
+
+
+def instrument(seconds: dict, calls: dict) -> list:
+    """Wraps each TIMED method with a timer -> the originals (to restore)."""
+
+    def timer(label, fn):
+        def timed(*args, **kwargs):
             start = time.perf_counter()
-            out = _fn(*args, **kwargs)
-            seconds[_label] += time.perf_counter() - start
-            calls[_label] += 1
+            out = fn(*args, **kwargs)
+            seconds[label] += time.perf_counter() - start
+            calls[label] += 1
             return out
 
-        setattr(cls, name, timed)
-    return originals
+        return timed
+
+    return wrap_parts(timer)
+
+
+PART = "part: "  # the profiler range name of a TIMED part
+
+
+def aten_per_part(run) -> collections.Counter:
+    """ATen calls inside each TIMED part during one `run()` (a nested part's calls count in its parent too)."""
+
+    def ranged(label, fn):
+        def in_range(*args, **kwargs):
+            with torch.profiler.record_function(PART + label):
+                return fn(*args, **kwargs)
+
+        return in_range
+
+    originals = wrap_parts(ranged)
+    try:
+        with torch.profiler.profile() as prof:
+            run()
+    finally:
+        restore(originals)
+    counts = collections.Counter()
+    for event in prof.events():
+        if event.name.startswith("aten::"):
+            parent = event.cpu_parent
+            while parent is not None:
+                if parent.name.startswith(PART):
+                    counts[parent.name[len(PART) :]] += 1
+                parent = parent.cpu_parent
+    return counts
 
 
 class CountCalls(TorchFunctionMode):
@@ -187,6 +231,7 @@ def main() -> None:
         counter = CountCalls()
         with counter:
             step(model, cache, token)
+        part_aten = aten_per_part(lambda: step(model, cache, token))
         a, b = torch.zeros(256), torch.ones(256)
         floor_us = call_us(lambda: a.view(-1))  # the least a torch call does: no kernel, no allocation
         add_us = call_us(lambda: a + b)  # a small elementwise op: one allocation, one kernel
@@ -197,19 +242,19 @@ def main() -> None:
                 step(model, cache, token)
             total = (time.perf_counter() - start) / args.steps
         finally:
-            for cls, name, fn in originals:
-                setattr(cls, name, fn)
+            restore(originals)
     rows = [
         dict(
             part=label,
             calls_per_step=calls[label] // args.steps,
             ms_per_step=round(seconds[label] / args.steps * 1e3, 2),
             share=f"{seconds[label] / args.steps / total:.1%}",
+            aten_per_call=part_aten[label] // max(1, calls[label] // args.steps),
         )
         for label in TIMED
     ]
     print(f"decode step {total * 1e3:.2f} ms (prompt {args.prompt}, {args.threads} thread(s), {args.steps} steps)")
-    print(table(rows, ["part", "calls_per_step", "ms_per_step", "share"]))
+    print(table(rows, ["part", "calls_per_step", "ms_per_step", "share", "aten_per_call"]))
     print(f"ATen calls per step: {sum(n for _, n in aten)}; the most frequent:")
     print(table([dict(op=k, calls=n) for k, n in aten[:8]], ["op", "calls"]))
     floor_ms, add_ms = counter.calls * floor_us / 1e3, counter.calls * add_us / 1e3
