@@ -87,8 +87,9 @@ def instrument(seconds: dict, calls: dict) -> list:
 PART = "part: "  # the profiler range name of a TIMED part
 
 
-def aten_per_part(run) -> collections.Counter:
-    """ATen calls inside each TIMED part during one `run()` (a nested part's calls count in its parent too)."""
+def profile_aten(run) -> tuple[list[tuple[str, int]], collections.Counter]:
+    """One profiled `run()` -> (its ATen calls by name, most frequent first; the ATen calls inside each TIMED part,
+    a nested part's calls counted in its parent too)."""
 
     def ranged(label, fn):
         def in_range(*args, **kwargs):
@@ -103,15 +104,16 @@ def aten_per_part(run) -> collections.Counter:
             run()
     finally:
         restore(originals)
-    counts = collections.Counter()
+    by_name, per_part = collections.Counter(), collections.Counter()
     for event in prof.events():
         if event.name.startswith("aten::"):
+            by_name[event.name] += 1
             parent = event.cpu_parent
             while parent is not None:
                 if parent.name.startswith(PART):
-                    counts[parent.name[len(PART) :]] += 1
+                    per_part[parent.name[len(PART) :]] += 1
                 parent = parent.cpu_parent
-    return counts
+    return by_name.most_common(), per_part
 
 
 class CountCalls(TorchFunctionMode):
@@ -223,15 +225,10 @@ def main() -> None:
         token = ids[:, -1:]
         for _ in range(3):
             step(model, cache, token)
-        with torch.profiler.profile() as prof:
-            step(model, cache, token)
-        aten = sorted(
-            ((e.key, e.count) for e in prof.key_averages() if e.key.startswith("aten::")), key=lambda kv: -kv[1]
-        )
+        aten, part_aten = profile_aten(lambda: step(model, cache, token))
         counter = CountCalls()
         with counter:
             step(model, cache, token)
-        part_aten = aten_per_part(lambda: step(model, cache, token))
         a, b = torch.zeros(256), torch.ones(256)
         floor_us = call_us(lambda: a.view(-1))  # the least a torch call does: no kernel, no allocation
         add_us = call_us(lambda: a + b)  # a small elementwise op: one allocation, one kernel
