@@ -150,10 +150,8 @@ def timed_step(run, reps: int, steps: int) -> tuple[float, int]:
         for _ in range(steps):
             run()
         means.append((time.perf_counter() - start) / steps)
-    with torch.profiler.profile() as prof:
-        run()
-    aten = sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
-    return sorted(means)[len(means) // 2], aten
+    by_name, _ = profile_aten(run)
+    return sorted(means)[len(means) // 2], sum(n for _, n in by_name)
 
 
 def constant_coefficients(site: HyperConnection, streams: torch.Tensor):
